@@ -1,0 +1,210 @@
+package inbox
+
+import (
+	"fmt"
+	"hash/fnv"
+	"regexp"
+	"strings"
+)
+
+// Dialect is the SQL dialect of the database that holds the inbox table. The
+// only implementations are PostgreSQL, MySQL and SQLite; the interface is
+// sealed (it has an unexported method) so that every statement the inbox runs
+// is one this package wrote and tested.
+type Dialect interface {
+	// String returns the dialect's name: "postgres", "mysql" or "sqlite".
+	String() string
+
+	// quote quotes one identifier that has already passed the table name
+	// pattern, so it cannot contain a quote character.
+	quote(ident string) string
+	// claimSQL returns the insert-if-absent statement for table. Its two bind
+	// parameters are the consumer and the message id.
+	claimSQL(table qualifiedName) string
+	// claimed maps the claim's rows affected to claimed (a new row) or not (a
+	// duplicate); ok is false for a count the statement cannot produce.
+	claimed(rowsAffected int64) (claimed, ok bool)
+	// createSQL returns the DDL statements that create the table and its
+	// purge index if they do not exist, in order.
+	createSQL(table qualifiedName) []string
+}
+
+// Exported dialects. Compare a Config.Dialect with them by equality.
+var (
+	// PostgreSQL is the dialect for PostgreSQL 12 and later (any driver: pgx's
+	// database/sql adapter, lib/pq). The claim is
+	// INSERT ... ON CONFLICT (consumer, message_id) DO NOTHING, which reports
+	// 1 row for a new key and 0 for an existing one.
+	PostgreSQL Dialect = postgresDialect{}
+
+	// MySQL is the dialect for MySQL 8 and MariaDB 10.5 and later with InnoDB,
+	// through github.com/go-sql-driver/mysql. The claim is
+	// INSERT ... ON DUPLICATE KEY UPDATE with an assignment that always changes
+	// the existing row, so MySQL reports 1 row for a new key and 2 for an
+	// existing one whether or not the DSN sets clientFoundRows=true (the
+	// duplicate's transaction is rolled back, so the change never persists).
+	// INSERT IGNORE is not used: it also silences unrelated errors.
+	MySQL Dialect = mysqlDialect{}
+
+	// SQLite is the dialect for SQLite 3.42 and later (modernc.org/sqlite, or
+	// any driver with a recent enough SQLite). The claim is
+	// INSERT ... ON CONFLICT (consumer, message_id) DO NOTHING.
+	SQLite Dialect = sqliteDialect{}
+)
+
+// dialectForDriver infers the dialect from a sqlx driver name.
+func dialectForDriver(driverName string) (Dialect, error) {
+	switch driverName {
+	case "postgres", "pgx", "pgx/v4", "pgx/v5":
+		return PostgreSQL, nil
+	case "mysql":
+		return MySQL, nil
+	case "sqlite", "sqlite3":
+		return SQLite, nil
+	}
+	return nil, fmt.Errorf("%w: driver name %q (set Config.Dialect to inbox.PostgreSQL, inbox.MySQL or inbox.SQLite)", ErrUnknownDialect, driverName)
+}
+
+// DefaultTable is the inbox table name used when Config.Table is empty.
+const DefaultTable = "watermill_inbox"
+
+// tableNamePattern is the allow-list for table names (see DESIGN.md): one
+// identifier, optionally qualified by a schema (PostgreSQL), a database
+// (MySQL) or an attached database (SQLite). 63 bytes is PostgreSQL's
+// identifier limit (NAMEDATALEN-1); MySQL allows 64.
+var tableNamePattern = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$`)
+
+// qualifiedName is a table name that passed the pattern, split at the dot.
+type qualifiedName struct {
+	schema string // empty when not qualified
+	name   string
+}
+
+func parseTableName(s string) (qualifiedName, error) {
+	if !tableNamePattern.MatchString(s) {
+		return qualifiedName{}, fmt.Errorf("%w: %q must match %s", ErrInvalidTableName, s, tableNamePattern)
+	}
+	if schema, name, ok := strings.Cut(s, "."); ok {
+		return qualifiedName{schema: schema, name: name}, nil
+	}
+	return qualifiedName{name: s}, nil
+}
+
+// String returns the name as the caller wrote it.
+func (q qualifiedName) String() string {
+	if q.schema == "" {
+		return q.name
+	}
+	return q.schema + "." + q.name
+}
+
+// quoted returns the name quoted for d, schema included.
+func (q qualifiedName) quoted(d Dialect) string {
+	if q.schema == "" {
+		return d.quote(q.name)
+	}
+	return d.quote(q.schema) + "." + d.quote(q.name)
+}
+
+// indexName returns the name of the purge index: "<table>_processed_at_idx",
+// shortened with a hash of the table name when that would pass the 63-byte
+// identifier limit, so that two long table names never share an index name.
+func (q qualifiedName) indexName() string {
+	const suffix = "_processed_at_idx"
+	if len(q.name)+len(suffix) <= 63 {
+		return q.name + suffix
+	}
+	h := fnv.New32a()
+	h.Write([]byte(q.name))
+	hashed := fmt.Sprintf("_%08x%s", h.Sum32(), suffix)
+	return q.name[:63-len(hashed)] + hashed
+}
+
+type postgresDialect struct{}
+
+func (postgresDialect) String() string           { return "postgres" }
+func (postgresDialect) quote(ident string) string { return `"` + ident + `"` }
+
+func (d postgresDialect) claimSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES ($1, $2, now())" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
+}
+
+func (postgresDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
+
+func (d postgresDialect) createSQL(t qualifiedName) []string {
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     text        NOT NULL,\n" +
+			"    message_id   text        NOT NULL,\n" +
+			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
+			"    PRIMARY KEY (consumer, message_id)\n" +
+			")",
+		"CREATE INDEX IF NOT EXISTS " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)",
+	}
+}
+
+type mysqlDialect struct{}
+
+func (mysqlDialect) String() string           { return "mysql" }
+func (mysqlDialect) quote(ident string) string { return "`" + ident + "`" }
+
+func (d mysqlDialect) claimSQL(t qualifiedName) string {
+	// The update always changes the row (processed_at moves by 1µs), so a
+	// duplicate reports 2 rows affected with or without CLIENT_FOUND_ROWS;
+	// a no-op update would report 0 without it and 1 with it, which is
+	// indistinguishable from a new row. The duplicate's transaction is rolled
+	// back, so the change is never seen.
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(6))" +
+		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
+}
+
+func (mysqlDialect) claimed(n int64) (bool, bool) { return n == 1, n == 1 || n == 2 }
+
+func (d mysqlDialect) createSQL(t qualifiedName) []string {
+	// varbinary, not varchar: MySQL's and MariaDB's collations compare
+	// case-insensitively or ignore trailing spaces (PAD SPACE, even
+	// utf8mb4_bin), which would make distinct message ids collide.
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     varbinary(255) NOT NULL,\n" +
+			"    message_id   varbinary(255) NOT NULL,\n" +
+			"    processed_at datetime(6)    NOT NULL,\n" +
+			"    PRIMARY KEY (consumer, message_id),\n" +
+			"    INDEX " + d.quote(t.indexName()) + " (processed_at)\n" +
+			") ENGINE=InnoDB",
+	}
+}
+
+type sqliteDialect struct{}
+
+func (sqliteDialect) String() string           { return "sqlite" }
+func (sqliteDialect) quote(ident string) string { return `"` + ident + `"` }
+
+func (d sqliteDialect) claimSQL(t qualifiedName) string {
+	// unixepoch('subsec') (SQLite 3.42+) is fractional seconds; processed_at
+	// holds whole Unix microseconds, UTC.
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at)" +
+		" VALUES (?, ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER))" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
+}
+
+func (sqliteDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
+
+func (d sqliteDialect) createSQL(t qualifiedName) []string {
+	// In SQLite an index lives in its table's database, which is named on the
+	// index, not on the table: CREATE INDEX "aux"."idx" ON "t" (...).
+	index := d.quote(t.indexName())
+	if t.schema != "" {
+		index = d.quote(t.schema) + "." + index
+	}
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     TEXT    NOT NULL,\n" +
+			"    message_id   TEXT    NOT NULL,\n" +
+			"    processed_at INTEGER NOT NULL,\n" +
+			"    PRIMARY KEY (consumer, message_id)\n" +
+			") WITHOUT ROWID",
+		"CREATE INDEX IF NOT EXISTS " + index + " ON " + d.quote(t.name) + " (processed_at)",
+	}
+}

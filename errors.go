@@ -1,0 +1,62 @@
+package inbox
+
+import "errors"
+
+// MaxKeyLength is the longest consumer name or message id, in bytes, that the
+// inbox stores. It matches the width of the consumer and message_id columns
+// (varbinary(255) on MySQL/MariaDB); longer keys are refused, never truncated,
+// because a truncated key could collide with another message's key.
+const MaxKeyLength = 255
+
+// Sentinel errors. Match them with errors.Is; the returned errors wrap them
+// with details (the offending value, the failed operation).
+var (
+	// ErrInvalidConfig is wrapped by the error New and Purge return when the
+	// configuration is invalid. The same error also wraps every individual
+	// problem found (joined with errors.Join), so errors.Is matches those too,
+	// for example ErrInvalidTableName.
+	ErrInvalidConfig = errors.New("inbox: invalid config")
+
+	// ErrInvalidTableName means a table name does not match the allowed
+	// pattern: one or two dot-separated identifiers, each starting with a
+	// letter or underscore, followed by at most 62 letters, digits or
+	// underscores. Names are never accepted pre-quoted.
+	ErrInvalidTableName = errors.New("inbox: invalid table name")
+
+	// ErrUnknownDialect means Config.Dialect was nil and the DB's driver name
+	// is not one the inbox recognises. Set Config.Dialect explicitly.
+	ErrUnknownDialect = errors.New("inbox: unknown SQL dialect")
+
+	// ErrInvalidMessageID is wrapped by every error about a message id the
+	// inbox refuses: empty, longer than MaxKeyLength bytes, not valid UTF-8,
+	// or containing a NUL byte (which PostgreSQL text cannot store). When it
+	// is returned, the handler was not called and nothing was written; the
+	// router nacks the message. Route such messages to a poison queue with
+	// middleware.PoisonQueueWithFilter and errors.Is(err, ErrInvalidMessageID).
+	ErrInvalidMessageID = errors.New("inbox: invalid message id")
+
+	// ErrEmptyMessageID is wrapped, together with ErrInvalidMessageID, when
+	// the message id is the empty string.
+	ErrEmptyMessageID = errors.New("inbox: empty message id")
+
+	// ErrMessageIDTooLong is wrapped, together with ErrInvalidMessageID, when
+	// the message id is longer than MaxKeyLength bytes.
+	ErrMessageIDTooLong = errors.New("inbox: message id too long")
+
+	// ErrInvalidConsumer is wrapped by every error about a consumer name the
+	// inbox refuses: empty, longer than MaxKeyLength bytes, not valid UTF-8 or
+	// containing a NUL byte. A configured Config.Consumer is checked in New;
+	// a handler name taken from the message context is checked per message.
+	ErrInvalidConsumer = errors.New("inbox: invalid consumer")
+
+	// ErrEmptyConsumer is wrapped, together with ErrInvalidConsumer, when no
+	// consumer name is configured and the message context carries no
+	// Watermill handler name (the middleware was called outside a router).
+	// An empty consumer is never used as a shared key.
+	ErrEmptyConsumer = errors.New("inbox: empty consumer")
+
+	// ErrUnexpectedRowsAffected means the claim statement reported a number
+	// of affected rows that the dialect cannot produce for an insert of one
+	// row. The transaction is rolled back and the message nacked.
+	ErrUnexpectedRowsAffected = errors.New("inbox: unexpected rows affected by claim")
+)

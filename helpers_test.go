@@ -1,0 +1,317 @@
+package inbox_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/go-sql-driver/mysql"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jmoiron/sqlx"
+	_ "modernc.org/sqlite"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// Test databases. SQLite always runs (a file in t.TempDir()); PostgreSQL and
+// MySQL/MariaDB run against the servers named by these variables. Locally a
+// server that cannot be reached skips its tests; with CI=true it fails them.
+const (
+	postgresDSNEnv = "INBOX_TEST_POSTGRES_DSN"
+	mysqlDSNEnv    = "INBOX_TEST_MYSQL_DSN"
+
+	defaultPostgresDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	defaultMySQLDSN    = "root@tcp(127.0.0.1:3306)/test?parseTime=true"
+
+	// sqliteParams are the settings the README recommends for SQLite.
+	sqliteParams = "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL&_txlock=immediate&_foreign_keys=1"
+)
+
+// testDB is one database the semantic tests run against.
+type testDB struct {
+	name    string // subtest name: sqlite, postgres, mysql, mysql-clientFoundRows
+	dialect inbox.Dialect
+	open    func(t *testing.T) *sqlx.DB
+}
+
+func env(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+func withParam(dsn, param string) string {
+	if strings.Contains(dsn, "?") {
+		return dsn + "&" + param
+	}
+	return dsn + "?" + param
+}
+
+var testDBs = []testDB{
+	{name: "sqlite", dialect: inbox.SQLite, open: func(t *testing.T) *sqlx.DB {
+		return openSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	}},
+	{name: "postgres", dialect: inbox.PostgreSQL, open: func(t *testing.T) *sqlx.DB {
+		return openServer(t, "pgx", env(postgresDSNEnv, defaultPostgresDSN), "PostgreSQL", postgresDSNEnv,
+			"pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")
+	}},
+	{name: "mysql", dialect: inbox.MySQL, open: func(t *testing.T) *sqlx.DB {
+		return openServer(t, "mysql", env(mysqlDSNEnv, defaultMySQLDSN), "MySQL/MariaDB", mysqlDSNEnv,
+			"start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd")
+	}},
+	{name: "mysql-clientFoundRows", dialect: inbox.MySQL, open: func(t *testing.T) *sqlx.DB {
+		return openServer(t, "mysql", withParam(env(mysqlDSNEnv, defaultMySQLDSN), "clientFoundRows=true"),
+			"MySQL/MariaDB", mysqlDSNEnv, "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd")
+	}},
+}
+
+func openSQLite(t testing.TB, path string) *sqlx.DB {
+	t.Helper()
+	db, err := sqlx.Open("sqlite", "file:"+path+"?"+sqliteParams)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// openServer opens a fresh pool per test so that db.Stats() belongs to it.
+func openServer(t testing.TB, driver, dsn, what, envName, start string) *sqlx.DB {
+	t.Helper()
+	db, err := sqlx.Open(driver, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(8)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := db.PingContext(ctx); err != nil {
+		msg := fmt.Sprintf("%s not reachable (%v): start it with `%s`, or point %s at a server", what, err, start, envName)
+		if os.Getenv("CI") == "true" {
+			t.Fatal(msg)
+		}
+		t.Skip(msg)
+	}
+	return db
+}
+
+// forEachDB runs f as a parallel subtest on every test database.
+func forEachDB(t *testing.T, f func(t *testing.T, tdb testDB, db *sqlx.DB)) {
+	t.Helper()
+	for _, tdb := range testDBs {
+		t.Run(tdb.name, func(t *testing.T) {
+			t.Parallel()
+			f(t, tdb, tdb.open(t))
+		})
+	}
+}
+
+func randomSuffix() string {
+	b := make([]byte, 6)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+func exec(t testing.TB, db *sqlx.DB, query string, args ...any) {
+	t.Helper()
+	if _, err := db.ExecContext(context.Background(), db.Rebind(query), args...); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+}
+
+// dropLater drops table when the test ends, with a context that is not the
+// test's (already cancelled by then).
+func dropLater(t testing.TB, db *sqlx.DB, table string) {
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := db.ExecContext(ctx, "DROP TABLE IF EXISTS "+table); err != nil {
+			t.Logf("drop %s: %v", table, err)
+		}
+	})
+}
+
+func count(t testing.TB, db *sqlx.DB, table, where string, args ...any) int {
+	t.Helper()
+	q := "SELECT COUNT(*) FROM " + table
+	if where != "" {
+		q += " WHERE " + where
+	}
+	var n int
+	if err := db.GetContext(context.Background(), &n, db.Rebind(q), args...); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+	return n
+}
+
+// fixture is one test's inbox table and business table on one database.
+type fixture struct {
+	t        *testing.T
+	db       *sqlx.DB
+	inbox    string // inbox table name
+	business string // business table: one row per processed (consumer, message)
+}
+
+func newFixture(t *testing.T, db *sqlx.DB) *fixture {
+	t.Helper()
+	s := randomSuffix()
+	f := &fixture{t: t, db: db, inbox: "inbox_" + s, business: "business_" + s}
+	exec(t, db, "CREATE TABLE "+f.business+" (id VARCHAR(255) NOT NULL PRIMARY KEY, consumer VARCHAR(255) NOT NULL)")
+	dropLater(t, db, f.business)
+	dropLater(t, db, f.inbox)
+	return f
+}
+
+// newInbox creates an inbox on the fixture's table (schema included).
+func (f *fixture) newInbox(cfg inbox.Config) *inbox.Inbox {
+	f.t.Helper()
+	cfg.DB = f.db
+	cfg.Table = f.inbox
+	ib, err := inbox.New(cfg)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		f.t.Fatal(err)
+	}
+	return ib
+}
+
+// writeBusinessRow is what a real handler does: a write through the inbox
+// transaction, keyed by consumer and message UUID.
+func (f *fixture) writeBusinessRow(msg *message.Message) error {
+	tx, ok := inbox.TxFromContext(msg.Context())
+	if !ok {
+		return fmt.Errorf("no inbox transaction in the message context")
+	}
+	consumer := message.HandlerNameFromCtx(msg.Context())
+	_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"),
+		consumer+":"+msg.UUID, consumer)
+	return err
+}
+
+func (f *fixture) businessRows() int { return count(f.t, f.db, f.business, "") }
+func (f *fixture) inboxRows() int    { return count(f.t, f.db, f.inbox, "") }
+
+// feed is a message.Subscriber for one handler that delivers exactly the
+// messages a test hands it and reports whether the router acked or nacked
+// each one. Unlike a broker it never redelivers by itself: a redelivery is a
+// test calling deliver again with the same message.
+type feed struct {
+	ch        chan *message.Message
+	closeOnce sync.Once
+}
+
+func newFeed() *feed { return &feed{ch: make(chan *message.Message)} }
+
+func (f *feed) Subscribe(context.Context, string) (<-chan *message.Message, error) { return f.ch, nil }
+
+func (f *feed) Close() error {
+	f.closeOnce.Do(func() { close(f.ch) })
+	return nil
+}
+
+// deliver sends a fresh copy of msg (same UUID, payload and metadata, a new
+// context and ack channels, as a broker redelivery has) and waits for the
+// router's ack (true) or nack (false).
+func (f *feed) deliver(t testing.TB, msg *message.Message) bool {
+	t.Helper()
+	m := msg.Copy()
+	select {
+	case f.ch <- m:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("message %s: router did not take it within 30s", msg.UUID)
+	}
+	select {
+	case <-m.Acked():
+		return true
+	case <-m.Nacked():
+		return false
+	case <-time.After(30 * time.Second):
+		t.Fatalf("message %s: neither acked nor nacked within 30s", msg.UUID)
+		return false
+	}
+}
+
+// runRouter starts a router configured by setup and closes it when the test ends.
+func runRouter(t testing.TB, setup func(r *message.Router)) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	setup(r)
+	errc := make(chan error, 1)
+	go func() { errc <- r.Run(context.Background()) }()
+	select {
+	case <-r.Running():
+	case err := <-errc:
+		t.Fatalf("router stopped: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			t.Errorf("close router: %v", err)
+		}
+	})
+	return r
+}
+
+// recorder is a middleware placed outside the inbox that records what the
+// router receives from it for each delivery.
+type recorder struct {
+	mu   sync.Mutex
+	errs []error
+}
+
+func (r *recorder) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		msgs, err := h(msg)
+		r.mu.Lock()
+		r.errs = append(r.errs, err)
+		r.mu.Unlock()
+		return msgs, err
+	}
+}
+
+func (r *recorder) last() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.errs) == 0 {
+		return nil
+	}
+	return r.errs[len(r.errs)-1]
+}
+
+// calls counts handler calls per message UUID.
+type calls struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *calls) inc(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n == nil {
+		c.n = map[string]int{}
+	}
+	c.n[id]++
+}
+
+func (c *calls) get(id string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[id]
+}

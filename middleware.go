@@ -1,0 +1,386 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+)
+
+// Config configures an Inbox. Pass it by value to New; the zero value of
+// every optional field selects its documented default.
+type Config struct {
+	// DB is the database that holds the inbox table and the handler's
+	// business tables. Required. Wrap a *sql.DB with sqlx.NewDb(db, driver),
+	// and a pgx pool with sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx").
+	DB *sqlx.DB
+
+	// Dialect is the SQL dialect of DB. Default: inferred from
+	// DB.DriverName(): "postgres", "pgx", "pgx/v5" give PostgreSQL, "mysql"
+	// gives MySQL, "sqlite" and "sqlite3" give SQLite. Any other driver name
+	// needs an explicit Dialect (ErrUnknownDialect).
+	Dialect Dialect
+
+	// Table is the inbox table, optionally qualified by a schema (PostgreSQL)
+	// or database (MySQL, SQLite attached database): "billing.inbox".
+	// Default: "watermill_inbox" (DefaultTable). It must match
+	// ^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$ and is
+	// quoted by the inbox; anything else is ErrInvalidTableName. Several
+	// consumers may share one table.
+	Table string
+
+	// Consumer is the name under which this inbox records processed
+	// messages: the same message id is processed once per consumer. Default:
+	// the Watermill handler name (message.HandlerNameFromCtx), read for each
+	// message, so every handler of a router is its own consumer. Set it when
+	// a handler is renamed, or to make two handlers share one key space. It
+	// must be stable across restarts and hosts: never derive it from a host
+	// name or process id. At most MaxKeyLength bytes of valid UTF-8.
+	Consumer string
+
+	// MessageID returns the id under which a message is deduplicated.
+	// Default: msg.UUID, which Watermill publishers carry across the broker
+	// (the Kafka marshaler puts it in the "_watermill_message_uuid" header).
+	// Use a business key (an event id in the payload or metadata) when
+	// producers may re-send the same event with a new UUID. The id must be
+	// 1 to MaxKeyLength bytes of valid UTF-8 without NUL bytes; otherwise the
+	// handler is not called and the error wraps ErrInvalidMessageID. An error
+	// returned by MessageID is returned (wrapped) to the router, which nacks.
+	MessageID func(msg *message.Message) (string, error)
+
+	// TxOptions are the options of the transaction that holds the claim and
+	// the handler's writes. Default: nil, the database's default isolation
+	// level (READ COMMITTED on PostgreSQL, REPEATABLE READ on MySQL/MariaDB
+	// InnoDB, SERIALIZABLE on SQLite). The claim is correct at every level;
+	// at REPEATABLE READ or SERIALIZABLE on PostgreSQL a concurrent duplicate
+	// fails with a serialization error (SQLSTATE 40001) instead of being
+	// skipped: the message is nacked and its redelivery is skipped. ReadOnly
+	// must be false.
+	TxOptions *sql.TxOptions
+
+	// Logger receives a Debug line for each duplicate skipped and a Trace
+	// line for each message processed, with the fields message_uuid,
+	// handler_name, consumer and message_id. Errors are returned to the
+	// router, which logs them, not logged here. Default: watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+
+	// OnProcessed, if set, is called after a message's transaction
+	// committed. OnDuplicate, if set, is called after a duplicate was
+	// detected and its transaction rolled back (the handler was not called).
+	// OnFailed, if set, is called after the handler or the commit failed and
+	// the message is about to be nacked; Event.Err holds the error. They run
+	// synchronously on the handler's goroutine, possibly concurrently with
+	// each other, so they must be fast and safe for concurrent use: count,
+	// observe Event.Duration in a histogram, do not block.
+	OnProcessed func(Event)
+	OnDuplicate func(Event)
+	OnFailed    func(Event)
+}
+
+// Event describes one message's outcome, for the Config hooks.
+type Event struct {
+	// Message is the message handled. Do not modify it.
+	Message *message.Message
+	// Consumer and MessageID are the inbox key of the message.
+	Consumer  string
+	MessageID string
+	// Duration is the time from the start of BEGIN to the end of the
+	// transaction's COMMIT or ROLLBACK, handler included.
+	Duration time.Duration
+	// Err is the error returned to the router, for OnFailed only.
+	Err error
+}
+
+func (c *Config) setDefaults() {
+	if c.Dialect == nil && c.DB != nil {
+		// An unknown driver name is reported by Validate.
+		c.Dialect, _ = dialectForDriver(c.DB.DriverName())
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.MessageID == nil {
+		c.MessageID = messageUUID
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// Validate reports every problem of the configuration at once, joined with
+// errors.Join; nil means valid. It is called by New after defaults are set,
+// so a zero optional field is not a problem there; called directly, it
+// checks the fields as they are, except that an empty Table, a nil Dialect
+// that can be inferred, a nil MessageID and a nil Logger are accepted as
+// "use the default".
+func (c Config) Validate() error {
+	var errs []error
+	if c.DB == nil {
+		errs = append(errs, errors.New("inbox: Config.DB is required"))
+	} else if c.Dialect == nil {
+		if _, err := dialectForDriver(c.DB.DriverName()); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.Table != "" {
+		if _, err := parseTableName(c.Table); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.Consumer != "" {
+		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
+			errs = append(errs, fmt.Errorf("Config.Consumer: %w", err))
+		}
+	}
+	if c.TxOptions != nil && c.TxOptions.ReadOnly {
+		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))
+	}
+	return errors.Join(errs...)
+}
+
+// Inbox is the transactional inbox: its Middleware makes a Watermill handler
+// an idempotent consumer. Create it with New. It is safe for concurrent use
+// by any number of handlers, routers and goroutines.
+type Inbox struct {
+	db          *sqlx.DB
+	dialect     Dialect
+	table       qualifiedName
+	consumer    string
+	messageID   func(*message.Message) (string, error)
+	txOptions   *sql.TxOptions
+	logger      watermill.LoggerAdapter
+	onProcessed func(Event)
+	onDuplicate func(Event)
+	onFailed    func(Event)
+
+	claimSQL string // built once in New
+}
+
+// New returns an Inbox for cfg. It checks the configuration and builds every
+// statement, but does not touch the database: call InitializeSchema, or
+// create the table with the DDL in schema/, before messages arrive. An
+// invalid cfg gives an error that wraps ErrInvalidConfig and each problem's
+// own sentinel (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer).
+func New(cfg Config) (*Inbox, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	table, _ := parseTableName(cfg.Table) // checked by Validate
+	ib := &Inbox{
+		db:          cfg.DB,
+		dialect:     cfg.Dialect,
+		table:       table,
+		consumer:    cfg.Consumer,
+		messageID:   cfg.MessageID,
+		txOptions:   cfg.TxOptions,
+		logger:      cfg.Logger,
+		onProcessed: cfg.OnProcessed,
+		onDuplicate: cfg.OnDuplicate,
+		onFailed:    cfg.OnFailed,
+		claimSQL:    cfg.Dialect.claimSQL(table),
+	}
+	if ib.consumer != "" {
+		ib.logger = ib.logger.With(watermill.LogFields{"consumer": ib.consumer})
+	}
+	return ib, nil
+}
+
+// Middleware is a Watermill handler middleware (message.HandlerMiddleware):
+// add it to a router with router.AddMiddleware(ib.Middleware), or to one
+// handler with handler.AddMiddleware(ib.Middleware).
+//
+// For each message it begins a transaction on Config.DB with the message's
+// context and inserts (consumer, message id) into the inbox table, letting
+// the primary key decide:
+//   - a new row: the handler runs with the transaction in msg.Context()
+//     (TxFromContext). If it returns nil, the transaction commits and the
+//     handler's messages are returned to the router; if the commit fails,
+//     the commit error is returned (the router nacks, never acks). If the
+//     handler returns an error, the transaction rolls back and that same
+//     error is returned (errors.Is/As match it). If it panics, the
+//     transaction rolls back and the panic continues.
+//   - no new row (already processed by this consumer): the transaction rolls
+//     back, the handler is not called and the middleware returns nil, nil, so
+//     the router acks. A concurrent delivery of the same key waits on the
+//     key's row lock until the first transaction ends.
+//
+// An invalid message id or consumer is returned as an error wrapping
+// ErrInvalidMessageID or ErrInvalidConsumer before anything is written.
+// Database errors are wrapped with the operation and the key; errors.As
+// still reaches the driver's error type.
+//
+// When it returns, msg.Context() is again the context the message came in
+// with. Put it inside (after) Recoverer, PoisonQueue and Retry, so each retry
+// gets a fresh transaction and a poisoned message is not marked processed.
+func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		return ib.handle(msg, h)
+	}
+}
+
+func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced []*message.Message, err error) {
+	ctx := msg.Context()
+
+	consumer := ib.consumer
+	if consumer == "" {
+		consumer = message.HandlerNameFromCtx(ctx)
+		if err := checkKey(consumer, ErrInvalidConsumer, ErrEmptyConsumer, nil); err != nil {
+			return nil, fmt.Errorf("%w (message %s: set Config.Consumer or run the middleware in a router)", err, msg.UUID)
+		}
+	}
+	id, err := ib.messageID(msg)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: message id of message %s: %w", msg.UUID, err)
+	}
+	if err := checkKey(id, ErrInvalidMessageID, ErrEmptyMessageID, ErrMessageIDTooLong); err != nil {
+		return nil, fmt.Errorf("%w (message %s, consumer %q)", err, msg.UUID, consumer)
+	}
+
+	start := time.Now()
+	tx, err := ib.db.BeginTxx(ctx, ib.txOptions)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
+	}
+	// Until the commit succeeds, the transaction must end in a rollback on
+	// every path, a panic in the handler included, so that no connection
+	// stays checked out and nothing partial is committed.
+	done := false
+	defer func() {
+		if done {
+			return
+		}
+		rbErr := tx.Rollback()
+		if rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+			if err != nil {
+				err = errors.Join(err, fmt.Errorf("inbox: rollback %s/%s: %w", consumer, id, rbErr))
+			} else {
+				// Only reached while a panic unwinds: there is no error to
+				// return it with, and the panic already fails the message.
+				ib.logger.Error("Inbox rollback failed after handler panic", rbErr, ib.fields(msg, consumer, id))
+			}
+		}
+	}()
+
+	res, err := tx.ExecContext(ctx, ib.claimSQL, consumer, id)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: claim %s/%s: %w", consumer, id, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return nil, fmt.Errorf("inbox: claim %s/%s: rows affected: %w", consumer, id, err)
+	}
+	claimed, ok := ib.dialect.claimed(n)
+	if !ok {
+		return nil, fmt.Errorf("%w: %d (claim %s/%s)", ErrUnexpectedRowsAffected, n, consumer, id)
+	}
+	if !claimed {
+		done = true
+		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+			// The key is known to be processed, but a failed rollback
+			// means the connection is in doubt: nack, the redelivery
+			// will be skipped.
+			return nil, fmt.Errorf("inbox: rollback duplicate %s/%s: %w", consumer, id, err)
+		}
+		ib.logger.Debug("Inbox: duplicate message skipped", ib.fields(msg, consumer, id))
+		if ib.onDuplicate != nil {
+			ib.onDuplicate(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start)})
+		}
+		return nil, nil
+	}
+
+	msg.SetContext(contextWithTx(ctx, tx))
+	defer msg.SetContext(ctx)
+
+	produced, err = h(msg)
+	if err != nil {
+		// The handler's error is returned as it is, so that errors.Is/As
+		// match it; a failed rollback is joined to it, not logged.
+		done = true
+		if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+			err = errors.Join(err, fmt.Errorf("inbox: rollback %s/%s: %w", consumer, id, rbErr))
+		}
+		ib.failed(msg, consumer, id, start, err)
+		return nil, err
+	}
+
+	done = true
+	if err := tx.Commit(); err != nil {
+		err = fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)
+		ib.failed(msg, consumer, id, start, err)
+		return nil, err
+	}
+	ib.logger.Trace("Inbox: message processed", ib.fields(msg, consumer, id))
+	if ib.onProcessed != nil {
+		ib.onProcessed(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start)})
+	}
+	return produced, nil
+}
+
+func (ib *Inbox) failed(msg *message.Message, consumer, id string, start time.Time, err error) {
+	if ib.onFailed != nil {
+		ib.onFailed(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start), Err: err})
+	}
+}
+
+func (ib *Inbox) fields(msg *message.Message, consumer, id string) watermill.LogFields {
+	return watermill.LogFields{
+		"message_uuid": msg.UUID,
+		"handler_name": message.HandlerNameFromCtx(msg.Context()),
+		"consumer":     consumer,
+		"message_id":   id,
+	}
+}
+
+// checkKey validates a consumer name or message id: 1 to MaxKeyLength bytes
+// of valid UTF-8 without NUL (PostgreSQL text cannot hold NUL). The error
+// wraps kind, plus empty or tooLong when those apply and are non-nil.
+func checkKey(s string, kind, empty, tooLong error) error {
+	switch {
+	case s == "":
+		if empty != nil {
+			return fmt.Errorf("%w: %w", kind, empty)
+		}
+		return fmt.Errorf("%w: empty", kind)
+	case len(s) > MaxKeyLength:
+		if tooLong != nil {
+			return fmt.Errorf("%w: %w: %d bytes, at most %d", kind, tooLong, len(s), MaxKeyLength)
+		}
+		return fmt.Errorf("%w: %d bytes, at most %d", kind, len(s), MaxKeyLength)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%w: %q is not valid UTF-8", kind, s)
+	case containsNUL(s):
+		return fmt.Errorf("%w: %q contains a NUL byte", kind, s)
+	}
+	return nil
+}
+
+func containsNUL(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// InitializeSchema creates the inbox table and its purge index if they do
+// not exist, with exactly the DDL of schema/ (for the configured table
+// name). It is idempotent and safe to run from several processes at once: on
+// PostgreSQL the DDL runs in one transaction under a transaction-scoped
+// advisory lock keyed by the table name (concurrent CREATE TABLE IF NOT
+// EXISTS can otherwise fail on pg_type's unique index); on MySQL the table
+// and index are one CREATE TABLE IF NOT EXISTS statement; on SQLite each
+// statement is atomic and IF NOT EXISTS. It does not create a PostgreSQL
+// schema or MySQL database named in Table. Errors wrap the driver's error.
+func (ib *Inbox) InitializeSchema(ctx context.Context) error {
+	return initializeSchema(ctx, ib.db, ib.dialect, ib.table)
+}

@@ -1,0 +1,726 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// Rule 1 and 2: the first delivery is processed, every later delivery of the
+// same UUID is skipped and acked; the handler runs once.
+func TestDuplicateDeliverySkipped(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var processed, duplicates atomic.Int32
+		ib := f.newInbox(inbox.Config{
+			OnProcessed: func(e inbox.Event) { processed.Add(1) },
+			OnDuplicate: func(e inbox.Event) { duplicates.Add(1) },
+		})
+		var c calls
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				c.inc(msg.UUID)
+				return f.writeBusinessRow(msg)
+			})
+		})
+
+		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":1}`))
+		for i := range 3 {
+			if !in.deliver(t, msg) {
+				t.Fatalf("delivery %d nacked", i+1)
+			}
+		}
+		if got := c.get(msg.UUID); got != 1 {
+			t.Errorf("handler calls = %d, want 1", got)
+		}
+		if got := f.businessRows(); got != 1 {
+			t.Errorf("business rows = %d, want 1", got)
+		}
+		if got := count(t, db, f.inbox, "consumer = ? AND message_id = ?", "billing", msg.UUID); got != 1 {
+			t.Errorf("inbox rows for billing/%s = %d, want 1", msg.UUID, got)
+		}
+		if processed.Load() != 1 || duplicates.Load() != 2 {
+			t.Errorf("hooks: processed=%d duplicates=%d, want 1 and 2", processed.Load(), duplicates.Load())
+		}
+	})
+}
+
+// The same through Watermill's GoChannel pub/sub: the message is published
+// three times, as an outbox relay retry would.
+func TestDuplicatePublishGoChannel(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var handled atomic.Int32
+		ib := f.newInbox(inbox.Config{
+			OnProcessed: func(inbox.Event) { handled.Add(1) },
+			OnDuplicate: func(inbox.Event) { handled.Add(1) },
+		})
+		pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		var c calls
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
+				c.inc(msg.UUID)
+				return f.writeBusinessRow(msg)
+			})
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		for range 3 {
+			if err := pubsub.Publish("orders", msg.Copy()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		waitFor(t, func() bool { return handled.Load() == 3 })
+		if got := c.get(msg.UUID); got != 1 {
+			t.Errorf("handler calls = %d, want 1", got)
+		}
+		if got := f.businessRows(); got != 1 {
+			t.Errorf("business rows = %d, want 1", got)
+		}
+	})
+}
+
+func waitFor(t testing.TB, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 30s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Rule 1, concurrency: two workers (two routers, one consumer name) receive
+// the same message at the same moment. The second waits on the key while the
+// first holds it; if the first commits, the second skips; if the first rolls
+// back, the second processes.
+func TestConcurrentDeliveryTwoWorkers(t *testing.T) {
+	for _, firstFails := range []bool{false, true} {
+		t.Run(fmt.Sprintf("firstFails=%v", firstFails), func(t *testing.T) {
+			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+				f := newFixture(t, db)
+				ib := f.newInbox(inbox.Config{})
+				var c calls
+				entered := make(chan struct{})
+				release := make(chan struct{})
+				var first atomic.Bool
+				handler := func(msg *message.Message) error {
+					c.inc(msg.UUID)
+					if err := f.writeBusinessRow(msg); err != nil {
+						return err
+					}
+					if first.CompareAndSwap(false, true) {
+						close(entered)
+						<-release
+						if firstFails {
+							return errors.New("first worker fails")
+						}
+					}
+					return nil
+				}
+				workerA, workerB := newFeed(), newFeed()
+				for _, in := range []*feed{workerA, workerB} {
+					runRouter(t, func(r *message.Router) {
+						r.AddMiddleware(ib.Middleware)
+						r.AddConsumerHandler("billing", "orders", in, handler)
+					})
+				}
+
+				msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+				ackedA := make(chan bool, 1)
+				go func() { ackedA <- workerA.deliver(t, msg) }()
+				<-entered // A holds the claim, inside its handler
+				ackedB := make(chan bool, 1)
+				go func() { ackedB <- workerB.deliver(t, msg) }()
+				select {
+				case <-ackedB:
+					t.Fatal("worker B finished while worker A still held the key")
+				case <-time.After(300 * time.Millisecond):
+				}
+				close(release)
+
+				if a := <-ackedA; a == firstFails {
+					t.Errorf("worker A acked = %v, want %v", a, !firstFails)
+				}
+				if b := <-ackedB; !b {
+					t.Errorf("worker B nacked, want ack")
+				}
+				wantCalls := 1
+				if firstFails {
+					wantCalls = 2
+				}
+				if got := c.get(msg.UUID); got != wantCalls {
+					t.Errorf("handler calls = %d, want %d", got, wantCalls)
+				}
+				if got := f.businessRows(); got != 1 {
+					t.Errorf("business rows = %d, want 1", got)
+				}
+				if got := f.inboxRows(); got != 1 {
+					t.Errorf("inbox rows = %d, want 1", got)
+				}
+			})
+		})
+	}
+}
+
+// businessError is a handler error type, to check errors.As through the inbox.
+type businessError struct{ order int }
+
+func (e *businessError) Error() string { return fmt.Sprintf("order %d: card declined", e.order) }
+
+// Rule 3: a handler error rolls back the business write and the inbox row,
+// reaches the router unchanged (nack), and the redelivery is processed.
+func TestHandlerErrorRollsBack(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var failedHook atomic.Int32
+		ib := f.newInbox(inbox.Config{OnFailed: func(e inbox.Event) { failedHook.Add(1) }})
+		handlerErr := &businessError{order: 7}
+		var fail atomic.Bool
+		fail.Store(true)
+		var c calls
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				c.inc(msg.UUID)
+				if err := f.writeBusinessRow(msg); err != nil {
+					return err
+				}
+				if fail.Load() {
+					return fmt.Errorf("charge: %w", handlerErr)
+				}
+				return nil
+			})
+		})
+
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if in.deliver(t, msg) {
+			t.Fatal("failed delivery was acked")
+		}
+		err := rec.last()
+		var be *businessError
+		if !errors.As(err, &be) || be != handlerErr || err.Error() != "charge: order 7: card declined" {
+			t.Errorf("router got %v, want the handler's error unchanged", err)
+		}
+		if f.businessRows() != 0 || f.inboxRows() != 0 {
+			t.Errorf("after failure: business rows %d, inbox rows %d, want 0 and 0", f.businessRows(), f.inboxRows())
+		}
+		if failedHook.Load() != 1 {
+			t.Errorf("OnFailed calls = %d, want 1", failedHook.Load())
+		}
+
+		fail.Store(false)
+		if !in.deliver(t, msg) {
+			t.Fatalf("redelivery nacked: %v", rec.last())
+		}
+		if c.get(msg.UUID) != 2 || f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("after redelivery: calls %d, business rows %d, inbox rows %d, want 2, 1, 1",
+				c.get(msg.UUID), f.businessRows(), f.inboxRows())
+		}
+	})
+}
+
+// Rule 4: a panicking handler is rolled back and leaves no connection checked
+// out, with Watermill's Recoverer outside the inbox and with only the
+// router's own recovery. The pool has one connection, so a leaked one would
+// hang the next message.
+func TestHandlerPanicRollsBack(t *testing.T) {
+	for _, withRecoverer := range []bool{true, false} {
+		t.Run(fmt.Sprintf("recoverer=%v", withRecoverer), func(t *testing.T) {
+			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+				f := newFixture(t, db)
+				ib := f.newInbox(inbox.Config{})
+				db.SetMaxOpenConns(1)
+				var panics atomic.Bool
+				panics.Store(true)
+				in := newFeed()
+				runRouter(t, func(r *message.Router) {
+					if withRecoverer {
+						r.AddMiddleware(middleware.Recoverer)
+					}
+					r.AddMiddleware(ib.Middleware)
+					r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+						if err := f.writeBusinessRow(msg); err != nil {
+							return err
+						}
+						if panics.Load() {
+							panic("handler bug")
+						}
+						return nil
+					})
+				})
+
+				msgs := []*message.Message{}
+				for range 3 {
+					msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+					msgs = append(msgs, msg)
+					if in.deliver(t, msg) {
+						t.Fatal("panicking delivery was acked")
+					}
+					if inUse := db.Stats().InUse; inUse != 0 {
+						t.Fatalf("connections in use after panic = %d, want 0", inUse)
+					}
+				}
+				if f.businessRows() != 0 || f.inboxRows() != 0 {
+					t.Fatalf("after panics: business rows %d, inbox rows %d, want 0 and 0", f.businessRows(), f.inboxRows())
+				}
+				panics.Store(false)
+				for _, msg := range msgs {
+					if !in.deliver(t, msg) {
+						t.Fatal("redelivery after the panics was nacked")
+					}
+				}
+				if f.businessRows() != 3 || f.inboxRows() != 3 {
+					t.Errorf("after redelivery: business rows %d, inbox rows %d, want 3 and 3", f.businessRows(), f.inboxRows())
+				}
+			})
+		})
+	}
+}
+
+// Rule 5: a failed commit is a nack, never an ack, and nothing is kept. Each
+// database gets the commit failure it really produces: PostgreSQL turns
+// COMMIT into ROLLBACK after a failed statement the handler swallowed;
+// SQLite and PostgreSQL check a deferred foreign key at COMMIT; on MySQL the
+// connection is killed between the handler and the commit.
+func TestCommitFailureNacks(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var processed, failed atomic.Int32
+		ib := f.newInbox(inbox.Config{
+			OnProcessed: func(inbox.Event) { processed.Add(1) },
+			OnFailed:    func(inbox.Event) { failed.Add(1) },
+		})
+		var breakCommit func(msg *message.Message, tx *sqlx.Tx) error
+		switch tdb.dialect {
+		case inbox.PostgreSQL:
+			breakCommit = func(msg *message.Message, tx *sqlx.Tx) error {
+				_, err := tx.ExecContext(msg.Context(), "SELECT 1/0")
+				if err == nil {
+					return errors.New("SELECT 1/0 succeeded")
+				}
+				return nil // swallowed: the transaction is aborted, COMMIT becomes ROLLBACK
+			}
+		case inbox.SQLite:
+			parent, child := "parent_"+randomSuffix(), "child_"+randomSuffix()
+			exec(t, db, "CREATE TABLE "+parent+" (id INTEGER PRIMARY KEY)")
+			exec(t, db, "CREATE TABLE "+child+" (parent_id INTEGER REFERENCES "+parent+"(id) DEFERRABLE INITIALLY DEFERRED)")
+			dropLater(t, db, parent)
+			dropLater(t, db, child)
+			breakCommit = func(msg *message.Message, tx *sqlx.Tx) error {
+				_, err := tx.ExecContext(msg.Context(), "INSERT INTO "+child+" (parent_id) VALUES (42)")
+				return err // the foreign key fails at COMMIT
+			}
+		case inbox.MySQL:
+			breakCommit = func(msg *message.Message, tx *sqlx.Tx) error {
+				var id int64
+				if err := tx.GetContext(msg.Context(), &id, "SELECT CONNECTION_ID()"); err != nil {
+					return err
+				}
+				_, err := db.ExecContext(msg.Context(), fmt.Sprintf("KILL %d", id))
+				return err // the database went away before COMMIT
+			}
+		}
+		var broken atomic.Bool
+		broken.Store(true)
+		var c calls
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				c.inc(msg.UUID)
+				if err := f.writeBusinessRow(msg); err != nil {
+					return err
+				}
+				if broken.Load() {
+					tx, _ := inbox.TxFromContext(msg.Context())
+					return breakCommit(msg, tx)
+				}
+				return nil
+			})
+		})
+
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if in.deliver(t, msg) {
+			t.Fatal("message whose commit failed was acked")
+		}
+		if err := rec.last(); err == nil || !strings.Contains(err.Error(), "inbox: commit billing/"+msg.UUID) {
+			t.Errorf("router got %v, want the commit error", err)
+		}
+		if processed.Load() != 0 || failed.Load() != 1 {
+			t.Errorf("hooks: processed=%d failed=%d, want 0 and 1", processed.Load(), failed.Load())
+		}
+		if f.businessRows() != 0 || f.inboxRows() != 0 {
+			t.Errorf("after failed commit: business rows %d, inbox rows %d, want 0 and 0", f.businessRows(), f.inboxRows())
+		}
+
+		broken.Store(false)
+		for range 2 {
+			if !in.deliver(t, msg) {
+				t.Fatalf("redelivery nacked: %v", rec.last())
+			}
+		}
+		if c.get(msg.UUID) != 2 || f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("after redeliveries: calls %d, business rows %d, inbox rows %d, want 2, 1, 1",
+				c.get(msg.UUID), f.businessRows(), f.inboxRows())
+		}
+		waitFor(t, func() bool { return db.Stats().InUse == 0 })
+	})
+}
+
+// Rule 8: two consumers (two handlers) that receive the same message id each
+// process it once.
+func TestTwoConsumersSameMessage(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		var billing, shipping calls
+		billingIn, shippingIn := newFeed(), newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", billingIn, func(msg *message.Message) error {
+				billing.inc(msg.UUID)
+				return f.writeBusinessRow(msg)
+			})
+			r.AddConsumerHandler("shipping", "orders", shippingIn, func(msg *message.Message) error {
+				shipping.inc(msg.UUID)
+				return f.writeBusinessRow(msg)
+			})
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		for range 2 {
+			if !billingIn.deliver(t, msg) || !shippingIn.deliver(t, msg) {
+				t.Fatal("nacked")
+			}
+		}
+		if billing.get(msg.UUID) != 1 || shipping.get(msg.UUID) != 1 {
+			t.Errorf("handler calls: billing %d, shipping %d, want 1 and 1", billing.get(msg.UUID), shipping.get(msg.UUID))
+		}
+		for _, consumer := range []string{"billing", "shipping"} {
+			if got := count(t, db, f.inbox, "consumer = ? AND message_id = ?", consumer, msg.UUID); got != 1 {
+				t.Errorf("inbox rows for %s = %d, want 1", consumer, got)
+			}
+		}
+		if got := f.businessRows(); got != 2 {
+			t.Errorf("business rows = %d, want 2", got)
+		}
+	})
+}
+
+// Rule 8: a configured Consumer overrides the handler name, so a renamed
+// handler keeps its key space; an empty consumer outside a router is an error.
+func TestConsumerName(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		fixed := f.newInbox(inbox.Config{Consumer: "billing"})
+		var c calls
+		oldName, newName := newFeed(), newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(fixed.Middleware)
+			h := func(msg *message.Message) error { c.inc(msg.UUID); return nil }
+			r.AddConsumerHandler("billing_v1", "orders", oldName, h)
+			r.AddConsumerHandler("billing_v2", "orders", newName, h)
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if !oldName.deliver(t, msg) || !newName.deliver(t, msg) {
+			t.Fatal("nacked")
+		}
+		if c.get(msg.UUID) != 1 {
+			t.Errorf("handler calls = %d, want 1: both handlers share consumer %q", c.get(msg.UUID), "billing")
+		}
+		if got := count(t, db, f.inbox, "consumer = ?", "billing"); got != 1 {
+			t.Errorf("inbox rows for billing = %d, want 1", got)
+		}
+
+		byHandler := f.newInbox(inbox.Config{})
+		called := false
+		_, err := byHandler.Middleware(func(*message.Message) ([]*message.Message, error) {
+			called = true
+			return nil, nil
+		})(message.NewMessage(watermill.NewUUID(), nil))
+		if !errors.Is(err, inbox.ErrEmptyConsumer) || !errors.Is(err, inbox.ErrInvalidConsumer) {
+			t.Errorf("outside a router: err = %v, want ErrEmptyConsumer", err)
+		}
+		if called || f.inboxRows() != 1 {
+			t.Errorf("outside a router: handler called %v, inbox rows %d, want false and 1", called, f.inboxRows())
+		}
+	})
+}
+
+// Rule 7: bad message ids are refused before anything is written; distinct
+// ids that a collation could fold together stay distinct.
+func TestMessageIDValidation(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{MessageID: func(msg *message.Message) (string, error) {
+			return msg.Metadata.Get("event_id"), nil
+		}})
+		var c calls
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				c.inc(msg.Metadata.Get("event_id"))
+				return nil
+			})
+		})
+		deliver := func(id string) (bool, error) {
+			msg := message.NewMessage(watermill.NewUUID(), nil)
+			msg.Metadata.Set("event_id", id)
+			acked := in.deliver(t, msg)
+			return acked, rec.last()
+		}
+
+		bad := []struct {
+			name string
+			id   string
+			want error
+		}{
+			{"empty", "", inbox.ErrEmptyMessageID},
+			{"256 bytes", strings.Repeat("a", 256), inbox.ErrMessageIDTooLong},
+			{"256 bytes of 2-byte runes", strings.Repeat("é", 128), inbox.ErrMessageIDTooLong},
+			{"invalid UTF-8", "order-\xff\xfe", inbox.ErrInvalidMessageID},
+			{"NUL byte", "order\x001", inbox.ErrInvalidMessageID},
+		}
+		for _, tc := range bad {
+			acked, err := deliver(tc.id)
+			if acked {
+				t.Errorf("%s: acked, want nack", tc.name)
+			}
+			if !errors.Is(err, tc.want) || !errors.Is(err, inbox.ErrInvalidMessageID) {
+				t.Errorf("%s: err = %v, want %v", tc.name, err, tc.want)
+			}
+			if c.get(tc.id) != 0 {
+				t.Errorf("%s: handler called", tc.name)
+			}
+		}
+		if got := f.inboxRows(); got != 0 {
+			t.Fatalf("inbox rows after bad ids = %d, want 0", got)
+		}
+
+		good := []string{
+			strings.Repeat("a", 255), strings.Repeat("é", 127) + "a", "order-1", "ORDER-1", "order-1 ", " order-1",
+			"Straße", "Strasse", "ｏｒｄｅｒ", "order-1\t", "😀",
+		}
+		for _, id := range good {
+			for range 2 {
+				if acked, err := deliver(id); !acked {
+					t.Errorf("id %q: nacked: %v", id, err)
+				}
+			}
+			if c.get(id) != 1 {
+				t.Errorf("id %q: handler calls = %d, want 1", id, c.get(id))
+			}
+		}
+		if got := f.inboxRows(); got != len(good) {
+			t.Errorf("inbox rows = %d, want %d (one per distinct id)", got, len(good))
+		}
+		var stored []string
+		if err := db.Select(&stored, "SELECT message_id FROM "+f.inbox); err != nil {
+			t.Fatal(err)
+		}
+		seen := map[string]bool{}
+		for _, s := range stored {
+			seen[s] = true
+		}
+		for _, id := range good {
+			if !seen[id] {
+				t.Errorf("id %q not stored byte for byte", id)
+			}
+		}
+	})
+}
+
+// An error from Config.MessageID is returned wrapped; nothing is written.
+func TestMessageIDFuncError(t *testing.T) {
+	db := openSQLite(t, t.TempDir()+"/x.db")
+	f := newFixture(t, db)
+	errNoID := errors.New("no event_id header")
+	ib := f.newInbox(inbox.Config{Consumer: "billing", MessageID: func(*message.Message) (string, error) { return "", errNoID }})
+	_, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		t.Error("handler called")
+		return nil, nil
+	})(message.NewMessage(watermill.NewUUID(), nil))
+	if !errors.Is(err, errNoID) {
+		t.Errorf("err = %v, want it to wrap %v", err, errNoID)
+	}
+	if f.inboxRows() != 0 {
+		t.Error("inbox row written")
+	}
+}
+
+// Rule 11 and rule 6: Retry outside the inbox. Each attempt runs in a fresh
+// transaction (the failed ones are rolled back), the last attempt wins, and
+// between attempts the message context carries no finished transaction.
+func TestRetryOutsideInbox(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		var attempts atomic.Int32
+		var txs sync.Map
+		var leaked atomic.Bool
+		checkContext := func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				msgs, err := h(msg)
+				if _, ok := inbox.TxFromContext(msg.Context()); ok {
+					leaked.Store(true)
+				}
+				return msgs, err
+			}
+		}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(
+				middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}.Middleware,
+				checkContext,
+				ib.Middleware,
+			)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				n := attempts.Add(1)
+				tx, _ := inbox.TxFromContext(msg.Context())
+				txs.Store(tx, n)
+				if err := f.writeBusinessRow(msg); err != nil {
+					return err
+				}
+				if n < 3 {
+					return fmt.Errorf("attempt %d: transient failure", n)
+				}
+				return nil
+			})
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if !in.deliver(t, msg) {
+			t.Fatal("nacked after retries")
+		}
+		distinct := 0
+		txs.Range(func(_, _ any) bool { distinct++; return true })
+		if attempts.Load() != 3 || distinct != 3 {
+			t.Errorf("attempts %d with %d distinct transactions, want 3 and 3", attempts.Load(), distinct)
+		}
+		if leaked.Load() {
+			t.Error("the message context still carried the inbox transaction after the middleware returned")
+		}
+		if f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
+		}
+		if !in.deliver(t, msg) || attempts.Load() != 3 {
+			t.Errorf("redelivery: attempts %d, want 3 (skipped)", attempts.Load())
+		}
+	})
+}
+
+// PoisonQueue outside the inbox: a message the handler cannot process goes to
+// the poison topic and is not marked processed, so a replay processes it.
+func TestPoisonQueueOutsideInbox(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+		poison, err := middleware.PoisonQueue(pubsub, "orders_poison")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var fail atomic.Bool
+		fail.Store(true)
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(poison, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				if err := f.writeBusinessRow(msg); err != nil {
+					return err
+				}
+				if fail.Load() {
+					return errors.New("cannot process")
+				}
+				return nil
+			})
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if !in.deliver(t, msg) {
+			t.Fatal("poisoned message was not acked")
+		}
+		poisoned, err := pubsub.Subscribe(context.Background(), "orders_poison")
+		if err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case p := <-poisoned:
+			p.Ack()
+			if p.UUID != msg.UUID {
+				t.Errorf("poison queue got %s, want %s", p.UUID, msg.UUID)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("nothing on the poison queue")
+		}
+		if f.businessRows() != 0 || f.inboxRows() != 0 {
+			t.Fatalf("poisoned message left business rows %d, inbox rows %d", f.businessRows(), f.inboxRows())
+		}
+		fail.Store(false)
+		if !in.deliver(t, msg) || f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("replay: business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
+		}
+	})
+}
+
+// A handler's returned messages reach the router only after the commit.
+func TestProducedMessagesReturnedAfterCommit(t *testing.T) {
+	db := openSQLite(t, t.TempDir()+"/x.db")
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{Consumer: "billing"})
+	out := message.NewMessage(watermill.NewUUID(), nil)
+	produced, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return []*message.Message{out}, nil
+	})(message.NewMessage(watermill.NewUUID(), nil))
+	if err != nil || len(produced) != 1 || produced[0] != out {
+		t.Errorf("got %v, %v; want the handler's message", produced, err)
+	}
+	produced, err = ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return []*message.Message{out}, errors.New("fail")
+	})(message.NewMessage(watermill.NewUUID(), nil))
+	if err == nil || produced != nil {
+		t.Errorf("on handler error got %v, %v; want no messages and the error", produced, err)
+	}
+}
+
+// Statements run on the message context: a cancelled context fails the
+// claim, and nothing is written.
+func TestCancelledContext(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Consumer: "billing"})
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		msg.SetContext(ctx)
+		_, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+			t.Error("handler called with a cancelled context")
+			return nil, nil
+		})(msg)
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("err = %v, want context.Canceled", err)
+		}
+		if f.inboxRows() != 0 || db.Stats().InUse != 0 {
+			t.Errorf("inbox rows %d, connections in use %d, want 0 and 0", f.inboxRows(), db.Stats().InUse)
+		}
+	})
+}

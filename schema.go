@@ -1,0 +1,93 @@
+package inbox
+
+import (
+	"context"
+	"fmt"
+	"hash/fnv"
+	"strings"
+
+	"github.com/jmoiron/sqlx"
+)
+
+// SchemaSQL returns the DDL that creates the inbox table named table (empty:
+// DefaultTable) and its purge index for dialect d, as one script of
+// semicolon-terminated statements. For the default name it is byte for byte
+// the content of schema/postgres.sql, schema/mysql.sql or schema/sqlite.sql
+// (a test checks it): use it to write a migration for goose, golang-migrate
+// or atlas when the table has another name. An invalid table name gives an
+// error wrapping ErrInvalidTableName.
+func SchemaSQL(d Dialect, table string) (string, error) {
+	if d == nil {
+		return "", fmt.Errorf("%w: nil dialect", ErrUnknownDialect)
+	}
+	if table == "" {
+		table = DefaultTable
+	}
+	t, err := parseTableName(table)
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- Inbox table for github.com/watermill-inbox/inbox (%s).\n", d)
+	b.WriteString("-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n")
+	b.WriteString(schemaNotes[d])
+	for _, stmt := range d.createSQL(t) {
+		b.WriteString("\n")
+		b.WriteString(stmt)
+		b.WriteString(";\n")
+	}
+	return b.String(), nil
+}
+
+// schemaNotes are dialect-specific comment lines for SchemaSQL.
+var schemaNotes = map[Dialect]string{
+	PostgreSQL: "-- processed_at: the database clock (now()), an absolute instant.\n",
+	MySQL: "-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
+		"-- (PAD SPACE, even utf8mb4_bin), and message ids must compare byte for byte.\n" +
+		"-- processed_at: UTC_TIMESTAMP(6), UTC whatever the session time zone.\n",
+	SQLite: "-- processed_at: Unix microseconds, UTC, from the database clock.\n",
+}
+
+func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName) error {
+	stmts := d.createSQL(t)
+	if d != PostgreSQL {
+		// MySQL: one CREATE TABLE IF NOT EXISTS (index inline), atomic under
+		// the metadata lock. SQLite: each statement is atomic and the second
+		// only creates the index; running them outside one transaction keeps
+		// a concurrent starter from failing on a stale read snapshot.
+		for _, stmt := range stmts {
+			if _, err := db.ExecContext(ctx, stmt); err != nil {
+				return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+			}
+		}
+		return nil
+	}
+
+	// PostgreSQL: concurrent CREATE TABLE IF NOT EXISTS of one name can fail
+	// with a unique violation on pg_type; serialise starters on an advisory
+	// lock that ends with the transaction. DDL is transactional here.
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: begin: %w", t, err)
+	}
+	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op returning ErrTxDone
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(t)); err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: lock: %w", t, err)
+	}
+	for _, stmt := range stmts {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: commit: %w", t, err)
+	}
+	return nil
+}
+
+// schemaLockKey is the PostgreSQL advisory lock key for creating table t.
+func schemaLockKey(t qualifiedName) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("watermill-inbox schema " + t.String()))
+	return int64(h.Sum64())
+}
