@@ -122,7 +122,7 @@ func (q qualifiedName) indexName() string {
 
 type postgresDialect struct{}
 
-func (postgresDialect) String() string           { return "postgres" }
+func (postgresDialect) String() string            { return "postgres" }
 func (postgresDialect) quote(ident string) string { return `"` + ident + `"` }
 
 func (d postgresDialect) claimSQL(t qualifiedName) string {
@@ -146,7 +146,7 @@ func (d postgresDialect) createSQL(t qualifiedName) []string {
 
 type mysqlDialect struct{}
 
-func (mysqlDialect) String() string           { return "mysql" }
+func (mysqlDialect) String() string            { return "mysql" }
 func (mysqlDialect) quote(ident string) string { return "`" + ident + "`" }
 
 func (d mysqlDialect) claimSQL(t qualifiedName) string {
@@ -178,7 +178,7 @@ func (d mysqlDialect) createSQL(t qualifiedName) []string {
 
 type sqliteDialect struct{}
 
-func (sqliteDialect) String() string           { return "sqlite" }
+func (sqliteDialect) String() string            { return "sqlite" }
 func (sqliteDialect) quote(ident string) string { return `"` + ident + `"` }
 
 func (d sqliteDialect) claimSQL(t qualifiedName) string {

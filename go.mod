@@ -1,6 +1,6 @@
 module github.com/watermill-inbox/inbox
 
-go 1.26.8
+go 1.26.0
 
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1

@@ -1,0 +1,233 @@
+package inbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+func sqliteDB(t *testing.T) *sqlx.DB {
+	return openSQLite(t, t.TempDir()+"/x.db")
+}
+
+// Hostile and malformed table names fail in New with ErrInvalidTableName,
+// before any SQL is built.
+func TestNewRejectsBadTableNames(t *testing.T) {
+	db := sqliteDB(t)
+	bad := []string{
+		"x; DROP TABLE y", `"inbox"`, "`inbox`", "inbox--", "in box", "a.b.c", ".inbox", "inbox.", "1inbox",
+		"inbox\x00", "ïnbox", "inbox'", strings.Repeat("a", 64), "public." + strings.Repeat("a", 64),
+	}
+	for _, name := range bad {
+		_, err := inbox.New(inbox.Config{DB: db, Table: name})
+		if !errors.Is(err, inbox.ErrInvalidTableName) || !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("Table %q: err = %v, want ErrInvalidTableName and ErrInvalidConfig", name, err)
+		}
+		if _, err := inbox.SchemaSQL(inbox.PostgreSQL, name); !errors.Is(err, inbox.ErrInvalidTableName) {
+			t.Errorf("SchemaSQL %q: err = %v, want ErrInvalidTableName", name, err)
+		}
+	}
+	for _, name := range []string{"inbox", "billing.inbox", "_x", "A_1", strings.Repeat("a", 63), "s." + strings.Repeat("a", 63)} {
+		if _, err := inbox.New(inbox.Config{DB: db, Table: name}); err != nil {
+			t.Errorf("Table %q: %v", name, err)
+		}
+	}
+	// The hostile table the name would have dropped is still there.
+	exec(t, db, "CREATE TABLE y (id INTEGER)")
+	_, _ = inbox.New(inbox.Config{DB: db, Table: "x; DROP TABLE y"})
+	count(t, db, "y", "")
+}
+
+var identifierOnly = regexp.MustCompile(`^[A-Za-z0-9_.]+$`)
+
+// Whatever New accepts as a table name is a plain identifier: no quote,
+// space, semicolon or comment can reach the SQL.
+func FuzzTableName(f *testing.F) {
+	for _, s := range []string{"inbox", "billing.inbox", "x; DROP TABLE y", `a"b`, "a`b", "a.b.c", "--", ""} {
+		f.Add(s)
+	}
+	db, err := sqlx.Open("sqlite", ":memory:")
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer db.Close()
+	f.Fuzz(func(t *testing.T, name string) {
+		_, err := inbox.New(inbox.Config{DB: db, Table: name})
+		if err != nil {
+			if name != "" && !errors.Is(err, inbox.ErrInvalidTableName) {
+				t.Fatalf("Table %q: unexpected error %v", name, err)
+			}
+			return
+		}
+		if name != "" && (!identifierOnly.MatchString(name) || strings.Count(name, ".") > 1) {
+			t.Fatalf("Table %q accepted", name)
+		}
+		for _, d := range []inbox.Dialect{inbox.PostgreSQL, inbox.MySQL, inbox.SQLite} {
+			ddl, err := inbox.SchemaSQL(d, name)
+			if err != nil {
+				t.Fatalf("SchemaSQL(%s, %q): %v", d, name, err)
+			}
+			if strings.Count(ddl, ";") != strings.Count(ddl, ";\n") {
+				t.Fatalf("SchemaSQL(%s, %q) has a stray semicolon:\n%s", d, name, ddl)
+			}
+		}
+	})
+}
+
+func TestDialectInference(t *testing.T) {
+	cases := map[string]inbox.Dialect{
+		"postgres": inbox.PostgreSQL, "pgx": inbox.PostgreSQL, "pgx/v5": inbox.PostgreSQL,
+		"mysql": inbox.MySQL, "sqlite": inbox.SQLite, "sqlite3": inbox.SQLite,
+	}
+	raw := sqliteDB(t).DB
+	for driver, want := range cases {
+		// sqlx.NewDb only records the name; the dialect comes from it.
+		_, err := inbox.New(inbox.Config{DB: sqlx.NewDb(raw, driver)})
+		if err != nil {
+			t.Errorf("driver %q: %v", driver, err)
+		}
+		if got := want.String(); got == "" {
+			t.Errorf("dialect %v has no name", want)
+		}
+	}
+	_, err := inbox.New(inbox.Config{DB: sqlx.NewDb(raw, "oracle")})
+	if !errors.Is(err, inbox.ErrUnknownDialect) || !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Errorf("unknown driver: err = %v, want ErrUnknownDialect", err)
+	}
+	if _, err := inbox.New(inbox.Config{DB: sqlx.NewDb(raw, "oracle"), Dialect: inbox.SQLite}); err != nil {
+		t.Errorf("explicit dialect with an unknown driver name: %v", err)
+	}
+}
+
+// Validate reports every problem at once.
+func TestValidateReportsAllProblems(t *testing.T) {
+	err := inbox.Config{
+		Table:     "bad name",
+		Consumer:  strings.Repeat("c", 256),
+		TxOptions: &sql.TxOptions{ReadOnly: true},
+	}.Validate()
+	for _, want := range []string{"Config.DB is required", "invalid table name", "invalid consumer", "ReadOnly"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Validate() = %v, want it to mention %q", err, want)
+		}
+	}
+	if !errors.Is(err, inbox.ErrInvalidTableName) || !errors.Is(err, inbox.ErrInvalidConsumer) {
+		t.Errorf("Validate() = %v, want it to wrap ErrInvalidTableName and ErrInvalidConsumer", err)
+	}
+	if _, err := inbox.New(inbox.Config{}); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Errorf("New(Config{}) = %v, want ErrInvalidConfig", err)
+	}
+	if err := (inbox.Config{DB: sqliteDB(t)}).Validate(); err != nil {
+		t.Errorf("minimal config: %v", err)
+	}
+}
+
+// A pgx pool wrapped with stdlib.OpenDBFromPool, as the docs tell pgx users.
+func TestPgxPool(t *testing.T) {
+	probe := openServer(t, "pgx", env(postgresDSNEnv, defaultPostgresDSN), "PostgreSQL", postgresDSNEnv,
+		"pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")
+	pool, err := pgxpool.New(context.Background(), env(postgresDSNEnv, defaultPostgresDSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	db := sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx")
+	defer db.Close()
+	f := newFixture(t, probe)
+	ib, err := inbox.New(inbox.Config{DB: db, Table: f.inbox, Consumer: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	runTwice(t, ib)
+	if got := f.inboxRows(); got != 1 {
+		t.Errorf("inbox rows = %d, want 1", got)
+	}
+}
+
+// logLine is one captured log call.
+type logLine struct {
+	level  string
+	msg    string
+	fields watermill.LogFields
+}
+
+// captureLogger is a watermill.LoggerAdapter that records what it is given.
+type captureLogger struct {
+	mu     *sync.Mutex
+	lines  *[]logLine
+	fields watermill.LogFields
+}
+
+func newCaptureLogger() captureLogger {
+	return captureLogger{mu: &sync.Mutex{}, lines: &[]logLine{}}
+}
+
+func (l captureLogger) log(level, msg string, f watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	*l.lines = append(*l.lines, logLine{level, msg, l.fields.Add(f)})
+}
+func (l captureLogger) Error(msg string, err error, f watermill.LogFields) { l.log("error", msg, f) }
+func (l captureLogger) Info(msg string, f watermill.LogFields)             { l.log("info", msg, f) }
+func (l captureLogger) Debug(msg string, f watermill.LogFields)            { l.log("debug", msg, f) }
+func (l captureLogger) Trace(msg string, f watermill.LogFields)            { l.log("trace", msg, f) }
+func (l captureLogger) With(f watermill.LogFields) watermill.LoggerAdapter {
+	return captureLogger{mu: l.mu, lines: l.lines, fields: l.fields.Add(f)}
+}
+
+// A duplicate is logged once at Debug with Watermill's field names and
+// reported to OnDuplicate; nothing is logged at Error for it.
+func TestDuplicateLoggingAndHooks(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	logger := newCaptureLogger()
+	var events []inbox.Event
+	var mu sync.Mutex
+	record := func(e inbox.Event) { mu.Lock(); events = append(events, e); mu.Unlock() }
+	ib := f.newInbox(inbox.Config{Logger: logger, OnProcessed: record, OnDuplicate: record})
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return nil })
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	in.deliver(t, msg)
+	in.deliver(t, msg)
+
+	var debug []logLine
+	for _, l := range *logger.lines {
+		if l.level == "debug" {
+			debug = append(debug, l)
+		}
+		if l.level == "error" {
+			t.Errorf("error logged: %v", l)
+		}
+	}
+	if len(debug) != 1 {
+		t.Fatalf("debug lines = %v, want one for the duplicate", debug)
+	}
+	for k, want := range map[string]string{"message_uuid": msg.UUID, "handler_name": "billing", "consumer": "billing", "message_id": msg.UUID} {
+		if got := debug[0].fields[k]; got != want {
+			t.Errorf("field %s = %v, want %v", k, got, want)
+		}
+	}
+	if len(events) != 2 || events[0].Consumer != "billing" || events[1].MessageID != msg.UUID ||
+		events[0].Duration <= 0 || events[1].Duration <= 0 {
+		t.Errorf("hook events = %+v", events)
+	}
+}
