@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -97,6 +99,10 @@ func openServer(t testing.TB, driver, dsn, what, envName, start string) *sqlx.DB
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(ctx); err != nil {
+		var netErr *net.OpError
+		if !errors.As(err, &netErr) {
+			t.Fatalf("%s: %v", what, err) // reachable, but refused us: a real failure
+		}
 		msg := fmt.Sprintf("%s not reachable (%v): start it with `%s`, or point %s at a server", what, err, start, envName)
 		if os.Getenv("CI") == "true" {
 			t.Fatal(msg)

@@ -1,0 +1,168 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+)
+
+// DefaultPurgeBatchSize is PurgeConfig.BatchSize when it is zero.
+const DefaultPurgeBatchSize = 1000
+
+// MaxPurgeBatchSize bounds PurgeConfig.BatchSize, so that no single DELETE
+// holds locks long enough to stall live handlers.
+const MaxPurgeBatchSize = 100_000
+
+// PurgeConfig configures Purge.
+type PurgeConfig struct {
+	// DB is the database that holds the inbox table. Required.
+	DB *sqlx.DB
+
+	// Dialect is the SQL dialect of DB. Default: inferred from
+	// DB.DriverName(), as in Config.
+	Dialect Dialect
+
+	// Table is the inbox table. Default: "watermill_inbox" (DefaultTable).
+	// The same pattern as Config.Table applies (ErrInvalidTableName).
+	Table string
+
+	// OlderThan is the window: rows whose processed_at is more than
+	// OlderThan before the database's current time are deleted. Required,
+	// > 0, whole microseconds count. Choose it longer than the broker can
+	// still redeliver a message (for Kafka: the topic's retention.ms, plus
+	// the time a segment may outlive it, plus a margin): a message
+	// redelivered after its row was purged is processed again.
+	OlderThan time.Duration
+
+	// BatchSize is the most rows one DELETE statement removes; each batch
+	// is its own short transaction. Default: 1000 (DefaultPurgeBatchSize);
+	// at most MaxPurgeBatchSize.
+	BatchSize int
+
+	// Consumer, if set, restricts the purge to that consumer's rows.
+	// Default: all consumers.
+	Consumer string
+}
+
+func (c *PurgeConfig) setDefaults() {
+	if c.Dialect == nil && c.DB != nil {
+		c.Dialect, _ = dialectForDriver(c.DB.DriverName())
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultPurgeBatchSize
+	}
+}
+
+// Validate reports every problem of the configuration at once, joined with
+// errors.Join; nil means valid. Zero optional fields are accepted as their
+// defaults.
+func (c PurgeConfig) Validate() error {
+	var errs []error
+	if c.DB == nil {
+		errs = append(errs, errors.New("inbox: PurgeConfig.DB is required"))
+	} else if c.Dialect == nil {
+		if _, err := dialectForDriver(c.DB.DriverName()); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.Table != "" {
+		if _, err := parseTableName(c.Table); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.OlderThan < time.Microsecond {
+		errs = append(errs, fmt.Errorf("inbox: PurgeConfig.OlderThan must be at least 1µs, got %v", c.OlderThan))
+	}
+	if c.BatchSize < 0 || c.BatchSize > MaxPurgeBatchSize {
+		errs = append(errs, fmt.Errorf("inbox: PurgeConfig.BatchSize must be between 1 and %d, got %d", MaxPurgeBatchSize, c.BatchSize))
+	}
+	if c.Consumer != "" {
+		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
+			errs = append(errs, fmt.Errorf("PurgeConfig.Consumer: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Purge deletes the inbox rows processed more than cfg.OlderThan ago, by the
+// database's clock in UTC (neither the process's nor the session's time zone
+// changes which rows go), and returns how many it deleted.
+//
+// It deletes in batches of at most cfg.BatchSize rows, oldest first, each one
+// DELETE in its own transaction that uses the processed_at index, until a
+// batch comes back short or ctx ends. On PostgreSQL a batch skips rows that
+// live transactions hold locked (FOR UPDATE SKIP LOCKED), so it never waits
+// on a handler; on MySQL/MariaDB and SQLite a batch holds its locks only for
+// its own short statement. The cutoff is recomputed for every batch.
+//
+// An invalid cfg gives an error wrapping ErrInvalidConfig. When ctx ends, or a
+// batch fails, Purge returns the rows deleted so far with the error (wrapping
+// ctx.Err() or the driver's error); the batches that completed stay deleted.
+// It is safe to run from several processes at once: the batches may then
+// delete fewer rows each, never the wrong ones.
+func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	table, _ := parseTableName(cfg.Table)
+	query, args := purgeStatement(cfg.Dialect, table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
+	for {
+		if err := ctx.Err(); err != nil {
+			return deleted, fmt.Errorf("inbox: purge %s: %w", table, err)
+		}
+		res, err := cfg.DB.ExecContext(ctx, query, args...)
+		if err != nil {
+			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return deleted, fmt.Errorf("inbox: purge %s: rows affected: %w", table, err)
+		}
+		deleted += n
+		if n < int64(cfg.BatchSize) {
+			return deleted, nil
+		}
+	}
+}
+
+// purgeStatement returns one batch's DELETE and its arguments: the window
+// in microseconds, the batch size and, when set, the consumer.
+func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consumer string) (string, []any) {
+	q := t.quoted(d)
+	switch d {
+	case PostgreSQL:
+		args, filter := []any{window, batch}, ""
+		if consumer != "" {
+			args, filter = append(args, consumer), " AND consumer = $3"
+		}
+		return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
+			"SELECT consumer, message_id FROM " + q +
+			" WHERE processed_at < now() - $1 * interval '1 microsecond'" + filter +
+			" ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)", args
+	case MySQL:
+		// Single-table DELETE with ORDER BY and LIMIT walks the
+		// processed_at index; ? binds in textual order.
+		args, filter := []any{window}, ""
+		if consumer != "" {
+			args, filter = append(args, consumer), " AND consumer = ?"
+		}
+		return "DELETE FROM " + q + " WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND" + filter +
+			" ORDER BY processed_at LIMIT ?", append(args, batch)
+	default: // SQLite: WITHOUT ROWID, so the batch is chosen by primary key.
+		args, filter := []any{window, batch}, ""
+		if consumer != "" {
+			args, filter = append(args, consumer), " AND consumer = ?3"
+		}
+		return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
+			"SELECT consumer, message_id FROM " + q +
+			" WHERE processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1" + filter +
+			" ORDER BY processed_at LIMIT ?2)", args
+	}
+}

@@ -1,0 +1,188 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// agoSQL returns an SQL expression for "the database's now minus d", in the
+// representation of processed_at.
+func agoSQL(d inbox.Dialect, ago time.Duration) string {
+	us := ago.Microseconds()
+	switch d {
+	case inbox.PostgreSQL:
+		return fmt.Sprintf("now() - interval '%d microseconds'", us)
+	case inbox.MySQL:
+		return fmt.Sprintf("UTC_TIMESTAMP(6) - INTERVAL %d MICROSECOND", us)
+	default:
+		return fmt.Sprintf("CAST(unixepoch('subsec') * 1000000 AS INTEGER) - %d", us)
+	}
+}
+
+// insertRows adds n inbox rows for consumer, processed ago before now by the
+// database clock, in one statement per 500 rows.
+func insertRows(t *testing.T, db *sqlx.DB, d inbox.Dialect, table, consumer, prefix string, n int, ago time.Duration) {
+	t.Helper()
+	for start := 0; start < n; start += 500 {
+		var values []string
+		for i := start; i < min(n, start+500); i++ {
+			values = append(values, fmt.Sprintf("('%s', '%s-%d', %s)", consumer, prefix, i, agoSQL(d, ago)))
+		}
+		exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES "+strings.Join(values, ", "))
+	}
+}
+
+func TestPurgeDeletesExactlyExpiredRows(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.dialect, f.inbox, "billing", "old", 2500, 2*time.Hour)
+		insertRows(t, db, tdb.dialect, f.inbox, "shipping", "old", 300, 2*time.Hour)
+		insertRows(t, db, tdb.dialect, f.inbox, "billing", "recent", 40, 30*time.Minute)
+
+		// Only billing's expired rows first.
+		deleted, err := inbox.Purge(context.Background(), inbox.PurgeConfig{
+			DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 1000, Consumer: "billing",
+		})
+		if err != nil || deleted != 2500 {
+			t.Fatalf("purge billing: deleted %d, err %v; want 2500, nil", deleted, err)
+		}
+		if got := count(t, db, f.inbox, "consumer = ?", "shipping"); got != 300 {
+			t.Errorf("shipping rows = %d, want 300 (other consumer untouched)", got)
+		}
+		// Then everything expired; a batch size that divides the count
+		// exactly needs one more, empty, batch to stop.
+		deleted, err = inbox.Purge(context.Background(), inbox.PurgeConfig{
+			DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 100,
+		})
+		if err != nil || deleted != 300 {
+			t.Fatalf("purge all: deleted %d, err %v; want 300, nil", deleted, err)
+		}
+		if got := f.inboxRows(); got != 40 {
+			t.Errorf("rows left = %d, want the 40 recent ones", got)
+		}
+		if got := count(t, db, f.inbox, "message_id LIKE ?", "recent-%"); got != 40 {
+			t.Errorf("recent rows = %d, want 40", got)
+		}
+	})
+}
+
+// processed_at and the purge cutoff both come from the database clock in
+// UTC: messages claimed on a session at UTC+14 (+13 on MySQL/MariaDB, whose
+// limit that is) are not purged by a 1-hour window from a session at
+// UTC-12, and are by a 1µs window.
+func TestPurgeIgnoresSessionTimeZone(t *testing.T) {
+	sessions := map[string][2]string{ // dialect name: DSN parameter for +14, for -12
+		"postgres": {"timezone=Etc/GMT-14", "timezone=Etc/GMT%2B12"},
+		"mysql":    {"time_zone=" + url.QueryEscape("'+13:00'"), "time_zone=" + url.QueryEscape("'-12:00'")},
+	}
+	for _, tdb := range testDBs {
+		if tdb.name == "mysql-clientFoundRows" {
+			continue
+		}
+		t.Run(tdb.name, func(t *testing.T) {
+			t.Parallel()
+			plus14, minus12 := tdb.open(t), tdb.open(t)
+			if params, ok := sessions[tdb.name]; ok {
+				base := env(postgresDSNEnv, defaultPostgresDSN)
+				driver := "pgx"
+				if tdb.dialect == inbox.MySQL {
+					base, driver = env(mysqlDSNEnv, defaultMySQLDSN), "mysql"
+				}
+				plus14 = openServer(t, driver, withParam(base, params[0]), tdb.name, "", "")
+				minus12 = openServer(t, driver, withParam(base, params[1]), tdb.name, "", "")
+				checkSessionOffsets(t, tdb.dialect, plus14, minus12)
+			} else {
+				minus12 = plus14 // SQLite has no session time zone; its clock is UTC by definition
+			}
+			f := newFixture(t, plus14)
+			ib := f.newInbox(inbox.Config{Consumer: "billing"})
+			h := ib.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+			for range 20 {
+				if _, err := h(message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			purge := func(window time.Duration) int64 {
+				n, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: minus12, Table: f.inbox, OlderThan: window})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return n
+			}
+			if n := purge(time.Hour); n != 0 {
+				t.Errorf("1h window deleted %d rows processed a moment ago, want 0", n)
+			}
+			time.Sleep(20 * time.Millisecond)
+			if n := purge(time.Microsecond); n != 20 {
+				t.Errorf("1µs window deleted %d rows, want 20", n)
+			}
+		})
+	}
+}
+
+// checkSessionOffsets proves the DSN parameters really moved the sessions.
+func checkSessionOffsets(t *testing.T, d inbox.Dialect, plus14, minus12 *sqlx.DB) {
+	t.Helper()
+	q, east := "SELECT CAST(EXTRACT(TIMEZONE FROM now()) AS INTEGER)", 14
+	if d == inbox.MySQL {
+		q, east = "SELECT TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())", 13
+	}
+	for db, want := range map[*sqlx.DB]int{plus14: east * 3600, minus12: -12 * 3600} {
+		var got int
+		if err := db.Get(&got, q); err != nil {
+			t.Fatal(err)
+		}
+		if got < want-5 || got > want+5 {
+			t.Fatalf("session offset = %ds, want %ds", got, want)
+		}
+	}
+}
+
+func TestPurgeConfigErrors(t *testing.T) {
+	db := sqliteDB(t)
+	cases := []struct {
+		cfg  inbox.PurgeConfig
+		want string
+	}{
+		{inbox.PurgeConfig{OlderThan: time.Hour}, "DB is required"},
+		{inbox.PurgeConfig{DB: db}, "OlderThan"},
+		{inbox.PurgeConfig{DB: db, OlderThan: -time.Hour}, "OlderThan"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, BatchSize: -1}, "BatchSize"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, BatchSize: inbox.MaxPurgeBatchSize + 1}, "BatchSize"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, Table: "x; DROP TABLE y"}, "invalid table name"},
+	}
+	for _, tc := range cases {
+		n, err := inbox.Purge(context.Background(), tc.cfg)
+		if n != 0 || !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: got %d, %v; want ErrInvalidConfig mentioning %q", tc.cfg, n, err, tc.want)
+		}
+	}
+}
+
+func TestPurgeStopsWhenContextEnds(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "old", 50, 2*time.Hour)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 10})
+	if n != 0 || !errors.Is(err, context.Canceled) {
+		t.Errorf("got %d, %v; want 0 and context.Canceled", n, err)
+	}
+	if f.inboxRows() != 50 {
+		t.Errorf("rows = %d, want 50", f.inboxRows())
+	}
+}
