@@ -68,7 +68,7 @@ func dialectForDriver(driverName string) (Dialect, error) {
 // DefaultTable is the inbox table name used when Config.Table is empty.
 const DefaultTable = "watermill_inbox"
 
-// tableNamePattern is the allow-list for table names (see DESIGN.md): one
+// tableNamePattern is the allow-list for table names: one
 // identifier, optionally qualified by a schema (PostgreSQL), a database
 // (MySQL) or an attached database (SQLite). 63 bytes is PostgreSQL's
 // identifier limit (NAMEDATALEN-1); MySQL allows 64.

@@ -30,11 +30,18 @@
 //	ib, err := inbox.New(inbox.Config{DB: db}) // db is a *sqlx.DB
 //	if err != nil { ... }
 //	if err := ib.InitializeSchema(ctx); err != nil { ... }
-//	router.AddMiddleware(middleware.Recoverer, retry.Middleware, ib.Middleware)
+//	router.AddMiddleware(
+//		middleware.Recoverer,
+//		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond}.Middleware,
+//		ib.Middleware, // last
+//	)
 //
 //	func handle(msg *message.Message) error {
-//		tx, _ := inbox.TxFromContext(msg.Context())
-//		_, err := tx.ExecContext(msg.Context(), "INSERT INTO invoices ...")
+//		tx, ok := inbox.TxFromContext(msg.Context())
+//		if !ok {
+//			return errors.New("no inbox transaction")
+//		}
+//		_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO invoices (order_id) VALUES (?)"), id)
 //		return err
 //	}
 //
@@ -45,7 +52,9 @@
 //
 // Put the inbox inside (after) Recoverer, PoisonQueue and Retry. Each retry
 // then runs in a fresh transaction, and a message sent to the poison queue is
-// not marked processed, so replaying it later processes it.
+// not marked processed, so replaying it later processes it. The reverse order
+// cannot be detected and is wrong: Retry inside the inbox runs every attempt
+// in one transaction, so a failed attempt's writes commit with the last one.
 //
 // # Keys
 //

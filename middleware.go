@@ -22,7 +22,7 @@ type Config struct {
 	DB *sqlx.DB
 
 	// Dialect is the SQL dialect of DB. Default: inferred from
-	// DB.DriverName(): "postgres", "pgx", "pgx/v5" give PostgreSQL, "mysql"
+	// DB.DriverName(): "postgres", "pgx", "pgx/v4", "pgx/v5" give PostgreSQL, "mysql"
 	// gives MySQL, "sqlite" and "sqlite3" give SQLite. Any other driver name
 	// needs an explicit Dialect (ErrUnknownDialect).
 	Dialect Dialect
@@ -272,7 +272,9 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 
 	res, err := tx.ExecContext(ctx, ib.claimSQL, consumer, id)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: claim %s/%s: %w", consumer, id, err)
+		// Name the table: a missing one (InitializeSchema not run) is the
+		// most common first error.
+		return nil, fmt.Errorf("inbox: claim %s/%s in table %s: %w", consumer, id, ib.table, err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {

@@ -724,3 +724,64 @@ func TestCancelledContext(t *testing.T) {
 		}
 	})
 }
+
+// The wrong order, documented: Retry inside the inbox runs every attempt in
+// one transaction, so the failed attempt's write commits with the successful
+// one; PoisonQueue inside the inbox commits the inbox row of a poisoned
+// message, so its replay is skipped. The README warns about both.
+func TestWrongOrderRetryInsideInbox(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		var attempts atomic.Int32
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware, middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				n := attempts.Add(1)
+				tx, _ := inbox.TxFromContext(msg.Context())
+				if _, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"),
+					fmt.Sprintf("%s:%d", msg.UUID, n), "billing"); err != nil {
+					return err
+				}
+				if n == 1 {
+					return errors.New("transient")
+				}
+				return nil
+			})
+		})
+		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatal("nacked")
+		}
+		if got := f.businessRows(); got != 2 {
+			t.Errorf("business rows = %d; the documented outcome of this wrong order is 2 (the failed attempt's write kept)", got)
+		}
+	})
+}
+
+func TestWrongOrderPoisonQueueInsideInbox(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	poison, err := middleware.PoisonQueue(pubsub, "orders_poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var c calls
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(ib.Middleware, poison)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			c.inc(msg.UUID)
+			return errors.New("cannot process")
+		})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	in.deliver(t, msg)
+	in.deliver(t, msg) // the replay from the poison queue
+	if c.get(msg.UUID) != 1 || f.inboxRows() != 1 {
+		t.Errorf("calls %d, inbox rows %d; the documented outcome of this wrong order is 1 and 1 (replay skipped)",
+			c.get(msg.UUID), f.inboxRows())
+	}
+}

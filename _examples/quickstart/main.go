@@ -88,7 +88,10 @@ func run() error {
 	router.AddConsumerHandler("billing", "orders.confirmed", pubSub, func(msg *message.Message) error {
 		// The inbox transaction: the invoice commits together with the
 		// inbox row, or not at all.
-		tx, _ := inbox.TxFromContext(msg.Context())
+		tx, ok := inbox.TxFromContext(msg.Context())
+		if !ok {
+			return fmt.Errorf("no inbox transaction: is ib.Middleware installed?")
+		}
 		orderID := msg.Metadata.Get("order_id")
 		if _, err := tx.ExecContext(msg.Context(),
 			`INSERT INTO invoices (order_id, amount) VALUES (?, ?)`, orderID, 100); err != nil {
