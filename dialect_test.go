@@ -16,6 +16,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 func sqliteDB(t *testing.T) *sqlx.DB {
@@ -136,9 +137,8 @@ func TestValidateReportsAllProblems(t *testing.T) {
 
 // A pgx pool wrapped with stdlib.OpenDBFromPool, as the docs tell pgx users.
 func TestPgxPool(t *testing.T) {
-	probe := openServer(t, "pgx", env(postgresDSNEnv, defaultPostgresDSN), "PostgreSQL", postgresDSNEnv,
-		"pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")
-	pool, err := pgxpool.New(context.Background(), env(postgresDSNEnv, defaultPostgresDSN))
+	probe := testdb.OpenPostgres(t, "")
+	pool, err := pgxpool.New(context.Background(), testdb.PostgresDSN())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,14 +2,7 @@ package inbox_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"errors"
 	"fmt"
-	"net"
-	"os"
-	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -22,113 +15,28 @@ import (
 	_ "modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
-// Test databases. SQLite always runs (a file in t.TempDir()); PostgreSQL and
-// MySQL/MariaDB run against the servers named by these variables. Locally a
-// server that cannot be reached skips its tests; with CI=true it fails them.
-const (
-	postgresDSNEnv = "INBOX_TEST_POSTGRES_DSN"
-	mysqlDSNEnv    = "INBOX_TEST_MYSQL_DSN"
+type testDB = testdb.DB
 
-	defaultPostgresDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	defaultMySQLDSN    = "root@tcp(127.0.0.1:3306)/test?parseTime=true"
+var testDBs = testdb.All
 
-	// sqliteParams are the settings the README recommends for SQLite.
-	sqliteParams = "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL&_txlock=immediate&_foreign_keys=1"
+var (
+	randomSuffix = testdb.RandomSuffix
+	dropLater    = testdb.DropLater
+	openSQLite   = testdb.OpenSQLite
 )
-
-// testDB is one database the semantic tests run against.
-type testDB struct {
-	name    string // subtest name: sqlite, postgres, mysql, mysql-clientFoundRows
-	dialect inbox.Dialect
-	open    func(t *testing.T) *sqlx.DB
-}
-
-func env(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
-}
-
-func withParam(dsn, param string) string {
-	if strings.Contains(dsn, "?") {
-		return dsn + "&" + param
-	}
-	return dsn + "?" + param
-}
-
-var testDBs = []testDB{
-	{name: "sqlite", dialect: inbox.SQLite, open: func(t *testing.T) *sqlx.DB {
-		return openSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	}},
-	{name: "postgres", dialect: inbox.PostgreSQL, open: func(t *testing.T) *sqlx.DB {
-		return openServer(t, "pgx", env(postgresDSNEnv, defaultPostgresDSN), "PostgreSQL", postgresDSNEnv,
-			"pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start")
-	}},
-	{name: "mysql", dialect: inbox.MySQL, open: func(t *testing.T) *sqlx.DB {
-		return openServer(t, "mysql", env(mysqlDSNEnv, defaultMySQLDSN), "MySQL/MariaDB", mysqlDSNEnv,
-			"start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd")
-	}},
-	{name: "mysql-clientFoundRows", dialect: inbox.MySQL, open: func(t *testing.T) *sqlx.DB {
-		return openServer(t, "mysql", withParam(env(mysqlDSNEnv, defaultMySQLDSN), "clientFoundRows=true"),
-			"MySQL/MariaDB", mysqlDSNEnv, "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd")
-	}},
-}
-
-func openSQLite(t testing.TB, path string) *sqlx.DB {
-	t.Helper()
-	db, err := sqlx.Open("sqlite", "file:"+path+"?"+sqliteParams)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	return db
-}
-
-// openServer opens a fresh pool per test so that db.Stats() belongs to it.
-func openServer(t testing.TB, driver, dsn, what, envName, start string) *sqlx.DB {
-	t.Helper()
-	db, err := sqlx.Open(driver, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	db.SetMaxOpenConns(8)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := db.PingContext(ctx); err != nil {
-		var netErr *net.OpError
-		if !errors.As(err, &netErr) {
-			t.Fatalf("%s: %v", what, err) // reachable, but refused us: a real failure
-		}
-		msg := fmt.Sprintf("%s not reachable (%v): start it with `%s`, or point %s at a server", what, err, start, envName)
-		if os.Getenv("CI") == "true" {
-			t.Fatal(msg)
-		}
-		t.Skip(msg)
-	}
-	return db
-}
 
 // forEachDB runs f as a parallel subtest on every test database.
 func forEachDB(t *testing.T, f func(t *testing.T, tdb testDB, db *sqlx.DB)) {
 	t.Helper()
 	for _, tdb := range testDBs {
-		t.Run(tdb.name, func(t *testing.T) {
+		t.Run(tdb.Name, func(t *testing.T) {
 			t.Parallel()
-			f(t, tdb, tdb.open(t))
+			f(t, tdb, tdb.Open(t))
 		})
 	}
-}
-
-func randomSuffix() string {
-	b := make([]byte, 6)
-	if _, err := rand.Read(b); err != nil {
-		panic(err)
-	}
-	return hex.EncodeToString(b)
 }
 
 func exec(t testing.TB, db *sqlx.DB, query string, args ...any) {
@@ -136,18 +44,6 @@ func exec(t testing.TB, db *sqlx.DB, query string, args ...any) {
 	if _, err := db.ExecContext(context.Background(), db.Rebind(query), args...); err != nil {
 		t.Fatalf("%s: %v", query, err)
 	}
-}
-
-// dropLater drops table when the test ends, with a context that is not the
-// test's (already cancelled by then).
-func dropLater(t testing.TB, db *sqlx.DB, table string) {
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := db.ExecContext(ctx, "DROP TABLE IF EXISTS "+table); err != nil {
-			t.Logf("drop %s: %v", table, err)
-		}
-	})
 }
 
 func count(t testing.TB, db *sqlx.DB, table, where string, args ...any) int {

@@ -310,7 +310,7 @@ func TestCommitFailureNacks(t *testing.T) {
 			OnFailed:    func(inbox.Event) { failed.Add(1) },
 		})
 		var breakCommit func(msg *message.Message, tx *sqlx.Tx) error
-		switch tdb.dialect {
+		switch tdb.Dialect {
 		case inbox.PostgreSQL:
 			breakCommit = func(msg *message.Message, tx *sqlx.Tx) error {
 				_, err := tx.ExecContext(msg.Context(), "SELECT 1/0")

@@ -14,6 +14,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // agoSQL returns an SQL expression for "the database's now minus d", in the
@@ -47,9 +48,9 @@ func TestPurgeDeletesExactlyExpiredRows(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		f := newFixture(t, db)
 		f.newInbox(inbox.Config{})
-		insertRows(t, db, tdb.dialect, f.inbox, "billing", "old", 2500, 2*time.Hour)
-		insertRows(t, db, tdb.dialect, f.inbox, "shipping", "old", 300, 2*time.Hour)
-		insertRows(t, db, tdb.dialect, f.inbox, "billing", "recent", 40, 30*time.Minute)
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 2500, 2*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "shipping", "old", 300, 2*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "recent", 40, 30*time.Minute)
 
 		// Only billing's expired rows first.
 		deleted, err := inbox.Purge(context.Background(), inbox.PurgeConfig{
@@ -88,21 +89,19 @@ func TestPurgeIgnoresSessionTimeZone(t *testing.T) {
 		"mysql":    {"time_zone=" + url.QueryEscape("'+13:00'"), "time_zone=" + url.QueryEscape("'-12:00'")},
 	}
 	for _, tdb := range testDBs {
-		if tdb.name == "mysql-clientFoundRows" {
+		if tdb.Name == "mysql-clientFoundRows" {
 			continue
 		}
-		t.Run(tdb.name, func(t *testing.T) {
+		t.Run(tdb.Name, func(t *testing.T) {
 			t.Parallel()
-			plus14, minus12 := tdb.open(t), tdb.open(t)
-			if params, ok := sessions[tdb.name]; ok {
-				base := env(postgresDSNEnv, defaultPostgresDSN)
-				driver := "pgx"
-				if tdb.dialect == inbox.MySQL {
-					base, driver = env(mysqlDSNEnv, defaultMySQLDSN), "mysql"
+			plus14, minus12 := tdb.Open(t), tdb.Open(t)
+			if params, ok := sessions[tdb.Name]; ok {
+				open := testdb.OpenPostgres
+				if tdb.Dialect == inbox.MySQL {
+					open = testdb.OpenMySQL
 				}
-				plus14 = openServer(t, driver, withParam(base, params[0]), tdb.name, "", "")
-				minus12 = openServer(t, driver, withParam(base, params[1]), tdb.name, "", "")
-				checkSessionOffsets(t, tdb.dialect, plus14, minus12)
+				plus14, minus12 = open(t, params[0]), open(t, params[1])
+				checkSessionOffsets(t, tdb.Dialect, plus14, minus12)
 			} else {
 				minus12 = plus14 // SQLite has no session time zone; its clock is UTC by definition
 			}

@@ -78,18 +78,18 @@ func statements(script string) []string {
 func TestInitializeSchemaMatchesSchemaFile(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		ctx := context.Background()
-		file, _ := schemaFiles.ReadFile(schemaFileOf[tdb.dialect])
+		file, _ := schemaFiles.ReadFile(schemaFileOf[tdb.Dialect])
 		fromFile, fromCode := "f_"+randomSuffix(), "c_"+randomSuffix()
 
-		switch tdb.dialect {
+		switch tdb.Dialect {
 		case inbox.PostgreSQL, inbox.MySQL:
 			kind := "SCHEMA"
-			if tdb.dialect == inbox.MySQL {
+			if tdb.Dialect == inbox.MySQL {
 				kind = "DATABASE"
 			}
 			for _, ns := range []string{fromFile, fromCode} {
 				exec(t, db, "CREATE "+kind+" "+ns)
-				t.Cleanup(func() { db.Exec("DROP " + kind + " " + ns + cascade(tdb.dialect)) })
+				t.Cleanup(func() { db.Exec("DROP " + kind + " " + ns + cascade(tdb.Dialect)) })
 			}
 			// The file, unchanged, run with fromFile as the current schema.
 			conn, err := db.Connx(ctx)
@@ -97,7 +97,7 @@ func TestInitializeSchemaMatchesSchemaFile(t *testing.T) {
 				t.Fatal(err)
 			}
 			use := "SET search_path TO " + fromFile
-			if tdb.dialect == inbox.MySQL {
+			if tdb.Dialect == inbox.MySQL {
 				use = "USE " + fromFile
 			}
 			if _, err := conn.ExecContext(ctx, use); err != nil {
@@ -111,7 +111,7 @@ func TestInitializeSchemaMatchesSchemaFile(t *testing.T) {
 			conn.Raw(func(any) error { return driver.ErrBadConn }) // discard the session with its search_path
 			conn.Close()
 			initialize(t, db, fromCode+"."+inbox.DefaultTable)
-			if a, b := describe(t, db, tdb.dialect, fromFile), describe(t, db, tdb.dialect, fromCode); a != b {
+			if a, b := describe(t, db, tdb.Dialect, fromFile), describe(t, db, tdb.Dialect, fromCode); a != b {
 				t.Errorf("schema file creates\n%s\nInitializeSchema creates\n%s", a, b)
 			}
 		case inbox.SQLite:
@@ -214,7 +214,7 @@ func TestInitializeSchemaConcurrent(t *testing.T) {
 func TestQualifiedTableName(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		ns := "main"
-		switch tdb.dialect {
+		switch tdb.Dialect {
 		case inbox.PostgreSQL:
 			ns = "billing_" + randomSuffix()
 			exec(t, db, "CREATE SCHEMA "+ns)

@@ -1,0 +1,152 @@
+// Package testdb opens the databases that the inbox's tests and benchmarks
+// run against. SQLite always works (a file in a temporary folder);
+// PostgreSQL and MySQL/MariaDB are found through INBOX_TEST_POSTGRES_DSN and
+// INBOX_TEST_MYSQL_DSN, defaulting to the local servers. A server that cannot
+// be reached skips the test locally and fails it when CI=true; a server that
+// is reached but refuses the connection always fails it.
+package testdb
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	_ "github.com/go-sql-driver/mysql" // registers "mysql"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
+	"github.com/jmoiron/sqlx"
+	_ "modernc.org/sqlite" // registers "sqlite"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// Environment variables and their defaults.
+const (
+	PostgresDSNEnv     = "INBOX_TEST_POSTGRES_DSN"
+	MySQLDSNEnv        = "INBOX_TEST_MYSQL_DSN"
+	DefaultPostgresDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	DefaultMySQLDSN    = "root@tcp(127.0.0.1:3306)/test?parseTime=true"
+
+	// SQLiteParams are the DSN settings the README recommends for SQLite.
+	SQLiteParams = "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL&_txlock=immediate&_foreign_keys=1"
+
+	startPostgres = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+	startMariaDB  = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
+)
+
+// DB is one database kind the tests run against.
+type DB struct {
+	Name    string // sqlite, postgres, mysql, mysql-clientFoundRows
+	Dialect inbox.Dialect
+	// Open returns a new pool of at most 8 connections, closed when tb ends.
+	Open func(tb testing.TB) *sqlx.DB
+}
+
+// All is every database kind, MySQL twice (with and without
+// clientFoundRows=true, which changes what rows affected means).
+var All = []DB{
+	{Name: "sqlite", Dialect: inbox.SQLite, Open: func(tb testing.TB) *sqlx.DB {
+		return OpenSQLite(tb, filepath.Join(tb.TempDir(), "inbox.db"))
+	}},
+	{Name: "postgres", Dialect: inbox.PostgreSQL, Open: func(tb testing.TB) *sqlx.DB { return OpenPostgres(tb, "") }},
+	{Name: "mysql", Dialect: inbox.MySQL, Open: func(tb testing.TB) *sqlx.DB { return OpenMySQL(tb, "") }},
+	{Name: "mysql-clientFoundRows", Dialect: inbox.MySQL, Open: func(tb testing.TB) *sqlx.DB {
+		return OpenMySQL(tb, "clientFoundRows=true")
+	}},
+}
+
+// Env returns the environment variable name, or def when it is empty.
+func Env(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// WithParam appends a query parameter to a DSN.
+func WithParam(dsn, param string) string {
+	if param == "" {
+		return dsn
+	}
+	if strings.Contains(dsn, "?") {
+		return dsn + "&" + param
+	}
+	return dsn + "?" + param
+}
+
+// PostgresDSN and MySQLDSN return the configured DSNs.
+func PostgresDSN() string { return Env(PostgresDSNEnv, DefaultPostgresDSN) }
+func MySQLDSN() string    { return Env(MySQLDSNEnv, DefaultMySQLDSN) }
+
+// OpenSQLite opens the SQLite file at path with SQLiteParams.
+func OpenSQLite(tb testing.TB, path string) *sqlx.DB {
+	tb.Helper()
+	db, err := sqlx.Open("sqlite", "file:"+path+"?"+SQLiteParams)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { db.Close() })
+	return db
+}
+
+// OpenPostgres opens PostgreSQL with the extra DSN parameter param (may be empty).
+func OpenPostgres(tb testing.TB, param string) *sqlx.DB {
+	return open(tb, "pgx", WithParam(PostgresDSN(), param), "PostgreSQL", PostgresDSNEnv, startPostgres)
+}
+
+// OpenMySQL opens MySQL/MariaDB with the extra DSN parameter param (may be empty).
+func OpenMySQL(tb testing.TB, param string) *sqlx.DB {
+	return open(tb, "mysql", WithParam(MySQLDSN(), param), "MySQL/MariaDB", MySQLDSNEnv, startMariaDB)
+}
+
+func open(tb testing.TB, driver, dsn, what, envName, start string) *sqlx.DB {
+	tb.Helper()
+	db, err := sqlx.Open(driver, dsn)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(8)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := db.PingContext(ctx); err != nil {
+		var netErr *net.OpError
+		if !errors.As(err, &netErr) {
+			tb.Fatalf("%s: %v", what, err) // reachable, but refused us: a real failure
+		}
+		msg := fmt.Sprintf("%s not reachable (%v): start it with `%s`, or point %s at a server", what, err, start, envName)
+		if os.Getenv("CI") == "true" {
+			tb.Fatal(msg)
+		}
+		tb.Skip(msg)
+	}
+	return db
+}
+
+// RandomSuffix returns 12 random lowercase hex digits, for table names.
+func RandomSuffix() string {
+	b := make([]byte, 6)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// DropLater drops table when tb ends, with a context of its own (the test's
+// is already cancelled by then).
+func DropLater(tb testing.TB, db *sqlx.DB, table string) {
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := db.ExecContext(ctx, "DROP TABLE IF EXISTS "+table); err != nil {
+			tb.Logf("drop %s: %v", table, err)
+		}
+	})
+}
