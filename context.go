@@ -16,9 +16,14 @@ type txKey struct{}
 //
 // Call it with msg.Context() inside a handler. Every write the handler makes
 // through the returned transaction commits or rolls back together with the
-// inbox row. The handler must not call Commit or Rollback on it: the
-// middleware does, after the handler returns. Pass msg.Context() to the
-// statements (ExecContext, QueryContext) so that cancellation reaches them.
+// inbox row. The handler must not end it: no Commit or Rollback call, no
+// COMMIT, ROLLBACK or SET autocommit statement, and on MySQL/MariaDB no
+// statement that commits implicitly (DDL such as CREATE TABLE or TRUNCATE,
+// LOCK TABLES; see MySQL's "Statements That Cause an Implicit Commit"). Such
+// a statement commits the inbox row early: if the handler then fails, the
+// redelivery is skipped as a duplicate. The middleware commits or rolls back
+// after the handler returns. Pass msg.Context() to the statements
+// (ExecContext, QueryContext) so that cancellation reaches them.
 //
 // The transaction is only valid while the handler runs; after the middleware
 // returns, the message context no longer carries it.

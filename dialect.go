@@ -27,6 +27,9 @@ type Dialect interface {
 	// createSQL returns the DDL statements that create the table and its
 	// purge index if they do not exist, in order.
 	createSQL(table qualifiedName) []string
+	// existsSQL returns a query for how many of the table and its purge
+	// index exist (2 means both), reading only the catalog.
+	existsSQL(table qualifiedName) (string, []any)
 }
 
 // Exported dialects. Compare a Config.Dialect with them by equality.
@@ -144,6 +147,16 @@ func (d postgresDialect) createSQL(t qualifiedName) []string {
 	}
 }
 
+func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
+	index := d.quote(t.indexName())
+	if t.schema != "" {
+		index = d.quote(t.schema) + "." + index
+	}
+	// to_regclass resolves unqualified names through search_path, as the
+	// DDL does, and returns NULL for a missing relation instead of failing.
+	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regclass($2) IS NOT NULL)::int", []any{t.quoted(d), index}
+}
+
 type mysqlDialect struct{}
 
 func (mysqlDialect) String() string            { return "mysql" }
@@ -174,6 +187,16 @@ func (d mysqlDialect) createSQL(t qualifiedName) []string {
 			"    INDEX " + d.quote(t.indexName()) + " (processed_at)\n" +
 			") ENGINE=InnoDB",
 	}
+}
+
+func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
+	schema, args := "DATABASE()", []any{t.name, t.indexName()}
+	if t.schema != "" {
+		schema, args = "?", append([]any{t.schema}, args...)
+	}
+	// The primary key and the purge index, the table implied.
+	return "SELECT COUNT(DISTINCT index_name) FROM information_schema.statistics" +
+		" WHERE table_schema = " + schema + " AND table_name = ? AND index_name IN ('PRIMARY', ?)", args
 }
 
 type sqliteDialect struct{}
@@ -207,4 +230,13 @@ func (d sqliteDialect) createSQL(t qualifiedName) []string {
 			") WITHOUT ROWID",
 		"CREATE INDEX IF NOT EXISTS " + index + " ON " + d.quote(t.name) + " (processed_at)",
 	}
+}
+
+func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
+	master := "sqlite_master"
+	if t.schema != "" {
+		master = d.quote(t.schema) + ".sqlite_master"
+	}
+	return "SELECT COUNT(*) FROM " + master + " WHERE (type = 'table' AND name = ?) OR (type = 'index' AND name = ?)",
+		[]any{t.name, t.indexName()}
 }

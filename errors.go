@@ -55,6 +55,13 @@ var (
 	// An empty consumer is never used as a shared key.
 	ErrEmptyConsumer = errors.New("inbox: empty consumer")
 
+	// ErrNestedInbox means the message context already carries an inbox
+	// transaction: an inbox middleware runs inside another (for example
+	// added both to the router and to the handler). The inner claim would
+	// otherwise wait forever on the outer transaction's row. Add the
+	// middleware once.
+	ErrNestedInbox = errors.New("inbox: inbox middleware nested inside another inbox middleware")
+
 	// ErrUnexpectedRowsAffected means the claim statement reported a number
 	// of affected rows that the dialect cannot produce for an insert of one
 	// row. The transaction is rolled back and the message nacked.

@@ -785,3 +785,64 @@ func TestWrongOrderPoisonQueueInsideInbox(t *testing.T) {
 			c.get(msg.UUID), f.inboxRows())
 	}
 }
+
+// The same inbox added to the router and to the handler: the inner one
+// refuses with ErrNestedInbox at once instead of waiting forever on the
+// outer transaction's row; nothing is committed and the connection is back.
+func TestNestedInboxRefused(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			h := r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return f.writeBusinessRow(msg) })
+			h.AddMiddleware(ib.Middleware)
+		})
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatal("acked")
+		}
+		if err := rec.last(); !errors.Is(err, inbox.ErrNestedInbox) {
+			t.Errorf("err = %v, want ErrNestedInbox", err)
+		}
+		if f.inboxRows() != 0 || f.businessRows() != 0 || db.Stats().InUse != 0 {
+			t.Errorf("inbox rows %d, business rows %d, connections in use %d; want 0, 0, 0",
+				f.inboxRows(), f.businessRows(), db.Stats().InUse)
+		}
+	})
+}
+
+// OnFailed sees every failure the router nacks: a handler error, a panic,
+// an invalid id, and a claim that fails (here: no table).
+func TestOnFailedHook(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	var failures []error
+	var mu sync.Mutex
+	ib := f.newInbox(inbox.Config{
+		Consumer:  "billing",
+		MessageID: func(msg *message.Message) (string, error) { return msg.Metadata.Get("id"), nil },
+		OnFailed:  func(e inbox.Event) { mu.Lock(); failures = append(failures, e.Err); mu.Unlock() },
+	})
+	call := func(id string, h message.HandlerFunc) {
+		defer func() { _ = recover() }()
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		msg.Metadata.Set("id", id)
+		_, _ = ib.Middleware(h)(msg)
+	}
+	call("a", func(*message.Message) ([]*message.Message, error) { return nil, errors.New("handler failed") })
+	call("b", func(*message.Message) ([]*message.Message, error) { panic("boom") })
+	call("", func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	exec(t, db, "DROP TABLE "+f.inbox)
+	call("c", func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	want := []string{"handler failed", "handler panicked", "empty message id", "no such table"}
+	if len(failures) != len(want) {
+		t.Fatalf("OnFailed got %v, want %d failures", failures, len(want))
+	}
+	for i, w := range want {
+		if !strings.Contains(failures[i].Error(), w) {
+			t.Errorf("failure %d = %v, want it to mention %q", i, failures[i], w)
+		}
+	}
+}

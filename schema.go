@@ -49,7 +49,26 @@ var schemaNotes = map[Dialect]string{
 }
 
 func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName) error {
+	// When the table and its index exist, run no DDL at all: on PostgreSQL
+	// even CREATE INDEX IF NOT EXISTS takes a SHARE lock on the table, which
+	// queues behind running handlers and stalls every new claim behind it,
+	// and every dialect's CREATE needs privileges a least-privilege
+	// application role may not have.
+	found, err := schemaObjects(ctx, db, d, t)
+	if err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: check catalog: %w", t, err)
+	}
+	if found == 2 {
+		return nil
+	}
 	stmts := d.createSQL(t)
+	if d == MySQL && found == 1 {
+		// The table exists without its purge index, and CREATE TABLE IF NOT
+		// EXISTS would skip the inline index with the table. MySQL 8 has no
+		// CREATE INDEX IF NOT EXISTS; a concurrent starter doing the same
+		// fails with error 1061 (duplicate key name) and can simply retry.
+		stmts = []string{"CREATE INDEX " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)"}
+	}
 	if d != PostgreSQL {
 		// MySQL: one CREATE TABLE IF NOT EXISTS (index inline), atomic under
 		// the metadata lock. SQLite: each statement is atomic and the second
@@ -90,4 +109,13 @@ func schemaLockKey(t qualifiedName) int64 {
 	h := fnv.New64a()
 	h.Write([]byte("watermill-inbox schema " + t.String()))
 	return int64(h.Sum64())
+}
+
+// schemaObjects returns how many of the table and its purge index exist:
+// 0, 1 (the table only) or 2.
+func schemaObjects(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName) (int, error) {
+	query, args := d.existsSQL(t)
+	var n int
+	err := db.QueryRowxContext(ctx, db.Rebind(query), args...).Scan(&n)
+	return n, err
 }

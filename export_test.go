@@ -1,0 +1,34 @@
+package inbox
+
+import (
+	"context"
+
+	"github.com/jmoiron/sqlx"
+)
+
+// Test hooks into unexported code, for the external tests.
+
+// SchemaExists reports whether table and its purge index both exist.
+func SchemaExists(ctx context.Context, db *sqlx.DB, d Dialect, table string) (bool, error) {
+	t, err := parseTableName(table)
+	if err != nil {
+		return false, err
+	}
+	n, err := schemaObjects(ctx, db, d, t)
+	return n == 2, err
+}
+
+// CreateTableOnly creates table without its purge index.
+func CreateTableOnly(ctx context.Context, db *sqlx.DB, d Dialect, table string) error {
+	t, err := parseTableName(table)
+	if err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, d.createSQL(t)[0]); err != nil {
+		return err
+	}
+	if d == MySQL { // the index is inline in the CREATE TABLE
+		_, err = db.ExecContext(ctx, "DROP INDEX "+d.quote(t.indexName())+" ON "+t.quoted(d))
+	}
+	return err
+}
