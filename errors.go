@@ -55,6 +55,12 @@ var (
 	// An empty consumer is never used as a shared key.
 	ErrEmptyConsumer = errors.New("inbox: empty consumer")
 
+	// ErrWindowTooShort means a purge was asked to delete rows younger than
+	// the safe window its PurgeConfig.Window reported: the broker could still
+	// redeliver their messages, which would then be processed again. Nothing
+	// was deleted.
+	ErrWindowTooShort = errors.New("inbox: purge window shorter than the broker can redeliver")
+
 	// ErrNestedInbox means the message context already carries an inbox
 	// transaction: an inbox middleware runs inside another (for example
 	// added both to the router and to the handler). The inner claim would

@@ -32,3 +32,9 @@ func CreateTableOnly(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 	}
 	return err
 }
+
+// PurgeLockHeld takes the purge lock of p on conn, as another instance would.
+func PurgeLock(ctx context.Context, conn *sqlx.Conn, p *Purger) (bool, error) { return p.lock(ctx, conn) }
+
+// PurgeUnlock releases it.
+func PurgeUnlock(conn *sqlx.Conn, p *Purger) error { return p.unlock(conn) }

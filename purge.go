@@ -45,6 +45,21 @@ type PurgeConfig struct {
 	// Consumer, if set, restricts the purge to that consumer's rows.
 	// Default: all consumers.
 	Consumer string
+
+	// Window, if set, tells the shortest safe window: how long the broker
+	// can still redeliver a message (see the kafkaretention module, which
+	// reads it from the topics' retention.ms and segment.ms). Purge asks it
+	// first: an OlderThan shorter than the safe window is refused with
+	// ErrWindowTooShort and nothing is deleted; a zero OlderThan means "use
+	// the safe window". Its errors are returned wrapped.
+	Window WindowSource
+}
+
+// WindowSource reports the shortest window after which the inbox rows of a
+// consumer can no longer be needed, because the broker can no longer
+// redeliver their messages. Implementations must be safe for concurrent use.
+type WindowSource interface {
+	SafeWindow(ctx context.Context) (time.Duration, error)
 }
 
 func (c *PurgeConfig) setDefaults() {
@@ -76,8 +91,8 @@ func (c PurgeConfig) Validate() error {
 			errs = append(errs, err)
 		}
 	}
-	if c.OlderThan < time.Microsecond {
-		errs = append(errs, fmt.Errorf("inbox: PurgeConfig.OlderThan must be at least 1µs, got %v", c.OlderThan))
+	if c.OlderThan < time.Microsecond && !(c.OlderThan == 0 && c.Window != nil) {
+		errs = append(errs, fmt.Errorf("inbox: PurgeConfig.OlderThan must be at least 1µs (or 0 with a Window), got %v", c.OlderThan))
 	}
 	if c.BatchSize < 0 || c.BatchSize > MaxPurgeBatchSize {
 		errs = append(errs, fmt.Errorf("inbox: PurgeConfig.BatchSize must be between 1 and %d, got %d", MaxPurgeBatchSize, c.BatchSize))
@@ -101,6 +116,9 @@ func (c PurgeConfig) Validate() error {
 // on a handler; on MySQL/MariaDB and SQLite a batch holds its locks only for
 // its own short statement. The cutoff is recomputed for every batch.
 //
+// With a cfg.Window, the window is checked (or chosen) first; a window
+// shorter than the safe one gives ErrWindowTooShort and deletes nothing.
+//
 // An invalid cfg gives an error wrapping ErrInvalidConfig. When ctx ends, or a
 // batch fails, Purge returns the rows deleted so far with the error (wrapping
 // ctx.Err() or the driver's error); the batches that completed stay deleted.
@@ -111,13 +129,30 @@ func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
 	if err := cfg.Validate(); err != nil {
 		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
+	return purge(ctx, cfg.DB, cfg)
+}
+
+// purge runs a validated purge through db: the pool, or the one connection
+// a Purger holds its lock on.
+func purge(ctx context.Context, db sqlx.ExecerContext, cfg PurgeConfig) (deleted int64, err error) {
 	table, _ := parseTableName(cfg.Table)
+	if cfg.Window != nil {
+		safe, err := cfg.Window.SafeWindow(ctx)
+		if err != nil {
+			return 0, fmt.Errorf("inbox: purge %s: safe window: %w", table, err)
+		}
+		if cfg.OlderThan == 0 {
+			cfg.OlderThan = safe
+		} else if cfg.OlderThan < safe {
+			return 0, fmt.Errorf("%w: OlderThan %v is shorter than the safe window %v (purge %s)", ErrWindowTooShort, cfg.OlderThan, safe, table)
+		}
+	}
 	query, args := purgeStatement(cfg.Dialect, table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
 	for {
 		if err := ctx.Err(); err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: %w", table, err)
 		}
-		res, err := cfg.DB.ExecContext(ctx, query, args...)
+		res, err := db.ExecContext(ctx, query, args...)
 		if err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
 		}

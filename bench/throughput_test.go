@@ -29,11 +29,18 @@ func databases() []testdb.DB {
 	return dbs
 }
 
-// businessTable creates the handler's table: one row per handled message,
-// no unique key, so that the baseline really writes a duplicate twice.
+// businessTable creates the handler's table, shaped like a real one (an
+// invoices table): a generated primary key, one row per handled message, and
+// no unique key on the message, so that the baseline really writes a
+// duplicate twice.
 func businessTable(b *testing.B, db *sqlx.DB) string {
 	table := "bench_business_" + testdb.RandomSuffix()
-	if _, err := db.Exec("CREATE TABLE " + table + " (message_id VARCHAR(255) NOT NULL, amount INTEGER NOT NULL)"); err != nil {
+	id := map[string]string{
+		"pgx":    "id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+		"mysql":  "id BIGINT AUTO_INCREMENT PRIMARY KEY",
+		"sqlite": "id INTEGER PRIMARY KEY",
+	}[db.DriverName()]
+	if _, err := db.Exec("CREATE TABLE " + table + " (" + id + ", message_id VARCHAR(255) NOT NULL, amount INTEGER NOT NULL)"); err != nil {
 		b.Fatal(err)
 	}
 	testdb.DropLater(b, db, table)
@@ -82,6 +89,15 @@ func baseline(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc {
 	}
 }
 
+// inboxHandler is the baseline's write, behind the inbox middleware.
+func inboxHandler(ib *inbox.Inbox, query string) message.HandlerFunc {
+	return ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		_, err := tx.ExecContext(msg.Context(), query, msg.UUID, 100)
+		return nil, err
+	})
+}
+
 var variants = []variant{
 	{"baseline", baseline},
 	{"inbox", func(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc {
@@ -94,12 +110,7 @@ var variants = []variant{
 		if err := ib.InitializeSchema(context.Background()); err != nil {
 			b.Fatal(err)
 		}
-		query := insertSQL(db, business)
-		return ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			_, err := tx.ExecContext(msg.Context(), query, msg.UUID, 100)
-			return nil, err
-		})
+		return inboxHandler(ib, insertSQL(db, business))
 	}},
 	{"deduplicator", func(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc {
 		repo, err := middleware.NewMapExpiringKeyRepository(time.Hour)

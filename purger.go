@@ -1,0 +1,245 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+)
+
+// DefaultPurgeInterval is PurgerConfig.Interval when it is zero.
+const DefaultPurgeInterval = time.Hour
+
+// PurgerConfig configures a Purger.
+type PurgerConfig struct {
+	// Purge is what every round deletes; see PurgeConfig. Required: DB and
+	// OlderThan (or a Window).
+	Purge PurgeConfig
+
+	// Interval is the time between the start of one round and the next;
+	// the first round runs at once. Default: 1 hour (DefaultPurgeInterval).
+	Interval time.Duration
+
+	// Logger receives one Info line per round (rows deleted, duration, age
+	// of the oldest remaining row, or that another instance had the lock)
+	// and an Error line for a failed round. Default: watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+
+	// OnRound, if set, is called after every round with its outcome, for
+	// metrics. It runs on the purger's goroutine.
+	OnRound func(PurgeRound)
+}
+
+// PurgeRound is the outcome of one round of a Purger.
+type PurgeRound struct {
+	// Skipped is true when another instance held the purge lock, so this
+	// one deleted nothing and measured nothing.
+	Skipped bool
+	// Deleted is the number of rows deleted.
+	Deleted int64
+	// Duration is how long the round took.
+	Duration time.Duration
+	// OldestAge is the age of the oldest row left in the table (all
+	// consumers), by the database clock; 0 when the table is empty.
+	OldestAge time.Duration
+	// Err is the round's error, nil on success.
+	Err error
+}
+
+// Purger runs Purge periodically, until its context ends. Several instances
+// of an application may run one against the same table at once: each round
+// first takes a lock (pg_try_advisory_lock on PostgreSQL, GET_LOCK on
+// MySQL/MariaDB, both keyed by the table name and held on one connection for
+// the round), and an instance that does not get it skips the round instead
+// of competing for the same rows. On SQLite every writer is serialised by
+// the database anyway, so no lock is taken. A Purger is safe for concurrent
+// use, but one Run at a time is what it is made for.
+type Purger struct {
+	cfg     PurgerConfig
+	table   qualifiedName
+	dialect Dialect
+	lockKey int64
+	oldest  string
+}
+
+// NewPurger checks cfg (the error wraps ErrInvalidConfig) and returns a
+// Purger. It does not touch the database.
+func NewPurger(cfg PurgerConfig) (*Purger, error) {
+	cfg.Purge.setDefaults()
+	if cfg.Interval == 0 {
+		cfg.Interval = DefaultPurgeInterval
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	errs := []error{cfg.Purge.Validate()}
+	if cfg.Interval < 0 {
+		errs = append(errs, fmt.Errorf("inbox: PurgerConfig.Interval must be positive, got %v", cfg.Interval))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	table, _ := parseTableName(cfg.Purge.Table)
+	h := fnv.New64a()
+	h.Write([]byte("watermill-inbox purge " + table.String()))
+	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect, lockKey: int64(h.Sum64())}
+	p.cfg.Logger = cfg.Logger.With(watermill.LogFields{"table": table.String()})
+	p.oldest = oldestAgeSQL(p.dialect, table)
+	return p, nil
+}
+
+// Run runs a round at once and then every Interval, until ctx ends; it then
+// returns nil. A failed round is logged, reported to OnRound and retried at
+// the next interval; it does not stop Run.
+func (p *Purger) Run(ctx context.Context) error {
+	ticker := time.NewTicker(p.cfg.Interval)
+	defer ticker.Stop()
+	for {
+		p.RunOnce(ctx)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-ticker.C:
+		}
+	}
+}
+
+// RouterPlugin runs the Purger for as long as the router runs: add it with
+// router.AddPlugin(purger.RouterPlugin). It stops within a second of the
+// router closing, cancelling a round in progress.
+func (p *Purger) RouterPlugin(r *message.Router) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		defer cancel()
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for range tick.C {
+			if r.IsClosed() {
+				return
+			}
+		}
+	}()
+	go func() { _ = p.Run(ctx) }()
+	return nil
+}
+
+// RunOnce runs one round now: take the lock (or skip), purge, measure the
+// oldest remaining row, log and report it. The round's error is also in the
+// returned PurgeRound.
+func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
+	start := time.Now()
+	round := p.round(ctx)
+	round.Duration = time.Since(start)
+	fields := watermill.LogFields{
+		"deleted": round.Deleted, "duration": round.Duration.String(), "oldest_age": round.OldestAge.String(),
+	}
+	switch {
+	case round.Err != nil && ctx.Err() == nil:
+		p.cfg.Logger.Error("Inbox purge round failed", round.Err, fields)
+	case round.Err != nil:
+		// Stopping: not an error worth an Error line.
+	case round.Skipped:
+		p.cfg.Logger.Info("Inbox purge round skipped: another instance holds the purge lock", nil)
+	default:
+		p.cfg.Logger.Info("Inbox purge round", fields)
+	}
+	if p.cfg.OnRound != nil {
+		p.cfg.OnRound(round)
+	}
+	return round
+}
+
+func (p *Purger) round(ctx context.Context) (round PurgeRound) {
+	// The whole round runs on one connection (the lock is a session lock),
+	// so it needs one free connection, never two.
+	conn, err := p.cfg.Purge.DB.Connx(ctx)
+	if err != nil {
+		return PurgeRound{Err: fmt.Errorf("inbox: purge: connection: %w", err)}
+	}
+	defer conn.Close()
+	if p.dialect != SQLite {
+		got, err := p.lock(ctx, conn)
+		if err != nil {
+			return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
+		}
+		if !got {
+			return PurgeRound{Skipped: true}
+		}
+		defer func() {
+			if err := p.unlock(conn); err != nil && round.Err == nil {
+				round.Err = fmt.Errorf("inbox: purge unlock: %w", err)
+			}
+		}()
+	}
+	round.Deleted, round.Err = purge(ctx, conn, p.cfg.Purge)
+	if round.Err != nil {
+		return round
+	}
+	var us sql.NullInt64
+	if err := conn.QueryRowxContext(ctx, p.oldest).Scan(&us); err != nil {
+		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, err)
+		return round
+	}
+	round.OldestAge = time.Duration(max(us.Int64, 0)) * time.Microsecond
+	return round
+}
+
+func (p *Purger) lock(ctx context.Context, conn *sqlx.Conn) (bool, error) {
+	var got sql.NullBool
+	var err error
+	if p.dialect == PostgreSQL {
+		err = conn.QueryRowxContext(ctx, "SELECT pg_try_advisory_lock($1)", p.lockKey).Scan(&got)
+	} else {
+		// GET_LOCK names are at most 64 characters; the key is hex.
+		err = conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, 0) = 1", p.mysqlLockName()).Scan(&got)
+	}
+	return got.Valid && got.Bool, err
+}
+
+// unlock releases the lock with a context of its own: the round's may have
+// ended, and a session lock left behind would block every other instance.
+func (p *Purger) unlock(conn *sqlx.Conn) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var err error
+	if p.dialect == PostgreSQL {
+		_, err = conn.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", p.lockKey)
+	} else {
+		_, err = conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", p.mysqlLockName())
+	}
+	if err != nil {
+		// The session may still hold the lock: close the connection
+		// instead of returning it to the pool, which releases it.
+		_ = conn.Raw(func(any) error { return errBadConn })
+	}
+	return err
+}
+
+func (p *Purger) mysqlLockName() string {
+	return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(p.lockKey))
+}
+
+// oldestAgeSQL returns a query for the age of the oldest row in table, in
+// microseconds by the database clock, or NULL when the table is empty. It
+// reads the first entry of the processed_at index.
+func oldestAgeSQL(d Dialect, t qualifiedName) string {
+	q := t.quoted(d)
+	switch d {
+	case PostgreSQL:
+		return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + q
+	case MySQL:
+		return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + q
+	default:
+		return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + q
+	}
+}
+
+// errBadConn makes database/sql discard a connection (driver.ErrBadConn).
+var errBadConn = driver.ErrBadConn
