@@ -30,6 +30,10 @@ type Dialect interface {
 	// existsSQL returns a query for how many of the table and its purge
 	// index exist (2 means both), reading only the catalog.
 	existsSQL(table qualifiedName) (string, []any)
+	// keyLockSQL returns a statement that takes a transaction-scoped lock on
+	// one key (its bind parameter is an int64 hash of table and key), run
+	// before the claim; "" when the primary key alone decides.
+	keyLockSQL() string
 }
 
 // Exported dialects. Compare a Config.Dialect with them by equality.
@@ -49,6 +53,22 @@ var (
 	// INSERT IGNORE is not used: it also silences unrelated errors.
 	MySQL Dialect = mysqlDialect{}
 
+	// PostgreSQLPartitioned is the dialect for an inbox table on PostgreSQL
+	// 14 or later that is range-partitioned by day on processed_at
+	// (schema/postgres_partitioned.sql), for volumes where dropping whole
+	// partitions (DropPartitions) beats deleting rows. It is never inferred:
+	// set Config.Dialect to it. A partitioned table's primary key must
+	// include processed_at, so it only guards within one partition; the
+	// claim therefore first takes a transaction-scoped advisory lock on the
+	// key (pg_advisory_xact_lock of a 64-bit hash of table, consumer and
+	// message id), then inserts only if the key is in no partition. Two
+	// deliveries of one key are thereby serialised even when they fall on
+	// both sides of a partition boundary. The transaction runs at READ
+	// COMMITTED, so that the insert's snapshot is taken after the lock is
+	// granted; New refuses any other isolation level. The claim costs one
+	// more round trip than PostgreSQL's.
+	PostgreSQLPartitioned Dialect = postgresPartitionedDialect{}
+
 	// SQLite is the dialect for SQLite 3.42 and later (modernc.org/sqlite, or
 	// any driver with a recent enough SQLite). The claim is
 	// INSERT ... ON CONFLICT (consumer, message_id) DO NOTHING.
@@ -58,7 +78,7 @@ var (
 // dialectForDriver infers the dialect from a sqlx driver name.
 func dialectForDriver(driverName string) (Dialect, error) {
 	switch driverName {
-	case "postgres", "pgx", "pgx/v4", "pgx/v5":
+	case "postgres", "pgx", "pgx/v4", "pgx/v5": // PostgreSQLPartitioned is never inferred
 		return PostgreSQL, nil
 	case "mysql":
 		return MySQL, nil
@@ -157,6 +177,43 @@ func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
 	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regclass($2) IS NOT NULL)::int", []any{t.quoted(d), index}
 }
 
+func (postgresDialect) keyLockSQL() string { return "" }
+
+type postgresPartitionedDialect struct{ postgresDialect }
+
+func (postgresPartitionedDialect) String() string { return "postgres-partitioned" }
+
+func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
+	q := t.quoted(d)
+	// Under the key lock (keyLockSQL), so the NOT EXISTS sees a concurrent
+	// claim of the key once it committed, in whatever partition.
+	return "INSERT INTO " + q + " (consumer, message_id, processed_at) SELECT $1, $2, now()" +
+		" WHERE NOT EXISTS (SELECT 1 FROM " + q + " WHERE consumer = $1 AND message_id = $2)" +
+		" ON CONFLICT DO NOTHING"
+}
+
+func (postgresPartitionedDialect) keyLockSQL() string { return "SELECT pg_advisory_xact_lock($1)" }
+
+func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
+	// No purge index: purging drops whole partitions. The primary key, led
+	// by (consumer, message_id), serves the claim's lookup in every
+	// partition. No DEFAULT partition: a claim with no partition for its
+	// day fails loudly (nack) instead of landing where no drop reaches it.
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     text        NOT NULL,\n" +
+			"    message_id   text        NOT NULL,\n" +
+			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
+			"    PRIMARY KEY (consumer, message_id, processed_at)\n" +
+			") PARTITION BY RANGE (processed_at)",
+	}
+}
+
+func (d postgresPartitionedDialect) existsSQL(t qualifiedName) (string, []any) {
+	// The table alone: its partitions are managed by CreatePartitions.
+	return "SELECT 2 * (to_regclass($1) IS NOT NULL)::int", []any{t.quoted(d)}
+}
+
 type mysqlDialect struct{}
 
 func (mysqlDialect) String() string            { return "mysql" }
@@ -199,6 +256,8 @@ func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
 		" WHERE table_schema = " + schema + " AND table_name = ? AND index_name IN ('PRIMARY', ?)", args
 }
 
+func (mysqlDialect) keyLockSQL() string { return "" }
+
 type sqliteDialect struct{}
 
 func (sqliteDialect) String() string            { return "sqlite" }
@@ -240,3 +299,8 @@ func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
 	return "SELECT COUNT(*) FROM " + master + " WHERE (type = 'table' AND name = ?) OR (type = 'index' AND name = ?)",
 		[]any{t.name, t.indexName()}
 }
+
+func (sqliteDialect) keyLockSQL() string { return "" }
+
+// isPostgres reports whether d is one of the PostgreSQL dialects.
+func isPostgres(d Dialect) bool { return d == PostgreSQL || d == PostgreSQLPartitioned }

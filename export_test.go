@@ -34,7 +34,9 @@ func CreateTableOnly(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 }
 
 // PurgeLockHeld takes the purge lock of p on conn, as another instance would.
-func PurgeLock(ctx context.Context, conn *sqlx.Conn, p *Purger) (bool, error) { return p.lock(ctx, conn) }
+func PurgeLock(ctx context.Context, conn *sqlx.Conn, p *Purger) (bool, error) {
+	return p.lock(ctx, conn)
+}
 
 // PurgeUnlock releases it.
 func PurgeUnlock(conn *sqlx.Conn, p *Purger) error { return p.unlock(conn) }

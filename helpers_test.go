@@ -28,13 +28,19 @@ var (
 	openSQLite   = testdb.OpenSQLite
 )
 
+// dialectOf maps a test's *sqlx.DB to the dialect its inbox must use, for
+// the dialects that are not inferred from the driver (PostgreSQLPartitioned).
+var dialectOf sync.Map
+
 // forEachDB runs f as a parallel subtest on every test database.
 func forEachDB(t *testing.T, f func(t *testing.T, tdb testDB, db *sqlx.DB)) {
 	t.Helper()
 	for _, tdb := range testDBs {
 		t.Run(tdb.Name, func(t *testing.T) {
 			t.Parallel()
-			f(t, tdb, tdb.Open(t))
+			db := tdb.Open(t)
+			dialectOf.Store(db, tdb.Dialect)
+			f(t, tdb, db)
 		})
 	}
 }
@@ -82,6 +88,9 @@ func (f *fixture) newInbox(cfg inbox.Config) *inbox.Inbox {
 	f.t.Helper()
 	cfg.DB = f.db
 	cfg.Table = f.inbox
+	if d, ok := dialectOf.Load(f.db); ok && cfg.Dialect == nil {
+		cfg.Dialect = d.(inbox.Dialect)
+	}
 	ib, err := inbox.New(cfg)
 	if err != nil {
 		f.t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -145,6 +146,10 @@ func (c Config) Validate() error {
 	if c.TxOptions != nil && c.TxOptions.ReadOnly {
 		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))
 	}
+	if c.Dialect == PostgreSQLPartitioned && c.TxOptions != nil &&
+		c.TxOptions.Isolation != sql.LevelDefault && c.TxOptions.Isolation != sql.LevelReadCommitted {
+		errs = append(errs, fmt.Errorf("inbox: PostgreSQLPartitioned needs READ COMMITTED, got Config.TxOptions.Isolation %v", c.TxOptions.Isolation))
+	}
 	return errors.Join(errs...)
 }
 
@@ -163,8 +168,9 @@ type Inbox struct {
 	onDuplicate func(Event)
 	onFailed    func(Event)
 
-	claimSQL  string // built once in New
-	nopLogger bool   // Logger is watermill.NopLogger: skip building log fields
+	claimSQL   string // built once in New
+	keyLockSQL string // "" unless the dialect needs a key lock before the claim
+	nopLogger  bool   // Logger is watermill.NopLogger: skip building log fields
 
 	// claimStmt is claimSQL prepared on DB, on first use (the table may not
 	// exist when New runs). database/sql re-prepares it once per pooled
@@ -253,6 +259,11 @@ func New(cfg Config) (*Inbox, error) {
 		onDuplicate: cfg.OnDuplicate,
 		onFailed:    cfg.OnFailed,
 		claimSQL:    cfg.Dialect.claimSQL(table),
+		keyLockSQL:  cfg.Dialect.keyLockSQL(),
+	}
+	if cfg.Dialect == PostgreSQLPartitioned && ib.txOptions == nil {
+		// Pinned, not left to the server's default_transaction_isolation.
+		ib.txOptions = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
 	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
 	if ib.consumer != "" {
@@ -357,6 +368,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 		}
 	}()
 
+	if ib.keyLockSQL != "" {
+		if _, err := tx.ExecContext(ctx, ib.keyLockSQL, keyLockHash(ib.table, consumer, id)); err != nil {
+			panicking = false
+			return nil, fmt.Errorf("inbox: lock key %s/%s: %w", consumer, id, err)
+		}
+	}
 	n, err := ib.claim(ctx, tx, stmt, consumer, id)
 	panicking = false
 	if err != nil {
@@ -467,6 +484,38 @@ func containsNUL(s string) bool {
 // and index are one CREATE TABLE IF NOT EXISTS statement; on SQLite each
 // statement is atomic and IF NOT EXISTS. It does not create a PostgreSQL
 // schema or MySQL database named in Table. Errors wrap the driver's error.
+//
+// For PostgreSQLPartitioned it also creates the daily partitions from
+// yesterday to DefaultPartitionsAhead days after today (CreatePartitions).
 func (ib *Inbox) InitializeSchema(ctx context.Context) error {
-	return initializeSchema(ctx, ib.db, ib.dialect, ib.table)
+	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+		return err
+	}
+	if ib.dialect != PostgreSQLPartitioned {
+		return nil
+	}
+	return ensurePartitions(ctx, ib.db, ib.table)
+}
+
+// ensurePartitions creates the partitions from yesterday (by the database
+// clock) to DefaultPartitionsAhead days after today.
+func ensurePartitions(ctx context.Context, db dbConn, t qualifiedName) error {
+	var now time.Time
+	if err := sqlx.GetContext(ctx, db, &now, "SELECT now()"); err != nil {
+		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
+	}
+	return createPartitions(ctx, db, t, now.AddDate(0, 0, -1), DefaultPartitionsAhead+2)
+}
+
+// keyLockHash is the advisory lock key of one inbox key: a 64-bit FNV-1a
+// hash of table, consumer and message id. A collision only makes two
+// unrelated deliveries wait for each other.
+func keyLockHash(t qualifiedName, consumer, id string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte(t.String()))
+	h.Write([]byte{0})
+	h.Write([]byte(consumer))
+	h.Write([]byte{0})
+	h.Write([]byte(id))
+	return int64(h.Sum64())
 }

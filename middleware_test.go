@@ -311,7 +311,7 @@ func TestCommitFailureNacks(t *testing.T) {
 		})
 		var breakCommit func(msg *message.Message, tx *sqlx.Tx) error
 		switch tdb.Dialect {
-		case inbox.PostgreSQL:
+		case inbox.PostgreSQL, inbox.PostgreSQLPartitioned:
 			breakCommit = func(msg *message.Message, tx *sqlx.Tx) error {
 				_, err := tx.ExecContext(msg.Context(), "SELECT 1/0")
 				if err == nil {

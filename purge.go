@@ -172,7 +172,7 @@ func purge(ctx context.Context, db sqlx.ExecerContext, cfg PurgeConfig) (deleted
 func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consumer string) (string, []any) {
 	q := t.quoted(d)
 	switch d {
-	case PostgreSQL:
+	case PostgreSQL, PostgreSQLPartitioned:
 		args, filter := []any{window, batch}, ""
 		if consumer != "" {
 			args, filter = append(args, consumer), " AND consumer = $3"

@@ -22,7 +22,7 @@ import (
 func agoSQL(d inbox.Dialect, ago time.Duration) string {
 	us := ago.Microseconds()
 	switch d {
-	case inbox.PostgreSQL:
+	case inbox.PostgreSQL, inbox.PostgreSQLPartitioned:
 		return fmt.Sprintf("now() - interval '%d microseconds'", us)
 	case inbox.MySQL:
 		return fmt.Sprintf("UTC_TIMESTAMP(6) - INTERVAL %d MICROSECOND", us)

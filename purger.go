@@ -42,8 +42,11 @@ type PurgeRound struct {
 	// Skipped is true when another instance held the purge lock, so this
 	// one deleted nothing and measured nothing.
 	Skipped bool
-	// Deleted is the number of rows deleted.
+	// Deleted is the number of rows deleted (for PostgreSQLPartitioned,
+	// the rows of the dropped partitions).
 	Deleted int64
+	// DroppedPartitions names the partitions dropped (PostgreSQLPartitioned).
+	DroppedPartitions []string
 	// Duration is how long the round took.
 	Duration time.Duration
 	// OldestAge is the age of the oldest row left in the table (all
@@ -53,7 +56,10 @@ type PurgeRound struct {
 	Err error
 }
 
-// Purger runs Purge periodically, until its context ends. Several instances
+// Purger runs Purge periodically, until its context ends. For a
+// PostgreSQLPartitioned table a round instead creates the partitions of the
+// coming days and drops the partitions past the window (CreatePartitions,
+// DropPartitions). Several instances
 // of an application may run one against the same table at once: each round
 // first takes a lock (pg_try_advisory_lock on PostgreSQL, GET_LOCK on
 // MySQL/MariaDB, both keyed by the table name and held on one connection for
@@ -178,8 +184,35 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 			}
 		}()
 	}
-	round.Deleted, round.Err = purge(ctx, conn, p.cfg.Purge)
-	if round.Err != nil {
+	if p.dialect == PostgreSQLPartitioned {
+		// Whole partitions: create the coming days', drop those past the
+		// window. The window is checked as Purge checks it.
+		olderThan := p.cfg.Purge.OlderThan
+		if w := p.cfg.Purge.Window; w != nil {
+			safe, err := w.SafeWindow(ctx)
+			if err != nil {
+				round.Err = fmt.Errorf("inbox: purge %s: safe window: %w", p.table, err)
+				return round
+			}
+			if olderThan == 0 {
+				olderThan = safe
+			} else if olderThan < safe {
+				round.Err = fmt.Errorf("%w: OlderThan %v is shorter than the safe window %v (purge %s)", ErrWindowTooShort, olderThan, safe, p.table)
+				return round
+			}
+		}
+		if round.Err = ensurePartitions(ctx, conn, p.table); round.Err != nil {
+			return round
+		}
+		dropped, err := dropPartitions(ctx, conn, p.table, olderThan)
+		for _, d := range dropped {
+			round.Deleted += d.Rows
+			round.DroppedPartitions = append(round.DroppedPartitions, d.Name)
+		}
+		if round.Err = err; err != nil {
+			return round
+		}
+	} else if round.Deleted, round.Err = purge(ctx, conn, p.cfg.Purge); round.Err != nil {
 		return round
 	}
 	var us sql.NullInt64
@@ -194,7 +227,7 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 func (p *Purger) lock(ctx context.Context, conn *sqlx.Conn) (bool, error) {
 	var got sql.NullBool
 	var err error
-	if p.dialect == PostgreSQL {
+	if isPostgres(p.dialect) {
 		err = conn.QueryRowxContext(ctx, "SELECT pg_try_advisory_lock($1)", p.lockKey).Scan(&got)
 	} else {
 		// GET_LOCK names are at most 64 characters; the key is hex.
@@ -209,7 +242,7 @@ func (p *Purger) unlock(conn *sqlx.Conn) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var err error
-	if p.dialect == PostgreSQL {
+	if isPostgres(p.dialect) {
 		_, err = conn.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", p.lockKey)
 	} else {
 		_, err = conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", p.mysqlLockName())
@@ -232,7 +265,7 @@ func (p *Purger) mysqlLockName() string {
 func oldestAgeSQL(d Dialect, t qualifiedName) string {
 	q := t.quoted(d)
 	switch d {
-	case PostgreSQL:
+	case PostgreSQL, PostgreSQLPartitioned:
 		return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + q
 	case MySQL:
 		return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + q

@@ -29,7 +29,6 @@ func SchemaSQL(d Dialect, table string) (string, error) {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "-- Inbox table for github.com/watermill-inbox/inbox (%s).\n", d)
-	b.WriteString("-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n")
 	b.WriteString(schemaNotes[d])
 	for _, stmt := range d.createSQL(t) {
 		b.WriteString("\n")
@@ -41,11 +40,20 @@ func SchemaSQL(d Dialect, table string) (string, error) {
 
 // schemaNotes are dialect-specific comment lines for SchemaSQL.
 var schemaNotes = map[Dialect]string{
-	PostgreSQL: "-- processed_at: the database clock (now()), an absolute instant.\n",
-	MySQL: "-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
+	PostgreSQL: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		"-- processed_at: the database clock (now()), an absolute instant.\n",
+	PostgreSQLPartitioned: "-- Range-partitioned by UTC day on processed_at; partitions are created ahead by\n" +
+		"-- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
+		"-- The primary key must include the partition key, so it guards one partition only:\n" +
+		"-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.\n" +
+		"-- Partition of one day: CREATE TABLE \"watermill_inbox_p20261129\" PARTITION OF \"watermill_inbox\"\n" +
+		"--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');\n",
+	MySQL: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		"-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
 		"-- (PAD SPACE, even utf8mb4_bin), and message ids must compare byte for byte.\n" +
 		"-- processed_at: UTC_TIMESTAMP(6), UTC whatever the session time zone.\n",
-	SQLite: "-- processed_at: Unix microseconds, UTC, from the database clock.\n",
+	SQLite: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		"-- processed_at: Unix microseconds, UTC, from the database clock.\n",
 }
 
 func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName) error {
@@ -69,7 +77,7 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 		// fails with error 1061 (duplicate key name) and can simply retry.
 		stmts = []string{"CREATE INDEX " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)"}
 	}
-	if d != PostgreSQL {
+	if !isPostgres(d) {
 		// MySQL: one CREATE TABLE IF NOT EXISTS (index inline), atomic under
 		// the metadata lock. SQLite: each statement is atomic and the second
 		// only creates the index; running them outside one transaction keeps

@@ -49,13 +49,15 @@ type DB struct {
 	Open func(tb testing.TB) *sqlx.DB
 }
 
-// All is every database kind, MySQL twice (with and without
-// clientFoundRows=true, which changes what rows affected means).
+// All is every database kind: PostgreSQL twice (plain, and with the
+// partitioned dialect, which Config.Dialect must name), MySQL twice (with
+// and without clientFoundRows=true, which changes what rows affected means).
 var All = []DB{
 	{Name: "sqlite", Dialect: inbox.SQLite, Open: func(tb testing.TB) *sqlx.DB {
 		return OpenSQLite(tb, filepath.Join(tb.TempDir(), "inbox.db"))
 	}},
 	{Name: "postgres", Dialect: inbox.PostgreSQL, Open: func(tb testing.TB) *sqlx.DB { return OpenPostgres(tb, "") }},
+	{Name: "postgres-partitioned", Dialect: inbox.PostgreSQLPartitioned, Open: func(tb testing.TB) *sqlx.DB { return OpenPostgres(tb, "") }},
 	{Name: "mysql", Dialect: inbox.MySQL, Open: func(tb testing.TB) *sqlx.DB { return OpenMySQL(tb, "") }},
 	{Name: "mysql-clientFoundRows", Dialect: inbox.MySQL, Open: func(tb testing.TB) *sqlx.DB {
 		return OpenMySQL(tb, "clientFoundRows=true")

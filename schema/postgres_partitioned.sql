@@ -1,0 +1,14 @@
+-- Inbox table for github.com/watermill-inbox/inbox (postgres-partitioned).
+-- Range-partitioned by UTC day on processed_at; partitions are created ahead by
+-- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.
+-- The primary key must include the partition key, so it guards one partition only:
+-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.
+-- Partition of one day: CREATE TABLE "watermill_inbox_p20261129" PARTITION OF "watermill_inbox"
+--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');
+
+CREATE TABLE IF NOT EXISTS "watermill_inbox" (
+    consumer     text        NOT NULL,
+    message_id   text        NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, message_id, processed_at)
+) PARTITION BY RANGE (processed_at);
