@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -145,24 +146,16 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 	if err := sqlx.GetContext(ctx, db, &cutoff, "SELECT now() - $1 * interval '1 microsecond'", olderThan.Microseconds()); err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
-	// Attached partitions, and ones an interrupted run left detached.
-	var names []string
-	err := sqlx.SelectContext(ctx, db, &names, `
-		SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-		WHERE n.oid = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1))
-		  AND c.relkind IN ('r', 'p') AND c.relname LIKE $2 ESCAPE '!'
-		ORDER BY c.relname`,
-		t.quoted(d), strings.ReplaceAll(t.name, "_", "!_")+"!_p________")
+	parts, err := listPartitions(ctx, db, t)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: drop partitions of %s: list: %w", t, err)
+		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
 	var dropped []DroppedPartition
-	for _, name := range names {
-		day, err := time.Parse("20060102", strings.TrimPrefix(name, t.name+"_p"))
-		if err != nil || day.AddDate(0, 0, 1).After(cutoff) {
-			continue // not ours, or not entirely past the window
+	for _, part := range parts {
+		if part.day.AddDate(0, 0, 1).After(cutoff) {
+			continue // not entirely past the window
 		}
-		p := qualifiedName{schema: t.schema, name: name}
+		p := part.name
 		var attached bool
 		if err := sqlx.GetContext(ctx, db, &attached, "SELECT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass($1))", p.quoted(d)); err != nil {
 			return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
@@ -182,4 +175,58 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		dropped = append(dropped, DroppedPartition{Name: p.String(), Rows: rows})
 	}
 	return dropped, nil
+}
+
+// partition is one daily partition table of an inbox table.
+type partition struct {
+	name qualifiedName
+	day  time.Time // its first instant, UTC
+}
+
+// listPartitions returns the daily partition tables of t, oldest first:
+// the attached ones and any an interrupted DropPartitions left detached.
+func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) ([]partition, error) {
+	var names []string
+	err := sqlx.SelectContext(ctx, db, &names, `
+		SELECT c.relname FROM pg_class c
+		WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1))
+		  AND c.relkind IN ('r', 'p') AND c.relname LIKE $2 ESCAPE '!'
+		ORDER BY c.relname`,
+		t.quoted(PostgreSQLPartitioned), strings.ReplaceAll(t.name, "_", "!_")+"!_p________")
+	if err != nil {
+		return nil, fmt.Errorf("list partitions: %w", err)
+	}
+	var parts []partition
+	for _, name := range names {
+		day, err := time.Parse("20060102", strings.TrimPrefix(name, t.name+"_p"))
+		if err != nil {
+			continue // a table that only looks like ours
+		}
+		parts = append(parts, partition{name: qualifiedName{schema: t.schema, name: name}, day: day})
+	}
+	return parts, nil
+}
+
+// oldestPartitionAge returns how long ago the oldest non-empty partition of
+// t began: the age of the oldest row, to the day, without scanning rows
+// (the table has no index on processed_at). 0 when every partition is empty.
+func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (time.Duration, error) {
+	parts, err := listPartitions(ctx, db, t)
+	if err != nil {
+		return 0, err
+	}
+	for _, p := range parts {
+		var age sql.NullInt64
+		err := sqlx.GetContext(ctx, db, &age,
+			"SELECT CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint) WHERE EXISTS (SELECT 1 FROM "+
+				p.name.quoted(PostgreSQLPartitioned)+")", p.day)
+		if errors.Is(err, sql.ErrNoRows) {
+			continue // empty
+		}
+		if err != nil {
+			return 0, err
+		}
+		return time.Duration(age.Int64) * time.Microsecond, nil
+	}
+	return 0, nil
 }

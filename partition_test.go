@@ -177,6 +177,10 @@ func TestDropPartitions(t *testing.T) {
 	if round.Err != nil || len(round.DroppedPartitions) != 2 || round.Deleted != 2 {
 		t.Errorf("purger round = %+v, want days -3 and -2 dropped", round)
 	}
+	// Oldest row left: yesterday noon, in yesterday's partition.
+	if round.OldestAge < 24*time.Hour || round.OldestAge > 48*time.Hour {
+		t.Errorf("oldest age = %v, want between 1 and 2 days (start of yesterday)", round.OldestAge)
+	}
 	var ahead bool
 	if err := db.Get(&ahead, "SELECT to_regclass($1) IS NOT NULL", table+dbNow(t, db).UTC().AddDate(0, 0, inbox.DefaultPartitionsAhead).Format("_p20060102")); err != nil || !ahead {
 		t.Errorf("partition %d days ahead missing (%v)", inbox.DefaultPartitionsAhead, err)

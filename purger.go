@@ -50,7 +50,9 @@ type PurgeRound struct {
 	// Duration is how long the round took.
 	Duration time.Duration
 	// OldestAge is the age of the oldest row left in the table (all
-	// consumers), by the database clock; 0 when the table is empty.
+	// consumers), by the database clock; 0 when the table is empty. For
+	// PostgreSQLPartitioned it is the age of the start of the oldest
+	// non-empty partition: an upper bound, exact to the day.
 	OldestAge time.Duration
 	// Err is the round's error, nil on success.
 	Err error
@@ -213,6 +215,12 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 			return round
 		}
 	} else if round.Deleted, round.Err = purge(ctx, conn, p.cfg.Purge); round.Err != nil {
+		return round
+	}
+	if p.dialect == PostgreSQLPartitioned {
+		if round.OldestAge, round.Err = oldestPartitionAge(ctx, conn, p.table); round.Err != nil {
+			round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, round.Err)
+		}
 		return round
 	}
 	var us sql.NullInt64
