@@ -161,6 +161,7 @@ func TestPurgeConfigErrors(t *testing.T) {
 		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, BatchSize: -1}, "BatchSize"},
 		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, BatchSize: inbox.MaxPurgeBatchSize + 1}, "BatchSize"},
 		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, Table: "x; DROP TABLE y"}, "invalid table name"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, Pause: -time.Second}, "Pause"},
 	}
 	for _, tc := range cases {
 		n, err := inbox.Purge(context.Background(), tc.cfg)

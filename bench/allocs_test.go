@@ -24,8 +24,8 @@ func BenchmarkMiddlewareAllocs(b *testing.B) {
 					i++
 				})
 			}
-			base := perMessage(baseline(b, db, businessTable(b, db)))
-			withInbox := perMessage(variants[1].build(b, db, businessTable(b, db)))
+			base := perMessage(baseline(b, db, d.Dialect, businessTable(b, db)))
+			withInbox := perMessage(variants[1].build(b, db, d.Dialect, businessTable(b, db)))
 			b.ReportMetric(withInbox-base, "middleware-allocs/msg")
 			b.ReportMetric(withInbox, "inbox-allocs/msg")
 			b.ReportMetric(base, "baseline-allocs/msg")

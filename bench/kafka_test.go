@@ -35,7 +35,7 @@ func BenchmarkKafkaEndToEnd(b *testing.B) {
 			business := businessTable(b, db)
 			var h message.HandlerFunc
 			if v == "baseline" {
-				h = baseline(b, db, business)
+				h = baseline(b, db, inbox.PostgreSQL, business)
 			} else {
 				table := "bench_inbox_" + testdb.RandomSuffix()
 				testdb.DropLater(b, db, table)

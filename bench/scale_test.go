@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 
@@ -38,13 +39,24 @@ func BenchmarkScale(b *testing.B) {
 				}
 				// Fill the table once per size, not once per b.N probe.
 				table := "bench_scale_" + testdb.RandomSuffix()
-				testdb.DropLater(b, db, table)
-				ib, err := inbox.New(inbox.Config{DB: db, Table: table, Consumer: "bench"})
+				b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+				ib, err := inbox.New(inbox.Config{DB: db, Dialect: d.Dialect, Table: table, Consumer: "bench"})
 				if err != nil {
 					b.Fatal(err)
 				}
 				if err := ib.InitializeSchema(context.Background()); err != nil {
 					b.Fatal(err)
+				}
+				if d.Dialect == inbox.PostgreSQLPartitioned {
+					// The prefilled rows go back up to rows seconds (58 days for 5M).
+					var now time.Time
+					if err := db.Get(&now, "SELECT now()"); err != nil {
+						b.Fatal(err)
+					}
+					days := rows/86400 + 2
+					if err := inbox.CreatePartitions(context.Background(), db, table, now.AddDate(0, 0, -days), days+1); err != nil {
+						b.Fatal(err)
+					}
 				}
 				prefill(b, db, d.Dialect, table, rows)
 				b.Run(fmt.Sprintf("rows=%d", rows), func(b *testing.B) {

@@ -64,7 +64,7 @@ func messages(n, dup int) []*message.Message {
 // variant builds the handler under test on db, writing to business.
 type variant struct {
 	name  string
-	build func(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc
+	build func(b *testing.B, db *sqlx.DB, d inbox.Dialect, business string) message.HandlerFunc
 }
 
 // insertSQL is the business write every variant makes, built once.
@@ -73,7 +73,7 @@ func insertSQL(db *sqlx.DB, business string) string {
 }
 
 // baseline is the handler in its own transaction, with no deduplication.
-func baseline(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc {
+func baseline(b *testing.B, db *sqlx.DB, _ inbox.Dialect, business string) message.HandlerFunc {
 	query := insertSQL(db, business)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
@@ -100,10 +100,10 @@ func inboxHandler(ib *inbox.Inbox, query string) message.HandlerFunc {
 
 var variants = []variant{
 	{"baseline", baseline},
-	{"inbox", func(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc {
+	{"inbox", func(b *testing.B, db *sqlx.DB, d inbox.Dialect, business string) message.HandlerFunc {
 		table := "bench_inbox_" + testdb.RandomSuffix()
-		testdb.DropLater(b, db, table)
-		ib, err := inbox.New(inbox.Config{DB: db, Table: table, Consumer: "bench"})
+		b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+		ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: table, Consumer: "bench"})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -112,17 +112,17 @@ var variants = []variant{
 		}
 		return inboxHandler(ib, insertSQL(db, business))
 	}},
-	{"deduplicator", func(b *testing.B, db *sqlx.DB, business string) message.HandlerFunc {
+	{"deduplicator", func(b *testing.B, db *sqlx.DB, d inbox.Dialect, business string) message.HandlerFunc {
 		repo, err := middleware.NewMapExpiringKeyRepository(time.Hour)
 		if err != nil {
 			b.Fatal(err)
 		}
-		d := middleware.Deduplicator{
+		dedup := middleware.Deduplicator{
 			KeyFactory: func(msg *message.Message) (string, error) { return msg.UUID, nil },
 			Repository: repo,
 			Timeout:    time.Minute,
 		}
-		return d.Middleware(baseline(b, db, business))
+		return dedup.Middleware(baseline(b, db, d, business))
 	}},
 }
 
@@ -184,7 +184,7 @@ func BenchmarkThroughput(b *testing.B) {
 				for _, dup := range []int{0, 10, 50} {
 					for _, conc := range []int{1, 8} {
 						b.Run(fmt.Sprintf("%s/dup=%d/conc=%d", v.name, dup, conc), func(b *testing.B) {
-							h := v.build(b, db, businessTable(b, db))
+							h := v.build(b, db, d.Dialect, businessTable(b, db))
 							run(b, h, messages(b.N, dup), conc)
 						})
 					}
