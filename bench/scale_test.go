@@ -79,7 +79,7 @@ func prefill(b *testing.B, db *sqlx.DB, d inbox.Dialect, table string, n int) {
 		k := min(chunk, n-lo)
 		var q string
 		switch d {
-		case inbox.PostgreSQL:
+		case inbox.PostgreSQL, inbox.PostgreSQLPartitioned:
 			q = fmt.Sprintf(`INSERT INTO %s (consumer, message_id, processed_at)
 				SELECT 'consumer-' || (g %% 4), md5(random()::text || g), now() - g * interval '1 second'
 				FROM generate_series(%d, %d) g`, table, lo, lo+k-1)
@@ -116,7 +116,7 @@ func prefill(b *testing.B, db *sqlx.DB, d inbox.Dialect, table string, n int) {
 			b.Fatal(err)
 		}
 	}
-	analyze := map[inbox.Dialect]string{inbox.PostgreSQL: "ANALYZE " + table, inbox.MySQL: "ANALYZE TABLE " + table, inbox.SQLite: "ANALYZE"}
+	analyze := map[inbox.Dialect]string{inbox.PostgreSQL: "ANALYZE " + table, inbox.PostgreSQLPartitioned: "ANALYZE " + table, inbox.MySQL: "ANALYZE TABLE " + table, inbox.SQLite: "ANALYZE"}
 	if _, err := db.Exec(analyze[d]); err != nil {
 		b.Fatal(err)
 	}
