@@ -2,7 +2,9 @@ package inbox
 
 import (
 	"context"
+	"sync"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 )
 
@@ -28,10 +30,62 @@ type txKey struct{}
 // The transaction is only valid while the handler runs; after the middleware
 // returns, the message context no longer carries it.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
-	tx, ok := ctx.Value(txKey{}).(*sqlx.Tx)
-	return tx, ok && tx != nil
+	s, ok := ctx.Value(txKey{}).(*txState)
+	if !ok || s == nil {
+		return nil, false
+	}
+	return s.tx, true
 }
 
-func contextWithTx(ctx context.Context, tx *sqlx.Tx) context.Context {
-	return context.WithValue(ctx, txKey{}, tx)
+// txState is what the middleware keeps in a claimed message's context.
+type txState struct {
+	tx        *sqlx.Tx
+	publisher message.Publisher // from Config.Outbox; nil without one
+
+	mu          sync.Mutex
+	afterCommit []func()
+}
+
+func contextWithTx(ctx context.Context, s *txState) context.Context {
+	return context.WithValue(ctx, txKey{}, s)
+}
+
+// OutboxFromContext returns the outbox publisher bound to the inbox
+// transaction of the message being handled (made by Config.Outbox once per
+// message, right after the claim), and true; or nil and false when ctx
+// carries no inbox transaction or no Config.Outbox is set. Messages
+// published through it are written in the inbox transaction: they are sent
+// (by the forwarder or outbox relay) if the transaction commits, and never
+// if it rolls back.
+func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
+	s, ok := ctx.Value(txKey{}).(*txState)
+	if !ok || s == nil || s.publisher == nil {
+		return nil, false
+	}
+	return s.publisher, true
+}
+
+// AfterCommit registers f to run after the inbox transaction of the message
+// being handled (ctx is msg.Context()) has committed, and reports whether ctx
+// carries an inbox transaction (false: f was not registered). Use it for side
+// effects that cannot join the transaction and may happen at most once: a
+// cache purge, a metric, a notification that is only a hint.
+//
+// Registered functions run in order, on the handler's goroutine, after a
+// successful COMMIT and before the router acks; never after a rollback, a
+// failed commit or for a duplicate. The trade-off: if the process dies
+// between the commit and f, f never runs (the redelivery is skipped as a
+// duplicate), so anything that must happen goes to the outbox instead
+// (OutboxFromContext). A panic in f is recovered and logged at Error, the
+// remaining functions still run, and the message is still acked: its
+// transaction has committed.
+func AfterCommit(ctx context.Context, f func()) bool {
+	s, ok := ctx.Value(txKey{}).(*txState)
+	if !ok || s == nil {
+		return false
+	}
+	s.mu.Lock()
+	s.afterCommit = append(s.afterCommit, f)
+	s.mu.Unlock()
+	return true
 }

@@ -84,6 +84,24 @@ type Config struct {
 	OnProcessed func(Event)
 	OnDuplicate func(Event)
 	OnFailed    func(Event)
+
+	// Outbox, if set, returns a publisher that writes to an outbox in the
+	// given transaction: typically a watermill-sql Publisher on tx, wrapped
+	// by Watermill's forwarder.NewPublisher, or any publisher of yours that
+	// writes through tx. The inbox calls it once per claimed message, right
+	// after the claim (so it must be cheap: watermill-sql's NewPublisher is).
+	// Then:
+	//   - the messages the handler returns are published through it, to the
+	//     handler's publish topic (message.PublishTopicFromCtx), before the
+	//     commit, and none are returned to the router: they are sent if and
+	//     only if the message's transaction commits, so a failed publish can
+	//     no longer lose them (without Outbox, the router publishes them after
+	//     the commit, and if that fails the redelivery is skipped as a
+	//     duplicate);
+	//   - handlers can publish to any topic through OutboxFromContext.
+	// An error from Outbox or from publishing rolls the transaction back and
+	// is returned (nack). Default: nil, returned messages go to the router.
+	Outbox func(tx *sqlx.Tx) (message.Publisher, error)
 }
 
 // Event describes one message's outcome, for the Config hooks.
@@ -167,6 +185,7 @@ type Inbox struct {
 	onProcessed func(Event)
 	onDuplicate func(Event)
 	onFailed    func(Event)
+	outbox      func(*sqlx.Tx) (message.Publisher, error)
 
 	claimSQL   string // built once in New
 	keyLockSQL string // "" unless the dialect needs a key lock before the claim
@@ -258,6 +277,7 @@ func New(cfg Config) (*Inbox, error) {
 		onProcessed: cfg.OnProcessed,
 		onDuplicate: cfg.OnDuplicate,
 		onFailed:    cfg.OnFailed,
+		outbox:      cfg.Outbox,
 		claimSQL:    cfg.Dialect.claimSQL(table),
 		keyLockSQL:  cfg.Dialect.keyLockSQL(),
 	}
@@ -401,7 +421,13 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 		return nil, nil
 	}
 
-	msg.SetContext(contextWithTx(ctx, tx))
+	state := &txState{tx: tx}
+	if ib.outbox != nil {
+		if state.publisher, err = ib.outbox(tx); err != nil {
+			return nil, fmt.Errorf("inbox: outbox publisher for %s/%s: %w", consumer, id, err)
+		}
+	}
+	msg.SetContext(contextWithTx(ctx, state))
 	defer msg.SetContext(ctx)
 
 	panicking = true
@@ -412,15 +438,55 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 		// returned as it is, so that errors.Is/As match it.
 		return nil, err
 	}
+	if ib.outbox != nil && len(produced) > 0 {
+		if err := ib.publishToOutbox(msg, state, produced); err != nil {
+			return nil, fmt.Errorf("inbox: %s/%s: %w", consumer, id, err)
+		}
+		produced = nil // sent by the outbox, not by the router
+	}
 
 	ended = true
 	if err := tx.Commit(); err != nil {
 		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)
 	}
+	ib.runAfterCommit(msg, state, consumer, id)
 	if ib.onProcessed != nil {
 		ib.onProcessed(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start)})
 	}
 	return produced, nil
+}
+
+// publishToOutbox publishes the handler's returned messages through the
+// outbox of its transaction, to the handler's publish topic.
+func (ib *Inbox) publishToOutbox(msg *message.Message, state *txState, produced []*message.Message) error {
+	topic := message.PublishTopicFromCtx(msg.Context())
+	if topic == "" {
+		return fmt.Errorf("handler returned %d messages but has no publish topic (add it with router.AddHandler)", len(produced))
+	}
+	if err := state.publisher.Publish(topic, produced...); err != nil {
+		return fmt.Errorf("outbox publish to %s: %w", topic, err)
+	}
+	return nil
+}
+
+// runAfterCommit runs the functions registered with AfterCommit. The
+// transaction has committed, so a panic is logged, not propagated: the
+// message must be acked.
+func (ib *Inbox) runAfterCommit(msg *message.Message, state *txState, consumer, id string) {
+	state.mu.Lock()
+	fs := state.afterCommit
+	state.afterCommit = nil
+	state.mu.Unlock()
+	for _, f := range fs {
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					ib.logger.Error("Inbox after-commit function panicked", fmt.Errorf("panic: %v", r), ib.fields(msg, consumer, id))
+				}
+			}()
+			f()
+		}()
+	}
 }
 
 func (ib *Inbox) failed(msg *message.Message, consumer, id string, start time.Time, err error) {

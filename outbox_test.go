@@ -1,0 +1,220 @@
+package inbox_test
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// txPublisher is an outbox publisher bound to one transaction: it writes
+// each message as a row of the outbox table, as watermill-sql's publisher
+// does. failing makes Publish fail.
+type txPublisher struct {
+	tx      *sqlx.Tx
+	table   string
+	failing bool
+}
+
+func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if p.failing {
+		return errors.New("outbox unavailable")
+	}
+	for _, m := range msgs {
+		if _, err := p.tx.Exec(p.tx.Rebind("INSERT INTO "+p.table+" (uuid, topic) VALUES (?, ?)"), m.UUID, topic); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *txPublisher) Close() error { return nil }
+
+// recordingPublisher is the router's own publisher; fail makes it fail.
+type recordingPublisher struct {
+	mu        sync.Mutex
+	published int
+	fail      bool
+}
+
+func (p *recordingPublisher) Publish(string, ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.fail {
+		return errors.New("broker unavailable")
+	}
+	p.published++
+	return nil
+}
+
+func (p *recordingPublisher) Close() error { return nil }
+
+func outboxTable(t *testing.T, db *sqlx.DB) string {
+	table := "outbox_" + randomSuffix()
+	exec(t, db, "CREATE TABLE "+table+" (uuid VARCHAR(64) NOT NULL, topic VARCHAR(255) NOT NULL)")
+	dropLater(t, db, table)
+	return table
+}
+
+// The messages a handler returns go to the outbox inside the inbox
+// transaction, to the handler's publish topic, not to the router; a rolled
+// back message leaves no outbox row; a failed outbox publish is a nack that
+// the redelivery repairs.
+func TestReturnedMessagesGoThroughOutbox(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		outbox := outboxTable(t, db)
+		var failPublish, failHandler atomic.Bool
+		ib := f.newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+			return &txPublisher{tx: tx, table: outbox, failing: failPublish.Load()}, nil
+		}})
+		routerPub := &recordingPublisher{fail: true} // would lose the messages if used
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddHandler("billing", "orders", in, "invoices", routerPub, func(msg *message.Message) ([]*message.Message, error) {
+				if err := f.writeBusinessRow(msg); err != nil {
+					return nil, err
+				}
+				pub, ok := inbox.OutboxFromContext(msg.Context())
+				if !ok {
+					return nil, errors.New("no outbox in context")
+				}
+				if err := pub.Publish("audit", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+					return nil, err
+				}
+				if failHandler.Load() {
+					return nil, errors.New("handler failed after publishing")
+				}
+				return []*message.Message{message.NewMessage(watermill.NewUUID(), nil), message.NewMessage(watermill.NewUUID(), nil)}, nil
+			})
+		})
+		outboxRows := func(topic string) int { return count(t, db, outbox, "topic = ?", topic) }
+
+		failHandler.Store(true)
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatal("failed handler acked")
+		}
+		if outboxRows("audit") != 0 {
+			t.Fatal("a rolled-back message left an outbox row")
+		}
+		failHandler.Store(false)
+
+		failPublish.Store(true)
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		if in.deliver(t, msg) {
+			t.Fatal("acked although the outbox publish failed")
+		}
+		if f.inboxRows() != 0 || f.businessRows() != 0 {
+			t.Fatalf("failed outbox publish left inbox rows %d, business rows %d", f.inboxRows(), f.businessRows())
+		}
+		failPublish.Store(false)
+		if !in.deliver(t, msg) || !in.deliver(t, msg) {
+			t.Fatal("redelivery nacked")
+		}
+		if outboxRows("invoices") != 2 || outboxRows("audit") != 1 || f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("outbox invoices %d, audit %d, business %d, inbox %d; want 2, 1, 1, 1",
+				outboxRows("invoices"), outboxRows("audit"), f.businessRows(), f.inboxRows())
+		}
+		if routerPub.published != 0 {
+			t.Errorf("router published %d messages, want 0", routerPub.published)
+		}
+	})
+}
+
+// Without an outbox, the router publishes returned messages after the
+// commit; if that publish fails the message is nacked, and its redelivery is
+// skipped as a duplicate: the returned messages are lost. This documents why
+// Config.Outbox exists.
+func TestReturnedMessagesLostWithoutOutbox(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	routerPub := &recordingPublisher{fail: true}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(ib.Middleware)
+		r.AddHandler("billing", "orders", in, "invoices", routerPub, func(msg *message.Message) ([]*message.Message, error) {
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), nil)}, nil
+		})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	first := in.deliver(t, msg)
+	routerPub.mu.Lock()
+	routerPub.fail = false
+	routerPub.mu.Unlock()
+	second := in.deliver(t, msg)
+	if first || !second || routerPub.published != 0 {
+		t.Errorf("acked %v then %v, published %d; the documented loss is: nack, then ack as duplicate, 0 published",
+			first, second, routerPub.published)
+	}
+}
+
+// AfterCommit functions run once after a commit, in order, and never after a
+// rollback or for a duplicate; a panicking one is logged and the message is
+// still acked.
+func TestAfterCommit(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	logger := newCaptureLogger()
+	ib := f.newInbox(inbox.Config{Logger: logger})
+	var mu sync.Mutex
+	var ran []string
+	var fail atomic.Bool
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			for _, name := range []string{"purge cache", "panics", "count"} {
+				name := name
+				if !inbox.AfterCommit(msg.Context(), func() {
+					if name == "panics" {
+						panic("after-commit bug")
+					}
+					mu.Lock()
+					ran = append(ran, fmt.Sprintf("%s %s", name, msg.UUID))
+					mu.Unlock()
+				}) {
+					return errors.New("no inbox transaction")
+				}
+			}
+			if fail.Load() {
+				return errors.New("rolled back")
+			}
+			return nil
+		})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	fail.Store(true)
+	if in.deliver(t, msg) || len(ran) != 0 {
+		t.Fatalf("after a rollback: ran %v", ran)
+	}
+	fail.Store(false)
+	if !in.deliver(t, msg) {
+		t.Fatal("nacked although committed (after-commit panic must not nack)")
+	}
+	in.deliver(t, msg) // duplicate
+	want := []string{"purge cache " + msg.UUID, "count " + msg.UUID}
+	if fmt.Sprint(ran) != fmt.Sprint(want) {
+		t.Errorf("ran %v, want %v", ran, want)
+	}
+	var errs int
+	for _, l := range *logger.lines {
+		if l.level == "error" {
+			errs++
+		}
+	}
+	if errs != 1 {
+		t.Errorf("error log lines = %d, want 1 for the panic", errs)
+	}
+	if inbox.AfterCommit(msg.Context(), func() {}) {
+		t.Error("AfterCommit outside a handler returned true")
+	}
+}
