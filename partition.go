@@ -43,6 +43,9 @@ func CreatePartitions(ctx context.Context, db *sqlx.DB, table string, from time.
 	if err != nil {
 		return err
 	}
+	if days < 1 || days > 3660 {
+		return fmt.Errorf("%w: days must be between 1 and 3660, got %d", ErrInvalidConfig, days)
+	}
 	return createPartitions(ctx, db, t, from, days)
 }
 
