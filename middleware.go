@@ -13,6 +13,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Config configures an Inbox. Pass it by value to New; the zero value of
@@ -84,6 +87,18 @@ type Config struct {
 	OnProcessed func(Event)
 	OnDuplicate func(Event)
 	OnFailed    func(Event)
+
+	// TracerProvider, if set, makes the middleware start one span per
+	// message, "inbox" (OpenTelemetry API; attributes inbox.consumer,
+	// inbox.message_id, messaging.message.id, db.system), as a child of the
+	// span in msg.Context() (Watermill's OpenTelemetry middleware puts one
+	// there), with the events inbox.claimed, inbox.duplicate and
+	// inbox.committed, and the error status on failure or panic. The
+	// statements and the handler run under it, so spans of an instrumented
+	// database/sql driver and of the handler nest inside. Pass
+	// otel.GetTracerProvider() to use the global one. Default: nil, no spans
+	// and no cost.
+	TracerProvider trace.TracerProvider
 
 	// Outbox, if set, returns a publisher that writes to an outbox in the
 	// given transaction: typically a watermill-sql Publisher on tx, wrapped
@@ -186,6 +201,7 @@ type Inbox struct {
 	onDuplicate func(Event)
 	onFailed    func(Event)
 	outbox      func(*sqlx.Tx) (message.Publisher, error)
+	tracer      trace.Tracer // nil without Config.TracerProvider
 
 	claimSQL   string // built once in New
 	keyLockSQL string // "" unless the dialect needs a key lock before the claim
@@ -286,6 +302,9 @@ func New(cfg Config) (*Inbox, error) {
 		ib.txOptions = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
 	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
+	if cfg.TracerProvider != nil {
+		ib.tracer = cfg.TracerProvider.Tracer("github.com/watermill-inbox/inbox")
+	}
 	if ib.consumer != "" {
 		ib.logger = ib.logger.With(watermill.LogFields{"consumer": ib.consumer})
 	}
@@ -356,8 +375,42 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 		return nil, fmt.Errorf("%w (message %s, consumer %q)", err, msg.UUID, consumer)
 	}
 
-	stmt, _ := ib.preparedClaim(ctx) // on error, claim runs unprepared and reports the real error
-	tx, err := ib.db.BeginTxx(ctx, ib.txOptions)
+	if ib.tracer == nil {
+		return ib.transact(ctx, ctx, msg, h, consumer, id, start, nil)
+	}
+	// sctx carries the inbox span: every statement, and the handler, run
+	// under it, so database and handler spans nest inside.
+	sctx, span := ib.tracer.Start(ctx, "inbox", trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(
+		attribute.String("inbox.consumer", consumer),
+		attribute.String("inbox.message_id", id),
+		attribute.String("messaging.message.id", msg.UUID),
+		attribute.String("db.system", ib.dialect.String()),
+	))
+	panicked := true
+	defer func() {
+		if panicked { // not recovered here, so the handler's stack stays intact
+			span.SetStatus(codes.Error, "handler panicked")
+			span.End()
+		}
+	}()
+	produced, err = ib.transact(sctx, ctx, msg, h, consumer, id, start, span)
+	panicked = false
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+	return produced, err
+}
+
+// transact runs one claimed-or-duplicate transaction for a validated key.
+// sctx is the context for statements and the handler (ctx with the inbox
+// span, when tracing); ctx is the message's own, restored on return. span
+// is nil when not tracing.
+func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h message.HandlerFunc,
+	consumer, id string, start time.Time, span trace.Span) (produced []*message.Message, err error) {
+	stmt, _ := ib.preparedClaim(sctx) // on error, claim runs unprepared and reports the real error
+	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
 	if err != nil {
 		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
 	}
@@ -389,12 +442,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 	}()
 
 	if ib.keyLockSQL != "" {
-		if _, err := tx.ExecContext(ctx, ib.keyLockSQL, keyLockHash(ib.table, consumer, id)); err != nil {
+		if _, err := tx.ExecContext(sctx, ib.keyLockSQL, keyLockHash(ib.table, consumer, id)); err != nil {
 			panicking = false
 			return nil, fmt.Errorf("inbox: lock key %s/%s: %w", consumer, id, err)
 		}
 	}
-	n, err := ib.claim(ctx, tx, stmt, consumer, id)
+	n, err := ib.claim(sctx, tx, stmt, consumer, id)
 	panicking = false
 	if err != nil {
 		// Name the table: a missing one (InitializeSchema not run) is the
@@ -404,6 +457,13 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 	claimed, ok := ib.dialect.claimed(n)
 	if !ok {
 		return nil, fmt.Errorf("%w: %d (claim %s/%s)", ErrUnexpectedRowsAffected, n, consumer, id)
+	}
+	if span != nil {
+		if claimed {
+			span.AddEvent("inbox.claimed")
+		} else {
+			span.AddEvent("inbox.duplicate")
+		}
 	}
 	if !claimed {
 		ended = true
@@ -427,7 +487,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 			return nil, fmt.Errorf("inbox: outbox publisher for %s/%s: %w", consumer, id, err)
 		}
 	}
-	msg.SetContext(contextWithTx(ctx, state))
+	msg.SetContext(contextWithTx(sctx, state))
 	defer msg.SetContext(ctx)
 
 	panicking = true
@@ -448,6 +508,9 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 	ended = true
 	if err := tx.Commit(); err != nil {
 		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)
+	}
+	if span != nil {
+		span.AddEvent("inbox.committed")
 	}
 	ib.runAfterCommit(msg, state, consumer, id)
 	if ib.onProcessed != nil {
