@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -54,6 +55,144 @@ func EstimateRows(ctx context.Context, db *sqlx.DB, d Dialect, table string) (in
 			return 0, fmt.Errorf("inbox: estimate rows of %s: no such table", t)
 		}
 		return 0, fmt.Errorf("inbox: estimate rows of %s: %w", t, err)
+	}
+	return n, nil
+}
+
+// TableStats describes an inbox table, for operators.
+type TableStats struct {
+	// Consumers maps each consumer to its number of rows (exact: a COUNT
+	// grouped by consumer, which reads the whole primary key index).
+	Consumers map[string]int64
+	// Rows is the sum of Consumers.
+	Rows int64
+	// Oldest and Newest are the smallest and largest processed_at, in UTC;
+	// zero when the table is empty.
+	Oldest, Newest time.Time
+	// SizeBytes is the table's size on disk with its indexes, where the
+	// database tells (PostgreSQL: pg_total_relation_size, summed over
+	// partitions; MySQL: information_schema data_length + index_length;
+	// SQLite: the whole database file, page_count × page_size); -1 if not.
+	SizeBytes int64
+}
+
+// Stats reads TableStats of the inbox table. It scans the primary key index
+// (COUNT per consumer), so on very large tables prefer EstimateRows for
+// dashboards. d nil: inferred from db; table "": DefaultTable.
+func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStats, error) {
+	if d == nil {
+		var err error
+		if d, err = dialectForDriver(db.DriverName()); err != nil {
+			return TableStats{}, err
+		}
+	}
+	if table == "" {
+		table = DefaultTable
+	}
+	t, err := parseTableName(table)
+	if err != nil {
+		return TableStats{}, err
+	}
+	q := t.quoted(d)
+	st := TableStats{Consumers: map[string]int64{}, SizeBytes: -1}
+	var rows []struct {
+		Consumer string `db:"consumer"`
+		N        int64  `db:"n"`
+	}
+	if err := sqlx.SelectContext(ctx, db, &rows, "SELECT consumer, COUNT(*) AS n FROM "+q+" GROUP BY consumer"); err != nil {
+		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
+	}
+	for _, r := range rows {
+		st.Consumers[r.Consumer] = r.N
+		st.Rows += r.N
+	}
+	// Oldest and newest, as Unix microseconds in every dialect.
+	var span string
+	switch d {
+	case PostgreSQL, PostgreSQLPartitioned:
+		span = "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + q
+	case MySQL: // processed_at holds UTC; CONVERT_TZ-free arithmetic from the epoch
+		span = "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(processed_at)), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)) FROM " + q
+	default:
+		span = "SELECT MIN(processed_at), MAX(processed_at) FROM " + q
+	}
+	var lo, hi sql.NullInt64
+	if err := db.QueryRowxContext(ctx, span).Scan(&lo, &hi); err != nil {
+		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
+	}
+	if lo.Valid {
+		st.Oldest, st.Newest = time.UnixMicro(lo.Int64).UTC(), time.UnixMicro(hi.Int64).UTC()
+	}
+	var size sql.NullInt64
+	var sizeSQL string
+	var args []any
+	switch d {
+	case PostgreSQL:
+		sizeSQL, args = "SELECT pg_total_relation_size(to_regclass($1))", []any{q}
+	case PostgreSQLPartitioned:
+		sizeSQL, args = "SELECT COALESCE(SUM(pg_total_relation_size(inhrelid)), 0) FROM pg_inherits WHERE inhparent = to_regclass($1)", []any{q}
+	case MySQL:
+		schema := "DATABASE()"
+		args = []any{t.name}
+		if t.schema != "" {
+			schema, args = "?", []any{t.schema, t.name}
+		}
+		sizeSQL = "SELECT data_length + index_length FROM information_schema.tables WHERE table_schema = " + schema + " AND table_name = ?"
+	default:
+		sizeSQL = "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()"
+	}
+	if err := db.QueryRowxContext(ctx, sizeSQL, args...).Scan(&size); err == nil && size.Valid {
+		st.SizeBytes = size.Int64
+	}
+	return st, nil
+}
+
+// CountExpired returns how many rows Purge with cfg would delete now (a
+// dry run): rows older than cfg.OlderThan by the database clock, of
+// cfg.Consumer if set. cfg.Window is checked as Purge checks it.
+func CountExpired(ctx context.Context, cfg PurgeConfig) (int64, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	t, _ := parseTableName(cfg.Table)
+	if cfg.Window != nil {
+		safe, err := cfg.Window.SafeWindow(ctx)
+		if err != nil {
+			return 0, fmt.Errorf("inbox: count expired in %s: safe window: %w", t, err)
+		}
+		if cfg.OlderThan == 0 {
+			cfg.OlderThan = safe
+		} else if cfg.OlderThan < safe {
+			return 0, fmt.Errorf("%w: OlderThan %v is shorter than the safe window %v", ErrWindowTooShort, cfg.OlderThan, safe)
+		}
+	}
+	q := t.quoted(cfg.Dialect)
+	var where string
+	switch cfg.Dialect {
+	case PostgreSQL, PostgreSQLPartitioned:
+		where = "processed_at < now() - $1 * interval '1 microsecond'"
+		if cfg.Consumer != "" {
+			where += " AND consumer = $2"
+		}
+	case MySQL:
+		where = "processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+		if cfg.Consumer != "" {
+			where += " AND consumer = ?"
+		}
+	default:
+		where = "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?"
+		if cfg.Consumer != "" {
+			where += " AND consumer = ?"
+		}
+	}
+	args := []any{cfg.OlderThan.Microseconds()}
+	if cfg.Consumer != "" {
+		args = append(args, cfg.Consumer)
+	}
+	var n int64
+	if err := cfg.DB.QueryRowxContext(ctx, "SELECT COUNT(*) FROM "+q+" WHERE "+where, args...).Scan(&n); err != nil {
+		return 0, fmt.Errorf("inbox: count expired in %s: %w", t, err)
 	}
 	return n, nil
 }

@@ -34,3 +34,40 @@ func TestEstimateRows(t *testing.T) {
 		}
 	})
 }
+
+func TestStatsAndCountExpired(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 30, 3*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "shipping", "new", 20, time.Minute)
+		ctx := context.Background()
+		st, err := inbox.Stats(ctx, db, tdb.Dialect, f.inbox)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Rows != 50 || st.Consumers["billing"] != 30 || st.Consumers["shipping"] != 20 {
+			t.Errorf("stats = %+v, want 30 billing + 20 shipping", st)
+		}
+		if age := time.Since(st.Oldest); age < 179*time.Minute || age > 181*time.Minute {
+			t.Errorf("oldest = %v (%v ago), want about 3h ago", st.Oldest, age)
+		}
+		if age := time.Since(st.Newest); age < 0 || age > 2*time.Minute {
+			t.Errorf("newest = %v (%v ago), want about 1m ago", st.Newest, age)
+		}
+		if st.SizeBytes <= 0 {
+			t.Errorf("size = %d, want > 0", st.SizeBytes)
+		}
+		cfg := inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: f.inbox, OlderThan: time.Hour}
+		if n, err := inbox.CountExpired(ctx, cfg); err != nil || n != 30 {
+			t.Errorf("CountExpired = %d, %v; want 30", n, err)
+		}
+		cfg.Consumer = "shipping"
+		if n, err := inbox.CountExpired(ctx, cfg); err != nil || n != 0 {
+			t.Errorf("CountExpired(shipping) = %d, %v; want 0", n, err)
+		}
+		if f.inboxRows() != 50 {
+			t.Error("a dry run deleted rows")
+		}
+	})
+}
