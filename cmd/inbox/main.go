@@ -1,0 +1,293 @@
+// Command inbox manages the inbox table of github.com/watermill-inbox/inbox
+// from a shell: print or apply its schema, purge it, and show its state.
+//
+//	go install github.com/watermill-inbox/inbox/cmd/inbox@latest
+//	inbox schema -dialect postgres -table billing.inbox
+//	inbox purge -db "$DATABASE_URL" -older-than 360h -dry-run
+//	inbox stats -db "$DATABASE_URL"
+//
+// Exit status: 0 on success, 1 when the database or the operation fails, 2 on
+// a usage error.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	_ "github.com/go-sql-driver/mysql"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jmoiron/sqlx"
+	_ "modernc.org/sqlite"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+const usage = `inbox manages the inbox table of github.com/watermill-inbox/inbox.
+
+Usage:
+  inbox schema [-dialect D] [-table T]          print the DDL
+  inbox schema -db DSN [-dialect D] [-table T] -apply
+                                                create the table (and partitions) if missing
+  inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-pause D] [-dry-run]
+                                                delete rows processed longer ago than DURATION
+  inbox stats  -db DSN [-table T]               rows per consumer, oldest and newest row, size
+
+DSN forms:
+  postgres://user@host:5432/db?sslmode=disable  PostgreSQL (pgx)
+  mysql://user:pass@tcp(host:3306)/db           MySQL / MariaDB (go-sql-driver DSN after mysql://)
+  sqlite:///path/to/file.db  or  file:path.db   SQLite (modernc.org/sqlite)
+
+Dialects: postgres, postgres-partitioned, mysql, sqlite (default: from the DSN).
+Durations use Go syntax: 360h, 15m, 90s. Choose -older-than longer than your broker
+can redeliver (Kafka: retention.ms + segment.ms + a margin); see the README.
+
+Run "inbox <command> -h" for a command's flags.
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// errUsage marks usage errors (exit status 2).
+var errUsage = errors.New("usage")
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "-help" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprint(stdout, usage)
+		if len(args) == 0 {
+			return 2
+		}
+		return 0
+	}
+	var err error
+	switch args[0] {
+	case "schema":
+		err = schemaCmd(ctx, args[1:], stdout, stderr)
+	case "purge":
+		err = purgeCmd(ctx, args[1:], stdout, stderr)
+	case "stats":
+		err = statsCmd(ctx, args[1:], stdout, stderr)
+	default:
+		err = fmt.Errorf("%w: unknown command %q", errUsage, args[0])
+	}
+	switch {
+	case err == nil:
+		return 0
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.Is(err, errUsage) || errors.Is(err, inbox.ErrInvalidConfig) || errors.Is(err, inbox.ErrInvalidTableName):
+		fmt.Fprintf(stderr, "inbox: %v\nRun \"inbox -h\" for usage.\n", err)
+		return 2
+	default:
+		fmt.Fprintf(stderr, "inbox: %v\n", err)
+		return 1
+	}
+}
+
+// common are the flags every command shares.
+type common struct {
+	dsn, dialect, table string
+}
+
+func newFlags(name string, stderr io.Writer, c *common, withDB bool) *flag.FlagSet {
+	fs := flag.NewFlagSet("inbox "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	if withDB {
+		fs.StringVar(&c.dsn, "db", os.Getenv("INBOX_DB"), "database DSN (default $INBOX_DB); see \"inbox -h\"")
+	}
+	fs.StringVar(&c.dialect, "dialect", "", "postgres, postgres-partitioned, mysql or sqlite (default: from the DSN)")
+	fs.StringVar(&c.table, "table", inbox.DefaultTable, "inbox table, optionally schema-qualified")
+	return fs
+}
+
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	}
+	return nil
+}
+
+var dialects = map[string]inbox.Dialect{
+	"postgres": inbox.PostgreSQL, "postgres-partitioned": inbox.PostgreSQLPartitioned,
+	"mysql": inbox.MySQL, "sqlite": inbox.SQLite,
+}
+
+func (c common) dialectOrNil() (inbox.Dialect, error) {
+	if c.dialect == "" {
+		return nil, nil
+	}
+	d, ok := dialects[c.dialect]
+	if !ok {
+		return nil, fmt.Errorf("%w: unknown dialect %q (postgres, postgres-partitioned, mysql, sqlite)", errUsage, c.dialect)
+	}
+	return d, nil
+}
+
+// open connects to c.dsn, choosing the driver from its form.
+func (c common) open(ctx context.Context) (*sqlx.DB, inbox.Dialect, error) {
+	d, err := c.dialectOrNil()
+	if err != nil {
+		return nil, nil, err
+	}
+	if c.dsn == "" {
+		return nil, nil, fmt.Errorf("%w: -db is required", errUsage)
+	}
+	driver, dsn := "", c.dsn
+	switch {
+	case strings.HasPrefix(dsn, "postgres://"), strings.HasPrefix(dsn, "postgresql://"):
+		driver = "pgx"
+	case strings.HasPrefix(dsn, "mysql://"):
+		driver, dsn = "mysql", strings.TrimPrefix(dsn, "mysql://")
+	case strings.HasPrefix(dsn, "sqlite://"):
+		driver, dsn = "sqlite", "file:"+strings.TrimPrefix(dsn, "sqlite://")
+	case strings.HasPrefix(dsn, "file:"):
+		driver = "sqlite"
+	default:
+		return nil, nil, fmt.Errorf("%w: cannot tell the database from -db %q (use postgres://, mysql:// or sqlite://)", errUsage, c.dsn)
+	}
+	db, err := sqlx.Open(driver, dsn)
+	if err != nil {
+		return nil, nil, err
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := db.PingContext(pingCtx); err != nil {
+		db.Close()
+		return nil, nil, fmt.Errorf("connect: %w", err)
+	}
+	return db, d, nil
+}
+
+func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("schema", stderr, &c, true)
+	apply := fs.Bool("apply", false, "create the table (and, partitioned, the partitions) in -db if missing, instead of printing")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if !*apply {
+		d, err := c.dialectOrNil()
+		if err != nil {
+			return err
+		}
+		if d == nil {
+			if c.dsn == "" {
+				return fmt.Errorf("%w: -dialect or -db is required", errUsage)
+			}
+			db, dd, err := c.open(ctx)
+			if err != nil {
+				return err
+			}
+			db.Close()
+			if d = dd; d == nil {
+				d, _ = dialects[map[string]string{"pgx": "postgres", "mysql": "mysql", "sqlite": "sqlite"}[db.DriverName()]]
+			}
+		}
+		ddl, err := inbox.SchemaSQL(d, c.table)
+		if err != nil {
+			return err
+		}
+		_, err = io.WriteString(stdout, ddl)
+		return err
+	}
+	db, d, err := c.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table})
+	if err != nil {
+		return err
+	}
+	if err := ib.InitializeSchema(ctx); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "inbox table %s is ready\n", c.table)
+	return nil
+}
+
+func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("purge", stderr, &c, true)
+	olderThan := fs.Duration("older-than", 0, "required: delete rows processed longer ago than this (e.g. 360h)")
+	consumer := fs.String("consumer", "", "only this consumer's rows (default: all)")
+	batch := fs.Int("batch", inbox.DefaultPurgeBatchSize, "rows per DELETE, each its own transaction")
+	pause := fs.Duration("pause", 0, "sleep between batches, to leave the database to live handlers")
+	dryRun := fs.Bool("dry-run", false, "count the rows that would go; delete nothing")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *olderThan <= 0 {
+		return fmt.Errorf("%w: -older-than is required and must be positive", errUsage)
+	}
+	db, d, err := c.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: *olderThan, BatchSize: *batch, Pause: *pause, Consumer: *consumer}
+	if *dryRun {
+		n, err := inbox.CountExpired(ctx, cfg)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "dry run: would delete %d rows older than %s from %s\n", n, *olderThan, c.table)
+		return nil
+	}
+	start := time.Now()
+	n, err := inbox.Purge(ctx, cfg)
+	fmt.Fprintf(stdout, "deleted %d rows older than %s from %s in %s\n", n, *olderThan, c.table, time.Since(start).Round(time.Millisecond))
+	return err
+}
+
+func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("stats", stderr, &c, true)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	db, d, err := c.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	st, err := inbox.Stats(ctx, db, d, c.table)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "table:    %s\n", c.table)
+	fmt.Fprintf(stdout, "rows:     %d\n", st.Rows)
+	if st.Rows > 0 {
+		fmt.Fprintf(stdout, "oldest:   %s (%s ago)\n", st.Oldest.Format(time.RFC3339), time.Since(st.Oldest).Round(time.Second))
+		fmt.Fprintf(stdout, "newest:   %s (%s ago)\n", st.Newest.Format(time.RFC3339), time.Since(st.Newest).Round(time.Second))
+	}
+	if st.SizeBytes >= 0 {
+		fmt.Fprintf(stdout, "size:     %d bytes\n", st.SizeBytes)
+	}
+	consumers := make([]string, 0, len(st.Consumers))
+	for name := range st.Consumers {
+		consumers = append(consumers, name)
+	}
+	sort.Strings(consumers)
+	for _, name := range consumers {
+		fmt.Fprintf(stdout, "consumer: %s %d\n", name, st.Consumers[name])
+	}
+	return nil
+}

@@ -1,0 +1,133 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// cli runs the command in-process and returns its exit status and output.
+func cli(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), args, &stdout, &stderr)
+	return code, stdout.String(), stderr.String()
+}
+
+// dsns are the three databases, in the CLI's DSN forms.
+func dsns(t *testing.T) map[string]struct {
+	dsn string
+	db  *sqlx.DB
+} {
+	sqlitePath := filepath.Join(t.TempDir(), "cli.db")
+	return map[string]struct {
+		dsn string
+		db  *sqlx.DB
+	}{
+		"sqlite":   {"sqlite://" + sqlitePath + "?" + testdb.SQLiteParams, testdb.OpenSQLite(t, sqlitePath)},
+		"postgres": {testdb.PostgresDSN(), testdb.OpenPostgres(t, "")},
+		"mysql":    {"mysql://" + testdb.MySQLDSN(), testdb.OpenMySQL(t, "")},
+	}
+}
+
+func TestSchemaApplyPurgeStats(t *testing.T) {
+	for name, c := range dsns(t) {
+		t.Run(name, func(t *testing.T) {
+			table := "cli_" + testdb.RandomSuffix()
+			testdb.DropLater(t, c.db, table)
+			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 || !strings.Contains(out, "is ready") {
+				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
+			}
+			ago := map[string]string{
+				"sqlite":   "CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000",
+				"postgres": "now() - interval '2 hours'",
+				"mysql":    "UTC_TIMESTAMP(6) - INTERVAL 2 HOUR",
+			}[name]
+			for i := range 5 {
+				if _, err := c.db.Exec(c.db.Rebind("INSERT INTO "+table+" VALUES (?, ?, "+ago+")"), "billing", fmt.Sprint(i)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ib, err := inbox.New(inbox.Config{DB: c.db, Table: table, Consumer: "shipping"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := ib.Middleware(noop)(newMsg()); err != nil {
+				t.Fatal(err)
+			}
+
+			code, out, _ := cli(t, "stats", "-db", c.dsn, "-table", table)
+			if code != 0 || !strings.Contains(out, "rows:     6") || !strings.Contains(out, "consumer: billing 5") ||
+				!strings.Contains(out, "consumer: shipping 1") || !strings.Contains(out, "size:") {
+				t.Errorf("stats: %d\n%s", code, out)
+			}
+			code, out, _ = cli(t, "purge", "-db", c.dsn, "-table", table, "-older-than", "1h", "-dry-run")
+			if code != 0 || !strings.Contains(out, "would delete 5 rows") {
+				t.Errorf("purge -dry-run: %d %q", code, out)
+			}
+			code, out, _ = cli(t, "purge", "-db", c.dsn, "-table", table, "-older-than", "1h", "-batch", "2")
+			if code != 0 || !strings.Contains(out, "deleted 5 rows") {
+				t.Errorf("purge: %d %q", code, out)
+			}
+			if code, out, _ := cli(t, "stats", "-db", c.dsn, "-table", table); code != 0 || !strings.Contains(out, "rows:     1") {
+				t.Errorf("stats after purge: %d\n%s", code, out)
+			}
+		})
+	}
+}
+
+func TestUsageErrors(t *testing.T) {
+	cases := [][]string{
+		{},
+		{"frobnicate"},
+		{"purge", "-db", "sqlite:///tmp/x.db"}, // no -older-than
+		{"purge", "-older-than", "1h"},         // no -db
+		{"stats", "-db", "oracle://x"},         // unknown DSN form
+		{"schema"},                             // no dialect, no db
+		{"schema", "-dialect", "db2"},          // unknown dialect
+		{"schema", "-dialect", "postgres", "-table", "x; DROP TABLE y"}, // hostile name
+		{"stats", "-db", "sqlite:///tmp/x.db", "extra"},
+	}
+	for _, args := range cases {
+		if code, _, errOut := cli(t, args...); code != 2 {
+			t.Errorf("%q: exit %d (%s), want 2", args, code, errOut)
+		}
+	}
+	if code, out, _ := cli(t, "-h"); code != 0 || !strings.Contains(out, "Usage:") {
+		t.Errorf("-h: %d", code)
+	}
+	if code, _, _ := cli(t, "stats", "-db", "postgres://nobody@127.0.0.1:1/x?connect_timeout=1"); code != 1 {
+		t.Errorf("unreachable database: exit %d, want 1", code)
+	}
+}
+
+// The installed binary, end to end: go build, then run it.
+func TestBinary(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "inbox")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	out, err := exec.Command(bin, "schema", "-dialect", "sqlite").Output()
+	if err != nil || !strings.Contains(string(out), `CREATE TABLE IF NOT EXISTS "watermill_inbox"`) {
+		t.Errorf("schema: %v\n%s", err, out)
+	}
+	err = exec.Command(bin, "purge").Run()
+	if exit, ok := err.(*exec.ExitError); !ok || exit.ExitCode() != 2 {
+		t.Errorf("purge without flags: %v, want exit status 2", err)
+	}
+}
+
+func noop(*message.Message) ([]*message.Message, error) { return nil, nil }
+
+func newMsg() *message.Message { return message.NewMessage(watermill.NewUUID(), nil) }
