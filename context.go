@@ -44,6 +44,17 @@ type txState struct {
 
 	mu          sync.Mutex
 	afterCommit []func()
+	ended       bool // the transaction has ended: AfterCommit refuses
+}
+
+// end marks the transaction ended and returns the after-commit functions.
+func (s *txState) end() []func() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.ended = true
+	fs := s.afterCommit
+	s.afterCommit = nil
+	return fs
 }
 
 func contextWithTx(ctx context.Context, s *txState) context.Context {
@@ -66,8 +77,10 @@ func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 }
 
 // AfterCommit registers f to run after the inbox transaction of the message
-// being handled (ctx is msg.Context()) has committed, and reports whether ctx
-// carries an inbox transaction (false: f was not registered). Use it for side
+// being handled (ctx is msg.Context()) has committed, and reports whether it
+// was registered: false when ctx carries no inbox transaction, or one that
+// has already ended (a context kept past the handler, or a call from an
+// after-commit function). Use it for side
 // effects that cannot join the transaction and may happen at most once: a
 // cache purge, a metric, a notification that is only a hint.
 //
@@ -85,7 +98,10 @@ func AfterCommit(ctx context.Context, f func()) bool {
 		return false
 	}
 	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ended {
+		return false
+	}
 	s.afterCommit = append(s.afterCommit, f)
-	s.mu.Unlock()
 	return true
 }

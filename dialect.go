@@ -1,10 +1,13 @@
 package inbox
 
 import (
+	"context"
 	"fmt"
 	"hash/fnv"
 	"regexp"
 	"strings"
+
+	"github.com/jmoiron/sqlx"
 )
 
 // Dialect is the SQL dialect of the database that holds the inbox table. The
@@ -304,3 +307,34 @@ func (sqliteDialect) keyLockSQL() string { return "" }
 
 // isPostgres reports whether d is one of the PostgreSQL dialects.
 func isPostgres(d Dialect) bool { return d == PostgreSQL || d == PostgreSQLPartitioned }
+
+// canonicalTable returns t qualified the way the database resolves it, so
+// that every instance derives the same lock keys and partition names
+// however the table name was written ("inbox" or "public.inbox"): on
+// PostgreSQL, the schema the table is in, or the one CREATE TABLE would use
+// (current_schema()) when it does not exist yet; on MySQL, the current
+// database; on SQLite, "main".
+func canonicalTable(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) (qualifiedName, error) {
+	if t.schema != "" {
+		return t, nil
+	}
+	var schema string
+	var err error
+	switch {
+	case isPostgres(d):
+		err = sqlx.GetContext(ctx, q, &schema, `SELECT COALESCE(
+			(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)),
+			current_schema())`, t.quoted(d))
+	case d == MySQL:
+		err = sqlx.GetContext(ctx, q, &schema, "SELECT DATABASE()")
+	default:
+		schema = "main"
+	}
+	if err != nil {
+		return t, fmt.Errorf("resolve table %s: %w", t, err)
+	}
+	if schema == "" {
+		return t, fmt.Errorf("resolve table %s: no current schema or database", t)
+	}
+	return qualifiedName{schema: schema, name: t.name}, nil
+}

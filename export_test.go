@@ -33,10 +33,20 @@ func CreateTableOnly(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 	return err
 }
 
-// PurgeLockHeld takes the purge lock of p on conn, as another instance would.
+// PurgeLock takes the purge lock of p on conn, as another instance would.
 func PurgeLock(ctx context.Context, conn *sqlx.Conn, p *Purger) (bool, error) {
-	return p.lock(ctx, conn)
+	ct, err := canonicalTable(ctx, conn, p.dialect, p.table)
+	if err != nil {
+		return false, err
+	}
+	return p.lock(ctx, conn, purgeLockKey(ct))
 }
 
 // PurgeUnlock releases it.
-func PurgeUnlock(conn *sqlx.Conn, p *Purger) error { return p.unlock(conn) }
+func PurgeUnlock(conn *sqlx.Conn, p *Purger) error {
+	ct, err := canonicalTable(context.Background(), conn, p.dialect, p.table)
+	if err != nil {
+		return err
+	}
+	return p.unlock(conn, purgeLockKey(ct))
+}

@@ -214,6 +214,25 @@ type Inbox struct {
 	// arguments is prepare, execute, close) and no re-parsing on SQLite.
 	claimMu   sync.Mutex
 	claimStmt *sqlx.Stmt
+	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
+}
+
+// keyLockTable returns the table name the key lock hashes: resolved by the
+// database, so that instances that spell the table differently ("inbox",
+// "public.inbox") still exclude each other. Like preparedClaim, it must run
+// before the message's transaction begins.
+func (ib *Inbox) keyLockTable(ctx context.Context) (qualifiedName, error) {
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.lockTable != nil {
+		return *ib.lockTable, nil
+	}
+	t, err := canonicalTable(ctx, ib.db, ib.dialect, ib.table)
+	if err != nil {
+		return t, err
+	}
+	ib.lockTable = &t
+	return t, nil
 }
 
 // claim runs the claim statement in tx and returns its rows affected. stmt
@@ -297,9 +316,15 @@ func New(cfg Config) (*Inbox, error) {
 		claimSQL:    cfg.Dialect.claimSQL(table),
 		keyLockSQL:  cfg.Dialect.keyLockSQL(),
 	}
-	if cfg.Dialect == PostgreSQLPartitioned && ib.txOptions == nil {
-		// Pinned, not left to the server's default_transaction_isolation.
-		ib.txOptions = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+	if cfg.Dialect == PostgreSQLPartitioned {
+		// Pinned, never left to the server's default_transaction_isolation:
+		// at REPEATABLE READ the snapshot would be taken before the key lock
+		// is granted. Validate refused any other explicit level.
+		opts := sql.TxOptions{Isolation: sql.LevelReadCommitted}
+		if cfg.TxOptions != nil {
+			opts.ReadOnly = cfg.TxOptions.ReadOnly
+		}
+		ib.txOptions = &opts
 	}
 	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
 	if cfg.TracerProvider != nil {
@@ -410,6 +435,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h message.HandlerFunc,
 	consumer, id string, start time.Time, span trace.Span) (produced []*message.Message, err error) {
 	stmt, _ := ib.preparedClaim(sctx) // on error, claim runs unprepared and reports the real error
+	var lockTable qualifiedName
+	if ib.keyLockSQL != "" {
+		if lockTable, err = ib.keyLockTable(sctx); err != nil {
+			return nil, fmt.Errorf("inbox: %s/%s: %w", consumer, id, err)
+		}
+	}
 	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
 	if err != nil {
 		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
@@ -442,7 +473,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}()
 
 	if ib.keyLockSQL != "" {
-		if _, err := tx.ExecContext(sctx, ib.keyLockSQL, keyLockHash(ib.table, consumer, id)); err != nil {
+		if _, err := tx.ExecContext(sctx, ib.keyLockSQL, keyLockHash(lockTable, consumer, id)); err != nil {
 			panicking = false
 			return nil, fmt.Errorf("inbox: lock key %s/%s: %w", consumer, id, err)
 		}
@@ -489,6 +520,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	msg.SetContext(contextWithTx(sctx, state))
 	defer msg.SetContext(ctx)
+	defer state.end() // whatever way the transaction ends
 
 	panicking = true
 	produced, err = h(msg)
@@ -536,11 +568,7 @@ func (ib *Inbox) publishToOutbox(msg *message.Message, state *txState, produced 
 // transaction has committed, so a panic is logged, not propagated: the
 // message must be acked.
 func (ib *Inbox) runAfterCommit(msg *message.Message, state *txState, consumer, id string) {
-	state.mu.Lock()
-	fs := state.afterCommit
-	state.afterCommit = nil
-	state.mu.Unlock()
-	for _, f := range fs {
+	for _, f := range state.end() {
 		func() {
 			defer func() {
 				if r := recover(); r != nil {

@@ -58,6 +58,12 @@ type dbConn interface {
 
 func createPartitions(ctx context.Context, db dbConn, t qualifiedName, from time.Time, days int) error {
 	d := PostgreSQLPartitioned
+	// Partitions go into the parent's schema, whatever search_path says,
+	// and the lock is keyed by the resolved name.
+	t, err := canonicalTable(ctx, db, d, t)
+	if err != nil {
+		return fmt.Errorf("inbox: create partitions: %w", err)
+	}
 	tx, err := db.BeginTxx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
@@ -131,20 +137,18 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 	if olderThan <= 0 {
 		return nil, fmt.Errorf("%w: olderThan must be positive, got %v", ErrInvalidConfig, olderThan)
 	}
-	if window != nil {
-		safe, err := window.SafeWindow(ctx)
-		if err != nil {
-			return nil, fmt.Errorf("inbox: drop partitions of %s: safe window: %w", t, err)
-		}
-		if olderThan < safe {
-			return nil, fmt.Errorf("%w: %v is shorter than the safe window %v (drop partitions of %s)", ErrWindowTooShort, olderThan, safe, t)
-		}
+	if _, err := checkWindow(ctx, window, olderThan); err != nil {
+		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
 	return dropPartitions(ctx, db, t, olderThan)
 }
 
 func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration) ([]DroppedPartition, error) {
 	d := PostgreSQLPartitioned
+	t, err := canonicalTable(ctx, db, d, t)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: drop partitions: %w", err)
+	}
 	var cutoff time.Time
 	if err := sqlx.GetContext(ctx, db, &cutoff, "SELECT now() - $1 * interval '1 microsecond'", olderThan.Microseconds()); err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
@@ -159,12 +163,19 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			continue // not entirely past the window
 		}
 		p := part.name
-		var attached bool
-		if err := sqlx.GetContext(ctx, db, &attached, "SELECT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass($1))", p.quoted(d)); err != nil {
+		// Attached, attached with a DETACH CONCURRENTLY interrupted half way
+		// ("pending": only FINALIZE completes it), or already detached.
+		var state sql.NullBool // NULL: detached; else inhdetachpending
+		if err := sqlx.GetContext(ctx, db, &state,
+			"SELECT (SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass($1))", p.quoted(d)); err != nil {
 			return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
 		}
-		if attached {
-			if _, err := db.ExecContext(ctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+" CONCURRENTLY"); err != nil {
+		if state.Valid {
+			detach := " CONCURRENTLY"
+			if state.Bool {
+				detach = " FINALIZE"
+			}
+			if _, err := db.ExecContext(ctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach); err != nil {
 				return dropped, fmt.Errorf("inbox: detach partition %s: %w", p, err)
 			}
 		}
@@ -214,6 +225,10 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 // t began: the age of the oldest row, to the day, without scanning rows
 // (the table has no index on processed_at). 0 when every partition is empty.
 func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (time.Duration, error) {
+	t, err := canonicalTable(ctx, db, PostgreSQLPartitioned, t)
+	if err != nil {
+		return 0, err
+	}
 	parts, err := listPartitions(ctx, db, t)
 	if err != nil {
 		return 0, err

@@ -2,8 +2,10 @@ package inbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -145,34 +147,22 @@ func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
 
 // purge runs a validated purge through db: the pool, or the one connection
 // a Purger holds its lock on.
-func purge(ctx context.Context, db sqlx.ExecerContext, cfg PurgeConfig) (deleted int64, err error) {
+func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err error) {
 	table, _ := parseTableName(cfg.Table)
-	if cfg.Window != nil {
-		safe, err := cfg.Window.SafeWindow(ctx)
-		if err != nil {
-			return 0, fmt.Errorf("inbox: purge %s: safe window: %w", table, err)
-		}
-		if cfg.OlderThan == 0 {
-			cfg.OlderThan = safe
-		} else if cfg.OlderThan < safe {
-			return 0, fmt.Errorf("%w: OlderThan %v is shorter than the safe window %v (purge %s)", ErrWindowTooShort, cfg.OlderThan, safe, table)
-		}
+	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
+		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
 	query, args := purgeStatement(cfg.Dialect, table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
 	for {
 		if err := ctx.Err(); err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: %w", table, err)
 		}
-		res, err := db.ExecContext(ctx, query, args...)
+		n, found, err := purgeBatch(ctx, db, cfg.Dialect, table, query, args)
 		if err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
 		}
-		n, err := res.RowsAffected()
-		if err != nil {
-			return deleted, fmt.Errorf("inbox: purge %s: rows affected: %w", table, err)
-		}
 		deleted += n
-		if n < int64(cfg.BatchSize) {
+		if found < int64(cfg.BatchSize) {
 			return deleted, nil
 		}
 		if cfg.Pause > 0 {
@@ -200,13 +190,13 @@ func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consume
 			" WHERE processed_at < now() - $1 * interval '1 microsecond'" + filter +
 			" ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)", args
 	case MySQL:
-		// Single-table DELETE with ORDER BY and LIMIT walks the
-		// processed_at index; ? binds in textual order.
+		// Not a DELETE: the batch's keys, by a non-locking consistent read
+		// of the processed_at index (see purgeBatch); ? binds in order.
 		args, filter := []any{window}, ""
 		if consumer != "" {
 			args, filter = append(args, consumer), " AND consumer = ?"
 		}
-		return "DELETE FROM " + q + " WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND" + filter +
+		return "SELECT consumer, message_id FROM " + q + " WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND" + filter +
 			" ORDER BY processed_at LIMIT ?", append(args, batch)
 	default: // SQLite: WITHOUT ROWID, so the batch is chosen by primary key.
 		args, filter := []any{window, batch}, ""
@@ -218,4 +208,94 @@ func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consume
 			" WHERE processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1" + filter +
 			" ORDER BY processed_at LIMIT ?2)", args
 	}
+}
+
+// purgeBatch runs one batch in its own transaction and returns the rows it
+// deleted and the expired rows it found (fewer than the batch size: the
+// purge is done).
+//
+// On PostgreSQL and SQLite the batch is one DELETE (autocommit). On
+// MySQL/MariaDB a DELETE that walks the processed_at index must lock the
+// first record past the cutoff to see that the range ended, at any isolation
+// level; when that record is a live handler's uncommitted claim (a quiet
+// table), the batch would wait for the whole handler. So the keys are read
+// first with a non-locking consistent read, and then deleted by primary key,
+// at READ COMMITTED: only the expired rows themselves are locked.
+func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any) (deleted, found int64, err error) {
+	if d != MySQL {
+		res, err := db.ExecContext(ctx, query, args...)
+		if err != nil {
+			return 0, 0, err
+		}
+		n, err := res.RowsAffected()
+		return n, n, err
+	}
+	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, 0, err
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	var keys []struct {
+		Consumer  []byte `db:"consumer"`
+		MessageID []byte `db:"message_id"`
+	}
+	if err := sqlx.SelectContext(ctx, tx, &keys, query, args...); err != nil {
+		return 0, 0, err
+	}
+	// consumer = ? AND message_id IN (...) is a primary-key range MariaDB
+	// resolves by point lookups; a row-value IN ((?, ?), ...) list it scans,
+	// locking every row it reads, live claims included.
+	byConsumer := map[string][]any{}
+	var consumers []string
+	for _, k := range keys {
+		c := string(k.Consumer)
+		if _, ok := byConsumer[c]; !ok {
+			consumers = append(consumers, c)
+		}
+		byConsumer[c] = append(byConsumer[c], k.MessageID)
+	}
+	const perStatement = 1000 // placeholders, far below MySQL's 65,535
+	for _, c := range consumers {
+		ids := byConsumer[c]
+		for lo := 0; lo < len(ids); lo += perStatement {
+			chunk := ids[lo:min(len(ids), lo+perStatement)]
+			query := "DELETE FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id IN (?" +
+				strings.Repeat(", ?", len(chunk)-1) + ")"
+			res, err := tx.ExecContext(ctx, query, append([]any{c}, chunk...)...)
+			if err != nil {
+				return 0, 0, err
+			}
+			n, err := res.RowsAffected()
+			if err != nil {
+				return 0, 0, err
+			}
+			deleted += n
+		}
+	}
+	return deleted, int64(len(keys)), tx.Commit()
+}
+
+// checkWindow returns the window a purge of olderThan may use under the
+// window source w: olderThan itself when it is at least w's safe window, the
+// safe window when olderThan is 0, and an error wrapping ErrWindowTooShort
+// otherwise. A source that reports less than 1µs is an error, not a licence
+// to delete rows processed a moment ago. Without w, olderThan is returned.
+func checkWindow(ctx context.Context, w WindowSource, olderThan time.Duration) (time.Duration, error) {
+	if w == nil {
+		return olderThan, nil
+	}
+	safe, err := w.SafeWindow(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("safe window: %w", err)
+	}
+	if safe < time.Microsecond {
+		return 0, fmt.Errorf("safe window: the window source reported %v; refusing to purge", safe)
+	}
+	if olderThan == 0 {
+		return safe, nil
+	}
+	if olderThan < safe {
+		return 0, fmt.Errorf("%w: %v is shorter than the safe window %v", ErrWindowTooShort, olderThan, safe)
+	}
+	return olderThan, nil
 }

@@ -73,7 +73,6 @@ type Purger struct {
 	cfg     PurgerConfig
 	table   qualifiedName
 	dialect Dialect
-	lockKey int64
 	oldest  string
 }
 
@@ -95,9 +94,7 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	table, _ := parseTableName(cfg.Purge.Table)
-	h := fnv.New64a()
-	h.Write([]byte("watermill-inbox purge " + table.String()))
-	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect, lockKey: int64(h.Sum64())}
+	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect}
 	p.cfg.Logger = cfg.Logger.With(watermill.LogFields{"table": table.String()})
 	p.oldest = oldestAgeSQL(p.dialect, table)
 	return p, nil
@@ -119,13 +116,28 @@ func (p *Purger) Run(ctx context.Context) error {
 	}
 }
 
+// RouterPluginStartTimeout is how long RouterPlugin waits for the router to
+// start running before it gives up (the router's Run failed).
+const RouterPluginStartTimeout = 5 * time.Minute
+
 // RouterPlugin runs the Purger for as long as the router runs: add it with
-// router.AddPlugin(purger.RouterPlugin). It stops within a second of the
-// router closing, cancelling a round in progress.
+// router.AddPlugin(purger.RouterPlugin). The first round starts once the
+// router is running; the purger stops within a second of the router closing,
+// cancelling a round in progress. If the router does not start running
+// within RouterPluginStartTimeout (its Run failed after loading the plugin),
+// the purger never starts and nothing is left behind.
 func (p *Purger) RouterPlugin(r *message.Router) error {
-	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
+		started := time.After(RouterPluginStartTimeout)
+		select {
+		case <-r.Running():
+		case <-started:
+			p.cfg.Logger.Error("Inbox purger not started: the router did not start running", nil, nil)
+			return
+		}
+		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
+		go func() { _ = p.Run(ctx) }()
 		tick := time.NewTicker(time.Second)
 		defer tick.Stop()
 		for range tick.C {
@@ -134,7 +146,6 @@ func (p *Purger) RouterPlugin(r *message.Router) error {
 			}
 		}
 	}()
-	go func() { _ = p.Run(ctx) }()
 	return nil
 }
 
@@ -173,15 +184,26 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 	}
 	defer conn.Close()
 	if p.dialect != SQLite {
-		got, err := p.lock(ctx, conn)
+		// Keyed by the name as the database resolves it, so instances that
+		// spell the table differently still exclude each other.
+		ct, err := canonicalTable(ctx, conn, p.dialect, p.table)
 		if err != nil {
+			return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
+		}
+		key := purgeLockKey(ct)
+		got, err := p.lock(ctx, conn, key)
+		if err != nil {
+			// The server may have granted the lock before the error (a
+			// context cancelled in between): never return this session to
+			// the pool, or it would hold the lock for good.
+			_ = conn.Raw(func(any) error { return errBadConn })
 			return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
 		}
 		if !got {
 			return PurgeRound{Skipped: true}
 		}
 		defer func() {
-			if err := p.unlock(conn); err != nil && round.Err == nil {
+			if err := p.unlock(conn, key); err != nil && round.Err == nil {
 				round.Err = fmt.Errorf("inbox: purge unlock: %w", err)
 			}
 		}()
@@ -189,19 +211,10 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 	if p.dialect == PostgreSQLPartitioned {
 		// Whole partitions: create the coming days', drop those past the
 		// window. The window is checked as Purge checks it.
-		olderThan := p.cfg.Purge.OlderThan
-		if w := p.cfg.Purge.Window; w != nil {
-			safe, err := w.SafeWindow(ctx)
-			if err != nil {
-				round.Err = fmt.Errorf("inbox: purge %s: safe window: %w", p.table, err)
-				return round
-			}
-			if olderThan == 0 {
-				olderThan = safe
-			} else if olderThan < safe {
-				round.Err = fmt.Errorf("%w: OlderThan %v is shorter than the safe window %v (purge %s)", ErrWindowTooShort, olderThan, safe, p.table)
-				return round
-			}
+		olderThan, err := checkWindow(ctx, p.cfg.Purge.Window, p.cfg.Purge.OlderThan)
+		if err != nil {
+			round.Err = fmt.Errorf("inbox: purge %s: %w", p.table, err)
+			return round
 		}
 		if round.Err = ensurePartitions(ctx, conn, p.table); round.Err != nil {
 			return round
@@ -232,28 +245,37 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 	return round
 }
 
-func (p *Purger) lock(ctx context.Context, conn *sqlx.Conn) (bool, error) {
+// purgeLockKey is the purge lock key of the resolved table name.
+func purgeLockKey(t qualifiedName) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("watermill-inbox purge " + t.String()))
+	return int64(h.Sum64())
+}
+
+// mysqlLockName is the GET_LOCK name for key: at most 64 characters.
+func mysqlLockName(key int64) string { return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(key)) }
+
+func (p *Purger) lock(ctx context.Context, conn *sqlx.Conn, key int64) (bool, error) {
 	var got sql.NullBool
 	var err error
 	if isPostgres(p.dialect) {
-		err = conn.QueryRowxContext(ctx, "SELECT pg_try_advisory_lock($1)", p.lockKey).Scan(&got)
+		err = conn.QueryRowxContext(ctx, "SELECT pg_try_advisory_lock($1)", key).Scan(&got)
 	} else {
-		// GET_LOCK names are at most 64 characters; the key is hex.
-		err = conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, 0) = 1", p.mysqlLockName()).Scan(&got)
+		err = conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, 0) = 1", mysqlLockName(key)).Scan(&got)
 	}
 	return got.Valid && got.Bool, err
 }
 
 // unlock releases the lock with a context of its own: the round's may have
 // ended, and a session lock left behind would block every other instance.
-func (p *Purger) unlock(conn *sqlx.Conn) error {
+func (p *Purger) unlock(conn *sqlx.Conn, key int64) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var err error
 	if isPostgres(p.dialect) {
-		_, err = conn.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", p.lockKey)
+		_, err = conn.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", key)
 	} else {
-		_, err = conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", p.mysqlLockName())
+		_, err = conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", mysqlLockName(key))
 	}
 	if err != nil {
 		// The session may still hold the lock: close the connection
@@ -261,10 +283,6 @@ func (p *Purger) unlock(conn *sqlx.Conn) error {
 		_ = conn.Raw(func(any) error { return errBadConn })
 	}
 	return err
-}
-
-func (p *Purger) mysqlLockName() string {
-	return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(p.lockKey))
 }
 
 // oldestAgeSQL returns a query for the age of the oldest row in table, in

@@ -92,13 +92,18 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 
 	// PostgreSQL: concurrent CREATE TABLE IF NOT EXISTS of one name can fail
 	// with a unique violation on pg_type; serialise starters on an advisory
-	// lock that ends with the transaction. DDL is transactional here.
+	// lock that ends with the transaction, keyed by the name as resolved by
+	// the database. DDL is transactional here.
+	ct, err := canonicalTable(ctx, db, d, t)
+	if err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+	}
 	tx, err := db.BeginTxx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: begin: %w", t, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op returning ErrTxDone
-	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(t)); err != nil {
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(ct)); err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: lock: %w", t, err)
 	}
 	for _, stmt := range stmts {

@@ -156,16 +156,9 @@ func CountExpired(ctx context.Context, cfg PurgeConfig) (int64, error) {
 		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	t, _ := parseTableName(cfg.Table)
-	if cfg.Window != nil {
-		safe, err := cfg.Window.SafeWindow(ctx)
-		if err != nil {
-			return 0, fmt.Errorf("inbox: count expired in %s: safe window: %w", t, err)
-		}
-		if cfg.OlderThan == 0 {
-			cfg.OlderThan = safe
-		} else if cfg.OlderThan < safe {
-			return 0, fmt.Errorf("%w: OlderThan %v is shorter than the safe window %v", ErrWindowTooShort, cfg.OlderThan, safe)
-		}
+	var err error
+	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
+		return 0, fmt.Errorf("inbox: count expired in %s: %w", t, err)
 	}
 	q := t.quoted(cfg.Dialect)
 	var where string
