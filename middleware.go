@@ -158,19 +158,7 @@ func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
 // that can be inferred, a nil MessageID and a nil Logger are accepted as
 // "use the default".
 func (c Config) Validate() error {
-	var errs []error
-	if c.DB == nil {
-		errs = append(errs, errors.New("inbox: Config.DB is required"))
-	} else if c.Dialect == nil {
-		if _, err := dialectForDriver(c.DB.DriverName()); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if c.Table != "" {
-		if _, err := parseTableName(c.Table); err != nil {
-			errs = append(errs, err)
-		}
-	}
+	errs := validateTarget("Config", c.DB, c.Dialect, c.Table)
 	if c.Consumer != "" {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
 			errs = append(errs, fmt.Errorf("Config.Consumer: %w", err))
@@ -675,4 +663,39 @@ func keyLockHash(t qualifiedName, consumer, id string) int64 {
 	h.Write([]byte{0})
 	h.Write([]byte(id))
 	return int64(h.Sum64())
+}
+
+// validateTarget checks the database, dialect and table fields that Config
+// and PurgeConfig share; what names the struct in messages.
+func validateTarget(what string, db *sqlx.DB, d Dialect, table string) []error {
+	var errs []error
+	if db == nil {
+		errs = append(errs, fmt.Errorf("inbox: %s.DB is required", what))
+	} else if d == nil {
+		if _, err := dialectForDriver(db.DriverName()); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if table != "" {
+		if _, err := parseTableName(table); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errs
+}
+
+// resolveTarget returns d, or the dialect inferred from db when d is nil,
+// and the parsed table name (DefaultTable when table is empty).
+func resolveTarget(db *sqlx.DB, d Dialect, table string) (Dialect, qualifiedName, error) {
+	if d == nil {
+		var err error
+		if d, err = dialectForDriver(db.DriverName()); err != nil {
+			return nil, qualifiedName{}, err
+		}
+	}
+	if table == "" {
+		table = DefaultTable
+	}
+	t, err := parseTableName(table)
+	return d, t, err
 }

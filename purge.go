@@ -88,19 +88,7 @@ func (c *PurgeConfig) setDefaults() {
 // errors.Join; nil means valid. Zero optional fields are accepted as their
 // defaults.
 func (c PurgeConfig) Validate() error {
-	var errs []error
-	if c.DB == nil {
-		errs = append(errs, errors.New("inbox: PurgeConfig.DB is required"))
-	} else if c.Dialect == nil {
-		if _, err := dialectForDriver(c.DB.DriverName()); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if c.Table != "" {
-		if _, err := parseTableName(c.Table); err != nil {
-			errs = append(errs, err)
-		}
-	}
+	errs := validateTarget("PurgeConfig", c.DB, c.Dialect, c.Table)
 	if c.OlderThan < time.Microsecond && !(c.OlderThan == 0 && c.Window != nil) {
 		errs = append(errs, fmt.Errorf("inbox: PurgeConfig.OlderThan must be at least 1µs (or 0 with a Window), got %v", c.OlderThan))
 	}

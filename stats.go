@@ -18,16 +18,7 @@ import (
 // expected to be small enough). A nil d is inferred from db's driver name.
 // table "" is DefaultTable. A missing table is an error.
 func EstimateRows(ctx context.Context, db *sqlx.DB, d Dialect, table string) (int64, error) {
-	if d == nil {
-		var err error
-		if d, err = dialectForDriver(db.DriverName()); err != nil {
-			return 0, err
-		}
-	}
-	if table == "" {
-		table = DefaultTable
-	}
-	t, err := parseTableName(table)
+	d, t, err := resolveTarget(db, d, table)
 	if err != nil {
 		return 0, err
 	}
@@ -80,16 +71,7 @@ type TableStats struct {
 // (COUNT per consumer), so on very large tables prefer EstimateRows for
 // dashboards. d nil: inferred from db; table "": DefaultTable.
 func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStats, error) {
-	if d == nil {
-		var err error
-		if d, err = dialectForDriver(db.DriverName()); err != nil {
-			return TableStats{}, err
-		}
-	}
-	if table == "" {
-		table = DefaultTable
-	}
-	t, err := parseTableName(table)
+	d, t, err := resolveTarget(db, d, table)
 	if err != nil {
 		return TableStats{}, err
 	}
