@@ -8,8 +8,8 @@
 //	...
 //	deleted, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Window: src}) // OlderThan 0: the safe window
 //
-// It is a module of its own so that the inbox core does not depend on a
-// Kafka client.
+// It is a package of its own so that the inbox core package does not import
+// a Kafka client; the inbox command uses it for its -brokers flag.
 package kafkaretention
 
 import (

@@ -29,6 +29,7 @@ import (
 	_ "modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/kafkaretention"
 )
 
 const usage = `inbox manages the inbox table of github.com/watermill-inbox/inbox.
@@ -39,6 +40,9 @@ Usage:
                                                 create the table (and partitions) if missing
   inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-pause D] [-dry-run]
                                                 delete rows processed longer ago than DURATION
+  inbox purge  -db DSN -brokers B -topics T [-margin D] [-older-than DURATION] ...
+                                                the same, with the window checked against (or, without
+                                                -older-than, taken from) the Kafka topics' retention
   inbox stats  -db DSN [-table T]               rows per consumer, oldest and newest row, size
 
 DSN forms:
@@ -48,7 +52,8 @@ DSN forms:
 
 Dialects: postgres, postgres-partitioned, mysql, sqlite (default: from the DSN).
 Durations use Go syntax: 360h, 15m, 90s. Choose -older-than longer than your broker
-can redeliver (Kafka: retention.ms + segment.ms + a margin); see the README.
+can redeliver (Kafka: retention.ms + segment.ms + a margin); with -brokers and -topics
+the command reads those settings and refuses a shorter window (exit 1).
 
 Run "inbox <command> -h" for a command's flags.
 `
@@ -231,11 +236,17 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	batch := fs.Int("batch", inbox.DefaultPurgeBatchSize, "rows per DELETE, each its own transaction")
 	pause := fs.Duration("pause", 0, "sleep between batches, to leave the database to live handlers")
 	dryRun := fs.Bool("dry-run", false, "count the rows that would go; delete nothing")
+	brokers := fs.String("brokers", "", "Kafka bootstrap addresses, comma-separated: derive the safe window from -topics")
+	topics := fs.String("topics", "", "the Kafka topics the consumer reads, comma-separated (with -brokers)")
+	margin := fs.Duration("margin", kafkaretention.DefaultMargin, "added to the topics' retention.ms + segment.ms (with -brokers)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	if *olderThan <= 0 {
-		return fmt.Errorf("%w: -older-than is required and must be positive", errUsage)
+	if (*brokers == "") != (*topics == "") {
+		return fmt.Errorf("%w: -brokers and -topics go together", errUsage)
+	}
+	if *olderThan < 0 || (*olderThan == 0 && *brokers == "") {
+		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics give the window", errUsage)
 	}
 	db, d, err := c.open(ctx)
 	if err != nil {
@@ -243,17 +254,35 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer db.Close()
 	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: *olderThan, BatchSize: *batch, Pause: *pause, Consumer: *consumer}
+	if *brokers != "" {
+		src, err := kafkaretention.New(kafkaretention.Config{
+			Brokers: strings.Split(*brokers, ","), Topics: strings.Split(*topics, ","), Margin: *margin,
+		})
+		if err != nil {
+			return err
+		}
+		defer src.Close()
+		safe, err := src.SafeWindow(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "safe window from Kafka (%s): %s\n", *topics, safe)
+		if cfg.OlderThan == 0 {
+			cfg.OlderThan = safe
+		}
+		cfg.Window = src
+	}
 	if *dryRun {
 		n, err := inbox.CountExpired(ctx, cfg)
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "dry run: would delete %d rows older than %s from %s\n", n, *olderThan, c.table)
+		fmt.Fprintf(stdout, "dry run: would delete %d rows older than %s from %s\n", n, cfg.OlderThan, c.table)
 		return nil
 	}
 	start := time.Now()
 	n, err := inbox.Purge(ctx, cfg)
-	fmt.Fprintf(stdout, "deleted %d rows older than %s from %s in %s\n", n, *olderThan, c.table, time.Since(start).Round(time.Millisecond))
+	fmt.Fprintf(stdout, "deleted %d rows older than %s from %s in %s\n", n, cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond))
 	return err
 }
 

@@ -9,9 +9,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -131,3 +133,49 @@ func TestBinary(t *testing.T) {
 func noop(*message.Message) ([]*message.Message, error) { return nil, nil }
 
 func newMsg() *message.Message { return message.NewMessage(watermill.NewUUID(), nil) }
+
+// With -brokers and -topics the window comes from the topics' retention, and
+// a shorter -older-than is refused before anything is deleted.
+func TestPurgeWindowFromKafka(t *testing.T) {
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cluster.Close()
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_8_0_0
+	admin, err := sarama.NewClusterAdmin(cluster.ListenAddrs(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close()
+	retention, segment := "3600000", "600000" // 1h + 10m, + margin 20m = 1h30m
+	if err := admin.CreateTopic("orders", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"retention.ms": &retention, "segment.ms": &segment}}, false); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "k.db")
+	db := testdb.OpenSQLite(t, path)
+	dsn := "sqlite://" + path + "?" + testdb.SQLiteParams
+	if code, _, errOut := cli(t, "schema", "-db", dsn, "-apply"); code != 0 {
+		t.Fatal(errOut)
+	}
+	for i, ago := range []int64{3 * 3600, 2 * 3600, 80 * 60} {
+		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+			fmt.Sprint(i), ago*1_000_000); err != nil {
+			t.Fatal(err)
+		}
+	}
+	kafka := []string{"-brokers", strings.Join(cluster.ListenAddrs(), ","), "-topics", "orders", "-margin", "20m"}
+	code, out, errOut := cli(t, append([]string{"purge", "-db", dsn, "-older-than", "1h"}, kafka...)...)
+	if code != 1 || !strings.Contains(errOut, "shorter than the safe window") {
+		t.Errorf("1h under a 1h30m safe window: exit %d %q %q, want 1 and a refusal", code, out, errOut)
+	}
+	code, out, errOut = cli(t, append([]string{"purge", "-db", dsn}, kafka...)...)
+	if code != 0 || !strings.Contains(out, "safe window from Kafka (orders): 1h30m0s") || !strings.Contains(out, "deleted 2 rows") {
+		t.Errorf("window from Kafka: exit %d %q %q, want the 2 rows older than 1h30m deleted", code, out, errOut)
+	}
+	if code, _, _ := cli(t, "purge", "-db", dsn, "-brokers", "127.0.0.1:1"); code != 2 {
+		t.Errorf("-brokers without -topics: exit %d, want 2", code)
+	}
+}
