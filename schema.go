@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strings"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -29,7 +30,13 @@ func SchemaSQL(d Dialect, table string) (string, error) {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "-- Inbox table for github.com/watermill-inbox/inbox (%s).\n", d)
-	b.WriteString(schemaNotes[d])
+	notes := schemaNotes[d]
+	if d == PostgreSQLPartitioned {
+		p, _ := partitionName(t, time.Date(2026, 11, 29, 0, 0, 0, 0, time.UTC))
+		notes += "-- Partition of one day: CREATE TABLE " + p.quoted(d) + " PARTITION OF " + t.quoted(d) + "\n" +
+			"--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');\n"
+	}
+	b.WriteString(notes)
 	for _, stmt := range d.createSQL(t) {
 		b.WriteString("\n")
 		b.WriteString(stmt)
@@ -45,9 +52,7 @@ var schemaNotes = map[Dialect]string{
 	PostgreSQLPartitioned: "-- Range-partitioned by UTC day on processed_at; partitions are created ahead by\n" +
 		"-- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
 		"-- The primary key must include the partition key, so it guards one partition only:\n" +
-		"-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.\n" +
-		"-- Partition of one day: CREATE TABLE \"watermill_inbox_p20261129\" PARTITION OF \"watermill_inbox\"\n" +
-		"--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');\n",
+		"-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.\n",
 	MySQL: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
 		"-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
 		"-- (PAD SPACE, even utf8mb4_bin), and message ids must compare byte for byte.\n" +

@@ -35,7 +35,7 @@ import (
 const usage = `inbox manages the inbox table of github.com/watermill-inbox/inbox.
 
 Usage:
-  inbox schema [-dialect D] [-table T]          print the DDL
+  inbox schema -dialect D [-table T]            print the DDL (or -db DSN instead of -dialect)
   inbox schema -db DSN [-dialect D] [-table T] -apply
                                                 create the table (and partitions) if missing
   inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-pause D] [-dry-run]
@@ -92,12 +92,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case errors.Is(err, flag.ErrHelp):
 		return 0
 	case errors.Is(err, errUsage) || errors.Is(err, inbox.ErrInvalidConfig) || errors.Is(err, inbox.ErrInvalidTableName):
-		fmt.Fprintf(stderr, "inbox: %v\nRun \"inbox -h\" for usage.\n", err)
+		fmt.Fprintf(stderr, "%s\nRun \"inbox -h\" for usage.\n", prefixed(err))
 		return 2
 	default:
-		fmt.Fprintf(stderr, "inbox: %v\n", err)
+		fmt.Fprintln(stderr, prefixed(err))
 		return 1
 	}
+}
+
+// prefixed returns the error's text starting with "inbox: " once: the
+// library's errors already do.
+func prefixed(err error) string {
+	if s := err.Error(); strings.HasPrefix(s, "inbox: ") {
+		return s
+	}
+	return "inbox: " + err.Error()
 }
 
 // common are the flags every command shares.
@@ -282,8 +291,12 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	start := time.Now()
 	n, err := inbox.Purge(ctx, cfg)
+	if err != nil {
+		// Nothing on stdout: a script reading it must not see success.
+		return fmt.Errorf("%w (%d rows deleted before the error)", err, n)
+	}
 	fmt.Fprintf(stdout, "deleted %d rows older than %s from %s in %s\n", n, cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond))
-	return err
+	return nil
 }
 
 func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {

@@ -112,6 +112,11 @@ func TestUsageErrors(t *testing.T) {
 	if code, _, _ := cli(t, "stats", "-db", "postgres://nobody@127.0.0.1:1/x?connect_timeout=1"); code != 1 {
 		t.Errorf("unreachable database: exit %d, want 1", code)
 	}
+	dsn := "sqlite://" + filepath.Join(t.TempDir(), "e.db")
+	code, out, errOut := cli(t, "purge", "-db", dsn, "-table", "no_such_table", "-older-than", "1h")
+	if code != 1 || out != "" || !strings.HasPrefix(errOut, "inbox: purge no_such_table") || strings.Contains(errOut, "inbox: inbox:") {
+		t.Errorf("failed purge: exit %d, stdout %q, stderr %q; want 1, nothing on stdout, one prefix", code, out, errOut)
+	}
 }
 
 // The installed binary, end to end: go build, then run it.
