@@ -17,16 +17,23 @@
 // subscriber never skips a message that commits after it read a higher
 // offset.
 //
-// Delivery is at least once, not exactly once. A watermill-sql subscriber
-// keeps its transaction open until the message is acked, then writes the
-// acked offset. SQLite has one write lock, so these adapters write nothing
-// before the ack, and the subscriber's database handle must begin its
-// transactions deferred (no _txlock=immediate in its DSN; WAL and a
-// busy_timeout as usual): a subscriber then only reads while it waits, and
-// never blocks other writers. If another writer commits in between, the
-// ack's write fails with SQLITE_BUSY_SNAPSHOT, the transaction rolls back and
-// the message is delivered again. Consumers behind an inbox do not mind.
-// Publishers (the outbox, in the inbox's transaction) keep the inbox's DSN.
+// A watermill-sql subscriber keeps its transaction open until the message is
+// acked, then writes the acked offset; these adapters write nothing before
+// that (ConsumedMessageQuery is empty). SQLite has one write lock, so the
+// subscriber's database handle decides the trade-off:
+//
+//   - With _txlock=immediate (as the inbox recommends), the subscriber takes
+//     the write lock at BEGIN and holds it while its messages are handled:
+//     delivery is exactly once and in order, and every other writer waits
+//     (busy_timeout) meanwhile. Right for Watermill's forwarder, whose
+//     handler only publishes to the broker: keep SubscribeBatchSize small.
+//   - With deferred transactions (no _txlock), the subscriber only reads
+//     while it waits and never blocks writers, but its ack fails with
+//     SQLITE_BUSY_SNAPSHOT whenever another writer committed meanwhile, and
+//     the batch is delivered again: at least once. Under a steady stream of
+//     other writes it may keep failing, so use it only for slow consumers
+//     of a quiet database. Watermill's universal pub/sub suite runs in this
+//     mode (its tests leave messages unacked while others publish).
 package sqliteoutbox
 
 import (
