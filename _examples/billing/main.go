@@ -163,7 +163,11 @@ func work(name string) error {
 			if err != nil {
 				return nil, err
 			}
-			return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: outboxTopic + "_" + run}), nil
+			var out message.Publisher = forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: outboxTopic + "_" + run})
+			if d.dialect == inbox.MySQL {
+				out = commitOrderedPublisher{tx: tx, lock: "SELECT id FROM outbox_lock_" + run + " WHERE id = 1 FOR UPDATE", next: out}
+			}
+			return out, nil
 		},
 	})
 	if err != nil {
@@ -231,3 +235,25 @@ func (l errorLogger) Info(string, watermill.LogFields)                 {}
 func (l errorLogger) Debug(string, watermill.LogFields)                {}
 func (l errorLogger) Trace(string, watermill.LogFields)                {}
 func (l errorLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// commitOrderedPublisher makes MySQL outbox offsets follow commit order.
+// watermill-sql's MySQL relay reads rows past its last acked AUTO_INCREMENT
+// offset; a transaction that takes offset 93 but becomes visible after one
+// that took 94 and committed would be skipped for good (seen in this
+// example). Taking one row lock, held until COMMIT, just before the outbox
+// insert serialises publish-to-commit, so offsets are assigned in commit
+// order. Handlers still run in parallel up to their publish.
+type commitOrderedPublisher struct {
+	tx   *sqlx.Tx
+	lock string
+	next message.Publisher
+}
+
+func (p commitOrderedPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if _, err := p.tx.Exec(p.lock); err != nil {
+		return fmt.Errorf("outbox order lock: %w", err)
+	}
+	return p.next.Publish(topic, msgs...)
+}
+
+func (p commitOrderedPublisher) Close() error { return p.next.Close() }

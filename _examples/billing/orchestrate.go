@@ -53,6 +53,13 @@ func orchestrate() error {
 	if err := tables(d, run); err != nil {
 		return err
 	}
+	if d.dialect == inbox.MySQL { // see commitOrderedPublisher
+		for _, s := range []string{"CREATE TABLE outbox_lock_" + run + " (id INT PRIMARY KEY)", "INSERT INTO outbox_lock_" + run + " VALUES (1)"} {
+			if _, err := d.db.Exec(s); err != nil {
+				return err
+			}
+		}
+	}
 	ib, err := inbox.New(inbox.Config{DB: d.db, Dialect: d.dialect, Table: "inbox_" + run})
 	if err != nil {
 		return err
@@ -278,7 +285,7 @@ func (s stats) waitFor(cond func(counts) bool, timeout time.Duration) bool {
 }
 
 func dropTables(d *database, run string) {
-	for _, t := range []string{"invoices_", "emails_sent_", "deliveries_", "inbox_"} {
+	for _, t := range []string{"invoices_", "emails_sent_", "deliveries_", "inbox_", "outbox_lock_"} {
 		d.db.Exec("DROP TABLE IF EXISTS " + t + run)
 	}
 	// The outbox tables of this run (watermill-sql names).
