@@ -143,24 +143,7 @@ func CountExpired(ctx context.Context, cfg PurgeConfig) (int64, error) {
 		return 0, fmt.Errorf("inbox: count expired in %s: %w", t, err)
 	}
 	q := t.quoted(cfg.Dialect)
-	var where string
-	switch cfg.Dialect {
-	case PostgreSQL, PostgreSQLPartitioned:
-		where = "processed_at < now() - $1 * interval '1 microsecond'"
-		if cfg.Consumer != "" {
-			where += " AND consumer = $2"
-		}
-	case MySQL:
-		where = "processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
-		if cfg.Consumer != "" {
-			where += " AND consumer = ?"
-		}
-	default:
-		where = "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?"
-		if cfg.Consumer != "" {
-			where += " AND consumer = ?"
-		}
-	}
+	where := expiredWhere(cfg.Dialect, cfg.Consumer != "")
 	args := []any{cfg.OlderThan.Microseconds()}
 	if cfg.Consumer != "" {
 		args = append(args, cfg.Consumer)

@@ -1,14 +1,12 @@
 package bench
 
 import (
-	"context"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/inbox"
-	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // BenchmarkBreakdown/<db>/<variant> splits one message's time (conc=1,
@@ -50,15 +48,7 @@ func BenchmarkBreakdown(b *testing.B) {
 							return tx.Commit()
 						}
 					} else {
-						table := "bench_inbox_" + testdb.RandomSuffix()
-						b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-						ib, err := inbox.New(inbox.Config{DB: db, Dialect: d.Dialect, Table: table, Consumer: "bench"})
-						if err != nil {
-							b.Fatal(err)
-						}
-						if err := ib.InitializeSchema(context.Background()); err != nil {
-							b.Fatal(err)
-						}
+						ib, _ := newInbox(b, db, d.Dialect, "bench")
 						h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) })
 						run = func(msg *message.Message) error { _, err := h(msg); return err }
 					}

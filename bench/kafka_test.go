@@ -37,15 +37,7 @@ func BenchmarkKafkaEndToEnd(b *testing.B) {
 			if v == "baseline" {
 				h = baseline(b, db, inbox.PostgreSQL, business)
 			} else {
-				table := "bench_inbox_" + testdb.RandomSuffix()
-				testdb.DropLater(b, db, table)
-				ib, err := inbox.New(inbox.Config{DB: db, Table: table})
-				if err != nil {
-					b.Fatal(err)
-				}
-				if err := ib.InitializeSchema(context.Background()); err != nil {
-					b.Fatal(err)
-				}
+				ib, _ := newInbox(b, db, inbox.PostgreSQL, "")
 				h = inboxHandler(ib, insertSQL(db, business))
 			}
 			runKafka(b, h)

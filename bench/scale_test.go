@@ -12,7 +12,6 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
-	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 var scaleRows = flag.String("scale-rows", "10000,5000000",
@@ -38,15 +37,7 @@ func BenchmarkScale(b *testing.B) {
 					b.Fatalf("-scale-rows: %v", err)
 				}
 				// Fill the table once per size, not once per b.N probe.
-				table := "bench_scale_" + testdb.RandomSuffix()
-				b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-				ib, err := inbox.New(inbox.Config{DB: db, Dialect: d.Dialect, Table: table, Consumer: "bench"})
-				if err != nil {
-					b.Fatal(err)
-				}
-				if err := ib.InitializeSchema(context.Background()); err != nil {
-					b.Fatal(err)
-				}
+				ib, table := newInbox(b, db, d.Dialect, "bench")
 				if d.Dialect == inbox.PostgreSQLPartitioned {
 					// The prefilled rows go back up to rows seconds (58 days for 5M).
 					var now time.Time

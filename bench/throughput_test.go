@@ -89,6 +89,22 @@ func baseline(b *testing.B, db *sqlx.DB, _ inbox.Dialect, business string) messa
 	}
 }
 
+// newInbox creates an inbox on a new table (dropped when b ends) with its
+// schema, and returns it with the table's name. consumer "" means the
+// handler name.
+func newInbox(b *testing.B, db *sqlx.DB, d inbox.Dialect, consumer string) (*inbox.Inbox, string) {
+	table := "bench_inbox_" + testdb.RandomSuffix()
+	b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: table, Consumer: consumer})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	return ib, table
+}
+
 // inboxHandler is the baseline's write, behind the inbox middleware.
 func inboxHandler(ib *inbox.Inbox, query string) message.HandlerFunc {
 	return ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -101,15 +117,7 @@ func inboxHandler(ib *inbox.Inbox, query string) message.HandlerFunc {
 var variants = []variant{
 	{"baseline", baseline},
 	{"inbox", func(b *testing.B, db *sqlx.DB, d inbox.Dialect, business string) message.HandlerFunc {
-		table := "bench_inbox_" + testdb.RandomSuffix()
-		b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-		ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: table, Consumer: "bench"})
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := ib.InitializeSchema(context.Background()); err != nil {
-			b.Fatal(err)
-		}
+		ib, _ := newInbox(b, db, d, "bench")
 		return inboxHandler(ib, insertSQL(db, business))
 	}},
 	{"deduplicator", func(b *testing.B, db *sqlx.DB, d inbox.Dialect, business string) message.HandlerFunc {
