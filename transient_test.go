@@ -1,0 +1,227 @@
+package inbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// TestIsTransient classifies real errors produced by the real servers, so a
+// driver that changes its error types breaks this test rather than a user's
+// poison queue.
+func TestIsTransient(t *testing.T) {
+	t.Parallel()
+	t.Run("plain", func(t *testing.T) {
+		t.Parallel()
+		for _, tc := range []struct {
+			err  error
+			want bool
+		}{
+			{nil, false},
+			{errors.New("boom"), false},
+			{inbox.ErrInvalidMessageID, false},
+			{fmt.Errorf("inbox: claim: %w", context.DeadlineExceeded), true},
+			{errors.Join(errors.New("x"), context.Canceled), true},
+		} {
+			if got := inbox.IsTransient(tc.err); got != tc.want {
+				t.Errorf("IsTransient(%v) = %v, want %v", tc.err, got, tc.want)
+			}
+		}
+	})
+	t.Run("postgres", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.OpenPostgres(t, "")
+		table := "transient_" + testdb.RandomSuffix()
+		exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int)`)
+		testdb.DropLater(t, db, table)
+		exec(t, db, `INSERT INTO `+table+` VALUES (1, 0), (2, 0)`)
+
+		wantTransient(t, "serialization failure (40001)", serializationFailure(t, db, table), true)
+		wantTransient(t, "deadlock (40P01)", deadlock(t, db,
+			`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
+			`UPDATE `+table+` SET v = v + 1 WHERE id = 2`, `UPDATE `+table+` SET v = v + 1 WHERE id = 1`), true)
+
+		ctx := context.Background()
+		conn, err := db.Connx(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		if _, err := conn.ExecContext(ctx, `SET statement_timeout = '50ms'`); err != nil {
+			t.Fatal(err)
+		}
+		_, err = conn.ExecContext(ctx, `SELECT pg_sleep(2)`)
+		wantTransient(t, "statement timeout (57014)", err, true)
+		if _, err := conn.ExecContext(ctx, `RESET statement_timeout`); err != nil {
+			t.Fatal(err)
+		}
+
+		_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
+		wantTransient(t, "unique violation (23505)", err, false)
+		_, err = db.Exec(`SELEC 1`)
+		wantTransient(t, "syntax error", err, false)
+	})
+	t.Run("mysql", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.OpenMySQL(t, "")
+		table := "transient_" + testdb.RandomSuffix()
+		exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int) ENGINE=InnoDB`)
+		testdb.DropLater(t, db, table)
+		exec(t, db, `INSERT INTO `+table+` VALUES (1, 0), (2, 0)`)
+
+		wantTransient(t, "deadlock (1213)", deadlock(t, db,
+			`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
+			`UPDATE `+table+` SET v = v + 1 WHERE id = 2`, `UPDATE `+table+` SET v = v + 1 WHERE id = 1`), true)
+
+		// Lock wait timeout (1205): hold a row lock, wait for it for 1 s.
+		ctx := context.Background()
+		holder, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer holder.Rollback()
+		if _, err := holder.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`); err != nil {
+			t.Fatal(err)
+		}
+		waiter, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer waiter.Rollback()
+		if _, err := waiter.Exec(`SET SESSION innodb_lock_wait_timeout = 1`); err != nil {
+			t.Fatal(err)
+		}
+		_, err = waiter.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
+		wantTransient(t, "lock wait timeout (1205)", err, true)
+		_ = waiter.Rollback()
+		_ = holder.Rollback()
+
+		_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
+		wantTransient(t, "duplicate key (1062)", err, false)
+	})
+	t.Run("sqlite", func(t *testing.T) {
+		t.Parallel()
+		path := filepath.Join(t.TempDir(), "busy.db")
+		db := testdb.OpenSQLite(t, path)
+		exec(t, db, `CREATE TABLE t (id INTEGER PRIMARY KEY)`)
+		// A second pool without busy_timeout gets SQLITE_BUSY at once
+		// while the first holds the write lock.
+		other, err := sqlx.Open("sqlite", "file:"+path+"?_txlock=immediate")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer other.Close()
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		_, err = other.Beginx()
+		wantTransient(t, "SQLITE_BUSY", err, true)
+		_ = tx.Rollback()
+
+		exec(t, db, `INSERT INTO t VALUES (1)`)
+		_, err = db.Exec(`INSERT INTO t VALUES (1)`)
+		wantTransient(t, "SQLITE_CONSTRAINT", err, false)
+	})
+}
+
+func wantTransient(t *testing.T, what string, err error, want bool) {
+	t.Helper()
+	if err == nil {
+		t.Errorf("%s: no error was produced", what)
+		return
+	}
+	if got := inbox.IsTransient(err); got != want {
+		t.Errorf("%s: IsTransient(%T %v) = %v, want %v", what, err, err, got, want)
+	}
+	// Wrapped as the middleware wraps it, the answer is the same.
+	if got := inbox.IsTransient(fmt.Errorf("inbox: commit a/b: %w", err)); got != want {
+		t.Errorf("%s (wrapped): IsTransient = %v, want %v", what, got, want)
+	}
+}
+
+var sqlTxRepeatableRead = sql.TxOptions{Isolation: sql.LevelRepeatableRead}
+
+// serializationFailure makes PostgreSQL report 40001: two REPEATABLE READ
+// transactions update the same row; the second fails once the first commits.
+func serializationFailure(t *testing.T, db *sqlx.DB, table string) error {
+	t.Helper()
+	ctx := context.Background()
+	first, err := db.BeginTxx(ctx, &sqlTxRepeatableRead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Rollback()
+	second, err := db.BeginTxx(ctx, &sqlTxRepeatableRead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Rollback()
+	var v int
+	if err := second.Get(&v, `SELECT v FROM `+table+` WHERE id = 1`); err != nil { // takes the snapshot
+		t.Fatal(err)
+	}
+	if _, err := first.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = second.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
+	return err
+}
+
+// deadlock runs a1 then b1 in two transactions, then a2 and b2 at once,
+// which lock in opposite orders; the database aborts one with a deadlock
+// error, which is returned.
+func deadlock(t *testing.T, db *sqlx.DB, a1, b1, a2, b2 string) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	a, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Rollback()
+	b, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Rollback()
+	if _, err := a.Exec(a1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Exec(b1); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		_, errs[0] = a.Exec(a2)
+		if errs[0] != nil {
+			_ = a.Rollback()
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		_, errs[1] = b.Exec(b2)
+		if errs[1] != nil {
+			_ = b.Rollback()
+		}
+	}()
+	wg.Wait()
+	return errors.Join(errs...)
+}
