@@ -34,6 +34,16 @@
 //     other writes it may keep failing, so use it only for slow consumers
 //     of a quiet database. Watermill's universal pub/sub suite runs in this
 //     mode (its tests leave messages unacked while others publish).
+//
+// SQLite does not queue writers: one that finds the write lock taken sleeps
+// and polls until busy_timeout runs out, and under a sustained stream of
+// other writes it can lose every poll and fail with SQLITE_BUSY (5) after
+// waiting the whole timeout. Schema creation (watermill-sql runs it on
+// Subscribe, and on a publisher's first message with AutoInitializeSchema)
+// is such a write and is not retried by watermill-sql: create the tables
+// before the load starts, and give busy_timeout room (seconds, not
+// milliseconds). Everywhere else the error is a nack and
+// inbox.IsTransient reports it as transient.
 package sqliteoutbox
 
 import (

@@ -18,8 +18,12 @@ import (
 )
 
 // subscriberParams are the recommended SQLite settings without
-// _txlock=immediate, as subscribers need.
-const subscriberParams = "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL"
+// _txlock=immediate, as subscribers need, and with a busy_timeout of 60 s:
+// the suite's concurrent tests (20 topics published and subscribed at once)
+// keep SQLite's only write lock so busy that, on a loaded machine, a schema
+// creation lost every poll for 10 s and failed with SQLITE_BUSY (see the
+// package doc). SQLite does not queue writers.
+const subscriberParams = "_journal_mode=WAL&_busy_timeout=60000&_synchronous=NORMAL"
 
 // shared is one database for the whole suite: its tests make publishers and
 // subscribers with separate constructor calls and expect them to meet (each
