@@ -1,0 +1,234 @@
+//go:build unix
+
+package soak
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
+	"github.com/jmoiron/sqlx"
+	_ "modernc.org/sqlite" // registers "sqlite"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// workerEnv holds a worker's JSON workerConfig; set, the test binary runs
+// TestSoakWorker as a worker process.
+const workerEnv = "INBOX_SOAK_WORKER"
+
+// workerConfig is what TestSoak tells a worker process.
+type workerConfig struct {
+	Name      string
+	Brokers   []string
+	Topic     string
+	Driver    string // "pgx" or "sqlite"
+	DSN       string
+	MaxConns  int
+	Inbox     string            // inbox table, shared by the consumers
+	Business  map[string]string // consumer -> business table
+	Groups    map[string]string // consumer -> Kafka consumer group
+	KillAfter int               // SIGKILL itself right after its Nth commit (all consumers); 0: never
+	FailRate  float64           // share of handler attempts that fail after writing
+	ParentPID int
+}
+
+// errTransient is the injected handler failure.
+var errTransient = errors.New("soak: injected transient failure")
+
+// Events a worker reports to TestSoak, one line each on file descriptor 3:
+// "<kind> <consumer>" or "<kind> <detail>".
+const (
+	evProcessed = "P" // committed, about to be acked
+	evDuplicate = "D" // skipped as a duplicate (acked)
+	evTransient = "T" // injected failure: rolled back, retried or nacked
+	evFailed    = "F" // any other failure (rolled back, nacked): "F <consumer> <error>"
+	evKill      = "K" // committed, and SIGKILLed before the ack
+	evInUse     = "U" // connections in use after a graceful stop: "U <n>"
+	evReady     = "R" // SIGTERM now stops it gracefully: "R -"
+)
+
+// eventWriter writes whole lines with one write(2) each, unbuffered, so that
+// a SIGKILL loses nothing written before it.
+type eventWriter struct {
+	mu sync.Mutex
+	f  *os.File
+}
+
+func (w *eventWriter) send(kind, detail string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, err := w.f.WriteString(kind + " " + detail + "\n"); err != nil {
+		// The parent is gone: nothing left to report to.
+		os.Exit(3)
+	}
+}
+
+// TestSoakWorker is a worker process of TestSoak: a Watermill router with
+// the inbox middleware and two consumers, "billing" and "shipping", reading
+// the soak topic from Kafka. It runs until SIGTERM, or until it SIGKILLs
+// itself after its KillAfter-th commit. Run on its own it skips.
+func TestSoakWorker(t *testing.T) {
+	raw := os.Getenv(workerEnv)
+	if raw == "" {
+		t.Skip("helper process of TestSoak; runs only when TestSoak starts it")
+	}
+	var cfg workerConfig
+	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+		t.Fatal(err)
+	}
+	log.SetPrefix(cfg.Name + ": ")
+	ev := &eventWriter{f: os.NewFile(3, "events")}
+	// TestSoak sends SIGTERM only after this, so the default action (exit
+	// by the signal) never cuts a graceful stop short.
+	sig, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	ev.send(evReady, "-")
+
+	// An orphan (TestSoak died) stops by itself.
+	go func() {
+		for range time.Tick(500 * time.Millisecond) {
+			if os.Getppid() != cfg.ParentPID {
+				log.Print("parent gone, exiting")
+				os.Exit(2)
+			}
+		}
+	}()
+
+	db, err := sqlx.Open(cfg.Driver, cfg.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(cfg.MaxConns)
+	db.SetMaxIdleConns(cfg.MaxConns)
+
+	ib, err := inbox.New(inbox.Config{
+		DB:          db,
+		Table:       cfg.Inbox,
+		OnProcessed: func(e inbox.Event) { ev.send(evProcessed, e.Consumer) },
+		OnDuplicate: func(e inbox.Event) { ev.send(evDuplicate, e.Consumer) },
+		OnFailed: func(e inbox.Event) {
+			if errors.Is(e.Err, errTransient) {
+				ev.send(evTransient, e.Consumer)
+				return
+			}
+			ev.send(evFailed, fmt.Sprintf("%s %q", e.Consumer, e.Err.Error()))
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(
+		middleware.Recoverer,
+		middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond}.Middleware,
+		ib.Middleware,
+	)
+	var commits atomic.Int64
+	var subs []*kafka.Subscriber
+	for _, consumer := range []string{"billing", "shipping"} {
+		// One subscriber, so one consumer group, per consumer: two handlers
+		// sharing a group would split the partitions between them.
+		sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
+			Brokers:               cfg.Brokers,
+			Unmarshaler:           kafka.DefaultMarshaler{},
+			OverwriteSaramaConfig: consumerConfig(cfg.Name),
+			ConsumerGroup:         cfg.Groups[consumer],
+			NackResendSleep:       10 * time.Millisecond,
+		}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		subs = append(subs, sub)
+		insert := db.Rebind("INSERT INTO " + cfg.Business[consumer] + " (message_id, worker) VALUES (?, ?)")
+		router.AddConsumerHandler(consumer, cfg.Topic, sub, func(msg *message.Message) error {
+			ctx := msg.Context()
+			tx, ok := inbox.TxFromContext(ctx)
+			if !ok {
+				return errors.New("soak: no inbox transaction")
+			}
+			if _, err := tx.ExecContext(ctx, insert, msg.UUID, cfg.Name); err != nil {
+				return err
+			}
+			if rand.Float64() < cfg.FailRate {
+				return errTransient // after the write: only the rollback removes it
+			}
+			if cfg.KillAfter > 0 {
+				inbox.AfterCommit(ctx, func() {
+					if commits.Add(1) == int64(cfg.KillAfter) {
+						ev.send(evKill, consumer)
+						syscall.Kill(os.Getpid(), syscall.SIGKILL)
+						time.Sleep(time.Hour) // never return: no ack
+					}
+				})
+			}
+			return nil
+		})
+	}
+
+	closed := make(chan error, 1)
+	go func() {
+		<-sig.Done()
+		<-router.Running() // a SIGTERM during setup: close once it runs
+		closed <- router.Close()
+	}()
+	if err := router.Run(context.Background()); err != nil {
+		t.Fatalf("router: %v", err)
+	}
+	if err := <-closed; err != nil {
+		t.Errorf("router close: %v", err)
+	}
+	for _, sub := range subs {
+		if err := sub.Close(); err != nil {
+			t.Errorf("close subscriber: %v", err)
+		}
+	}
+	if err := ib.Close(); err != nil {
+		t.Errorf("close inbox: %v", err)
+	}
+	inUse := db.Stats().InUse
+	ev.send(evInUse, fmt.Sprint(inUse))
+	if inUse != 0 {
+		t.Errorf("%d database connections still in use after the router stopped", inUse)
+	}
+	if err := db.Close(); err != nil {
+		t.Errorf("close db: %v", err)
+	}
+}
+
+// consumerConfig is the sarama configuration of the workers' subscribers.
+func consumerConfig(clientID string) *sarama.Config {
+	c := kafka.DefaultSaramaSubscriberConfig()
+	c.Version = sarama.V2_8_0_0 // with sarama >= v1.61.1: see NOTES (kfake)
+	c.ClientID = clientID
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	c.Consumer.MaxWaitTime = 10 * time.Millisecond // commit latency: see NOTES
+	c.Consumer.Offsets.AutoCommit.Interval = time.Second
+	// A killed member's partitions move once its session expires; kfake
+	// runs with a 1 s minimum so that this takes 3 s, not 10.
+	c.Consumer.Group.Session.Timeout = 3 * time.Second
+	c.Consumer.Group.Heartbeat.Interval = 500 * time.Millisecond
+	c.Consumer.Group.Rebalance.Timeout = 15 * time.Second
+	c.Consumer.Group.Rebalance.Retry.Backoff = 200 * time.Millisecond
+	return c
+}
