@@ -43,7 +43,10 @@ import (
 //     40P01 as the errors an application should retry.
 //   - MySQL and MariaDB through github.com/go-sql-driver/mysql
 //     (*mysql.MySQLError, matched by type without importing the driver):
-//     1213 (ER_LOCK_DEADLOCK), 1205 (ER_LOCK_WAIT_TIMEOUT), 1040 (too many
+//     1213 (ER_LOCK_DEADLOCK), 1020 (ER_CHECKREAD, MariaDB's write-write
+//     conflict at REPEATABLE READ with innodb_snapshot_isolation, the
+//     default from MariaDB 11.6, which rolls the transaction back like a
+//     deadlock), 1205 (ER_LOCK_WAIT_TIMEOUT), 1040 (too many
 //     connections), 1053 (server shutdown), 1927 (MariaDB connection
 //     killed), 1969 (MariaDB max_statement_time exceeded) and 3024 (MySQL
 //     max_execution_time exceeded). The driver's mysql.ErrInvalidConn is a
@@ -100,6 +103,7 @@ func transientSQLState(state string) bool {
 // accepts (MySQL and MariaDB server error reference).
 var transientMySQLErrors = map[uint64]bool{
 	1213: true, // ER_LOCK_DEADLOCK
+	1020: true, // ER_CHECKREAD (MariaDB innodb_snapshot_isolation: record changed since the snapshot)
 	1205: true, // ER_LOCK_WAIT_TIMEOUT
 	1040: true, // ER_CON_COUNT_ERROR
 	1053: true, // ER_SERVER_SHUTDOWN

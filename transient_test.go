@@ -108,6 +108,17 @@ func TestIsTransient(t *testing.T) {
 
 		_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
 		wantTransient(t, "duplicate key (1062)", err, false)
+
+		// MariaDB's write-write conflict at REPEATABLE READ (1020), with
+		// innodb_snapshot_isolation=ON, the default from MariaDB 11.6.
+		var snapshotIsolation int
+		if err := db.Get(&snapshotIsolation, `SELECT COUNT(*) FROM information_schema.SYSTEM_VARIABLES
+			WHERE VARIABLE_NAME = 'INNODB_SNAPSHOT_ISOLATION'`); err != nil || snapshotIsolation == 0 {
+			t.Logf("no innodb_snapshot_isolation (%v): 1020 not produced", err)
+			return
+		}
+		si := testdb.OpenMySQL(t, "innodb_snapshot_isolation=ON")
+		wantTransient(t, "record changed since last read (1020)", serializationFailure(t, si, table), true)
 	})
 	t.Run("sqlite", func(t *testing.T) {
 		t.Parallel()
