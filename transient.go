@@ -58,6 +58,12 @@ import (
 //     (sqlite3.Error).
 //   - database/sql and the network: driver.ErrBadConn, sql.ErrConnDone,
 //     io.ErrUnexpectedEOF, ECONNRESET, ECONNREFUSED, EPIPE and any net.Error.
+//   - Any error with a SafeToRetry() bool method that reports true: pgx's
+//     errors that happened before anything was sent to the server, such as
+//     "conn closed" when a transaction's connection was lost earlier (a
+//     COMMIT after a statement whose connection error the handler ignored).
+//     Outside a transaction pgx's database/sql adapter turns the same errors
+//     into driver.ErrBadConn, so that database/sql retries them.
 //   - context.DeadlineExceeded and context.Canceled.
 //
 // Everything else is not transient, including the inbox's own
@@ -76,6 +82,10 @@ func IsTransient(err error) bool {
 	}
 	var netErr net.Error
 	if errors.As(err, &netErr) {
+		return true
+	}
+	var retry interface{ SafeToRetry() bool }
+	if errors.As(err, &retry) && retry.SafeToRetry() {
 		return true
 	}
 	var stateErr interface{ SQLState() string }

@@ -70,6 +70,33 @@ func TestIsTransient(t *testing.T) {
 		wantTransient(t, "unique violation (23505)", err, false)
 		_, err = db.Exec(`SELEC 1`)
 		wantTransient(t, "syntax error", err, false)
+
+		// A transaction whose backend was terminated: the next statement
+		// gets 57P01 and pgx closes the connection; a COMMIT after that
+		// fails in pgx before anything is sent ("conn closed").
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		var pid int
+		if err := tx.Get(&pid, `SELECT pg_backend_pid()`); err != nil {
+			t.Fatal(err)
+		}
+		var killed bool
+		if err := db.Get(&killed, `SELECT pg_terminate_backend($1)`, pid); err != nil || !killed {
+			t.Fatalf("pg_terminate_backend(%d) = %v, %v", pid, killed, err)
+		}
+		waitFor(t, func() bool { // until the backend is gone
+			var n int
+			if err := db.Get(&n, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid); err != nil {
+				t.Fatal(err)
+			}
+			return n == 0
+		})
+		_, err = tx.Exec(`SELECT 1`)
+		wantTransient(t, "terminated backend (57P01)", err, true)
+		wantTransient(t, "commit on the closed connection (conn closed)", tx.Commit(), true)
 	})
 	t.Run("mysql", func(t *testing.T) {
 		t.Parallel()
