@@ -1,0 +1,1522 @@
+package inbox_test
+
+// Database faults (issue 6, item 2). Each test drives the middleware through
+// a real message.Router with a stream of messages, injects one kind of
+// database fault while the stream flows, redelivers every nacked message
+// until it is acked (as a broker does), and then checks what a user cares
+// about:
+//
+//   - every message's business row (here: a ledger row, with no unique key,
+//     so a second processing would show as a second row) exists exactly once,
+//     and the inbox rows are exactly the ledger's messages, joined both ways;
+//   - every nack carries an error that inbox.IsTransient accepts, every ack
+//     comes from a committed transaction (OnProcessed) or a duplicate
+//     (OnDuplicate), and each faulted attempt was nacked;
+//   - no connection stays checked out (db.Stats().InUse == 0) and no session
+//     of the test's pool is left idle in a transaction on the server.
+//
+// Faults are made deterministic by observing the server (pg_stat_activity,
+// SHOW ENGINE INNODB STATUS) rather than by sleeping; every wait is bounded
+// by the test's context.
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	osexec "os/exec"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// Environment of the opt-in server restart test.
+const (
+	restartClusterEnv = "INBOX_TEST_RESTART_PG_CLUSTER" // "15/inboxfaults": VERSION/NAME for pg_ctlcluster
+	restartDSNEnv     = "INBOX_TEST_RESTART_PG_DSN"     // a DSN of that cluster
+)
+
+// faultTimeout bounds one fault test's stream: a fault that makes the
+// middleware hang fails the test instead of hanging it.
+const faultTimeout = 25 * time.Second
+
+// faultDB is a database under test: pool is what the inbox uses, and its
+// server sessions can be told apart from everybody else's (PostgreSQL:
+// application_name; MySQL: the local TCP ports of its connections); ctl is a
+// separate pool for killing, observing and checking.
+type faultDB struct {
+	dialect inbox.Dialect
+	pool    *sqlx.DB
+	ctl     *sqlx.DB
+	app     string     // PostgreSQL application_name of pool's sessions
+	ports   *portsSeen // MySQL: local ports of pool's connections
+}
+
+func (d *faultDB) postgres() bool {
+	return d.dialect == inbox.PostgreSQL || d.dialect == inbox.PostgreSQLPartitioned
+}
+
+// openFaultDB opens kind ("postgres", "postgres-partitioned", "mysql",
+// "mysql-clientFoundRows") with the given extra DSN parameter. A server that
+// is not reachable skips (fails in CI), as in testdb.
+func openFaultDB(t *testing.T, kind, param string) *faultDB {
+	t.Helper()
+	sfx := randomSuffix()
+	switch kind {
+	case "postgres", "postgres-partitioned":
+		d := &faultDB{dialect: inbox.PostgreSQL, app: "inbox_faults_" + sfx}
+		if kind == "postgres-partitioned" {
+			d.dialect = inbox.PostgreSQLPartitioned
+		}
+		d.ctl = testdb.OpenPostgres(t, "application_name=inbox_faults_ctl_"+sfx)
+		d.pool = testdb.OpenPostgres(t, joinParams("application_name="+d.app, param))
+		return d
+	case "mysql", "mysql-clientFoundRows":
+		if kind == "mysql-clientFoundRows" {
+			param = joinParams("clientFoundRows=true", param)
+		}
+		d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
+		d.ctl = testdb.OpenMySQL(t, "")
+		d.pool = openTrackedMySQL(t, testdb.WithParam(testdb.MySQLDSN(), param), "inbox_faults_"+sfx, d.ports)
+		return d
+	}
+	t.Fatalf("unknown database kind %q", kind)
+	return nil
+}
+
+func joinParams(a, b string) string {
+	if a == "" || b == "" {
+		return a + b
+	}
+	return a + "&" + b
+}
+
+// portsSeen records the local ports of the connections a MySQL pool opened.
+type portsSeen struct {
+	mu    sync.Mutex
+	ports []string
+}
+
+func (p *portsSeen) add(c net.Conn) {
+	if a, ok := c.LocalAddr().(*net.TCPAddr); ok {
+		p.mu.Lock()
+		p.ports = append(p.ports, strconv.Itoa(a.Port))
+		p.mu.Unlock()
+	}
+}
+
+func (p *portsSeen) list() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.ports...)
+}
+
+// openTrackedMySQL opens a pool whose connections are dialled through a
+// network registered under netName, which records their local ports: the
+// server shows them in information_schema.processlist.HOST.
+func openTrackedMySQL(t *testing.T, dsn, netName string, ports *portsSeen) *sqlx.DB {
+	t.Helper()
+	cfg, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Net != "tcp" {
+		t.Skipf("the MySQL fault tests need a TCP DSN, got net %q", cfg.Net)
+	}
+	mysql.RegisterDialContext(netName, func(ctx context.Context, addr string) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err == nil {
+			ports.add(c)
+		}
+		return c, err
+	})
+	cfg.Net = netName
+	db, err := sqlx.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(8)
+	return db
+}
+
+// checkNoLeaks checks that no connection of the pool is checked out and that
+// no session of the pool is idle in a transaction on the server. Both are
+// polled (bounded): a connection database/sql just closed may take a moment
+// to disappear on the server.
+func (d *faultDB) checkNoLeaks(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := poll(ctx, d.every(), func() (bool, error) {
+		n, err := d.idleInTransaction(ctx)
+		return d.pool.Stats().InUse == 0 && n == 0, err
+	})
+	if err != nil {
+		n, idleErr := d.idleInTransaction(context.Background())
+		t.Errorf("leaks (%v): connections in use %d, sessions idle in transaction %d (%v)", err, d.pool.Stats().InUse, n, idleErr)
+	}
+}
+
+// idleInTransaction counts the pool's sessions that are idle in an open
+// transaction. On MySQL, the transactions InnoDB lists: every inbox
+// transaction is one from its claim on.
+func (d *faultDB) idleInTransaction(ctx context.Context) (int, error) {
+	var n int
+	if d.postgres() {
+		err := d.ctl.GetContext(ctx, &n, `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND state IN ('idle in transaction', 'idle in transaction (aborted)')`, d.app)
+		return n, err
+	}
+	ports := d.ports.list()
+	if len(ports) == 0 {
+		return 0, nil
+	}
+	q, args, err := sqlx.In(`SELECT ID FROM information_schema.processlist
+		WHERE COMMAND = 'Sleep' AND SUBSTRING_INDEX(HOST, ':', -1) IN (?)`, ports)
+	if err != nil {
+		return 0, err
+	}
+	var sleeping []int64
+	if err := d.ctl.SelectContext(ctx, &sleeping, q, args...); err != nil {
+		return 0, err
+	}
+	trxs, err := d.innodbTransactions(ctx)
+	for _, x := range trxs {
+		if x.active && slices.Contains(sleeping, x.thread) {
+			n++
+		}
+	}
+	return n, err
+}
+
+// innodbTrx is one transaction of SHOW ENGINE INNODB STATUS.
+type innodbTrx struct {
+	active   bool  // started, not yet committed or rolled back
+	lockWait bool  // waiting for a lock
+	thread   int64 // the session's id (processlist ID)
+	text     string
+}
+
+var innodbThreadID = regexp.MustCompile(`(?:MySQL|MariaDB) thread id (\d+)`)
+
+// innodbTransactions lists InnoDB's transactions. It reads SHOW ENGINE
+// INNODB STATUS rather than information_schema.innodb_trx, which InnoDB
+// refreshes only when nobody read it in the last 100 ms: with several tests
+// (or other users of the server) polling it, it can stay stale for seconds.
+func (d *faultDB) innodbTransactions(ctx context.Context) ([]innodbTrx, error) {
+	var typ, name, status string
+	if err := d.ctl.QueryRowxContext(ctx, "SHOW ENGINE INNODB STATUS").Scan(&typ, &name, &status); err != nil {
+		return nil, err
+	}
+	_, section, ok := strings.Cut(status, "\nTRANSACTIONS\n")
+	if !ok {
+		return nil, errors.New("SHOW ENGINE INNODB STATUS: no TRANSACTIONS section")
+	}
+	section, _, _ = strings.Cut(section, "\nFILE I/O\n")
+	blocks := strings.Split(section, "\n---TRANSACTION ")
+	var out []innodbTrx
+	for _, b := range blocks[1:] {
+		x := innodbTrx{text: b}
+		first, _, _ := strings.Cut(b, "\n")
+		x.active = strings.Contains(first, "ACTIVE")
+		x.lockWait = strings.Contains(b, "\nLOCK WAIT ")
+		if m := innodbThreadID.FindStringSubmatch(b); m != nil {
+			x.thread, _ = strconv.ParseInt(m[1], 10, 64)
+		}
+		out = append(out, x)
+	}
+	return out, nil
+}
+
+// lockWaiters counts the sessions waiting for a lock in a statement that
+// names table.
+func (d *faultDB) lockWaiters(ctx context.Context, table string) (int, error) {
+	var n int
+	if d.postgres() {
+		err := d.ctl.GetContext(ctx, &n, `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND wait_event_type = 'Lock' AND strpos(query, $2) > 0`, d.app, table)
+		return n, err
+	}
+	trxs, err := d.innodbTransactions(ctx)
+	for _, x := range trxs {
+		if x.lockWait && strings.Contains(x.text, table) {
+			n++
+		}
+	}
+	return n, err
+}
+
+// terminate kills the PostgreSQL backend pid, which must be a session of
+// the pool (checked by application_name, so the test can never kill anybody
+// else's), and waits until it is gone.
+func (d *faultDB) terminate(ctx context.Context, pid int) error {
+	var killed []bool
+	if err := d.ctl.SelectContext(ctx, &killed, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		WHERE pid = $1 AND application_name = $2`, pid, d.app); err != nil {
+		return err
+	}
+	if len(killed) != 1 || !killed[0] {
+		return fmt.Errorf("pg_terminate_backend(%d): %v", pid, killed)
+	}
+	return poll(ctx, d.every(), func() (bool, error) {
+		var n int
+		err := d.ctl.GetContext(ctx, &n, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid)
+		return n == 0, err
+	})
+}
+
+// poll calls cond every `every` until it reports true, fails, or ctx ends.
+func poll(ctx context.Context, every time.Duration, cond func() (bool, error)) error {
+	for {
+		ok, err := cond()
+		if err != nil || ok {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("condition not met: %w", ctx.Err())
+		case <-time.After(every):
+		}
+	}
+}
+
+// every is how often to poll d's server: SHOW ENGINE INNODB STATUS is
+// heavier than a pg_stat_activity query.
+func (d *faultDB) every() time.Duration {
+	if d.postgres() {
+		return 2 * time.Millisecond
+	}
+	return 10 * time.Millisecond
+}
+
+// waitCh waits for ch to be closed, or fails when ctx ends first.
+func waitCh(ctx context.Context, ch <-chan struct{}, what string) error {
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+	}
+}
+
+// pair forces two messages to collide: each does its first step, then
+// waits until the other has done its own (pair.wait), and every other
+// message waits until both have (so no third transaction can take a lock
+// between them, which would block one of the pair on the database while the
+// other waits for it in the test: a deadlock the database cannot see).
+type pair struct {
+	a, b  string
+	aDone chan struct{}
+	bDone chan struct{}
+	aOnce sync.Once
+	bOnce sync.Once
+}
+
+func newPair(a, b *message.Message) *pair {
+	return &pair{a: a.UUID, b: b.UUID, aDone: make(chan struct{}), bDone: make(chan struct{})}
+}
+
+func (p *pair) member(msg *message.Message) bool { return msg.UUID == p.a || msg.UUID == p.b }
+
+// done marks msg's first step done; it may be called more than once.
+func (p *pair) done(msg *message.Message) {
+	if msg.UUID == p.a {
+		p.aOnce.Do(func() { close(p.aDone) })
+	} else {
+		p.bOnce.Do(func() { close(p.bDone) })
+	}
+}
+
+// wait waits until both of the pair have done their first step.
+func (p *pair) wait(ctx context.Context, what string) error {
+	if err := waitCh(ctx, p.aDone, what); err != nil {
+		return err
+	}
+	return waitCh(ctx, p.bDone, what)
+}
+
+// Metadata keys that the stream sets on every delivery.
+const (
+	attemptKey  = "fault_attempt"  // 1 for the first delivery of a message, 2 for its redelivery, ...
+	deliveryKey = "fault_delivery" // unique per delivery
+)
+
+func attemptOf(msg *message.Message) int {
+	n, _ := strconv.Atoi(msg.Metadata.Get(attemptKey))
+	return n
+}
+
+// delivery is what happened to one delivery of a message.
+type delivery struct {
+	id      string // message UUID
+	attempt int
+	acked   bool
+	err     error  // what the middleware returned to the router
+	outcome string // the inbox hook called for it: processed, duplicate, failed ("" for none)
+}
+
+// faultEnv is one fault test's router, inbox and tables on one database.
+type faultEnv struct {
+	t        *testing.T
+	d        *faultDB
+	inbox    string
+	ledger   string
+	consumer string
+	in       *feed
+
+	seq      atomic.Int64
+	mu       sync.Mutex
+	errs     map[string]error  // by delivery key
+	outcomes map[string]string // by delivery key
+	log      []delivery
+}
+
+// faultHandler is a test's handler: tx is the inbox transaction, attempt
+// the delivery's attempt number. It must write the ledger row (e.ledgerRow).
+type faultHandler func(msg *message.Message, tx *sqlx.Tx, attempt int) error
+
+// newFaultEnv creates the inbox and ledger tables and starts a router whose
+// only handler, "faults", runs h inside the inbox (cfg's hooks are kept and
+// the env's recorders added).
+func newFaultEnv(t *testing.T, d *faultDB, cfg inbox.Config, h faultHandler) *faultEnv {
+	t.Helper()
+	sfx := randomSuffix()
+	e := &faultEnv{
+		t: t, d: d, inbox: "inbox_" + sfx, ledger: "ledger_" + sfx, consumer: "faults", in: newFeed(),
+		errs: map[string]error{}, outcomes: map[string]string{},
+	}
+	ddl := "CREATE TABLE " + e.ledger + " (message_id VARCHAR(255) NOT NULL, attempt INT NOT NULL, block_commit BOOLEAN NOT NULL DEFAULT false)"
+	if d.dialect == inbox.MySQL {
+		ddl += " ENGINE=InnoDB"
+	}
+	exec(t, d.ctl, ddl)
+	dropLater(t, d.ctl, e.ledger)
+	dropLater(t, d.ctl, e.inbox)
+
+	cfg.DB, cfg.Table, cfg.Dialect = d.pool, e.inbox, d.dialect
+	cfg.OnProcessed = chainHook(cfg.OnProcessed, e.hook("processed"))
+	cfg.OnDuplicate = chainHook(cfg.OnDuplicate, e.hook("duplicate"))
+	cfg.OnFailed = chainHook(cfg.OnFailed, e.hook("failed"))
+	ib, err := inbox.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(e.record, ib.Middleware)
+		r.AddConsumerHandler(e.consumer, "orders", e.in, func(msg *message.Message) error {
+			tx, ok := inbox.TxFromContext(msg.Context())
+			if !ok {
+				return errors.New("no inbox transaction")
+			}
+			return h(msg, tx, attemptOf(msg))
+		})
+	})
+	return e
+}
+
+func chainHook(a, b func(inbox.Event)) func(inbox.Event) {
+	if a == nil {
+		return b
+	}
+	return func(ev inbox.Event) { a(ev); b(ev) }
+}
+
+func (e *faultEnv) hook(outcome string) func(inbox.Event) {
+	return func(ev inbox.Event) {
+		key := ev.Message.Metadata.Get(deliveryKey)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if prev, ok := e.outcomes[key]; ok {
+			e.t.Errorf("delivery %s: hook %s after %s", key, outcome, prev)
+		}
+		e.outcomes[key] = outcome
+	}
+}
+
+// record is the outermost middleware: it keeps what the router got for each
+// delivery, before the router acks or nacks.
+func (e *faultEnv) record(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		msgs, err := h(msg)
+		e.mu.Lock()
+		e.errs[msg.Metadata.Get(deliveryKey)] = err
+		e.mu.Unlock()
+		return msgs, err
+	}
+}
+
+// ledgerRow writes the message's business row through the inbox transaction.
+func (e *faultEnv) ledgerRow(msg *message.Message, tx *sqlx.Tx, attempt int, blockCommit bool) error {
+	_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO "+e.ledger+" (message_id, attempt, block_commit) VALUES (?, ?, ?)"),
+		msg.UUID, attempt, blockCommit)
+	return err
+}
+
+// deliver delivers one attempt of msg and waits for the router's ack or
+// nack, or for ctx to end (an error).
+func (e *faultEnv) deliver(ctx context.Context, msg *message.Message, attempt int) (delivery, error) {
+	key := strconv.FormatInt(e.seq.Add(1), 10)
+	m := msg.Copy()
+	m.Metadata.Set(attemptKey, strconv.Itoa(attempt))
+	m.Metadata.Set(deliveryKey, key)
+	select {
+	case e.in.ch <- m:
+	case <-ctx.Done():
+		return delivery{}, fmt.Errorf("message %s attempt %d: router did not take it: %w", msg.UUID, attempt, ctx.Err())
+	}
+	d := delivery{id: msg.UUID, attempt: attempt}
+	select {
+	case <-m.Acked():
+		d.acked = true
+	case <-m.Nacked():
+	case <-ctx.Done():
+		return delivery{}, fmt.Errorf("message %s attempt %d: neither acked nor nacked: %w", msg.UUID, attempt, ctx.Err())
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	d.err = e.errs[key]
+	d.outcome = e.outcomes[key]
+	e.log = append(e.log, d)
+	return d, nil
+}
+
+// deliverUntilAcked delivers msg, and redelivers it after each nack (with a
+// short jittered pause, as a broker's redelivery has), until it is acked.
+func (e *faultEnv) deliverUntilAcked(ctx context.Context, msg *message.Message, firstAttempt int) error {
+	for attempt := firstAttempt; ; attempt++ {
+		d, err := e.deliver(ctx, msg, attempt)
+		if err != nil {
+			return err
+		}
+		if d.acked {
+			return nil
+		}
+		pause := time.Duration(rand.IntN(5*min(attempt, 20))+1) * time.Millisecond
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("message %s: still nacked after %d attempts (last: %v): %w", msg.UUID, attempt, d.err, ctx.Err())
+		case <-time.After(pause):
+		}
+	}
+}
+
+// stream delivers msgs in order with `workers` concurrent deliverers, each
+// message redelivered until acked. A message is taken by the next free
+// worker, so a message whose handler waits does not hold back the next one.
+func (e *faultEnv) stream(ctx context.Context, msgs []*message.Message, workers int) {
+	e.t.Helper()
+	queue := make(chan *message.Message)
+	errc := make(chan error, workers)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for msg := range queue {
+				if err := e.deliverUntilAcked(ctx, msg, 1); err != nil {
+					errc <- err
+					return
+				}
+			}
+		}()
+	}
+	var failed error
+feed:
+	for _, msg := range msgs {
+		select {
+		case queue <- msg:
+		case failed = <-errc:
+			break feed
+		}
+	}
+	close(queue)
+	wg.Wait()
+	close(errc)
+	if failed == nil {
+		failed = <-errc
+	}
+	if failed != nil {
+		e.t.Fatalf("stream did not complete: %v", failed)
+	}
+}
+
+func newMessages(n int) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
+		msgs[i].Metadata.Set("n", strconv.Itoa(i))
+	}
+	return msgs
+}
+
+func ids(msgs []*message.Message) []string {
+	out := make([]string, len(msgs))
+	for i, m := range msgs {
+		out[i] = m.UUID
+	}
+	return out
+}
+
+// deliveries returns the log of one message's deliveries, in order.
+func (e *faultEnv) deliveries(id string) []delivery {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []delivery
+	for _, d := range e.log {
+		if d.id == id {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// nacks returns every nacked delivery.
+func (e *faultEnv) nacks() []delivery {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []delivery
+	for _, d := range e.log {
+		if !d.acked {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// nackSummary counts the nacks by error code, with one example of each.
+func (e *faultEnv) nackSummary() string {
+	counts, example := map[string]int{}, map[string]string{}
+	var order []string
+	for _, n := range e.nacks() {
+		d := describeErr(n.err)
+		code, _, _ := strings.Cut(d, "]")
+		code += "]"
+		if counts[code] == 0 {
+			order = append(order, code)
+			example[code] = d
+		}
+		counts[code]++
+	}
+	var b strings.Builder
+	for _, code := range order {
+		fmt.Fprintf(&b, "\n\t%dx %s", counts[code], example[code])
+	}
+	return b.String()
+}
+
+// checkDeliveries checks every delivery: an ack is a committed transaction
+// or a duplicate and carries no error; a nack carries a transient error and
+// went through OnFailed. It returns how many deliveries of each message were
+// processed (committed).
+func (e *faultEnv) checkDeliveries() map[string]int {
+	e.t.Helper()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	processed := map[string]int{}
+	for _, d := range e.log {
+		switch {
+		case d.acked && d.err != nil:
+			e.t.Errorf("message %s attempt %d: acked with error %v", d.id, d.attempt, d.err)
+		case d.acked && d.outcome != "processed" && d.outcome != "duplicate":
+			e.t.Errorf("message %s attempt %d: acked, but its transaction neither committed nor found a duplicate (hook %q)", d.id, d.attempt, d.outcome)
+		case !d.acked && d.err == nil:
+			e.t.Errorf("message %s attempt %d: nacked without an error", d.id, d.attempt)
+		case !d.acked && d.outcome != "failed":
+			e.t.Errorf("message %s attempt %d: nacked, hook %q (want failed)", d.id, d.attempt, d.outcome)
+		case !d.acked && !inbox.IsTransient(d.err):
+			e.t.Errorf("message %s attempt %d: nacked with an error IsTransient rejects: %s", d.id, d.attempt, describeErr(d.err))
+		}
+		if d.outcome == "processed" {
+			processed[d.id]++
+		}
+	}
+	return processed
+}
+
+// checkExactlyOnce checks the database: one ledger row per message, the
+// inbox rows of the consumer exactly the ledger's messages (joined both
+// ways), every message committed by exactly one delivery, no leaks.
+func (e *faultEnv) checkExactlyOnce(want []string) {
+	e.t.Helper()
+	t := e.t
+	processed := e.checkDeliveries()
+	for _, id := range want {
+		if processed[id] != 1 {
+			t.Errorf("message %s: %d deliveries committed, want 1", id, processed[id])
+		}
+	}
+	e.checkRows(want)
+	e.d.checkNoLeaks(t)
+}
+
+// checkRows checks the ledger and inbox tables hold each message of want
+// exactly once and nothing else.
+func (e *faultEnv) checkRows(want []string) {
+	e.t.Helper()
+	t, db := e.t, e.d.ctl
+	ctx := context.Background()
+	var rows []struct {
+		ID string `db:"message_id"`
+		N  int    `db:"n"`
+	}
+	if err := db.SelectContext(ctx, &rows, "SELECT message_id, COUNT(*) AS n FROM "+e.ledger+" GROUP BY message_id"); err != nil {
+		t.Fatal(err)
+	}
+	ledger := map[string]int{}
+	for _, r := range rows {
+		ledger[r.ID] = r.N
+	}
+	var inboxIDs []string
+	if err := db.SelectContext(ctx, &inboxIDs, db.Rebind("SELECT message_id FROM "+e.inbox+" WHERE consumer = ?"), e.consumer); err != nil {
+		t.Fatal(err)
+	}
+	inInbox := map[string]int{}
+	for _, id := range inboxIDs {
+		inInbox[id]++
+	}
+	wanted := map[string]bool{}
+	for _, id := range want {
+		wanted[id] = true
+		if ledger[id] != 1 || inInbox[id] != 1 {
+			t.Errorf("message %s: ledger rows %d, inbox rows %d, want 1 and 1", id, ledger[id], inInbox[id])
+		}
+	}
+	for id := range ledger {
+		if !wanted[id] {
+			t.Errorf("ledger row for unknown message %s", id)
+		}
+	}
+	if len(inboxIDs) != len(want) || len(ledger) != len(want) {
+		t.Errorf("inbox rows %d, ledger messages %d, want %d", len(inboxIDs), len(ledger), len(want))
+	}
+	var orphans struct {
+		Inbox  int `db:"inbox_only"`
+		Ledger int `db:"ledger_only"`
+	}
+	q := "SELECT" +
+		" (SELECT COUNT(*) FROM " + e.inbox + " i WHERE NOT EXISTS (SELECT 1 FROM " + e.ledger + " l WHERE l.message_id = i.message_id)) AS inbox_only," +
+		" (SELECT COUNT(*) FROM " + e.ledger + " l WHERE NOT EXISTS (SELECT 1 FROM " + e.inbox + " i WHERE i.message_id = l.message_id AND i.consumer = ?)) AS ledger_only"
+	if err := db.GetContext(ctx, &orphans, db.Rebind(q), e.consumer); err != nil {
+		t.Fatal(err)
+	}
+	if orphans.Inbox != 0 || orphans.Ledger != 0 {
+		t.Errorf("inbox rows without a ledger row: %d; ledger rows without an inbox row: %d", orphans.Inbox, orphans.Ledger)
+	}
+}
+
+// describeErr names the codes in an error chain, for failure messages and logs.
+func describeErr(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	var codes []string
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		codes = append(codes, "SQLSTATE "+pgErr.Code)
+	}
+	var myErr *mysql.MySQLError
+	if errors.As(err, &myErr) {
+		codes = append(codes, fmt.Sprintf("MySQL %d", myErr.Number))
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) {
+		codes = append(codes, "net.Error")
+	}
+	var retry interface{ SafeToRetry() bool }
+	if errors.As(err, &retry) && retry.SafeToRetry() {
+		codes = append(codes, "SafeToRetry")
+	}
+	if errors.Is(err, driver.ErrBadConn) {
+		codes = append(codes, "driver.ErrBadConn")
+	}
+	return fmt.Sprintf("[%s] %v", strings.Join(codes, ", "), err)
+}
+
+// errText returns err's text, or "" for nil.
+func errText(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// pgCode returns the SQLSTATE in err's chain, or "".
+func pgCode(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
+
+// mysqlNumber returns the MySQL error number in err's chain, or 0.
+func mysqlNumber(err error) uint16 {
+	var myErr *mysql.MySQLError
+	if errors.As(err, &myErr) {
+		return myErr.Number
+	}
+	return 0
+}
+
+// wantFaultNacked checks that msg's attempt was nacked with a transient
+// error, and that its last delivery was acked; it returns the error.
+func (e *faultEnv) wantFaultNacked(msg *message.Message, attempt int, what string) error {
+	e.t.Helper()
+	ds := e.deliveries(msg.UUID)
+	if len(ds) < attempt {
+		e.t.Errorf("%s: message %s has %d deliveries, want attempt %d", what, msg.UUID, len(ds), attempt)
+		return nil
+	}
+	d := ds[attempt-1]
+	if d.acked {
+		e.t.Errorf("%s: attempt %d of message %s was acked, want a nack", what, attempt, msg.UUID)
+	} else if !inbox.IsTransient(d.err) {
+		e.t.Errorf("%s: IsTransient(%s) = false", what, describeErr(d.err))
+	}
+	if !ds[len(ds)-1].acked {
+		e.t.Errorf("%s: the last delivery of message %s was nacked", what, msg.UUID)
+	}
+	e.t.Logf("%s: attempt %d nacked with %s", what, attempt, describeErr(d.err))
+	return d.err
+}
+
+// TestFaultBackendTerminated kills the PostgreSQL backend of a message's
+// transaction with pg_terminate_backend from another connection, four ways,
+// each after the handler wrote its row:
+//
+//   - "before a statement": the handler's next statement fails, and the
+//     handler returns that error;
+//   - "statement error swallowed": the same, but the handler ignores the
+//     error (a best-effort write) and returns nil, so the middleware commits
+//     on a connection the driver already knows is closed;
+//   - "before COMMIT": the handler returns nil, the middleware's COMMIT meets
+//     the dead backend;
+//   - "during COMMIT": a deferred constraint trigger makes the COMMIT wait on
+//     an advisory lock the test holds; the test kills the backend once it
+//     waits there (pg_stat_activity: query "commit", wait_event "advisory").
+//
+// Each is a nack that IsTransient accepts (SQLSTATE 57P01, admin_shutdown,
+// or pgx's "conn closed"); database/sql drops the dead connection (no other
+// delivery of the stream fails), and the redelivery processes the message.
+func TestFaultBackendTerminated(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"postgres", "postgres-partitioned"} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			d := openFaultDB(t, kind, "")
+			ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+			var killers sync.WaitGroup
+			defer func() { cancel(); killers.Wait() }()
+
+			const (
+				beforeStatement = "before a statement"
+				swallowed       = "statement error swallowed"
+				beforeCommit    = "before COMMIT"
+				duringCommit    = "during COMMIT"
+			)
+			msgs := newMessages(100)
+			victims := map[string]string{ // message UUID -> how its backend dies
+				msgs[10].UUID: beforeStatement,
+				msgs[30].UUID: swallowed,
+				msgs[50].UUID: beforeCommit,
+				msgs[70].UUID: duringCommit,
+			}
+			k1, k2 := rand.Int32(), rand.Int32() // the advisory lock the COMMIT waits on
+			var e *faultEnv
+			e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+				mctx := msg.Context()
+				how := victims[msg.UUID]
+				if attempt != 1 {
+					how = ""
+				}
+				if err := e.ledgerRow(msg, tx, attempt, how == duringCommit); err != nil {
+					return err
+				}
+				if how == "" {
+					return nil
+				}
+				var pid int
+				if err := tx.GetContext(mctx, &pid, "SELECT pg_backend_pid()"); err != nil {
+					return err
+				}
+				if how == duringCommit {
+					killers.Add(1)
+					go func() {
+						defer killers.Done()
+						err := poll(ctx, d.every(), func() (bool, error) {
+							var n int
+							err := d.ctl.GetContext(ctx, &n, `SELECT count(*) FROM pg_stat_activity
+								WHERE pid = $1 AND wait_event = 'advisory' AND lower(query) = 'commit'`, pid)
+							return n == 1, err
+						})
+						if err == nil {
+							err = d.terminate(ctx, pid)
+						}
+						if err != nil {
+							t.Errorf("kill during COMMIT: %v", err)
+						}
+					}()
+					return nil // the middleware's COMMIT waits in the trigger, and is killed there
+				}
+				if err := d.terminate(ctx, pid); err != nil {
+					t.Errorf("terminate: %v", err)
+				}
+				switch how {
+				case beforeStatement, swallowed:
+					_, err := tx.ExecContext(mctx, "SELECT 1")
+					if err == nil {
+						return errors.New("a statement succeeded on a terminated backend")
+					}
+					if how == swallowed {
+						return nil
+					}
+					return fmt.Errorf("after the backend was killed: %w", err)
+				}
+				return nil // beforeCommit: the middleware commits on the dead connection
+			})
+
+			// The deferred trigger: at COMMIT, a row with block_commit waits
+			// for the advisory lock (k1, k2), which the test holds.
+			fn := "inbox_faults_block_" + randomSuffix()
+			exec(t, d.ctl, `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN PERFORM pg_advisory_xact_lock(`+fmt.Sprint(k1)+`, `+fmt.Sprint(k2)+`); RETURN NULL; END $$`)
+			t.Cleanup(func() { _, _ = d.ctl.Exec(`DROP FUNCTION IF EXISTS ` + fn + `() CASCADE`) })
+			exec(t, d.ctl, `CREATE CONSTRAINT TRIGGER `+fn+` AFTER INSERT ON `+e.ledger+`
+				DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.block_commit) EXECUTE FUNCTION `+fn+`()`)
+			lock, err := d.ctl.Connx(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer lock.Close()
+			if _, err := lock.ExecContext(ctx, "SELECT pg_advisory_lock($1, $2)", k1, k2); err != nil {
+				t.Fatal(err)
+			}
+			defer lock.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1, $2)", k1, k2)
+
+			e.stream(ctx, msgs, 4)
+			killers.Wait()
+
+			for _, msg := range msgs {
+				how, ok := victims[msg.UUID]
+				if !ok {
+					continue
+				}
+				err := e.wantFaultNacked(msg, 1, "killed "+how)
+				if how == swallowed && !errors.Is(err, pgconn.ErrConnClosed) {
+					t.Errorf("killed %s: got %s, want pgx's conn closed", how, describeErr(err))
+				}
+				if how != swallowed && pgCode(err) != "57P01" {
+					t.Errorf("killed %s: got %s, want SQLSTATE 57P01", how, describeErr(err))
+				}
+				if how != beforeStatement && !strings.Contains(errText(err), "inbox: commit") {
+					t.Errorf("killed %s: got %s, want the COMMIT's error", how, describeErr(err))
+				}
+				if n := len(e.deliveries(msg.UUID)); n != 2 {
+					t.Errorf("killed %s: %d deliveries, want 2", how, n)
+				}
+			}
+			if n := len(e.nacks()); n != len(victims) {
+				t.Errorf("%d nacks, want exactly the %d faulted attempts: a dead connection was reused", n, len(victims))
+			}
+			e.checkExactlyOnce(ids(msgs))
+		})
+	}
+}
+
+// TestFaultStatementTimeout makes one handler statement of a few messages
+// exceed a statement timeout on their first attempt: PostgreSQL with SET
+// LOCAL statement_timeout (SQLSTATE 57014, query_canceled), MariaDB with SET
+// STATEMENT max_statement_time (error 1969). Each is a nack; the redelivery
+// processes the message once.
+func TestFaultStatementTimeout(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"postgres", "postgres-partitioned", "mysql", "mysql-clientFoundRows", "sqlite"} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			if kind == "sqlite" {
+				t.Skip("SQLite has no statement timeout (only busy_timeout, which the lock tests cover)")
+			}
+			d := openFaultDB(t, kind, "")
+			ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+			defer cancel()
+			msgs := newMessages(60)
+			victims := map[string]bool{msgs[5].UUID: true, msgs[25].UUID: true, msgs[45].UUID: true}
+			var e *faultEnv
+			e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+				if err := e.ledgerRow(msg, tx, attempt, false); err != nil {
+					return err
+				}
+				if attempt != 1 || !victims[msg.UUID] {
+					return nil
+				}
+				// A statement that cannot finish within the timeout: it
+				// sleeps 30 s, the timeout is 100 ms.
+				var err error
+				if d.postgres() {
+					if _, err = tx.ExecContext(msg.Context(), "SET LOCAL statement_timeout = '100ms'"); err != nil {
+						return err
+					}
+					_, err = tx.ExecContext(msg.Context(), "SELECT pg_sleep(30)")
+				} else {
+					_, err = tx.ExecContext(msg.Context(), "SET STATEMENT max_statement_time = 0.1 FOR SELECT SLEEP(30)")
+				}
+				if err == nil {
+					return errors.New("the slow statement finished despite the timeout")
+				}
+				return fmt.Errorf("slow statement: %w", err)
+			})
+			e.stream(ctx, msgs, 4)
+			for _, msg := range msgs {
+				if !victims[msg.UUID] {
+					continue
+				}
+				err := e.wantFaultNacked(msg, 1, "statement timeout")
+				if d.postgres() && pgCode(err) != "57014" || !d.postgres() && mysqlNumber(err) != 1969 {
+					t.Errorf("statement timeout: got %s, want SQLSTATE 57014 / MySQL 1969", describeErr(err))
+				}
+			}
+			if n := len(e.nacks()); n != len(victims) {
+				t.Errorf("%d nacks, want %d", n, len(victims))
+			}
+			e.checkExactlyOnce(ids(msgs))
+		})
+	}
+}
+
+// TestFaultSerializationFailure runs handlers that read-modify-write a
+// counter per account (read the balance, write balance+1) at REPEATABLE
+// READ and SERIALIZABLE (Config.TxOptions), four messages at a time on two
+// accounts. The first two messages are forced to collide: both read the
+// same account before either writes. What the loser gets:
+//
+//   - PostgreSQL, both levels: SQLSTATE 40001 (could not serialize access
+//     due to concurrent update).
+//   - MariaDB SERIALIZABLE: InnoDB turns the plain SELECT into a shared
+//     lock, both then want the exclusive lock: deadlock, error 1213.
+//   - MariaDB REPEATABLE READ: with innodb_snapshot_isolation=ON (the
+//     default from MariaDB 11.6; set per session here) the second writer
+//     gets error 1020 (ER_CHECKREAD, "Record has changed since last read").
+//     With it OFF (the default before 11.6, and MySQL) InnoDB raises no
+//     error at all: the second UPDATE overwrites the first, a lost update the
+//     inbox cannot see; such handlers must read with SELECT ... FOR UPDATE.
+//
+// Every loser is nacked and redelivered until processed; at the end each
+// counter equals the number of messages for its account.
+//
+// The claim itself: two deliveries of one message at once; the second
+// waits on the first's key. On PostgreSQL at REPEATABLE READ or SERIALIZABLE
+// it then fails with 40001 (the committed row is not in its snapshot): a
+// nack, and the redelivery is skipped as a duplicate. MariaDB does not fail
+// there at either level: the claim's ON DUPLICATE KEY UPDATE is a locking
+// read of the latest row, so the second delivery is acked as a duplicate at
+// once.
+func TestFaultSerializationFailure(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"postgres", "mysql"} {
+		for _, level := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
+			name := kind + "/" + strings.ReplaceAll(strings.ToUpper(level.String()), " ", "_")
+			t.Run(name+"/counter", func(t *testing.T) {
+				t.Parallel()
+				serializationCounter(t, kind, level)
+			})
+			t.Run(name+"/claim", func(t *testing.T) {
+				t.Parallel()
+				serializationClaim(t, kind, level)
+			})
+		}
+	}
+}
+
+// snapshotIsolationParam returns the DSN parameter that turns on MariaDB's
+// innodb_snapshot_isolation for kind at level, or skips when the server has
+// no such variable.
+func snapshotIsolationParam(t *testing.T, kind string, level sql.IsolationLevel) string {
+	if kind != "mysql" || level != sql.LevelRepeatableRead {
+		return ""
+	}
+	probe := testdb.OpenMySQL(t, "")
+	var n int
+	if err := probe.Get(&n, "SELECT COUNT(*) FROM information_schema.SYSTEM_VARIABLES WHERE VARIABLE_NAME = 'INNODB_SNAPSHOT_ISOLATION'"); err != nil || n == 0 {
+		t.Skipf("no innodb_snapshot_isolation on this server (%v): at REPEATABLE READ InnoDB loses the update silently, there is no fault to test", err)
+	}
+	return "innodb_snapshot_isolation=ON"
+}
+
+func serializationCounter(t *testing.T, kind string, level sql.IsolationLevel) {
+	d := openFaultDB(t, kind, snapshotIsolationParam(t, kind, level))
+	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+	defer cancel()
+	accounts := "accounts_" + randomSuffix()
+	exec(t, d.ctl, "CREATE TABLE "+accounts+" (id INT NOT NULL PRIMARY KEY, balance INT NOT NULL)")
+	dropLater(t, d.ctl, accounts)
+	exec(t, d.ctl, "INSERT INTO "+accounts+" (id, balance) VALUES (1, 0), (2, 0)")
+
+	msgs := newMessages(60)
+	perAccount := map[string]int{}
+	for i, msg := range msgs {
+		acct := strconv.Itoa(i%2 + 1)
+		if i < 2 {
+			acct = "1" // the forced pair
+		}
+		msg.Metadata.Set("account", acct)
+		perAccount[acct]++
+	}
+	a, b := msgs[0], msgs[1]
+	pair := newPair(a, b)
+
+	var e *faultEnv
+	e = newFaultEnv(t, d, inbox.Config{TxOptions: &sql.TxOptions{Isolation: level}},
+		func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+			mctx := msg.Context()
+			member := attempt == 1 && pair.member(msg)
+			if member {
+				defer pair.done(msg) // also when the read fails
+			} else if err := pair.wait(ctx, "the forced pair to read"); err != nil {
+				return err
+			}
+			acct := msg.Metadata.Get("account")
+			var balance int
+			if err := tx.GetContext(mctx, &balance, tx.Rebind("SELECT balance FROM "+accounts+" WHERE id = ?"), acct); err != nil {
+				return fmt.Errorf("read balance: %w", err)
+			}
+			if member {
+				pair.done(msg)
+				if err := pair.wait(ctx, "the other message of the pair to read"); err != nil {
+					return err
+				}
+			}
+			if _, err := tx.ExecContext(mctx, tx.Rebind("UPDATE "+accounts+" SET balance = ? WHERE id = ?"), balance+1, acct); err != nil {
+				return fmt.Errorf("write balance: %w", err)
+			}
+			return e.ledgerRow(msg, tx, attempt, false)
+		})
+	e.stream(ctx, msgs, 4)
+
+	// The forced pair: at least one lost with the level's error. (At
+	// SERIALIZABLE on PostgreSQL both may.)
+	wantCode := map[string]string{"postgres": "SQLSTATE 40001", "mysql": "MySQL 1020"}[kind]
+	if level == sql.LevelSerializable && kind == "mysql" {
+		wantCode = "MySQL 1213"
+	}
+	losers := 0
+	for _, msg := range []*message.Message{a, b} {
+		ds := e.deliveries(msg.UUID)
+		if len(ds) > 0 && !ds[0].acked {
+			losers++
+			if !strings.Contains(describeErr(ds[0].err), wantCode) {
+				t.Errorf("forced pair: the loser got %s, want %s", describeErr(ds[0].err), wantCode)
+			}
+			e.wantFaultNacked(msg, 1, "forced pair")
+		}
+	}
+	if losers == 0 {
+		t.Errorf("forced pair: both committed, want a %s", wantCode)
+	}
+	t.Logf("%d nacks: %s", len(e.nacks()), e.nackSummary())
+
+	var balances []struct {
+		ID      string `db:"id"`
+		Balance int    `db:"balance"`
+	}
+	if err := d.ctl.Select(&balances, "SELECT id, balance FROM "+accounts+" ORDER BY id"); err != nil {
+		t.Fatal(err)
+	}
+	for _, bal := range balances {
+		if bal.Balance != perAccount[bal.ID] {
+			t.Errorf("account %s: balance %d, want %d (one per message)", bal.ID, bal.Balance, perAccount[bal.ID])
+		}
+	}
+	e.checkExactlyOnce(ids(msgs))
+}
+
+func serializationClaim(t *testing.T, kind string, level sql.IsolationLevel) {
+	d := openFaultDB(t, kind, snapshotIsolationParam(t, kind, level))
+	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+	defer cancel()
+	var calls atomic.Int32
+	entered := make(chan struct{})
+	var e *faultEnv
+	e = newFaultEnv(t, d, inbox.Config{TxOptions: &sql.TxOptions{Isolation: level}},
+		func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+			if calls.Add(1) == 1 {
+				// First delivery: holds the key until the second one waits on it.
+				close(entered)
+				if err := poll(ctx, d.every(), func() (bool, error) {
+					n, err := d.lockWaiters(ctx, e.inbox)
+					return n == 1, err
+				}); err != nil {
+					return fmt.Errorf("waiting for the second delivery to wait on the key: %w", err)
+				}
+			}
+			return e.ledgerRow(msg, tx, attempt, false)
+		})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	first := make(chan error, 1)
+	go func() {
+		d, err := e.deliver(ctx, msg, 1)
+		if err == nil && !d.acked {
+			err = fmt.Errorf("first delivery nacked: %v", d.err)
+		}
+		first <- err
+	}()
+	if err := waitCh(ctx, entered, "the first delivery's handler"); err != nil {
+		t.Fatal(err)
+	}
+	second, err := e.deliver(ctx, msg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if d.postgres() {
+		if second.acked || pgCode(second.err) != "40001" {
+			t.Errorf("concurrent claim: acked %v, err %s; want a nack with SQLSTATE 40001", second.acked, describeErr(second.err))
+		} else {
+			t.Logf("concurrent claim: nacked with %s", describeErr(second.err))
+		}
+		if err := e.deliverUntilAcked(ctx, msg, 2); err != nil {
+			t.Fatal(err)
+		}
+		if ds := e.deliveries(msg.UUID); len(ds) != 3 || ds[2].outcome != "duplicate" {
+			t.Errorf("redelivery after the serialization failure: %+v, want one, skipped as a duplicate", ds[2:])
+		}
+	} else if !second.acked || second.outcome != "duplicate" {
+		t.Errorf("concurrent claim on MariaDB: acked %v (%s), err %s; want acked as a duplicate", second.acked, second.outcome, describeErr(second.err))
+	}
+	if calls.Load() != 1 {
+		t.Errorf("handler calls = %d, want 1", calls.Load())
+	}
+	e.checkExactlyOnce([]string{msg.UUID})
+}
+
+// TestFaultMySQLDeadlock makes InnoDB report deadlocks (error 1213), with and
+// without clientFoundRows:
+//
+//   - "opposite lock order": handlers lock two business rows, even messages
+//     row 1 then row 2, odd ones row 2 then row 1, four at a time. The first
+//     two messages are forced into the deadlock (each holds its first row
+//     before either asks for its second); the others deadlock when they
+//     happen to. InnoDB rolls back the victim's whole transaction; it is
+//     nacked and redelivered until processed, and both counters end equal
+//     to the number of messages.
+//   - "three deliveries": three deliveries of one message at once; the
+//     first claims the key, and fails once the two others wait on it. When
+//     it rolls back, the two waiters' claims deadlock on the freed key:
+//     InnoDB lets one claim (its handler runs and commits) and makes the
+//     other the victim (1213: a nack); the victim's redelivery is skipped
+//     as a duplicate.
+func TestFaultMySQLDeadlock(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"mysql", "mysql-clientFoundRows"} {
+		t.Run(kind+"/opposite_lock_order", func(t *testing.T) {
+			t.Parallel()
+			d := openFaultDB(t, kind, "")
+			ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+			defer cancel()
+			rows := "locks_" + randomSuffix()
+			exec(t, d.ctl, "CREATE TABLE "+rows+" (id INT NOT NULL PRIMARY KEY, n INT NOT NULL) ENGINE=InnoDB")
+			dropLater(t, d.ctl, rows)
+			exec(t, d.ctl, "INSERT INTO "+rows+" (id, n) VALUES (1, 0), (2, 0)")
+
+			msgs := newMessages(60)
+			a, b := msgs[0], msgs[1]
+			pair := newPair(a, b)
+			var e *faultEnv
+			e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+				member := attempt == 1 && pair.member(msg)
+				if member {
+					defer pair.done(msg) // also when the first lock fails
+				} else if err := pair.wait(ctx, "the forced pair to lock its first rows"); err != nil {
+					return err
+				}
+				order := []int{1, 2}
+				if n, _ := strconv.Atoi(msg.Metadata.Get("n")); n%2 == 1 {
+					order = []int{2, 1}
+				}
+				for i, id := range order {
+					if _, err := tx.ExecContext(msg.Context(), "UPDATE "+rows+" SET n = n + 1 WHERE id = ?", id); err != nil {
+						return fmt.Errorf("lock row %d: %w", id, err)
+					}
+					if i == 0 && member {
+						pair.done(msg)
+						if err := pair.wait(ctx, "the other message of the pair to lock its first row"); err != nil {
+							return err
+						}
+					}
+				}
+				return e.ledgerRow(msg, tx, attempt, false)
+			})
+			e.stream(ctx, msgs, 4)
+
+			losers := 0
+			for _, msg := range []*message.Message{a, b} {
+				if ds := e.deliveries(msg.UUID); len(ds) > 0 && !ds[0].acked {
+					losers++
+					if err := e.wantFaultNacked(msg, 1, "forced deadlock"); mysqlNumber(err) != 1213 {
+						t.Errorf("forced deadlock: got %s, want MySQL 1213", describeErr(err))
+					}
+				}
+			}
+			if losers != 1 {
+				t.Errorf("forced deadlock: %d of the pair lost, want exactly 1", losers)
+			}
+			for _, n := range e.nacks() {
+				if mysqlNumber(n.err) != 1213 {
+					t.Errorf("nack with %s, want only deadlocks (1213)", describeErr(n.err))
+				}
+			}
+			t.Logf("deadlocks: %d (1 forced)", len(e.nacks()))
+			var counts []int
+			if err := d.ctl.Select(&counts, "SELECT n FROM "+rows+" ORDER BY id"); err != nil {
+				t.Fatal(err)
+			}
+			if len(counts) != 2 || counts[0] != len(msgs) || counts[1] != len(msgs) {
+				t.Errorf("row counters %v, want [%d %d]", counts, len(msgs), len(msgs))
+			}
+			e.checkExactlyOnce(ids(msgs))
+		})
+
+		t.Run(kind+"/three_deliveries", func(t *testing.T) {
+			t.Parallel()
+			d := openFaultDB(t, kind, "")
+			ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+			defer cancel()
+			var calls atomic.Int32
+			entered := make(chan struct{})
+			var e *faultEnv
+			e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+				if err := e.ledgerRow(msg, tx, attempt, false); err != nil {
+					return err
+				}
+				if calls.Add(1) == 1 {
+					close(entered)
+					if err := poll(ctx, d.every(), func() (bool, error) {
+						n, err := d.lockWaiters(ctx, e.inbox)
+						return n == 2, err
+					}); err != nil {
+						return fmt.Errorf("waiting for two deliveries to wait on the key: %w", err)
+					}
+					return errors.New("the first delivery fails")
+				}
+				return nil
+			})
+			msg := message.NewMessage(watermill.NewUUID(), nil)
+			type result struct {
+				d   delivery
+				err error
+			}
+			results := make(chan result, 3)
+			deliver := func() {
+				d, err := e.deliver(ctx, msg, 1)
+				results <- result{d, err}
+			}
+			go deliver()
+			if err := waitCh(ctx, entered, "the first delivery's handler"); err != nil {
+				t.Fatal(err)
+			}
+			go deliver()
+			go deliver()
+			var processed, deadlocked, failedFirst int
+			for range 3 {
+				r := <-results
+				if r.err != nil {
+					t.Fatal(r.err)
+				}
+				switch {
+				case r.d.acked && r.d.outcome == "processed":
+					processed++
+				case !r.d.acked && mysqlNumber(r.d.err) == 1213:
+					deadlocked++
+					if !inbox.IsTransient(r.d.err) {
+						t.Errorf("deadlock loser: IsTransient(%s) = false", describeErr(r.d.err))
+					}
+					t.Logf("deadlock loser nacked with %s", describeErr(r.d.err))
+				case !r.d.acked && r.d.outcome == "failed" && strings.Contains(errText(r.d.err), "the first delivery fails"):
+					failedFirst++
+				default:
+					t.Errorf("unexpected delivery: acked %v, hook %q, err %s", r.d.acked, r.d.outcome, describeErr(r.d.err))
+				}
+			}
+			if failedFirst != 1 || processed != 1 || deadlocked != 1 {
+				t.Errorf("first failed %d, processed %d, deadlocked %d; want 1, 1, 1", failedFirst, processed, deadlocked)
+			}
+			// The deadlock loser's redelivery: skipped as a duplicate.
+			r, err := e.deliver(ctx, msg, 2)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !r.acked || r.outcome != "duplicate" {
+				t.Errorf("redelivery: acked %v, hook %q, err %s; want skipped as a duplicate", r.acked, r.outcome, describeErr(r.err))
+			}
+			if calls.Load() != 2 {
+				t.Errorf("handler calls = %d, want 2 (the failed first, and the one that claimed after it)", calls.Load())
+			}
+			// The handler's own failure is not transient; only check rows and leaks.
+			e.checkRows([]string{msg.UUID})
+			d.checkNoLeaks(t)
+		})
+	}
+}
+
+// TestFaultServerRestart restarts a PostgreSQL server (pg_ctlcluster restart
+// -m fast) while 200 messages flow, six at a time. When 60 have committed,
+// the next four handlers hold their open transactions until the restart has
+// finished, so four messages are certainly in flight when the server goes
+// down; the other two workers keep delivering into the outage (connection
+// refused, the database system is shutting down / starting up). Every
+// failed attempt must be a nack with a transient error, no message may be
+// acked unless its transaction committed (or found it already committed),
+// and all end processed exactly once.
+//
+// It restarts a real server, so it needs one of its own: it runs only when
+// INBOX_TEST_RESTART_PG_CLUSTER (VERSION/NAME, for pg_ctlcluster) and
+// INBOX_TEST_RESTART_PG_DSN are set; .ci/restart-cluster creates and starts
+// such a throwaway cluster. Never point it at a shared one.
+func TestFaultServerRestart(t *testing.T) {
+	cluster, dsn := os.Getenv(restartClusterEnv), os.Getenv(restartDSNEnv)
+	if cluster == "" || dsn == "" {
+		t.Skipf("restarts a PostgreSQL server: run .ci/restart-cluster, then set %s=15/inboxfaults and %s=postgres://postgres@127.0.0.1:5439/test?sslmode=disable",
+			restartClusterEnv, restartDSNEnv)
+	}
+	version, name, ok := strings.Cut(cluster, "/")
+	if !ok {
+		t.Fatalf("%s=%q, want VERSION/NAME", restartClusterEnv, cluster)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	sfx := randomSuffix()
+	d := &faultDB{dialect: inbox.PostgreSQL, app: "inbox_faults_" + sfx}
+	d.ctl = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name=inbox_faults_ctl_"+sfx))
+	d.pool = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name="+d.app))
+
+	const inFlight = 4
+	msgs := newMessages(200)
+	var processed atomic.Int32
+	var held atomic.Int32
+	heldIDs := make(chan string, inFlight) // the messages whose transactions are open across the restart
+	restarted := make(chan struct{})
+	var e *faultEnv
+	e = newFaultEnv(t, d, inbox.Config{OnProcessed: func(inbox.Event) { processed.Add(1) }},
+		func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+			if err := e.ledgerRow(msg, tx, attempt, false); err != nil {
+				return err
+			}
+			if attempt == 1 && processed.Load() >= 60 && held.Load() < inFlight {
+				if held.Add(1) <= inFlight {
+					heldIDs <- msg.UUID
+					return waitCh(ctx, restarted, "the restart") // then commit on a connection the restart closed
+				}
+			}
+			return nil
+		})
+
+	restartErr := make(chan error, 1)
+	go func() {
+		defer close(restarted)
+		if err := poll(ctx, time.Millisecond, func() (bool, error) { return len(heldIDs) == inFlight, nil }); err != nil {
+			restartErr <- fmt.Errorf("waiting for %d messages in flight: %w", inFlight, err)
+			return
+		}
+		cmd := osexec.CommandContext(ctx, "pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			err = fmt.Errorf("pg_ctlcluster restart: %v: %s", err, out)
+		}
+		restartErr <- err
+	}()
+
+	e.stream(ctx, msgs, inFlight+2)
+	if err := <-restartErr; err != nil {
+		t.Fatal(err)
+	}
+	close(heldIDs)
+	var inFlightIDs []string
+	for id := range heldIDs {
+		inFlightIDs = append(inFlightIDs, id)
+	}
+
+	perMessage := e.checkDeliveries()
+	want := ids(msgs)
+	e.checkRows(want)
+	d.checkNoLeaks(t)
+
+	// Never acked unless committed: a message with no committed delivery
+	// must have been acked as a duplicate after a COMMIT whose outcome the
+	// client never learned (the server committed, the connection died before
+	// the reply). The in-flight ones had not sent COMMIT before the restart,
+	// so their transactions were rolled back and a later delivery committed.
+	inDoubt := 0
+	for _, id := range want {
+		switch perMessage[id] {
+		case 1:
+		case 0:
+			inDoubt++
+			ds := e.deliveries(id)
+			sawCommitErr := false
+			for _, d := range ds {
+				if !d.acked && strings.Contains(errText(d.err), "inbox: commit") {
+					sawCommitErr = true
+				}
+			}
+			if !sawCommitErr || ds[len(ds)-1].outcome != "duplicate" {
+				t.Errorf("message %s: no committed delivery, and not a commit in doubt: %+v", id, ds)
+			}
+		default:
+			t.Errorf("message %s: %d committed deliveries", id, perMessage[id])
+		}
+	}
+	if got := int(processed.Load()) + inDoubt; got != len(want) {
+		t.Errorf("commits seen by OnProcessed %d + in doubt %d = %d, want %d business rows", processed.Load(), inDoubt, got, len(want))
+	}
+	for _, id := range inFlightIDs {
+		ds := e.deliveries(id)
+		if len(ds) < 2 || ds[0].acked || !strings.Contains(errText(ds[0].err), "inbox: commit") || perMessage[id] != 1 {
+			t.Errorf("in-flight message %s: deliveries %+v; want the first nacked by its failed COMMIT, a later one committed", id, ds)
+		}
+	}
+	t.Logf("%d messages, %d in flight at the restart, %d commits in doubt, %d nacks: %s",
+		len(want), len(inFlightIDs), inDoubt, len(e.nacks()), e.nackSummary())
+	if len(inFlightIDs) != inFlight {
+		t.Errorf("%d messages in flight at the restart, want %d", len(inFlightIDs), inFlight)
+	}
+}
+
+// openPostgresDSN opens a pool of at most 8 connections on dsn, which must
+// be reachable.
+func openPostgresDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
+	t.Helper()
+	db, err := sqlx.Open("pgx", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(8)
+	if err := db.PingContext(ctx); err != nil {
+		t.Fatalf("%s: %v (is the throwaway cluster running? .ci/restart-cluster starts it)", restartDSNEnv, err)
+	}
+	return db
+}
