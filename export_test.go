@@ -50,3 +50,8 @@ func PurgeUnlock(conn *sqlx.Conn, p *Purger) error {
 	}
 	return p.unlock(conn, purgeLockKey(ct))
 }
+
+// SetAfterBegin makes ib call f right after it began a message's
+// transaction, before any statement in it (the key lock, the claim). Call it
+// before ib handles messages.
+func SetAfterBegin(ib *Inbox, f func()) { ib.afterBegin = f }

@@ -203,6 +203,10 @@ type Inbox struct {
 	claimMu   sync.Mutex
 	claimStmt *sqlx.Stmt
 	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
+
+	// afterBegin, if set (only by tests, through export_test.go), runs right
+	// after BEGIN, before the transaction's first statement.
+	afterBegin func()
 }
 
 // keyLockTable returns the table name the key lock hashes: resolved by the
@@ -460,6 +464,9 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		}
 	}()
 
+	if ib.afterBegin != nil {
+		ib.afterBegin()
+	}
 	if ib.keyLockSQL != "" {
 		if _, err := tx.ExecContext(sctx, ib.keyLockSQL, keyLockHash(lockTable, consumer, id)); err != nil {
 			panicking = false

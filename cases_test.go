@@ -1,0 +1,1374 @@
+package inbox_test
+
+// Cases reported against other inbox implementations (issue 6, item 3). Each
+// is a named test that runs through a real message.Router on every database
+// where it applies and asserts what users see: business rows, inbox rows,
+// handler calls, acks and nacks, poison queue, connections and sessions.
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/go-sql-driver/mysql"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// caseTimeout bounds every wait of a case: a hang fails the test instead of
+// stalling the suite. It is a bound, never a measurement.
+const caseTimeout = 60 * time.Second
+
+// send hands msg itself to the router (the caller made the copy and set its
+// context and metadata) and waits, until ctx ends, for the ack (true) or
+// nack (false).
+func (f *feed) send(ctx context.Context, msg *message.Message) (bool, error) {
+	select {
+	case f.ch <- msg:
+	case <-ctx.Done():
+		return false, fmt.Errorf("message %s: router did not take it: %w", msg.UUID, ctx.Err())
+	}
+	select {
+	case <-msg.Acked():
+		return true, nil
+	case <-msg.Nacked():
+		return false, nil
+	case <-ctx.Done():
+		return false, fmt.Errorf("message %s: neither acked nor nacked: %w", msg.UUID, ctx.Err())
+	}
+}
+
+// delivery returns a redelivery of msg (a copy, as a broker makes) labelled
+// in its metadata, so that outcomes and handlers can tell deliveries apart.
+func delivery(msg *message.Message, label string) *message.Message {
+	m := msg.Copy()
+	m.Metadata.Set("delivery", label)
+	return m
+}
+
+// outcomes is a middleware outside the inbox that records the error each
+// delivery returned, by its delivery label.
+type outcomes struct {
+	mu   sync.Mutex
+	errs map[string][]error
+}
+
+func (o *outcomes) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		msgs, err := h(msg)
+		o.mu.Lock()
+		if o.errs == nil {
+			o.errs = map[string][]error{}
+		}
+		label := msg.Metadata.Get("delivery")
+		o.errs[label] = append(o.errs[label], err)
+		o.mu.Unlock()
+		return msgs, err
+	}
+}
+
+// last returns the error of the last delivery labelled label.
+func (o *outcomes) last(label string) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	errs := o.errs[label]
+	if len(errs) == 0 {
+		return nil
+	}
+	return errs[len(errs)-1]
+}
+
+// failures returns every non-nil error recorded.
+func (o *outcomes) failures() []error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var all []error
+	for _, errs := range o.errs {
+		for _, err := range errs {
+			if err != nil {
+				all = append(all, err)
+			}
+		}
+	}
+	return all
+}
+
+// poisonSink is the poison topic: a publisher that keeps what it is given.
+type poisonSink struct {
+	mu   sync.Mutex
+	msgs []*message.Message
+}
+
+func (p *poisonSink) Publish(_ string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.msgs = append(p.msgs, msgs...)
+	return nil
+}
+
+func (p *poisonSink) Close() error { return nil }
+
+func (p *poisonSink) poisoned() []*message.Message {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.msgs)
+}
+
+// poisonUnlessTransient is the poison queue the README recommends: every
+// error except a transient one (IsTransient) goes to the poison topic.
+func poisonUnlessTransient(t *testing.T) (message.HandlerMiddleware, *poisonSink) {
+	t.Helper()
+	sink := &poisonSink{}
+	mw, err := middleware.PoisonQueueWithFilter(sink, "poison", func(err error) bool { return !inbox.IsTransient(err) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mw, sink
+}
+
+// hookCounts counts the inbox's outcome hooks.
+type hookCounts struct{ processed, duplicates, failed atomic.Int32 }
+
+func (c *hookCounts) config(cfg inbox.Config) inbox.Config {
+	cfg.OnProcessed = func(inbox.Event) { c.processed.Add(1) }
+	cfg.OnDuplicate = func(inbox.Event) { c.duplicates.Add(1) }
+	cfg.OnFailed = func(inbox.Event) { c.failed.Add(1) }
+	return cfg
+}
+
+// insertRow writes one business row with the given id through the inbox
+// transaction; unlike writeBusinessRow, two handler runs for one message
+// write two rows instead of failing on the primary key.
+func (f *fixture) insertRow(msg *message.Message, id string) error {
+	tx, ok := inbox.TxFromContext(msg.Context())
+	if !ok {
+		return errors.New("no inbox transaction in the message context")
+	}
+	_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"),
+		id, message.HandlerNameFromCtx(msg.Context()))
+	return err
+}
+
+// openSQLiteWith opens a new SQLite file with exactly the DSN parameters
+// params, where a case needs settings other than the recommended ones.
+func openSQLiteWith(t *testing.T, params string) *sqlx.DB {
+	t.Helper()
+	db, err := sqlx.Open("sqlite", "file:"+filepath.Join(t.TempDir(), "inbox.db")+"?"+params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// barrier lets n parties through once all n arrived (or ctx ended); later
+// arrivals pass at once.
+type barrier struct {
+	ctx     context.Context
+	n       int32
+	arrived atomic.Int32
+	all     chan struct{}
+}
+
+func newBarrier(ctx context.Context, n int32) *barrier {
+	return &barrier{ctx: ctx, n: n, all: make(chan struct{})}
+}
+
+func (b *barrier) arrive() {
+	switch k := b.arrived.Add(1); {
+	case k == b.n:
+		close(b.all)
+	case k > b.n:
+		return
+	}
+	select {
+	case <-b.all:
+	case <-b.ctx.Done():
+	}
+}
+
+// sqlState returns the PostgreSQL SQLSTATE in err's chain, or "".
+func sqlState(err error) string {
+	var s interface{ SQLState() string }
+	if errors.As(err, &s) {
+		return s.SQLState()
+	}
+	return ""
+}
+
+func isPostgres(d inbox.Dialect) bool {
+	return d == inbox.PostgreSQL || d == inbox.PostgreSQLPartitioned
+}
+
+// Case "same message, two workers, snapshot isolation": two routers with one
+// consumer name receive M at once; both have begun their transaction before
+// either claims (a barrier right after BEGIN); the handler inserts one
+// business row and sleeps 300 ms. At READ COMMITTED and REPEATABLE READ:
+// one business row, one inbox row, one commit; the loser is a duplicate
+// (ack) or, where the database reports an isolation error (PostgreSQL at
+// REPEATABLE READ: 40001), a nack that the transient-aware poison queue lets
+// through and whose redelivery is skipped.
+//
+// No statement runs between BEGIN and the claim on the plain dialects, so
+// on PostgreSQL at REPEATABLE READ the loser's snapshot is the claim's own:
+// a winner that committed during the loser's wait is a serialization
+// failure, never a stale "not processed". The partitioned dialect runs a
+// statement before the claim (the key lock), which would take the snapshot
+// before the lock is granted; it is pinned to READ COMMITTED, and New
+// refuses REPEATABLE READ for it.
+func TestCaseSameMessageTwoWorkersSnapshotIsolation(t *testing.T) {
+	t.Parallel()
+	for _, level := range []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead} {
+		t.Run(level.String(), func(t *testing.T) {
+			t.Parallel()
+			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+				if tdb.Dialect == inbox.SQLite {
+					// With the recommended _txlock=immediate, BEGIN takes the
+					// write lock: the second transaction cannot open before the
+					// first ends, so the race cannot happen. A deferred BEGIN is
+					// the only way both are open at once. SQLite ignores the
+					// level: it is always SERIALIZABLE.
+					db = openSQLiteWith(t, "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL")
+				}
+				f := newFixture(t, db)
+				opts := &sql.TxOptions{Isolation: level}
+				if tdb.Dialect == inbox.PostgreSQLPartitioned && level != sql.LevelReadCommitted {
+					_, err := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, Table: f.inbox, TxOptions: opts})
+					if !errors.Is(err, inbox.ErrInvalidConfig) {
+						t.Errorf("New with %v on the partitioned dialect: err = %v, want ErrInvalidConfig", level, err)
+					}
+					return
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+				defer cancel()
+
+				var hooks hookCounts
+				ib := f.newInbox(hooks.config(inbox.Config{TxOptions: opts}))
+				inbox.SetAfterBegin(ib, newBarrier(ctx, 2).arrive)
+				poison, sink := poisonUnlessTransient(t)
+				out := &outcomes{}
+				var c calls
+				handler := func(msg *message.Message) error {
+					c.inc(msg.UUID)
+					if err := f.insertRow(msg, msg.UUID+":"+msg.Metadata.Get("delivery")); err != nil {
+						return err
+					}
+					time.Sleep(300 * time.Millisecond)
+					return nil
+				}
+				workers := map[string]*feed{"A": newFeed(), "B": newFeed()}
+				for _, in := range workers {
+					runRouter(t, func(r *message.Router) {
+						r.AddMiddleware(poison, out.Middleware, ib.Middleware)
+						r.AddConsumerHandler("billing", "orders", in, handler)
+					})
+				}
+
+				msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+				var mu sync.Mutex
+				acked := map[string]bool{}
+				var wg sync.WaitGroup
+				for label, in := range workers {
+					wg.Go(func() {
+						a, err := in.send(ctx, delivery(msg, label))
+						if err != nil {
+							t.Error(err)
+						}
+						mu.Lock()
+						acked[label] = a
+						mu.Unlock()
+					})
+				}
+				wg.Wait()
+				if t.Failed() {
+					return
+				}
+
+				if c.get(msg.UUID) != 1 || hooks.processed.Load() != 1 || f.businessRows() != 1 || f.inboxRows() != 1 {
+					t.Fatalf("handler calls %d, commits %d, business rows %d, inbox rows %d; want 1 each",
+						c.get(msg.UUID), hooks.processed.Load(), f.businessRows(), f.inboxRows())
+				}
+				var loser string
+				for label := range workers {
+					if err := out.last(label); err != nil || !acked[label] {
+						if loser != "" {
+							t.Fatalf("both deliveries failed: A %v, B %v", out.last("A"), out.last("B"))
+						}
+						loser = label
+					}
+				}
+				wantNack := tdb.Dialect == inbox.PostgreSQL && level == sql.LevelRepeatableRead
+				switch {
+				case loser == "" && wantNack:
+					t.Errorf("loser acked; want a serialization failure (40001) nack at %v on PostgreSQL", level)
+				case loser == "":
+					if hooks.duplicates.Load() != 1 {
+						t.Errorf("duplicates = %d, want 1", hooks.duplicates.Load())
+					}
+				default:
+					err := out.last(loser)
+					if acked[loser] || !inbox.IsTransient(err) {
+						t.Errorf("loser %s: acked %v, err %v; want a nack with a transient error", loser, acked[loser], err)
+					}
+					if wantNack && sqlState(err) != "40001" {
+						t.Errorf("loser %s: err %v, want SQLSTATE 40001", loser, err)
+					}
+					if !wantNack {
+						t.Errorf("loser %s nacked with %v; want it skipped as a duplicate at %v", loser, err, level)
+					}
+					t.Logf("loser %s nacked: %v", loser, err)
+					a, err := workers[loser].send(ctx, delivery(msg, loser+"-redelivery"))
+					if err != nil || !a || hooks.duplicates.Load() != 1 || c.get(msg.UUID) != 1 {
+						t.Errorf("redelivery: acked %v (%v), duplicates %d, handler calls %d; want acked, 1, 1",
+							a, err, hooks.duplicates.Load(), c.get(msg.UUID))
+					}
+				}
+				if p := sink.poisoned(); len(p) != 0 {
+					t.Errorf("%d messages reached the poison topic: %s", len(p), p[0].Metadata.Get(middleware.ReasonForPoisonedKey))
+				}
+				if f.businessRows() != 1 || f.inboxRows() != 1 || db.Stats().InUse != 0 {
+					t.Errorf("end: business rows %d, inbox rows %d, connections in use %d; want 1, 1, 0",
+						f.businessRows(), f.inboxRows(), db.Stats().InUse)
+				}
+			})
+		})
+	}
+}
+
+// Case "consumer name drift": billing and shipping share one table and both
+// get M; the application restarts (new pool, new Inbox, new router: as on a
+// new host or process) and M is redelivered to both. Two inbox rows, each
+// handler ran once in total, and the consumer column holds exactly the
+// handler names: nothing of the host or the process is in the key.
+func TestCaseConsumerNameDrift(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		reopen := func() *sqlx.DB { return tdb.Open(t) }
+		if tdb.Dialect == inbox.SQLite { // tdb.Open makes a new file: reopen the same one
+			path := filepath.Join(t.TempDir(), "inbox.db")
+			db = openSQLite(t, path)
+			reopen = func() *sqlx.DB { return openSQLite(t, path) }
+		}
+		f := newFixture(t, db)
+		var billing, shipping calls
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		// run is one life of the application: its own pool, inbox and router.
+		run := func(life string, db *sqlx.DB) {
+			dialectOf.Store(db, tdb.Dialect)
+			app := &fixture{t: t, db: db, inbox: f.inbox, business: f.business}
+			ib := app.newInbox(inbox.Config{})
+			billingIn, shippingIn := newFeed(), newFeed()
+			r := runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", billingIn, func(msg *message.Message) error {
+					billing.inc(msg.UUID)
+					return app.writeBusinessRow(msg)
+				})
+				r.AddConsumerHandler("shipping", "orders", shippingIn, func(msg *message.Message) error {
+					shipping.inc(msg.UUID)
+					return app.writeBusinessRow(msg)
+				})
+			})
+			if !billingIn.deliver(t, msg) || !shippingIn.deliver(t, msg) {
+				t.Fatalf("%s: nacked", life)
+			}
+			if err := r.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := ib.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		run("first life", db)
+		run("after the restart", reopen())
+
+		if billing.get(msg.UUID) != 1 || shipping.get(msg.UUID) != 1 {
+			t.Errorf("handler calls in total: billing %d, shipping %d; want 1 and 1",
+				billing.get(msg.UUID), shipping.get(msg.UUID))
+		}
+		var consumers []string
+		if err := db.Select(&consumers, "SELECT consumer FROM "+f.inbox+" ORDER BY consumer"); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(consumers, []string{"billing", "shipping"}) {
+			t.Errorf("consumer column = %q, want exactly the handler names [billing shipping]", consumers)
+		}
+		if f.businessRows() != 2 {
+			t.Errorf("business rows = %d, want 2", f.businessRows())
+		}
+	})
+}
+
+// claimOnThisTx checks, from inside the handler, that the message's inbox
+// row was written by the handler's own transaction: visible through it,
+// invisible from another connection (it is not committed yet), and on
+// PostgreSQL stamped with this transaction's id.
+func claimOnThisTx(msg *message.Message, d inbox.Dialect, db *sqlx.DB, table string) error {
+	ctx := msg.Context()
+	tx, ok := inbox.TxFromContext(ctx)
+	if !ok {
+		return errors.New("no inbox transaction")
+	}
+	consumer := message.HandlerNameFromCtx(ctx)
+	where := " FROM " + table + " WHERE consumer = ? AND message_id = ?"
+	var inTx, outside int
+	if err := tx.GetContext(ctx, &inTx, tx.Rebind("SELECT COUNT(*)"+where), consumer, msg.UUID); err != nil {
+		return err
+	}
+	if err := db.GetContext(ctx, &outside, db.Rebind("SELECT COUNT(*)"+where), consumer, msg.UUID); err != nil {
+		return err
+	}
+	if inTx != 1 || outside != 0 {
+		return fmt.Errorf("inbox row seen %d times through the handler's transaction and %d times from another connection, want 1 and 0", inTx, outside)
+	}
+	if isPostgres(d) {
+		var same bool
+		if err := tx.GetContext(ctx, &same, tx.Rebind("SELECT (SELECT xmin::text"+where+") = pg_current_xact_id()::xid::text"),
+			consumer, msg.UUID); err != nil {
+			return err
+		}
+		if !same {
+			return errors.New("the inbox row's xmin is not the handler's transaction id")
+		}
+	}
+	return nil
+}
+
+// commitBreaker returns a function that the handler calls last, through its
+// transaction, so that the COMMIT that follows fails: PostgreSQL and MySQL
+// lose the connection (the session is terminated from another connection,
+// as a failover or an operator would), SQLite fails a deferred foreign key.
+// TestCommitFailureNacks covers PostgreSQL's other failure, COMMIT turned
+// into ROLLBACK after a failed statement.
+func commitBreaker(t *testing.T, d inbox.Dialect, db *sqlx.DB) func(msg *message.Message, tx *sqlx.Tx) error {
+	switch {
+	case isPostgres(d):
+		return func(msg *message.Message, tx *sqlx.Tx) error {
+			var pid int
+			if err := tx.GetContext(msg.Context(), &pid, "SELECT pg_backend_pid()"); err != nil {
+				return err
+			}
+			var done bool // waits up to 5 s for the session to end
+			return db.GetContext(msg.Context(), &done, "SELECT pg_terminate_backend($1, 5000)", pid)
+		}
+	case d == inbox.MySQL:
+		return func(msg *message.Message, tx *sqlx.Tx) error {
+			var id int64
+			if err := tx.GetContext(msg.Context(), &id, "SELECT CONNECTION_ID()"); err != nil {
+				return err
+			}
+			_, err := db.ExecContext(msg.Context(), fmt.Sprintf("KILL %d", id))
+			return err
+		}
+	default:
+		parent, child := "parent_"+randomSuffix(), "child_"+randomSuffix()
+		exec(t, db, "CREATE TABLE "+parent+" (id INTEGER PRIMARY KEY)")
+		exec(t, db, "CREATE TABLE "+child+" (parent_id INTEGER REFERENCES "+parent+"(id) DEFERRABLE INITIALLY DEFERRED)")
+		dropLater(t, db, child)
+		dropLater(t, db, parent)
+		return func(msg *message.Message, tx *sqlx.Tx) error {
+			_, err := tx.ExecContext(msg.Context(), "INSERT INTO "+child+" (parent_id) VALUES (42)")
+			return err
+		}
+	}
+}
+
+// Case "inbox mark and business write split": the handler writes a business
+// row and then fails, or the commit fails. Nothing of either is kept and the
+// message is nacked; after a redelivery there is exactly one of each. Inside
+// the handler, the claim is checked to be on the handler's transaction.
+func TestCaseInboxMarkAndBusinessWriteSplit(t *testing.T) {
+	t.Parallel()
+	for _, failure := range []string{"handler fails", "commit fails"} {
+		t.Run(failure, func(t *testing.T) {
+			t.Parallel()
+			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+				f := newFixture(t, db)
+				var hooks hookCounts
+				ib := f.newInbox(hooks.config(inbox.Config{}))
+				breakCommit := commitBreaker(t, tdb.Dialect, db)
+				var failing atomic.Bool
+				failing.Store(true)
+				out := &outcomes{}
+				in := newFeed()
+				runRouter(t, func(r *message.Router) {
+					r.AddMiddleware(out.Middleware, ib.Middleware)
+					r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+						if err := claimOnThisTx(msg, tdb.Dialect, db, f.inbox); err != nil {
+							t.Errorf("delivery %s: %v", msg.Metadata.Get("delivery"), err)
+						}
+						if err := f.writeBusinessRow(msg); err != nil {
+							return err
+						}
+						if !failing.Load() {
+							return nil
+						}
+						if failure == "handler fails" {
+							return errors.New("payment service unavailable")
+						}
+						tx, _ := inbox.TxFromContext(msg.Context())
+						return breakCommit(msg, tx)
+					})
+				})
+				ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+				defer cancel()
+
+				msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+				if acked, err := in.send(ctx, delivery(msg, "first")); err != nil || acked {
+					t.Fatalf("failed delivery: acked %v (%v), want a nack", acked, err)
+				}
+				t.Logf("first delivery: %v", out.last("first"))
+				if failure == "commit fails" && hooks.failed.Load() != 1 {
+					t.Errorf("OnFailed calls = %d, want 1", hooks.failed.Load())
+				}
+				if f.businessRows() != 0 || f.inboxRows() != 0 {
+					t.Fatalf("after the failure: business rows %d, inbox rows %d, want 0 and 0", f.businessRows(), f.inboxRows())
+				}
+				failing.Store(false)
+				for _, label := range []string{"redelivery", "second redelivery"} {
+					if acked, err := in.send(ctx, delivery(msg, label)); err != nil || !acked {
+						t.Fatalf("%s: acked %v (%v), last error %v", label, acked, err, out.last(label))
+					}
+				}
+				if f.businessRows() != 1 || f.inboxRows() != 1 || hooks.processed.Load() != 1 || hooks.duplicates.Load() != 1 {
+					t.Errorf("after redeliveries: business rows %d, inbox rows %d, commits %d, duplicates %d; want 1, 1, 1, 1",
+						f.businessRows(), f.inboxRows(), hooks.processed.Load(), hooks.duplicates.Load())
+				}
+			})
+		})
+	}
+}
+
+// Case "middleware order": the handler inserts a row and then fails.
+//   - PoisonQueue outside the inbox: the message goes to the poison topic,
+//     no inbox row and no business row are left, and a replay of it from
+//     there is processed.
+//   - Retry outside, with a handler that fails once and then succeeds: one
+//     business row, one inbox row, each attempt in a transaction of its own.
+//   - The wrong orders cannot be seen by the inbox (a middleware is an opaque
+//     function), so they are documented here and in the README: Retry inside
+//     the inbox keeps the failed attempt's write (two rows), and on
+//     PostgreSQL an attempt that failed on SQL makes every later attempt fail
+//     with 25P02; PoisonQueue inside commits the poisoned message's inbox row
+//     and the failed handler's write, so its replay is skipped.
+func TestCaseMiddlewareOrder(t *testing.T) {
+	t.Parallel()
+	// failOnce is a handler that inserts a row (its id names the attempt) and
+	// fails on its first attempt.
+	failOnce := func(f *fixture, attempts *atomic.Int32) message.NoPublishHandlerFunc {
+		return func(msg *message.Message) error {
+			n := attempts.Add(1)
+			if err := f.insertRow(msg, fmt.Sprintf("%s:%d", msg.UUID, n)); err != nil {
+				return err
+			}
+			if n == 1 {
+				return errors.New("card declined")
+			}
+			return nil
+		}
+	}
+	retry := middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond}.Middleware
+
+	t.Run("PoisonQueue outside", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			sink := &poisonSink{}
+			poison, err := middleware.PoisonQueue(sink, "poison")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var attempts atomic.Int32
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(poison, ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, failOnce(f, &attempts))
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			if !in.deliver(t, msg) {
+				t.Fatal("poisoned message nacked, want acked (it went to the poison topic)")
+			}
+			poisoned := sink.poisoned()
+			if len(poisoned) != 1 || poisoned[0].UUID != msg.UUID {
+				t.Fatalf("poison topic holds %d messages, want M", len(poisoned))
+			}
+			if f.businessRows() != 0 || f.inboxRows() != 0 {
+				t.Fatalf("after poisoning: business rows %d, inbox rows %d; want 0 and 0", f.businessRows(), f.inboxRows())
+			}
+			if !in.deliver(t, poisoned[0]) { // the replay from the poison topic
+				t.Fatal("replay nacked")
+			}
+			if attempts.Load() != 2 || f.businessRows() != 1 || f.inboxRows() != 1 {
+				t.Errorf("after the replay: handler calls %d, business rows %d, inbox rows %d; want 2, 1, 1",
+					attempts.Load(), f.businessRows(), f.inboxRows())
+			}
+		})
+	})
+
+	t.Run("Retry outside", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			var attempts atomic.Int32
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(retry, ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, failOnce(f, &attempts))
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			if !in.deliver(t, msg) {
+				t.Fatal("nacked")
+			}
+			if attempts.Load() != 2 || f.businessRows() != 1 || f.inboxRows() != 1 {
+				t.Errorf("attempts %d, business rows %d, inbox rows %d; want 2, 1, 1",
+					attempts.Load(), f.businessRows(), f.inboxRows())
+			}
+		})
+	})
+
+	t.Run("Retry inside (wrong order, documented)", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			var attempts atomic.Int32
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware, retry)
+				r.AddConsumerHandler("billing", "orders", in, failOnce(f, &attempts))
+			})
+			if !in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("x"))) {
+				t.Fatal("nacked")
+			}
+			if attempts.Load() != 2 || f.businessRows() != 2 || f.inboxRows() != 1 {
+				t.Errorf("attempts %d, business rows %d, inbox rows %d; the documented outcome is 2, 2, 1 "+
+					"(the failed attempt's write commits with the successful one)", attempts.Load(), f.businessRows(), f.inboxRows())
+			}
+		})
+	})
+
+	t.Run("Retry inside, attempt fails on SQL (wrong order, documented)", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			var attempts atomic.Int32
+			var errs []error
+			var mu sync.Mutex
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware, retry)
+				r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+					n := attempts.Add(1)
+					id := msg.UUID // exists: the first attempt fails on SQL
+					if n > 1 {
+						id = fmt.Sprintf("%s:%d", msg.UUID, n)
+					}
+					err := f.insertRow(msg, id)
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+					return err
+				})
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			exec(t, db, "INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)", msg.UUID, "other")
+			acked := in.deliver(t, msg)
+			mu.Lock()
+			defer mu.Unlock()
+			if isPostgres(tdb.Dialect) {
+				// The transaction is aborted: every later attempt fails with
+				// 25P02 and the message is nacked after the last retry.
+				if acked || attempts.Load() != 3 || f.inboxRows() != 0 || f.businessRows() != 1 {
+					t.Errorf("acked %v, attempts %d, inbox rows %d, business rows %d; want false, 3, 0, 1 (the pre-existing row)",
+						acked, attempts.Load(), f.inboxRows(), f.businessRows())
+				}
+				for i, err := range errs[1:] {
+					if sqlState(err) != "25P02" {
+						t.Errorf("attempt %d: err %v, want SQLSTATE 25P02 (in failed SQL transaction)", i+2, err)
+					}
+				}
+				return
+			}
+			// MySQL and SQLite roll back only the failed statement: the second
+			// attempt commits.
+			if !acked || attempts.Load() != 2 || f.inboxRows() != 1 || f.businessRows() != 2 {
+				t.Errorf("acked %v, attempts %d, inbox rows %d, business rows %d; want true, 2, 1, 2",
+					acked, attempts.Load(), f.inboxRows(), f.businessRows())
+			}
+		})
+	})
+
+	t.Run("PoisonQueue inside (wrong order, documented)", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			sink := &poisonSink{}
+			poison, err := middleware.PoisonQueue(sink, "poison")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var attempts atomic.Int32
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware, poison)
+				r.AddConsumerHandler("billing", "orders", in, failOnce(f, &attempts))
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			if !in.deliver(t, msg) {
+				t.Fatal("nacked")
+			}
+			poisoned := sink.poisoned()
+			if len(poisoned) != 1 {
+				t.Fatalf("poison topic holds %d messages, want 1", len(poisoned))
+			}
+			if !in.deliver(t, poisoned[0]) {
+				t.Fatal("replay nacked")
+			}
+			if attempts.Load() != 1 || f.inboxRows() != 1 || f.businessRows() != 1 {
+				t.Errorf("handler calls %d, inbox rows %d, business rows %d; the documented outcome is 1, 1, 1 "+
+					"(the poisoned message and its failed write are committed, the replay is skipped)",
+					attempts.Load(), f.inboxRows(), f.businessRows())
+			}
+		})
+	})
+}
+
+// inboxKey is one (consumer, message id) key of the inbox table.
+type inboxKey struct{ consumer, id string }
+
+// leftInTransaction returns how many sessions of a pool are still in a
+// transaction that a handler left open. PostgreSQL: the sessions whose
+// pg_backend_pid() the handlers recorded, in any transaction state ("idle
+// in transaction" included). MySQL/MariaDB: the keys the handlers claimed
+// that are still locked, probed with SELECT ... FOR UPDATE NOWAIT (an open
+// claim locks its key; innodb_trx is a cache that InnoDB refreshes only
+// after 100 ms unread, so it can show a transaction that already ended).
+// SQLite has no sessions: a transaction left open would hold the write lock
+// and the next message would wait for it.
+func leftInTransaction(t *testing.T, d inbox.Dialect, probe *sqlx.DB, table string, pids []int64, keys []inboxKey) int {
+	t.Helper()
+	ctx := context.Background()
+	n := 0
+	switch {
+	case isPostgres(d):
+		if err := probe.GetContext(ctx, &n, "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = ANY($1) AND xact_start IS NOT NULL", pids); err != nil {
+			t.Fatal(err)
+		}
+	case d == inbox.MySQL:
+		for _, k := range keys {
+			tx, err := probe.BeginTxx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var rows []int
+			err = tx.SelectContext(ctx, &rows, "SELECT 1 FROM "+table+" WHERE consumer = ? AND message_id = ? FOR UPDATE NOWAIT", k.consumer, k.id)
+			tx.Rollback()
+			if err != nil {
+				t.Logf("key %s/%s: %v", k.consumer, k.id, err)
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// Case "panics and the pool": a pool of 2 connections, Recoverer outside,
+// five handlers that write and then panic, all at once, then one normal
+// message. No connection stays in use, no session of the pool is left in a
+// transaction, nothing of the panicking handlers is written, and the normal
+// message is processed before a 2 s deadline (a bound on the wait, not a
+// measurement).
+func TestCasePanicsAndThePool(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var hooks hookCounts
+		ib := f.newInbox(hooks.config(inbox.Config{}))
+		db.SetMaxOpenConns(2)
+		probe := tdb.Open(t) // inspects the sessions from outside the pool
+		if tdb.Dialect == inbox.SQLite {
+			probe = db
+		}
+		var mu sync.Mutex
+		var pids []int64
+		var keys []inboxKey
+		const panickers = 5
+		feeds := make([]*feed, panickers)
+		normal := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(middleware.Recoverer, ib.Middleware)
+			for i := range feeds {
+				feeds[i] = newFeed()
+				r.AddConsumerHandler(fmt.Sprintf("panicker%d", i), "orders", feeds[i], func(msg *message.Message) error {
+					var pid int64
+					if isPostgres(tdb.Dialect) {
+						tx, _ := inbox.TxFromContext(msg.Context())
+						if err := tx.GetContext(msg.Context(), &pid, "SELECT pg_backend_pid()"); err != nil {
+							return err
+						}
+					}
+					mu.Lock()
+					pids = append(pids, pid)
+					keys = append(keys, inboxKey{message.HandlerNameFromCtx(msg.Context()), msg.UUID})
+					mu.Unlock()
+					if err := f.writeBusinessRow(msg); err != nil {
+						return err
+					}
+					panic("handler bug")
+				})
+			}
+			r.AddConsumerHandler("normal", "orders", normal, f.writeBusinessRow)
+		})
+
+		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+		defer cancel()
+		var wg sync.WaitGroup
+		for i, in := range feeds {
+			wg.Go(func() {
+				acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), fmt.Sprint(i)))
+				if err != nil || acked {
+					t.Errorf("panicking handler %d: acked %v (%v), want a nack", i, acked, err)
+				}
+			})
+		}
+		wg.Wait()
+		if inUse := db.Stats().InUse; inUse != 0 {
+			t.Errorf("connections in use after the panics = %d, want 0", inUse)
+		}
+		if n := leftInTransaction(t, tdb.Dialect, probe, f.inbox, pids, keys); n != 0 {
+			t.Errorf("%d sessions of the pool still in a transaction after the panics", n)
+		}
+		if f.businessRows() != 0 || f.inboxRows() != 0 || hooks.failed.Load() != panickers {
+			t.Errorf("after the panics: business rows %d, inbox rows %d, OnFailed %d; want 0, 0, %d",
+				f.businessRows(), f.inboxRows(), hooks.failed.Load(), panickers)
+		}
+
+		bound, cancelBound := context.WithTimeout(ctx, 2*time.Second)
+		defer cancelBound()
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		if acked, err := normal.send(bound, msg); err != nil || !acked {
+			t.Fatalf("normal message: acked %v (%v); want it processed within 2 s", acked, err)
+		}
+		if count(t, db, f.business, "consumer = ?", "normal") != 1 || hooks.processed.Load() != 1 {
+			t.Errorf("normal message: business rows %d, commits %d; want 1 and 1",
+				count(t, db, f.business, "consumer = ?", "normal"), hooks.processed.Load())
+		}
+		if inUse := db.Stats().InUse; inUse != 0 {
+			t.Errorf("connections in use at the end = %d, want 0", inUse)
+		}
+	})
+}
+
+// lockWaiters returns a function that counts the sessions of db waiting for
+// a lock on table's keys: on PostgreSQL the pool's sessions (by
+// application_name, which db must set) waiting on a lock, the advisory key
+// lock of the partitioned dialect included; on MySQL/MariaDB the
+// transactions in LOCK WAIT on a statement that names table. Only sessions
+// this test opened are counted.
+func lockWaiters(d inbox.Dialect, probe *sqlx.DB, appName, table string) func(ctx context.Context) (int, error) {
+	return func(ctx context.Context) (int, error) {
+		var n int
+		var err error
+		switch {
+		case isPostgres(d):
+			err = probe.GetContext(ctx, &n, "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'", appName)
+		case d == inbox.MySQL:
+			err = probe.GetContext(ctx, &n, "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?", "%"+table+"%")
+		}
+		return n, err
+	}
+}
+
+// Case "three deliveries, first rolls back": three concurrent deliveries of
+// M; the first claims and its handler fails once both others wait on the
+// key. Exactly one of the others commits. On MySQL/MariaDB the two waiters
+// deadlock (1213) when the first rolls back: the victim is nacked, not
+// poisoned, and its redelivery is skipped. On PostgreSQL there is no
+// deadlock: one waiter claims, the other sees the commit and skips. On
+// SQLite the waiters wait in BEGIN IMMEDIATE for the write lock.
+func TestCaseThreeDeliveriesFirstRollsBack(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		appName := "cases_" + randomSuffix()
+		if isPostgres(tdb.Dialect) { // to find this pool's sessions in pg_stat_activity
+			db = testdb.OpenPostgres(t, "application_name="+appName)
+			dialectOf.Store(db, tdb.Dialect)
+		}
+		f := newFixture(t, db)
+		var hooks hookCounts
+		ib := f.newInbox(hooks.config(inbox.Config{}))
+		poison, sink := poisonUnlessTransient(t)
+		out := &outcomes{}
+		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+		defer cancel()
+
+		// waiting reports the deliveries waiting behind the first.
+		var entered atomic.Int32
+		countEntries := func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				if msg.Metadata.Get("delivery") != "1" {
+					entered.Add(1)
+				}
+				return h(msg)
+			}
+		}
+		waiting := lockWaiters(tdb.Dialect, tdb.Open(t), appName, f.inbox)
+		if tdb.Dialect == inbox.SQLite { // no lock view: they entered, and cannot pass the first's write lock
+			waiting = func(context.Context) (int, error) { return int(entered.Load()), nil }
+		}
+		firstIn := make(chan struct{})
+		var c calls
+		handler := func(msg *message.Message) error {
+			c.inc(msg.UUID)
+			if err := f.insertRow(msg, msg.UUID+":"+msg.Metadata.Get("delivery")); err != nil {
+				return err
+			}
+			if msg.Metadata.Get("delivery") != "1" {
+				return nil
+			}
+			close(firstIn)
+			for {
+				n, err := waiting(msg.Context())
+				if err != nil {
+					return err
+				}
+				if n == 2 {
+					return errors.New("first delivery fails after the others queued")
+				}
+				select {
+				case <-ctx.Done():
+					return fmt.Errorf("the two other deliveries never waited on the key: %w", ctx.Err())
+				case <-time.After(150 * time.Millisecond): // InnoDB refreshes innodb_trx only after 100 ms unread
+				}
+			}
+		}
+		feeds := map[string]*feed{"1": newFeed(), "2": newFeed(), "3": newFeed()}
+		for _, in := range feeds {
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(poison, out.Middleware, countEntries, ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, handler)
+			})
+		}
+
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		var mu sync.Mutex
+		acked := map[string]bool{}
+		var wg sync.WaitGroup
+		deliver := func(label string) {
+			wg.Go(func() {
+				a, err := feeds[label].send(ctx, delivery(msg, label))
+				if err != nil {
+					t.Error(err)
+				}
+				mu.Lock()
+				acked[label] = a
+				mu.Unlock()
+			})
+		}
+		deliver("1")
+		select {
+		case <-firstIn:
+		case <-ctx.Done():
+			t.Fatal("the first delivery never reached its handler")
+		}
+		deliver("2")
+		deliver("3")
+		wg.Wait()
+		if t.Failed() {
+			return
+		}
+
+		// The first delivery's failure is the message's own: poisoned (acked).
+		if out.last("1") == nil || out.last("1").Error() != "first delivery fails after the others queued" {
+			t.Fatalf("first delivery: err %v; want the handler's failure", out.last("1"))
+		}
+		if hooks.processed.Load() != 1 || f.businessRows() != 1 || f.inboxRows() != 1 || c.get(msg.UUID) != 2 {
+			t.Fatalf("commits %d, business rows %d, inbox rows %d, handler calls %d; want 1, 1, 1, 2",
+				hooks.processed.Load(), f.businessRows(), f.inboxRows(), c.get(msg.UUID))
+		}
+		deadlocks := 0
+		for _, label := range []string{"2", "3"} {
+			if acked[label] {
+				continue
+			}
+			err := out.last(label)
+			var myErr *mysql.MySQLError
+			if tdb.Dialect != inbox.MySQL || !errors.As(err, &myErr) || myErr.Number != 1213 || !inbox.IsTransient(err) {
+				t.Errorf("delivery %s nacked with %v; the only nack expected is a MySQL deadlock (1213)", label, err)
+				continue
+			}
+			deadlocks++
+			if a, err := feeds[label].send(ctx, delivery(msg, label+"-redelivery")); err != nil || !a {
+				t.Errorf("redelivery of %s: acked %v (%v), last error %v", label, a, err, out.last(label+"-redelivery"))
+			}
+		}
+		// Both waiters were seen in LOCK WAIT before the first rolled back:
+		// InnoDB then grants both their shared locks, both need the exclusive
+		// one, and one is the deadlock victim, every time.
+		if tdb.Dialect == inbox.MySQL && deadlocks != 1 {
+			t.Errorf("deadlocks = %d, want 1 on MySQL/MariaDB", deadlocks)
+		}
+		if f.businessRows() != 1 || f.inboxRows() != 1 || c.get(msg.UUID) != 2 {
+			t.Errorf("end: business rows %d, inbox rows %d, handler calls %d; want 1, 1, 2",
+				f.businessRows(), f.inboxRows(), c.get(msg.UUID))
+		}
+		if p := sink.poisoned(); len(p) != 1 || p[0].Metadata.Get("delivery") != "1" {
+			t.Errorf("poison topic holds %d messages; want only the first delivery's, whose handler failed", len(p))
+		}
+	})
+}
+
+// Case "SQLite under concurrent writers": WAL, a pool of 4 connections, 8
+// messages in flight at all times, 200 distinct ids, handlers that read and
+// then write through the transaction. With the settings the README
+// recommends (testdb.SQLiteParams: busy_timeout and _txlock=immediate) not
+// one "database is locked" error. With plain defaults (WAL only) such
+// errors happen; each is a transient nack, never poisoned, and redelivery
+// (up to a bound) gets all 200 processed. busy_timeout alone is enough to
+// avoid them in the inbox, because the claim is the transaction's first
+// statement: it waits for the write lock before it has read anything.
+// SQLite only: the servers lock rows, not the database.
+func TestCaseSQLiteConcurrentWriters(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, params string
+	}{
+		{"recommended", testdb.SQLiteParams},
+		{"plain defaults", "_journal_mode=WAL"},
+		{"busy only", "_journal_mode=WAL&_busy_timeout=10000"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := openSQLiteWith(t, tc.params)
+			db.SetMaxOpenConns(4)
+			f := newFixture(t, db)
+			var hooks hookCounts
+			ib := f.newInbox(hooks.config(inbox.Config{}))
+			poison, sink := poisonUnlessTransient(t)
+			out := &outcomes{}
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(poison, out.Middleware, ib.Middleware)
+				r.AddConsumerHandler("ledger", "orders", in, func(msg *message.Message) error {
+					tx, _ := inbox.TxFromContext(msg.Context())
+					var before int
+					if err := tx.GetContext(msg.Context(), &before, "SELECT COUNT(*) FROM "+f.business); err != nil {
+						return err
+					}
+					return f.writeBusinessRow(msg)
+				})
+			})
+
+			ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+			defer cancel()
+			const messages, inFlight, maxDeliveries = 200, 8, 1000
+			ids := make(chan string, messages)
+			for range messages {
+				ids <- watermill.NewUUID()
+			}
+			close(ids)
+			var nacks atomic.Int32
+			var wg sync.WaitGroup
+			for range inFlight { // each worker keeps one message in flight
+				wg.Go(func() {
+					for id := range ids {
+						msg := message.NewMessage(id, nil)
+						for n := 1; ; n++ {
+							acked, err := in.send(ctx, msg.Copy())
+							if err != nil {
+								t.Error(err)
+								return
+							}
+							if acked {
+								break
+							}
+							nacks.Add(1)
+							if n == maxDeliveries {
+								t.Errorf("message %s: still nacked after %d deliveries", id, n)
+								return
+							}
+						}
+					}
+				})
+			}
+			wg.Wait()
+
+			if f.businessRows() != messages || f.inboxRows() != messages || hooks.processed.Load() != messages {
+				t.Errorf("business rows %d, inbox rows %d, commits %d; want %d each",
+					f.businessRows(), f.inboxRows(), hooks.processed.Load(), messages)
+			}
+			failures := out.failures()
+			for _, err := range failures {
+				if !inbox.IsTransient(err) {
+					t.Errorf("non-transient failure: %v", err)
+					break
+				}
+			}
+			if p := sink.poisoned(); len(p) != 0 {
+				t.Errorf("%d messages poisoned: %s", len(p), p[0].Metadata.Get(middleware.ReasonForPoisonedKey))
+			}
+			if tc.params == testdb.SQLiteParams && len(failures) != 0 {
+				t.Errorf("%d failures with the recommended settings, want none; first: %v", len(failures), failures[0])
+			}
+			if len(failures) > 0 {
+				t.Logf("%s: %d nacks, all transient, e.g. %v", tc.name, nacks.Load(), failures[0])
+			}
+		})
+	}
+}
+
+// Case "handler writes through the pool instead of the transaction": a pool
+// of 4 connections, 4 messages in flight (as from 4 partitions), a handler
+// that writes with the *sqlx.DB. Each inbox transaction holds one of the 4
+// connections while its handler waits for a fifth: a deadlock that nothing
+// inside the process breaks. (On SQLite, with the recommended
+// _txlock=immediate, one transaction holds the write lock and its handler
+// waits for a connection that the 3 others hold while they wait, in BEGIN,
+// for that lock: only busy_timeout ends it, and the pool write would then
+// wait for its own transaction's lock.)
+//
+// The way out is a deadline on the message context: Watermill's
+// middleware.Timeout outside the inbox. When it fires, database/sql rolls the
+// inbox transaction back (its context ended) and the handler's pool call
+// fails: the message is nacked with a transient error, and its redelivery
+// is processed. The inbox cannot see what the handler does with the pool, so
+// the library documents it (use the transaction; size the pool above the
+// messages in flight; put Timeout outside the inbox) instead of guessing.
+func TestCaseHandlerWritesThroughThePool(t *testing.T) {
+	t.Parallel()
+	const inFlight = 4
+
+	// setup starts a router whose handler, while pool is true, writes
+	// through db (and through its transaction); otherwise only through its
+	// transaction.
+	type setup struct {
+		f     *fixture
+		hooks *hookCounts
+		in    *feed
+		out   *outcomes
+		sink  *poisonSink
+		pool  *atomic.Bool
+		// entered counts handler calls that reached the pool write.
+		entered *atomic.Int32
+	}
+	start := func(t *testing.T, db *sqlx.DB, outer ...message.HandlerMiddleware) setup {
+		db.SetMaxOpenConns(inFlight)
+		s := setup{f: newFixture(t, db), hooks: &hookCounts{}, in: newFeed(), out: &outcomes{}, pool: &atomic.Bool{}, entered: &atomic.Int32{}}
+		s.pool.Store(true)
+		ib := s.f.newInbox(s.hooks.config(inbox.Config{}))
+		var poison message.HandlerMiddleware
+		poison, s.sink = poisonUnlessTransient(t)
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(poison, s.out.Middleware)
+			r.AddMiddleware(outer...)
+			r.AddMiddleware(ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", s.in, func(msg *message.Message) error {
+				if s.pool.Load() {
+					s.entered.Add(1)
+					// In flight together: the pool write starts once all 4
+					// connections are taken by the deliveries (their
+					// transactions, or on SQLite BEGIN waiting for the lock).
+					for db.Stats().InUse < inFlight {
+						select {
+						case <-msg.Context().Done():
+							return msg.Context().Err()
+						case <-time.After(time.Millisecond):
+						}
+					}
+					if _, err := db.ExecContext(msg.Context(), db.Rebind("INSERT INTO "+s.f.business+" (id, consumer) VALUES (?, ?)"),
+						msg.UUID+":pool", "billing"); err != nil {
+						return err
+					}
+				}
+				return s.f.insertRow(msg, msg.UUID+":tx")
+			})
+		})
+		return s
+	}
+	// sendAll delivers msgs at once and returns whether each was acked.
+	sendAll := func(t *testing.T, ctx context.Context, in *feed, msgs []*message.Message) []bool {
+		acked := make([]bool, len(msgs))
+		var wg sync.WaitGroup
+		for i, m := range msgs {
+			wg.Go(func() {
+				var err error
+				if acked[i], err = in.send(ctx, m); err != nil {
+					t.Error(err)
+				}
+			})
+		}
+		wg.Wait()
+		return acked
+	}
+	newMessages := func() []*message.Message {
+		msgs := make([]*message.Message, inFlight)
+		for i := range msgs {
+			msgs[i] = message.NewMessage(watermill.NewUUID(), nil)
+		}
+		return msgs
+	}
+
+	t.Run("no deadline: deadlock", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			s := start(t, db)
+			ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+			defer cancel()
+			// The messages' own contexts, which the test cancels once the
+			// deadlock is proven: the only way out, as nothing else ends.
+			stuck, unstick := context.WithCancel(context.Background())
+			defer unstick()
+			baseWaits := db.Stats().WaitCount
+			msgs := newMessages()
+			for i, m := range msgs {
+				m.SetContext(stuck)
+				msgs[i] = m
+			}
+			done := make(chan []bool, 1)
+			go func() { done <- sendAll(t, ctx, s.in, msgs) }()
+
+			// Deadlocked: every connection is in use by an inbox transaction
+			// and handlers wait for a connection. On the servers all 4
+			// handlers wait; on SQLite the one holding the write lock waits
+			// while the other 3 wait for that lock in BEGIN.
+			wantEntered := int32(inFlight)
+			if tdb.Dialect == inbox.SQLite {
+				wantEntered = 1
+			}
+			for {
+				st := db.Stats()
+				if s.entered.Load() == wantEntered && st.InUse == inFlight && st.WaitCount-baseWaits >= int64(wantEntered) {
+					break
+				}
+				select {
+				case acked := <-done:
+					t.Fatalf("deliveries finished without a deadlock: acked %v, errors %v", acked, s.out.failures())
+				case <-ctx.Done():
+					t.Fatalf("never deadlocked: entered %d, stats %+v", s.entered.Load(), db.Stats())
+				case <-time.After(5 * time.Millisecond):
+				}
+			}
+			if s.hooks.processed.Load()+s.hooks.failed.Load() != 0 {
+				t.Fatalf("a message finished while deadlocked")
+			}
+			unstick()
+			acked := <-done
+			for i, a := range acked {
+				if err := s.out.failures(); a || len(err) != inFlight {
+					t.Fatalf("message %d: acked %v; errors %v; want every message nacked", i, a, err)
+				}
+			}
+			for _, err := range s.out.failures() {
+				if !errors.Is(err, context.Canceled) || !inbox.IsTransient(err) {
+					t.Errorf("err %v, want context.Canceled (transient)", err)
+				}
+			}
+			if s.f.businessRows() != 0 || s.f.inboxRows() != 0 || len(s.sink.poisoned()) != 0 {
+				t.Errorf("business rows %d, inbox rows %d, poisoned %d; want 0, 0, 0",
+					s.f.businessRows(), s.f.inboxRows(), len(s.sink.poisoned()))
+			}
+		})
+	})
+
+	t.Run("Timeout outside the inbox", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			s := start(t, db, middleware.Timeout(500*time.Millisecond))
+			ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+			defer cancel()
+			msgs := newMessages()
+			acked := sendAll(t, ctx, s.in, msgs) // bounded: the deadline ends the deadlock
+			if t.Failed() {
+				return
+			}
+			nacked := 0
+			for _, a := range acked {
+				if !a {
+					nacked++
+				}
+			}
+			if nacked == 0 {
+				t.Fatalf("every message acked; the first deadline to fire must nack its message")
+			}
+			for _, err := range s.out.failures() {
+				if !errors.Is(err, context.DeadlineExceeded) || !inbox.IsTransient(err) {
+					t.Errorf("err %v, want context.DeadlineExceeded (transient)", err)
+				}
+			}
+			// The handler is fixed to write through its transaction; the
+			// redeliveries are processed.
+			s.pool.Store(false)
+			for i, m := range msgs {
+				if acked[i] {
+					continue
+				}
+				if a, err := s.in.send(ctx, m.Copy()); err != nil || !a {
+					t.Fatalf("redelivery of message %d: acked %v (%v), last errors %v", i, a, err, s.out.failures())
+				}
+			}
+			if s.f.inboxRows() != inFlight || count(t, db, s.f.business, "id LIKE ?", "%:tx") != inFlight || len(s.sink.poisoned()) != 0 {
+				t.Errorf("inbox rows %d, transactional business rows %d, poisoned %d; want %d, %d, 0",
+					s.f.inboxRows(), count(t, db, s.f.business, "id LIKE ?", "%:tx"), len(s.sink.poisoned()), inFlight, inFlight)
+			}
+			t.Logf("%d of %d nacked by the deadline; pool rows kept: %d", nacked, inFlight, count(t, db, s.f.business, "id LIKE ?", "%:pool"))
+		})
+	})
+
+	t.Run("pool writes are not rolled back", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			if tdb.Dialect == inbox.SQLite {
+				t.Skip("on SQLite a pool write cannot happen while the inbox transaction holds the write lock (see the other subtests)")
+			}
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			var fail atomic.Bool
+			fail.Store(true)
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+					if _, err := db.ExecContext(msg.Context(), db.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"),
+						watermill.NewUUID(), msg.UUID); err != nil {
+						return err
+					}
+					if fail.Load() {
+						return errors.New("card declined")
+					}
+					return nil
+				})
+			})
+			msg := message.NewMessage(watermill.NewUUID(), nil)
+			if in.deliver(t, msg) {
+				t.Fatal("failed delivery acked")
+			}
+			if f.inboxRows() != 0 || f.businessRows() != 1 {
+				t.Errorf("after the failure: inbox rows %d, business rows %d; the pool write is kept (1), the inbox row is not (0)",
+					f.inboxRows(), f.businessRows())
+			}
+			fail.Store(false)
+			if !in.deliver(t, msg) {
+				t.Fatal("redelivery nacked")
+			}
+			if got := count(t, db, f.business, "consumer = ?", msg.UUID); got != 2 {
+				t.Errorf("business rows for the message = %d; the documented outcome is 2 (one per handler run)", got)
+			}
+		})
+	})
+}
