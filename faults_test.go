@@ -366,8 +366,8 @@ func attemptOf(msg *message.Message) int {
 	return n
 }
 
-// delivery is what happened to one delivery of a message.
-type delivery struct {
+// faultDelivery is what happened to one delivery of a message.
+type faultDelivery struct {
 	id      string // message UUID
 	attempt int
 	acked   bool
@@ -388,7 +388,7 @@ type faultEnv struct {
 	mu       sync.Mutex
 	errs     map[string]error  // by delivery key
 	outcomes map[string]string // by delivery key
-	log      []delivery
+	log      []faultDelivery
 }
 
 // faultHandler is a test's handler: tx is the inbox transaction, attempt
@@ -477,7 +477,7 @@ func (e *faultEnv) ledgerRow(msg *message.Message, tx *sqlx.Tx, attempt int, blo
 
 // deliver delivers one attempt of msg and waits for the router's ack or
 // nack, or for ctx to end (an error).
-func (e *faultEnv) deliver(ctx context.Context, msg *message.Message, attempt int) (delivery, error) {
+func (e *faultEnv) deliver(ctx context.Context, msg *message.Message, attempt int) (faultDelivery, error) {
 	key := strconv.FormatInt(e.seq.Add(1), 10)
 	m := msg.Copy()
 	m.Metadata.Set(attemptKey, strconv.Itoa(attempt))
@@ -485,15 +485,15 @@ func (e *faultEnv) deliver(ctx context.Context, msg *message.Message, attempt in
 	select {
 	case e.in.ch <- m:
 	case <-ctx.Done():
-		return delivery{}, fmt.Errorf("message %s attempt %d: router did not take it: %w", msg.UUID, attempt, ctx.Err())
+		return faultDelivery{}, fmt.Errorf("message %s attempt %d: router did not take it: %w", msg.UUID, attempt, ctx.Err())
 	}
-	d := delivery{id: msg.UUID, attempt: attempt}
+	d := faultDelivery{id: msg.UUID, attempt: attempt}
 	select {
 	case <-m.Acked():
 		d.acked = true
 	case <-m.Nacked():
 	case <-ctx.Done():
-		return delivery{}, fmt.Errorf("message %s attempt %d: neither acked nor nacked: %w", msg.UUID, attempt, ctx.Err())
+		return faultDelivery{}, fmt.Errorf("message %s attempt %d: neither acked nor nacked: %w", msg.UUID, attempt, ctx.Err())
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -581,10 +581,10 @@ func ids(msgs []*message.Message) []string {
 }
 
 // deliveries returns the log of one message's deliveries, in order.
-func (e *faultEnv) deliveries(id string) []delivery {
+func (e *faultEnv) deliveries(id string) []faultDelivery {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var out []delivery
+	var out []faultDelivery
 	for _, d := range e.log {
 		if d.id == id {
 			out = append(out, d)
@@ -594,10 +594,10 @@ func (e *faultEnv) deliveries(id string) []delivery {
 }
 
 // nacks returns every nacked delivery.
-func (e *faultEnv) nacks() []delivery {
+func (e *faultEnv) nacks() []faultDelivery {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var out []delivery
+	var out []faultDelivery
 	for _, d := range e.log {
 		if !d.acked {
 			out = append(out, d)
@@ -1326,7 +1326,7 @@ func TestFaultMySQLDeadlock(t *testing.T) {
 			})
 			msg := message.NewMessage(watermill.NewUUID(), nil)
 			type result struct {
-				d   delivery
+				d   faultDelivery
 				err error
 			}
 			results := make(chan result, 3)

@@ -43,16 +43,17 @@ import (
 //     40P01 as the errors an application should retry.
 //   - MySQL and MariaDB through github.com/go-sql-driver/mysql
 //     (*mysql.MySQLError, matched by type without importing the driver):
-//     1213 (ER_LOCK_DEADLOCK), 1020 (ER_CHECKREAD, MariaDB's write-write
-//     conflict at REPEATABLE READ with innodb_snapshot_isolation, the
-//     default from MariaDB 11.6, which rolls the transaction back like a
-//     deadlock), 1205 (ER_LOCK_WAIT_TIMEOUT), 1040 (too many
-//     connections), 1053 (server shutdown), 1927 (MariaDB connection
-//     killed), 1969 (MariaDB max_statement_time exceeded) and 3024 (MySQL
-//     max_execution_time exceeded). The driver's mysql.ErrInvalidConn is a
-//     plain error value that cannot be told apart without importing the
-//     driver; database/sql turns most lost connections into
-//     driver.ErrBadConn, which is recognised.
+//     1213 (ER_LOCK_DEADLOCK), 1205 (ER_LOCK_WAIT_TIMEOUT), 1020
+//     (ER_CHECKREAD: MariaDB's snapshot isolation, innodb_snapshot_isolation,
+//     ON by default since 11.6, rolled back a REPEATABLE READ transaction
+//     that wrote a row changed since its snapshot), 3101 (MySQL Group
+//     Replication rolled back a transaction that failed certification),
+//     1040 (too many connections), 1053 (server shutdown), 1927 (MariaDB
+//     connection killed), 1969 (MariaDB max_statement_time exceeded) and
+//     3024 (MySQL max_execution_time exceeded). The driver's
+//     mysql.ErrInvalidConn is a plain error value that cannot be told apart
+//     without importing the driver; database/sql turns most lost
+//     connections into driver.ErrBadConn, which is recognised.
 //   - SQLite: SQLITE_BUSY and SQLITE_LOCKED, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
@@ -113,8 +114,9 @@ func transientSQLState(state string) bool {
 // accepts (MySQL and MariaDB server error reference).
 var transientMySQLErrors = map[uint64]bool{
 	1213: true, // ER_LOCK_DEADLOCK
-	1020: true, // ER_CHECKREAD (MariaDB innodb_snapshot_isolation: record changed since the snapshot)
 	1205: true, // ER_LOCK_WAIT_TIMEOUT
+	1020: true, // ER_CHECKREAD (MariaDB innodb_snapshot_isolation write conflict)
+	3101: true, // ER_TRANSACTION_ROLLBACK_DURING_COMMIT (MySQL Group Replication conflict)
 	1040: true, // ER_CON_COUNT_ERROR
 	1053: true, // ER_SERVER_SHUTDOWN
 	1927: true, // ER_CONNECTION_KILLED (MariaDB)

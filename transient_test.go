@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -146,6 +147,14 @@ func TestIsTransient(t *testing.T) {
 		}
 		si := testdb.OpenMySQL(t, "innodb_snapshot_isolation=ON")
 		wantTransient(t, "record changed since last read (1020)", serializationFailure(t, si, table), true)
+	})
+	t.Run("mysql codes", func(t *testing.T) {
+		t.Parallel()
+		// MySQL Group Replication rolls back, at COMMIT, a transaction that
+		// conflicts with one certified on another member; not producible
+		// here, so the driver's error value is built as the driver builds it.
+		wantTransient(t, "group replication conflict (3101)", &mysql.MySQLError{Number: 3101,
+			SQLState: [5]byte{'4', '0', '0', '0', '0'}, Message: "Plugin instructed the server to rollback the current transaction."}, true)
 	})
 	t.Run("sqlite", func(t *testing.T) {
 		t.Parallel()
