@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -596,20 +597,92 @@ func commitBreaker(t *testing.T, d inbox.Dialect, db *sqlx.DB) func(msg *message
 	}
 }
 
+// deadlockVictim returns a function that the handler calls with its
+// transaction: it makes the handler's next statement the victim of a real
+// deadlock with another connection, and returns that statement's error.
+// MySQL/MariaDB pick the lighter transaction as the victim, so the other
+// one first writes 50 rows; PostgreSQL aborts the transaction whose
+// deadlock_timeout runs out first, so the handler's is 100 ms and the other
+// one's 10 s (both superuser settings, for this test only).
+func deadlockVictim(t *testing.T, d inbox.Dialect, db *sqlx.DB) func(msg *message.Message, tx *sqlx.Tx) error {
+	locks, weight := "locks_"+randomSuffix(), "weight_"+randomSuffix()
+	exec(t, db, "CREATE TABLE "+locks+" (id INT NOT NULL PRIMARY KEY, v INT NOT NULL)")
+	exec(t, db, "CREATE TABLE "+weight+" (id INT NOT NULL PRIMARY KEY)")
+	dropLater(t, db, locks)
+	dropLater(t, db, weight)
+	exec(t, db, "INSERT INTO "+locks+" (id, v) VALUES (1, 0), (2, 0)")
+	lock := func(id int) string { return fmt.Sprintf("UPDATE %s SET v = v + 1 WHERE id = %d", locks, id) }
+	return func(msg *message.Message, tx *sqlx.Tx) error {
+		ctx := msg.Context()
+		other, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer other.Rollback()
+		if isPostgres(d) {
+			if _, err := tx.ExecContext(ctx, "SET LOCAL deadlock_timeout = '100ms'"); err != nil {
+				return err
+			}
+			if _, err := other.ExecContext(ctx, "SET LOCAL deadlock_timeout = '10s'"); err != nil {
+				return err
+			}
+		}
+		rows := make([]string, 50)
+		for i := range rows {
+			rows[i] = fmt.Sprintf("(%d)", i)
+		}
+		if _, err := other.ExecContext(ctx, "INSERT INTO "+weight+" (id) VALUES "+strings.Join(rows, ", ")); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, lock(1)); err != nil {
+			return err
+		}
+		if _, err := other.ExecContext(ctx, lock(2)); err != nil {
+			return err
+		}
+		otherDone := make(chan error, 1)
+		go func() {
+			_, err := other.ExecContext(ctx, lock(1))
+			otherDone <- err
+		}()
+		_, err = tx.ExecContext(ctx, lock(2))
+		if otherErr := <-otherDone; otherErr != nil {
+			return fmt.Errorf("the other transaction failed instead: %w", otherErr)
+		}
+		return err
+	}
+}
+
 // Case "inbox mark and business write split": the handler writes a business
 // row and then fails, or the commit fails. Nothing of either is kept and the
 // message is nacked; after a redelivery there is exactly one of each. Inside
 // the handler, the claim is checked to be on the handler's transaction.
+//
+// A third way to split them: the handler's statement is a deadlock victim
+// and the handler ignores the error. The database has rolled the whole
+// transaction back, the inbox row with it. PostgreSQL then fails every
+// statement and turns COMMIT into ROLLBACK; MySQL/MariaDB run the handler's
+// later statements outside any transaction (autocommit: they are kept) and
+// accept the COMMIT with nothing to commit. Either way the message must be
+// nacked, never acked without its inbox row.
 func TestCaseInboxMarkAndBusinessWriteSplit(t *testing.T) {
 	t.Parallel()
-	for _, failure := range []string{"handler fails", "commit fails"} {
+	for _, failure := range []string{"handler fails", "commit fails", "handler ignores a deadlock"} {
 		t.Run(failure, func(t *testing.T) {
 			t.Parallel()
 			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+				if failure == "handler ignores a deadlock" && tdb.Dialect == inbox.SQLite {
+					t.Skip("one writer at a time: no deadlock")
+				}
 				f := newFixture(t, db)
 				var hooks hookCounts
 				ib := f.newInbox(hooks.config(inbox.Config{}))
 				breakCommit := commitBreaker(t, tdb.Dialect, db)
+				var victim func(*message.Message, *sqlx.Tx) error
+				var ignored error
+				if failure == "handler ignores a deadlock" {
+					victim = deadlockVictim(t, tdb.Dialect, db)
+				}
 				var failing atomic.Bool
 				failing.Store(true)
 				out := &outcomes{}
@@ -626,11 +699,17 @@ func TestCaseInboxMarkAndBusinessWriteSplit(t *testing.T) {
 						if !failing.Load() {
 							return nil
 						}
-						if failure == "handler fails" {
-							return errors.New("payment service unavailable")
-						}
 						tx, _ := inbox.TxFromContext(msg.Context())
-						return breakCommit(msg, tx)
+						switch failure {
+						case "handler fails":
+							return errors.New("payment service unavailable")
+						case "commit fails":
+							return breakCommit(msg, tx)
+						}
+						// A sloppy handler: it ignores the errors of its statements.
+						ignored = victim(msg, tx)
+						_ = f.insertRow(msg, msg.UUID+":after the ignored error")
+						return nil
 					})
 				})
 				ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
@@ -638,14 +717,31 @@ func TestCaseInboxMarkAndBusinessWriteSplit(t *testing.T) {
 
 				msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
 				if acked, err := in.send(ctx, delivery(msg, "first")); err != nil || acked {
-					t.Fatalf("failed delivery: acked %v (%v), want a nack", acked, err)
+					t.Fatalf("failed delivery: acked %v (%v), want a nack (ignored error: %v)", acked, err, ignored)
 				}
 				t.Logf("first delivery: %v", out.last("first"))
-				if failure == "commit fails" && hooks.failed.Load() != 1 {
+				if failure != "handler fails" && hooks.failed.Load() != 1 {
 					t.Errorf("OnFailed calls = %d, want 1", hooks.failed.Load())
 				}
-				if f.businessRows() != 0 || f.inboxRows() != 0 {
-					t.Fatalf("after the failure: business rows %d, inbox rows %d, want 0 and 0", f.businessRows(), f.inboxRows())
+				afterRows := 0
+				if failure == "handler ignores a deadlock" {
+					var code string
+					var myErr *mysql.MySQLError
+					if errors.As(ignored, &myErr) {
+						code = fmt.Sprint(myErr.Number)
+					}
+					if code != "1213" && sqlState(ignored) != "40P01" {
+						t.Fatalf("the handler's statement failed with %v, want a deadlock", ignored)
+					}
+					if tdb.Dialect == inbox.MySQL {
+						if err := out.last("first"); !errors.Is(err, inbox.ErrTxRolledBack) || !inbox.IsTransient(err) {
+							t.Errorf("nacked with %v, want ErrTxRolledBack (transient)", err)
+						}
+						afterRows = 1 // autocommitted: writes after an ignored deadlock are not the inbox's
+					}
+				}
+				if f.businessRows() != afterRows || f.inboxRows() != 0 {
+					t.Fatalf("after the failure: business rows %d, inbox rows %d, want %d and 0", f.businessRows(), f.inboxRows(), afterRows)
 				}
 				failing.Store(false)
 				for _, label := range []string{"redelivery", "second redelivery"} {
@@ -653,9 +749,9 @@ func TestCaseInboxMarkAndBusinessWriteSplit(t *testing.T) {
 						t.Fatalf("%s: acked %v (%v), last error %v", label, acked, err, out.last(label))
 					}
 				}
-				if f.businessRows() != 1 || f.inboxRows() != 1 || hooks.processed.Load() != 1 || hooks.duplicates.Load() != 1 {
-					t.Errorf("after redeliveries: business rows %d, inbox rows %d, commits %d, duplicates %d; want 1, 1, 1, 1",
-						f.businessRows(), f.inboxRows(), hooks.processed.Load(), hooks.duplicates.Load())
+				if f.businessRows() != afterRows+1 || f.inboxRows() != 1 || hooks.processed.Load() != 1 || hooks.duplicates.Load() != 1 {
+					t.Errorf("after redeliveries: business rows %d, inbox rows %d, commits %d, duplicates %d; want %d, 1, 1, 1",
+						f.businessRows(), f.inboxRows(), hooks.processed.Load(), hooks.duplicates.Load(), afterRows+1)
 				}
 			})
 		})

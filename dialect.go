@@ -37,6 +37,11 @@ type Dialect interface {
 	// one key (its bind parameter is an int64 hash of table and key), run
 	// before the claim; "" when the primary key alone decides.
 	keyLockSQL() string
+	// heldSQL returns a query, run in the transaction right before COMMIT,
+	// that counts the claim's row (bind parameters: consumer, message id):
+	// 0 means the database has already rolled the transaction back. ""
+	// when COMMIT itself fails for a transaction the database rolled back.
+	heldSQL(table qualifiedName) string
 }
 
 // Exported dialects. Compare a Config.Dialect with them by equality.
@@ -182,6 +187,10 @@ func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (postgresDialect) keyLockSQL() string { return "" }
 
+// After an error PostgreSQL keeps the transaction open but aborted, and
+// turns COMMIT into ROLLBACK, which the driver reports as an error.
+func (postgresDialect) heldSQL(qualifiedName) string { return "" }
+
 type postgresPartitionedDialect struct{ postgresDialect }
 
 func (postgresPartitionedDialect) String() string { return "postgres-partitioned" }
@@ -261,6 +270,18 @@ func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (mysqlDialect) keyLockSQL() string { return "" }
 
+// A deadlock (1213) or a snapshot-isolation conflict (1020) makes InnoDB roll
+// the whole transaction back and end it: a handler that ignores the error
+// runs its later statements in autocommit mode, and COMMIT succeeds with
+// nothing to commit. The claim's row tells: it is there, and visible to a
+// locking read, only while the transaction holds it or once another delivery
+// committed the key (then the message is processed either way). A locking
+// read, so that no isolation level can show another delivery's uncommitted
+// claim.
+func (d mysqlDialect) heldSQL(t qualifiedName) string {
+	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE"
+}
+
 type sqliteDialect struct{}
 
 func (sqliteDialect) String() string            { return "sqlite" }
@@ -304,6 +325,10 @@ func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
 }
 
 func (sqliteDialect) keyLockSQL() string { return "" }
+
+// A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
+// makes COMMIT fail: no transaction is active.
+func (sqliteDialect) heldSQL(qualifiedName) string { return "" }
 
 // isPostgres reports whether d is one of the PostgreSQL dialects.
 func isPostgres(d Dialect) bool { return d == PostgreSQL || d == PostgreSQLPartitioned }

@@ -68,6 +68,16 @@ var (
 	// middleware once.
 	ErrNestedInbox = errors.New("inbox: inbox middleware nested inside another inbox middleware")
 
+	// ErrTxRolledBack means that when the handler returned, the database had
+	// already rolled the inbox transaction back, inbox row included, so there
+	// was nothing to commit: on MySQL/MariaDB a deadlock (1213) or a
+	// snapshot-isolation conflict (1020) ends the whole transaction, and a
+	// handler that ignores that error runs its later statements outside any
+	// transaction (they are kept). The message is nacked, and its redelivery
+	// processes it. IsTransient reports true. (PostgreSQL and SQLite report
+	// this at COMMIT, with their own error.)
+	ErrTxRolledBack = errors.New("inbox: the database rolled the transaction back before the commit")
+
 	// ErrUnexpectedRowsAffected means the claim statement reported a number
 	// of affected rows that the dialect cannot produce for an insert of one
 	// row. The transaction is rolled back and the message nacked.

@@ -193,6 +193,7 @@ type Inbox struct {
 
 	claimSQL   string // built once in New
 	keyLockSQL string // "" unless the dialect needs a key lock before the claim
+	heldSQL    string // "" unless the dialect must check the claim is still held before COMMIT
 	nopLogger  bool   // Logger is watermill.NopLogger: skip building log fields
 
 	// claimStmt is claimSQL prepared on DB, on first use (the table may not
@@ -202,6 +203,7 @@ type Inbox struct {
 	// arguments is prepare, execute, close) and no re-parsing on SQLite.
 	claimMu   sync.Mutex
 	claimStmt *sqlx.Stmt
+	heldStmt  *sqlx.Stmt     // heldSQL prepared, the same way
 	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
 
 	// afterBegin, if set (only by tests, through export_test.go), runs right
@@ -227,6 +229,21 @@ func (ib *Inbox) keyLockTable(ctx context.Context) (qualifiedName, error) {
 	return t, nil
 }
 
+// held runs heldSQL in tx and reports whether the claim's row is there.
+// stmt is the prepared query, or nil when preparing failed.
+func (ib *Inbox) held(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string) (bool, error) {
+	var n int
+	var err error
+	if stmt == nil {
+		err = tx.GetContext(ctx, &n, ib.heldSQL, consumer, id)
+	} else {
+		txStmt := tx.Tx.StmtContext(ctx, stmt.Stmt)
+		err = txStmt.QueryRowContext(ctx, consumer, id).Scan(&n)
+		txStmt.Close()
+	}
+	return n > 0, err
+}
+
 // claim runs the claim statement in tx and returns its rows affected. stmt
 // is the prepared claim, or nil when preparing failed.
 func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string) (int64, error) {
@@ -250,36 +267,38 @@ func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consum
 	return res.RowsAffected()
 }
 
-// preparedClaim returns the prepared claim, preparing it on first use. It
-// must run before the message's transaction begins: preparing takes a
-// connection from the pool, and the transaction may hold the last one.
-func (ib *Inbox) preparedClaim(ctx context.Context) (*sqlx.Stmt, error) {
+// preparedClaim returns the prepared claim and the prepared heldSQL (nil
+// when the dialect has none), preparing them on first use; nil for one that
+// could not be prepared. It must run before the message's transaction
+// begins: preparing takes a connection from the pool, and the transaction
+// may hold the last one.
+func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
-	if ib.claimStmt != nil {
-		return ib.claimStmt, nil
+	if ib.claimStmt == nil {
+		ib.claimStmt, _ = ib.db.PreparexContext(ctx, ib.claimSQL)
 	}
-	stmt, err := ib.db.PreparexContext(ctx, ib.claimSQL)
-	if err != nil {
-		return nil, err
+	if ib.heldSQL != "" && ib.heldStmt == nil && ib.claimStmt != nil {
+		ib.heldStmt, _ = ib.db.PreparexContext(ctx, ib.heldSQL)
 	}
-	ib.claimStmt = stmt
-	return stmt, nil
+	return ib.claimStmt, ib.heldStmt
 }
 
-// Close releases the prepared claim statement on every connection of DB.
+// Close releases the prepared statements on every connection of DB.
 // It does not close DB. Call it when the Inbox is no longer used (its
 // middleware is not called after); an Inbox that lives as long as its DB
 // need not be closed. It is safe to call more than once.
 func (ib *Inbox) Close() error {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
-	if ib.claimStmt == nil {
-		return nil
+	var errs []error
+	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.heldStmt} {
+		if *stmt != nil {
+			errs = append(errs, (*stmt).Close())
+			*stmt = nil
+		}
 	}
-	err := ib.claimStmt.Close()
-	ib.claimStmt = nil
-	return err
+	return errors.Join(errs...)
 }
 
 // New returns an Inbox for cfg. It checks the configuration and builds every
@@ -307,6 +326,7 @@ func New(cfg Config) (*Inbox, error) {
 		outbox:      cfg.Outbox,
 		claimSQL:    cfg.Dialect.claimSQL(table),
 		keyLockSQL:  cfg.Dialect.keyLockSQL(),
+		heldSQL:     cfg.Dialect.heldSQL(table),
 	}
 	if cfg.Dialect == PostgreSQLPartitioned {
 		// Pinned, never left to the server's default_transaction_isolation:
@@ -338,7 +358,11 @@ func New(cfg Config) (*Inbox, error) {
 //   - a new row: the handler runs with the transaction in msg.Context()
 //     (TxFromContext). If it returns nil, the transaction commits and the
 //     handler's messages are returned to the router; if the commit fails,
-//     the commit error is returned (the router nacks, never acks). If the
+//     the commit error is returned (the router nacks, never acks). On
+//     MySQL/MariaDB the inbox first checks, in the transaction, that its
+//     claim is still held: a deadlock or snapshot-isolation conflict whose
+//     error the handler ignored has rolled everything back already, and
+//     the error is then ErrTxRolledBack. If the
 //     handler returns an error, the transaction rolls back and that same
 //     error is returned (errors.Is/As match it). If it panics, the
 //     transaction rolls back and the panic continues.
@@ -426,7 +450,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 // is nil when not tracing.
 func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h message.HandlerFunc,
 	consumer, id string, start time.Time, span trace.Span) (produced []*message.Message, err error) {
-	stmt, _ := ib.preparedClaim(sctx) // on error, claim runs unprepared and reports the real error
+	stmt, heldStmt := ib.preparedClaim(sctx) // nil: run unprepared, which reports the real error
 	var lockTable qualifiedName
 	if ib.keyLockSQL != "" {
 		if lockTable, err = ib.keyLockTable(sctx); err != nil {
@@ -532,6 +556,15 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		produced = nil // sent by the outbox, not by the router
 	}
 
+	if ib.heldSQL != "" {
+		held, err := ib.held(sctx, tx, heldStmt, consumer, id)
+		if err != nil {
+			return nil, fmt.Errorf("inbox: commit %s/%s: check the claim: %w", consumer, id, err)
+		}
+		if !held {
+			return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, ErrTxRolledBack)
+		}
+	}
 	ended = true
 	if err := tx.Commit(); err != nil {
 		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)

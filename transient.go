@@ -66,6 +66,8 @@ import (
 //     Outside a transaction pgx's database/sql adapter turns the same errors
 //     into driver.ErrBadConn, so that database/sql retries them.
 //   - context.DeadlineExceeded and context.Canceled.
+//   - The inbox's ErrTxRolledBack: MySQL/MariaDB rolled the transaction back
+//     on a deadlock or conflict whose error the handler ignored.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -75,7 +77,7 @@ func IsTransient(err error) bool {
 	if err == nil {
 		return false
 	}
-	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) ||
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, ErrTxRolledBack) ||
 		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
 		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
 		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE) {

@@ -33,6 +33,7 @@ func TestIsTransient(t *testing.T) {
 			{inbox.ErrInvalidMessageID, false},
 			{fmt.Errorf("inbox: claim: %w", context.DeadlineExceeded), true},
 			{errors.Join(errors.New("x"), context.Canceled), true},
+			{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTxRolledBack), true},
 		} {
 			if got := inbox.IsTransient(tc.err); got != tc.want {
 				t.Errorf("IsTransient(%v) = %v, want %v", tc.err, got, tc.want)
