@@ -1003,7 +1003,22 @@ func leftInTransaction(t *testing.T, d inbox.Dialect, probe *sqlx.DB, table stri
 // measurement).
 func TestCasePanicsAndThePool(t *testing.T) {
 	t.Parallel()
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+	t.Run("handlers", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			panicsAndThePool(t, tdb, db)
+		})
+	})
+	t.Run("outbox publisher", func(t *testing.T) {
+		t.Parallel()
+		forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+			outboxPanicsAndThePool(t, tdb, db)
+		})
+	})
+}
+
+func panicsAndThePool(t *testing.T, tdb testDB, db *sqlx.DB) {
+	{
 		f := newFixture(t, db)
 		var hooks hookCounts
 		ib := f.newInbox(hooks.config(inbox.Config{}))
@@ -1079,7 +1094,88 @@ func TestCasePanicsAndThePool(t *testing.T) {
 		if inUse := db.Stats().InUse; inUse != 0 {
 			t.Errorf("connections in use at the end = %d, want 0", inUse)
 		}
+	}
+}
+
+// panicPublisher panics on Publish.
+type panicPublisher struct{}
+
+func (panicPublisher) Publish(string, ...*message.Message) error { panic("outbox publisher bug") }
+func (panicPublisher) Close() error                              { return nil }
+
+func outboxPanicsAndThePool(t *testing.T, tdb testDB, db *sqlx.DB) {
+	f := newFixture(t, db)
+	var hooks hookCounts
+	var panicAt atomic.Value // "factory", "publish" or ""
+	panicAt.Store("factory")
+	ib := f.newInbox(hooks.config(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+		switch panicAt.Load() {
+		case "factory":
+			panic("outbox factory bug")
+		case "publish":
+			return panicPublisher{}, nil
+		}
+		return &poisonSink{}, nil
+	}}))
+	db.SetMaxOpenConns(2)
+	probe := tdb.Open(t)
+	if tdb.Dialect == inbox.SQLite {
+		probe = db
+	}
+	var mu sync.Mutex
+	var pids []int64
+	var keys []inboxKey
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(middleware.Recoverer, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "invoices", &poisonSink{}, func(msg *message.Message) ([]*message.Message, error) {
+			var pid int64
+			if isPostgres(tdb.Dialect) {
+				tx, _ := inbox.TxFromContext(msg.Context())
+				if err := tx.GetContext(msg.Context(), &pid, "SELECT pg_backend_pid()"); err != nil {
+					return nil, err
+				}
+			}
+			mu.Lock()
+			pids = append(pids, pid)
+			keys = append(keys, inboxKey{"billing", msg.UUID})
+			mu.Unlock()
+			if err := f.writeBusinessRow(msg); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), nil)}, nil
+		})
 	})
+	ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+	defer cancel()
+	for i, where := range []string{"factory", "publish"} {
+		panicAt.Store(where)
+		if acked, err := in.send(ctx, message.NewMessage(watermill.NewUUID(), nil)); err != nil || acked {
+			t.Fatalf("panic in the outbox %s: acked %v (%v), want a nack", where, acked, err)
+		}
+		if inUse := db.Stats().InUse; inUse != 0 {
+			t.Errorf("panic in the outbox %s: connections in use = %d, want 0", where, inUse)
+		}
+		if got := hooks.failed.Load(); got != int32(i+1) {
+			t.Errorf("panic in the outbox %s: OnFailed calls = %d, want %d", where, got, i+1)
+		}
+	}
+	if n := leftInTransaction(t, tdb.Dialect, probe, f.inbox, pids, keys); n != 0 {
+		t.Errorf("%d sessions of the pool still in a transaction after the panics", n)
+	}
+	if f.businessRows() != 0 || f.inboxRows() != 0 {
+		t.Errorf("after the panics: business rows %d, inbox rows %d; want 0 and 0", f.businessRows(), f.inboxRows())
+	}
+	panicAt.Store("")
+	bound, cancelBound := context.WithTimeout(ctx, 2*time.Second)
+	defer cancelBound()
+	if acked, err := in.send(bound, message.NewMessage(watermill.NewUUID(), nil)); err != nil || !acked {
+		t.Fatalf("normal message: acked %v (%v); want it processed within 2 s", acked, err)
+	}
+	if f.businessRows() != 1 || f.inboxRows() != 1 || hooks.processed.Load() != 1 {
+		t.Errorf("normal message: business rows %d, inbox rows %d, commits %d; want 1, 1, 1",
+			f.businessRows(), f.inboxRows(), hooks.processed.Load())
+	}
 }
 
 // lockWaiters returns a function that counts the sessions of db waiting for

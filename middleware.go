@@ -531,9 +531,14 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		return nil, nil
 	}
 
+	// panicking is true again around every call of user code: the Outbox
+	// factory, the handler, the outbox publisher.
 	state := &txState{tx: tx}
 	if ib.outbox != nil {
-		if state.publisher, err = ib.outbox(tx); err != nil {
+		panicking = true
+		state.publisher, err = ib.outbox(tx)
+		panicking = false
+		if err != nil {
 			return nil, fmt.Errorf("inbox: outbox publisher for %s/%s: %w", consumer, id, err)
 		}
 	}
@@ -550,7 +555,10 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		return nil, err
 	}
 	if ib.outbox != nil && len(produced) > 0 {
-		if err := ib.publishToOutbox(msg, state, produced); err != nil {
+		panicking = true
+		err := ib.publishToOutbox(msg, state, produced)
+		panicking = false
+		if err != nil {
 			return nil, fmt.Errorf("inbox: %s/%s: %w", consumer, id, err)
 		}
 		produced = nil // sent by the outbox, not by the router
