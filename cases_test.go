@@ -229,23 +229,43 @@ func isPostgres(d inbox.Dialect) bool {
 // statement before the claim (the key lock), which would take the snapshot
 // before the lock is granted; it is pinned to READ COMMITTED, and New
 // refuses REPEATABLE READ for it.
+//
+// "session default" runs REPEATABLE READ as the sessions' default
+// (default_transaction_isolation, transaction_isolation in the DSN) with
+// Config.TxOptions unset, as a DBA's setting would: the partitioned dialect
+// must still claim at READ COMMITTED, or the loser, whose snapshot its key
+// lock took before the winner committed, would not see the winner's row
+// and would process M again.
 func TestCaseSameMessageTwoWorkersSnapshotIsolation(t *testing.T) {
 	t.Parallel()
-	for _, level := range []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead} {
-		t.Run(level.String(), func(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		level sql.IsolationLevel
+		opts  *sql.TxOptions
+	}{
+		{"READ COMMITTED", sql.LevelReadCommitted, &sql.TxOptions{Isolation: sql.LevelReadCommitted}},
+		{"REPEATABLE READ", sql.LevelRepeatableRead, &sql.TxOptions{Isolation: sql.LevelRepeatableRead}},
+		{"REPEATABLE READ session default", sql.LevelRepeatableRead, nil},
+	} {
+		level := tc.level
+		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-				if tdb.Dialect == inbox.SQLite {
+				switch {
+				case tdb.Dialect == inbox.SQLite:
 					// With the recommended _txlock=immediate, BEGIN takes the
 					// write lock: the second transaction cannot open before the
 					// first ends, so the race cannot happen. A deferred BEGIN is
 					// the only way both are open at once. SQLite ignores the
 					// level: it is always SERIALIZABLE.
 					db = openSQLiteWith(t, "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL")
-				}
+				case tc.opts == nil && isPostgres(tdb.Dialect):
+					db = testdb.OpenPostgres(t, "default_transaction_isolation=repeatable%20read")
+				} // MySQL/MariaDB: REPEATABLE READ is the server's default (checked below)
+				dialectOf.Store(db, tdb.Dialect)
 				f := newFixture(t, db)
-				opts := &sql.TxOptions{Isolation: level}
-				if tdb.Dialect == inbox.PostgreSQLPartitioned && level != sql.LevelReadCommitted {
+				opts := tc.opts
+				if tdb.Dialect == inbox.PostgreSQLPartitioned && opts != nil && opts.Isolation != sql.LevelReadCommitted {
 					_, err := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, Table: f.inbox, TxOptions: opts})
 					if !errors.Is(err, inbox.ErrInvalidConfig) {
 						t.Errorf("New with %v on the partitioned dialect: err = %v, want ErrInvalidConfig", level, err)
@@ -308,6 +328,21 @@ func TestCaseSameMessageTwoWorkersSnapshotIsolation(t *testing.T) {
 							t.Fatalf("both deliveries failed: A %v, B %v", out.last("A"), out.last("B"))
 						}
 						loser = label
+					}
+				}
+				var session string
+				if tc.opts == nil && tdb.Dialect != inbox.SQLite {
+					var err error
+					if isPostgres(tdb.Dialect) {
+						err = db.Get(&session, "SELECT current_setting('default_transaction_isolation')")
+					} else if err = db.Get(&session, "SELECT @@transaction_isolation"); err != nil {
+						err = db.Get(&session, "SELECT @@tx_isolation") // MariaDB before 11.1
+					}
+					if err != nil {
+						t.Fatal(err)
+					}
+					if session != "repeatable read" && session != "REPEATABLE-READ" {
+						t.Fatalf("session default isolation = %q, want REPEATABLE READ", session)
 					}
 				}
 				wantNack := tdb.Dialect == inbox.PostgreSQL && level == sql.LevelRepeatableRead
