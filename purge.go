@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"time"
 
@@ -120,9 +121,15 @@ func (c PurgeConfig) Validate() error {
 // With a cfg.Window, the window is checked (or chosen) first; a window
 // shorter than the safe one gives ErrWindowTooShort and deletes nothing.
 //
+// A batch that fails because it lost a race with other transactions (a
+// deadlock, a lock wait timeout, a serialization failure, SQLITE_BUSY; told
+// by the driver's error code) changed nothing and is run again, up to 5
+// attempts with a short backoff (10 to 80 ms).
+//
 // An invalid cfg gives an error wrapping ErrInvalidConfig. When ctx ends, or a
-// batch fails, Purge returns the rows deleted so far with the error (wrapping
-// ctx.Err() or the driver's error); the batches that completed stay deleted.
+// batch fails for another reason or on its last attempt, Purge returns the
+// rows deleted so far with the error (wrapping ctx.Err() or the driver's
+// error); the batches that completed stay deleted.
 // It is safe to run from several processes at once: the batches may then
 // delete fewer rows each, never the wrong ones.
 func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
@@ -145,7 +152,7 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 		if err := ctx.Err(); err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: %w", table, err)
 		}
-		n, found, err := purgeBatch(ctx, db, cfg.Dialect, table, query, args)
+		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, query, args)
 		if err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
 		}
@@ -161,6 +168,115 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 			}
 		}
 	}
+}
+
+// purgeBatchAttempts is how many times a batch runs before its error is
+// returned, when every attempt fails with an error purgeRetryable accepts.
+const purgeBatchAttempts = 5
+
+// purgeRetryBackoff is the sleep before the second attempt of a batch; it
+// doubles for every further one (10, 20, 40, 80 ms).
+const purgeRetryBackoff = 10 * time.Millisecond
+
+// purgeBatchRetrying runs one batch and runs it again, up to
+// purgeBatchAttempts in all, when it lost a race with other transactions
+// (purgeRetryable): a failed batch changed nothing (its statement or
+// transaction was rolled back), and the next attempt picks its rows afresh.
+// Any other error, and the last attempt's, is returned at once.
+func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any) (deleted, found int64, err error) {
+	backoff := purgeRetryBackoff
+	for attempt := 1; ; attempt++ {
+		deleted, found, err = purgeBatch(ctx, db, d, t, query, args)
+		if err == nil || attempt == purgeBatchAttempts || !purgeRetryable(err) || ctx.Err() != nil {
+			if err != nil && attempt > 1 {
+				err = fmt.Errorf("attempt %d of %d: %w", attempt, purgeBatchAttempts, err)
+			}
+			return deleted, found, err
+		}
+		select {
+		case <-ctx.Done():
+			return 0, 0, err
+		case <-time.After(backoff):
+		}
+		backoff *= 2
+	}
+}
+
+// purgeRetryable reports whether err says that a purge batch lost a race
+// with other transactions and may simply run again: a deadlock, a lock wait
+// timeout or a serialization failure (or, on SQLite, a database still busy
+// after its busy_timeout). It decides by the code the driver reports, never
+// by the error's text, and without importing a driver:
+//   - PostgreSQL (pgx, lib/pq): SQLState() 40001 serialization_failure,
+//     40P01 deadlock_detected, 55P03 lock_not_available (lock_timeout);
+//   - MySQL/MariaDB (go-sql-driver/mysql, found by its package path):
+//     MySQLError.Number 1213 ER_LOCK_DEADLOCK, 1205 ER_LOCK_WAIT_TIMEOUT;
+//   - SQLite (modernc.org/sqlite): Code() whose primary result code is 5
+//     SQLITE_BUSY or 6 SQLITE_LOCKED.
+//
+// It looks through wrapping (errors.Unwrap, errors.Join).
+func purgeRetryable(err error) bool {
+	return anyError(err, func(e error) bool {
+		switch e := e.(type) {
+		case interface{ SQLState() string }:
+			switch e.SQLState() {
+			case "40001", "40P01", "55P03":
+				return true
+			}
+			return false
+		case interface{ Code() int }:
+			switch e.Code() & 0xff {
+			case 5, 6:
+				return true
+			}
+			return false
+		}
+		if n, ok := mysqlErrorNumber(e); ok {
+			return n == 1213 || n == 1205
+		}
+		return false
+	})
+}
+
+// mysqlErrorNumber returns the Number of a *mysql.MySQLError from
+// github.com/go-sql-driver/mysql, read by reflection so that the core does
+// not import the driver.
+func mysqlErrorNumber(err error) (uint64, bool) {
+	v := reflect.ValueOf(err)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return 0, false
+	}
+	v = v.Elem()
+	if v.Kind() != reflect.Struct || v.Type().Name() != "MySQLError" || v.Type().PkgPath() != "github.com/go-sql-driver/mysql" {
+		return 0, false
+	}
+	f := v.FieldByName("Number")
+	if !f.IsValid() || !f.CanUint() {
+		return 0, false
+	}
+	return f.Uint(), true
+}
+
+// anyError reports whether match holds for err or any error it wraps,
+// following both Unwrap() error and Unwrap() []error (errors.Join).
+func anyError(err error, match func(error) bool) bool {
+	if err == nil {
+		return false
+	}
+	if match(err) {
+		return true
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		return anyError(u.Unwrap(), match)
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			if anyError(e, match) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // purgeStatement returns one batch's DELETE and its arguments: the window

@@ -1,0 +1,4 @@
+package inbox
+
+// PurgeRetryable is purgeRetryable, for the external tests.
+var PurgeRetryable = purgeRetryable
