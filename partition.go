@@ -129,7 +129,13 @@ type DroppedPartition struct {
 // ErrWindowTooShort. When ctx ends or a step fails it returns what it
 // dropped so far with the error; a partition left detached by an
 // interruption is dropped by the next call.
-func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan time.Duration, window WindowSource) ([]DroppedPartition, error) {
+//
+// It is safe to run from several processes at once, and alongside Purger
+// rounds: it takes the Purger's lock (a session advisory lock keyed by the
+// table, on one connection), waiting for a call or round that holds it, and
+// then finds the partitions afresh, so a partition another call dropped is
+// neither dropped again nor counted twice.
+func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan time.Duration, window WindowSource) (dropped []DroppedPartition, err error) {
 	t, err := parseTableName(table)
 	if err != nil {
 		return nil, err
@@ -140,7 +146,28 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 	if _, err := checkWindow(ctx, window, olderThan); err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
-	return dropPartitions(ctx, db, t, olderThan)
+	conn, err := db.Connx(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: drop partitions of %s: connection: %w", t, err)
+	}
+	defer conn.Close()
+	ct, err := canonicalTable(ctx, conn, PostgreSQLPartitioned, t)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: drop partitions: %w", err)
+	}
+	key := purgeLockKey(ct)
+	if _, err := conn.ExecContext(ctx, "SELECT pg_advisory_lock($1)", key); err != nil {
+		// The lock may have been granted before the error: never return
+		// this session to the pool (see Purger.round).
+		_ = conn.Raw(func(any) error { return errBadConn })
+		return nil, fmt.Errorf("inbox: drop partitions of %s: lock: %w", t, err)
+	}
+	defer func() {
+		if uerr := unlockPurge(conn, PostgreSQLPartitioned, key); uerr != nil && err == nil {
+			err = fmt.Errorf("inbox: drop partitions of %s: unlock: %w", t, uerr)
+		}
+	}()
+	return dropPartitions(ctx, conn, t, olderThan)
 }
 
 func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration) ([]DroppedPartition, error) {

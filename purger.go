@@ -268,11 +268,15 @@ func (p *Purger) lock(ctx context.Context, conn *sqlx.Conn, key int64) (bool, er
 
 // unlock releases the lock with a context of its own: the round's may have
 // ended, and a session lock left behind would block every other instance.
-func (p *Purger) unlock(conn *sqlx.Conn, key int64) error {
+func (p *Purger) unlock(conn *sqlx.Conn, key int64) error { return unlockPurge(conn, p.dialect, key) }
+
+// unlockPurge releases the purge lock key held by conn's session (see
+// Purger.unlock).
+func unlockPurge(conn *sqlx.Conn, d Dialect, key int64) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var err error
-	if isPostgres(p.dialect) {
+	if isPostgres(d) {
 		_, err = conn.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", key)
 	} else {
 		_, err = conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", mysqlLockName(key))
