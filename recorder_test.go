@@ -1,0 +1,210 @@
+package inbox_test
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"testing"
+
+	"github.com/jmoiron/sqlx"
+)
+
+// sqlObserver sees what goes through a recording pool (openRecording): every
+// statement text before it runs, the rows every successful Exec affected,
+// every failed Exec or COMMIT (query "COMMIT"), and where transactions begin
+// and end. conn identifies the connection; one connection is used by one
+// goroutine at a time.
+type sqlObserver interface {
+	statement(conn any, query string)
+	executed(conn any, query string, rowsAffected int64)
+	failed(conn any, query string, err error)
+	began(conn any)
+	ended(conn any, committed bool)
+}
+
+// openRecording opens a pool on the real driver drv (the real database, not
+// a mock) through a connector that reports to obs what the pool runs. It is
+// closed when t ends.
+func openRecording(t testing.TB, drv driver.Driver, dsn, driverName string, obs sqlObserver) *sqlx.DB {
+	t.Helper()
+	db := sqlx.NewDb(sql.OpenDB(recordingConnector{drv: drv, dsn: dsn, obs: obs}), driverName)
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+type recordingConnector struct {
+	drv driver.Driver
+	dsn string
+	obs sqlObserver
+}
+
+func (c recordingConnector) Connect(context.Context) (driver.Conn, error) {
+	conn, err := c.drv.Open(c.dsn)
+	if err != nil {
+		return nil, err
+	}
+	return &recConn{Conn: conn, obs: c.obs}, nil
+}
+
+func (c recordingConnector) Driver() driver.Driver { return c.drv }
+
+type recConn struct {
+	driver.Conn
+	obs sqlObserver
+}
+
+func (c *recConn) Prepare(query string) (driver.Stmt, error) {
+	return c.PrepareContext(context.Background(), query)
+}
+
+func (c *recConn) PrepareContext(ctx context.Context, query string) (driver.Stmt, error) {
+	c.obs.statement(c, query)
+	var s driver.Stmt
+	var err error
+	if p, ok := c.Conn.(driver.ConnPrepareContext); ok {
+		s, err = p.PrepareContext(ctx, query)
+	} else {
+		s, err = c.Conn.Prepare(query)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &recStmt{Stmt: s, conn: c, query: query}, nil
+}
+
+func (c *recConn) Begin() (driver.Tx, error) { //nolint:staticcheck // driver.Conn requires it
+	return c.BeginTx(context.Background(), driver.TxOptions{})
+}
+
+func (c *recConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+	var tx driver.Tx
+	var err error
+	if b, ok := c.Conn.(driver.ConnBeginTx); ok {
+		tx, err = b.BeginTx(ctx, opts)
+	} else {
+		tx, err = c.Conn.Begin() //nolint:staticcheck // fallback of database/sql itself
+	}
+	if err != nil {
+		return nil, err
+	}
+	c.obs.began(c)
+	return recTx{Tx: tx, conn: c}, nil
+}
+
+func (c *recConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Result, error) {
+	e, ok := c.Conn.(driver.ExecerContext)
+	if !ok {
+		return nil, driver.ErrSkip
+	}
+	res, err := e.ExecContext(ctx, query, args)
+	if err == driver.ErrSkip { //nolint:errorlint // the driver returns it as is
+		return nil, err // database/sql prepares the statement instead: seen there
+	}
+	c.obs.statement(c, query)
+	return c.observeResult(query, res, err)
+}
+
+func (c *recConn) observeResult(query string, res driver.Result, err error) (driver.Result, error) {
+	if err != nil {
+		c.obs.failed(c, query, err)
+		return res, err
+	}
+	n, nerr := res.RowsAffected()
+	if nerr == nil {
+		c.obs.executed(c, query, n)
+	}
+	return res, nil
+}
+
+func (c *recConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (driver.Rows, error) {
+	q, ok := c.Conn.(driver.QueryerContext)
+	if !ok {
+		return nil, driver.ErrSkip
+	}
+	rows, err := q.QueryContext(ctx, query, args)
+	if err == driver.ErrSkip { //nolint:errorlint // the driver returns it as is
+		return nil, err
+	}
+	c.obs.statement(c, query)
+	return rows, err
+}
+
+func (c *recConn) CheckNamedValue(nv *driver.NamedValue) error {
+	if ch, ok := c.Conn.(driver.NamedValueChecker); ok {
+		return ch.CheckNamedValue(nv)
+	}
+	return driver.ErrSkip
+}
+
+func (c *recConn) ResetSession(ctx context.Context) error {
+	if r, ok := c.Conn.(driver.SessionResetter); ok {
+		return r.ResetSession(ctx)
+	}
+	return nil
+}
+
+func (c *recConn) IsValid() bool {
+	if v, ok := c.Conn.(driver.Validator); ok {
+		return v.IsValid()
+	}
+	return true
+}
+
+func (c *recConn) Ping(ctx context.Context) error {
+	if p, ok := c.Conn.(driver.Pinger); ok {
+		return p.Ping(ctx)
+	}
+	return nil
+}
+
+type recTx struct {
+	driver.Tx
+	conn *recConn
+}
+
+func (t recTx) Commit() error {
+	err := t.Tx.Commit()
+	if err != nil {
+		t.conn.obs.failed(t.conn, "COMMIT", err)
+	}
+	t.conn.obs.ended(t.conn, err == nil)
+	return err
+}
+
+func (t recTx) Rollback() error {
+	err := t.Tx.Rollback()
+	t.conn.obs.ended(t.conn, false)
+	return err
+}
+
+type recStmt struct {
+	driver.Stmt
+	conn  *recConn
+	query string
+}
+
+func (s *recStmt) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
+	var res driver.Result
+	var err error
+	if e, ok := s.Stmt.(driver.StmtExecContext); ok {
+		res, err = e.ExecContext(ctx, args)
+	} else {
+		values := make([]driver.Value, len(args))
+		for i, a := range args {
+			values[i] = a.Value
+		}
+		res, err = s.Stmt.Exec(values) //nolint:staticcheck // fallback of database/sql itself
+	}
+	return s.conn.observeResult(s.query, res, err)
+}
+
+func (s *recStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
+	if q, ok := s.Stmt.(driver.StmtQueryContext); ok {
+		return q.QueryContext(ctx, args)
+	}
+	values := make([]driver.Value, len(args))
+	for i, a := range args {
+		values[i] = a.Value
+	}
+	return s.Stmt.Query(values) //nolint:staticcheck // fallback of database/sql itself
+}
