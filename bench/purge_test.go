@@ -2,8 +2,10 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,105 +13,177 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
-// BenchmarkPurgeUnderLoad/postgres/<mode> purges 1,000,000 expired inbox
-// rows (-short: 20,000) while 4 handlers claim new messages in the same
-// table, and reports the rows removed per second and the handlers' p99
-// latency while purging against the same handlers with no purge running
-// (p99-ratio). mode: delete-batch<n>[-pause<d>] (Purge with BatchSize n and
-// Pause d) or partition-drop
-// (PostgreSQLPartitioned, DropPartitions of 10 daily partitions). One run
-// per benchmark: use -benchtime 1x.
+// BenchmarkPurgeUnderLoad/<db>/<mode> purges 1,000,000 expired inbox rows
+// (-short: 20,000) while 4 handlers claim new messages in the same table, and
+// reports the rows removed per second and the handlers' p99 latency while
+// purging (p99-us-purging) against the same handlers with no purge running
+// (p99-us-idle), and their ratio (p99-ratio: the issue asks for at most 2).
+// db: sqlite, postgres, mysql. mode:
+//   - delete-batch<n>[-pause<d>]: one Purge with BatchSize n and Pause d;
+//   - two-purges-batch1000: two Purge calls at once, BatchSize 1000, as two
+//     application instances whose purges are not serialised (a Purger takes
+//     a lock, so two Purgers are one purge at a time: delete-batch1000);
+//   - partition-drop (postgres only): PostgreSQLPartitioned, DropPartitions
+//     of 10 daily partitions.
+//
+// One run per benchmark: use -benchtime 1x.
 func BenchmarkPurgeUnderLoad(b *testing.B) {
 	rows := 1_000_000
+	idleFor := 3 * time.Second
 	if testing.Short() {
-		rows = 20_000
+		rows, idleFor = 20_000, time.Second
 	}
 	type purgeMode struct {
-		name  string
-		batch int
-		pause time.Duration
+		name    string
+		batch   int
+		pause   time.Duration
+		purges  int
+		dropped bool // partition-drop
 	}
 	modes := []purgeMode{
-		{"delete-batch1000", 1000, 0}, {"delete-batch100", 100, 0}, {"delete-batch100-pause2ms", 100, 2 * time.Millisecond},
-		{"partition-drop", 0, 0},
+		{name: "delete-batch1000", batch: 1000, purges: 1},
+		{name: "two-purges-batch1000", batch: 1000, purges: 2},
+		{name: "delete-batch100", batch: 100, purges: 1},
+		{name: "delete-batch100-pause2ms", batch: 100, pause: 2 * time.Millisecond, purges: 1},
+		{name: "partition-drop", dropped: true},
 	}
-	for _, m := range modes {
-		mode := m.name
-		b.Run("postgres/"+mode, func(b *testing.B) {
-			db := testdb.OpenPostgres(b, "")
-			db.SetMaxOpenConns(8)
-			ctx := context.Background()
-			table := "bench_purge_" + testdb.RandomSuffix()
-			b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-			dialect := inbox.PostgreSQL
-			if mode == "partition-drop" {
-				dialect = inbox.PostgreSQLPartitioned
+	for _, tdb := range []testdb.DB{purgeDB("sqlite"), purgeDB("postgres"), purgeDB("mysql")} {
+		for _, m := range modes {
+			if m.dropped && tdb.Name != "postgres" {
+				continue
 			}
-			ib, err := inbox.New(inbox.Config{DB: db, Dialect: dialect, Table: table, Consumer: "bench"})
-			if err != nil {
-				b.Fatal(err)
-			}
-			if err := ib.InitializeSchema(ctx); err != nil {
-				b.Fatal(err)
-			}
-			if mode == "partition-drop" {
-				var now time.Time
-				if err := db.Get(&now, "SELECT now()"); err != nil {
+			b.Run(tdb.Name+"/"+m.name, func(b *testing.B) {
+				db := tdb.Open(b)
+				db.SetMaxOpenConns(8)
+				ctx := context.Background()
+				table := "bench_purge_" + testdb.RandomSuffix()
+				b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + cascade(tdb.Dialect)) })
+				dialect := tdb.Dialect
+				if m.dropped {
+					dialect = inbox.PostgreSQLPartitioned
+				}
+				ib, err := inbox.New(inbox.Config{DB: db, Dialect: dialect, Table: table, Consumer: "bench"})
+				if err != nil {
 					b.Fatal(err)
 				}
-				if err := inbox.CreatePartitions(ctx, db, table, now.AddDate(0, 0, -30), 31); err != nil {
+				if err := ib.InitializeSchema(ctx); err != nil {
 					b.Fatal(err)
 				}
-			}
-			// Expired rows: 10 days, 20 to 29 days ago.
-			if _, err := db.Exec(fmt.Sprintf(`INSERT INTO %s (consumer, message_id, processed_at)
-				SELECT 'old', md5(random()::text || g), now() - interval '20 days' - (g %% 10) * interval '1 day' - interval '1 hour'
-				FROM generate_series(1, %d) g`, table, rows)); err != nil {
-				b.Fatal(err)
-			}
-			if _, err := db.Exec("ANALYZE " + table); err != nil {
-				b.Fatal(err)
-			}
-			h := inboxHandler(ib, insertSQL(db, businessTable(b, db)))
-
-			b.ResetTimer()
-			idle := load(b, h, func() {
-				time.Sleep(3 * time.Second)
-			})
-			var removed int64
-			var purgeTime time.Duration
-			purging := load(b, h, func() {
-				start := time.Now()
-				if mode != "partition-drop" {
-					removed, err = inbox.Purge(ctx, inbox.PurgeConfig{
-						DB: db, Table: table, OlderThan: 7 * 24 * time.Hour, BatchSize: m.batch, Pause: m.pause,
-					})
-				} else {
-					var dropped []inbox.DroppedPartition
-					dropped, err = inbox.DropPartitions(ctx, db, table, 7*24*time.Hour, nil)
-					for _, d := range dropped {
-						removed += d.Rows
+				if m.dropped {
+					var now time.Time
+					if err := db.Get(&now, "SELECT now()"); err != nil {
+						b.Fatal(err)
+					}
+					if err := inbox.CreatePartitions(ctx, db, table, now.AddDate(0, 0, -30), 31); err != nil {
+						b.Fatal(err)
 					}
 				}
-				purgeTime = time.Since(start)
+				fillExpired(b, db, dialect, table, rows) // 10 days, 20 to 29 days ago
+				h := inboxHandler(ib, insertSQL(db, businessTable(b, db)))
+
+				b.ResetTimer()
+				idle := load(b, h, func() {
+					time.Sleep(idleFor)
+				})
+				var removed atomic.Int64
+				var purgeTime time.Duration
+				var purgeErr error
+				purging := load(b, h, func() {
+					start := time.Now()
+					if m.dropped {
+						dropped, err := inbox.DropPartitions(ctx, db, table, 7*24*time.Hour, nil)
+						for _, d := range dropped {
+							removed.Add(d.Rows)
+						}
+						purgeErr = err
+					} else {
+						var wg sync.WaitGroup
+						var mu sync.Mutex
+						for range m.purges {
+							wg.Add(1)
+							go func() {
+								defer wg.Done()
+								n, err := inbox.Purge(ctx, inbox.PurgeConfig{
+									DB: db, Dialect: dialect, Table: table, OlderThan: 7 * 24 * time.Hour, BatchSize: m.batch, Pause: m.pause,
+								})
+								removed.Add(n)
+								mu.Lock()
+								purgeErr = errors.Join(purgeErr, err)
+								mu.Unlock()
+							}()
+						}
+						wg.Wait()
+					}
+					purgeTime = time.Since(start)
+				})
+				b.StopTimer()
+				if purgeErr != nil {
+					b.Fatal(purgeErr)
+				}
+				if removed.Load() != int64(rows) {
+					b.Fatalf("removed %d rows, want %d", removed.Load(), rows)
+				}
+				b.ReportMetric(float64(removed.Load())/purgeTime.Seconds(), "rows-removed/s")
+				b.ReportMetric(float64(idle.Microseconds()), "p99-us-idle")
+				b.ReportMetric(float64(purging.Microseconds()), "p99-us-purging")
+				b.ReportMetric(float64(purging)/float64(idle), "p99-ratio")
 			})
-			b.StopTimer()
-			if err != nil {
-				b.Fatal(err)
+		}
+	}
+}
+
+// purgeDB returns the test database named name.
+func purgeDB(name string) testdb.DB {
+	for _, d := range testdb.All {
+		if d.Name == name {
+			return d
+		}
+	}
+	panic("no test database " + name)
+}
+
+func cascade(d inbox.Dialect) string {
+	if d == inbox.PostgreSQL {
+		return " CASCADE"
+	}
+	return ""
+}
+
+// fillExpired adds n rows for the consumer "old", processed over 10 days,
+// 20 to 29 days (and an hour) ago by the database clock, in bulk statements.
+func fillExpired(b *testing.B, db *sqlx.DB, d inbox.Dialect, table string, n int) {
+	var err error
+	switch d {
+	case inbox.PostgreSQL, inbox.PostgreSQLPartitioned:
+		_, err = db.Exec(fmt.Sprintf(`INSERT INTO %s (consumer, message_id, processed_at)
+			SELECT 'old', md5(random()::text || g), now() - interval '20 days' - (g %% 10) * interval '1 day' - interval '1 hour'
+			FROM generate_series(1, %d) g`, table, n))
+		if err == nil {
+			_, err = db.Exec("ANALYZE " + table)
+		}
+	case inbox.SQLite:
+		_, err = db.Exec(`WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < ?1)
+			INSERT INTO `+table+` (consumer, message_id, processed_at)
+			SELECT 'old', lower(hex(randomblob(16))),
+			       CAST(unixepoch('subsec') * 1000000 AS INTEGER) - (20 + g % 10) * 86400000000 - 3600000000
+			FROM s`, n)
+	default: // MySQL/MariaDB
+		for lo := 0; lo < n && err == nil; lo += 10_000 {
+			var values []string
+			for g := lo; g < min(n, lo+10_000); g++ {
+				values = append(values, fmt.Sprintf("('old', '%s', UTC_TIMESTAMP(6) - INTERVAL %d DAY - INTERVAL 1 HOUR)", watermill.NewUUID(), 20+g%10))
 			}
-			if removed != int64(rows) {
-				b.Fatalf("removed %d rows, want %d", removed, rows)
-			}
-			b.ReportMetric(float64(removed)/purgeTime.Seconds(), "rows-removed/s")
-			b.ReportMetric(float64(idle.Microseconds()), "p99-us-idle")
-			b.ReportMetric(float64(purging.Microseconds()), "p99-us-purging")
-			b.ReportMetric(float64(purging)/float64(idle), "p99-ratio")
-		})
+			_, err = db.Exec("INSERT INTO " + table + " (consumer, message_id, processed_at) VALUES " + strings.Join(values, ", "))
+		}
+	}
+	if err != nil {
+		b.Fatal(err)
 	}
 }
 
