@@ -120,31 +120,51 @@ func (p *Purger) Run(ctx context.Context) error {
 // start running before it gives up (the router's Run failed).
 const RouterPluginStartTimeout = 5 * time.Minute
 
+// routerPollInterval is how often RouterPlugin checks whether the router
+// was closed (Watermill offers no channel for it).
+const routerPollInterval = 100 * time.Millisecond
+
 // RouterPlugin runs the Purger for as long as the router runs: add it with
 // router.AddPlugin(purger.RouterPlugin). The first round starts once the
 // router is running; the purger stops within a second of the router closing,
-// cancelling a round in progress. If the router does not start running
-// within RouterPluginStartTimeout (its Run failed after loading the plugin),
-// the purger never starts and nothing is left behind.
+// cancelling a round in progress, and nothing of it is left running then.
+// If the router is closed before it ever ran (its Run failed after loading
+// the plugin, then Close was called), the purger never starts; if it is
+// neither running nor closed within RouterPluginStartTimeout, the purger
+// gives up and never starts either.
 func (p *Purger) RouterPlugin(r *message.Router) error {
 	go func() {
-		started := time.After(RouterPluginStartTimeout)
-		select {
-		case <-r.Running():
-		case <-started:
-			p.cfg.Logger.Error("Inbox purger not started: the router did not start running", nil, nil)
-			return
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		go func() { _ = p.Run(ctx) }()
-		tick := time.NewTicker(time.Second)
-		defer tick.Stop()
-		for range tick.C {
-			if r.IsClosed() {
+		poll := time.NewTicker(routerPollInterval)
+		defer poll.Stop()
+		started := time.NewTimer(RouterPluginStartTimeout)
+		defer started.Stop()
+	waitForRunning:
+		for {
+			select {
+			case <-r.Running():
+				break waitForRunning
+			case <-poll.C:
+				if r.IsClosed() {
+					return
+				}
+			case <-started.C:
+				p.cfg.Logger.Error("Inbox purger not started: the router did not start running", nil, nil)
 				return
 			}
 		}
+		ctx, cancel := context.WithCancel(context.Background())
+		stopped := make(chan struct{})
+		go func() {
+			defer close(stopped)
+			_ = p.Run(ctx)
+		}()
+		for range poll.C {
+			if r.IsClosed() {
+				break
+			}
+		}
+		cancel()
+		<-stopped
 	}()
 	return nil
 }
