@@ -71,6 +71,7 @@ func TestDuplicatePublishGoChannel(t *testing.T) {
 			OnDuplicate: func(inbox.Event) { handled.Add(1) },
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		t.Cleanup(func() { pubsub.Close() })
 		var c calls
 		runRouter(t, func(r *message.Router) {
 			r.AddMiddleware(ib.Middleware)
@@ -636,6 +637,7 @@ func TestPoisonQueueOutsideInbox(t *testing.T) {
 		f := newFixture(t, db)
 		ib := f.newInbox(inbox.Config{})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+		t.Cleanup(func() { pubsub.Close() })
 		poison, err := middleware.PoisonQueue(pubsub, "orders_poison")
 		if err != nil {
 			t.Fatal(err)
@@ -764,6 +766,7 @@ func TestWrongOrderPoisonQueueInsideInbox(t *testing.T) {
 	f := newFixture(t, db)
 	ib := f.newInbox(inbox.Config{})
 	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	t.Cleanup(func() { pubsub.Close() })
 	poison, err := middleware.PoisonQueue(pubsub, "orders_poison")
 	if err != nil {
 		t.Fatal(err)

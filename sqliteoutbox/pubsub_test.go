@@ -70,6 +70,13 @@ func newPubSub(t *testing.T, consumerGroup string) (message.Publisher, message.S
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Watermill's suite does not close every subscriber it makes (its
+	// multiplied subscribers are closed before they subscribe): close them
+	// when the test ends. Close is idempotent.
+	t.Cleanup(func() {
+		sub.Close()
+		pub.Close()
+	})
 	return pub, sub
 }
 
