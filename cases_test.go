@@ -209,10 +209,6 @@ func sqlState(err error) string {
 	return ""
 }
 
-func isPostgres(d inbox.Dialect) bool {
-	return d == inbox.PostgreSQL || d == inbox.PostgreSQLPartitioned
-}
-
 // Case "same message, two workers, snapshot isolation": two routers with one
 // consumer name receive M at once; both have begun their transaction before
 // either claims (a barrier right after BEGIN); the handler inserts one

@@ -226,3 +226,8 @@ func (c *calls) get(id string) int {
 	defer c.mu.Unlock()
 	return c.n[id]
 }
+
+// isPostgres reports whether d is one of the PostgreSQL dialects.
+func isPostgres(d inbox.Dialect) bool {
+	return d == inbox.PostgreSQL || d == inbox.PostgreSQLPartitioned
+}

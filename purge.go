@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"reflect"
 	"strings"
 	"time"
 
@@ -205,79 +204,10 @@ func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedNa
 // purgeRetryable reports whether err says that a purge batch lost a race
 // with other transactions and may simply run again: a deadlock, a lock wait
 // timeout or a serialization failure (or, on SQLite, a database still busy
-// after its busy_timeout). It decides by the code the driver reports, never
-// by the error's text, and without importing a driver:
-//   - PostgreSQL (pgx, lib/pq): SQLState() 40001 serialization_failure,
-//     40P01 deadlock_detected, 55P03 lock_not_available (lock_timeout);
-//   - MySQL/MariaDB (go-sql-driver/mysql, found by its package path):
-//     MySQLError.Number 1213 ER_LOCK_DEADLOCK, 1205 ER_LOCK_WAIT_TIMEOUT;
-//   - SQLite (modernc.org/sqlite): Code() whose primary result code is 5
-//     SQLITE_BUSY or 6 SQLITE_LOCKED.
-//
-// It looks through wrapping (errors.Unwrap, errors.Join).
-func purgeRetryable(err error) bool {
-	return anyError(err, func(e error) bool {
-		switch e := e.(type) {
-		case interface{ SQLState() string }:
-			switch e.SQLState() {
-			case "40001", "40P01", "55P03":
-				return true
-			}
-			return false
-		case interface{ Code() int }:
-			switch e.Code() & 0xff {
-			case 5, 6:
-				return true
-			}
-			return false
-		}
-		if n, ok := mysqlErrorNumber(e); ok {
-			return n == 1213 || n == 1205
-		}
-		return false
-	})
-}
-
-// mysqlErrorNumber returns the Number of a *mysql.MySQLError from
-// github.com/go-sql-driver/mysql, read by reflection so that the core does
-// not import the driver.
-func mysqlErrorNumber(err error) (uint64, bool) {
-	v := reflect.ValueOf(err)
-	if v.Kind() != reflect.Pointer || v.IsNil() {
-		return 0, false
-	}
-	v = v.Elem()
-	if v.Kind() != reflect.Struct || v.Type().Name() != "MySQLError" || v.Type().PkgPath() != "github.com/go-sql-driver/mysql" {
-		return 0, false
-	}
-	f := v.FieldByName("Number")
-	if !f.IsValid() || !f.CanUint() {
-		return 0, false
-	}
-	return f.Uint(), true
-}
-
-// anyError reports whether match holds for err or any error it wraps,
-// following both Unwrap() error and Unwrap() []error (errors.Join).
-func anyError(err error, match func(error) bool) bool {
-	if err == nil {
-		return false
-	}
-	if match(err) {
-		return true
-	}
-	switch u := err.(type) {
-	case interface{ Unwrap() error }:
-		return anyError(u.Unwrap(), match)
-	case interface{ Unwrap() []error }:
-		for _, e := range u.Unwrap() {
-			if anyError(e, match) {
-				return true
-			}
-		}
-	}
-	return false
-}
+// after its busy_timeout), decided by driver error code (isConflict), never
+// by the error's text. It looks through wrapping (errors.Unwrap,
+// errors.Join).
+func purgeRetryable(err error) bool { return isConflict(err) }
 
 // purgeStatement returns one batch's DELETE and its arguments: the window
 // in microseconds, the batch size and, when set, the consumer.

@@ -372,10 +372,6 @@ func gate(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func isPostgres(d inbox.Dialect) bool {
-	return d == inbox.PostgreSQL || d == inbox.PostgreSQLPartitioned
-}
-
 // fillInbox adds n rows named <prefix>-1 .. <prefix>-n, alternately for the
 // consumers billing and shipping, processed from minAge to minAge+span ago
 // (evenly spread) by the database clock, in bulk statements.

@@ -91,40 +91,47 @@ func IsTransient(err error) bool {
 	if errors.As(err, &retry) && retry.SafeToRetry() {
 		return true
 	}
-	var stateErr interface{ SQLState() string }
-	if errors.As(err, &stateErr) && transientSQLState(stateErr.SQLState()) {
-		return true
-	}
-	return anyInChain(err, transientDriverError)
+	return anyInChain(err, func(e error) bool { _, transient := classifyDriverError(e); return transient })
 }
 
-// transientSQLState reports whether a PostgreSQL SQLSTATE is transient; see
-// IsTransient for the list and
-// https://www.postgresql.org/docs/current/errcodes-appendix.html.
-func transientSQLState(state string) bool {
-	if len(state) == 5 && state[:2] == "08" {
-		return true
-	}
-	switch state {
-	case "40001", "40P01", "40003", "55P03", "57014", "57P01", "57P02", "57P03", "53300", "25P03":
-		return true
-	}
-	return false
+// isConflict reports whether err says that a transaction, or its statement,
+// lost a race with other transactions and was rolled back, so that running
+// it again may simply succeed: a serialization failure, a deadlock, a lock
+// wait timeout, or a busy SQLite database. It is the subset of IsTransient
+// that Purge retries in place (a lost connection or an ended context is
+// not retried there).
+func isConflict(err error) bool {
+	return anyInChain(err, func(e error) bool { conflict, _ := classifyDriverError(e); return conflict })
 }
 
-// transientMySQLErrors are the go-sql-driver/mysql error numbers IsTransient
-// accepts (MySQL and MariaDB server error reference).
-var transientMySQLErrors = map[uint64]bool{
-	1213: true, // ER_LOCK_DEADLOCK
-	1205: true, // ER_LOCK_WAIT_TIMEOUT
-	1020: true, // ER_CHECKREAD (MariaDB innodb_snapshot_isolation write conflict)
-	3101: true, // ER_TRANSACTION_ROLLBACK_DURING_COMMIT (MySQL Group Replication conflict)
-	1040: true, // ER_CON_COUNT_ERROR
-	1053: true, // ER_SERVER_SHUTDOWN
-	1927: true, // ER_CONNECTION_KILLED (MariaDB)
-	1969: true, // ER_STATEMENT_TIMEOUT (MariaDB max_statement_time)
-	3024: true, // ER_QUERY_TIMEOUT (MySQL max_execution_time)
-}
+// Driver error codes, by what they mean; see IsTransient for the sources.
+var (
+	// conflictSQLStates: PostgreSQL rolled the statement or transaction back
+	// because it lost a race (serialization_failure, deadlock_detected,
+	// lock_not_available).
+	conflictSQLStates = map[string]bool{"40001": true, "40P01": true, "55P03": true}
+	// transientSQLStates: the rest of IsTransient's list (class 08 is
+	// matched by its prefix).
+	transientSQLStates = map[string]bool{
+		"40003": true, "57014": true, "57P01": true, "57P02": true, "57P03": true, "53300": true, "25P03": true,
+	}
+	// conflictMySQLErrors: MySQL/MariaDB rolled the statement or
+	// transaction back because it lost a race.
+	conflictMySQLErrors = map[uint64]bool{
+		1213: true, // ER_LOCK_DEADLOCK
+		1205: true, // ER_LOCK_WAIT_TIMEOUT
+		1020: true, // ER_CHECKREAD (MariaDB innodb_snapshot_isolation write conflict)
+		3101: true, // ER_TRANSACTION_ROLLBACK_DURING_COMMIT (MySQL Group Replication conflict)
+	}
+	// transientMySQLErrors: the rest of IsTransient's list.
+	transientMySQLErrors = map[uint64]bool{
+		1040: true, // ER_CON_COUNT_ERROR
+		1053: true, // ER_SERVER_SHUTDOWN
+		1927: true, // ER_CONNECTION_KILLED (MariaDB)
+		1969: true, // ER_STATEMENT_TIMEOUT (MariaDB max_statement_time)
+		3024: true, // ER_QUERY_TIMEOUT (MySQL max_execution_time)
+	}
+)
 
 // SQLite primary result codes (https://www.sqlite.org/rescode.html); the
 // extended codes keep them in their low byte.
@@ -133,35 +140,51 @@ const (
 	sqliteLocked = 6
 )
 
-// transientDriverError recognises one error of a driver whose package the
-// core does not import, by its type's package path and name.
-func transientDriverError(err error) bool {
+// classifyDriverError classifies one error (not its chain) by the code its
+// driver reports: conflict (a lost race, see isConflict) and transient (see
+// IsTransient; every conflict is transient). Drivers whose packages the core
+// does not import are recognised by their error type's package path and
+// name.
+func classifyDriverError(err error) (conflict, transient bool) {
+	if e, ok := err.(interface{ SQLState() string }); ok {
+		state := e.SQLState()
+		if conflictSQLStates[state] {
+			return true, true
+		}
+		return false, transientSQLStates[state] || (len(state) == 5 && state[:2] == "08")
+	}
 	v := reflect.ValueOf(err)
 	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
 		if v.IsNil() {
-			return false
+			return false, false
 		}
 		v = v.Elem()
 	}
 	if v.Kind() != reflect.Struct {
-		return false
+		return false, false
 	}
 	t := v.Type()
 	switch {
 	case t.PkgPath() == "github.com/go-sql-driver/mysql" && t.Name() == "MySQLError":
-		n, ok := uintField(v, "Number")
-		return ok && transientMySQLErrors[n]
+		if n, ok := uintField(v, "Number"); ok {
+			if conflictMySQLErrors[n] {
+				return true, true
+			}
+			return false, transientMySQLErrors[n]
+		}
 	case t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error":
 		if c, ok := err.(interface{ Code() int }); ok {
 			code := c.Code() & 0xff
-			return code == sqliteBusy || code == sqliteLocked
+			busy := code == sqliteBusy || code == sqliteLocked
+			return busy, busy
 		}
 	case t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error":
 		if code, ok := intField(v, "Code"); ok {
-			return code == sqliteBusy || code == sqliteLocked
+			busy := code == sqliteBusy || code == sqliteLocked
+			return busy, busy
 		}
 	}
-	return false
+	return false, false
 }
 
 func uintField(v reflect.Value, name string) (uint64, bool) {
