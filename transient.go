@@ -58,7 +58,11 @@ import (
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
 //   - database/sql and the network: driver.ErrBadConn, sql.ErrConnDone,
-//     io.ErrUnexpectedEOF, ECONNRESET, ECONNREFUSED, EPIPE and any net.Error.
+//     io.ErrUnexpectedEOF, ECONNRESET, ECONNREFUSED, EPIPE, a net.Error
+//     that is a timeout, a temporary DNS failure, and a failed dial, read or
+//     write (*net.OpError). Not the net package's errors about an address
+//     (*net.AddrError, *net.ParseError, url.Parse's *url.Error, a name that
+//     does not resolve): they are errors of the message.
 //   - Any error with a SafeToRetry() bool method that reports true: pgx's
 //     errors that happened before anything was sent to the server, such as
 //     "conn closed" when a transaction's connection was lost earlier (a
@@ -83,8 +87,7 @@ func IsTransient(err error) bool {
 		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE) {
 		return true
 	}
-	var netErr net.Error
-	if errors.As(err, &netErr) {
+	if isNetworkFailure(err) {
 		return true
 	}
 	var retry interface{ SafeToRetry() bool }
@@ -92,6 +95,27 @@ func IsTransient(err error) bool {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient := classifyDriverError(e); return transient })
+}
+
+// isNetworkFailure reports whether err is a failure of the network: a
+// timeout, a temporary DNS failure, or a failed dial, read or write
+// (*net.OpError). The net package's errors about an address itself
+// (*net.AddrError, *net.ParseError, a *url.Error from url.Parse, a name
+// that does not resolve) also implement net.Error, but they are errors of
+// whatever supplied the address, typically the message: not transient.
+func isNetworkFailure(err error) bool {
+	var netErr net.Error
+	if errors.As(err, &netErr) && netErr.Timeout() {
+		return true
+	}
+	var dnsErr *net.DNSError
+	if errors.As(err, &dnsErr) && (dnsErr.IsTimeout || dnsErr.IsTemporary) {
+		return true
+	}
+	var opErr *net.OpError
+	var addrErr *net.AddrError
+	var parseErr *net.ParseError
+	return errors.As(err, &opErr) && !errors.As(err, &addrErr) && !errors.As(err, &parseErr)
 }
 
 // isConflict reports whether err says that a transaction, or its statement,
