@@ -90,10 +90,6 @@ func IsTransient(err error) bool {
 	if isNetworkFailure(err) {
 		return true
 	}
-	var retry interface{ SafeToRetry() bool }
-	if errors.As(err, &retry) && retry.SafeToRetry() {
-		return true
-	}
 	return anyInChain(err, func(e error) bool { _, transient := classifyDriverError(e); return transient })
 }
 
@@ -170,6 +166,15 @@ const (
 // does not import are recognised by their error type's package path and
 // name.
 func classifyDriverError(err error) (conflict, transient bool) {
+	// A typed nil pointer (var pe *pgconn.PgError; return pe) says nothing,
+	// and its methods may dereference it.
+	v := reflect.ValueOf(err)
+	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+		if v.IsNil() {
+			return false, false
+		}
+		v = v.Elem()
+	}
 	if e, ok := err.(interface{ SQLState() string }); ok {
 		state := e.SQLState()
 		if conflictSQLStates[state] {
@@ -177,12 +182,8 @@ func classifyDriverError(err error) (conflict, transient bool) {
 		}
 		return false, transientSQLStates[state] || (len(state) == 5 && state[:2] == "08")
 	}
-	v := reflect.ValueOf(err)
-	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
-		if v.IsNil() {
-			return false, false
-		}
-		v = v.Elem()
+	if e, ok := err.(interface{ SafeToRetry() bool }); ok && e.SafeToRetry() {
+		return false, true
 	}
 	if v.Kind() != reflect.Struct {
 		return false, false
