@@ -48,7 +48,8 @@ import (
 //     ON by default since 11.6, rolled back a REPEATABLE READ transaction
 //     that wrote a row changed since its snapshot), 3101 (MySQL Group
 //     Replication rolled back a transaction that failed certification),
-//     1040 (too many connections), 1053 (server shutdown), 1927 (MariaDB
+//     1040 (too many connections), 1053 (server shutdown), 1317 (query
+//     interrupted by KILL QUERY, as 57014 on PostgreSQL), 1927 (MariaDB
 //     connection killed), 1969 (MariaDB max_statement_time exceeded) and
 //     3024 (MySQL max_execution_time exceeded). The driver's
 //     mysql.ErrInvalidConn is a plain error value that cannot be told apart
@@ -147,6 +148,7 @@ var (
 	transientMySQLErrors = map[uint64]bool{
 		1040: true, // ER_CON_COUNT_ERROR
 		1053: true, // ER_SERVER_SHUTDOWN
+		1317: true, // ER_QUERY_INTERRUPTED (KILL QUERY)
 		1927: true, // ER_CONNECTION_KILLED (MariaDB)
 		1969: true, // ER_STATEMENT_TIMEOUT (MariaDB max_statement_time)
 		3024: true, // ER_QUERY_TIMEOUT (MySQL max_execution_time)
