@@ -484,7 +484,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 			return
 		}
 		if rbErr != nil {
-			err = errors.Join(err, fmt.Errorf("inbox: rollback %s/%s: %w", consumer, id, rbErr))
+			err = errors.Join(err, fmt.Errorf("inbox: rollback %s/%s: %w", consumer, id, &rollbackError{rbErr}))
 		}
 	}()
 
@@ -520,7 +520,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
 			// The key is known to be processed, but a failed rollback means
 			// the connection is in doubt: nack; the redelivery is skipped.
-			return nil, fmt.Errorf("inbox: rollback duplicate %s/%s: %w", consumer, id, err)
+			return nil, fmt.Errorf("inbox: rollback duplicate %s/%s: %w", consumer, id, &rollbackError{err})
 		}
 		if !ib.nopLogger {
 			ib.logger.Debug("Inbox: duplicate message skipped", ib.fields(msg, consumer, id))

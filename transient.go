@@ -73,6 +73,10 @@ import (
 //   - context.DeadlineExceeded and context.Canceled.
 //   - The inbox's ErrTxRolledBack: MySQL/MariaDB rolled the transaction back
 //     on a deadlock or conflict whose error the handler ignored.
+//   - A failed ROLLBACK of the inbox's transaction, whatever its error: the
+//     connection is lost (go-sql-driver's plain "invalid connection" when
+//     the server closed it during the handler), so the database ends the
+//     transaction without committing it.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -88,7 +92,8 @@ func IsTransient(err error) bool {
 		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE) {
 		return true
 	}
-	if isNetworkFailure(err) {
+	var rbErr *rollbackError
+	if errors.As(err, &rbErr) || isNetworkFailure(err) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient := classifyDriverError(e); return transient })
@@ -255,3 +260,12 @@ func anyInChain(err error, match func(error) bool) bool {
 	}
 	return false
 }
+
+// rollbackError is the error of a failed ROLLBACK of a message's
+// transaction. A database cannot refuse a rollback: the connection is lost,
+// and the server rolls the transaction back when it notices. IsTransient
+// reports true for it.
+type rollbackError struct{ err error }
+
+func (e *rollbackError) Error() string { return e.err.Error() }
+func (e *rollbackError) Unwrap() error { return e.err }
