@@ -53,8 +53,9 @@ import (
 //     connection killed), 1969 (MariaDB max_statement_time exceeded) and
 //     3024 (MySQL max_execution_time exceeded). The driver's
 //     mysql.ErrInvalidConn is a plain error value that cannot be told apart
-//     without importing the driver; database/sql turns most lost
-//     connections into driver.ErrBadConn, which is recognised.
+//     without importing the driver: alone (from Purge, or a handler's
+//     statement outside the inbox) it is not transient; from the
+//     middleware it comes with the failed ROLLBACK (below), which is.
 //   - SQLite: SQLITE_BUSY and SQLITE_LOCKED, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
