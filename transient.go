@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
-	"io"
 	"net"
 	"reflect"
 	"syscall"
@@ -60,11 +59,13 @@ import (
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
 //   - database/sql and the network: driver.ErrBadConn, sql.ErrConnDone,
-//     io.ErrUnexpectedEOF, ECONNRESET, ECONNREFUSED, EPIPE, a net.Error
+//     ECONNRESET, ECONNREFUSED, EPIPE, a net.Error
 //     that is a timeout, a temporary DNS failure, and a failed dial, read or
 //     write (*net.OpError). Not the net package's errors about an address
 //     (*net.AddrError, *net.ParseError, url.Parse's *url.Error, a name that
-//     does not resolve): they are errors of the message.
+//     does not resolve): they are errors of the message. Nor a bare
+//     io.ErrUnexpectedEOF, which is what json.Decoder and binary.Read
+//     return for a truncated payload.
 //   - Any error with a SafeToRetry() bool method that reports true: pgx's
 //     errors that happened before anything was sent to the server, such as
 //     "conn closed" when a transaction's connection was lost earlier (a
@@ -88,8 +89,7 @@ func IsTransient(err error) bool {
 		return false
 	}
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, ErrTxRolledBack) ||
-		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
-		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || errors.Is(err, syscall.ECONNRESET) ||
 		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE) {
 		return true
 	}
