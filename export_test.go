@@ -55,3 +55,8 @@ func PurgeUnlock(conn *sqlx.Conn, p *Purger) error {
 // transaction, before any statement in it (the key lock, the claim). Call it
 // before ib handles messages.
 func SetAfterBegin(ib *Inbox, f func()) { ib.afterBegin = f }
+
+// SetAfterPurgeSelect sets the hook run between a MySQL purge batch's read
+// of its keys and its DELETE; nil removes it. Not safe to use from parallel
+// tests.
+func SetAfterPurgeSelect(f func()) { afterPurgeSelect = f }

@@ -273,6 +273,10 @@ func batchParam(d Dialect, n int) string {
 // table), the batch would wait for the whole handler. So the keys are read
 // first with a non-locking consistent read, and then deleted by primary key,
 // at READ COMMITTED: only the expired rows themselves are locked.
+// afterPurgeSelect, when set (only by tests, through export_test.go), runs
+// between a MySQL batch's read of its keys and its DELETE.
+var afterPurgeSelect func()
+
 func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any) (deleted, found int64, err error) {
 	if d != MySQL {
 		res, err := db.ExecContext(ctx, query, args...)
@@ -294,6 +298,9 @@ func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, quer
 	if err := sqlx.SelectContext(ctx, tx, &keys, query, args...); err != nil {
 		return 0, 0, err
 	}
+	if afterPurgeSelect != nil {
+		afterPurgeSelect()
+	}
 	// consumer = ? AND message_id IN (...) is a primary-key range MariaDB
 	// resolves by point lookups; a row-value IN ((?, ?), ...) list it scans,
 	// locking every row it reads, live claims included.
@@ -311,9 +318,13 @@ func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, quer
 		ids := byConsumer[c]
 		for lo := 0; lo < len(ids); lo += perStatement {
 			chunk := ids[lo:min(len(ids), lo+perStatement)]
+			// The expiry condition again: a key that another purge deleted
+			// and a late redelivery claimed afresh since the read above is
+			// young now, and must stay.
 			query := "DELETE FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id IN (?" +
-				strings.Repeat(", ?", len(chunk)-1) + ")"
-			res, err := tx.ExecContext(ctx, query, append([]any{c}, chunk...)...)
+				strings.Repeat(", ?", len(chunk)-1) + ") AND " + expiredWhere(d, false)
+			stmtArgs := append(append([]any{c}, chunk...), args[0]) // args[0]: the window
+			res, err := tx.ExecContext(ctx, query, stmtArgs...)
 			if err != nil {
 				return 0, 0, err
 			}
