@@ -194,7 +194,9 @@ func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedNa
 		}
 		select {
 		case <-ctx.Done():
-			return 0, 0, err
+			// The context's error first, so errors.Is(err, context.Canceled)
+			// holds as after any other stop; the conflict is kept too.
+			return 0, 0, errors.Join(ctx.Err(), err)
 		case <-time.After(backoff):
 		}
 		backoff *= 2
