@@ -87,7 +87,10 @@ func WithParam(dsn, param string) string {
 func PostgresDSN() string { return Env(PostgresDSNEnv, DefaultPostgresDSN) }
 func MySQLDSN() string    { return Env(MySQLDSNEnv, DefaultMySQLDSN) }
 
-// OpenSQLite opens the SQLite file at path with SQLiteParams.
+// OpenSQLite opens the SQLite file at path with SQLiteParams, and pings it
+// once, as the README tells applications to: the first connection to a new
+// file switches it to WAL, and connections opening at that same moment fail
+// with SQLITE_BUSY, busy_timeout or not.
 func OpenSQLite(tb testing.TB, path string) *sqlx.DB {
 	tb.Helper()
 	db, err := sqlx.Open("sqlite", "file:"+path+"?"+SQLiteParams)
@@ -95,6 +98,9 @@ func OpenSQLite(tb testing.TB, path string) *sqlx.DB {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { db.Close() })
+	if err := db.Ping(); err != nil {
+		tb.Fatal(err)
+	}
 	return db
 }
 
