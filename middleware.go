@@ -285,9 +285,11 @@ func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
 }
 
 // Close releases the prepared statements on every connection of DB.
-// It does not close DB. Call it when the Inbox is no longer used (its
-// middleware is not called after); an Inbox that lives as long as its DB
-// need not be closed. It is safe to call more than once.
+// It does not close DB. Call it when the Inbox is no longer used, after the
+// router that runs its middleware has closed: a message still in flight
+// then fails with "sql: statement is closed", which is not transient (see
+// IsTransient), so a poison queue would take it. An Inbox that lives as
+// long as its DB need not be closed. It is safe to call more than once.
 func (ib *Inbox) Close() error {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
