@@ -122,12 +122,19 @@ func orchestrate() error {
 	s := stats{d: d, run: run}
 	mailer := start("mailer", "mailer-1", 0)
 	defer mailer.stop()
-	fmt.Println("billing-1: starts, will be SIGKILLed after a commit and before its ack")
+	// billing-1 runs alone until its SIGKILL, so that it owns every
+	// partition and surely reaches its kill-after commit (with a second
+	// member from the start, the partitions it got could hold fewer
+	// orders, and it would never die).
+	fmt.Println("billing-1: starts alone, will be SIGKILLed after a commit and before its ack")
 	b1 := start("billing", "billing-1", max(1, *orders/4))
+	if !b1.waitFor(3 * time.Minute) {
+		b1.stop()
+		return fmt.Errorf("billing-1 did not reach its SIGKILL within 3 minutes")
+	}
 	b2 := start("billing", "billing-2", 0)
 	defer b2.stop()
-	b1.wait()
-	s.progress("billing-1 died; its partitions move to billing-2 after the session timeout")
+	s.progress("billing-1 died; billing-2 joins and gets its partitions once billing-1's session times out")
 
 	fmt.Println("billing-3: joins the group (rebalance)")
 	b3 := start("billing", "billing-3", 0)
@@ -205,7 +212,15 @@ func start(role, name string, killAfter int) *worker {
 	return w
 }
 
-func (w *worker) wait() { <-w.done }
+// waitFor waits for the worker to exit, at most d; it reports whether it did.
+func (w *worker) waitFor(d time.Duration) bool {
+	select {
+	case <-w.done:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
 
 func (w *worker) stop() {
 	select {
