@@ -12,6 +12,7 @@ require (
 	github.com/jmoiron/sqlx v1.4.0
 	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c
 	github.com/watermill-inbox/inbox v0.0.0-00010101000000-000000000000
+	go.uber.org/goleak v1.3.0
 	modernc.org/sqlite v1.62.0
 )
 

@@ -206,7 +206,13 @@ func TestSoakWorker(t *testing.T) {
 	if err := ib.Close(); err != nil {
 		t.Errorf("close inbox: %v", err)
 	}
+	// A transaction whose context ended is rolled back, and its connection
+	// returned, by database/sql's own goroutine a moment after Commit or
+	// Rollback returned the context's error: wait for that, boundedly.
 	inUse := db.Stats().InUse
+	for deadline := time.Now().Add(2 * time.Second); inUse != 0 && time.Now().Before(deadline); inUse = db.Stats().InUse {
+		time.Sleep(10 * time.Millisecond)
+	}
 	ev.send(evInUse, fmt.Sprint(inUse))
 	if inUse != 0 {
 		t.Errorf("%d database connections still in use after the router stopped", inUse)
