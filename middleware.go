@@ -152,7 +152,9 @@ func (c *Config) setDefaults() {
 func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
 
 // Validate reports every problem of the configuration at once, joined with
-// errors.Join; nil means valid. It is called by New after defaults are set,
+// errors.Join; nil means valid. Each problem wraps its own sentinel where it
+// has one (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer); the
+// joined error does not wrap ErrInvalidConfig, which New adds. It is called by New after defaults are set,
 // so a zero optional field is not a problem there; called directly, it
 // checks the fields as they are, except that an empty Table, a nil Dialect
 // that can be inferred, a nil MessageID and a nil Logger are accepted as

@@ -57,7 +57,7 @@ type PurgeConfig struct {
 	Consumer string
 
 	// Window, if set, tells the shortest safe window: how long the broker
-	// can still redeliver a message (see the kafkaretention module, which
+	// can still redeliver a message (see the kafkaretention package, which
 	// reads it from the topics' retention.ms and segment.ms). Purge asks it
 	// first: an OlderThan shorter than the safe window is refused with
 	// ErrWindowTooShort and nothing is deleted; a zero OlderThan means "use

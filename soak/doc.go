@@ -32,7 +32,7 @@
 // failures, duplicates skipped).
 //
 //	cd soak && go test -race -count=1 ./...                            # 2,000 messages (CI)
-//	cd soak && go test -race -count=1 -run 'TestSoak$' -soak.long -timeout 60m .  # 20,000 messages
+//	cd soak && go test -race -count=1 -run 'TestSoak$' -soak.long -timeout 70m .  # 20,000 messages
 //
 // See soak_test.go for the flags.
 package soak
