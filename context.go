@@ -28,7 +28,10 @@ type txKey struct{}
 // (ExecContext, QueryContext) so that cancellation reaches them.
 //
 // The transaction is only valid while the handler runs; after the middleware
-// returns, the message context no longer carries it.
+// returns, the message context no longer carries it. Goroutines the handler
+// starts may use it as database/sql allows (a *sql.Tx serialises its
+// statements on its one connection), but they must be done before the
+// handler returns.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 	s, ok := ctx.Value(txKey{}).(*txState)
 	if !ok || s == nil {
@@ -67,7 +70,8 @@ func contextWithTx(ctx context.Context, s *txState) context.Context {
 // carries no inbox transaction or no Config.Outbox is set. Messages
 // published through it are written in the inbox transaction: they are sent
 // (by the forwarder or outbox relay) if the transaction commits, and never
-// if it rolls back.
+// if it rolls back. Like the transaction, it is only valid until the
+// handler returns.
 func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 	s, ok := ctx.Value(txKey{}).(*txState)
 	if !ok || s == nil || s.publisher == nil {
@@ -85,7 +89,7 @@ func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 // cache purge, a metric, a notification that is only a hint.
 //
 // Registered functions run in order, on the handler's goroutine, after a
-// successful COMMIT and before the router acks; never after a rollback, a
+// successful COMMIT, before Config.OnProcessed and before the router acks; never after a rollback, a
 // failed commit or for a duplicate. The trade-off: if the process dies
 // between the commit and f, f never runs (the redelivery is skipped as a
 // duplicate), so anything that must happen goes to the outbox instead

@@ -57,6 +57,8 @@ type Config struct {
 	// 1 to MaxKeyLength bytes of valid UTF-8 without NUL bytes; otherwise the
 	// handler is not called and the error wraps ErrInvalidMessageID. An error
 	// returned by MessageID is returned (wrapped) to the router, which nacks.
+	// It is called from every handler goroutine at once: it must be safe for
+	// concurrent use.
 	MessageID func(msg *message.Message) (string, error)
 
 	// TxOptions are the options of the transaction that holds the claim and
@@ -65,8 +67,10 @@ type Config struct {
 	// InnoDB, SERIALIZABLE on SQLite). The claim is correct at every level;
 	// at REPEATABLE READ or SERIALIZABLE on PostgreSQL a concurrent duplicate
 	// fails with a serialization error (SQLSTATE 40001) instead of being
-	// skipped: the message is nacked and its redelivery is skipped. ReadOnly
-	// must be false.
+	// skipped: the message is nacked and its redelivery is skipped (IsTransient
+	// reports such errors). ReadOnly must be false, and with
+	// PostgreSQLPartitioned the isolation must be READ COMMITTED (or the
+	// default): New refuses anything else with ErrInvalidConfig.
 	TxOptions *sql.TxOptions
 
 	// Logger receives a Debug line for each duplicate skipped, with the
@@ -115,7 +119,9 @@ type Config struct {
 	//     duplicate);
 	//   - handlers can publish to any topic through OutboxFromContext.
 	// An error from Outbox or from publishing rolls the transaction back and
-	// is returned (nack). Default: nil, returned messages go to the router.
+	// is returned (nack). It is called from every handler goroutine at once:
+	// it must be safe for concurrent use. Default: nil, returned messages go
+	// to the router.
 	Outbox func(tx *sqlx.Tx) (message.Publisher, error)
 }
 
@@ -377,8 +383,13 @@ func New(cfg Config) (*Inbox, error) {
 //
 // An invalid message id or consumer is returned as an error wrapping
 // ErrInvalidMessageID or ErrInvalidConsumer before anything is written.
-// Database errors are wrapped with the operation and the key; errors.As
-// still reaches the driver's error type.
+// A nested inbox is refused with ErrNestedInbox, a claim that reports an
+// impossible row count with ErrUnexpectedRowsAffected. Database errors are
+// wrapped with the operation and the key; errors.As still reaches the
+// driver's error type, and IsTransient tells those worth a redelivery.
+// Outbox errors are returned wrapped, as are handler messages returned
+// without a publish topic when Config.Outbox is set. It is safe for
+// concurrent use: every handler goroutine may run it at once.
 //
 // When it returns, msg.Context() is again the context the message came in
 // with. Put it inside (after) Recoverer, PoisonQueue and Retry, so each retry
