@@ -3,6 +3,8 @@ package inbox_test
 import (
 	"context"
 	"fmt"
+	"runtime/pprof"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -123,15 +125,41 @@ func (f *fixture) inboxRows() int    { return count(f.t, f.db, f.inbox, "") }
 // test calling deliver again with the same message.
 type feed struct {
 	ch        chan *message.Message
+	closed    chan struct{}
 	closeOnce sync.Once
 }
 
-func newFeed() *feed { return &feed{ch: make(chan *message.Message)} }
+func newFeed() *feed { return &feed{ch: make(chan *message.Message), closed: make(chan struct{})} }
 
-func (f *feed) Subscribe(context.Context, string) (<-chan *message.Message, error) { return f.ch, nil }
+// Subscribe returns a channel that, as every Watermill subscriber's does,
+// closes when ctx ends or the feed is closed: Watermill's router may stop a
+// handler through either (in v1.5.1 it does not always call Close).
+func (f *feed) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-f.closed:
+				return
+			case m := <-f.ch:
+				select {
+				case out <- m:
+				case <-ctx.Done():
+					return
+				case <-f.closed:
+					return
+				}
+			}
+		}
+	}()
+	return out, nil
+}
 
 func (f *feed) Close() error {
-	f.closeOnce.Do(func() { close(f.ch) })
+	f.closeOnce.Do(func() { close(f.closed) })
 	return nil
 }
 
@@ -174,7 +202,9 @@ func runRouter(t testing.TB, setup func(r *message.Router)) *message.Router {
 	}
 	t.Cleanup(func() {
 		if err := r.Close(); err != nil {
-			t.Errorf("close router: %v", err)
+			var stacks strings.Builder
+			_ = pprof.Lookup("goroutine").WriteTo(&stacks, 1)
+			t.Errorf("close router: %v; goroutines:\n%s", err, stacks.String())
 		}
 	})
 	return r
