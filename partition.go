@@ -126,7 +126,10 @@ type DroppedPartition struct {
 // PARTITION ... CONCURRENTLY (PostgreSQL 14+), which waits for transactions
 // that use it without blocking new claims, then counted and dropped. With a
 // window, like PurgeConfig.Window, a shorter olderThan is refused with
-// ErrWindowTooShort. When ctx ends or a step fails it returns what it
+// ErrWindowTooShort. olderThan must be positive even with a window (unlike
+// PurgeConfig.OlderThan, 0 does not mean "the safe window"): a bad table
+// name or a non-positive olderThan is an error wrapping ErrInvalidConfig
+// (with ErrInvalidTableName for the name). When ctx ends or a step fails it returns what it
 // dropped so far with the error; a partition left detached by an
 // interruption is dropped by the next call.
 //

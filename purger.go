@@ -101,8 +101,10 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 }
 
 // Run runs a round at once and then every Interval, until ctx ends; it then
-// returns nil. A failed round is logged, reported to OnRound and retried at
-// the next interval; it does not stop Run.
+// returns nil (the error result is for the router-plugin and errgroup
+// shapes). A failed round is logged, reported to OnRound and retried at the
+// next interval; it does not stop Run. Several Run calls, in one process or
+// many, do not purge at once: each round takes the purge lock or is skipped.
 func (p *Purger) Run(ctx context.Context) error {
 	ticker := time.NewTicker(p.cfg.Interval)
 	defer ticker.Stop()
