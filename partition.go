@@ -127,9 +127,9 @@ type DroppedPartition struct {
 // that use it without blocking new claims, then counted and dropped. With a
 // window, like PurgeConfig.Window, a shorter olderThan is refused with
 // ErrWindowTooShort. olderThan must be positive even with a window (unlike
-// PurgeConfig.OlderThan, 0 does not mean "the safe window"): a bad table
-// name or a non-positive olderThan is an error wrapping ErrInvalidConfig
-// (with ErrInvalidTableName for the name). When ctx ends or a step fails it returns what it
+// PurgeConfig.OlderThan, 0 does not mean "the safe window"); a
+// non-positive olderThan is an error wrapping ErrInvalidConfig, a bad table
+// name one wrapping ErrInvalidTableName. When ctx ends or a step fails it returns what it
 // dropped so far with the error; a partition left detached by an
 // interruption is dropped by the next call.
 //
