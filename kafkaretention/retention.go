@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -71,6 +72,9 @@ type Source struct {
 	ownsAdmin bool
 	topics    []string
 	margin    time.Duration
+
+	closeOnce sync.Once
+	closeErr  error
 }
 
 var _ inbox.WindowSource = (*Source)(nil)
@@ -105,12 +109,17 @@ func New(cfg Config) (*Source, error) {
 	return s, nil
 }
 
-// Close closes the admin client New created.
+// Close closes the admin client New created (not one given in
+// Config.Admin, which stays the caller's). It is safe to call more than
+// once: later calls return the first call's result. SafeWindow fails after
+// Close.
 func (s *Source) Close() error {
-	if s.ownsAdmin {
-		return s.admin.Close()
-	}
-	return nil
+	s.closeOnce.Do(func() {
+		if s.ownsAdmin {
+			s.closeErr = s.admin.Close()
+		}
+	})
+	return s.closeErr
 }
 
 // TopicWindow is what one topic's configuration allows.

@@ -71,7 +71,12 @@ func TestSafeWindow(t *testing.T) {
 			t.Fatal(err)
 		}
 		got, err := src.SafeWindow(context.Background())
-		src.Close()
+		if cerr := src.Close(); cerr != nil {
+			t.Errorf("Close: %v", cerr)
+		}
+		if cerr := src.Close(); cerr != nil { // a second Close is harmless
+			t.Errorf("second Close: %v", cerr)
+		}
 		if tc.err != nil {
 			if !errors.Is(err, tc.err) {
 				t.Errorf("%v: err = %v, want %v", tc.topics, err, tc.err)
