@@ -42,6 +42,29 @@ type Dialect interface {
 	// 0 means the database has already rolled the transaction back. ""
 	// when COMMIT itself fails for a transaction the database rolled back.
 	heldSQL(table qualifiedName) string
+
+	// expiredSQL returns the condition for the rows a purge deletes:
+	// processed_at older than the window (bind parameter 1, microseconds) by
+	// the database clock in UTC, and, when byConsumer, consumer = parameter 2.
+	// Purge and CountExpired share it, so a dry run counts exactly what a
+	// purge deletes.
+	expiredSQL(byConsumer bool) string
+	// purgeSQL returns one purge batch: a DELETE of at most the batch size
+	// (the parameter after expiredSQL's) expired rows, oldest first; on
+	// MySQL a non-locking SELECT of their keys instead (see purgeBatch).
+	purgeSQL(table qualifiedName, byConsumer bool) string
+	// oldestAgeSQL returns a query for the age of the oldest row, in
+	// microseconds by the database clock, NULL when the table is empty.
+	oldestAgeSQL(table qualifiedName) string
+	// estimateRowsSQL returns a cheap query for the table's row count (an
+	// estimate where the database keeps one); no row means no such table.
+	estimateRowsSQL(table qualifiedName) (string, []any)
+	// spanSQL returns a query for the smallest and largest processed_at, as
+	// Unix microseconds.
+	spanSQL(table qualifiedName) string
+	// sizeSQL returns a query for the table's size on disk with its indexes,
+	// in bytes.
+	sizeSQL(table qualifiedName) (string, []any)
 }
 
 // Exported dialects. Compare a Config.Dialect with them by equality.
@@ -191,6 +214,41 @@ func (postgresDialect) keyLockSQL() string { return "" }
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
 func (postgresDialect) heldSQL(qualifiedName) string { return "" }
 
+func (postgresDialect) expiredSQL(byConsumer bool) string {
+	where := "processed_at < now() - $1 * interval '1 microsecond'"
+	if byConsumer {
+		where += " AND consumer = $2"
+	}
+	return where
+}
+
+// A batch skips rows that live transactions hold (FOR UPDATE SKIP LOCKED).
+func (d postgresDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
+	q := t.quoted(d)
+	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
+		"SELECT consumer, message_id FROM " + q + " WHERE " + d.expiredSQL(byConsumer) +
+		" ORDER BY processed_at LIMIT " + batchParam("$", byConsumer) + " FOR UPDATE SKIP LOCKED)"
+}
+
+func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
+	return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+}
+
+// The planner's estimate (reltuples: -1 before the first ANALYZE on
+// PostgreSQL 14+, reported as 0).
+func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	return "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)", []any{t.quoted(d)}
+}
+
+func (d postgresDialect) spanSQL(t qualifiedName) string {
+	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), " +
+		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+}
+
+func (d postgresDialect) sizeSQL(t qualifiedName) (string, []any) {
+	return "SELECT pg_total_relation_size(to_regclass($1))", []any{t.quoted(d)}
+}
+
 type postgresPartitionedDialect struct{ postgresDialect }
 
 func (postgresPartitionedDialect) String() string { return "postgres-partitioned" }
@@ -205,6 +263,18 @@ func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
 }
 
 func (postgresPartitionedDialect) keyLockSQL() string { return "SELECT pg_advisory_xact_lock($1)" }
+
+// Summed over the partitions: the parent holds no rows.
+func (d postgresPartitionedDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	return `SELECT COALESCE(SUM(GREATEST(c.reltuples, 0)), 0)::bigint FROM pg_inherits i
+			JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
+			HAVING to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
+}
+
+func (d postgresPartitionedDialect) sizeSQL(t qualifiedName) (string, []any) {
+	return "SELECT COALESCE(SUM(pg_total_relation_size(inhrelid)), 0) FROM pg_inherits WHERE inhparent = to_regclass($1)",
+		[]any{t.quoted(d)}
+}
 
 func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
 	// No purge index: purging drops whole partitions. The primary key, led
@@ -282,6 +352,51 @@ func (d mysqlDialect) heldSQL(t qualifiedName) string {
 	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE"
 }
 
+func (mysqlDialect) expiredSQL(byConsumer bool) string {
+	where := "processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+	if byConsumer {
+		where += " AND consumer = ?"
+	}
+	return where
+}
+
+// Not a DELETE: the batch's keys, by a non-locking consistent read of the
+// processed_at index (see purgeBatch).
+func (d mysqlDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
+	return "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(byConsumer) +
+		" ORDER BY processed_at LIMIT ?"
+}
+
+func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
+	return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
+}
+
+// mysqlTableWhere is the information_schema.tables condition for t and its
+// arguments: the current database unless t names its schema.
+func mysqlTableWhere(t qualifiedName) (string, []any) {
+	if t.schema != "" {
+		return "table_schema = ? AND table_name = ?", []any{t.schema, t.name}
+	}
+	return "table_schema = DATABASE() AND table_name = ?", []any{t.name}
+}
+
+// InnoDB's estimate, which can be off by 40-50 %.
+func (mysqlDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	where, args := mysqlTableWhere(t)
+	return "SELECT COALESCE(table_rows, 0) FROM information_schema.tables WHERE " + where, args
+}
+
+// processed_at holds UTC: arithmetic from the epoch, no CONVERT_TZ.
+func (d mysqlDialect) spanSQL(t qualifiedName) string {
+	return "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(processed_at)), " +
+		"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)) FROM " + t.quoted(d)
+}
+
+func (mysqlDialect) sizeSQL(t qualifiedName) (string, []any) {
+	where, args := mysqlTableWhere(t)
+	return "SELECT data_length + index_length FROM information_schema.tables WHERE " + where, args
+}
+
 type sqliteDialect struct{}
 
 func (sqliteDialect) String() string            { return "sqlite" }
@@ -329,6 +444,50 @@ func (sqliteDialect) keyLockSQL() string { return "" }
 // A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
 // makes COMMIT fail: no transaction is active.
 func (sqliteDialect) heldSQL(qualifiedName) string { return "" }
+
+func (sqliteDialect) expiredSQL(byConsumer bool) string {
+	where := "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1"
+	if byConsumer {
+		where += " AND consumer = ?2"
+	}
+	return where
+}
+
+// WITHOUT ROWID, so the batch is chosen by primary key.
+func (d sqliteDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
+	q := t.quoted(d)
+	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
+		"SELECT consumer, message_id FROM " + q + " WHERE " + d.expiredSQL(byConsumer) +
+		" ORDER BY processed_at LIMIT " + batchParam("?", byConsumer) + ")"
+}
+
+func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
+	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
+}
+
+// SQLite keeps no estimate: an exact count (SQLite tables are expected to be
+// small enough).
+func (d sqliteDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	return "SELECT COUNT(*) FROM " + t.quoted(d), nil
+}
+
+func (d sqliteDialect) spanSQL(t qualifiedName) string {
+	return "SELECT MIN(processed_at), MAX(processed_at) FROM " + t.quoted(d)
+}
+
+// The whole database file.
+func (sqliteDialect) sizeSQL(qualifiedName) (string, []any) {
+	return "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()", nil
+}
+
+// batchParam is the numbered placeholder (prefix "$" or "?") of the batch
+// size, the bind parameter after expiredSQL's.
+func batchParam(prefix string, byConsumer bool) string {
+	if byConsumer {
+		return prefix + "3"
+	}
+	return prefix + "2"
+}
 
 // isPostgres reports whether d is one of the PostgreSQL dialects.
 func isPostgres(d Dialect) bool { return d == PostgreSQL || d == PostgreSQLPartitioned }

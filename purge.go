@@ -214,54 +214,11 @@ func purgeRetryable(err error) bool { return isConflict(err) }
 // purgeStatement returns one batch's DELETE and its arguments: the window
 // in microseconds, the batch size and, when set, the consumer.
 func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consumer string) (string, []any) {
-	q := t.quoted(d)
 	args := []any{window}
 	if consumer != "" {
 		args = append(args, consumer)
 	}
-	switch d {
-	case PostgreSQL, PostgreSQLPartitioned:
-		return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
-			"SELECT consumer, message_id FROM " + q + " WHERE " + expiredWhere(d, consumer != "") +
-			" ORDER BY processed_at LIMIT " + batchParam(d, len(args)) + " FOR UPDATE SKIP LOCKED)", append(args, batch)
-	case MySQL:
-		// Not a DELETE: the batch's keys, by a non-locking consistent read
-		// of the processed_at index (see purgeBatch).
-		return "SELECT consumer, message_id FROM " + q + " WHERE " + expiredWhere(d, consumer != "") +
-			" ORDER BY processed_at LIMIT ?", append(args, batch)
-	default: // SQLite: WITHOUT ROWID, so the batch is chosen by primary key.
-		return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
-			"SELECT consumer, message_id FROM " + q + " WHERE " + expiredWhere(d, consumer != "") +
-			" ORDER BY processed_at LIMIT " + batchParam(d, len(args)) + ")", append(args, batch)
-	}
-}
-
-// expiredWhere is the condition for the rows a purge deletes, shared with
-// CountExpired so that a dry run counts exactly what a purge would delete:
-// processed_at older than the window (bind parameter 1, microseconds) by
-// the database clock in UTC, and, when byConsumer, consumer = parameter 2.
-func expiredWhere(d Dialect, byConsumer bool) string {
-	var where, consumer string
-	switch d {
-	case PostgreSQL, PostgreSQLPartitioned:
-		where, consumer = "processed_at < now() - $1 * interval '1 microsecond'", "$2"
-	case MySQL:
-		where, consumer = "processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND", "?"
-	default:
-		where, consumer = "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1", "?2"
-	}
-	if byConsumer {
-		where += " AND consumer = " + consumer
-	}
-	return where
-}
-
-// batchParam is the placeholder of bind parameter n+1 (after expiredWhere's n).
-func batchParam(d Dialect, n int) string {
-	if isPostgres(d) {
-		return fmt.Sprintf("$%d", n+1)
-	}
-	return fmt.Sprintf("?%d", n+1)
+	return d.purgeSQL(t, consumer != ""), append(args, batch)
 }
 
 // purgeBatch runs one batch in its own transaction and returns the rows it
@@ -324,7 +281,7 @@ func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, quer
 			// and a late redelivery claimed afresh since the read above is
 			// young now, and must stay.
 			query := "DELETE FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id IN (?" +
-				strings.Repeat(", ?", len(chunk)-1) + ") AND " + expiredWhere(d, false)
+				strings.Repeat(", ?", len(chunk)-1) + ") AND " + d.expiredSQL(false)
 			stmtArgs := append(append([]any{c}, chunk...), args[0]) // args[0]: the window
 			res, err := tx.ExecContext(ctx, query, stmtArgs...)
 			if err != nil {

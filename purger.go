@@ -96,7 +96,7 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 	table, _ := parseTableName(cfg.Purge.Table)
 	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect}
 	p.cfg.Logger = cfg.Logger.With(watermill.LogFields{"table": table.String()})
-	p.oldest = oldestAgeSQL(p.dialect, table)
+	p.oldest = p.dialect.oldestAgeSQL(table)
 	return p, nil
 }
 
@@ -309,21 +309,6 @@ func unlockPurge(conn *sqlx.Conn, d Dialect, key int64) error {
 		_ = conn.Raw(func(any) error { return errBadConn })
 	}
 	return err
-}
-
-// oldestAgeSQL returns a query for the age of the oldest row in table, in
-// microseconds by the database clock, or NULL when the table is empty. It
-// reads the first entry of the processed_at index.
-func oldestAgeSQL(d Dialect, t qualifiedName) string {
-	q := t.quoted(d)
-	switch d {
-	case PostgreSQL, PostgreSQLPartitioned:
-		return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + q
-	case MySQL:
-		return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + q
-	default:
-		return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + q
-	}
 }
 
 // errBadConn makes database/sql discard a connection (driver.ErrBadConn).

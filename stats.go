@@ -22,24 +22,7 @@ func EstimateRows(ctx context.Context, db *sqlx.DB, d Dialect, table string) (in
 	if err != nil {
 		return 0, err
 	}
-	var query string
-	var args []any
-	switch d {
-	case PostgreSQL:
-		query, args = "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)", []any{t.quoted(d)}
-	case PostgreSQLPartitioned:
-		query, args = `SELECT COALESCE(SUM(GREATEST(c.reltuples, 0)), 0)::bigint FROM pg_inherits i
-			JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
-			HAVING to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
-	case MySQL:
-		schema, where := "DATABASE()", []any{t.name}
-		if t.schema != "" {
-			schema, where = "?", []any{t.schema, t.name}
-		}
-		query, args = "SELECT COALESCE(table_rows, 0) FROM information_schema.tables WHERE table_schema = "+schema+" AND table_name = ?", where
-	default:
-		query = "SELECT COUNT(*) FROM " + t.quoted(d)
-	}
+	query, args := d.estimateRowsSQL(t)
 	var n int64
 	if err := db.QueryRowxContext(ctx, query, args...).Scan(&n); err != nil {
 		if err == sql.ErrNoRows {
@@ -89,15 +72,7 @@ func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStat
 		st.Rows += r.N
 	}
 	// Oldest and newest, as Unix microseconds in every dialect.
-	var span string
-	switch d {
-	case PostgreSQL, PostgreSQLPartitioned:
-		span = "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + q
-	case MySQL: // processed_at holds UTC; CONVERT_TZ-free arithmetic from the epoch
-		span = "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(processed_at)), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)) FROM " + q
-	default:
-		span = "SELECT MIN(processed_at), MAX(processed_at) FROM " + q
-	}
+	span := d.spanSQL(t)
 	var lo, hi sql.NullInt64
 	if err := db.QueryRowxContext(ctx, span).Scan(&lo, &hi); err != nil {
 		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
@@ -106,23 +81,7 @@ func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStat
 		st.Oldest, st.Newest = time.UnixMicro(lo.Int64).UTC(), time.UnixMicro(hi.Int64).UTC()
 	}
 	var size sql.NullInt64
-	var sizeSQL string
-	var args []any
-	switch d {
-	case PostgreSQL:
-		sizeSQL, args = "SELECT pg_total_relation_size(to_regclass($1))", []any{q}
-	case PostgreSQLPartitioned:
-		sizeSQL, args = "SELECT COALESCE(SUM(pg_total_relation_size(inhrelid)), 0) FROM pg_inherits WHERE inhparent = to_regclass($1)", []any{q}
-	case MySQL:
-		schema := "DATABASE()"
-		args = []any{t.name}
-		if t.schema != "" {
-			schema, args = "?", []any{t.schema, t.name}
-		}
-		sizeSQL = "SELECT data_length + index_length FROM information_schema.tables WHERE table_schema = " + schema + " AND table_name = ?"
-	default:
-		sizeSQL = "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()"
-	}
+	sizeSQL, args := d.sizeSQL(t)
 	if err := db.QueryRowxContext(ctx, sizeSQL, args...).Scan(&size); err == nil && size.Valid {
 		st.SizeBytes = size.Int64
 	}
@@ -143,7 +102,7 @@ func CountExpired(ctx context.Context, cfg PurgeConfig) (int64, error) {
 		return 0, fmt.Errorf("inbox: count expired in %s: %w", t, err)
 	}
 	q := t.quoted(cfg.Dialect)
-	where := expiredWhere(cfg.Dialect, cfg.Consumer != "")
+	where := cfg.Dialect.expiredSQL(cfg.Consumer != "")
 	args := []any{cfg.OlderThan.Microseconds()}
 	if cfg.Consumer != "" {
 		args = append(args, cfg.Consumer)
