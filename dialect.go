@@ -224,10 +224,7 @@ func (postgresDialect) expiredSQL(byConsumer bool) string {
 
 // A batch skips rows that live transactions hold (FOR UPDATE SKIP LOCKED).
 func (d postgresDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	q := t.quoted(d)
-	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
-		"SELECT consumer, message_id FROM " + q + " WHERE " + d.expiredSQL(byConsumer) +
-		" ORDER BY processed_at LIMIT " + batchParam("$", byConsumer) + " FOR UPDATE SKIP LOCKED)"
+	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("$", byConsumer), " FOR UPDATE SKIP LOCKED")
 }
 
 func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
@@ -455,10 +452,7 @@ func (sqliteDialect) expiredSQL(byConsumer bool) string {
 
 // WITHOUT ROWID, so the batch is chosen by primary key.
 func (d sqliteDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	q := t.quoted(d)
-	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
-		"SELECT consumer, message_id FROM " + q + " WHERE " + d.expiredSQL(byConsumer) +
-		" ORDER BY processed_at LIMIT " + batchParam("?", byConsumer) + ")"
+	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("?", byConsumer), "")
 }
 
 func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
@@ -478,6 +472,15 @@ func (d sqliteDialect) spanSQL(t qualifiedName) string {
 // The whole database file.
 func (sqliteDialect) sizeSQL(qualifiedName) (string, []any) {
 	return "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()", nil
+}
+
+// deleteOldestSQL is a DELETE of the oldest rows of the quoted table q that
+// match where, at most limit (a placeholder) of them, chosen by primary key
+// with the row-locking clause lock ("" for none).
+func deleteOldestSQL(q, where, limit, lock string) string {
+	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
+		"SELECT consumer, message_id FROM " + q + " WHERE " + where +
+		" ORDER BY processed_at LIMIT " + limit + lock + ")"
 }
 
 // batchParam is the numbered placeholder (prefix "$" or "?") of the batch
