@@ -10,12 +10,9 @@ import (
 
 // TestMain fails the run if a goroutine is still running once every test
 // has ended: each test must close what it started (publishers,
-// subscribers, pools). The suite's shared database is closed first.
+// subscribers, pools).
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if shared != nil {
-		shared.Close()
-	}
 	if code == 0 {
 		if err := goleak.Find(
 			// Watermill's universal suite (TestConsumerGroups) wraps our

@@ -1,7 +1,6 @@
 package sqliteoutbox_test
 
 import (
-	"os"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -18,39 +17,56 @@ import (
 )
 
 // subscriberParams are the recommended SQLite settings without
-// _txlock=immediate, as subscribers need, and with a busy_timeout of 60 s:
-// the suite's concurrent tests (20 topics published and subscribed at once)
-// keep SQLite's only write lock so busy that, on a loaded machine, a schema
-// creation lost every poll for 10 s and failed with SQLITE_BUSY (see the
-// package doc). SQLite does not queue writers.
+// _txlock=immediate, as subscribers need, and with a busy_timeout of 60 s
+// (see the package doc: SQLite does not queue writers).
 const subscriberParams = "_journal_mode=WAL&_busy_timeout=60000&_synchronous=NORMAL"
 
-// shared is one database for the whole suite: its tests make publishers and
-// subscribers with separate constructor calls and expect them to meet (each
-// test uses its own topics).
+// testDBs holds one database file per test of the suite, keyed by the name
+// of the *testing.T that Watermill's suite passes to every constructor call
+// of one test: its publishers and subscribers meet there, and no other test
+// writes to it. SQLite has one write lock per file; with one file for the
+// whole suite, twenty parallel tests competed for it, and a schema creation
+// (which watermill-sql does not retry) could fail with SQLITE_BUSY on a
+// loaded CI machine. Applications give each SQLite database to one
+// process's outbox for the same reason (package doc).
 var (
-	sharedOnce sync.Once
-	shared     *sqlx.DB
+	testDBsMu sync.Mutex
+	testDBs   = map[string]*sqlx.DB{}
 )
 
-func sharedDB(t *testing.T) *sqlx.DB {
-	sharedOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "sqliteoutbox")
-		if err != nil {
-			t.Fatal(err)
+func testDB(t *testing.T) *sqlx.DB {
+	testDBsMu.Lock()
+	defer testDBsMu.Unlock()
+	if db, ok := testDBs[t.Name()]; ok {
+		return db
+	}
+	// Deferred transactions for the subscribers (see the package doc).
+	db, err := sqlx.Open("sqlite", "file:"+filepath.Join(t.TempDir(), "pubsub.db")+"?"+subscriberParams)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first connection switches the new file to WAL; connections that
+	// open during that switch fail with SQLITE_BUSY, busy_timeout or not.
+	if err := db.Ping(); err != nil {
+		db.Close()
+		t.Fatal(err)
+	}
+	testDBs[t.Name()] = db
+	// Registered before the publishers' and subscribers' cleanups, so it
+	// runs after them.
+	t.Cleanup(func() {
+		testDBsMu.Lock()
+		delete(testDBs, t.Name())
+		testDBsMu.Unlock()
+		if err := db.Close(); err != nil {
+			t.Errorf("closing the test database: %v", err)
 		}
-		// Deferred transactions for the subscribers (see the package doc).
-		db, err := sqlx.Open("sqlite", "file:"+filepath.Join(dir, "pubsub.db")+"?"+subscriberParams)
-		if err != nil {
-			t.Fatal(err)
-		}
-		shared = db
 	})
-	return shared
+	return db
 }
 
 func newPubSub(t *testing.T, consumerGroup string) (message.Publisher, message.Subscriber) {
-	db := sharedDB(t)
+	db := testDB(t)
 	logger := watermill.NopLogger{}
 	pub, err := wsql.NewPublisher(db, wsql.PublisherConfig{
 		SchemaAdapter:        sqliteoutbox.SchemaAdapter{},
@@ -81,7 +97,8 @@ func newPubSub(t *testing.T, consumerGroup string) (message.Publisher, message.S
 }
 
 // Watermill's universal pub/sub suite, as watermill-sql runs it for its
-// MySQL and PostgreSQL adapters. Each test gets its own database file.
+// MySQL and PostgreSQL adapters. Each test gets its own database file
+// (testDB).
 func TestPublishSubscribe(t *testing.T) {
 	tests.TestPubSub(t,
 		tests.Features{
