@@ -285,6 +285,37 @@ func (d *faultDB) terminate(ctx context.Context, pid int) error {
 	})
 }
 
+// killMySQL kills the MySQL/MariaDB session id with KILL CONNECTION, which
+// must be a session of the pool (checked by the local port of its TCP
+// connection, so the test can never kill anybody else's), and waits until
+// the server has let it go.
+func (d *faultDB) killMySQL(ctx context.Context, id int64) error {
+	ports := d.ports.list()
+	if len(ports) == 0 {
+		return errors.New("the pool has opened no connection")
+	}
+	q, args, err := sqlx.In(`SELECT COUNT(*) FROM information_schema.processlist
+		WHERE ID = ? AND SUBSTRING_INDEX(HOST, ':', -1) IN (?)`, id, ports)
+	if err != nil {
+		return err
+	}
+	var n int
+	if err := d.ctl.GetContext(ctx, &n, q, args...); err != nil {
+		return err
+	}
+	if n != 1 {
+		return fmt.Errorf("session %d is not one of the pool's (ports %v)", id, ports)
+	}
+	if _, err := d.ctl.ExecContext(ctx, "KILL CONNECTION "+strconv.FormatInt(id, 10)); err != nil {
+		return err
+	}
+	return poll(ctx, d.every(), func() (bool, error) {
+		var n int
+		err := d.ctl.GetContext(ctx, &n, "SELECT COUNT(*) FROM information_schema.processlist WHERE ID = ?", id)
+		return n == 0, err
+	})
+}
+
 // poll calls cond every `every` until it reports true, fails, or ctx ends.
 func poll(ctx context.Context, every time.Duration, cond func() (bool, error)) error {
 	for {
@@ -940,6 +971,100 @@ func TestFaultBackendTerminated(t *testing.T) {
 			}
 			if n := len(e.nacks()); n != len(victims) {
 				t.Errorf("%d nacks, want exactly the %d faulted attempts: a dead connection was reused", n, len(victims))
+			}
+			e.checkExactlyOnce(ids(msgs))
+		})
+	}
+}
+
+// TestFaultMySQLConnectionKilled is TestFaultBackendTerminated on
+// MySQL/MariaDB: KILL CONNECTION from another session ends the session of a
+// message's transaction after the handler wrote its row, three ways:
+//
+//   - "before a statement": the handler's next statement fails, and the
+//     handler returns that error;
+//   - "statement error swallowed": the same, but the handler ignores the
+//     error and returns nil;
+//   - "before COMMIT": the handler returns nil, and the middleware's
+//     pre-commit check of its claim (SELECT ... FOR UPDATE, MySQL only)
+//     meets the dead session.
+//
+// The server rolls the killed session's transaction back (InnoDB). Each is a
+// nack that IsTransient accepts, never an ack; database/sql drops the dead
+// connection (no other delivery of the stream fails), and the redelivery
+// processes the message once. There is no "during COMMIT" variant: MySQL has
+// no deferred trigger to hold a COMMIT at a known point.
+func TestFaultMySQLConnectionKilled(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"mysql", "mysql-clientFoundRows"} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			d := openFaultDB(t, kind, "")
+			ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+			defer cancel()
+
+			const (
+				beforeStatement = "before a statement"
+				swallowed       = "statement error swallowed"
+				beforeCommit    = "before COMMIT"
+			)
+			msgs := newMessages(100)
+			victims := map[string]string{ // message UUID -> how its session dies
+				msgs[10].UUID: beforeStatement,
+				msgs[40].UUID: swallowed,
+				msgs[70].UUID: beforeCommit,
+			}
+			var e *faultEnv
+			e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+				mctx := msg.Context()
+				how := victims[msg.UUID]
+				if attempt != 1 {
+					how = ""
+				}
+				if err := e.ledgerRow(msg, tx, attempt, false); err != nil {
+					return err
+				}
+				if how == "" {
+					return nil
+				}
+				var id int64
+				if err := tx.GetContext(mctx, &id, "SELECT CONNECTION_ID()"); err != nil {
+					return err
+				}
+				if err := d.killMySQL(ctx, id); err != nil {
+					t.Errorf("kill: %v", err)
+				}
+				switch how {
+				case beforeStatement, swallowed:
+					_, err := tx.ExecContext(mctx, "SELECT 1")
+					if err == nil {
+						return errors.New("a statement succeeded on a killed session")
+					}
+					if how == swallowed {
+						return nil
+					}
+					return fmt.Errorf("after the session was killed: %w", err)
+				}
+				return nil // beforeCommit: the middleware's check and COMMIT meet the dead session
+			})
+
+			e.stream(ctx, msgs, 4)
+
+			for _, msg := range msgs {
+				how, ok := victims[msg.UUID]
+				if !ok {
+					continue
+				}
+				err := e.wantFaultNacked(msg, 1, "killed "+how)
+				if how != beforeStatement && !strings.Contains(errText(err), "inbox: commit") {
+					t.Errorf("killed %s: got %s, want the pre-commit check's error", how, describeErr(err))
+				}
+				if n := len(e.deliveries(msg.UUID)); n != 2 {
+					t.Errorf("killed %s: %d deliveries, want 2", how, n)
+				}
+			}
+			if n := len(e.nacks()); n != len(victims) {
+				t.Errorf("%d nacks, want exactly the %d faulted attempts: a dead connection was reused%s", n, len(victims), e.nackSummary())
 			}
 			e.checkExactlyOnce(ids(msgs))
 		})
