@@ -231,3 +231,38 @@ func TestDuplicateLoggingAndHooks(t *testing.T) {
 		t.Errorf("hook events = %+v", events)
 	}
 }
+
+// New refuses the isolation levels a database's driver refuses at every
+// BEGIN (with an error that carries no server code, which IsTransient would
+// take for a lost connection), and accepts those the driver runs: checked
+// against the real drivers, so the rule follows them.
+func TestIsolationLevelsMatchTheDrivers(t *testing.T) {
+	t.Parallel()
+	levels := []sql.IsolationLevel{
+		sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelWriteCommitted,
+		sql.LevelRepeatableRead, sql.LevelSnapshot, sql.LevelSerializable, sql.LevelLinearizable,
+	}
+	for _, tdb := range testdb.All {
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			continue // READ COMMITTED only, a rule of its own (TestCaseSameMessageTwoWorkersSnapshotIsolation)
+		}
+		t.Run(tdb.Name, func(t *testing.T) {
+			t.Parallel()
+			db := tdb.Open(t)
+			for _, level := range levels {
+				opts := &sql.TxOptions{Isolation: level}
+				_, newErr := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, TxOptions: opts})
+				tx, beginErr := db.BeginTx(context.Background(), opts)
+				if beginErr == nil {
+					tx.Rollback()
+				}
+				if (newErr == nil) != (beginErr == nil) {
+					t.Errorf("%v: New: %v; the driver's BEGIN: %v", level, newErr, beginErr)
+				}
+				if newErr != nil && !errors.Is(newErr, inbox.ErrInvalidConfig) {
+					t.Errorf("%v: New: %v, want ErrInvalidConfig", level, newErr)
+				}
+			}
+		})
+	}
+}

@@ -20,6 +20,7 @@ package inbox_test
 // by the test's context.
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
@@ -52,6 +53,9 @@ import (
 const (
 	restartClusterEnv = "INBOX_TEST_RESTART_PG_CLUSTER" // "15/inboxfaults": VERSION/NAME for pg_ctlcluster
 	restartDSNEnv     = "INBOX_TEST_RESTART_PG_DSN"     // a DSN of that cluster
+
+	restartMySQLCmdEnv = "INBOX_TEST_RESTART_MYSQL_CMD" // a command that restarts a throwaway MariaDB server
+	restartMySQLDSNEnv = "INBOX_TEST_RESTART_MYSQL_DSN" // a DSN of that server
 )
 
 // faultTimeout bounds one fault test's stream: a fault that makes the
@@ -134,6 +138,13 @@ func (p *portsSeen) list() []string {
 // server shows them in information_schema.processlist.HOST.
 func openTrackedMySQL(t *testing.T, dsn, netName string, ports *portsSeen) *sqlx.DB {
 	t.Helper()
+	return openWrappedMySQL(t, dsn, netName, ports, nil)
+}
+
+// openWrappedMySQL is openTrackedMySQL whose connections are wrap(c) when
+// wrap is not nil.
+func openWrappedMySQL(t *testing.T, dsn, netName string, ports *portsSeen, wrap func(net.Conn) net.Conn) *sqlx.DB {
+	t.Helper()
 	cfg, err := mysql.ParseDSN(dsn)
 	if err != nil {
 		t.Fatal(err)
@@ -146,6 +157,9 @@ func openTrackedMySQL(t *testing.T, dsn, netName string, ports *portsSeen) *sqlx
 		c, err := d.DialContext(ctx, "tcp", addr)
 		if err == nil {
 			ports.add(c)
+			if wrap != nil {
+				c = wrap(c)
+			}
 		}
 		return c, err
 	})
@@ -1071,6 +1085,99 @@ func TestFaultMySQLConnectionKilled(t *testing.T) {
 	}
 }
 
+// commitDropMarker, in a query, arms the commitDropConn it is sent on.
+const commitDropMarker = "inbox-fault: drop the connection after COMMIT"
+
+// commitDropConn is a MySQL client connection that, once armed, passes the
+// next COMMIT to the server and closes the socket right after it, before the
+// server's reply can be read: the server commits (it reads the COMMIT before
+// it sees the connection close), and the client cannot know that it did.
+type commitDropConn struct {
+	net.Conn
+	armed   atomic.Bool
+	dropped *atomic.Int32
+}
+
+// comQueryCommit is the payload of go-sql-driver's COMMIT: a COM_QUERY
+// (0x03) packet with the text COMMIT, after the 4-byte packet header.
+var comQueryCommit = []byte("\x03COMMIT")
+
+func (c *commitDropConn) Write(p []byte) (int, error) {
+	if bytes.Contains(p, []byte(commitDropMarker)) {
+		c.armed.Store(true)
+	}
+	n, err := c.Conn.Write(p)
+	if err == nil && len(p) == 4+len(comQueryCommit) && bytes.Equal(p[4:], comQueryCommit) && c.armed.CompareAndSwap(true, false) {
+		c.dropped.Add(1)
+		c.Conn.Close()
+	}
+	return n, err
+}
+
+// TestFaultMySQLCommitInDoubt loses the connection of a few messages'
+// transactions right after their COMMIT was sent (commitDropConn): the
+// server commits, and go-sql-driver reports only "invalid connection", an
+// error with no MySQL error number. The middleware must nack it (never ack
+// what it cannot know committed) with an error IsTransient accepts, and the
+// redelivery must find the message processed and skip it as a duplicate.
+// Every message ends with exactly one business row.
+func TestFaultMySQLCommitInDoubt(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+	defer cancel()
+	d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
+	d.ctl = testdb.OpenMySQL(t, "")
+	var dropped atomic.Int32
+	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
+		return &commitDropConn{Conn: c, dropped: &dropped}
+	})
+
+	msgs := newMessages(60)
+	victims := map[string]bool{msgs[5].UUID: true, msgs[25].UUID: true, msgs[45].UUID: true}
+	var e *faultEnv
+	e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+		if err := e.ledgerRow(msg, tx, attempt, false); err != nil {
+			return err
+		}
+		if victims[msg.UUID] && attempt == 1 {
+			var s string
+			return tx.GetContext(msg.Context(), &s, "SELECT '"+commitDropMarker+"'")
+		}
+		return nil
+	})
+	e.stream(ctx, msgs, 4)
+
+	if n := int(dropped.Load()); n != len(victims) {
+		t.Errorf("%d connections dropped after COMMIT, want %d", n, len(victims))
+	}
+	perMessage := e.checkDeliveries()
+	for _, msg := range msgs {
+		if !victims[msg.UUID] {
+			if perMessage[msg.UUID] != 1 {
+				t.Errorf("message %s: %d deliveries committed, want 1", msg.UUID, perMessage[msg.UUID])
+			}
+			continue
+		}
+		err := e.wantFaultNacked(msg, 1, "COMMIT in doubt")
+		if !strings.Contains(errText(err), "inbox: commit") || mysqlNumber(err) != 0 {
+			t.Errorf("COMMIT in doubt: got %s, want the COMMIT's error without a MySQL error number", describeErr(err))
+		}
+		ds := e.deliveries(msg.UUID)
+		// The server committed the first attempt: the redelivery is a
+		// duplicate. (Had it rolled back, the redelivery would process it:
+		// also exactly once, and checkRows would hold; but then this test
+		// would not have tested a COMMIT in doubt.)
+		if len(ds) != 2 || ds[1].outcome != "duplicate" || perMessage[msg.UUID] != 0 {
+			t.Errorf("COMMIT in doubt, message %s: deliveries %+v; want a nack, then a duplicate", msg.UUID, ds)
+		}
+	}
+	if n := len(e.nacks()); n != len(victims) {
+		t.Errorf("%d nacks, want exactly the %d in doubt%s", n, len(victims), e.nackSummary())
+	}
+	e.checkRows(ids(msgs))
+	d.checkNoLeaks(t)
+}
+
 // TestFaultStatementTimeout makes one handler statement of a few messages
 // exceed a statement timeout on their first attempt: PostgreSQL with SET
 // LOCAL statement_timeout (SQLSTATE 57014, query_canceled), MariaDB with SET
@@ -1507,37 +1614,60 @@ func TestFaultMySQLDeadlock(t *testing.T) {
 	}
 }
 
-// TestFaultServerRestart restarts a PostgreSQL server (pg_ctlcluster restart
-// -m fast) while 200 messages flow, six at a time. When 60 have committed,
-// the next four handlers hold their open transactions until the restart has
+// TestFaultServerRestart restarts a database server while 200 messages
+// flow, six at a time: PostgreSQL (pg_ctlcluster restart -m fast) and
+// MariaDB (mysqladmin shutdown, then start). When 60 have committed, the
+// next four handlers hold their open transactions until the restart has
 // finished, so four messages are certainly in flight when the server goes
 // down; the other two workers keep delivering into the outage (connection
-// refused, the database system is shutting down / starting up). Every
-// failed attempt must be a nack with a transient error, no message may be
-// acked unless its transaction committed (or found it already committed),
-// and all end processed exactly once.
+// refused, the server shutting down or starting up). Every failed attempt
+// must be a nack with a transient error, no message may be acked unless its
+// transaction committed (or found it already committed), and all end
+// processed exactly once.
 //
-// It restarts a real server, so it needs one of its own: it runs only when
-// INBOX_TEST_RESTART_PG_CLUSTER (VERSION/NAME, for pg_ctlcluster) and
-// INBOX_TEST_RESTART_PG_DSN are set; .ci/restart-cluster creates and starts
-// such a throwaway cluster. Never point it at a shared one.
+// It restarts a real server, so it needs one of its own, and each variant
+// runs only when its environment names one: INBOX_TEST_RESTART_PG_CLUSTER
+// (VERSION/NAME, for pg_ctlcluster) and INBOX_TEST_RESTART_PG_DSN, which
+// .ci/restart-cluster creates and starts; INBOX_TEST_RESTART_MYSQL_CMD (a
+// command that restarts the server) and INBOX_TEST_RESTART_MYSQL_DSN, which
+// .ci/restart-mariadb provides. Never point them at a shared server.
 func TestFaultServerRestart(t *testing.T) {
-	cluster, dsn := os.Getenv(restartClusterEnv), os.Getenv(restartDSNEnv)
-	if cluster == "" || dsn == "" {
-		t.Skipf("restarts a PostgreSQL server: run .ci/restart-cluster, then set %s=15/inboxfaults and %s=postgres://postgres@127.0.0.1:5439/test?sslmode=disable",
-			restartClusterEnv, restartDSNEnv)
-	}
-	version, name, ok := strings.Cut(cluster, "/")
-	if !ok {
-		t.Fatalf("%s=%q, want VERSION/NAME", restartClusterEnv, cluster)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	sfx := randomSuffix()
-	d := &faultDB{dialect: inbox.PostgreSQL, app: "inbox_faults_" + sfx}
-	d.ctl = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name=inbox_faults_ctl_"+sfx))
-	d.pool = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name="+d.app))
+	t.Run("postgres", func(t *testing.T) {
+		cluster, dsn := os.Getenv(restartClusterEnv), os.Getenv(restartDSNEnv)
+		if cluster == "" || dsn == "" {
+			t.Skipf("restarts a PostgreSQL server: run .ci/restart-cluster, then set %s=15/inboxfaults and %s=postgres://postgres@127.0.0.1:5439/test?sslmode=disable",
+				restartClusterEnv, restartDSNEnv)
+		}
+		version, name, ok := strings.Cut(cluster, "/")
+		if !ok {
+			t.Fatalf("%s=%q, want VERSION/NAME", restartClusterEnv, cluster)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		sfx := randomSuffix()
+		d := &faultDB{dialect: inbox.PostgreSQL, app: "inbox_faults_" + sfx}
+		d.ctl = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name=inbox_faults_ctl_"+sfx))
+		d.pool = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name="+d.app))
+		serverRestart(ctx, t, d, osexec.CommandContext(ctx, "pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast"))
+	})
+	t.Run("mysql", func(t *testing.T) {
+		command, dsn := os.Getenv(restartMySQLCmdEnv), os.Getenv(restartMySQLDSNEnv)
+		if command == "" || dsn == "" {
+			t.Skipf(`restarts a MariaDB server: run .ci/restart-mariadb start, then set %s="$PWD/.ci/restart-mariadb restart" and %s="root@tcp(127.0.0.1:3309)/test?parseTime=true"`,
+				restartMySQLCmdEnv, restartMySQLDSNEnv)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
+		d.ctl = openMySQLDSN(ctx, t, dsn)
+		d.pool = openTrackedMySQL(t, dsn, "inbox_faults_restart_"+randomSuffix(), d.ports)
+		args := strings.Fields(command)
+		serverRestart(ctx, t, d, osexec.CommandContext(ctx, args[0], args[1:]...))
+	})
+}
 
+// serverRestart is TestFaultServerRestart on d, whose server restart runs.
+func serverRestart(ctx context.Context, t *testing.T, d *faultDB, restart *osexec.Cmd) {
 	const inFlight = 4
 	msgs := newMessages(200)
 	var processed atomic.Int32
@@ -1566,10 +1696,9 @@ func TestFaultServerRestart(t *testing.T) {
 			restartErr <- fmt.Errorf("waiting for %d messages in flight: %w", inFlight, err)
 			return
 		}
-		cmd := osexec.CommandContext(ctx, "pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast")
-		out, err := cmd.CombinedOutput()
+		out, err := restart.CombinedOutput()
 		if err != nil {
-			err = fmt.Errorf("pg_ctlcluster restart: %v: %s", err, out)
+			err = fmt.Errorf("%s: %v: %s", restart, err, out)
 		}
 		restartErr <- err
 	}()
@@ -1632,6 +1761,21 @@ func TestFaultServerRestart(t *testing.T) {
 
 // openPostgresDSN opens a pool of at most 8 connections on dsn, which must
 // be reachable.
+// openMySQLDSN opens the throwaway MariaDB server at dsn.
+func openMySQLDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
+	t.Helper()
+	db, err := sqlx.Open("mysql", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(8)
+	if err := db.PingContext(ctx); err != nil {
+		t.Fatalf("%s: %v (is the throwaway server running? .ci/restart-mariadb start starts it)", restartMySQLDSNEnv, err)
+	}
+	return db
+}
+
 func openPostgresDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
 	t.Helper()
 	db, err := sqlx.Open("pgx", dsn)

@@ -68,9 +68,11 @@ type Config struct {
 	// at REPEATABLE READ or SERIALIZABLE on PostgreSQL a concurrent duplicate
 	// fails with a serialization error (SQLSTATE 40001) instead of being
 	// skipped: the message is nacked and its redelivery is skipped (IsTransient
-	// reports such errors). ReadOnly must be false, and with
-	// PostgreSQLPartitioned the isolation must be READ COMMITTED (or the
-	// default): New refuses anything else with ErrInvalidConfig.
+	// reports such errors). ReadOnly must be false; the isolation must be
+	// one the database runs (on MySQL/MariaDB not sql.LevelSnapshot; nowhere
+	// LevelWriteCommitted or LevelLinearizable, which the drivers refuse at
+	// every BEGIN); and with PostgreSQLPartitioned it must be READ COMMITTED
+	// (or the default): New refuses anything else with ErrInvalidConfig.
 	TxOptions *sql.TxOptions
 
 	// Logger receives a Debug line for each duplicate skipped, with the
@@ -175,11 +177,31 @@ func (c Config) Validate() error {
 	if c.TxOptions != nil && c.TxOptions.ReadOnly {
 		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))
 	}
+	if c.TxOptions != nil && !isolationSupported(c.Dialect, c.TxOptions.Isolation) {
+		errs = append(errs, fmt.Errorf("inbox: Config.TxOptions.Isolation %v: no %v server runs it (the driver would refuse every BEGIN)", c.TxOptions.Isolation, c.Dialect))
+	}
 	if c.Dialect == PostgreSQLPartitioned && c.TxOptions != nil &&
 		c.TxOptions.Isolation != sql.LevelDefault && c.TxOptions.Isolation != sql.LevelReadCommitted {
 		errs = append(errs, fmt.Errorf("inbox: PostgreSQLPartitioned needs READ COMMITTED, got Config.TxOptions.Isolation %v", c.TxOptions.Isolation))
 	}
 	return errors.Join(errs...)
+}
+
+// isolationSupported reports whether the servers of dialect d run
+// isolation level l: the four SQL standard levels (and the default) on
+// PostgreSQL and MySQL/MariaDB; on PostgreSQL also sql.LevelSnapshot, which
+// pgx runs as REPEATABLE READ (PostgreSQL's REPEATABLE READ is snapshot
+// isolation). go-sql-driver/mysql and pgx refuse the others at BEGIN with
+// an error that carries no server code. SQLite drivers ignore the level
+// (SQLite transactions are always SERIALIZABLE), so any is accepted.
+func isolationSupported(d Dialect, l sql.IsolationLevel) bool {
+	switch l {
+	case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
+		return true
+	case sql.LevelSnapshot:
+		return d != MySQL
+	}
+	return d == SQLite || d == nil
 }
 
 // Inbox is the transactional inbox: its Middleware makes a Watermill handler
@@ -368,7 +390,9 @@ func New(cfg Config) (*Inbox, error) {
 //   - a new row: the handler runs with the transaction in msg.Context()
 //     (TxFromContext). If it returns nil, the transaction commits and the
 //     handler's messages are returned to the router; if the commit fails,
-//     the commit error is returned (the router nacks, never acks). On
+//     the commit error is returned (the router nacks, never acks; a COMMIT
+//     whose connection was lost is in doubt, and IsTransient reports it as
+//     transient: the redelivery skips the message if it committed). On
 //     MySQL/MariaDB the inbox first checks, in the transaction, that its
 //     claim is still held: a deadlock or snapshot-isolation conflict whose
 //     error the handler ignored has rolled everything back already, and
@@ -474,7 +498,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
+		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, &boundaryError{err})
 	}
 	// Until the transaction has ended by our Commit or Rollback, it must be
 	// rolled back on every path, a panic in the handler included, so that
@@ -590,7 +614,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	ended = true
 	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)
+		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, &boundaryError{err})
 	}
 	if span != nil {
 		span.AddEvent("inbox.committed")

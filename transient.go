@@ -79,6 +79,17 @@ import (
 //     connection is lost (go-sql-driver's plain "invalid connection" when
 //     the server closed it during the handler), so the database ends the
 //     transaction without committing it.
+//   - A failed BEGIN or COMMIT of the inbox's transaction whose error
+//     carries no database error code (no SQLSTATE, MySQL error number or
+//     SQLite result code): the connection was lost around it
+//     (go-sql-driver's plain "invalid connection" when the server went away
+//     after the statement was sent). A BEGIN then started nothing. After a
+//     COMMIT the client does not know whether the server committed; the
+//     redelivery settles it: it skips the message as a duplicate if the
+//     COMMIT took effect, and processes it if not. A BEGIN or COMMIT that
+//     the server refused with a code (a deferred constraint's 23505 at
+//     COMMIT, say) is classified by that code. (Config.Validate rejects the
+//     isolation levels a driver would refuse at BEGIN without a code.)
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -95,6 +106,10 @@ func IsTransient(err error) bool {
 	}
 	var rbErr *rollbackError
 	if errors.As(err, &rbErr) || isNetworkFailure(err) {
+		return true
+	}
+	var bErr *boundaryError
+	if errors.As(err, &bErr) && !anyInChain(bErr.err, hasDatabaseCode) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient := classifyDriverError(e); return transient })
@@ -220,6 +235,29 @@ func classifyDriverError(err error) (conflict, transient bool) {
 	return false, false
 }
 
+// hasDatabaseCode reports whether err (not its chain) is an error the
+// database server reported with a code: a SQLSTATE, a MySQL error number or
+// a SQLite result code, as classifyDriverError reads them.
+func hasDatabaseCode(err error) bool {
+	v := reflect.ValueOf(err)
+	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+		if v.IsNil() {
+			return false
+		}
+		v = v.Elem()
+	}
+	if _, ok := err.(interface{ SQLState() string }); ok {
+		return true
+	}
+	if v.Kind() != reflect.Struct {
+		return false
+	}
+	t := v.Type()
+	return (t.PkgPath() == "github.com/go-sql-driver/mysql" && t.Name() == "MySQLError") ||
+		(t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error") ||
+		(t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error")
+}
+
 func uintField(v reflect.Value, name string) (uint64, bool) {
 	f := v.FieldByName(name)
 	switch f.Kind() {
@@ -270,3 +308,12 @@ type rollbackError struct{ err error }
 
 func (e *rollbackError) Error() string { return e.err.Error() }
 func (e *rollbackError) Unwrap() error { return e.err }
+
+// boundaryError is the error of a failed BEGIN or COMMIT of a message's
+// transaction. Without a database error code in its chain, the connection
+// was lost around the statement (a COMMIT's outcome is then unknown to the
+// client), and IsTransient reports true: the redelivery finds out.
+type boundaryError struct{ err error }
+
+func (e *boundaryError) Error() string { return e.err.Error() }
+func (e *boundaryError) Unwrap() error { return e.err }
