@@ -54,7 +54,8 @@ import (
 //     mysql.ErrInvalidConn is a plain error value that cannot be told apart
 //     without importing the driver: alone (from Purge, or a handler's
 //     statement outside the inbox) it is not transient; from the
-//     middleware it comes with the failed ROLLBACK (below), which is.
+//     middleware it comes with a failed ROLLBACK, BEGIN or COMMIT (below),
+//     which is.
 //   - SQLite: SQLITE_BUSY and SQLITE_LOCKED, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
