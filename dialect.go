@@ -42,6 +42,15 @@ type Dialect interface {
 	// 0 means the database has already rolled the transaction back. ""
 	// when COMMIT itself fails for a transaction the database rolled back.
 	heldSQL(table qualifiedName) string
+	// uncodedBoundaryErrIsLostConn reports whether a BEGIN or COMMIT error
+	// whose chain carries no database error code means the connection was
+	// lost around the statement: go-sql-driver/mysql reports that as its
+	// plain ErrInvalidConn. Not on PostgreSQL, where pgx reports a lost
+	// connection as a network error or a SafeToRetry one, and reports a
+	// COMMIT that PostgreSQL turned into ROLLBACK (after a failed statement
+	// the handler ignored, whose cause is unknown) as the plain
+	// ErrTxCommitRollback; not on SQLite, which has no connection to lose.
+	uncodedBoundaryErrIsLostConn() bool
 
 	// expiredSQL returns the condition for the rows a purge deletes:
 	// processed_at older than the window (bind parameter 1, microseconds) by
@@ -214,6 +223,8 @@ func (postgresDialect) keyLockSQL() string { return "" }
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
 func (postgresDialect) heldSQL(qualifiedName) string { return "" }
 
+func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
+
 func (postgresDialect) expiredSQL(byConsumer bool) string {
 	where := "processed_at < now() - $1 * interval '1 microsecond'"
 	if byConsumer {
@@ -345,6 +356,8 @@ func (mysqlDialect) keyLockSQL() string { return "" }
 // committed the key (then the message is processed either way). A locking
 // read, so that no isolation level can show another delivery's uncommitted
 // claim.
+func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
+
 func (d mysqlDialect) heldSQL(t qualifiedName) string {
 	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE"
 }
@@ -441,6 +454,8 @@ func (sqliteDialect) keyLockSQL() string { return "" }
 // A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
 // makes COMMIT fail: no transaction is active.
 func (sqliteDialect) heldSQL(qualifiedName) string { return "" }
+
+func (sqliteDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 
 func (sqliteDialect) expiredSQL(byConsumer bool) string {
 	where := "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1"

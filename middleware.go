@@ -498,7 +498,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, &boundaryError{err})
+		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, ib.boundaryErr(err))
 	}
 	// Until the transaction has ended by our Commit or Rollback, it must be
 	// rolled back on every path, a panic in the handler included, so that
@@ -614,7 +614,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	ended = true
 	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, &boundaryError{err})
+		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, ib.boundaryErr(err))
 	}
 	if span != nil {
 		span.AddEvent("inbox.committed")
@@ -624,6 +624,16 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		ib.onProcessed(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start)})
 	}
 	return produced, nil
+}
+
+// boundaryErr marks err, from the BEGIN or COMMIT of a message's
+// transaction, as a boundaryError where the dialect's driver reports a lost
+// connection without a database error code (see IsTransient).
+func (ib *Inbox) boundaryErr(err error) error {
+	if ib.dialect.uncodedBoundaryErrIsLostConn() {
+		return &boundaryError{err}
+	}
+	return err
 }
 
 // publishToOutbox publishes the handler's returned messages through the

@@ -367,6 +367,14 @@ func TestCommitFailureNacks(t *testing.T) {
 		if err := rec.last(); err == nil || !strings.Contains(err.Error(), "inbox: commit billing/"+msg.UUID) {
 			t.Errorf("router got %v, want the commit error", err)
 		}
+		// Whether a poison-queue filter built on IsTransient keeps it: the
+		// deferred foreign key (SQLite) is the message's own fault; a COMMIT
+		// PostgreSQL turned into ROLLBACK (pgx's plain ErrTxCommitRollback)
+		// says nothing about why the statement failed, so it is not taken
+		// for a lost connection; a killed MySQL session is transient.
+		if got, want := inbox.IsTransient(rec.last()), tdb.Dialect == inbox.MySQL; got != want {
+			t.Errorf("IsTransient(%v) = %v, want %v", rec.last(), got, want)
+		}
 		if processed.Load() != 0 || failed.Load() != 1 {
 			t.Errorf("hooks: processed=%d failed=%d, want 0 and 1", processed.Load(), failed.Load())
 		}

@@ -80,17 +80,19 @@ import (
 //     connection is lost (go-sql-driver's plain "invalid connection" when
 //     the server closed it during the handler), so the database ends the
 //     transaction without committing it.
-//   - A failed BEGIN or COMMIT of the inbox's transaction whose error
-//     carries no database error code (no SQLSTATE, MySQL error number or
-//     SQLite result code): the connection was lost around it
-//     (go-sql-driver's plain "invalid connection" when the server went away
-//     after the statement was sent). A BEGIN then started nothing. After a
-//     COMMIT the client does not know whether the server committed; the
-//     redelivery settles it: it skips the message as a duplicate if the
-//     COMMIT took effect, and processes it if not. A BEGIN or COMMIT that
-//     the server refused with a code (a deferred constraint's 23505 at
-//     COMMIT, say) is classified by that code. (Config.Validate rejects the
-//     isolation levels a driver would refuse at BEGIN without a code.)
+//   - On MySQL/MariaDB, a failed BEGIN or COMMIT of the inbox's transaction
+//     whose error carries no database error code (no MySQL error number):
+//     the connection was lost around it (go-sql-driver's plain "invalid
+//     connection" when the server went away after the statement was sent).
+//     A BEGIN then started nothing. After a COMMIT the client does not know
+//     whether the server committed; the redelivery settles it: it skips the
+//     message as a duplicate if the COMMIT took effect, and processes it if
+//     not. (Config.Validate rejects the isolation levels the driver would
+//     refuse at BEGIN without a code.) PostgreSQL drivers report a lost
+//     connection as a network or SafeToRetry error (above); pgx's
+//     ErrTxCommitRollback, a COMMIT that PostgreSQL turned into ROLLBACK
+//     after a failed statement the handler ignored, stays not transient:
+//     the statement's error, which could tell, is gone.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -311,7 +313,8 @@ func (e *rollbackError) Error() string { return e.err.Error() }
 func (e *rollbackError) Unwrap() error { return e.err }
 
 // boundaryError is the error of a failed BEGIN or COMMIT of a message's
-// transaction. Without a database error code in its chain, the connection
+// transaction, on a dialect whose driver reports a lost connection without a
+// database error code (MySQL). Without a code in its chain, the connection
 // was lost around the statement (a COMMIT's outcome is then unknown to the
 // client), and IsTransient reports true: the redelivery finds out.
 type boundaryError struct{ err error }
