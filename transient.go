@@ -115,7 +115,7 @@ func IsTransient(err error) bool {
 	if errors.As(err, &bErr) && !anyInChain(bErr.err, hasDatabaseCode) {
 		return true
 	}
-	return anyInChain(err, func(e error) bool { _, transient := classifyDriverError(e); return transient })
+	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
 }
 
 // isNetworkFailure reports whether err is a failure of the network: a
@@ -146,7 +146,7 @@ func isNetworkFailure(err error) bool {
 // that Purge retries in place (a lost connection or an ended context is
 // not retried there).
 func isConflict(err error) bool {
-	return anyInChain(err, func(e error) bool { conflict, _ := classifyDriverError(e); return conflict })
+	return anyInChain(err, func(e error) bool { conflict, _, _ := classifyDriverError(e); return conflict })
 }
 
 // Driver error codes, by what they mean; see IsTransient for the sources.
@@ -186,79 +186,61 @@ const (
 	sqliteLocked = 6
 )
 
+// hasDatabaseCode reports whether err (not its chain) carries a database
+// error code (see classifyDriverError).
+func hasDatabaseCode(err error) bool { _, _, coded := classifyDriverError(err); return coded }
+
 // classifyDriverError classifies one error (not its chain) by the code its
 // driver reports: conflict (a lost race, see isConflict) and transient (see
-// IsTransient; every conflict is transient). Drivers whose packages the core
-// does not import are recognised by their error type's package path and
-// name.
-func classifyDriverError(err error) (conflict, transient bool) {
+// IsTransient; every conflict is transient); coded reports whether the
+// error carries a database error code at all (a SQLSTATE, a MySQL error
+// number, a SQLite result code). Drivers whose packages the core does not
+// import are recognised by their error type's package path and name.
+func classifyDriverError(err error) (conflict, transient, coded bool) {
 	// A typed nil pointer (var pe *pgconn.PgError; return pe) says nothing,
 	// and its methods may dereference it.
 	v := reflect.ValueOf(err)
 	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
 		if v.IsNil() {
-			return false, false
+			return false, false, false
 		}
 		v = v.Elem()
 	}
 	if e, ok := err.(interface{ SQLState() string }); ok {
 		state := e.SQLState()
 		if conflictSQLStates[state] {
-			return true, true
+			return true, true, true
 		}
-		return false, transientSQLStates[state] || (len(state) == 5 && state[:2] == "08")
+		return false, transientSQLStates[state] || (len(state) == 5 && state[:2] == "08"), true
 	}
 	if e, ok := err.(interface{ SafeToRetry() bool }); ok && e.SafeToRetry() {
-		return false, true
+		return false, true, false
 	}
 	if v.Kind() != reflect.Struct {
-		return false, false
+		return false, false, false
 	}
 	t := v.Type()
 	switch {
 	case t.PkgPath() == "github.com/go-sql-driver/mysql" && t.Name() == "MySQLError":
 		if n, ok := uintField(v, "Number"); ok {
 			if conflictMySQLErrors[n] {
-				return true, true
+				return true, true, true
 			}
-			return false, transientMySQLErrors[n]
+			return false, transientMySQLErrors[n], true
 		}
 	case t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error":
 		if c, ok := err.(interface{ Code() int }); ok {
 			code := c.Code() & 0xff
 			busy := code == sqliteBusy || code == sqliteLocked
-			return busy, busy
+			return busy, busy, true
 		}
 	case t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error":
 		if code, ok := intField(v, "Code"); ok {
 			busy := code == sqliteBusy || code == sqliteLocked
-			return busy, busy
+			return busy, busy, true
 		}
 	}
-	return false, false
-}
-
-// hasDatabaseCode reports whether err (not its chain) is an error the
-// database server reported with a code: a SQLSTATE, a MySQL error number or
-// a SQLite result code, as classifyDriverError reads them.
-func hasDatabaseCode(err error) bool {
-	v := reflect.ValueOf(err)
-	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
-		if v.IsNil() {
-			return false
-		}
-		v = v.Elem()
-	}
-	if _, ok := err.(interface{ SQLState() string }); ok {
-		return true
-	}
-	if v.Kind() != reflect.Struct {
-		return false
-	}
-	t := v.Type()
-	return (t.PkgPath() == "github.com/go-sql-driver/mysql" && t.Name() == "MySQLError") ||
-		(t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error") ||
-		(t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error")
+	return false, false, false
 }
 
 func uintField(v reflect.Value, name string) (uint64, bool) {
