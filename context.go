@@ -92,8 +92,10 @@ func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 // successful COMMIT, before Config.OnProcessed and before the router acks; never after a rollback, a
 // failed commit or for a duplicate. The trade-off: if the process dies
 // between the commit and f, f never runs (the redelivery is skipped as a
-// duplicate), so anything that must happen goes to the outbox instead
-// (OutboxFromContext). A panic in f is recovered and logged at Error, the
+// duplicate), and neither does it when the connection is lost after COMMIT
+// was sent and the server did commit (a COMMIT in doubt: the middleware
+// reports the failure, calls OnFailed, and the redelivery is skipped), so
+// anything that must happen goes to the outbox instead (OutboxFromContext). A panic in f is recovered and logged at Error, the
 // remaining functions still run, and the message is still acked: its
 // transaction has committed.
 func AfterCommit(ctx context.Context, f func()) bool {

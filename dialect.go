@@ -42,14 +42,16 @@ type Dialect interface {
 	// 0 means the database has already rolled the transaction back. ""
 	// when COMMIT itself fails for a transaction the database rolled back.
 	heldSQL(table qualifiedName) string
-	// uncodedBoundaryErrIsLostConn reports whether a BEGIN or COMMIT error
-	// whose chain carries no database error code means the connection was
-	// lost around the statement: go-sql-driver/mysql reports that as its
-	// plain ErrInvalidConn. Not on PostgreSQL, where pgx reports a lost
-	// connection as a network error or a SafeToRetry one, and reports a
-	// COMMIT that PostgreSQL turned into ROLLBACK (after a failed statement
-	// the handler ignored, whose cause is unknown) as the plain
-	// ErrTxCommitRollback; not on SQLite, which has no connection to lose.
+	// uncodedBoundaryErrIsLostConn reports whether a COMMIT error whose
+	// chain carries no database error code means the connection was lost
+	// around the COMMIT, and whether a BEGIN that failed so is worth one
+	// retry: go-sql-driver/mysql reports a connection lost after the
+	// statement was sent as its plain ErrInvalidConn. Not on PostgreSQL,
+	// where pgx reports a lost connection as a network error or a
+	// SafeToRetry one, and reports a COMMIT that PostgreSQL turned into
+	// ROLLBACK (after a failed statement the handler ignored, whose cause is
+	// unknown) as the plain ErrTxCommitRollback; not on SQLite, which has no
+	// connection to lose.
 	uncodedBoundaryErrIsLostConn() bool
 
 	// expiredSQL returns the condition for the rows a purge deletes:
@@ -348,6 +350,8 @@ func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (mysqlDialect) keyLockSQL() string { return "" }
 
+func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
+
 // A deadlock (1213) or a snapshot-isolation conflict (1020) makes InnoDB roll
 // the whole transaction back and end it: a handler that ignores the error
 // runs its later statements in autocommit mode, and COMMIT succeeds with
@@ -356,8 +360,6 @@ func (mysqlDialect) keyLockSQL() string { return "" }
 // committed the key (then the message is processed either way). A locking
 // read, so that no isolation level can show another delivery's uncommitted
 // claim.
-func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
-
 func (d mysqlDialect) heldSQL(t qualifiedName) string {
 	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE"
 }

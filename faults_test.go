@@ -1085,29 +1085,36 @@ func TestFaultMySQLConnectionKilled(t *testing.T) {
 	}
 }
 
-// commitDropMarker, in a query, arms the commitDropConn it is sent on.
-const commitDropMarker = "inbox-fault: drop the connection after COMMIT"
+// dropMarker, in a query, arms the dropAfterConn it is sent on.
+const dropMarker = "inbox-fault: drop the connection after the next statement"
 
-// commitDropConn is a MySQL client connection that, once armed, passes the
-// next COMMIT to the server and closes the socket right after it, before the
-// server's reply can be read: the server commits (it reads the COMMIT before
-// it sees the connection close), and the client cannot know that it did.
-type commitDropConn struct {
+// dropAfterConn is a MySQL client connection that, once armed, passes the
+// next COM_QUERY whose text is stmt to the server and closes the socket
+// right after it, before the server's reply can be read: the server runs
+// the statement (it reads it before it sees the connection close), and the
+// client cannot know that it did. armed is the connection's own flag, set
+// by a query that contains dropMarker, or one shared by every connection
+// of a pool (then the first of them to send stmt drops).
+type dropAfterConn struct {
 	net.Conn
-	armed   atomic.Bool
+	stmt    []byte // 0x03 (COM_QUERY) and the statement's text, as go-sql-driver sends it after the 4-byte header
+	armed   *atomic.Bool
 	dropped *atomic.Int32
 }
 
-// comQueryCommit is the payload of go-sql-driver's COMMIT: a COM_QUERY
-// (0x03) packet with the text COMMIT, after the 4-byte packet header.
-var comQueryCommit = []byte("\x03COMMIT")
+func newDropAfterConn(c net.Conn, stmt string, armed *atomic.Bool, dropped *atomic.Int32) *dropAfterConn {
+	if armed == nil {
+		armed = new(atomic.Bool)
+	}
+	return &dropAfterConn{Conn: c, stmt: append([]byte{0x03}, stmt...), armed: armed, dropped: dropped}
+}
 
-func (c *commitDropConn) Write(p []byte) (int, error) {
-	if bytes.Contains(p, []byte(commitDropMarker)) {
+func (c *dropAfterConn) Write(p []byte) (int, error) {
+	if bytes.Contains(p, []byte(dropMarker)) {
 		c.armed.Store(true)
 	}
 	n, err := c.Conn.Write(p)
-	if err == nil && len(p) == 4+len(comQueryCommit) && bytes.Equal(p[4:], comQueryCommit) && c.armed.CompareAndSwap(true, false) {
+	if err == nil && len(p) == 4+len(c.stmt) && bytes.Equal(p[4:], c.stmt) && c.armed.CompareAndSwap(true, false) {
 		c.dropped.Add(1)
 		c.Conn.Close()
 	}
@@ -1115,7 +1122,7 @@ func (c *commitDropConn) Write(p []byte) (int, error) {
 }
 
 // TestFaultMySQLCommitInDoubt loses the connection of a few messages'
-// transactions right after their COMMIT was sent (commitDropConn): the
+// transactions right after their COMMIT was sent (dropAfterConn): the
 // server commits, and go-sql-driver reports only "invalid connection", an
 // error with no MySQL error number. The middleware must nack it (never ack
 // what it cannot know committed) with an error IsTransient accepts, and the
@@ -1129,7 +1136,7 @@ func TestFaultMySQLCommitInDoubt(t *testing.T) {
 	d.ctl = testdb.OpenMySQL(t, "")
 	var dropped atomic.Int32
 	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
-		return &commitDropConn{Conn: c, dropped: &dropped}
+		return newDropAfterConn(c, "COMMIT", nil, &dropped)
 	})
 
 	msgs := newMessages(60)
@@ -1141,7 +1148,7 @@ func TestFaultMySQLCommitInDoubt(t *testing.T) {
 		}
 		if victims[msg.UUID] && attempt == 1 {
 			var s string
-			return tx.GetContext(msg.Context(), &s, "SELECT '"+commitDropMarker+"'")
+			return tx.GetContext(msg.Context(), &s, "SELECT '"+dropMarker+"'")
 		}
 		return nil
 	})
@@ -1176,6 +1183,40 @@ func TestFaultMySQLCommitInDoubt(t *testing.T) {
 	}
 	e.checkRows(ids(msgs))
 	d.checkNoLeaks(t)
+}
+
+// TestFaultMySQLBeginConnectionLost loses the connection of the stream's
+// first BEGIN right after START TRANSACTION was sent (dropAfterConn):
+// go-sql-driver reports a plain "invalid connection", which database/sql
+// does not retry. The middleware retries such a BEGIN once, on another
+// connection, so every message is processed at its first delivery: no
+// nack, one business row each.
+func TestFaultMySQLBeginConnectionLost(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+	defer cancel()
+	d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
+	d.ctl = testdb.OpenMySQL(t, "")
+	var armed atomic.Bool
+	var dropped atomic.Int32
+	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
+		return newDropAfterConn(c, "START TRANSACTION", &armed, &dropped)
+	})
+	var e *faultEnv
+	e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+		return e.ledgerRow(msg, tx, attempt, false)
+	})
+	armed.Store(true)
+	msgs := newMessages(20)
+	e.stream(ctx, msgs, 2)
+
+	if n := dropped.Load(); n != 1 {
+		t.Errorf("%d connections dropped after START TRANSACTION, want 1", n)
+	}
+	if n := len(e.nacks()); n != 0 {
+		t.Errorf("%d nacks, want 0: the lost BEGIN was not retried%s", n, e.nackSummary())
+	}
+	e.checkExactlyOnce(ids(msgs))
 }
 
 // TestFaultStatementTimeout makes one handler statement of a few messages
@@ -1660,6 +1701,7 @@ func TestFaultServerRestart(t *testing.T) {
 		defer cancel()
 		d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
 		d.ctl = openMySQLDSN(ctx, t, dsn)
+		refuseSharedMySQL(ctx, t, d.ctl)
 		d.pool = openTrackedMySQL(t, dsn, "inbox_faults_restart_"+randomSuffix(), d.ports)
 		args := strings.Fields(command)
 		serverRestart(ctx, t, d, osexec.CommandContext(ctx, args[0], args[1:]...))
@@ -1759,9 +1801,30 @@ func serverRestart(ctx context.Context, t *testing.T, d *faultDB, restart *osexe
 	}
 }
 
-// openPostgresDSN opens a pool of at most 8 connections on dsn, which must
-// be reachable.
-// openMySQLDSN opens the throwaway MariaDB server at dsn.
+// refuseSharedMySQL fails the test if db is the shared MariaDB server of the
+// other tests (same data directory), which the restart test must never
+// restart. Without a reachable shared server there is nothing to protect.
+func refuseSharedMySQL(ctx context.Context, t *testing.T, db *sqlx.DB) {
+	t.Helper()
+	shared, err := sqlx.Open("mysql", testdb.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shared.Close()
+	var theirs, mine string
+	if err := shared.GetContext(ctx, &theirs, "SELECT @@datadir"); err != nil {
+		return
+	}
+	if err := db.GetContext(ctx, &mine, "SELECT @@datadir"); err != nil {
+		t.Fatal(err)
+	}
+	if mine == theirs {
+		t.Fatalf("%s names the shared MariaDB server (datadir %s), which this test would restart: give it a throwaway one (.ci/restart-mariadb)", restartMySQLDSNEnv, mine)
+	}
+}
+
+// openMySQLDSN opens a pool of at most 8 connections on the throwaway
+// MariaDB server at dsn, which must be reachable.
 func openMySQLDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
 	t.Helper()
 	db, err := sqlx.Open("mysql", dsn)
@@ -1776,6 +1839,8 @@ func openMySQLDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
 	return db
 }
 
+// openPostgresDSN opens a pool of at most 8 connections on dsn, which must
+// be reachable.
 func openPostgresDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
 	t.Helper()
 	db, err := sqlx.Open("pgx", dsn)

@@ -68,11 +68,14 @@ type Config struct {
 	// at REPEATABLE READ or SERIALIZABLE on PostgreSQL a concurrent duplicate
 	// fails with a serialization error (SQLSTATE 40001) instead of being
 	// skipped: the message is nacked and its redelivery is skipped (IsTransient
-	// reports such errors). ReadOnly must be false; the isolation must be
-	// one the database runs (on MySQL/MariaDB not sql.LevelSnapshot; nowhere
-	// LevelWriteCommitted or LevelLinearizable, which the drivers refuse at
-	// every BEGIN); and with PostgreSQLPartitioned it must be READ COMMITTED
-	// (or the default): New refuses anything else with ErrInvalidConfig.
+	// reports such errors). ReadOnly must be false; on PostgreSQL and
+	// MySQL/MariaDB the isolation must be the default or one of the four SQL
+	// standard levels (their drivers refuse sql.LevelSnapshot,
+	// LevelWriteCommitted or LevelLinearizable at every BEGIN, lib/pq and
+	// go-sql-driver Snapshot included; SQLite ignores the level); and with
+	// PostgreSQLPartitioned it must be READ COMMITTED (or the default): New
+	// refuses anything else with ErrInvalidConfig. New keeps a copy: changing
+	// *TxOptions afterwards changes nothing.
 	TxOptions *sql.TxOptions
 
 	// Logger receives a Debug line for each duplicate skipped, with the
@@ -177,8 +180,14 @@ func (c Config) Validate() error {
 	if c.TxOptions != nil && c.TxOptions.ReadOnly {
 		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))
 	}
-	if c.TxOptions != nil && !isolationSupported(c.Dialect, c.TxOptions.Isolation) {
-		errs = append(errs, fmt.Errorf("inbox: Config.TxOptions.Isolation %v: no %v server runs it (the driver would refuse every BEGIN)", c.TxOptions.Isolation, c.Dialect))
+	if c.TxOptions != nil {
+		d := c.Dialect
+		if d == nil && c.DB != nil {
+			d, _ = dialectForDriver(c.DB.DriverName()) // an unknown driver is reported above
+		}
+		if d != nil && !isolationSupported(d, c.TxOptions.Isolation) {
+			errs = append(errs, fmt.Errorf("inbox: Config.TxOptions.Isolation %v: not run on %v (a driver refuses it at every BEGIN)", c.TxOptions.Isolation, d))
+		}
 	}
 	if c.Dialect == PostgreSQLPartitioned && c.TxOptions != nil &&
 		c.TxOptions.Isolation != sql.LevelDefault && c.TxOptions.Isolation != sql.LevelReadCommitted {
@@ -187,21 +196,20 @@ func (c Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// isolationSupported reports whether the servers of dialect d run
-// isolation level l: the four SQL standard levels (and the default) on
-// PostgreSQL and MySQL/MariaDB; on PostgreSQL also sql.LevelSnapshot, which
-// pgx runs as REPEATABLE READ (PostgreSQL's REPEATABLE READ is snapshot
-// isolation). go-sql-driver/mysql and pgx refuse the others at BEGIN with
-// an error that carries no server code. SQLite drivers ignore the level
-// (SQLite transactions are always SERIALIZABLE), so any is accepted.
+// isolationSupported reports whether isolation level l runs on dialect d:
+// the four SQL standard levels and the default on PostgreSQL and
+// MySQL/MariaDB, whose drivers (pgx, lib/pq, go-sql-driver/mysql) refuse
+// every other level at BEGIN with an error that carries no server code
+// (pgx runs sql.LevelSnapshot as REPEATABLE READ, but lib/pq refuses it:
+// ask for LevelRepeatableRead, which on PostgreSQL is snapshot isolation).
+// SQLite drivers ignore the level (SQLite transactions are always
+// SERIALIZABLE), so any is accepted there.
 func isolationSupported(d Dialect, l sql.IsolationLevel) bool {
 	switch l {
 	case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
 		return true
-	case sql.LevelSnapshot:
-		return d != MySQL
 	}
-	return d == SQLite || d == nil
+	return d == SQLite
 }
 
 // Inbox is the transactional inbox: its Middleware makes a Watermill handler
@@ -350,7 +358,6 @@ func New(cfg Config) (*Inbox, error) {
 		table:       table,
 		consumer:    cfg.Consumer,
 		messageID:   cfg.MessageID,
-		txOptions:   cfg.TxOptions,
 		logger:      cfg.Logger,
 		onProcessed: cfg.OnProcessed,
 		onDuplicate: cfg.OnDuplicate,
@@ -359,6 +366,10 @@ func New(cfg Config) (*Inbox, error) {
 		claimSQL:    cfg.Dialect.claimSQL(table),
 		keyLockSQL:  cfg.Dialect.keyLockSQL(),
 		heldSQL:     cfg.Dialect.heldSQL(table),
+	}
+	if cfg.TxOptions != nil {
+		opts := *cfg.TxOptions // a copy: what Validate checked is what runs
+		ib.txOptions = &opts
 	}
 	if cfg.Dialect == PostgreSQLPartitioned {
 		// Pinned, never left to the server's default_transaction_isolation:
@@ -497,8 +508,17 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		}
 	}
 	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
+	if err != nil && ib.dialect.uncodedBoundaryErrIsLostConn() && !anyInChain(err, hasDatabaseCode) && sctx.Err() == nil {
+		// go-sql-driver reports a connection lost after START TRANSACTION
+		// was sent (a server going down) as a plain "invalid connection",
+		// which database/sql does not retry. Nothing has started: try once
+		// more. The second error classifies itself: connection refused is
+		// transient; a misconfiguration that fails every connection (TLS,
+		// authentication plugin), which also carries no code, is not.
+		tx, err = ib.db.BeginTxx(sctx, ib.txOptions)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, ib.boundaryErr(err))
+		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
 	}
 	// Until the transaction has ended by our Commit or Rollback, it must be
 	// rolled back on every path, a panic in the handler included, so that
@@ -614,7 +634,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	ended = true
 	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, ib.boundaryErr(err))
+		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, ib.commitErr(err))
 	}
 	if span != nil {
 		span.AddEvent("inbox.committed")
@@ -626,12 +646,12 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	return produced, nil
 }
 
-// boundaryErr marks err, from the BEGIN or COMMIT of a message's
-// transaction, as a boundaryError where the dialect's driver reports a lost
-// connection without a database error code (see IsTransient).
-func (ib *Inbox) boundaryErr(err error) error {
+// commitErr marks err, from the COMMIT of a message's transaction, as a
+// commitError where the dialect's driver reports a lost connection without
+// a database error code (see IsTransient).
+func (ib *Inbox) commitErr(err error) error {
 	if ib.dialect.uncodedBoundaryErrIsLostConn() {
-		return &boundaryError{err}
+		return &commitError{err}
 	}
 	return err
 }

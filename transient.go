@@ -49,13 +49,14 @@ import (
 //     Replication rolled back a transaction that failed certification),
 //     1040 (too many connections), 1053 (server shutdown), 1317 (query
 //     interrupted by KILL QUERY, as 57014 on PostgreSQL), 1927 (MariaDB
-//     connection killed), 1969 (MariaDB max_statement_time exceeded) and
-//     3024 (MySQL max_execution_time exceeded). The driver's
+//     connection killed), 1969 (MariaDB max_statement_time exceeded), 3024
+//     (MySQL max_execution_time exceeded) and 4031 (MySQL 8.0.24+ closed
+//     a connection idle past wait_timeout). The driver's
 //     mysql.ErrInvalidConn is a plain error value that cannot be told apart
 //     without importing the driver: alone (from Purge, or a handler's
 //     statement outside the inbox) it is not transient; from the
-//     middleware it comes with a failed ROLLBACK, BEGIN or COMMIT (below),
-//     which is.
+//     middleware it comes with a failed ROLLBACK or COMMIT (below), which
+//     is.
 //   - SQLite: SQLITE_BUSY and SQLITE_LOCKED, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
@@ -80,19 +81,19 @@ import (
 //     connection is lost (go-sql-driver's plain "invalid connection" when
 //     the server closed it during the handler), so the database ends the
 //     transaction without committing it.
-//   - On MySQL/MariaDB, a failed BEGIN or COMMIT of the inbox's transaction
-//     whose error carries no database error code (no MySQL error number):
-//     the connection was lost around it (go-sql-driver's plain "invalid
-//     connection" when the server went away after the statement was sent).
-//     A BEGIN then started nothing. After a COMMIT the client does not know
-//     whether the server committed; the redelivery settles it: it skips the
-//     message as a duplicate if the COMMIT took effect, and processes it if
-//     not. (Config.Validate rejects the isolation levels the driver would
-//     refuse at BEGIN without a code.) PostgreSQL drivers report a lost
-//     connection as a network or SafeToRetry error (above); pgx's
-//     ErrTxCommitRollback, a COMMIT that PostgreSQL turned into ROLLBACK
-//     after a failed statement the handler ignored, stays not transient:
-//     the statement's error, which could tell, is gone.
+//   - On MySQL/MariaDB, a failed COMMIT of the inbox's transaction whose
+//     error carries no database error code (no MySQL error number): the
+//     connection was lost around it (go-sql-driver's plain "invalid
+//     connection" when the server went away after the COMMIT was sent), so
+//     the client does not know whether the server committed. The
+//     redelivery settles it: it skips the message as a duplicate if the
+//     COMMIT took effect, and processes it if not. (A BEGIN that failed so
+//     is retried once by the middleware, and the retry's error classifies
+//     itself.) PostgreSQL drivers report a lost connection as a network or
+//     SafeToRetry error (above); pgx's ErrTxCommitRollback, a COMMIT that
+//     PostgreSQL turned into ROLLBACK after a failed statement the handler
+//     ignored, stays not transient: the statement's error, which could
+//     tell, is gone.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -111,8 +112,8 @@ func IsTransient(err error) bool {
 	if errors.As(err, &rbErr) || isNetworkFailure(err) {
 		return true
 	}
-	var bErr *boundaryError
-	if errors.As(err, &bErr) && !anyInChain(bErr.err, hasDatabaseCode) {
+	var cErr *commitError
+	if errors.As(err, &cErr) && !anyInChain(cErr.err, hasDatabaseCode) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
@@ -176,6 +177,7 @@ var (
 		1927: true, // ER_CONNECTION_KILLED (MariaDB)
 		1969: true, // ER_STATEMENT_TIMEOUT (MariaDB max_statement_time)
 		3024: true, // ER_QUERY_TIMEOUT (MySQL max_execution_time)
+		4031: true, // ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8.0.24+ closed an idle connection)
 	}
 )
 
@@ -294,12 +296,12 @@ type rollbackError struct{ err error }
 func (e *rollbackError) Error() string { return e.err.Error() }
 func (e *rollbackError) Unwrap() error { return e.err }
 
-// boundaryError is the error of a failed BEGIN or COMMIT of a message's
-// transaction, on a dialect whose driver reports a lost connection without a
-// database error code (MySQL). Without a code in its chain, the connection
-// was lost around the statement (a COMMIT's outcome is then unknown to the
-// client), and IsTransient reports true: the redelivery finds out.
-type boundaryError struct{ err error }
+// commitError is the error of a failed COMMIT of a message's transaction,
+// on a dialect whose driver reports a lost connection without a database
+// error code (MySQL). Without a code in its chain, the connection was lost
+// around the COMMIT, whose outcome is then unknown to the client, and
+// IsTransient reports true: the redelivery finds out.
+type commitError struct{ err error }
 
-func (e *boundaryError) Error() string { return e.err.Error() }
-func (e *boundaryError) Unwrap() error { return e.err }
+func (e *commitError) Error() string { return e.err.Error() }
+func (e *commitError) Unwrap() error { return e.err }

@@ -6,10 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 
@@ -272,4 +275,41 @@ func deadlock(t *testing.T, db *sqlx.DB, a1, b1, a2, b2 string) error {
 	}()
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// A BEGIN that fails without a MySQL error number because every connection
+// fails to set up (here TLS, which the test server does not offer) is a
+// misconfiguration: not transient, so a poison queue built on IsTransient
+// takes the message instead of nacking it forever. (A BEGIN whose
+// connection was lost is retried once by the middleware; the retry's error
+// classifies itself: TestFaultServerRestart.)
+func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
+	t.Parallel()
+	probe := testdb.OpenMySQL(t, "")
+	var ssl string
+	if err := probe.Get(&ssl, "SELECT @@have_ssl"); err != nil || ssl == "YES" {
+		t.Skipf("needs a MySQL server without TLS (have_ssl = %q, %v)", ssl, err)
+	}
+	f := newFixture(t, probe)
+	f.newInbox(inbox.Config{Consumer: "billing"}) // creates the table
+	db, err := sqlx.Open("mysql", testdb.WithParam(testdb.MySQLDSN(), "tls=true"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	ib, err := inbox.New(inbox.Config{DB: db, Table: f.inbox, Consumer: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	_, err = ib.Middleware(func(*message.Message) ([]*message.Message, error) { calls++; return nil, nil })(message.NewMessage(watermill.NewUUID(), nil))
+	if err == nil || !strings.Contains(err.Error(), "inbox: begin transaction") {
+		t.Fatalf("got %v, want the BEGIN's error", err)
+	}
+	if inbox.IsTransient(err) {
+		t.Errorf("IsTransient(%v) = true: a misconfiguration would be nacked forever", err)
+	}
+	if calls != 0 {
+		t.Errorf("handler calls = %d, want 0", calls)
+	}
 }
