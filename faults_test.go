@@ -280,10 +280,31 @@ func (d *faultDB) lockWaiters(ctx context.Context, table string) (int, error) {
 	return n, err
 }
 
+// sessionID returns the server's id of tx's session: the PostgreSQL
+// backend pid, the MySQL connection id.
+func (d *faultDB) sessionID(ctx context.Context, tx *sqlx.Tx) (int64, error) {
+	q := "SELECT CONNECTION_ID()"
+	if d.postgres() {
+		q = "SELECT pg_backend_pid()"
+	}
+	var id int64
+	err := tx.GetContext(ctx, &id, q)
+	return id, err
+}
+
+// kill ends the pool's session id from another session (terminate,
+// killMySQL) and waits until the server has let it go.
+func (d *faultDB) kill(ctx context.Context, id int64) error {
+	if d.postgres() {
+		return d.terminate(ctx, id)
+	}
+	return d.killMySQL(ctx, id)
+}
+
 // terminate kills the PostgreSQL backend pid, which must be a session of
 // the pool (checked by application_name, so the test can never kill anybody
 // else's), and waits until it is gone.
-func (d *faultDB) terminate(ctx context.Context, pid int) error {
+func (d *faultDB) terminate(ctx context.Context, pid int64) error {
 	var killed []bool
 	if err := d.ctl.SelectContext(ctx, &killed, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 		WHERE pid = $1 AND application_name = $2`, pid, d.app); err != nil {
@@ -848,27 +869,32 @@ func (e *faultEnv) wantFaultNacked(msg *message.Message, attempt int, what strin
 	return d.err
 }
 
-// TestFaultBackendTerminated kills the PostgreSQL backend of a message's
-// transaction with pg_terminate_backend from another connection, four ways,
-// each after the handler wrote its row:
+// TestFaultBackendTerminated kills the server session of a message's
+// transaction from another connection (PostgreSQL: pg_terminate_backend;
+// MySQL/MariaDB: KILL CONNECTION), each way after the handler wrote its row:
 //
 //   - "before a statement": the handler's next statement fails, and the
 //     handler returns that error;
 //   - "statement error swallowed": the same, but the handler ignores the
 //     error (a best-effort write) and returns nil, so the middleware commits
 //     on a connection the driver already knows is closed;
-//   - "before COMMIT": the handler returns nil, the middleware's COMMIT meets
-//     the dead backend;
-//   - "during COMMIT": a deferred constraint trigger makes the COMMIT wait on
-//     an advisory lock the test holds; the test kills the backend once it
-//     waits there (pg_stat_activity: query "commit", wait_event "advisory").
+//   - "before COMMIT": the handler returns nil, the middleware's COMMIT (on
+//     MySQL, its pre-commit check of the claim) meets the dead session;
+//   - "during COMMIT", PostgreSQL only: a deferred constraint trigger makes
+//     the COMMIT wait on an advisory lock the test holds; the test kills the
+//     backend once it waits there (pg_stat_activity: query "commit",
+//     wait_event "advisory"). MySQL has no deferred trigger to hold a COMMIT
+//     at a known point.
 //
-// Each is a nack that IsTransient accepts (SQLSTATE 57P01, admin_shutdown,
-// or pgx's "conn closed"); database/sql drops the dead connection (no other
-// delivery of the stream fails), and the redelivery processes the message.
+// Each is a nack that IsTransient accepts (PostgreSQL: SQLSTATE 57P01,
+// admin_shutdown, or pgx's "conn closed"; MySQL: go-sql-driver's "invalid
+// connection" with the failed ROLLBACK, or driver.ErrBadConn), never an
+// ack; the server rolls the transaction back; database/sql drops the dead
+// connection (no other delivery of the stream fails), and the redelivery
+// processes the message once.
 func TestFaultBackendTerminated(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []string{"postgres", "postgres-partitioned"} {
+	for _, kind := range []string{"postgres", "postgres-partitioned", "mysql", "mysql-clientFoundRows"} {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			d := openFaultDB(t, kind, "")
@@ -883,11 +909,13 @@ func TestFaultBackendTerminated(t *testing.T) {
 				duringCommit    = "during COMMIT"
 			)
 			msgs := newMessages(100)
-			victims := map[string]string{ // message UUID -> how its backend dies
+			victims := map[string]string{ // message UUID -> how its session dies
 				msgs[10].UUID: beforeStatement,
 				msgs[30].UUID: swallowed,
 				msgs[50].UUID: beforeCommit,
-				msgs[70].UUID: duringCommit,
+			}
+			if d.postgres() {
+				victims[msgs[70].UUID] = duringCommit
 			}
 			k1, k2 := rand.Int32(), rand.Int32() // the advisory lock the COMMIT waits on
 			var e *faultEnv
@@ -903,8 +931,8 @@ func TestFaultBackendTerminated(t *testing.T) {
 				if how == "" {
 					return nil
 				}
-				var pid int
-				if err := tx.GetContext(mctx, &pid, "SELECT pg_backend_pid()"); err != nil {
+				id, err := d.sessionID(mctx, tx)
+				if err != nil {
 					return err
 				}
 				if how == duringCommit {
@@ -914,11 +942,11 @@ func TestFaultBackendTerminated(t *testing.T) {
 						err := poll(ctx, d.every(), func() (bool, error) {
 							var n int
 							err := d.ctl.GetContext(ctx, &n, `SELECT count(*) FROM pg_stat_activity
-								WHERE pid = $1 AND wait_event = 'advisory' AND lower(query) = 'commit'`, pid)
+								WHERE pid = $1 AND wait_event = 'advisory' AND lower(query) = 'commit'`, id)
 							return n == 1, err
 						})
 						if err == nil {
-							err = d.terminate(ctx, pid)
+							err = d.kill(ctx, id)
 						}
 						if err != nil {
 							t.Errorf("kill during COMMIT: %v", err)
@@ -926,126 +954,7 @@ func TestFaultBackendTerminated(t *testing.T) {
 					}()
 					return nil // the middleware's COMMIT waits in the trigger, and is killed there
 				}
-				if err := d.terminate(ctx, pid); err != nil {
-					t.Errorf("terminate: %v", err)
-				}
-				switch how {
-				case beforeStatement, swallowed:
-					_, err := tx.ExecContext(mctx, "SELECT 1")
-					if err == nil {
-						return errors.New("a statement succeeded on a terminated backend")
-					}
-					if how == swallowed {
-						return nil
-					}
-					return fmt.Errorf("after the backend was killed: %w", err)
-				}
-				return nil // beforeCommit: the middleware commits on the dead connection
-			})
-
-			// The deferred trigger: at COMMIT, a row with block_commit waits
-			// for the advisory lock (k1, k2), which the test holds.
-			fn := "inbox_faults_block_" + randomSuffix()
-			exec(t, d.ctl, `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
-				BEGIN PERFORM pg_advisory_xact_lock(`+fmt.Sprint(k1)+`, `+fmt.Sprint(k2)+`); RETURN NULL; END $$`)
-			t.Cleanup(func() { _, _ = d.ctl.Exec(`DROP FUNCTION IF EXISTS ` + fn + `() CASCADE`) })
-			exec(t, d.ctl, `CREATE CONSTRAINT TRIGGER `+fn+` AFTER INSERT ON `+e.ledger+`
-				DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.block_commit) EXECUTE FUNCTION `+fn+`()`)
-			lock, err := d.ctl.Connx(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer lock.Close()
-			if _, err := lock.ExecContext(ctx, "SELECT pg_advisory_lock($1, $2)", k1, k2); err != nil {
-				t.Fatal(err)
-			}
-			defer lock.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1, $2)", k1, k2)
-
-			e.stream(ctx, msgs, 4)
-			killers.Wait()
-
-			for _, msg := range msgs {
-				how, ok := victims[msg.UUID]
-				if !ok {
-					continue
-				}
-				err := e.wantFaultNacked(msg, 1, "killed "+how)
-				if how == swallowed && !errors.Is(err, pgconn.ErrConnClosed) {
-					t.Errorf("killed %s: got %s, want pgx's conn closed", how, describeErr(err))
-				}
-				if how != swallowed && pgCode(err) != "57P01" {
-					t.Errorf("killed %s: got %s, want SQLSTATE 57P01", how, describeErr(err))
-				}
-				if how != beforeStatement && !strings.Contains(errText(err), "inbox: commit") {
-					t.Errorf("killed %s: got %s, want the COMMIT's error", how, describeErr(err))
-				}
-				if n := len(e.deliveries(msg.UUID)); n != 2 {
-					t.Errorf("killed %s: %d deliveries, want 2", how, n)
-				}
-			}
-			if n := len(e.nacks()); n != len(victims) {
-				t.Errorf("%d nacks, want exactly the %d faulted attempts: a dead connection was reused", n, len(victims))
-			}
-			e.checkExactlyOnce(ids(msgs))
-		})
-	}
-}
-
-// TestFaultMySQLConnectionKilled is TestFaultBackendTerminated on
-// MySQL/MariaDB: KILL CONNECTION from another session ends the session of a
-// message's transaction after the handler wrote its row, three ways:
-//
-//   - "before a statement": the handler's next statement fails, and the
-//     handler returns that error;
-//   - "statement error swallowed": the same, but the handler ignores the
-//     error and returns nil;
-//   - "before COMMIT": the handler returns nil, and the middleware's
-//     pre-commit check of its claim (SELECT ... FOR UPDATE, MySQL only)
-//     meets the dead session.
-//
-// The server rolls the killed session's transaction back (InnoDB). Each is a
-// nack that IsTransient accepts, never an ack; database/sql drops the dead
-// connection (no other delivery of the stream fails), and the redelivery
-// processes the message once. There is no "during COMMIT" variant: MySQL has
-// no deferred trigger to hold a COMMIT at a known point.
-func TestFaultMySQLConnectionKilled(t *testing.T) {
-	t.Parallel()
-	for _, kind := range []string{"mysql", "mysql-clientFoundRows"} {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			d := openFaultDB(t, kind, "")
-			ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
-			defer cancel()
-
-			const (
-				beforeStatement = "before a statement"
-				swallowed       = "statement error swallowed"
-				beforeCommit    = "before COMMIT"
-			)
-			msgs := newMessages(100)
-			victims := map[string]string{ // message UUID -> how its session dies
-				msgs[10].UUID: beforeStatement,
-				msgs[40].UUID: swallowed,
-				msgs[70].UUID: beforeCommit,
-			}
-			var e *faultEnv
-			e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
-				mctx := msg.Context()
-				how := victims[msg.UUID]
-				if attempt != 1 {
-					how = ""
-				}
-				if err := e.ledgerRow(msg, tx, attempt, false); err != nil {
-					return err
-				}
-				if how == "" {
-					return nil
-				}
-				var id int64
-				if err := tx.GetContext(mctx, &id, "SELECT CONNECTION_ID()"); err != nil {
-					return err
-				}
-				if err := d.killMySQL(ctx, id); err != nil {
+				if err := d.kill(ctx, id); err != nil {
 					t.Errorf("kill: %v", err)
 				}
 				switch how {
@@ -1059,10 +968,31 @@ func TestFaultMySQLConnectionKilled(t *testing.T) {
 					}
 					return fmt.Errorf("after the session was killed: %w", err)
 				}
-				return nil // beforeCommit: the middleware's check and COMMIT meet the dead session
+				return nil // beforeCommit: the middleware commits on the dead session
 			})
 
+			if d.postgres() {
+				// The deferred trigger: at COMMIT, a row with block_commit
+				// waits for the advisory lock (k1, k2), which the test holds.
+				fn := "inbox_faults_block_" + randomSuffix()
+				exec(t, d.ctl, `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
+					BEGIN PERFORM pg_advisory_xact_lock(`+fmt.Sprint(k1)+`, `+fmt.Sprint(k2)+`); RETURN NULL; END $$`)
+				t.Cleanup(func() { _, _ = d.ctl.Exec(`DROP FUNCTION IF EXISTS ` + fn + `() CASCADE`) })
+				exec(t, d.ctl, `CREATE CONSTRAINT TRIGGER `+fn+` AFTER INSERT ON `+e.ledger+`
+					DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.block_commit) EXECUTE FUNCTION `+fn+`()`)
+				lock, err := d.ctl.Connx(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer lock.Close()
+				if _, err := lock.ExecContext(ctx, "SELECT pg_advisory_lock($1, $2)", k1, k2); err != nil {
+					t.Fatal(err)
+				}
+				defer lock.ExecContext(context.Background(), "SELECT pg_advisory_unlock($1, $2)", k1, k2)
+			}
+
 			e.stream(ctx, msgs, 4)
+			killers.Wait()
 
 			for _, msg := range msgs {
 				how, ok := victims[msg.UUID]
@@ -1070,8 +1000,14 @@ func TestFaultMySQLConnectionKilled(t *testing.T) {
 					continue
 				}
 				err := e.wantFaultNacked(msg, 1, "killed "+how)
+				if d.postgres() && how == swallowed && !errors.Is(err, pgconn.ErrConnClosed) {
+					t.Errorf("killed %s: got %s, want pgx's conn closed", how, describeErr(err))
+				}
+				if d.postgres() && how != swallowed && pgCode(err) != "57P01" {
+					t.Errorf("killed %s: got %s, want SQLSTATE 57P01", how, describeErr(err))
+				}
 				if how != beforeStatement && !strings.Contains(errText(err), "inbox: commit") {
-					t.Errorf("killed %s: got %s, want the pre-commit check's error", how, describeErr(err))
+					t.Errorf("killed %s: got %s, want the COMMIT's error", how, describeErr(err))
 				}
 				if n := len(e.deliveries(msg.UUID)); n != 2 {
 					t.Errorf("killed %s: %d deliveries, want 2", how, n)
