@@ -1623,8 +1623,8 @@ func TestFaultServerRestart(t *testing.T) {
 		defer cancel()
 		sfx := randomSuffix()
 		d := &faultDB{dialect: inbox.PostgreSQL, app: "inbox_faults_" + sfx}
-		d.ctl = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name=inbox_faults_ctl_"+sfx))
-		d.pool = openPostgresDSN(ctx, t, testdb.WithParam(dsn, "application_name="+d.app))
+		d.ctl = openThrowaway(ctx, t, "pgx", testdb.WithParam(dsn, "application_name=inbox_faults_ctl_"+sfx), ".ci/restart-cluster starts it")
+		d.pool = openThrowaway(ctx, t, "pgx", testdb.WithParam(dsn, "application_name="+d.app), ".ci/restart-cluster starts it")
 		serverRestart(ctx, t, d, osexec.CommandContext(ctx, "pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast"))
 	})
 	t.Run("mysql", func(t *testing.T) {
@@ -1636,7 +1636,7 @@ func TestFaultServerRestart(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
 		d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
-		d.ctl = openMySQLDSN(ctx, t, dsn)
+		d.ctl = openThrowaway(ctx, t, "mysql", dsn, ".ci/restart-mariadb start starts it")
 		refuseSharedMySQL(ctx, t, d.ctl)
 		d.pool = openTrackedMySQL(t, dsn, "inbox_faults_restart_"+randomSuffix(), d.ports)
 		args := strings.Fields(command)
@@ -1759,34 +1759,19 @@ func refuseSharedMySQL(ctx context.Context, t *testing.T, db *sqlx.DB) {
 	}
 }
 
-// openMySQLDSN opens a pool of at most 8 connections on the throwaway
-// MariaDB server at dsn, which must be reachable.
-func openMySQLDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
+// openThrowaway opens a pool of at most 8 connections on the throwaway
+// server at dsn (driver "pgx" or "mysql"), which must be reachable; hint
+// says what starts it.
+func openThrowaway(ctx context.Context, t *testing.T, driver, dsn, hint string) *sqlx.DB {
 	t.Helper()
-	db, err := sqlx.Open("mysql", dsn)
+	db, err := sqlx.Open(driver, dsn)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
 	db.SetMaxOpenConns(8)
 	if err := db.PingContext(ctx); err != nil {
-		t.Fatalf("%s: %v (is the throwaway server running? .ci/restart-mariadb start starts it)", restartMySQLDSNEnv, err)
-	}
-	return db
-}
-
-// openPostgresDSN opens a pool of at most 8 connections on dsn, which must
-// be reachable.
-func openPostgresDSN(ctx context.Context, t *testing.T, dsn string) *sqlx.DB {
-	t.Helper()
-	db, err := sqlx.Open("pgx", dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	db.SetMaxOpenConns(8)
-	if err := db.PingContext(ctx); err != nil {
-		t.Fatalf("%s: %v (is the throwaway cluster running? .ci/restart-cluster starts it)", restartDSNEnv, err)
+		t.Fatalf("%s: %v (is the throwaway server running? %s)", dsn, err, hint)
 	}
 	return db
 }
