@@ -1658,15 +1658,18 @@ func TestCaseHandlerWritesThroughThePool(t *testing.T) {
 				t.Fatalf("every message acked; the first deadline to fire must nack its message")
 			}
 			// Every nack is transient, and the deadline is what broke the
-			// deadlock. A handler whose own deadline has not fired yet may
-			// instead get driver.ErrBadConn from its pool call: database/sql
-			// can hand it a connection that went bad when another delivery's
-			// deadline ended (seen once under load on MariaDB).
+			// deadlock. On MariaDB a handler's own pool call may instead
+			// fail with driver.ErrBadConn (seen once in CI under load; the
+			// exact path through database/sql and go-sql-driver, as other
+			// deliveries' deadlines close their connections, is not known):
+			// accepted there, from the handler only (not the inbox's own
+			// statements, whose errors start with "inbox:").
 			deadline := false
 			for _, err := range s.out.failures() {
 				deadline = deadline || errors.Is(err, context.DeadlineExceeded)
-				if !inbox.IsTransient(err) || !(errors.Is(err, context.DeadlineExceeded) || errors.Is(err, driver.ErrBadConn)) {
-					t.Errorf("err %v, want context.DeadlineExceeded or driver.ErrBadConn (transient)", err)
+				badConn := tdb.Dialect == inbox.MySQL && errors.Is(err, driver.ErrBadConn) && !strings.HasPrefix(err.Error(), "inbox:")
+				if !inbox.IsTransient(err) || !(errors.Is(err, context.DeadlineExceeded) || badConn) {
+					t.Errorf("err %v, want context.DeadlineExceeded (or, on MariaDB, the handler's driver.ErrBadConn), transient", err)
 				}
 			}
 			if !deadline {

@@ -89,8 +89,8 @@ func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 // cache purge, a metric, a notification that is only a hint.
 //
 // Registered functions run in order, on the handler's goroutine, after a
-// successful COMMIT, before Config.OnProcessed and before the router acks; never after a rollback, a
-// failed commit or for a duplicate. The trade-off: if the process dies
+// successful COMMIT, before Config.OnProcessed and before the router acks;
+// never after a rollback, a failed commit or for a duplicate. The trade-off: if the process dies
 // between the commit and f, f never runs (the redelivery is skipped as a
 // duplicate), and neither does it when the connection is lost after COMMIT
 // was sent and the server did commit (a COMMIT in doubt: the middleware

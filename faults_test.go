@@ -44,6 +44,8 @@ import (
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jmoiron/sqlx"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -151,6 +153,9 @@ func openWrappedMySQL(t *testing.T, dsn, netName string, ports *portsSeen, wrap 
 	}
 	if cfg.Net != "tcp" {
 		t.Skipf("the MySQL fault tests need a TCP DSN, got net %q", cfg.Net)
+	}
+	if wrap != nil && (cfg.TLS != nil || (cfg.TLSConfig != "" && cfg.TLSConfig != "false") || strings.Contains(cfg.FormatDSN(), "compress=true")) {
+		t.Skip("this fault test reads the client's packets on the wire: it needs a DSN without TLS and compression")
 	}
 	mysql.RegisterDialContext(netName, func(ctx context.Context, addr string) (net.Conn, error) {
 		var d net.Dialer
@@ -1031,18 +1036,26 @@ const dropMarker = "inbox-fault: drop the connection after the next statement"
 // client cannot know that it did. armed is the connection's own flag, set
 // by a query that contains dropMarker, or one shared by every connection
 // of a pool (then the first of them to send stmt drops).
+//
+// It sees go-sql-driver's packets as they are written, one Write per packet:
+// openWrappedMySQL refuses a DSN with TLS or compression, under which it
+// would see ciphertext or compressed frames.
 type dropAfterConn struct {
 	net.Conn
 	stmt    []byte // 0x03 (COM_QUERY) and the statement's text, as go-sql-driver sends it after the 4-byte header
 	armed   *atomic.Bool
 	dropped *atomic.Int32
+	take    func() bool // nil, or whether this drop may happen (a budget shared by the pool's connections)
 }
 
-func newDropAfterConn(c net.Conn, stmt string, armed *atomic.Bool, dropped *atomic.Int32) *dropAfterConn {
+// newDropAfterConn wraps c. armed nil gives the connection its own flag;
+// take, if not nil, is asked before each drop (and a drop it refuses
+// disarms nothing).
+func newDropAfterConn(c net.Conn, stmt string, armed *atomic.Bool, dropped *atomic.Int32, take func() bool) *dropAfterConn {
 	if armed == nil {
 		armed = new(atomic.Bool)
 	}
-	return &dropAfterConn{Conn: c, stmt: append([]byte{0x03}, stmt...), armed: armed, dropped: dropped}
+	return &dropAfterConn{Conn: c, stmt: append([]byte{0x03}, stmt...), armed: armed, dropped: dropped, take: take}
 }
 
 func (c *dropAfterConn) Write(p []byte) (int, error) {
@@ -1050,10 +1063,18 @@ func (c *dropAfterConn) Write(p []byte) (int, error) {
 		c.armed.Store(true)
 	}
 	n, err := c.Conn.Write(p)
-	if err == nil && len(p) == 4+len(c.stmt) && bytes.Equal(p[4:], c.stmt) && c.armed.CompareAndSwap(true, false) {
-		c.dropped.Add(1)
-		c.Conn.Close()
+	if err != nil || len(p) != 4+len(c.stmt) || !bytes.Equal(p[4:], c.stmt) || !c.armed.Load() {
+		return n, err
 	}
+	if c.take != nil {
+		if !c.take() {
+			return n, err
+		}
+	} else if !c.armed.CompareAndSwap(true, false) {
+		return n, err
+	}
+	c.dropped.Add(1)
+	c.Conn.Close()
 	return n, err
 }
 
@@ -1072,7 +1093,7 @@ func TestFaultMySQLCommitInDoubt(t *testing.T) {
 	d.ctl = testdb.OpenMySQL(t, "")
 	var dropped atomic.Int32
 	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
-		return newDropAfterConn(c, "COMMIT", nil, &dropped)
+		return newDropAfterConn(c, "COMMIT", nil, &dropped, nil)
 	})
 
 	msgs := newMessages(60)
@@ -1136,10 +1157,12 @@ func TestFaultMySQLBeginConnectionLost(t *testing.T) {
 	var armed atomic.Bool
 	var dropped atomic.Int32
 	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
-		return newDropAfterConn(c, "START TRANSACTION", &armed, &dropped)
+		return newDropAfterConn(c, "START TRANSACTION", &armed, &dropped, nil)
 	})
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	var e *faultEnv
-	e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+	e = newFaultEnv(t, d, inbox.Config{TracerProvider: tp}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
 		return e.ledgerRow(msg, tx, attempt, false)
 	})
 	armed.Store(true)
@@ -1149,8 +1172,55 @@ func TestFaultMySQLBeginConnectionLost(t *testing.T) {
 	if n := dropped.Load(); n != 1 {
 		t.Errorf("%d connections dropped after START TRANSACTION, want 1", n)
 	}
+	retried := 0
+	for _, span := range rec.Ended() {
+		for _, ev := range span.Events() {
+			if ev.Name == "inbox.begin_retried" {
+				retried++
+			}
+		}
+	}
+	if retried != 1 {
+		t.Errorf("%d spans record a retried BEGIN, want 1 (the retry must be visible)", retried)
+	}
 	if n := len(e.nacks()); n != 0 {
 		t.Errorf("%d nacks, want 0: the lost BEGIN was not retried%s", n, e.nackSummary())
+	}
+	e.checkExactlyOnce(ids(msgs))
+}
+
+// TestFaultMySQLBeginConnectionLostTwice loses the connections of a BEGIN
+// and of its retry, both right after START TRANSACTION was sent, as a
+// server going down can: the message is nacked with an error IsTransient
+// accepts (a ping, which succeeds, tells it from a misconfiguration), and
+// the redelivery processes it.
+func TestFaultMySQLBeginConnectionLostTwice(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
+	defer cancel()
+	d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
+	d.ctl = testdb.OpenMySQL(t, "")
+	var left atomic.Int32 // BEGINs still to drop
+	var dropped atomic.Int32
+	var armed atomic.Bool
+	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
+		return newDropAfterConn(c, "START TRANSACTION", &armed, &dropped, func() bool { return left.Add(-1) >= 0 })
+	})
+	var e *faultEnv
+	e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
+		return e.ledgerRow(msg, tx, attempt, false)
+	})
+	left.Store(2)
+	armed.Store(true)
+	msgs := newMessages(1)
+	e.stream(ctx, msgs, 1)
+
+	if n := dropped.Load(); n != 2 {
+		t.Errorf("%d connections dropped after START TRANSACTION, want 2", n)
+	}
+	err := e.wantFaultNacked(msgs[0], 1, "BEGIN lost twice")
+	if !strings.Contains(errText(err), "inbox: begin transaction") {
+		t.Errorf("got %s, want the BEGIN's error", describeErr(err))
 	}
 	e.checkExactlyOnce(ids(msgs))
 }
@@ -1630,7 +1700,7 @@ func TestFaultServerRestart(t *testing.T) {
 	t.Run("mysql", func(t *testing.T) {
 		command, dsn := os.Getenv(restartMySQLCmdEnv), os.Getenv(restartMySQLDSNEnv)
 		if command == "" || dsn == "" {
-			t.Skipf(`restarts a MariaDB server: run .ci/restart-mariadb start, then set %s="$PWD/.ci/restart-mariadb restart" and %s="root@tcp(127.0.0.1:3309)/test?parseTime=true"`,
+			t.Skipf(`restarts a MariaDB server: run .ci/restart-mariadb start, then set %s="'$PWD/.ci/restart-mariadb' restart" and %s="root@tcp(127.0.0.1:3309)/test?parseTime=true"`,
 				restartMySQLCmdEnv, restartMySQLDSNEnv)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -1639,8 +1709,7 @@ func TestFaultServerRestart(t *testing.T) {
 		d.ctl = openThrowaway(ctx, t, "mysql", dsn, ".ci/restart-mariadb start starts it")
 		refuseSharedMySQL(ctx, t, d.ctl)
 		d.pool = openTrackedMySQL(t, dsn, "inbox_faults_restart_"+randomSuffix(), d.ports)
-		args := strings.Fields(command)
-		serverRestart(ctx, t, d, osexec.CommandContext(ctx, args[0], args[1:]...))
+		serverRestart(ctx, t, d, osexec.CommandContext(ctx, "sh", "-c", command))
 	})
 }
 

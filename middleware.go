@@ -101,8 +101,10 @@ type Config struct {
 	// message, "inbox" (OpenTelemetry API; attributes inbox.consumer,
 	// inbox.message_id, messaging.message.id, db.system), as a child of the
 	// span in msg.Context() (Watermill's OpenTelemetry middleware puts one
-	// there), with the events inbox.claimed, inbox.duplicate and
-	// inbox.committed, and the error status on failure or panic. The
+	// there), with the events inbox.claimed, inbox.duplicate,
+	// inbox.committed and inbox.begin_retried (MySQL: a BEGIN retried after
+	// its connection was lost, with the first error), and the error status
+	// on failure or panic. The
 	// statements and the handler run under it, so spans of an instrumented
 	// database/sql driver and of the handler nest inside. Pass
 	// otel.GetTracerProvider() to use the global one. Default: nil, no spans
@@ -403,7 +405,9 @@ func New(cfg Config) (*Inbox, error) {
 //     handler's messages are returned to the router; if the commit fails,
 //     the commit error is returned (the router nacks, never acks; a COMMIT
 //     whose connection was lost is in doubt, and IsTransient reports it as
-//     transient: the redelivery skips the message if it committed). On
+//     transient: the redelivery skips the message if it committed, and the
+//     messages the handler returned are then lost unless Config.Outbox
+//     wrote them in the transaction). On
 //     MySQL/MariaDB the inbox first checks, in the transaction, that its
 //     claim is still held: a deadlock or snapshot-isolation conflict whose
 //     error the handler ignored has rolled everything back already, and
@@ -508,14 +512,8 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		}
 	}
 	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
-	if err != nil && ib.dialect.uncodedBoundaryErrIsLostConn() && !anyInChain(err, hasDatabaseCode) && sctx.Err() == nil {
-		// go-sql-driver reports a connection lost after START TRANSACTION
-		// was sent (a server going down) as a plain "invalid connection",
-		// which database/sql does not retry. Nothing has started: try once
-		// more. The second error classifies itself: connection refused is
-		// transient; a misconfiguration that fails every connection (TLS,
-		// authentication plugin), which also carries no code, is not.
-		tx, err = ib.db.BeginTxx(sctx, ib.txOptions)
+	if err != nil && ib.maybeLostConn(sctx, err) {
+		tx, err = ib.retryBegin(sctx, msg, consumer, id, span, err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
@@ -634,7 +632,12 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	ended = true
 	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, ib.commitErr(err))
+		if ib.maybeLostConn(sctx, err) {
+			// The COMMIT was sent, or it would have failed with
+			// driver.ErrBadConn: it is in doubt.
+			err = &lostConnError{err}
+		}
+		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)
 	}
 	if span != nil {
 		span.AddEvent("inbox.committed")
@@ -646,14 +649,41 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	return produced, nil
 }
 
-// commitErr marks err, from the COMMIT of a message's transaction, as a
-// commitError where the dialect's driver reports a lost connection without
-// a database error code (see IsTransient).
-func (ib *Inbox) commitErr(err error) error {
-	if ib.dialect.uncodedBoundaryErrIsLostConn() {
-		return &commitError{err}
+// maybeLostConn reports whether err, from the BEGIN or COMMIT of a
+// message's transaction, may be a connection lost after the statement was
+// sent, which the dialect's driver reports without a database error code
+// (go-sql-driver/mysql's plain "invalid connection"): an error IsTransient
+// does not already accept, that carries no code, while ctx is still live.
+func (ib *Inbox) maybeLostConn(ctx context.Context, err error) bool {
+	return ib.dialect.uncodedBoundaryErrIsLostConn() && ctx.Err() == nil && !IsTransient(err) && !anyInChain(err, hasDatabaseCode)
+}
+
+// retryBegin begins the transaction again after the first BEGIN failed
+// with firstErr, which maybeLostConn accepted: a connection lost after
+// START TRANSACTION was sent (a server going down), which database/sql does
+// not retry; nothing has started. If the retry fails the same way, a ping
+// tells a lost connection from a misconfiguration that fails every
+// connection without a code (TLS, an authentication plugin): if the ping
+// succeeds, or fails with a transient error (connection refused), the
+// error is a lostConnError, which IsTransient accepts; otherwise it stays
+// as it is. The retry is logged at Debug and recorded on the span.
+func (ib *Inbox) retryBegin(ctx context.Context, msg *message.Message, consumer, id string, span trace.Span,
+	firstErr error) (*sqlx.Tx, error) {
+	if !ib.nopLogger {
+		fields := ib.fields(msg, consumer, id)
+		fields["error"] = firstErr.Error()
+		ib.logger.Debug("Inbox: BEGIN lost its connection, retrying once", fields)
 	}
-	return err
+	if span != nil {
+		span.AddEvent("inbox.begin_retried", trace.WithAttributes(attribute.String("error", firstErr.Error())))
+	}
+	tx, err := ib.db.BeginTxx(ctx, ib.txOptions)
+	if err != nil && ib.maybeLostConn(ctx, err) {
+		if pingErr := ib.db.PingContext(ctx); pingErr == nil || IsTransient(pingErr) {
+			err = &lostConnError{err}
+		}
+	}
+	return tx, err
 }
 
 // publishToOutbox publishes the handler's returned messages through the

@@ -17,9 +17,11 @@ import (
 // connection, a server shutting down, a busy SQLite database, or a message
 // context that ended (deadline or cancellation, as when a router stops).
 //
-// The inbox has rolled back whatever it returns, so a transient error is
-// always safe to nack: the redelivery either processes the message or, if a
-// concurrent delivery committed it meanwhile, skips it as a duplicate. Use
+// Whatever the inbox returns, its transaction was rolled back or, for a
+// COMMIT in doubt (below), possibly committed; so a transient error is always
+// safe to nack: the redelivery either processes the message or, if its
+// transaction (or a concurrent delivery's) committed, skips it as a
+// duplicate. Use
 // it to keep such errors away from a poison queue, which is meant for
 // messages that can never succeed:
 //
@@ -55,8 +57,8 @@ import (
 //     mysql.ErrInvalidConn is a plain error value that cannot be told apart
 //     without importing the driver: alone (from Purge, or a handler's
 //     statement outside the inbox) it is not transient; from the
-//     middleware it comes with a failed ROLLBACK or COMMIT (below), which
-//     is.
+//     middleware it is when it comes with a failed ROLLBACK, or at BEGIN or
+//     COMMIT as described below.
 //   - SQLite: SQLITE_BUSY and SQLITE_LOCKED, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
@@ -81,19 +83,22 @@ import (
 //     connection is lost (go-sql-driver's plain "invalid connection" when
 //     the server closed it during the handler), so the database ends the
 //     transaction without committing it.
-//   - On MySQL/MariaDB, a failed COMMIT of the inbox's transaction whose
-//     error carries no database error code (no MySQL error number): the
-//     connection was lost around it (go-sql-driver's plain "invalid
-//     connection" when the server went away after the COMMIT was sent), so
-//     the client does not know whether the server committed. The
-//     redelivery settles it: it skips the message as a duplicate if the
-//     COMMIT took effect, and processes it if not. (A BEGIN that failed so
-//     is retried once by the middleware, and the retry's error classifies
-//     itself.) PostgreSQL drivers report a lost connection as a network or
-//     SafeToRetry error (above); pgx's ErrTxCommitRollback, a COMMIT that
-//     PostgreSQL turned into ROLLBACK after a failed statement the handler
-//     ignored, stays not transient: the statement's error, which could
-//     tell, is gone.
+//   - On MySQL/MariaDB, a BEGIN or COMMIT of the inbox's transaction whose
+//     connection was lost after the statement was sent: go-sql-driver's
+//     plain "invalid connection", with no MySQLError number (the
+//     middleware treats any error without a database code so on the MySQL
+//     dialect). After a COMMIT the client does not know whether the server
+//     committed: the redelivery settles it, skipping the message as a
+//     duplicate if the COMMIT took effect and processing it if not. A BEGIN
+//     that failed so started nothing; the middleware retries it once, and
+//     if the retry fails the same way, a ping decides: a ping that succeeds
+//     or fails transiently makes it transient, one that fails the same way
+//     (a TLS or authentication-plugin misconfiguration, which also carries
+//     no code) leaves it not transient. PostgreSQL drivers report a lost
+//     connection as a network or SafeToRetry error (above); pgx's
+//     ErrTxCommitRollback, a COMMIT that PostgreSQL turned into ROLLBACK
+//     after a failed statement the handler ignored, stays not transient:
+//     the statement's error, which could tell, is gone.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -112,8 +117,8 @@ func IsTransient(err error) bool {
 	if errors.As(err, &rbErr) || isNetworkFailure(err) {
 		return true
 	}
-	var cErr *commitError
-	if errors.As(err, &cErr) && !anyInChain(cErr.err, hasDatabaseCode) {
+	var lcErr *lostConnError
+	if errors.As(err, &lcErr) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
@@ -296,12 +301,11 @@ type rollbackError struct{ err error }
 func (e *rollbackError) Error() string { return e.err.Error() }
 func (e *rollbackError) Unwrap() error { return e.err }
 
-// commitError is the error of a failed COMMIT of a message's transaction,
-// on a dialect whose driver reports a lost connection without a database
-// error code (MySQL). Without a code in its chain, the connection was lost
-// around the COMMIT, whose outcome is then unknown to the client, and
-// IsTransient reports true: the redelivery finds out.
-type commitError struct{ err error }
+// lostConnError is the error of a BEGIN or COMMIT of a message's
+// transaction whose connection was lost after the statement was sent, on a
+// dialect whose driver reports that without a database error code (MySQL):
+// see Inbox.maybeLostConn and Inbox.retryBegin. IsTransient reports true.
+type lostConnError struct{ err error }
 
-func (e *commitError) Error() string { return e.err.Error() }
-func (e *commitError) Unwrap() error { return e.err }
+func (e *lostConnError) Error() string { return e.err.Error() }
+func (e *lostConnError) Unwrap() error { return e.err }
