@@ -1078,6 +1078,20 @@ func (c *dropAfterConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
+// openDroppingMySQL opens a faultDB on MySQL whose pool's connections are
+// dropAfterConn on stmt (armed and take as in newDropAfterConn); dropped
+// counts the connections dropped.
+func openDroppingMySQL(t *testing.T, stmt string, armed *atomic.Bool, take func() bool) (d *faultDB, dropped *atomic.Int32) {
+	t.Helper()
+	d = &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
+	d.ctl = testdb.OpenMySQL(t, "")
+	dropped = new(atomic.Int32)
+	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
+		return newDropAfterConn(c, stmt, armed, dropped, take)
+	})
+	return d, dropped
+}
+
 // TestFaultMySQLCommitInDoubt loses the connection of a few messages'
 // transactions right after their COMMIT was sent (dropAfterConn): the
 // server commits, and go-sql-driver reports only "invalid connection", an
@@ -1089,12 +1103,7 @@ func TestFaultMySQLCommitInDoubt(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
 	defer cancel()
-	d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
-	d.ctl = testdb.OpenMySQL(t, "")
-	var dropped atomic.Int32
-	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
-		return newDropAfterConn(c, "COMMIT", nil, &dropped, nil)
-	})
+	d, dropped := openDroppingMySQL(t, "COMMIT", nil, nil)
 
 	msgs := newMessages(60)
 	victims := map[string]bool{msgs[5].UUID: true, msgs[25].UUID: true, msgs[45].UUID: true}
@@ -1152,13 +1161,8 @@ func TestFaultMySQLBeginConnectionLost(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
 	defer cancel()
-	d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
-	d.ctl = testdb.OpenMySQL(t, "")
 	var armed atomic.Bool
-	var dropped atomic.Int32
-	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
-		return newDropAfterConn(c, "START TRANSACTION", &armed, &dropped, nil)
-	})
+	d, dropped := openDroppingMySQL(t, "START TRANSACTION", &armed, nil)
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	var e *faultEnv
@@ -1198,14 +1202,9 @@ func TestFaultMySQLBeginConnectionLostTwice(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), faultTimeout)
 	defer cancel()
-	d := &faultDB{dialect: inbox.MySQL, ports: &portsSeen{}}
-	d.ctl = testdb.OpenMySQL(t, "")
 	var left atomic.Int32 // BEGINs still to drop
-	var dropped atomic.Int32
 	var armed atomic.Bool
-	d.pool = openWrappedMySQL(t, testdb.MySQLDSN(), "inbox_faults_"+randomSuffix(), d.ports, func(c net.Conn) net.Conn {
-		return newDropAfterConn(c, "START TRANSACTION", &armed, &dropped, func() bool { return left.Add(-1) >= 0 })
-	})
+	d, dropped := openDroppingMySQL(t, "START TRANSACTION", &armed, func() bool { return left.Add(-1) >= 0 })
 	var e *faultEnv
 	e = newFaultEnv(t, d, inbox.Config{}, func(msg *message.Message, tx *sqlx.Tx, attempt int) error {
 		return e.ledgerRow(msg, tx, attempt, false)
