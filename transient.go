@@ -18,12 +18,11 @@ import (
 // context that ended (deadline or cancellation, as when a router stops).
 //
 // Whatever the inbox returns, its transaction was rolled back or, for a
-// COMMIT in doubt (below), possibly committed; so a transient error is always
-// safe to nack: the redelivery either processes the message or, if its
-// transaction (or a concurrent delivery's) committed, skips it as a
-// duplicate. Use
-// it to keep such errors away from a poison queue, which is meant for
-// messages that can never succeed:
+// COMMIT in doubt (below), possibly committed; so a transient error is
+// always safe to nack: the redelivery either processes the message or, if
+// its transaction (or a concurrent delivery's) committed, skips it as a
+// duplicate. Use it to keep such errors away from a poison queue, which is
+// meant for messages that can never succeed:
 //
 //	poison, err := middleware.PoisonQueueWithFilter(pub, "poison", func(err error) bool {
 //		return !inbox.IsTransient(err)
