@@ -446,7 +446,7 @@ func (s *soak) terminate(w *worker) {
 func (s *soak) await(w *worker) {
 	select {
 	case <-w.done:
-	case <-time.After(time.Minute): // its router's CloseTimeout is 20 s
+	case <-time.After(time.Minute): // its router's CloseTimeout is 45 s
 		s.fail("%s did not stop within a minute of SIGTERM:\n%s", w.name, w.out)
 	}
 	s.remove(w)

@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -135,7 +136,13 @@ func TestSoakWorker(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, watermill.NopLogger{})
+	// The router's Close waits for the Kafka subscribers to close, and a
+	// sarama consumer group cannot close while its JoinGroup waits for a
+	// rebalance, which lasts up to Rebalance.Timeout (15 s, consumerConfig),
+	// plus the session timeout (3 s) of a killed member the group still
+	// counts: with 20 s, two workers stopped during such a rebalance timed
+	// out in CI. soak.await allows a minute.
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 45 * time.Second}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,6 +203,8 @@ func TestSoakWorker(t *testing.T) {
 		t.Fatalf("router: %v", err)
 	}
 	if err := <-closed; err != nil {
+		// What still runs, for the failure report.
+		_ = pprof.Lookup("goroutine").WriteTo(os.Stderr, 1)
 		t.Errorf("router close: %v", err)
 	}
 	for _, sub := range subs {
