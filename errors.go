@@ -83,3 +83,24 @@ var (
 	// row. The transaction is rolled back and the message nacked.
 	ErrUnexpectedRowsAffected = errors.New("inbox: unexpected rows affected by claim")
 )
+
+// Errors about the inbox table itself, from Inbox.Verify, InitializeSchema,
+// the middleware's check of the table before its first claim, and
+// Inbox.RouterPlugin. Neither is transient (IsTransient): a redelivery cannot
+// succeed until the table is created or fixed.
+var (
+	// ErrTableNotFound means the inbox table does not exist: run
+	// InitializeSchema, apply the DDL of schema/ (SchemaSQL), or fix
+	// Config.Table.
+	ErrTableNotFound = errors.New("inbox: inbox table not found")
+
+	// ErrIncompatibleTable means the inbox table exists but could merge,
+	// truncate or reject message ids, or lacks what the claim or the purge
+	// relies on: a key column that compares other than byte for byte (a
+	// case- or accent-insensitive or PAD SPACE collation, citext, a
+	// nondeterministic collation, a NOCASE or RTRIM collation) or is
+	// narrower than MaxKeyLength bytes, a primary key other than
+	// (consumer, message_id), a processed_at of another type, or no purge
+	// index. The error names every problem found and the DDL that fixes it.
+	ErrIncompatibleTable = errors.New("inbox: inbox table incompatible")
+)
