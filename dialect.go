@@ -76,6 +76,13 @@ type Dialect interface {
 	// sizeSQL returns a query for the table's size on disk with its indexes,
 	// in bytes.
 	sizeSQL(table qualifiedName) (string, []any)
+
+	// checkTable reads the catalog through q and returns every problem of
+	// the existing table t that could make the inbox merge, truncate or
+	// reject message ids or break the claim or the purge, each with the DDL
+	// that fixes it; an error wrapping ErrTableNotFound when t does not
+	// exist. Implemented in verify.go.
+	checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error)
 }
 
 // Exported dialects. Compare a Config.Dialect with them by equality.

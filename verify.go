@@ -58,3 +58,19 @@ func withReadTx(ctx context.Context, db *sqlx.DB, d Dialect, f func(q sqlx.Query
 func verifyTable(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) error {
 	return nil // TODO: per-dialect checks
 }
+
+// tableProblem is one thing wrong with an existing inbox table.
+type tableProblem struct {
+	what string // what is wrong, e.g. `column message_id has collation "utf8mb4_general_ci", which folds case`
+	fix  string // the DDL that fixes it, e.g. "ALTER TABLE ... MODIFY ..."
+}
+
+func (postgresDialect) checkTable(context.Context, sqlx.QueryerContext, qualifiedName) ([]tableProblem, error) {
+	return nil, nil
+}
+func (mysqlDialect) checkTable(context.Context, sqlx.QueryerContext, qualifiedName) ([]tableProblem, error) {
+	return nil, nil
+}
+func (sqliteDialect) checkTable(context.Context, sqlx.QueryerContext, qualifiedName) ([]tableProblem, error) {
+	return nil, nil
+}
