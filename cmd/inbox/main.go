@@ -1,10 +1,21 @@
 // Command inbox manages the inbox table of github.com/watermill-inbox/inbox
-// from a shell: print or apply its schema, purge it, and show its state.
+// from a shell: print, apply or verify its schema, purge it, and show its
+// state.
 //
 //	go install github.com/watermill-inbox/inbox/cmd/inbox@latest
 //	inbox schema -dialect postgres -table billing.inbox
+//	inbox schema -db "$DATABASE_URL" -verify
 //	inbox purge -db "$DATABASE_URL" -older-than 360h -dry-run
 //	inbox stats -db "$DATABASE_URL"
+//
+// "inbox schema -verify" checks a table that your migrations made with
+// (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
+// with the problems and the DDL that fixes them when the table is missing or
+// could merge, truncate or reject message ids.
+//
+// Only "inbox schema -apply" creates anything: every other command refuses a
+// SQLite database file that does not exist (a mistyped path would otherwise
+// become a new, empty database) and opens an existing one with mode=rw.
 //
 // Exit status: 0 on success, 1 when the database or the operation fails, 2 on
 // a usage error.
@@ -16,6 +27,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/signal"
 	"sort"
@@ -38,6 +50,9 @@ Usage:
   inbox schema -dialect D [-table T]            print the DDL (or -db DSN instead of -dialect)
   inbox schema -db DSN [-dialect D] [-table T] -apply
                                                 create the table (and partitions) if missing
+  inbox schema -db DSN [-dialect D] [-table T] -verify
+                                                check that the existing table is one the inbox
+                                                can use (exit 1 with the problems if not)
   inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-pause D] [-dry-run]
                                                 delete rows processed longer ago than DURATION
   inbox purge  -db DSN -brokers B -topics T [-margin D] [-older-than DURATION] ...
@@ -48,7 +63,8 @@ Usage:
 DSN forms:
   postgres://user@host:5432/db?sslmode=disable  PostgreSQL (pgx)
   mysql://user:pass@tcp(host:3306)/db           MySQL / MariaDB (go-sql-driver DSN after mysql://)
-  sqlite:///path/to/file.db  or  file:path.db   SQLite (modernc.org/sqlite)
+  sqlite:///path/to/file.db  or  file:path.db   SQLite (modernc.org/sqlite); the file must exist,
+                                                except for "schema -apply", which creates it
 
 Dialects: postgres, postgres-partitioned, mysql, sqlite (default: from the DSN).
 Durations use Go syntax: 360h, 15m, 90s. Choose -older-than longer than your broker
@@ -154,8 +170,11 @@ func (c common) dialectOrNil() (inbox.Dialect, error) {
 	return d, nil
 }
 
-// open connects to c.dsn, choosing the driver from its form.
-func (c common) open(ctx context.Context) (*sqlx.DB, inbox.Dialect, error) {
+// open connects to c.dsn, choosing the driver from its form. Unless create
+// is set (schema -apply), a SQLite database file must exist already: it is
+// checked before the driver sees the DSN, and opened with mode=rw so that the
+// driver cannot create it either.
+func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect, error) {
 	d, err := c.dialectOrNil()
 	if err != nil {
 		return nil, nil, err
@@ -176,6 +195,11 @@ func (c common) open(ctx context.Context) (*sqlx.DB, inbox.Dialect, error) {
 	default:
 		return nil, nil, fmt.Errorf("%w: cannot tell the database from -db %q (use postgres://, mysql:// or sqlite://)", errUsage, c.dsn)
 	}
+	if driver == "sqlite" && !create {
+		if dsn, err = existingSQLite(dsn); err != nil {
+			return nil, nil, err
+		}
+	}
 	db, err := sqlx.Open(driver, dsn)
 	if err != nil {
 		return nil, nil, err
@@ -189,14 +213,69 @@ func (c common) open(ctx context.Context) (*sqlx.DB, inbox.Dialect, error) {
 	return db, d, nil
 }
 
+// existingSQLite checks that the file a SQLite URI (file:...) names exists,
+// and returns the URI with mode=rw (in place of none or rwc), which makes
+// SQLite fail instead of creating a missing file. An in-memory database
+// (:memory:, mode=memory) is not a file and passes unchanged.
+func existingSQLite(dsn string) (string, error) {
+	uri, fragment, hasFragment := strings.Cut(dsn, "#")
+	rawName, rawQuery, _ := strings.Cut(strings.TrimPrefix(uri, "file:"), "?")
+	name := rawName
+	var params []string
+	if rawQuery != "" {
+		params = strings.Split(rawQuery, "&")
+	}
+	mode := -1 // index of the mode parameter in params
+	for i, p := range params {
+		if k, _, _ := strings.Cut(p, "="); k == "mode" {
+			mode = i
+		}
+	}
+	if name == ":memory:" || name == "" || mode >= 0 && params[mode] == "mode=memory" {
+		return dsn, nil
+	}
+	if rest, ok := strings.CutPrefix(name, "//"); ok {
+		// file://authority/path: SQLite accepts only an empty authority or
+		// localhost, and reports any other itself.
+		authority, path, _ := strings.Cut(rest, "/")
+		if authority != "" && authority != "localhost" {
+			return dsn, nil
+		}
+		name = "/" + path
+	}
+	if unescaped, err := url.PathUnescape(name); err == nil {
+		name = unescaped // SQLite decodes %HH in a URI's path
+	}
+	if _, err := os.Stat(name); errors.Is(err, os.ErrNotExist) {
+		return "", fmt.Errorf("SQLite database %q does not exist: check -db, or run \"inbox schema -apply\", which creates it with the inbox table", name)
+	} else if err != nil {
+		return "", fmt.Errorf("SQLite database %q: %w", name, err)
+	}
+	switch {
+	case mode < 0:
+		params = append(params, "mode=rw")
+	case params[mode] == "mode=rwc":
+		params[mode] = "mode=rw"
+	}
+	uri = "file:" + rawName + "?" + strings.Join(params, "&")
+	if hasFragment {
+		uri += "#" + fragment
+	}
+	return uri, nil
+}
+
 func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlags("schema", stderr, &c, true)
 	apply := fs.Bool("apply", false, "create the table (and, partitioned, the partitions) in -db if missing, instead of printing")
+	verify := fs.Bool("verify", false, "check that the table in -db exists and is one the inbox can use, instead of printing")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	if !*apply {
+	if *apply && *verify {
+		return fmt.Errorf("%w: -apply and -verify exclude each other", errUsage)
+	}
+	if !*apply && !*verify {
 		d, err := c.dialectOrNil()
 		if err != nil {
 			return err
@@ -205,7 +284,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			if c.dsn == "" {
 				return fmt.Errorf("%w: -dialect or -db is required", errUsage)
 			}
-			db, dd, err := c.open(ctx)
+			db, dd, err := c.open(ctx, false)
 			if err != nil {
 				return err
 			}
@@ -221,7 +300,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		_, err = io.WriteString(stdout, ddl)
 		return err
 	}
-	db, d, err := c.open(ctx)
+	db, d, err := c.open(ctx, *apply)
 	if err != nil {
 		return err
 	}
@@ -229,6 +308,14 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table})
 	if err != nil {
 		return err
+	}
+	defer ib.Close()
+	if *verify {
+		if err := ib.Verify(ctx); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "inbox table %s is verified\n", c.table)
+		return nil
 	}
 	if err := ib.InitializeSchema(ctx); err != nil {
 		return err
@@ -257,7 +344,7 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *olderThan < 0 || (*olderThan == 0 && *brokers == "") {
 		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics give the window", errUsage)
 	}
-	db, d, err := c.open(ctx)
+	db, d, err := c.open(ctx, false)
 	if err != nil {
 		return err
 	}
@@ -286,16 +373,16 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "dry run: would delete %d rows older than %s from %s\n", n, cfg.OlderThan, c.table)
+		fmt.Fprintf(stdout, "dry run: would delete %s older than %s from %s\n", count(n, "row"), cfg.OlderThan, c.table)
 		return nil
 	}
 	start := time.Now()
 	n, err := inbox.Purge(ctx, cfg)
 	if err != nil {
 		// Nothing on stdout: a script reading it must not see success.
-		return fmt.Errorf("%w (%d rows deleted before the error)", err, n)
+		return fmt.Errorf("%w (%s deleted before the error)", err, count(n, "row"))
 	}
-	fmt.Fprintf(stdout, "deleted %d rows older than %s from %s in %s\n", n, cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond))
+	fmt.Fprintf(stdout, "deleted %s older than %s from %s in %s\n", count(n, "row"), cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond))
 	return nil
 }
 
@@ -305,7 +392,7 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	db, d, err := c.open(ctx)
+	db, d, err := c.open(ctx, false)
 	if err != nil {
 		return err
 	}
@@ -321,7 +408,7 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fmt.Fprintf(stdout, "newest:   %s (%s ago)\n", st.Newest.Format(time.RFC3339), time.Since(st.Newest).Round(time.Second))
 	}
 	if st.SizeBytes >= 0 {
-		fmt.Fprintf(stdout, "size:     %d bytes\n", st.SizeBytes)
+		fmt.Fprintf(stdout, "size:     %s\n", count(st.SizeBytes, "byte"))
 	}
 	consumers := make([]string, 0, len(st.Consumers))
 	for name := range st.Consumers {
@@ -332,4 +419,12 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fmt.Fprintf(stdout, "consumer: %s %d\n", name, st.Consumers[name])
 	}
 	return nil
+}
+
+// count returns n and the noun, in the plural unless n is 1: "1 row", "2 rows".
+func count(n int64, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
