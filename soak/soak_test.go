@@ -51,6 +51,9 @@ const (
 	postgresDSNEnv     = "INBOX_TEST_POSTGRES_DSN"
 	defaultPostgresDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
 	startPostgres      = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+	mysqlDSNEnv        = "INBOX_TEST_MYSQL_DSN"
+	defaultMySQLDSN    = "root@tcp(127.0.0.1:3306)/test?parseTime=true"
+	startMariaDB       = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
 	sqliteParams       = "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL&_txlock=immediate&_foreign_keys=1"
 )
 
@@ -88,8 +91,8 @@ func newPlan() plan {
 	return p
 }
 
-// TestSoak runs the soak (see the package documentation) on SQLite and on
-// PostgreSQL, one after the other.
+// TestSoak runs the soak (see the package documentation) on SQLite,
+// PostgreSQL and MariaDB, one after the other.
 func TestSoak(t *testing.T) {
 	if os.Getenv(workerEnv) != "" {
 		t.Skip("worker process")
@@ -109,6 +112,15 @@ func TestSoak(t *testing.T) {
 		// else's in pg_stat_activity.
 		runSoak(t, run, "pgx", withParam(base, "application_name=soak_"+run),
 			withParam(base, "application_name=soak_"+run+"_check"), 6)
+	})
+	t.Run("mariadb", func(t *testing.T) {
+		dsn := os.Getenv(mysqlDSNEnv)
+		if dsn == "" {
+			dsn = defaultMySQLDSN
+		}
+		// The workers report their session ids instead of an
+		// application_name (see openDB).
+		runSoak(t, randomSuffix(), "mysql", dsn, dsn, 6)
 	})
 }
 
@@ -133,9 +145,13 @@ type soak struct {
 	admin    sarama.ClusterAdmin
 	client   sarama.Client
 
-	mu       sync.Mutex // guards tally, failures (event readers) and resent (producer)
+	mu       sync.Mutex // guards tally, failures, the session sets (event readers, connector) and resent (producer)
 	tally    map[string]*consumerTally
-	failures map[string]int // other failures, by consumer and error text
+	failures map[string]int // failures not injected, by kind, consumer and error text
+
+	// MariaDB session ids (CONNECTION_ID()) of the workers and of db.
+	workerSessions map[int64]string // id -> worker name
+	ownSessions    map[int64]bool
 
 	workers  []*worker // every worker started
 	live     []*worker // running, oldest first
@@ -148,11 +164,14 @@ type soak struct {
 }
 
 type consumerTally struct {
-	processed, duplicates, transient, failed, killed int
+	processed, duplicates, killed int
+	injected                      int // the handler's injected failures
+	transient                     int // other failures that inbox.IsTransient reports as transient
+	failed                        int // failures that are neither
 }
 
 func (c consumerTally) deliveries() int {
-	return c.processed + c.duplicates + c.transient + c.failed + c.killed
+	return c.processed + c.duplicates + c.injected + c.transient + c.failed + c.killed
 }
 
 func runSoak(t *testing.T, run, driver, workerDSN, checkDSN string, maxConns int) {
@@ -163,6 +182,7 @@ func runSoak(t *testing.T, run, driver, workerDSN, checkDSN string, maxConns int
 		topic: "soak_" + run, inbox: "soak_inbox_" + run, expected: "soak_expected_" + run,
 		business: map[string]string{}, groups: map[string]string{},
 		tally: map[string]*consumerTally{}, failures: map[string]int{},
+		workerSessions: map[int64]string{}, ownSessions: map[int64]bool{},
 		produced: make(chan error, 1),
 	}
 	for _, c := range consumers {
@@ -170,7 +190,7 @@ func runSoak(t *testing.T, run, driver, workerDSN, checkDSN string, maxConns int
 		s.groups[c] = c + "_" + run
 		s.tally[c] = &consumerTally{}
 	}
-	s.db = openChecked(t, driver, checkDSN)
+	s.db = s.openChecked(checkDSN)
 	s.createTables()
 
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, s.topic),
@@ -371,20 +391,27 @@ func (s *soak) readEvents(w *worker, r *os.File) {
 			close(w.ready)
 		case kind == evInUse:
 			fmt.Sscan(detail, &w.inUse)
+		case kind == evSession:
+			var id int64
+			fmt.Sscan(detail, &id)
+			s.workerSessions[id] = w.name
 		case c == nil:
 			s.failures["unknown event: "+sc.Text()]++
 		case kind == evProcessed:
 			c.processed++
 		case kind == evDuplicate:
 			c.duplicates++
-		case kind == evTransient:
-			c.transient++
+		case kind == evInjected:
+			c.injected++
 		case kind == evKill:
 			c.killed++
 			w.killedSelf = true
+		case kind == evTransient:
+			c.transient++
+			s.failures["transient "+consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
 		case kind == evFailed:
 			c.failed++
-			s.failures[consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
+			s.failures["NOT TRANSIENT "+consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
 		}
 		s.mu.Unlock()
 	}
@@ -708,11 +735,24 @@ func (s *soak) check() {
 			t.Errorf("%s: data race:\n%s", w.name, w.out)
 		}
 	}
-	if s.driver == "pgx" {
+	switch s.driver {
+	case "pgx":
 		s.checkSessions()
+	case "mysql":
+		s.checkMariaDBSessions()
 	}
 	if n := s.db.Stats().InUse; n != 0 {
 		t.Errorf("the test's own pool has %d connections in use, want 0", n)
+	}
+
+	// Every failure but the injected ones is one that inbox.IsTransient
+	// reports as transient (a deadlock, a lost connection, a context ended
+	// by a graceful stop): a PoisonQueue filtered on IsTransient, as the
+	// README advises, would have set any other aside, its effect lost.
+	for _, c := range consumers {
+		if n := s.tally[c].failed; n > 0 {
+			t.Errorf("%s: %d failures that inbox.IsTransient does not report as transient (see NOT TRANSIENT below)", c, n)
+		}
 	}
 
 	// Every injected cause happened.
@@ -721,8 +761,8 @@ func (s *soak) check() {
 		if tl.duplicates == 0 {
 			t.Errorf("%s: no duplicate was skipped: redelivery did not happen", c)
 		}
-		if tl.transient == 0 {
-			t.Errorf("%s: no transient failure was injected", c)
+		if tl.injected == 0 {
+			t.Errorf("%s: no handler failure was injected", c)
 		}
 	}
 	for _, x := range []struct {
@@ -775,8 +815,8 @@ func (s *soak) counts() string {
 		s.p.messages, s.resent, len(s.workers), s.kills, s.leaves, s.resets)
 	for _, c := range consumers {
 		tl := s.tally[c]
-		fmt.Fprintf(&b, "\n%-8s deliveries=%d processed=%d duplicates_skipped=%d transient_failures=%d other_failures=%d killed_before_ack=%d",
-			c, tl.deliveries(), tl.processed, tl.duplicates, tl.transient, tl.failed, tl.killed)
+		fmt.Fprintf(&b, "\n%-8s deliveries=%d processed=%d duplicates_skipped=%d injected_failures=%d transient_failures=%d other_failures=%d killed_before_ack=%d",
+			c, tl.deliveries(), tl.processed, tl.duplicates, tl.injected, tl.transient, tl.failed, tl.killed)
 	}
 	if len(s.failures) > 0 {
 		var fs []string
@@ -787,7 +827,7 @@ func (s *soak) counts() string {
 		if len(fs) > 10 {
 			fs = append(fs[:10], fmt.Sprintf("... %d more kinds", len(fs)-10))
 		}
-		fmt.Fprintf(&b, "\nother failures (nacked and redelivered):\n  %s", strings.Join(fs, "\n  "))
+		fmt.Fprintf(&b, "\nfailures not injected (nacked and redelivered):\n  %s", strings.Join(fs, "\n  "))
 	}
 	return b.String()
 }
@@ -824,11 +864,16 @@ func (t *tail) String() string {
 	return string(t.buf)
 }
 
-// openChecked opens the test's pool. A PostgreSQL server that cannot be
-// reached skips the test locally and fails it when CI=true, as
+// openChecked opens the test's pool. A PostgreSQL or MariaDB server that
+// cannot be reached skips the test locally and fails it when CI=true, as
 // internal/testdb does.
-func openChecked(t *testing.T, driver, dsn string) *sqlx.DB {
-	db, err := sqlx.Open(driver, dsn)
+func (s *soak) openChecked(dsn string) *sqlx.DB {
+	t := s.t
+	db, err := openDB(s.driver, dsn, func(id int64) {
+		s.mu.Lock()
+		s.ownSessions[id] = true
+		s.mu.Unlock()
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -837,11 +882,15 @@ func openChecked(t *testing.T, driver, dsn string) *sqlx.DB {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := db.PingContext(ctx); err != nil {
+		server, ok := map[string]struct{ what, start, env string }{
+			"pgx":   {"PostgreSQL", startPostgres, postgresDSNEnv},
+			"mysql": {"MariaDB", startMariaDB, mysqlDSNEnv},
+		}[s.driver]
 		var netErr *net.OpError
-		if driver != "pgx" || !errors.As(err, &netErr) {
-			t.Fatal(err)
+		if !ok || !errors.As(err, &netErr) {
+			t.Fatal(err) // reachable, but refused us: a real failure
 		}
-		msg := fmt.Sprintf("PostgreSQL not reachable (%v): start it with `%s`, or point %s at a server", err, startPostgres, postgresDSNEnv)
+		msg := fmt.Sprintf("%s not reachable (%v): start it with `%s`, or point %s at a server", server.what, err, server.start, server.env)
 		if os.Getenv("CI") == "true" {
 			t.Fatal(msg)
 		}
