@@ -53,6 +53,11 @@ type Dialect interface {
 	// unknown) as the plain ErrTxCommitRollback; not on SQLite, which has no
 	// connection to lose.
 	uncodedBoundaryErrIsLostConn() bool
+	// preparesByDefault reports whether the inbox prepares its claim on
+	// the pool without Config.PrepareStatements: not on PostgreSQL, where a
+	// named prepared statement outlives the transaction, which breaks
+	// behind a transaction-mode connection pooler (PgBouncer before 1.21).
+	preparesByDefault() bool
 
 	// expiredSQL returns the condition for the rows a purge deletes:
 	// processed_at older than the window (bind parameter 1, microseconds) by
@@ -234,6 +239,8 @@ func (postgresDialect) heldSQL(qualifiedName) string { return "" }
 
 func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 
+func (postgresDialect) preparesByDefault() bool { return false }
+
 func (postgresDialect) expiredSQL(byConsumer bool) string {
 	where := "processed_at < now() - $1 * interval '1 microsecond'"
 	if byConsumer {
@@ -359,6 +366,8 @@ func (mysqlDialect) keyLockSQL() string { return "" }
 
 func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
 
+func (mysqlDialect) preparesByDefault() bool { return true }
+
 // A deadlock (1213) or a snapshot-isolation conflict (1020) makes InnoDB roll
 // the whole transaction back and end it: a handler that ignores the error
 // runs its later statements in autocommit mode, and COMMIT succeeds with
@@ -465,6 +474,8 @@ func (sqliteDialect) keyLockSQL() string { return "" }
 func (sqliteDialect) heldSQL(qualifiedName) string { return "" }
 
 func (sqliteDialect) uncodedBoundaryErrIsLostConn() bool { return false }
+
+func (sqliteDialect) preparesByDefault() bool { return true }
 
 func (sqliteDialect) expiredSQL(byConsumer bool) string {
 	where := "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1"

@@ -104,3 +104,11 @@ var (
 	// index. The error names every problem found and the DDL that fixes it.
 	ErrIncompatibleTable = errors.New("inbox: inbox table incompatible")
 )
+
+// ErrCommitTimeout means that what runs after the handler returned nil (the
+// outbox publish, the pre-commit check, COMMIT) did not finish within
+// Config.CommitTimeout. Whether the transaction committed is unknown (in
+// doubt): the message is nacked, and its redelivery processes it if the
+// transaction rolled back or skips it as a duplicate if it committed.
+// IsTransient reports true.
+var ErrCommitTimeout = errors.New("inbox: commit timed out")

@@ -33,22 +33,11 @@ func CreateTableOnly(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 	return err
 }
 
-// PurgeLock takes the purge lock of p on conn, as another instance would.
-func PurgeLock(ctx context.Context, conn *sqlx.Conn, p *Purger) (bool, error) {
-	ct, err := canonicalTable(ctx, conn, p.dialect, p.table)
-	if err != nil {
-		return false, err
-	}
-	return p.lock(ctx, conn, purgeLockKey(ct))
-}
-
-// PurgeUnlock releases it.
-func PurgeUnlock(conn *sqlx.Conn, p *Purger) error {
-	ct, err := canonicalTable(context.Background(), conn, p.dialect, p.table)
-	if err != nil {
-		return err
-	}
-	return p.unlock(conn, purgeLockKey(ct))
+// PurgeLock takes the purge lock of p through db, as another instance
+// would, and returns the function that releases it.
+func PurgeLock(ctx context.Context, db *sqlx.DB, p *Purger) (release func() error, got bool, err error) {
+	lease, got, err := acquirePurgeLock(ctx, db, p.dialect, p.table, false)
+	return lease.release, got, err
 }
 
 // SetAfterBegin makes ib call f right after it began a message's

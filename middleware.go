@@ -130,7 +130,40 @@ type Config struct {
 	// it must be safe for concurrent use. Default: nil, returned messages go
 	// to the router.
 	Outbox func(tx *sqlx.Tx) (message.Publisher, error)
+
+	// CommitTimeout bounds what runs after the handler returned nil: the
+	// outbox publish, the pre-commit check (MySQL/MariaDB) and COMMIT. From
+	// the moment the handler returns nil, the message's context no longer
+	// governs the transaction: a deadline (middleware.Timeout) or a
+	// cancellation (router shutdown) that fires then does not abort the
+	// COMMIT, so a message whose transaction committed is acked. When the
+	// bound passes first, the message is nacked with an error wrapping
+	// ErrCommitTimeout (transient; the COMMIT is in doubt, and the redelivery
+	// is skipped if it took effect). pgx honours the bound during COMMIT
+	// itself; lib/pq and go-sql-driver/mysql do not take a context at
+	// COMMIT, which then ends by the driver's own network timeouts (MySQL's
+	// readTimeout DSN parameter). Must not be negative.
+	// Default: 10 s (DefaultCommitTimeout).
+	CommitTimeout time.Duration
+
+	// PrepareStatements makes the inbox prepare its claim on PostgreSQL once
+	// per pooled connection (a named server-side prepared statement) and
+	// reuse it, which saves lib/pq one round trip per message (pgx's
+	// database/sql adapter caches statements by itself unless told not to).
+	// Leave it false behind a transaction-mode connection pooler such as
+	// PgBouncer before 1.21 (or without max_prepared_statements): a named
+	// statement outlives the transaction, the pooler hands the next
+	// transaction another server connection, and the statement is missing
+	// there or, worse, another client's statement of the same name runs.
+	// On MySQL/MariaDB and SQLite the claim is always prepared (database/sql
+	// keeps the statement per connection; MySQL sends an unprepared
+	// statement with arguments as prepare, execute, close).
+	// Default: false.
+	PrepareStatements bool
 }
+
+// DefaultCommitTimeout is Config.CommitTimeout when it is zero.
+const DefaultCommitTimeout = 10 * time.Second
 
 // Event describes one message's outcome, for the Config hooks.
 type Event struct {
@@ -160,6 +193,9 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
+	if c.CommitTimeout == 0 {
+		c.CommitTimeout = DefaultCommitTimeout
+	}
 }
 
 func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
@@ -178,6 +214,9 @@ func (c Config) Validate() error {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
 			errs = append(errs, fmt.Errorf("Config.Consumer: %w", err))
 		}
+	}
+	if c.CommitTimeout < 0 {
+		errs = append(errs, fmt.Errorf("inbox: Config.CommitTimeout must not be negative, got %v", c.CommitTimeout))
 	}
 	if c.TxOptions != nil && c.TxOptions.ReadOnly {
 		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))
@@ -231,6 +270,9 @@ type Inbox struct {
 	outbox      func(*sqlx.Tx) (message.Publisher, error)
 	tracer      trace.Tracer // nil without Config.TracerProvider
 
+	commitTimeout time.Duration
+	prepare       bool // prepare the claim and heldSQL on DB (Config.PrepareStatements, or the dialect's default)
+
 	claimSQL   string // built once in New
 	keyLockSQL string // "" unless the dialect needs a key lock before the claim
 	heldSQL    string // "" unless the dialect must check the claim is still held before COMMIT
@@ -245,6 +287,7 @@ type Inbox struct {
 	claimStmt *sqlx.Stmt
 	heldStmt  *sqlx.Stmt     // heldSQL prepared, the same way
 	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
+	verified  bool           // the table passed verifySchema; checked before the first claim
 
 	// afterBegin, if set (only by tests, through export_test.go), runs right
 	// after BEGIN, before the transaction's first statement.
@@ -261,12 +304,33 @@ func (ib *Inbox) keyLockTable(ctx context.Context) (qualifiedName, error) {
 	if ib.lockTable != nil {
 		return *ib.lockTable, nil
 	}
-	t, err := canonicalTable(ctx, ib.db, ib.dialect, ib.table)
+	var t qualifiedName
+	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) (err error) {
+		t, err = canonicalTable(ctx, q, ib.dialect, ib.table)
+		return err
+	})
 	if err != nil {
 		return t, err
 	}
 	ib.lockTable = &t
 	return t, nil
+}
+
+// verifyOnce checks the table with verifySchema before the inbox's first
+// claim, and again until a check passes: a table made by hand that could
+// merge or truncate ids is refused before any message is claimed in it. Like
+// preparedClaim, it must run before the message's transaction begins.
+func (ib *Inbox) verifyOnce(ctx context.Context) error {
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.verified {
+		return nil
+	}
+	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+		return err
+	}
+	ib.verified = true
+	return nil
 }
 
 // held runs heldSQL in tx and reports whether the claim's row is there.
@@ -313,6 +377,9 @@ func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consum
 // begins: preparing takes a connection from the pool, and the transaction
 // may hold the last one.
 func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
+	if !ib.prepare {
+		return nil, nil
+	}
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
 	if ib.claimStmt == nil {
@@ -355,19 +422,21 @@ func New(cfg Config) (*Inbox, error) {
 	}
 	table, _ := parseTableName(cfg.Table) // checked by Validate
 	ib := &Inbox{
-		db:          cfg.DB,
-		dialect:     cfg.Dialect,
-		table:       table,
-		consumer:    cfg.Consumer,
-		messageID:   cfg.MessageID,
-		logger:      cfg.Logger,
-		onProcessed: cfg.OnProcessed,
-		onDuplicate: cfg.OnDuplicate,
-		onFailed:    cfg.OnFailed,
-		outbox:      cfg.Outbox,
-		claimSQL:    cfg.Dialect.claimSQL(table),
-		keyLockSQL:  cfg.Dialect.keyLockSQL(),
-		heldSQL:     cfg.Dialect.heldSQL(table),
+		db:            cfg.DB,
+		dialect:       cfg.Dialect,
+		table:         table,
+		consumer:      cfg.Consumer,
+		messageID:     cfg.MessageID,
+		logger:        cfg.Logger,
+		onProcessed:   cfg.OnProcessed,
+		onDuplicate:   cfg.OnDuplicate,
+		onFailed:      cfg.OnFailed,
+		outbox:        cfg.Outbox,
+		commitTimeout: cfg.CommitTimeout,
+		prepare:       cfg.PrepareStatements || cfg.Dialect.preparesByDefault(),
+		claimSQL:      cfg.Dialect.claimSQL(table),
+		keyLockSQL:    cfg.Dialect.keyLockSQL(),
+		heldSQL:       cfg.Dialect.heldSQL(table),
 	}
 	if cfg.TxOptions != nil {
 		opts := *cfg.TxOptions // a copy: what Validate checked is what runs
@@ -453,21 +522,21 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 	if _, nested := TxFromContext(ctx); nested {
 		// The inner claim would wait forever on the outer transaction's
 		// uncommitted row of the same key.
-		return nil, fmt.Errorf("%w (message %s)", ErrNestedInbox, msg.UUID)
+		return nil, fmt.Errorf("%w (message %q)", ErrNestedInbox, msg.UUID)
 	}
 	consumer = ib.consumer
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(ctx)
 		if err := checkKey(consumer, ErrInvalidConsumer, ErrEmptyConsumer, nil); err != nil {
-			return nil, fmt.Errorf("%w (message %s: set Config.Consumer or run the middleware in a router)", err, msg.UUID)
+			return nil, fmt.Errorf("%w (message %q: set Config.Consumer or run the middleware in a router)", err, msg.UUID)
 		}
 	}
 	id, err = ib.messageID(msg)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: message id of message %s: %w", msg.UUID, err)
+		return nil, fmt.Errorf("inbox: message id of message %q: %w", msg.UUID, err)
 	}
 	if err := checkKey(id, ErrInvalidMessageID, ErrEmptyMessageID, ErrMessageIDTooLong); err != nil {
-		return nil, fmt.Errorf("%w (message %s, consumer %q)", err, msg.UUID, consumer)
+		return nil, fmt.Errorf("%w (message %q, consumer %q)", err, msg.UUID, consumer)
 	}
 
 	if ib.tracer == nil {
@@ -502,21 +571,34 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 // sctx is the context for statements and the handler (ctx with the inbox
 // span, when tracing); ctx is the message's own, restored on return. span
 // is nil when not tracing.
+//
+// The transaction lives on txCtx: sctx's values, and sctx's end until the
+// handler has returned (a deadline then rolls the transaction back and ends
+// a handler stuck on the pool), but not after the handler returned nil:
+// from there only Config.CommitTimeout can end it, so that a deadline firing
+// during COMMIT cannot make a committed message look failed.
 func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h message.HandlerFunc,
 	consumer, id string, start time.Time, span trace.Span) (produced []*message.Message, err error) {
-	stmt, heldStmt := ib.preparedClaim(sctx) // nil: run unprepared, which reports the real error
+	if err := ib.verifyOnce(sctx); err != nil {
+		return nil, fmt.Errorf("inbox: %q/%q: %w", consumer, id, err)
+	}
+	stmt, heldStmt := ib.preparedClaim(sctx) // nil: run unprepared
 	var lockTable qualifiedName
 	if ib.keyLockSQL != "" {
 		if lockTable, err = ib.keyLockTable(sctx); err != nil {
-			return nil, fmt.Errorf("inbox: %s/%s: %w", consumer, id, err)
+			return nil, fmt.Errorf("inbox: %q/%q: %w", consumer, id, err)
 		}
 	}
-	tx, err := ib.db.BeginTxx(sctx, ib.txOptions)
-	if err != nil && ib.maybeLostConn(sctx, err) {
-		tx, err = ib.retryBegin(sctx, msg, consumer, id, span, err)
+	txCtx, cancelTx := context.WithCancelCause(context.WithoutCancel(sctx))
+	defer cancelTx(nil)
+	followMessage := context.AfterFunc(sctx, func() { cancelTx(context.Cause(sctx)) })
+	defer followMessage()
+	tx, err := ib.db.BeginTxx(txCtx, ib.txOptions)
+	if err != nil && ib.maybeLostConn(txCtx, err) {
+		tx, err = ib.retryBegin(txCtx, msg, consumer, id, span, err)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("inbox: begin transaction for %s/%s: %w", consumer, id, err)
+		return nil, fmt.Errorf("inbox: begin transaction for %q/%q: %w", consumer, id, err)
 	}
 	// Until the transaction has ended by our Commit or Rollback, it must be
 	// rolled back on every path, a panic in the handler included, so that
@@ -537,11 +619,11 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 			if rbErr != nil {
 				ib.logger.Error("Inbox rollback failed after handler panic", rbErr, ib.fields(msg, consumer, id))
 			}
-			ib.failed(msg, consumer, id, start, fmt.Errorf("inbox: handler panicked on %s/%s", consumer, id))
+			ib.failed(msg, consumer, id, start, fmt.Errorf("inbox: handler panicked on %q/%q", consumer, id))
 			return
 		}
 		if rbErr != nil {
-			err = errors.Join(err, fmt.Errorf("inbox: rollback %s/%s: %w", consumer, id, &rollbackError{rbErr}))
+			err = errors.Join(err, fmt.Errorf("inbox: rollback %q/%q: %w", consumer, id, &rollbackError{rbErr}))
 		}
 	}()
 
@@ -551,7 +633,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	if ib.keyLockSQL != "" {
 		if _, err := tx.ExecContext(sctx, ib.keyLockSQL, keyLockHash(lockTable, consumer, id)); err != nil {
 			panicking = false
-			return nil, fmt.Errorf("inbox: lock key %s/%s: %w", consumer, id, err)
+			return nil, fmt.Errorf("inbox: lock key %q/%q: %w", consumer, id, err)
 		}
 	}
 	n, err := ib.claim(sctx, tx, stmt, consumer, id)
@@ -559,11 +641,11 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	if err != nil {
 		// Name the table: a missing one (InitializeSchema not run) is the
 		// most common first error.
-		return nil, fmt.Errorf("inbox: claim %s/%s in table %s: %w", consumer, id, ib.table, err)
+		return nil, fmt.Errorf("inbox: claim %q/%q in table %s: %w", consumer, id, ib.table, err)
 	}
 	claimed, ok := ib.dialect.claimed(n)
 	if !ok {
-		return nil, fmt.Errorf("%w: %d (claim %s/%s)", ErrUnexpectedRowsAffected, n, consumer, id)
+		return nil, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, n, consumer, id)
 	}
 	if span != nil {
 		if claimed {
@@ -577,7 +659,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
 			// The key is known to be processed, but a failed rollback means
 			// the connection is in doubt: nack; the redelivery is skipped.
-			return nil, fmt.Errorf("inbox: rollback duplicate %s/%s: %w", consumer, id, &rollbackError{err})
+			return nil, fmt.Errorf("inbox: rollback duplicate %q/%q: %w", consumer, id, &rollbackError{err})
 		}
 		if !ib.nopLogger {
 			ib.logger.Debug("Inbox: duplicate message skipped", ib.fields(msg, consumer, id))
@@ -596,7 +678,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		state.publisher, err = ib.outbox(tx)
 		panicking = false
 		if err != nil {
-			return nil, fmt.Errorf("inbox: outbox publisher for %s/%s: %w", consumer, id, err)
+			return nil, fmt.Errorf("inbox: outbox publisher for %q/%q: %w", consumer, id, err)
 		}
 	}
 	msg.SetContext(contextWithTx(sctx, state))
@@ -611,33 +693,43 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		// returned as it is, so that errors.Is/As match it.
 		return nil, err
 	}
+	// The handler returned nil: from here the message's context no longer
+	// governs the transaction, CommitTimeout does.
+	if !followMessage() {
+		// The message's context ended before the handler returned, and
+		// database/sql has rolled the transaction back.
+		return nil, fmt.Errorf("inbox: commit %q/%q: the message context ended before the handler returned: %w",
+			consumer, id, context.Cause(sctx))
+	}
+	commitBound := time.AfterFunc(ib.commitTimeout, func() { cancelTx(ErrCommitTimeout) })
+	defer commitBound.Stop()
 	if ib.outbox != nil && len(produced) > 0 {
 		panicking = true
 		err := ib.publishToOutbox(msg, state, produced)
 		panicking = false
 		if err != nil {
-			return nil, fmt.Errorf("inbox: %s/%s: %w", consumer, id, err)
+			return nil, fmt.Errorf("inbox: %q/%q: %w", consumer, id, ib.commitTimedOut(txCtx, err))
 		}
 		produced = nil // sent by the outbox, not by the router
 	}
 
 	if ib.heldSQL != "" {
-		held, err := ib.held(sctx, tx, heldStmt, consumer, id)
+		held, err := ib.held(txCtx, tx, heldStmt, consumer, id)
 		if err != nil {
-			return nil, fmt.Errorf("inbox: commit %s/%s: check the claim: %w", consumer, id, err)
+			return nil, fmt.Errorf("inbox: commit %q/%q: check the claim: %w", consumer, id, ib.commitTimedOut(txCtx, err))
 		}
 		if !held {
-			return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, ErrTxRolledBack)
+			return nil, fmt.Errorf("inbox: commit %q/%q: %w", consumer, id, ErrTxRolledBack)
 		}
 	}
 	ended = true
 	if err := tx.Commit(); err != nil {
-		if ib.maybeLostConn(sctx, err) {
+		if ib.maybeLostConn(txCtx, err) {
 			// The COMMIT was sent, or it would have failed with
 			// driver.ErrBadConn: it is in doubt.
 			err = &lostConnError{err}
 		}
-		return nil, fmt.Errorf("inbox: commit %s/%s: %w", consumer, id, err)
+		return nil, fmt.Errorf("inbox: commit %q/%q: %w", consumer, id, ib.commitTimedOut(txCtx, err))
 	}
 	if span != nil {
 		span.AddEvent("inbox.committed")
@@ -647,6 +739,15 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		ib.onProcessed(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start)})
 	}
 	return produced, nil
+}
+
+// commitTimedOut returns err wrapped with ErrCommitTimeout when the commit
+// bound ended txCtx, and err unchanged otherwise.
+func (ib *Inbox) commitTimedOut(txCtx context.Context, err error) error {
+	if errors.Is(context.Cause(txCtx), ErrCommitTimeout) {
+		return fmt.Errorf("%w after %v (the COMMIT is in doubt): %w", ErrCommitTimeout, ib.commitTimeout, err)
+	}
+	return err
 }
 
 // maybeLostConn reports whether err, from the BEGIN or COMMIT of a
@@ -694,7 +795,7 @@ func (ib *Inbox) publishToOutbox(msg *message.Message, state *txState, produced 
 		return fmt.Errorf("handler returned %d messages but has no publish topic (add it with router.AddHandler)", len(produced))
 	}
 	if err := state.publisher.Publish(topic, produced...); err != nil {
-		return fmt.Errorf("outbox publish to %s: %w", topic, err)
+		return fmt.Errorf("outbox publish to %q: %w", topic, err)
 	}
 	return nil
 }

@@ -58,17 +58,16 @@ type dbConn interface {
 
 func createPartitions(ctx context.Context, db dbConn, t qualifiedName, from time.Time, days int) error {
 	d := PostgreSQLPartitioned
-	// Partitions go into the parent's schema, whatever search_path says,
-	// and the lock is keyed by the resolved name.
-	t, err := canonicalTable(ctx, db, d, t)
-	if err != nil {
-		return fmt.Errorf("inbox: create partitions: %w", err)
-	}
 	tx, err := db.BeginTxx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	// Partitions go into the parent's schema, whatever search_path says,
+	// and the lock is keyed by the resolved name.
+	if t, err = canonicalTable(ctx, tx, d, t); err != nil {
+		return fmt.Errorf("inbox: create partitions: %w", err)
+	}
 	for _, stmt := range []string{"SET LOCAL lock_timeout = '10s'", "SELECT pg_advisory_xact_lock($1)"} {
 		args := []any{}
 		if strings.Contains(stmt, "$1") {
@@ -134,10 +133,13 @@ type DroppedPartition struct {
 // interruption is dropped by the next call.
 //
 // It is safe to run from several processes at once, and alongside Purger
-// rounds: it takes the Purger's lock (a session advisory lock keyed by the
-// table, on one connection), waiting for a call or round that holds it, and
-// then finds the partitions afresh, so a partition another call dropped is
-// neither dropped again nor counted twice.
+// rounds, also behind a transaction-mode pooler: it takes the Purger's lock
+// (a transaction-scoped advisory lock keyed by the table, in a transaction
+// held open for the call; see Purger), waiting for a call or round that
+// holds it, and then finds the partitions afresh, so a partition another
+// call dropped is neither dropped again nor counted twice. It needs two
+// connections of db (a pool limited to one is refused with
+// ErrInvalidConfig).
 func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan time.Duration, window WindowSource) (dropped []DroppedPartition, err error) {
 	t, err := parseTableName(table)
 	if err != nil {
@@ -149,41 +151,39 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 	if _, err := checkWindow(ctx, window, olderThan); err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
-	conn, err := db.Connx(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("inbox: drop partitions of %s: connection: %w", t, err)
+	lease, got, err := acquirePurgeLock(ctx, db, PostgreSQLPartitioned, t, true)
+	if err == nil && !got {
+		err = errors.New("not granted") // cannot happen: it waits
 	}
-	defer conn.Close()
-	ct, err := canonicalTable(ctx, conn, PostgreSQLPartitioned, t)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: drop partitions: %w", err)
-	}
-	key := purgeLockKey(ct)
-	if _, err := conn.ExecContext(ctx, "SELECT pg_advisory_lock($1)", key); err != nil {
-		// The lock may have been granted before the error: never return
-		// this session to the pool (see Purger.round).
-		_ = conn.Raw(func(any) error { return errBadConn })
 		return nil, fmt.Errorf("inbox: drop partitions of %s: lock: %w", t, err)
 	}
 	defer func() {
-		if uerr := unlockPurge(conn, PostgreSQLPartitioned, key); uerr != nil && err == nil {
-			err = fmt.Errorf("inbox: drop partitions of %s: unlock: %w", t, uerr)
+		if rerr := lease.release(); rerr != nil && err == nil {
+			err = fmt.Errorf("inbox: drop partitions of %s: lock: %w", t, rerr)
 		}
 	}()
-	return dropPartitions(ctx, conn, t, olderThan)
+	return dropPartitions(ctx, lease.work, t, olderThan)
 }
 
+// dropPartitions drops the partitions of t past olderThan, under the purge
+// lock. Its reads with arguments run in short transactions (withReadTx), so
+// that they work behind a transaction-mode pooler with lib/pq; DETACH
+// PARTITION CONCURRENTLY cannot run in a transaction block at all.
 func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration) ([]DroppedPartition, error) {
 	d := PostgreSQLPartitioned
-	t, err := canonicalTable(ctx, db, d, t)
-	if err != nil {
-		return nil, fmt.Errorf("inbox: drop partitions: %w", err)
-	}
 	var cutoff time.Time
-	if err := sqlx.GetContext(ctx, db, &cutoff, "SELECT now() - $1 * interval '1 microsecond'", olderThan.Microseconds()); err != nil {
-		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
-	}
-	parts, err := listPartitions(ctx, db, t)
+	var parts []partition
+	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) (err error) {
+		if t, err = canonicalTable(ctx, q, d, t); err != nil {
+			return err
+		}
+		if err := sqlx.GetContext(ctx, q, &cutoff, "SELECT now() - $1 * interval '1 microsecond'", olderThan.Microseconds()); err != nil {
+			return err
+		}
+		parts, err = listPartitions(ctx, q, t)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
@@ -196,8 +196,11 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		// Attached, attached with a DETACH CONCURRENTLY interrupted half way
 		// ("pending": only FINALIZE completes it), or already detached.
 		var state sql.NullBool // NULL: detached; else inhdetachpending
-		if err := sqlx.GetContext(ctx, db, &state,
-			"SELECT (SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass($1))", p.quoted(d)); err != nil {
+		err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+			return sqlx.GetContext(ctx, q, &state,
+				"SELECT (SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass($1))", p.quoted(d))
+		})
+		if err != nil {
 			return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
 		}
 		if state.Valid {

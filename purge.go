@@ -225,7 +225,9 @@ func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consume
 // deleted and the expired rows it found (fewer than the batch size: the
 // purge is done).
 //
-// On PostgreSQL and SQLite the batch is one DELETE (autocommit). On
+// On PostgreSQL and SQLite the batch is one DELETE (on PostgreSQL in an
+// explicit transaction, so that it works behind a transaction-mode pooler
+// with lib/pq). On
 // MySQL/MariaDB a DELETE that walks the processed_at index must lock the
 // first record past the cutoff to see that the range ended, at any isolation
 // level; when that record is a live handler's uncommitted claim (a quiet
@@ -237,13 +239,32 @@ func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consume
 var afterPurgeSelect func()
 
 func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any) (deleted, found int64, err error) {
-	if d != MySQL {
+	switch {
+	case d == SQLite:
 		res, err := db.ExecContext(ctx, query, args...)
 		if err != nil {
 			return 0, 0, err
 		}
 		n, err := res.RowsAffected()
 		return n, n, err
+	case isPostgres(d):
+		// One DELETE, in an explicit transaction: behind a transaction-mode
+		// pooler, lib/pq's two exchanges for a statement with arguments
+		// must reach the same server connection (see withReadTx).
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			return 0, 0, err
+		}
+		defer tx.Rollback() //nolint:errcheck // no-op after Commit
+		res, err := tx.ExecContext(ctx, query, args...)
+		if err != nil {
+			return 0, 0, err
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return 0, 0, err
+		}
+		return n, n, tx.Commit()
 	}
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {

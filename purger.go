@@ -63,12 +63,17 @@ type PurgeRound struct {
 // coming days and drops the partitions past the window (CreatePartitions,
 // DropPartitions). Several instances
 // of an application may run one against the same table at once: each round
-// first takes a lock (pg_try_advisory_lock on PostgreSQL, GET_LOCK on
-// MySQL/MariaDB, both keyed by the table name and held on one connection for
-// the round), and an instance that does not get it skips the round instead
-// of competing for the same rows. On SQLite every writer is serialised by
-// the database anyway, so no lock is taken. A Purger is safe for concurrent
-// use, but one Run at a time is what it is made for.
+// first takes a lock keyed by the table name, and an instance that does not
+// get it skips the round instead of competing for the same rows. On
+// PostgreSQL it is a transaction-scoped advisory lock
+// (pg_try_advisory_xact_lock) in a transaction held open for the round, so
+// the exclusion holds behind a transaction-mode pooler such as PgBouncer;
+// the round's statements run on other connections of the pool, so a round
+// needs two (a pool limited to one fails the round with ErrInvalidConfig).
+// On MySQL/MariaDB it is GET_LOCK, held on one connection for the round. On
+// SQLite every writer is serialised by the database anyway, so no lock is
+// taken. A Purger is safe for concurrent use, but one Run at a time is what
+// it is made for.
 type Purger struct {
 	cfg     PurgerConfig
 	table   qualifiedName
@@ -198,38 +203,19 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 }
 
 func (p *Purger) round(ctx context.Context) (round PurgeRound) {
-	// The whole round runs on one connection (the lock is a session lock),
-	// so it needs one free connection, never two.
-	conn, err := p.cfg.Purge.DB.Connx(ctx)
+	lease, got, err := acquirePurgeLock(ctx, p.cfg.Purge.DB, p.dialect, p.table, false)
 	if err != nil {
-		return PurgeRound{Err: fmt.Errorf("inbox: purge: connection: %w", err)}
+		return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
 	}
-	defer conn.Close()
-	if p.dialect != SQLite {
-		// Keyed by the name as the database resolves it, so instances that
-		// spell the table differently still exclude each other.
-		ct, err := canonicalTable(ctx, conn, p.dialect, p.table)
-		if err != nil {
-			return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
-		}
-		key := purgeLockKey(ct)
-		got, err := p.lock(ctx, conn, key)
-		if err != nil {
-			// The server may have granted the lock before the error (a
-			// context cancelled in between): never return this session to
-			// the pool, or it would hold the lock for good.
-			_ = conn.Raw(func(any) error { return errBadConn })
-			return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
-		}
-		if !got {
-			return PurgeRound{Skipped: true}
-		}
-		defer func() {
-			if err := p.unlock(conn, key); err != nil && round.Err == nil {
-				round.Err = fmt.Errorf("inbox: purge unlock: %w", err)
-			}
-		}()
+	if !got {
+		return PurgeRound{Skipped: true}
 	}
+	defer func() {
+		if err := lease.release(); err != nil && round.Err == nil {
+			round.Err = fmt.Errorf("inbox: purge lock: %w", err)
+		}
+	}()
+	db := lease.work
 	if p.dialect == PostgreSQLPartitioned {
 		// Whole partitions: create the coming days', drop those past the
 		// window. The window is checked as Purge checks it.
@@ -238,10 +224,10 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 			round.Err = fmt.Errorf("inbox: purge %s: %w", p.table, err)
 			return round
 		}
-		if round.Err = ensurePartitions(ctx, conn, p.table); round.Err != nil {
+		if round.Err = ensurePartitions(ctx, db, p.table); round.Err != nil {
 			return round
 		}
-		dropped, err := dropPartitions(ctx, conn, p.table, olderThan)
+		dropped, err := dropPartitions(ctx, db, p.table, olderThan)
 		for _, d := range dropped {
 			round.Deleted += d.Rows
 			round.DroppedPartitions = append(round.DroppedPartitions, d.Name)
@@ -249,17 +235,20 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 		if round.Err = err; err != nil {
 			return round
 		}
-	} else if round.Deleted, round.Err = purge(ctx, conn, p.cfg.Purge); round.Err != nil {
-		return round
-	}
-	if p.dialect == PostgreSQLPartitioned {
-		if round.OldestAge, round.Err = oldestPartitionAge(ctx, conn, p.table); round.Err != nil {
-			round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, round.Err)
+		err = withReadTx(ctx, db, p.dialect, func(q sqlx.QueryerContext) (err error) {
+			round.OldestAge, err = oldestPartitionAge(ctx, q, p.table)
+			return err
+		})
+		if err != nil {
+			round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, err)
 		}
 		return round
 	}
+	if round.Deleted, round.Err = purge(ctx, db, p.cfg.Purge); round.Err != nil {
+		return round
+	}
 	var us sql.NullInt64
-	if err := conn.QueryRowxContext(ctx, p.oldest).Scan(&us); err != nil {
+	if err := db.QueryRowxContext(ctx, p.oldest).Scan(&us); err != nil {
 		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, err)
 		return round
 	}
@@ -277,38 +266,122 @@ func purgeLockKey(t qualifiedName) int64 {
 // mysqlLockName is the GET_LOCK name for key: at most 64 characters.
 func mysqlLockName(key int64) string { return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(key)) }
 
-func (p *Purger) lock(ctx context.Context, conn *sqlx.Conn, key int64) (bool, error) {
-	var got sql.NullBool
-	var err error
-	if isPostgres(p.dialect) {
-		err = conn.QueryRowxContext(ctx, "SELECT pg_try_advisory_lock($1)", key).Scan(&got)
-	} else {
-		err = conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, 0) = 1", mysqlLockName(key)).Scan(&got)
-	}
-	return got.Valid && got.Bool, err
+// purgeLease is a held purge lock: what a Purger round or DropPartitions
+// runs under.
+type purgeLease struct {
+	// work is where the statements under the lock run: the pool on
+	// PostgreSQL, the lock's own connection on MySQL, the pool on SQLite.
+	work dbConn
+	// release releases the lock (with a context of its own: the round's
+	// may have ended). An error means the lock may have been lost before
+	// the release (its connection broke).
+	release func() error
 }
 
-// unlock releases the lock with a context of its own: the round's may have
-// ended, and a session lock left behind would block every other instance.
-func (p *Purger) unlock(conn *sqlx.Conn, key int64) error { return unlockPurge(conn, p.dialect, key) }
-
-// unlockPurge releases the purge lock key held by conn's session (see
-// Purger.unlock).
-func unlockPurge(conn *sqlx.Conn, d Dialect, key int64) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	var err error
-	if isPostgres(d) {
-		_, err = conn.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", key)
-	} else {
-		_, err = conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", mysqlLockName(key))
+// acquirePurgeLock takes the purge lock of table t, keyed by the name as
+// the database resolves it (so instances that spell the table differently
+// still exclude each other). Without wait, got is false when another
+// instance holds it; with wait, it waits for it (until ctx ends).
+//
+//   - PostgreSQL: pg_try_advisory_xact_lock (pg_advisory_xact_lock with
+//     wait) in a transaction of its own, held open for the round and rolled
+//     back to release. A transaction-scoped lock holds behind a
+//     transaction-mode pooler (PgBouncer), where a session lock would be
+//     taken on one server connection and released, or not, on another. The
+//     transaction only takes the lock and then keeps no snapshot (see
+//     below), so it holds back no vacuum, and the round's statements run
+//     on the pool, each in its own short transaction: a round needs two
+//     connections, and a pool limited to one is refused.
+//   - MySQL/MariaDB: GET_LOCK, a session lock, on one connection taken from
+//     the pool for the round; the round's statements run on that connection.
+//   - SQLite: no lock; every writer is serialised by the database anyway.
+func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, wait bool) (purgeLease, bool, error) {
+	switch {
+	case d == SQLite:
+		return purgeLease{work: db, release: func() error { return nil }}, true, nil
+	case isPostgres(d):
+		if db.Stats().MaxOpenConnections == 1 {
+			return purgeLease{}, false, fmt.Errorf("%w: on PostgreSQL the purge needs two connections (one holds the lock's transaction), and DB allows one (sql.DB.SetMaxOpenConns)", ErrInvalidConfig)
+		}
+		tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+		if err != nil {
+			return purgeLease{}, false, err
+		}
+		ct, err := canonicalTable(ctx, tx, d, t)
+		if err != nil {
+			tx.Rollback() //nolint:errcheck // the error above is the one to report
+			return purgeLease{}, false, err
+		}
+		query := "SELECT pg_try_advisory_xact_lock($1)"
+		if wait {
+			query = "SELECT true FROM pg_advisory_xact_lock($1)" // one row once granted
+		}
+		var got bool
+		if err := tx.QueryRowxContext(ctx, query, purgeLockKey(ct)).Scan(&got); err != nil || !got {
+			tx.Rollback() //nolint:errcheck // nothing held; err is the one to report
+			return purgeLease{}, false, err
+		}
+		// A statement without arguments goes by the simple protocol, which
+		// drops the unnamed portal of the lock query: that portal keeps the
+		// transaction's snapshot, and with it the session's xmin, which
+		// would hold back vacuum and make DETACH PARTITION ... FINALIZE wait
+		// on this very transaction. It also keeps a server-side
+		// idle_in_transaction_session_timeout from ending the lock while
+		// the round runs.
+		if _, err := tx.ExecContext(ctx, "SET LOCAL idle_in_transaction_session_timeout = 0"); err != nil {
+			tx.Rollback() //nolint:errcheck // the error above is the one to report
+			return purgeLease{}, false, err
+		}
+		release := func() error {
+			if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+				// ErrTxDone: ctx ended and database/sql rolled back already.
+				return fmt.Errorf("the lock's transaction failed (the lock may have been lost during the round): %w", err)
+			}
+			return nil
+		}
+		return purgeLease{work: db, release: release}, true, nil
+	default:
+		conn, err := db.Connx(ctx)
+		if err != nil {
+			return purgeLease{}, false, fmt.Errorf("connection: %w", err)
+		}
+		ct, err := canonicalTable(ctx, conn, d, t)
+		if err != nil {
+			conn.Close()
+			return purgeLease{}, false, err
+		}
+		name := mysqlLockName(purgeLockKey(ct))
+		timeout := 0
+		if wait {
+			timeout = -1 // forever (until ctx ends)
+		}
+		var got sql.NullBool
+		if err := conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, ?) = 1", name, timeout).Scan(&got); err != nil {
+			// The server may have granted the lock before the error (a
+			// context cancelled in between): never return this session to
+			// the pool, or it would hold the lock for good.
+			_ = conn.Raw(func(any) error { return errBadConn })
+			conn.Close()
+			return purgeLease{}, false, err
+		}
+		if !got.Valid || !got.Bool {
+			conn.Close()
+			return purgeLease{}, false, nil
+		}
+		release := func() error {
+			defer conn.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if _, err := conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", name); err != nil {
+				// The session may still hold the lock: close the connection
+				// instead of returning it to the pool, which releases it.
+				_ = conn.Raw(func(any) error { return errBadConn })
+				return err
+			}
+			return nil
+		}
+		return purgeLease{work: conn, release: release}, true, nil
 	}
-	if err != nil {
-		// The session may still hold the lock: close the connection
-		// instead of returning it to the pool, which releases it.
-		_ = conn.Raw(func(any) error { return errBadConn })
-	}
-	return err
 }
 
 // errBadConn makes database/sql discard a connection (driver.ErrBadConn).

@@ -75,23 +75,19 @@ func TestPurgerInstancesDoNotFight(t *testing.T) {
 			return p
 		}
 		a, b := newPurger(), newPurger()
-		db.SetMaxOpenConns(3) // two rounds and the test's lock: a round needs one connection
+		db.SetMaxOpenConns(5) // two rounds and the test's lock: a round needs two connections on PostgreSQL
 		if tdb.Dialect != inbox.SQLite {
 			ctx := context.Background()
-			conn, err := db.Connx(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got, err := inbox.PurgeLock(ctx, conn, a); !got || err != nil {
+			release, got, err := inbox.PurgeLock(ctx, db, a)
+			if !got || err != nil {
 				t.Fatalf("lock: %v %v", got, err)
 			}
 			if round := b.RunOnce(ctx); !round.Skipped || round.Deleted != 0 || round.Err != nil {
 				t.Errorf("round while another instance holds the lock = %+v, want skipped", round)
 			}
-			if err := inbox.PurgeUnlock(conn, a); err != nil {
+			if err := release(); err != nil {
 				t.Fatal(err)
 			}
-			conn.Close()
 		}
 		var deleted atomic.Int64
 		var wg sync.WaitGroup

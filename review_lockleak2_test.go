@@ -41,7 +41,7 @@ type hookConn struct{ driver.Conn }
 
 func (c hookConn) QueryContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Rows, error) {
 	rows, err := c.Conn.(driver.QueryerContext).QueryContext(ctx, q, args)
-	if f := afterLock.Load(); f != nil && (strings.Contains(q, "pg_try_advisory_lock") || strings.Contains(q, "GET_LOCK")) {
+	if f := afterLock.Load(); f != nil && (strings.Contains(q, "pg_try_advisory_xact_lock") || strings.Contains(q, "GET_LOCK")) {
 		(*f)()
 		if err == nil {
 			return slowRows{rows}, nil
@@ -147,18 +147,12 @@ func lockFree(t *testing.T, probe *sqlx.DB, d inbox.Dialect, table string) bool 
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	conn, err := probe.Connx(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	got, err := inbox.PurgeLock(ctx, conn, p)
+	release, got, err := inbox.PurgeLock(context.Background(), probe, p)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got {
-		if err := inbox.PurgeUnlock(conn, p); err != nil {
+		if err := release(); err != nil {
 			t.Fatal(err)
 		}
 	}

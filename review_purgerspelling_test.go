@@ -25,15 +25,11 @@ func TestReviewPurgerLockDependsOnSpelling(t *testing.T) {
 	}
 	a, b := mk("public."+f.inbox), mk(f.inbox)
 	ctx := context.Background()
-	conn, err := db.Connx(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if got, err := inbox.PurgeLock(ctx, conn, a); !got || err != nil {
+	release, got, err := inbox.PurgeLock(ctx, db, a)
+	if !got || err != nil {
 		t.Fatal(got, err)
 	}
-	defer inbox.PurgeUnlock(conn, a)
+	defer release()
 	if r := b.RunOnce(ctx); !r.Skipped {
 		t.Errorf("instance A holds the purge lock of public.%s; instance B (table %q) ran its round anyway: %+v", f.inbox, f.inbox, r)
 	}

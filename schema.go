@@ -67,13 +67,30 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 	// queues behind running handlers and stalls every new claim behind it,
 	// and every dialect's CREATE needs privileges a least-privilege
 	// application role may not have.
-	found, err := schemaObjects(ctx, db, d, t)
+	var found int
+	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) (err error) {
+		found, err = schemaObjects(ctx, q, d, t)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: check catalog: %w", t, err)
 	}
-	if found == 2 {
-		return nil
+	if found < 2 {
+		if err := createSchema(ctx, db, d, t, found); err != nil {
+			return err
+		}
 	}
+	// A table someone else made (a migration, a DBA, a concurrent starter)
+	// is used only once it is known not to merge or truncate ids.
+	if err := verifySchema(ctx, db, d, t); err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+	}
+	return nil
+}
+
+// createSchema runs the DDL of d for t, of which found objects (see
+// schemaObjects) already exist.
+func createSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, found int) error {
 	stmts := d.createSQL(t)
 	if d == MySQL && found == 1 {
 		// The table exists without its purge index, and CREATE TABLE IF NOT
@@ -97,17 +114,18 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 
 	// PostgreSQL: concurrent CREATE TABLE IF NOT EXISTS of one name can fail
 	// with a unique violation on pg_type; serialise starters on an advisory
-	// lock that ends with the transaction, keyed by the name as resolved by
-	// the database. DDL is transactional here.
-	ct, err := canonicalTable(ctx, db, d, t)
-	if err != nil {
-		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
-	}
+	// lock that ends with the transaction (so it holds behind a
+	// transaction-mode pooler), keyed by the name as resolved by the
+	// database. DDL is transactional here.
 	tx, err := db.BeginTxx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: begin: %w", t, err)
 	}
 	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op returning ErrTxDone
+	ct, err := canonicalTable(ctx, tx, d, t)
+	if err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+	}
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(ct)); err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: lock: %w", t, err)
 	}
@@ -131,9 +149,9 @@ func schemaLockKey(t qualifiedName) int64 {
 
 // schemaObjects returns how many of the table and its purge index exist:
 // 0, 1 (the table only) or 2.
-func schemaObjects(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName) (int, error) {
+func schemaObjects(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) (int, error) {
 	query, args := d.existsSQL(t)
 	var n int
-	err := db.QueryRowxContext(ctx, db.Rebind(query), args...).Scan(&n)
+	err := sqlx.GetContext(ctx, q, &n, query, args...)
 	return n, err
 }

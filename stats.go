@@ -24,7 +24,10 @@ func EstimateRows(ctx context.Context, db *sqlx.DB, d Dialect, table string) (in
 	}
 	query, args := d.estimateRowsSQL(t)
 	var n int64
-	if err := db.QueryRowxContext(ctx, query, args...).Scan(&n); err != nil {
+	err = withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+		return q.QueryRowxContext(ctx, query, args...).Scan(&n)
+	})
+	if err != nil {
 		if err == sql.ErrNoRows {
 			return 0, fmt.Errorf("inbox: estimate rows of %s: no such table", t)
 		}
@@ -58,34 +61,42 @@ func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStat
 	if err != nil {
 		return TableStats{}, err
 	}
-	q := t.quoted(d)
 	st := TableStats{Consumers: map[string]int64{}, SizeBytes: -1}
+	err = withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error { return readStats(ctx, q, d, t, &st) })
+	if err != nil {
+		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
+	}
+	return st, nil
+}
+
+func readStats(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName, st *TableStats) error {
 	var rows []struct {
 		Consumer string `db:"consumer"`
 		N        int64  `db:"n"`
 	}
-	if err := sqlx.SelectContext(ctx, db, &rows, "SELECT consumer, COUNT(*) AS n FROM "+q+" GROUP BY consumer"); err != nil {
-		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
+	if err := sqlx.SelectContext(ctx, q, &rows, "SELECT consumer, COUNT(*) AS n FROM "+t.quoted(d)+" GROUP BY consumer"); err != nil {
+		return err
 	}
 	for _, r := range rows {
 		st.Consumers[r.Consumer] = r.N
 		st.Rows += r.N
 	}
 	// Oldest and newest, as Unix microseconds in every dialect.
-	span := d.spanSQL(t)
 	var lo, hi sql.NullInt64
-	if err := db.QueryRowxContext(ctx, span).Scan(&lo, &hi); err != nil {
-		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
+	if err := q.QueryRowxContext(ctx, d.spanSQL(t)).Scan(&lo, &hi); err != nil {
+		return err
 	}
 	if lo.Valid {
 		st.Oldest, st.Newest = time.UnixMicro(lo.Int64).UTC(), time.UnixMicro(hi.Int64).UTC()
 	}
-	var size sql.NullInt64
+	// The size is best effort, and read last (on PostgreSQL a failure
+	// aborts the transaction): a failure leaves SizeBytes at -1.
 	sizeSQL, args := d.sizeSQL(t)
-	if err := db.QueryRowxContext(ctx, sizeSQL, args...).Scan(&size); err == nil && size.Valid {
+	var size sql.NullInt64
+	if err := q.QueryRowxContext(ctx, sizeSQL, args...).Scan(&size); err == nil && size.Valid {
 		st.SizeBytes = size.Int64
 	}
-	return st, nil
+	return nil
 }
 
 // CountExpired returns how many rows Purge with cfg would delete now (a
@@ -108,7 +119,10 @@ func CountExpired(ctx context.Context, cfg PurgeConfig) (int64, error) {
 		args = append(args, cfg.Consumer)
 	}
 	var n int64
-	if err := cfg.DB.QueryRowxContext(ctx, "SELECT COUNT(*) FROM "+q+" WHERE "+where, args...).Scan(&n); err != nil {
+	err = withReadTx(ctx, cfg.DB, cfg.Dialect, func(tx sqlx.QueryerContext) error {
+		return tx.QueryRowxContext(ctx, "SELECT COUNT(*) FROM "+q+" WHERE "+where, args...).Scan(&n)
+	})
+	if err != nil {
 		return 0, fmt.Errorf("inbox: count expired in %s: %w", t, err)
 	}
 	return n, nil

@@ -117,7 +117,7 @@ func IsTransient(err error) bool {
 		return true
 	}
 	var lcErr *lostConnError
-	if errors.As(err, &lcErr) {
+	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
