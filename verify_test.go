@@ -1,0 +1,569 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// A table made by InitializeSchema or from SchemaSQL passes Verify, under a plain or a qualified name.
+func TestVerify_acceptsCanonicalTable(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for _, tc := range []struct {
+			name   string
+			create func(t *testing.T, ib *inbox.Inbox, table string)
+		}{
+			{"InitializeSchema", func(t *testing.T, ib *inbox.Inbox, _ string) {
+				if err := ib.InitializeSchema(context.Background()); err != nil {
+					t.Fatal(err)
+				}
+			}},
+			{"SchemaSQL", func(t *testing.T, _ *inbox.Inbox, table string) { applySchemaSQL(t, db, tdb.Dialect, table) }},
+		} {
+			for _, qualified := range []bool{false, true} {
+				name := tc.name
+				if qualified {
+					name += "/qualified"
+				}
+				t.Run(name, func(t *testing.T) {
+					t.Parallel()
+					table := "inbox_" + randomSuffix()
+					dropLater(t, db, table)
+					if qualified {
+						table = currentSchema(t, db, tdb.Dialect) + "." + table
+					}
+					ib := verifyInbox(t, db, tdb.Dialect, table)
+					tc.create(t, ib, table)
+					if err := ib.Verify(context.Background()); err != nil {
+						t.Fatalf("Verify: %v", err)
+					}
+				})
+			}
+		}
+	})
+}
+
+// A MySQL varchar key in utf8mb4 with a binary NO PAD collation passes Verify.
+func TestVerify_acceptsBinaryNoPadVarchar(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenMySQL(t, "")
+	table := "inbox_" + randomSuffix()
+	dropLater(t, db, table)
+	exec(t, db, expand(`CREATE TABLE {t} (
+		consumer     varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL,
+		message_id   varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL,
+		processed_at datetime(6) NOT NULL,
+		note         text NULL,
+		PRIMARY KEY (consumer, message_id),
+		INDEX by_age (processed_at)
+	) ENGINE=InnoDB`, table))
+	if err := verifyInbox(t, db, inbox.MySQL, table).Verify(context.Background()); err != nil {
+		t.Fatalf("Verify: %v", err)
+	}
+}
+
+// Verify reads the table in the schema, database or attached database that its name resolves to.
+func TestVerify_checksTheTableTheNameResolvesTo(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		ns := "other_" + randomSuffix()
+		bad := "CREATE TABLE {t} (consumer text NOT NULL, message_id char(255) NOT NULL, processed_at timestamptz NOT NULL, " + pgRest + ")"
+		switch tdb.Dialect {
+		case inbox.MySQL:
+			exec(t, db, "CREATE DATABASE "+ns)
+			t.Cleanup(func() { db.Exec("DROP DATABASE " + ns) })
+			bad = myTable("varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci", myRest)
+		case inbox.SQLite:
+			db.SetMaxOpenConns(1) // ATTACH holds for one connection
+			exec(t, db, "ATTACH DATABASE ? AS "+ns, filepath.Join(t.TempDir(), "other.db"))
+			bad = `CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL COLLATE NOCASE,
+				processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id))`
+		default:
+			exec(t, db, "CREATE SCHEMA "+ns)
+			t.Cleanup(func() { db.Exec("DROP SCHEMA " + ns + " CASCADE") })
+		}
+		table := "inbox_" + randomSuffix()
+		dropLater(t, db, table)
+		exec(t, db, expand(bad, ns+"."+table))
+		if err := verifyInbox(t, db, tdb.Dialect, table).InitializeSchema(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if err := verifyInbox(t, db, tdb.Dialect, table).Verify(context.Background()); err != nil {
+			t.Errorf("Verify(%q): %v, want nil", table, err)
+		}
+		err := verifyInbox(t, db, tdb.Dialect, ns+"."+table).Verify(context.Background())
+		if !errors.Is(err, inbox.ErrIncompatibleTable) || (tdb.Dialect != inbox.PostgreSQLPartitioned && !strings.Contains(err.Error(), `"message_id"`)) {
+			t.Errorf("Verify(%q): %v, want ErrIncompatibleTable naming message_id", ns+"."+table, err)
+		}
+		good := ns + ".inbox_" + randomSuffix()
+		applySchemaSQL(t, db, tdb.Dialect, good)
+		if err := verifyInbox(t, db, tdb.Dialect, good).Verify(context.Background()); err != nil {
+			t.Errorf("Verify(%q): %v, want nil", good, err)
+		}
+	})
+}
+
+// A missing table gives ErrTableNotFound with the DDL that creates it.
+func TestVerify_missingTableIsNotFound(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for _, table := range []string{"inbox_" + randomSuffix(), "nosuchschema_" + randomSuffix() + ".inbox"} {
+			t.Run(table, func(t *testing.T) {
+				t.Parallel()
+				err := verifyInbox(t, db, tdb.Dialect, table).Verify(context.Background())
+				if !errors.Is(err, inbox.ErrTableNotFound) || errors.Is(err, inbox.ErrIncompatibleTable) {
+					t.Fatalf("Verify: %v, want ErrTableNotFound", err)
+				}
+				for _, want := range []string{`"` + table + `"`, "InitializeSchema", "CREATE TABLE"} {
+					if !strings.Contains(err.Error(), want) {
+						t.Errorf("error does not contain %q:\n%v", want, err)
+					}
+				}
+			})
+		}
+	})
+}
+
+// A table that could merge, truncate or reject ids is refused with an error naming the column and the fix.
+func TestVerify_refusesIncompatibleTable(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for _, tc := range badTables[tdb.Name] {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				table := "inbox_" + randomSuffix()
+				if tc.setup != nil {
+					tc.setup(t, db, table)
+				}
+				dropLater(t, db, table)
+				for _, stmt := range tc.ddl {
+					exec(t, db, expand(stmt, table))
+				}
+				err := verifyInbox(t, db, tdb.Dialect, table).Verify(context.Background())
+				if !errors.Is(err, inbox.ErrIncompatibleTable) {
+					t.Fatalf("Verify: %v, want ErrIncompatibleTable", err)
+				}
+				for _, want := range append(tc.mention, expand(tc.fix, table)) {
+					if !strings.Contains(err.Error(), want) {
+						t.Errorf("error does not contain %q:\n%v", want, err)
+					}
+				}
+			})
+		}
+	})
+}
+
+// The fixes the error prints, applied in order, make the table pass Verify and keep its rows.
+func TestVerify_printedFixesMakeTableCompatible(t *testing.T) {
+	t.Parallel()
+	type broken struct{ ddl, insert []string }
+	pgPartitioned := broken{
+		ddl: []string{`CREATE TABLE {t} (
+			consumer     varchar(36) NOT NULL,
+			message_id   char(255)   NOT NULL,
+			processed_at timestamptz NOT NULL,
+			PRIMARY KEY (consumer, message_id, processed_at)) PARTITION BY RANGE (processed_at)`,
+			"CREATE TABLE {t}_all PARTITION OF {t} DEFAULT"},
+		insert: []string{"INSERT INTO {t} (consumer, message_id, processed_at) VALUES ('c', 'a', now()), ('c', 'b', now())"},
+	}
+	mysql := broken{
+		ddl: []string{`CREATE TABLE {t} (
+			consumer     varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL,
+			message_id   varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+			processed_at datetime NOT NULL,
+			tenant       int NOT NULL,
+			UNIQUE KEY uniq (consumer, message_id)) ENGINE=InnoDB`},
+		insert: []string{"INSERT INTO {t} (consumer, message_id, processed_at, tenant) VALUES ('c', 'a', UTC_TIMESTAMP(), 1), ('c', 'b', UTC_TIMESTAMP(), 1)"},
+	}
+	tables := map[string]broken{
+		"postgres": {
+			ddl: []string{`CREATE TABLE {t} (
+				consumer     varchar(36) NOT NULL,
+				message_id   char(255)   NOT NULL,
+				processed_at timestamp   NOT NULL,
+				tenant       text        NOT NULL,
+				UNIQUE (consumer, message_id))`},
+			insert: []string{"INSERT INTO {t} (consumer, message_id, processed_at, tenant) VALUES ('c', 'a', now(), 't'), ('c', 'b', now(), 't')"},
+		},
+		"postgres-partitioned":  pgPartitioned,
+		"mysql":                 mysql,
+		"mysql-clientFoundRows": mysql,
+		"sqlite": {
+			ddl: []string{`CREATE TABLE {t} (
+				consumer     TEXT NOT NULL,
+				message_id   TEXT NOT NULL COLLATE NOCASE,
+				processed_at INTEGER NOT NULL,
+				PRIMARY KEY (consumer, message_id))`},
+			insert: []string{"INSERT INTO {t} (consumer, message_id, processed_at) VALUES ('c', 'a', 1), ('c', 'b', 2)"},
+		},
+	}
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		table := "inbox_" + randomSuffix()
+		dropLater(t, db, table+"_old")
+		dropLater(t, db, table)
+		for _, stmt := range append(tables[tdb.Name].ddl, tables[tdb.Name].insert...) {
+			exec(t, db, expand(stmt, table))
+		}
+		ib := verifyInbox(t, db, tdb.Dialect, table)
+		err := ib.Verify(context.Background())
+		if !errors.Is(err, inbox.ErrIncompatibleTable) {
+			t.Fatalf("Verify: %v, want ErrIncompatibleTable", err)
+		}
+		applyFixes(t, db, err)
+		if err := ib.Verify(context.Background()); err != nil {
+			t.Fatalf("Verify after the printed fixes: %v", err)
+		}
+		if got := count(t, db, table, ""); got != 2 {
+			t.Errorf("rows after the fixes = %d, want 2", got)
+		}
+	})
+}
+
+// A case-folding MariaDB table is refused; fixed as printed, six distinct ids make six handler calls.
+func TestVerify_caseFoldingTableRefusedThenEveryIdProcessed(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenMySQL(t, "")
+	table := "inbox_" + randomSuffix()
+	dropLater(t, db, table)
+	exec(t, db, expand(`CREATE TABLE {t} (
+		consumer     varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL,
+		message_id   varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL,
+		processed_at datetime(6) NOT NULL,
+		PRIMARY KEY (consumer, message_id),
+		INDEX {t}_processed_at_idx (processed_at)
+	) ENGINE=InnoDB`, table))
+	ib := verifyInbox(t, db, inbox.MySQL, table)
+
+	err := ib.Verify(context.Background())
+	if !errors.Is(err, inbox.ErrIncompatibleTable) || !strings.Contains(err.Error(), `"utf8mb4_general_ci"`) {
+		t.Fatalf("Verify: %v, want ErrIncompatibleTable naming utf8mb4_general_ci", err)
+	}
+	applyFixes(t, db, err)
+	if err := ib.Verify(context.Background()); err != nil {
+		t.Fatalf("Verify after the printed fixes: %v", err)
+	}
+
+	var c calls
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			c.inc(msg.UUID)
+			return nil
+		})
+	})
+	ids := []string{"Order-1", "order-1", "ORDER-1", "order-1 ", "ördér-1", "order-1\t"}
+	for _, id := range ids {
+		if !in.deliver(t, message.NewMessage(id, nil)) {
+			t.Fatalf("message %q nacked", id)
+		}
+	}
+	for _, id := range ids {
+		if got := c.get(id); got != 1 {
+			t.Errorf("handler calls for %q = %d, want 1", id, got)
+		}
+	}
+	if got := count(t, db, table, ""); got != len(ids) {
+		t.Errorf("inbox rows = %d, want %d", got, len(ids))
+	}
+}
+
+// badTable is a hand-made inbox table Verify must refuse.
+type badTable struct {
+	name    string
+	setup   func(t *testing.T, db *sqlx.DB, table string) // optional: objects the DDL needs; may skip
+	ddl     []string                                      // {t} is the table name
+	mention []string                                      // what the error must name
+	fix     string                                        // a fix the error must contain; {t} is the table name
+}
+
+const (
+	pgKeyFix = `ALTER TABLE "{t}" ALTER COLUMN message_id TYPE text COLLATE "C"`
+	myKeyFix = "ALTER TABLE `{t}` MODIFY message_id varbinary(255) NOT NULL"
+	sqRename = `ALTER TABLE "{t}" RENAME TO "{t}_old";`
+)
+
+// pgTable and myTable are the canonical columns with the key column
+// message_id of type keyType, then the rest of the CREATE TABLE (on MySQL
+// the server's default engine, InnoDB).
+func pgTable(keyType, rest string) string {
+	return "CREATE TABLE {t} (consumer text NOT NULL, message_id " + keyType + " NOT NULL, " +
+		"processed_at timestamptz NOT NULL, " + rest + ")"
+}
+
+func myTable(keyType, rest string) string {
+	return "CREATE TABLE {t} (consumer varbinary(255) NOT NULL, message_id " + keyType + " NOT NULL, " +
+		"processed_at datetime(6) NOT NULL, " + rest + ")"
+}
+
+const (
+	pgRest = "PRIMARY KEY (consumer, message_id)"
+	myRest = "PRIMARY KEY (consumer, message_id), INDEX (processed_at)"
+	pgIdx  = "CREATE INDEX {t}_pidx ON {t} (processed_at)"
+)
+
+var badTables = map[string][]badTable{
+	"postgres": {
+		{name: "char(255) key pads", ddl: []string{pgTable("char(255)", pgRest), pgIdx},
+			mention: []string{`"message_id"`, `"character(255)"`}, fix: pgKeyFix},
+		{name: "varchar(36) key rejects long ids", ddl: []string{pgTable("varchar(36)", pgRest), pgIdx},
+			mention: []string{`"message_id"`, `"character varying(36)"`}, fix: pgKeyFix},
+		{name: "citext key folds case", setup: needCitext, ddl: []string{pgTable("citext", pgRest), pgIdx},
+			mention: []string{`"message_id"`, `"citext"`}, fix: pgKeyFix},
+		{name: "nondeterministic collation", setup: needICUCollation,
+			ddl:     []string{pgTable(`text COLLATE "{t}_ci"`, pgRest), pgIdx},
+			mention: []string{`"message_id"`, `nondeterministic`}, fix: pgKeyFix},
+		{name: "domain key", setup: needDomain, ddl: []string{pgTable(`"{t}_id"`, pgRest), pgIdx},
+			mention: []string{`"message_id"`, "domain"}, fix: pgKeyFix},
+		{name: "integer key", ddl: []string{pgTable("bigint", pgRest), pgIdx},
+			mention: []string{`"message_id"`, `"bigint"`}, fix: pgKeyFix},
+		{name: "unique index instead of primary key", ddl: []string{pgTable("text", "UNIQUE (consumer, message_id)"), pgIdx},
+			mention: []string{"no primary key"}, fix: `ALTER TABLE "{t}" ADD PRIMARY KEY (consumer, message_id)`},
+		{name: "primary key in the wrong order", ddl: []string{pgTable("text", "PRIMARY KEY (message_id, consumer)"), pgIdx},
+			mention: []string{`"message_id", "consumer"`},
+			fix:     `ALTER TABLE "{t}" DROP CONSTRAINT {t}_pkey, ADD PRIMARY KEY (consumer, message_id)`},
+		{name: "deferrable primary key", ddl: []string{pgTable("text", pgRest+" DEFERRABLE"), pgIdx},
+			mention: []string{"DEFERRABLE"},
+			fix:     `ALTER TABLE "{t}" DROP CONSTRAINT {t}_pkey, ADD PRIMARY KEY (consumer, message_id)`},
+		{name: "timestamp without time zone", ddl: []string{
+			"CREATE TABLE {t} (consumer text NOT NULL, message_id text NOT NULL, processed_at timestamp NOT NULL, " + pgRest + ")", pgIdx},
+			mention: []string{`"processed_at"`, "time zone"}, fix: `ALTER TABLE "{t}" ALTER COLUMN processed_at TYPE timestamptz`},
+		{name: "no purge index", ddl: []string{pgTable("text", pgRest)},
+			mention: []string{`"processed_at"`}, fix: `CREATE INDEX IF NOT EXISTS "{t}_processed_at_idx" ON "{t}" (processed_at)`},
+		{name: "purge index not led by processed_at", ddl: []string{pgTable("text", pgRest), "CREATE INDEX {t}_pidx ON {t} (consumer, processed_at)"},
+			mention: []string{`"processed_at"`}, fix: `CREATE INDEX IF NOT EXISTS "{t}_processed_at_idx" ON "{t}" (processed_at)`},
+		{name: "NOT NULL extra column", ddl: []string{pgTable("text", "tenant text NOT NULL, "+pgRest), pgIdx},
+			mention: []string{`"tenant"`}, fix: `ALTER TABLE "{t}" ALTER COLUMN tenant DROP NOT NULL`},
+		{name: "partitioned table", ddl: []string{"CREATE TABLE {t} (consumer text NOT NULL, message_id text NOT NULL, " +
+			"processed_at timestamptz NOT NULL, PRIMARY KEY (consumer, message_id, processed_at)) PARTITION BY RANGE (processed_at)"},
+			mention: []string{"partitioned"}, fix: "set Config.Dialect to inbox.PostgreSQLPartitioned"},
+	},
+	"postgres-partitioned": {
+		{name: "plain table", ddl: []string{pgTable("text", pgRest), pgIdx},
+			mention: []string{"not partitioned"}, fix: `ALTER TABLE "{t}" RENAME TO "{t}_old";`},
+		{name: "partitioned by consumer", ddl: []string{pgTable("text", "PRIMARY KEY (consumer, message_id, processed_at)") +
+			" PARTITION BY RANGE (consumer)"},
+			mention: []string{`"consumer"`, `"processed_at"`}, fix: `ALTER TABLE "{t}" RENAME TO "{t}_old";`},
+		{name: "citext key folds case", setup: needCitext,
+			ddl:     []string{pgTable("citext", "PRIMARY KEY (consumer, message_id, processed_at)") + " PARTITION BY RANGE (processed_at)"},
+			mention: []string{`"message_id"`, `"citext"`}, fix: pgKeyFix},
+		{name: "timestamp without time zone", ddl: []string{
+			"CREATE TABLE {t} (consumer text NOT NULL, message_id text NOT NULL, processed_at timestamp NOT NULL, " +
+				"PRIMARY KEY (consumer, message_id, processed_at)) PARTITION BY RANGE (processed_at)"},
+			mention: []string{`"processed_at"`, "time zone"}, fix: `ALTER TABLE "{t}" RENAME TO "{t}_old";`},
+		{name: "primary key with another column", ddl: []string{
+			"CREATE TABLE {t} (consumer text NOT NULL, message_id text NOT NULL, processed_at timestamptz NOT NULL, tenant int NOT NULL DEFAULT 0, " +
+				"PRIMARY KEY (consumer, message_id, processed_at, tenant)) PARTITION BY RANGE (processed_at)"},
+			mention: []string{`"tenant"`},
+			fix:     `ALTER TABLE "{t}" DROP CONSTRAINT {t}_pkey, ADD PRIMARY KEY (consumer, message_id, processed_at)`},
+	},
+	"mysql": {
+		{name: "utf8mb4_general_ci folds case and accents", ddl: []string{myTable("varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci", myRest)},
+			mention: []string{`"message_id"`, `"utf8mb4_general_ci"`}, fix: myKeyFix},
+		{name: "utf8mb4_bin pads spaces", ddl: []string{myTable("varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin", myRest)},
+			mention: []string{`"message_id"`, `"utf8mb4_bin"`, "PAD SPACE"}, fix: myKeyFix},
+		{name: "utf8mb4_unicode_ci expands letters", ddl: []string{myTable("varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci", myRest)},
+			mention: []string{`"message_id"`, `"utf8mb4_unicode_ci"`, "case-insensitively"}, fix: myKeyFix},
+		{name: "utf8mb3 cannot hold every id", ddl: []string{myTable("varchar(255) CHARACTER SET utf8mb3 COLLATE utf8mb3_nopad_bin", myRest)},
+			mention: []string{`"message_id"`, `"utf8mb3"`}, fix: myKeyFix},
+		{name: "latin1 cannot hold every id", ddl: []string{myTable("varchar(255) CHARACTER SET latin1 COLLATE latin1_nopad_bin", myRest)},
+			mention: []string{`"message_id"`, `"latin1"`}, fix: myKeyFix},
+		{name: "varchar(36) truncates", ddl: []string{myTable("varchar(36) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin", myRest)},
+			mention: []string{`"message_id"`, `"varchar(36)"`}, fix: myKeyFix},
+		{name: "varbinary(36) truncates", ddl: []string{myTable("varbinary(36)", myRest)},
+			mention: []string{`"message_id"`, `"varbinary(36)"`}, fix: myKeyFix},
+		{name: "binary(255) pads", ddl: []string{myTable("binary(255)", myRest)},
+			mention: []string{`"message_id"`, `"binary(255)"`}, fix: myKeyFix},
+		{name: "blob key is a prefix", ddl: []string{myTable("blob", "PRIMARY KEY (consumer, message_id(200)), INDEX (processed_at)")},
+			mention: []string{`"message_id"`, `"blob"`, `"message_id"(200)`}, fix: myKeyFix},
+		{name: "primary key prefix", ddl: []string{myTable("varbinary(255)", "PRIMARY KEY (consumer, message_id(100)), INDEX (processed_at)")},
+			mention: []string{`"message_id"(100)`, "prefix"}, fix: "ALTER TABLE `{t}` DROP PRIMARY KEY, ADD PRIMARY KEY (consumer, message_id)"},
+		{name: "MyISAM has no transactions", ddl: []string{myTable("varbinary(255)", myRest) + " ENGINE=MyISAM"},
+			mention: []string{`"MyISAM"`}, fix: "ALTER TABLE `{t}` ENGINE=InnoDB"},
+		{name: "unique index instead of primary key", ddl: []string{myTable("varbinary(255)", "UNIQUE KEY uniq (consumer, message_id), INDEX (processed_at)")},
+			mention: []string{"no primary key", "gap locks"}, fix: "ALTER TABLE `{t}` DROP INDEX `uniq`, ADD PRIMARY KEY (consumer, message_id)"},
+		{name: "primary key in the wrong order", ddl: []string{myTable("varbinary(255)", "PRIMARY KEY (message_id, consumer), INDEX (processed_at)")},
+			mention: []string{`"message_id", "consumer"`}, fix: "ALTER TABLE `{t}` DROP PRIMARY KEY, ADD PRIMARY KEY (consumer, message_id)"},
+		{name: "timestamp processed_at", ddl: []string{
+			"CREATE TABLE {t} (consumer varbinary(255) NOT NULL, message_id varbinary(255) NOT NULL, processed_at timestamp(6) NOT NULL, " + myRest + ")"},
+			mention: []string{`"processed_at"`, "time zone"}, fix: "ALTER TABLE `{t}` MODIFY processed_at datetime(6) NOT NULL"},
+		{name: "datetime(0) processed_at", ddl: []string{
+			"CREATE TABLE {t} (consumer varbinary(255) NOT NULL, message_id varbinary(255) NOT NULL, processed_at datetime NOT NULL, " + myRest + ")"},
+			mention: []string{`"processed_at"`, "1 microsecond"}, fix: "ALTER TABLE `{t}` MODIFY processed_at datetime(6) NOT NULL"},
+		{name: "no purge index", ddl: []string{myTable("varbinary(255)", "PRIMARY KEY (consumer, message_id)")},
+			mention: []string{`"processed_at"`}, fix: "CREATE INDEX `{t}_processed_at_idx` ON `{t}` (processed_at)"},
+		{name: "NOT NULL extra column", ddl: []string{myTable("varbinary(255)", "tenant int NOT NULL, "+myRest)},
+			mention: []string{`"tenant"`}, fix: "ALTER TABLE `{t}` MODIFY `tenant` int"},
+	},
+	"sqlite": {
+		{name: "NOCASE key column", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL COLLATE NOCASE,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id)) WITHOUT ROWID`, sqIdx},
+			mention: []string{`"message_id"`, `"NOCASE"`}, fix: sqRename},
+		{name: "RTRIM primary key", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id COLLATE RTRIM))`, sqIdx},
+			mention: []string{`"message_id"`, `"RTRIM"`}, fix: sqRename},
+		{name: "INTEGER key", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id INTEGER NOT NULL,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id))`, sqIdx},
+			mention: []string{`"message_id"`, `"INTEGER"`}, fix: sqRename},
+		{name: "untyped key", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id NOT NULL,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id))`, sqIdx},
+			mention: []string{`"message_id"`, "BLOB"}, fix: sqRename},
+		{name: "nullable key", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id))`, sqIdx},
+			mention: []string{`"message_id"`, "nullable"}, fix: sqRename},
+		{name: "unique index instead of primary key", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL,
+			processed_at INTEGER NOT NULL, UNIQUE (consumer, message_id))`, sqIdx},
+			mention: []string{"no primary key"}, fix: sqRename},
+		{name: "text processed_at", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL,
+			processed_at TEXT NOT NULL, PRIMARY KEY (consumer, message_id))`, sqIdx},
+			mention: []string{`"processed_at"`, "INTEGER"}, fix: sqRename},
+		{name: "no purge index", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id))`},
+			mention: []string{`"processed_at"`}, fix: `CREATE INDEX IF NOT EXISTS "{t}_processed_at_idx" ON "{t}" (processed_at)`},
+		{name: "partial purge index", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL,
+			processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id))`, sqIdx + " WHERE processed_at > 0"},
+			mention: []string{`"processed_at"`}, fix: `CREATE INDEX IF NOT EXISTS "{t}_processed_at_idx" ON "{t}" (processed_at)`},
+		{name: "NOT NULL extra column", ddl: []string{`CREATE TABLE {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL,
+			processed_at INTEGER NOT NULL, tenant TEXT NOT NULL, PRIMARY KEY (consumer, message_id))`, sqIdx},
+			mention: []string{`"tenant"`}, fix: sqRename},
+	},
+}
+
+const sqIdx = "CREATE INDEX {t}_pidx ON {t} (processed_at)"
+
+func init() { badTables["mysql-clientFoundRows"] = badTables["mysql"] }
+
+// expand replaces {t} in s with table.
+func expand(s, table string) string { return strings.ReplaceAll(s, "{t}", table) }
+
+// verifyInbox returns an inbox on table for dialect d, without touching the database.
+func verifyInbox(t *testing.T, db *sqlx.DB, d inbox.Dialect, table string) *inbox.Inbox {
+	t.Helper()
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: table, Consumer: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ib.Close() })
+	return ib
+}
+
+// currentSchema is the schema (PostgreSQL), database (MySQL) or attached
+// database (SQLite) an unqualified table name resolves to.
+func currentSchema(t *testing.T, db *sqlx.DB, d inbox.Dialect) string {
+	t.Helper()
+	query := map[inbox.Dialect]string{inbox.PostgreSQL: "SELECT current_schema()", inbox.PostgreSQLPartitioned: "SELECT current_schema()",
+		inbox.MySQL: "SELECT DATABASE()", inbox.SQLite: "SELECT 'main'"}[d]
+	var s string
+	if err := db.Get(&s, query); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// applySchemaSQL creates table by hand from SchemaSQL, statement by statement.
+func applySchemaSQL(t *testing.T, db *sqlx.DB, d inbox.Dialect, table string) {
+	t.Helper()
+	ddl, err := inbox.SchemaSQL(d, table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, stmt := range statements(ddl) {
+		exec(t, db, stmt)
+	}
+}
+
+// applyFixes runs every fix the error of Verify prints: first the scripts,
+// each on one connection, then the one-line fixes in order.
+func applyFixes(t *testing.T, db *sqlx.DB, verr error) {
+	t.Helper()
+	text, _, _ := strings.Cut(verr.Error(), "\ncanonical DDL for comparison:\n")
+	var oneLine, scripts []string
+	for _, line := range strings.Split(text, "\n") {
+		switch _, fix, ok := strings.Cut(line, "; fix: "); {
+		case strings.HasPrefix(line, "script ") && strings.HasSuffix(line, ":"):
+			scripts = append(scripts, "")
+		case len(scripts) > 0:
+			scripts[len(scripts)-1] += line + "\n"
+		case ok && !strings.HasPrefix(fix, "script "):
+			oneLine = append(oneLine, fix)
+		}
+	}
+	var fixes [][]string
+	for _, script := range scripts {
+		fixes = append(fixes, statements(script))
+	}
+	for _, fix := range oneLine {
+		fixes = append(fixes, []string{fix})
+	}
+	if len(fixes) == 0 {
+		t.Fatalf("no fix in the error:\n%v", verr)
+	}
+	ctx := context.Background()
+	for _, stmts := range fixes {
+		conn, err := db.Connx(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, stmt := range stmts {
+			if _, err := conn.ExecContext(ctx, stmt); err != nil {
+				conn.Close()
+				t.Fatalf("fix %s: %v\nerror was:\n%v", stmt, err, verr)
+			}
+		}
+		conn.Close()
+	}
+}
+
+// needCitext creates the citext extension, or skips the test when the
+// server cannot.
+func needCitext(t *testing.T, db *sqlx.DB, _ string) {
+	citextOnce.Do(func() {
+		_, citextErr = db.Exec("CREATE EXTENSION IF NOT EXISTS citext")
+	})
+	if citextErr != nil {
+		t.Skipf("citext extension not available: %v", citextErr)
+	}
+}
+
+var (
+	citextOnce sync.Once
+	citextErr  error
+)
+
+// needDomain creates the domain "<table>_id" over text, dropped after the
+// table.
+func needDomain(t *testing.T, db *sqlx.DB, table string) {
+	name := table + "_id"
+	exec(t, db, `CREATE DOMAIN "`+name+`" AS text`)
+	t.Cleanup(func() {
+		if _, err := db.Exec(`DROP DOMAIN IF EXISTS "` + name + `"`); err != nil {
+			t.Logf("drop domain %s: %v", name, err)
+		}
+	})
+}
+
+// needICUCollation creates the nondeterministic, case-insensitive ICU
+// collation "<table>_ci", dropped after the table, or skips the test when
+// the server has no ICU.
+func needICUCollation(t *testing.T, db *sqlx.DB, table string) {
+	name := table + "_ci"
+	_, err := db.Exec(`CREATE COLLATION "` + name + `" (provider = icu, locale = 'und-u-ks-level2', deterministic = false)`)
+	if err != nil {
+		t.Skipf("no ICU collation: %v", err)
+	}
+	t.Cleanup(func() {
+		if _, err := db.Exec(`DROP COLLATION IF EXISTS "` + name + `"`); err != nil {
+			t.Logf("drop collation %s: %v", name, err)
+		}
+	})
+}
