@@ -22,6 +22,7 @@ import (
 	_ "github.com/go-sql-driver/mysql" // registers "mysql"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
 	"github.com/jmoiron/sqlx"
+	_ "github.com/lib/pq"  // registers "postgres"
 	_ "modernc.org/sqlite" // registers "sqlite"
 
 	"github.com/watermill-inbox/inbox"
@@ -30,15 +31,20 @@ import (
 // Environment variables and their defaults.
 const (
 	PostgresDSNEnv     = "INBOX_TEST_POSTGRES_DSN"
+	PgBouncerDSNEnv    = "INBOX_TEST_PGBOUNCER_DSN"
 	MySQLDSNEnv        = "INBOX_TEST_MYSQL_DSN"
 	DefaultPostgresDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
 	DefaultMySQLDSN    = "root@tcp(127.0.0.1:3306)/test?parseTime=true"
+	// DefaultPgBouncerDSN is the PgBouncer that .ci/pgbouncer starts: transaction
+	// pooling mode, 4 server connections, in front of the PostgreSQL above.
+	DefaultPgBouncerDSN = "postgres://postgres@127.0.0.1:6439/test?sslmode=disable"
 
 	// SQLiteParams are the DSN settings the README recommends for SQLite.
 	SQLiteParams = "_journal_mode=WAL&_busy_timeout=10000&_synchronous=NORMAL&_txlock=immediate&_foreign_keys=1"
 
-	startPostgres = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
-	startMariaDB  = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
+	startPostgres  = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+	startMariaDB   = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
+	startPgBouncer = ".ci/pgbouncer start /var/tmp/inbox-pgbouncer 6439"
 )
 
 // DB is one database kind the tests run against.
@@ -107,6 +113,33 @@ func OpenSQLite(tb testing.TB, path string) *sqlx.DB {
 // OpenPostgres opens PostgreSQL with the extra DSN parameter param (may be empty).
 func OpenPostgres(tb testing.TB, param string) *sqlx.DB {
 	return open(tb, "pgx", WithParam(PostgresDSN(), param), "PostgreSQL", PostgresDSNEnv, startPostgres)
+}
+
+// PgBouncerDriver is one way of reaching PostgreSQL through PgBouncer in
+// transaction pooling mode, as a user configures it.
+type PgBouncerDriver struct {
+	Name   string // lib/pq, pgx-exec, pgx-simple
+	Driver string // the database/sql driver name
+	Param  string // the DSN parameter that makes the driver work behind the pooler
+}
+
+// PgBouncerDrivers are the drivers and settings the README names for a
+// transaction-mode pooler: lib/pq with its defaults, and pgx with
+// default_query_exec_mode exec or simple_protocol (pgx's default statement
+// cache cannot work there, by pgx's documentation).
+var PgBouncerDrivers = []PgBouncerDriver{
+	{Name: "lib/pq", Driver: "postgres"},
+	{Name: "pgx-exec", Driver: "pgx", Param: "default_query_exec_mode=exec"},
+	{Name: "pgx-simple", Driver: "pgx", Param: "default_query_exec_mode=simple_protocol"},
+}
+
+// PgBouncerDSN returns the configured DSN of the test PgBouncer.
+func PgBouncerDSN() string { return Env(PgBouncerDSNEnv, DefaultPgBouncerDSN) }
+
+// OpenPgBouncer opens a pool of at most 8 connections through the test
+// PgBouncer with driver d.
+func OpenPgBouncer(tb testing.TB, d PgBouncerDriver) *sqlx.DB {
+	return open(tb, d.Driver, WithParam(PgBouncerDSN(), d.Param), "PgBouncer", PgBouncerDSNEnv, startPgBouncer)
 }
 
 // OpenMySQL opens MySQL/MariaDB with the extra DSN parameter param (may be empty).
