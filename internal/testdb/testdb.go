@@ -110,9 +110,14 @@ func OpenSQLite(tb testing.TB, path string) *sqlx.DB {
 	return db
 }
 
-// OpenPostgres opens PostgreSQL with the extra DSN parameter param (may be empty).
-func OpenPostgres(tb testing.TB, param string) *sqlx.DB {
-	return open(tb, "pgx", WithParam(PostgresDSN(), param), "PostgreSQL", PostgresDSNEnv, startPostgres)
+// OpenPostgres opens PostgreSQL through pgx with the extra DSN parameter
+// param (may be empty).
+func OpenPostgres(tb testing.TB, param string) *sqlx.DB { return OpenPostgresWith(tb, "pgx", param) }
+
+// OpenPostgresWith opens PostgreSQL through the database/sql driver named
+// driver ("pgx" or lib/pq's "postgres") with the extra DSN parameter param.
+func OpenPostgresWith(tb testing.TB, driver, param string) *sqlx.DB {
+	return open(tb, driver, WithParam(PostgresDSN(), param), "PostgreSQL", PostgresDSNEnv, startPostgres)
 }
 
 // PgBouncerDriver is one way of reaching PostgreSQL through PgBouncer in
