@@ -234,7 +234,7 @@ func TestMissingSQLiteFileIsRefused(t *testing.T) {
 
 // existingSQLite checks the file a DSN names (its path, without the query)
 // and opens it with mode=rw; in-memory databases are not files.
-func TestExistingSQLite(t *testing.T) {
+func TestSQLiteDSNMustNameAnExistingFile(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "a b.db")
 	testdb.OpenSQLite(t, path)
@@ -298,7 +298,7 @@ func TestCountsInSingularAndPlural(t *testing.T) {
 
 // schema -verify exits 0 on a table that schema -apply made, and 1 with
 // the error on stderr on a missing or incompatible table.
-func TestSchemaVerify(t *testing.T) {
+func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
 			table := "cli_" + testdb.RandomSuffix()
