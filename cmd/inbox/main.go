@@ -216,7 +216,8 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 // existingSQLite checks that the file a SQLite URI (file:...) names exists,
 // and returns the URI with mode=rw (in place of none or rwc), which makes
 // SQLite fail instead of creating a missing file. An in-memory database
-// (:memory:, mode=memory) is not a file and passes unchanged.
+// (:memory:, mode=memory) and the empty name (SQLite's private temporary
+// database) are not files and pass unchanged.
 func existingSQLite(dsn string) (string, error) {
 	uri, fragment, hasFragment := strings.Cut(dsn, "#")
 	rawName, rawQuery, _ := strings.Cut(strings.TrimPrefix(uri, "file:"), "?")
