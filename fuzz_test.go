@@ -238,3 +238,71 @@ func (l *queryLog) began(any)                   {}
 func (l *queryLog) ended(any, bool)             {}
 
 var _ sqlObserver = (*queryLog)(nil)
+
+// errorTextSeeds are UUIDs and ids that forge log lines if printed raw.
+var errorTextSeeds = []string{
+	"order-1\nlevel=INFO msg=\"message acked\" message_uuid=forged",
+	"\r\n[watermill] 2026/12/01 INFO forged",
+	"a\x00b",
+	"\x1b[31mred\x1b[0m",
+	"\u2028line separator",
+	"",
+	"\xff\n",
+}
+
+// Hostile message UUIDs and ids never reach an error's text raw: every
+// error the middleware returns about a message quotes what came from it,
+// so no error (which the router logs) holds a newline, a carriage return or
+// a NUL byte from the message. Covered: a refused id (each way it can be
+// refused), a table that is missing (the key appears in the error), a
+// nested inbox, a handler name missing outside a router.
+//
+//	go test -run '^$' -fuzz FuzzErrorText -fuzztime 60s .
+func FuzzErrorText(f *testing.F) {
+	for i, s := range errorTextSeeds {
+		f.Add([]byte(s), []byte(errorTextSeeds[(i+1)%len(errorTextSeeds)]))
+	}
+	db := openSQLite(f, filepath.Join(f.TempDir(), "errors.db"))
+	missing, err := inbox.New(inbox.Config{DB: db, Table: "missing_" + randomSuffix(),
+		MessageID: func(msg *message.Message) (string, error) { return msg.Metadata.Get("id"), nil }})
+	if err != nil {
+		f.Fatal(err)
+	}
+	nested, err := inbox.New(inbox.Config{DB: db, Table: "inbox_" + randomSuffix()})
+	if err != nil {
+		f.Fatal(err)
+	}
+	if err := nested.InitializeSchema(context.Background()); err != nil {
+		f.Fatal(err)
+	}
+	feeds := map[string]*feed{"missing-table": newFeed(), "nested": newFeed()}
+	var rec recorder
+	ok := func(*message.Message) error { return nil }
+	runRouter(f, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware)
+		r.AddConsumerHandler("missing-table", "orders", feeds["missing-table"], ok).AddMiddleware(missing.Middleware)
+		r.AddConsumerHandler("nested", "orders", feeds["nested"], ok).AddMiddleware(nested.Middleware, nested.Middleware)
+	})
+	checkText := func(t *testing.T, what string, err error) {
+		t.Helper()
+		if err == nil {
+			t.Fatalf("%s: no error", what)
+		}
+		if strings.ContainsAny(err.Error(), "\n\r\x00") {
+			t.Fatalf("%s: error text holds a raw newline, carriage return or NUL: %q", what, err.Error())
+		}
+	}
+	f.Fuzz(func(t *testing.T, uuid, id []byte) {
+		msg := message.NewMessage(string(uuid), nil)
+		msg.Metadata.Set("id", string(id))
+		for _, consumer := range []string{"missing-table", "nested"} {
+			if feeds[consumer].deliver(t, msg) {
+				t.Fatalf("%s: acked", consumer)
+			}
+			checkText(t, consumer, rec.last())
+		}
+		// Outside a router: no handler name, so no consumer.
+		_, err := nested.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg.Copy())
+		checkText(t, "outside a router", err)
+	})
+}

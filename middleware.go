@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -287,7 +289,7 @@ type Inbox struct {
 	claimStmt *sqlx.Stmt
 	heldStmt  *sqlx.Stmt     // heldSQL prepared, the same way
 	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
-	verified  bool           // the table passed verifySchema; checked before the first claim
+	verified  atomic.Bool    // the table passed verifySchema; checked before the first claim
 
 	// afterBegin, if set (only by tests, through export_test.go), runs right
 	// after BEGIN, before the transaction's first statement.
@@ -321,15 +323,18 @@ func (ib *Inbox) keyLockTable(ctx context.Context) (qualifiedName, error) {
 // merge or truncate ids is refused before any message is claimed in it. Like
 // preparedClaim, it must run before the message's transaction begins.
 func (ib *Inbox) verifyOnce(ctx context.Context) error {
+	if ib.verified.Load() {
+		return nil
+	}
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
-	if ib.verified {
+	if ib.verified.Load() {
 		return nil
 	}
 	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
 	}
-	ib.verified = true
+	ib.verified.Store(true)
 	return nil
 }
 
@@ -580,7 +585,9 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (produced [
 func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h message.HandlerFunc,
 	consumer, id string, start time.Time, span trace.Span) (produced []*message.Message, err error) {
 	if err := ib.verifyOnce(sctx); err != nil {
-		return nil, fmt.Errorf("inbox: %q/%q: %w", consumer, id, err)
+		// One line, for the router's log of every nacked message; Verify
+		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
+		return nil, fmt.Errorf("inbox: %q/%q: %w (Inbox.Verify reports the fix)", consumer, id, firstLine{err})
 	}
 	stmt, heldStmt := ib.preparedClaim(sctx) // nil: run unprepared
 	var lockTable qualifiedName
@@ -740,6 +747,15 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 	}
 	return produced, nil
 }
+
+// firstLine is err with its text cut at the first line break.
+type firstLine struct{ err error }
+
+func (e firstLine) Error() string {
+	s, _, _ := strings.Cut(e.err.Error(), "\n")
+	return strings.TrimSuffix(s, ":")
+}
+func (e firstLine) Unwrap() error { return e.err }
 
 // commitTimedOut returns err wrapped with ErrCommitTimeout when the commit
 // bound ended txCtx, and err unchanged otherwise.

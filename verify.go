@@ -8,7 +8,9 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 )
 
@@ -29,6 +31,22 @@ import (
 // PostgreSQL it reads in one short transaction).
 func (ib *Inbox) Verify(ctx context.Context) error {
 	return verifySchema(ctx, ib.db, ib.dialect, ib.table)
+}
+
+// VerifyTimeout bounds the check that Inbox.RouterPlugin runs.
+const VerifyTimeout = 30 * time.Second
+
+// RouterPlugin is a Watermill router plugin that runs Verify before the
+// router subscribes to anything: add it with router.AddPlugin(ib.RouterPlugin),
+// and router.Run returns Verify's error (errors.Is matches ErrTableNotFound
+// and ErrIncompatibleTable through the router's wrapping) instead of
+// starting handlers that would nack every message. The check is bounded by
+// VerifyTimeout. Router plugins run once, in router.Run, before its
+// handlers start (a Watermill convention).
+func (ib *Inbox) RouterPlugin(*message.Router) error {
+	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
+	defer cancel()
+	return ib.Verify(ctx)
 }
 
 // verifySchema runs verifyTable in a read-only unit of work.

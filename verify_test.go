@@ -6,8 +6,10 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
@@ -566,4 +568,70 @@ func needICUCollation(t *testing.T, db *sqlx.DB, table string) {
 			t.Logf("drop collation %s: %v", name, err)
 		}
 	})
+}
+
+// A router with the inbox's RouterPlugin does not start when the table is
+// missing: router.Run returns ErrTableNotFound before any handler consumes,
+// instead of a router that nacks every message.
+func TestRouterPlugin_MissingTableStopsTheRouter(t *testing.T) {
+	db := openSQLite(t, filepath.Join(t.TempDir(), "plugin.db"))
+	ib, err := inbox.New(inbox.Config{DB: db, Table: "never_created"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := newFeed()
+	var calls atomic.Int32
+	r.AddConsumerHandler("billing", "orders", in, func(*message.Message) error { calls.Add(1); return nil })
+	r.AddMiddleware(ib.Middleware)
+	r.AddPlugin(ib.RouterPlugin)
+	err = r.Run(context.Background())
+	if !errors.Is(err, inbox.ErrTableNotFound) {
+		t.Errorf("router.Run = %v, want an error wrapping ErrTableNotFound", err)
+	}
+	if inbox.IsTransient(err) {
+		t.Errorf("IsTransient(%v) = true: a missing table is no reason to redeliver", err)
+	}
+	if calls.Load() != 0 {
+		t.Errorf("%d handler calls", calls.Load())
+	}
+
+	// With the table, the same setup runs.
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	runRouter(t, func(r *message.Router) {
+		r.AddConsumerHandler("billing", "orders", in, func(*message.Message) error { calls.Add(1); return nil })
+		r.AddMiddleware(ib.Middleware)
+		r.AddPlugin(ib.RouterPlugin)
+	})
+	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) || calls.Load() != 1 {
+		t.Errorf("after InitializeSchema: want the message acked after one handler call, got %d calls", calls.Load())
+	}
+}
+
+// Without the plugin, the middleware refuses to claim in a missing table:
+// every message is nacked with an error wrapping ErrTableNotFound, in one
+// line, and nothing is written.
+func TestMiddleware_MissingTableIsRefusedBeforeTheClaim(t *testing.T) {
+	db := openSQLite(t, filepath.Join(t.TempDir(), "missing.db"))
+	ib, err := inbox.New(inbox.Config{DB: db, Table: "never_created"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &recorder{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(*message.Message) error { return nil })
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("acked without an inbox table")
+	}
+	if err := rec.last(); !errors.Is(err, inbox.ErrTableNotFound) || strings.Contains(err.Error(), "\n") {
+		t.Errorf("error %q: want one line wrapping ErrTableNotFound", err)
+	}
 }
