@@ -26,6 +26,9 @@ type Config struct {
 	// DB is the database that holds the inbox table and the handler's
 	// business tables. Required. Wrap a *sql.DB with sqlx.NewDb(db, driver),
 	// and a pgx pool with sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx").
+	// Behind a transaction-mode pooler (PgBouncer), use lib/pq as it is or
+	// pgx with default_query_exec_mode=exec or simple_protocol: pgx's
+	// default statement cache cannot work there (pgx's documented limit).
 	DB *sqlx.DB
 
 	// Dialect is the SQL dialect of DB. Default: inferred from
@@ -396,8 +399,9 @@ func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
 	return ib.claimStmt, ib.heldStmt
 }
 
-// Close releases the prepared statements on every connection of DB.
-// It does not close DB. Call it when the Inbox is no longer used, after the
+// Close releases the prepared statements on every connection of DB (the
+// claim on MySQL/MariaDB and SQLite, and on PostgreSQL with
+// Config.PrepareStatements; nothing otherwise). It does not close DB. Call it when the Inbox is no longer used, after the
 // router that runs its middleware has closed: a message still in flight
 // then fails with "sql: statement is closed", which is not transient (see
 // IsTransient), so a poison queue would take it. An Inbox that lives as
@@ -471,6 +475,11 @@ func New(cfg Config) (*Inbox, error) {
 // add it to a router with router.AddMiddleware(ib.Middleware), or to one
 // handler with handler.AddMiddleware(ib.Middleware).
 //
+// Before its first claim it checks the table once, as Verify does: a
+// missing or incompatible table makes every message fail with an error
+// wrapping ErrTableNotFound or ErrIncompatibleTable (not transient) until a
+// check passes; add RouterPlugin to the router to fail at startup instead.
+//
 // For each message it begins a transaction on Config.DB with the message's
 // context and inserts (consumer, message id) into the inbox table, letting
 // the primary key decide:
@@ -503,6 +512,13 @@ func New(cfg Config) (*Inbox, error) {
 // Outbox errors are returned wrapped, as are handler messages returned
 // without a publish topic when Config.Outbox is set. It is safe for
 // concurrent use: every handler goroutine may run it at once.
+//
+// The message's context governs the transaction until the handler returns:
+// a deadline or cancellation before then rolls it back (the error wraps the
+// context's). Once the handler returned nil, it does not: the outbox
+// publish, the pre-commit check and COMMIT run to completion under
+// Config.CommitTimeout (ErrCommitTimeout past it), so a committed message is
+// acked even when the message's deadline fires during COMMIT.
 //
 // When it returns, msg.Context() is again the context the message came in
 // with. Put it inside (after) Recoverer, PoisonQueue and Retry, so each retry
@@ -892,7 +908,11 @@ func containsNUL(s string) bool {
 // EXISTS can otherwise fail on pg_type's unique index); on MySQL the table
 // and index are one CREATE TABLE IF NOT EXISTS statement; on SQLite each
 // statement is atomic and IF NOT EXISTS. It does not create a PostgreSQL
-// schema or MySQL database named in Table. Errors wrap the driver's error.
+// schema or MySQL database named in Table. Then it checks the table as
+// Verify does, so that a table a migration or a DBA made differently, or a
+// concurrent starter's, is refused (ErrIncompatibleTable) before any
+// message is claimed in it. Errors wrap the driver's error. It works behind
+// a transaction-mode connection pooler.
 //
 // For PostgreSQLPartitioned it also creates the daily partitions from
 // yesterday to DefaultPartitionsAhead days after today (CreatePartitions).

@@ -97,11 +97,18 @@ import (
 //     connection as a network or SafeToRetry error (above); pgx's
 //     ErrTxCommitRollback, a COMMIT that PostgreSQL turned into ROLLBACK
 //     after a failed statement the handler ignored, stays not transient:
-//     the statement's error, which could tell, is gone.
+//     the statement's error, which could tell, is gone. On PostgreSQL a
+//     COMMIT whose connection was lost after it was sent (pgx's network
+//     error, lib/pq's driver.ErrBadConn or io.ErrUnexpectedEOF at COMMIT)
+//     is in doubt in the same way, and transient by those rules.
+//   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
+//     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
-// claimed) and constraint violations. IsTransient(nil) is false. It is safe
+// claimed), ErrTableNotFound and ErrIncompatibleTable (a misconfiguration:
+// no redelivery succeeds until the table is fixed) and constraint
+// violations. IsTransient(nil) is false. It is safe
 // for concurrent use.
 func IsTransient(err error) bool {
 	if err == nil {

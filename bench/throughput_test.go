@@ -36,9 +36,10 @@ func databases() []testdb.DB {
 func businessTable(b *testing.B, db *sqlx.DB) string {
 	table := "bench_business_" + testdb.RandomSuffix()
 	id := map[string]string{
-		"pgx":    "id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
-		"mysql":  "id BIGINT AUTO_INCREMENT PRIMARY KEY",
-		"sqlite": "id INTEGER PRIMARY KEY",
+		"pgx":      "id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+		"postgres": "id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", // lib/pq
+		"mysql":    "id BIGINT AUTO_INCREMENT PRIMARY KEY",
+		"sqlite":   "id INTEGER PRIMARY KEY",
 	}[db.DriverName()]
 	if _, err := db.Exec("CREATE TABLE " + table + " (" + id + ", message_id VARCHAR(255) NOT NULL, amount INTEGER NOT NULL)"); err != nil {
 		b.Fatal(err)
@@ -93,9 +94,17 @@ func baseline(b *testing.B, db *sqlx.DB, _ inbox.Dialect, business string) messa
 // schema, and returns it with the table's name. consumer "" means the
 // handler name.
 func newInbox(b *testing.B, db *sqlx.DB, d inbox.Dialect, consumer string) (*inbox.Inbox, string) {
+	return newInboxWith(b, inbox.Config{DB: db, Dialect: d, Consumer: consumer})
+}
+
+// newInboxWith is newInbox with the rest of cfg as given; cfg.Table is
+// replaced by the new table's name.
+func newInboxWith(b *testing.B, cfg inbox.Config) (*inbox.Inbox, string) {
+	db := cfg.DB
 	table := "bench_inbox_" + testdb.RandomSuffix()
 	b.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: table, Consumer: consumer})
+	cfg.Table = table
+	ib, err := inbox.New(cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -135,8 +144,9 @@ var variants = []variant{
 }
 
 // run feeds b.N messages to h from conc goroutines and reports msgs/s and
-// the p50 and p99 latency of one message, in microseconds.
-func run(b *testing.B, h message.HandlerFunc, msgs []*message.Message, conc int) {
+// the p50 and p99 latency of one message, in microseconds. It returns the
+// msgs/s, for benchmarks that compare two runs.
+func run(b *testing.B, h message.HandlerFunc, msgs []*message.Message, conc int) float64 {
 	latencies := make([]time.Duration, len(msgs))
 	var next atomic.Int64
 	var failed atomic.Value
@@ -167,17 +177,19 @@ func run(b *testing.B, h message.HandlerFunc, msgs []*message.Message, conc int)
 	if err, ok := failed.Load().(error); ok {
 		b.Fatal(err)
 	}
-	report(b, len(msgs), elapsed, latencies)
+	return report(b, len(msgs), elapsed, latencies)
 }
 
-func report(b *testing.B, n int, elapsed time.Duration, latencies []time.Duration) {
+func report(b *testing.B, n int, elapsed time.Duration, latencies []time.Duration) float64 {
 	slices.Sort(latencies)
 	pct := func(p float64) float64 {
 		return float64(latencies[min(len(latencies)-1, int(float64(len(latencies))*p))].Microseconds())
 	}
-	b.ReportMetric(float64(n)/elapsed.Seconds(), "msgs/s")
+	rate := float64(n) / elapsed.Seconds()
+	b.ReportMetric(rate, "msgs/s")
 	b.ReportMetric(pct(0.50), "p50-us")
 	b.ReportMetric(pct(0.99), "p99-us")
+	return rate
 }
 
 // BenchmarkThroughput/<db>/<variant>/dup=<pct>/conc=<n>: one message is one
