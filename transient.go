@@ -98,9 +98,9 @@ import (
 //     ErrTxCommitRollback, a COMMIT that PostgreSQL turned into ROLLBACK
 //     after a failed statement the handler ignored, stays not transient:
 //     the statement's error, which could tell, is gone. On PostgreSQL a
-//     COMMIT whose connection was lost after it was sent (pgx's network
-//     error, lib/pq's driver.ErrBadConn or io.ErrUnexpectedEOF at COMMIT)
-//     is in doubt in the same way, and transient by those rules.
+//     COMMIT whose connection was lost after it was sent (a network error,
+//     pgx's "conn closed", driver.ErrBadConn) is in doubt in the same way,
+//     and transient by the rules above.
 //   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
 //     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
 //
