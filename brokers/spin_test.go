@@ -63,7 +63,7 @@ func TestRabbitMQ_refusedMessageSpinsWithoutPoisonQueue(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := refusals(t, r, sub, queue, inbox.AMQPMessageIDKey)
+	n := refusals(t, r, sub, queue, inbox.AMQPMessageIDKey, nil)
 	t.Logf("RabbitMQ, no poison queue: the message with no id was refused %d times in %v", n, spinFor)
 	if n < 20 {
 		t.Errorf("refused %d times in %v, want a spin (at least 20)", n, spinFor)
@@ -130,7 +130,15 @@ func TestNATSJetStream_nakDelayBoundsRedelivery(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			n := refusals(t, r, sub, subject, inbox.NATSMsgIDHeader)
+			// The server stops redelivering before the subscriber closes:
+			// watermill-nats's Close races with a delivery in progress (it
+			// closes the channel that delivery sends on).
+			stopRedelivery := func() {
+				if err := js.DeleteConsumer(stream, durable); err != nil {
+					t.Errorf("delete consumer: %v", err)
+				}
+			}
+			n := refusals(t, r, sub, subject, inbox.NATSMsgIDHeader, stopRedelivery)
 			t.Logf("JetStream, %s: the message with no id was refused %d times in %v", tc.name, n, spinFor)
 			if n < tc.min || n > tc.max {
 				t.Errorf("refused %d times in %v, want %d to %d", n, spinFor, tc.min, tc.max)
@@ -141,9 +149,10 @@ func TestNATSJetStream_nakDelayBoundsRedelivery(t *testing.T) {
 
 // refusals runs a router in this process, with the inbox (message ids from
 // metadata key, or the UUID) and no poison queue, on sub for spinFor, and
-// returns how often the inbox refused a message with ErrInvalidMessageID.
-// It closes sub.
-func refusals(t *testing.T, r *run, sub message.Subscriber, topic, key string) int {
+// returns how often the inbox refused a message with ErrInvalidMessageID in
+// that time. Then it calls stopRedelivery, if set, waits until no refusal
+// comes for 100 ms, and closes the router and sub.
+func refusals(t *testing.T, r *run, sub message.Subscriber, topic, key string, stopRedelivery func()) int {
 	var n atomic.Int64
 	ib, err := inbox.New(inbox.Config{
 		DB:        r.db,
@@ -171,6 +180,13 @@ func refusals(t *testing.T, r *run, sub message.Subscriber, topic, key string) i
 	go func() { ran <- router.Run(context.Background()) }()
 	<-router.Running()
 	time.Sleep(spinFor)
+	refused := int(n.Load())
+	if stopRedelivery != nil {
+		stopRedelivery()
+		for last := int64(-1); n.Load() != last; time.Sleep(100 * time.Millisecond) {
+			last = n.Load()
+		}
+	}
 	if err := router.Close(); err != nil {
 		t.Errorf("router close: %v", err)
 	}
@@ -180,5 +196,5 @@ func refusals(t *testing.T, r *run, sub message.Subscriber, topic, key string) i
 	if err := sub.Close(); err != nil {
 		t.Errorf("close subscriber: %v", err)
 	}
-	return int(n.Load())
+	return refused
 }
