@@ -12,13 +12,13 @@ import (
 const (
 	// NATSMsgIDHeader is the JetStream de-duplication header that NATS
 	// producers set (nats.MsgId, jetstream.WithMsgID). watermill-nats v2's
-	// NATSMarshaler copies every NATS header into the message metadata, so
-	// it arrives under this key.
+	// NATSMarshaler copies the other NATS headers into the message metadata
+	// but drops this one: the wrapping unmarshaler in docs/brokers.md puts it
+	// back under this key.
 	NATSMsgIDHeader = "Nats-Msg-Id"
 
 	// AMQPMessageIDKey is the metadata key under which the marshaler shown
-	// in the README ("Messages from other producers") puts the AMQP
-	// message-id property: watermill-amqp's DefaultMarshaler does not map
+	// in docs/brokers.md puts the AMQP message-id property: watermill-amqp's DefaultMarshaler does not map
 	// that property, only its own "_watermill_message_uuid" header.
 	AMQPMessageIDKey = "amqp_message_id"
 )
@@ -28,7 +28,8 @@ const (
 // and not empty. Use it for messages from producers that are not Watermill
 // (which carry no Watermill UUID) and put an id of the event in a header: a
 // Kafka header (watermill-kafka copies every header into the metadata),
-// NATSMsgIDHeader, or AMQPMessageIDKey with the README's marshaler.
+// or NATSMsgIDHeader or AMQPMessageIDKey with the marshalers in
+// docs/brokers.md.
 //
 // A message that carries none of keys gets an error wrapping
 // ErrInvalidMessageID and ErrEmptyMessageID, which names the keys (quoted);

@@ -621,7 +621,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		tx, err = ib.retryBegin(txCtx, msg, consumer, id, span, err)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("inbox: begin transaction for %q/%q: %w", consumer, id, err)
+		return nil, fmt.Errorf("inbox: begin transaction for %q/%q: %w", consumer, id, withCause(txCtx, err))
 	}
 	// Until the transaction has ended by our Commit or Rollback, it must be
 	// rolled back on every path, a panic in the handler included, so that
@@ -762,6 +762,17 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		ib.onProcessed(Event{Message: msg, Consumer: consumer, MessageID: id, Duration: time.Since(start)})
 	}
 	return produced, nil
+}
+
+// withCause returns err, from a call on ctx, joined with ctx's cause when ctx
+// has ended and err does not already wrap it: ctx's Err() is
+// context.Canceled whatever ended it, and the caller must still be able to
+// tell a deadline (errors.Is(err, context.DeadlineExceeded)).
+func withCause(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
 }
 
 // firstLine is err with its text cut at the first line break.

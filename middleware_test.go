@@ -364,7 +364,7 @@ func TestCommitFailureNacks(t *testing.T) {
 		if in.deliver(t, msg) {
 			t.Fatal("message whose commit failed was acked")
 		}
-		if err := rec.last(); err == nil || !strings.Contains(err.Error(), "inbox: commit billing/"+msg.UUID) {
+		if err := rec.last(); err == nil || !strings.Contains(err.Error(), `inbox: commit "billing"/"`+msg.UUID+`"`) {
 			t.Errorf("router got %v, want the commit error", err)
 		}
 		// Whether a poison-queue filter built on IsTransient keeps it: the

@@ -3,11 +3,13 @@ package inbox_test
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,6 +294,14 @@ func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
 	}
 	f := newFixture(t, probe)
 	f.newInbox(inbox.Config{Consumer: "billing"}) // creates the table
+	handle := func(ib *inbox.Inbox) (int, error) {
+		calls := 0
+		_, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) { calls++; return nil, nil })(message.NewMessage(watermill.NewUUID(), nil))
+		return calls, err
+	}
+
+	// Misconfigured from the start: the table check before the first claim
+	// reports it.
 	db, err := sqlx.Open("mysql", testdb.WithParam(testdb.MySQLDSN(), "tls=true"))
 	if err != nil {
 		t.Fatal(err)
@@ -301,8 +311,40 @@ func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	calls := 0
-	_, err = ib.Middleware(func(*message.Message) ([]*message.Message, error) { calls++; return nil, nil })(message.NewMessage(watermill.NewUUID(), nil))
+	calls, err := handle(ib)
+	if err == nil || inbox.IsTransient(err) || calls != 0 {
+		t.Errorf("misconfigured from the start: %d handler calls, error %v (transient %v); want 0 calls and an error that is not transient",
+			calls, err, inbox.IsTransient(err))
+	}
+
+	// Misconfigured after the table was verified (a certificate rotated, a
+	// new TLS setting): the BEGIN fails, is retried once, and a ping that
+	// fails the same way makes it not transient.
+	plainCfg, err := mysql.ParseDSN(testdb.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	tlsCfg := plainCfg.Clone()
+	tlsCfg.TLSConfig = "true" // applied by the ParseDSN of its FormatDSN below
+	sw := &switchingConnector{}
+	if sw.plain, err = mysql.NewConnector(plainCfg); err != nil {
+		t.Fatal(err)
+	}
+	if sw.tls, err = mysql.NewConnector(mustParseDSN(t, tlsCfg.FormatDSN())); err != nil {
+		t.Fatal(err)
+	}
+	switching := sqlx.NewDb(sql.OpenDB(sw), "mysql")
+	defer switching.Close()
+	switching.SetMaxIdleConns(0) // every statement opens a connection of its own
+	ib, err = inbox.New(inbox.Config{DB: switching, Table: f.inbox, Consumer: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.Verify(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	sw.useTLS.Store(true)
+	calls, err = handle(ib)
 	if err == nil || !strings.Contains(err.Error(), "inbox: begin transaction") {
 		t.Fatalf("got %v, want the BEGIN's error", err)
 	}
@@ -312,4 +354,28 @@ func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
 	if calls != 0 {
 		t.Errorf("handler calls = %d, want 0", calls)
 	}
+}
+
+// switchingConnector opens plain connections until useTLS is set, then
+// connections that require TLS.
+type switchingConnector struct {
+	plain, tls driver.Connector
+	useTLS     atomic.Bool
+}
+
+func (c *switchingConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	if c.useTLS.Load() {
+		return c.tls.Connect(ctx)
+	}
+	return c.plain.Connect(ctx)
+}
+func (c *switchingConnector) Driver() driver.Driver { return c.plain.Driver() }
+
+func mustParseDSN(t *testing.T, dsn string) *mysql.Config {
+	t.Helper()
+	cfg, err := mysql.ParseDSN(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
 }

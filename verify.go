@@ -30,7 +30,11 @@ import (
 // concurrent use and works behind a transaction-mode connection pooler (on
 // PostgreSQL it reads in one short transaction).
 func (ib *Inbox) Verify(ctx context.Context) error {
-	return verifySchema(ctx, ib.db, ib.dialect, ib.table)
+	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+		return err
+	}
+	ib.verified.Store(true) // the middleware need not check again
+	return nil
 }
 
 // VerifyTimeout bounds the check that Inbox.RouterPlugin runs.
