@@ -43,9 +43,11 @@ func PurgeLock(ctx context.Context, db *sqlx.DB, p *Purger) (release func() erro
 // SetAfterBegin makes ib call f right after it began a message's
 // transaction, before any statement in it (the key lock, the claim). Call it
 // before ib handles messages.
-func SetAfterBegin(ib *Inbox, f func()) { ib.afterBegin = f }
+func SetAfterBegin(ib *Inbox, f func()) { ib.hooks = &hooks{afterBegin: f} }
 
-// SetAfterPurgeSelect sets the hook run between a MySQL purge batch's read
-// of its keys and its DELETE; nil removes it. Not safe to use from parallel
-// tests.
-func SetAfterPurgeSelect(f func()) { afterPurgeSelect = f }
+// WithAfterPurgeSelect returns cfg with f run between each MySQL purge
+// batch's read of its keys and its DELETE.
+func WithAfterPurgeSelect(cfg PurgeConfig, f func()) PurgeConfig {
+	cfg.hooks = &hooks{afterPurgeSelect: f}
+	return cfg
+}

@@ -294,9 +294,7 @@ type Inbox struct {
 	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
 	verified  atomic.Bool    // the table passed verifySchema; checked before the first claim
 
-	// afterBegin, if set (only by tests, through export_test.go), runs right
-	// after BEGIN, before the transaction's first statement.
-	afterBegin func()
+	hooks *hooks // test seams; nil outside tests
 }
 
 // keyLockTable returns the table name the key lock hashes: resolved by the
@@ -650,9 +648,7 @@ func (ib *Inbox) transact(sctx, ctx context.Context, msg *message.Message, h mes
 		}
 	}()
 
-	if ib.afterBegin != nil {
-		ib.afterBegin()
-	}
+	ib.hooks.begun()
 	if ib.keyLockSQL != "" {
 		if _, err := tx.ExecContext(sctx, ib.keyLockSQL, keyLockHash(lockTable, consumer, id)); err != nil {
 			panicking = false

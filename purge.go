@@ -63,6 +63,8 @@ type PurgeConfig struct {
 	// ErrWindowTooShort and nothing is deleted; a zero OlderThan means "use
 	// the safe window". Its errors are returned wrapped.
 	Window WindowSource
+
+	hooks *hooks // test seams; nil outside tests
 }
 
 // WindowSource reports the shortest window after which the inbox rows of a
@@ -151,7 +153,7 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 		if err := ctx.Err(); err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: %w", table, err)
 		}
-		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, query, args)
+		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, query, args, cfg.hooks)
 		if err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
 		}
@@ -182,10 +184,10 @@ const purgeRetryBackoff = 10 * time.Millisecond
 // (purgeRetryable): a failed batch changed nothing (its statement or
 // transaction was rolled back), and the next attempt picks its rows afresh.
 // Any other error, and the last attempt's, is returned at once.
-func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any) (deleted, found int64, err error) {
+func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
 	backoff := purgeRetryBackoff
 	for attempt := 1; ; attempt++ {
-		deleted, found, err = purgeBatch(ctx, db, d, t, query, args)
+		deleted, found, err = purgeBatch(ctx, db, d, t, query, args, h)
 		if err == nil || attempt == purgeBatchAttempts || !purgeRetryable(err) || ctx.Err() != nil {
 			if err != nil && attempt > 1 {
 				err = fmt.Errorf("attempt %d of %d: %w", attempt, purgeBatchAttempts, err)
@@ -234,11 +236,7 @@ func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consume
 // table), the batch would wait for the whole handler. So the keys are read
 // first with a non-locking consistent read, and then deleted by primary key,
 // at READ COMMITTED: only the expired rows themselves are locked.
-// afterPurgeSelect, when set (only by tests, through export_test.go), runs
-// between a MySQL batch's read of its keys and its DELETE.
-var afterPurgeSelect func()
-
-func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any) (deleted, found int64, err error) {
+func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
 	switch {
 	case d == SQLite:
 		res, err := db.ExecContext(ctx, query, args...)
@@ -278,9 +276,7 @@ func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, quer
 	if err := sqlx.SelectContext(ctx, tx, &keys, query, args...); err != nil {
 		return 0, 0, err
 	}
-	if afterPurgeSelect != nil {
-		afterPurgeSelect()
-	}
+	h.purgeKeysRead()
 	// consumer = ? AND message_id IN (...) is a primary-key range MariaDB
 	// resolves by point lookups; a row-value IN ((?, ?), ...) list it scans,
 	// locking every row it reads, live claims included.

@@ -13,19 +13,19 @@ import (
 // keys, then deletes them by primary key. If, in between, another purge
 // deleted one of those keys and a late redelivery claimed it afresh, the
 // fresh row is young and must stay: deleting it would let a further
-// redelivery process the message again. Not parallel: the hook is global.
+// redelivery process the message again.
 func TestPurgeKeepsAKeyClaimedAgainMidBatch(t *testing.T) {
+	t.Parallel()
 	db := testdb.OpenMySQL(t, "")
 	f := newFixture(t, db)
 	f.newInbox(inbox.Config{Consumer: "billing"})
 	insertRows(t, db, inbox.MySQL, f.inbox, "billing", "old", 3, 2*time.Hour)
-	inbox.SetAfterPurgeSelect(func() {
+	cfg := inbox.WithAfterPurgeSelect(inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour}, func() {
 		// Another purge took old-1, then a redelivery claimed it again.
 		exec(t, db, "DELETE FROM "+f.inbox+" WHERE consumer = 'billing' AND message_id = 'old-1'")
 		exec(t, db, "INSERT INTO "+f.inbox+" (consumer, message_id, processed_at) VALUES ('billing', 'old-1', UTC_TIMESTAMP(6))")
 	})
-	defer inbox.SetAfterPurgeSelect(nil)
-	n, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour})
+	n, err := inbox.Purge(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
