@@ -12,6 +12,7 @@ require (
 )
 
 require (
+	github.com/lib/pq v1.12.3 // indirect
 	go.opentelemetry.io/otel v1.47.0 // indirect
 	go.opentelemetry.io/otel/trace v1.47.0 // indirect
 )
