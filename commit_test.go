@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -17,6 +18,26 @@ import (
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
+
+// openSlowCommitDB opens PostgreSQL's "postgres" database through driver:
+// the slow COMMITs of these tests hold a snapshot for up to seconds, and
+// DETACH PARTITION ... FINALIZE in the "test" database waits for every
+// older snapshot there (the partition tests give it a statement_timeout).
+func openSlowCommitDB(t *testing.T, driver string) *sqlx.DB {
+	t.Helper()
+	u, err := url.Parse(testdb.PostgresDSN())
+	if err != nil || u.Scheme == "" {
+		t.Skipf("needs a URL-form %s to open the postgres database: %v", testdb.PostgresDSNEnv, err)
+	}
+	u.Path = "/postgres"
+	db, err := sqlx.Open(driver, u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	testdb.OpenPostgresWith(t, driver, "") // skips, or fails in CI, without a server
+	return db
+}
 
 // slowCommit makes every COMMIT of a transaction that inserted into table
 // take d: a deferred constraint trigger sleeps at COMMIT (PostgreSQL).
@@ -110,7 +131,7 @@ func TestCommit_ContextEndingDuringCommitStillAcks(t *testing.T) {
 	for _, drv := range []struct{ name, driver string }{{"pgx", "pgx"}, {"lib/pq", "postgres"}} {
 		t.Run(drv.name, func(t *testing.T) {
 			t.Parallel()
-			db := testdb.OpenPostgresWith(t, drv.driver, "")
+			db := openSlowCommitDB(t, drv.driver)
 			got := deliverCancelledAfterReturn(t, db, inbox.Config{}, func(f *fixture) {
 				slowCommit(t, db, f.business, 500*time.Millisecond)
 			})
@@ -125,7 +146,8 @@ func TestCommit_ContextEndingDuringCommitStillAcks(t *testing.T) {
 // middleware.Timeout outside the inbox, as the README places it, with a
 // deadline that passes during COMMIT: the committed message is acked.
 func TestCommit_TimeoutMiddlewareDeadlineDuringCommitStillAcks(t *testing.T) {
-	db := testdb.OpenPostgres(t, "")
+	t.Parallel()
+	db := openSlowCommitDB(t, "pgx")
 	f := newFixture(t, db)
 	slowCommit(t, db, f.business, 1500*time.Millisecond)
 	ib := f.newInbox(inbox.Config{})

@@ -33,15 +33,16 @@ type Dialect interface {
 	// existsSQL returns a query for how many of the table and its purge
 	// index exist (2 means both), reading only the catalog.
 	existsSQL(table qualifiedName) (string, []any)
-	// keyLockSQL returns a statement that takes a transaction-scoped lock on
+	// keyLock returns a statement that takes a transaction-scoped lock on
 	// one key (its bind parameter is an int64 hash of table and key), run
-	// before the claim; "" when the primary key alone decides.
-	keyLockSQL() string
-	// heldSQL returns a query, run in the transaction right before COMMIT,
-	// that counts the claim's row (bind parameters: consumer, message id):
-	// 0 means the database has already rolled the transaction back. ""
-	// when COMMIT itself fails for a transaction the database rolled back.
-	heldSQL(table qualifiedName) string
+	// before the claim, and true; false when the primary key alone decides.
+	keyLock() (stmt string, ok bool)
+	// preCommitCheck returns a query, run in the transaction right before
+	// COMMIT, that counts the claim's row (bind parameters: consumer,
+	// message id), 0 meaning the database has already rolled the
+	// transaction back, and true; false when COMMIT itself fails for a
+	// transaction the database rolled back.
+	preCommitCheck(table qualifiedName) (query string, ok bool)
 	// uncodedBoundaryErrIsLostConn reports whether a COMMIT error whose
 	// chain carries no database error code means the connection was lost
 	// around the COMMIT, and whether a BEGIN that failed so is worth one
@@ -231,11 +232,11 @@ func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
 	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regclass($2) IS NOT NULL)::int", []any{t.quoted(d), index}
 }
 
-func (postgresDialect) keyLockSQL() string { return "" }
+func (postgresDialect) keyLock() (string, bool) { return "", false }
 
 // After an error PostgreSQL keeps the transaction open but aborted, and
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
-func (postgresDialect) heldSQL(qualifiedName) string { return "" }
+func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
 
 func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 
@@ -286,7 +287,9 @@ func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
 		" ON CONFLICT DO NOTHING"
 }
 
-func (postgresPartitionedDialect) keyLockSQL() string { return "SELECT pg_advisory_xact_lock($1)" }
+func (postgresPartitionedDialect) keyLock() (string, bool) {
+	return "SELECT pg_advisory_xact_lock($1)", true
+}
 
 // Summed over the partitions: the parent holds no rows.
 func (d postgresPartitionedDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
@@ -362,7 +365,7 @@ func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
 		" WHERE table_schema = " + schema + " AND table_name = ? AND index_name IN ('PRIMARY', ?)", args
 }
 
-func (mysqlDialect) keyLockSQL() string { return "" }
+func (mysqlDialect) keyLock() (string, bool) { return "", false }
 
 func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
 
@@ -376,8 +379,8 @@ func (mysqlDialect) preparesByDefault() bool { return true }
 // committed the key (then the message is processed either way). A locking
 // read, so that no isolation level can show another delivery's uncommitted
 // claim.
-func (d mysqlDialect) heldSQL(t qualifiedName) string {
-	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE"
+func (d mysqlDialect) preCommitCheck(t qualifiedName) (string, bool) {
+	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE", true
 }
 
 func (mysqlDialect) expiredSQL(byConsumer bool) string {
@@ -467,11 +470,11 @@ func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
 		[]any{t.name, t.indexName()}
 }
 
-func (sqliteDialect) keyLockSQL() string { return "" }
+func (sqliteDialect) keyLock() (string, bool) { return "", false }
 
 // A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
 // makes COMMIT fail: no transaction is active.
-func (sqliteDialect) heldSQL(qualifiedName) string { return "" }
+func (sqliteDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
 
 func (sqliteDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 

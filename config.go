@@ -1,0 +1,319 @@
+package inbox
+
+import (
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Config configures an Inbox. Pass it by value to New; the zero value of
+// every optional field selects its documented default.
+type Config struct {
+	// DB is the database that holds the inbox table and the handler's
+	// business tables. Required. Wrap a *sql.DB with sqlx.NewDb(db, driver),
+	// and a pgx pool with sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx").
+	// Behind a transaction-mode pooler (PgBouncer), use lib/pq as it is or
+	// pgx with default_query_exec_mode=exec or simple_protocol: pgx's
+	// default statement cache cannot work there (pgx's documented limit).
+	DB *sqlx.DB
+
+	// Dialect is the SQL dialect of DB. Default: inferred from
+	// DB.DriverName(): "postgres", "pgx", "pgx/v4", "pgx/v5" give PostgreSQL, "mysql"
+	// gives MySQL, "sqlite" and "sqlite3" give SQLite. Any other driver name
+	// needs an explicit Dialect (ErrUnknownDialect).
+	Dialect Dialect
+
+	// Table is the inbox table, optionally qualified by a schema (PostgreSQL)
+	// or database (MySQL, SQLite attached database): "billing.inbox".
+	// Default: "watermill_inbox" (DefaultTable). It must match
+	// ^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$ and is
+	// quoted by the inbox; anything else is ErrInvalidTableName. Several
+	// consumers may share one table.
+	Table string
+
+	// Consumer is the name under which this inbox records processed
+	// messages: the same message id is processed once per consumer. Default:
+	// the Watermill handler name (message.HandlerNameFromCtx), read for each
+	// message, so every handler of a router is its own consumer. Set it when
+	// a handler is renamed, or to make two handlers share one key space. It
+	// must be stable across restarts and hosts: never derive it from a host
+	// name or process id. At most MaxKeyLength bytes of valid UTF-8.
+	Consumer string
+
+	// MessageID returns the id under which a message is deduplicated.
+	// Default: msg.UUID, which Watermill publishers carry across the broker
+	// (the Kafka marshaler puts it in the "_watermill_message_uuid" header).
+	// Use a business key (an event id in the payload or metadata) when
+	// producers may re-send the same event with a new UUID. The id must be
+	// 1 to MaxKeyLength bytes of valid UTF-8 without NUL bytes; otherwise the
+	// handler is not called and the error wraps ErrInvalidMessageID. An error
+	// returned by MessageID is returned (wrapped) to the router, which nacks.
+	// It is called from every handler goroutine at once: it must be safe for
+	// concurrent use.
+	MessageID func(msg *message.Message) (string, error)
+
+	// TxOptions are the options of the transaction that holds the claim and
+	// the handler's writes. Default: nil, the database's default isolation
+	// level (READ COMMITTED on PostgreSQL, REPEATABLE READ on MySQL/MariaDB
+	// InnoDB, SERIALIZABLE on SQLite). The claim is correct at every level;
+	// at REPEATABLE READ or SERIALIZABLE on PostgreSQL a concurrent duplicate
+	// fails with a serialization error (SQLSTATE 40001) instead of being
+	// skipped: the message is nacked and its redelivery is skipped (IsTransient
+	// reports such errors). ReadOnly must be false; on PostgreSQL and
+	// MySQL/MariaDB the isolation must be the default or one of the four SQL
+	// standard levels (their drivers refuse sql.LevelSnapshot,
+	// LevelWriteCommitted or LevelLinearizable at every BEGIN, lib/pq and
+	// go-sql-driver Snapshot included; SQLite ignores the level); and with
+	// PostgreSQLPartitioned it must be READ COMMITTED (or the default): New
+	// refuses anything else with ErrInvalidConfig. New keeps a copy: changing
+	// *TxOptions afterwards changes nothing.
+	TxOptions *sql.TxOptions
+
+	// Logger receives a Debug line for each duplicate skipped, with the
+	// fields message_uuid, handler_name, consumer and message_id. Nothing is
+	// logged per processed message (the router logs its ack at Trace), and
+	// errors are returned to the router, which logs them, not logged here.
+	// Default: watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+
+	// OnProcessed, if set, is called after a message's transaction
+	// committed. OnDuplicate, if set, is called after a duplicate was
+	// detected and its transaction rolled back (the handler was not called).
+	// OnFailed, if set, is called after the handler or the commit failed and
+	// the message is about to be nacked; Event.Err holds the error. They run
+	// synchronously on the handler's goroutine, possibly concurrently with
+	// each other, so they must be fast and safe for concurrent use: count,
+	// observe Event.Duration in a histogram, do not block.
+	OnProcessed func(Event)
+	OnDuplicate func(Event)
+	OnFailed    func(Event)
+
+	// TracerProvider, if set, makes the middleware start one span per
+	// message, "inbox" (OpenTelemetry API; attributes inbox.consumer,
+	// inbox.message_id, messaging.message.id, db.system), as a child of the
+	// span in msg.Context() (Watermill's OpenTelemetry middleware puts one
+	// there), with the events inbox.claimed, inbox.duplicate,
+	// inbox.committed and inbox.begin_retried (MySQL: a BEGIN retried after
+	// its connection was lost, with the first error), and the error status
+	// on failure or panic. The
+	// statements and the handler run under it, so spans of an instrumented
+	// database/sql driver and of the handler nest inside. Pass
+	// otel.GetTracerProvider() to use the global one. Default: nil, no spans
+	// and no cost.
+	TracerProvider trace.TracerProvider
+
+	// Outbox, if set, returns a publisher that writes to an outbox in the
+	// given transaction: typically a watermill-sql Publisher on tx, wrapped
+	// by Watermill's forwarder.NewPublisher, or any publisher of yours that
+	// writes through tx. The inbox calls it once per claimed message, right
+	// after the claim (so it must be cheap: watermill-sql's NewPublisher is).
+	// Then:
+	//   - the messages the handler returns are published through it, to the
+	//     handler's publish topic (message.PublishTopicFromCtx), before the
+	//     commit, and none are returned to the router: they are sent if and
+	//     only if the message's transaction commits, so a failed publish can
+	//     no longer lose them (without Outbox, the router publishes them after
+	//     the commit, and if that fails the redelivery is skipped as a
+	//     duplicate);
+	//   - handlers can publish to any topic through OutboxFromContext.
+	// An error from Outbox or from publishing rolls the transaction back and
+	// is returned (nack). It is called from every handler goroutine at once:
+	// it must be safe for concurrent use. Default: nil, returned messages go
+	// to the router.
+	Outbox func(tx *sqlx.Tx) (message.Publisher, error)
+
+	// CommitTimeout bounds what runs after the handler returned nil: the
+	// outbox publish, the pre-commit check (MySQL/MariaDB) and COMMIT. From
+	// the moment the handler returns nil, the message's context no longer
+	// governs the transaction: a deadline (middleware.Timeout) or a
+	// cancellation (router shutdown) that fires then does not abort the
+	// COMMIT, so a message whose transaction committed is acked. When the
+	// bound passes first, the message is nacked with an error wrapping
+	// ErrCommitTimeout (transient; the COMMIT is in doubt, and the redelivery
+	// is skipped if it took effect). pgx honours the bound during COMMIT
+	// itself; lib/pq and go-sql-driver/mysql do not take a context at
+	// COMMIT, which then ends by the driver's own network timeouts (MySQL's
+	// readTimeout DSN parameter). Must not be negative.
+	// Default: 10 s (DefaultCommitTimeout).
+	CommitTimeout time.Duration
+
+	// PrepareStatements makes the inbox prepare its claim on PostgreSQL once
+	// per pooled connection (a named server-side prepared statement) and
+	// reuse it, which saves lib/pq one round trip per message (pgx's
+	// database/sql adapter caches statements by itself unless told not to).
+	// Leave it false behind a transaction-mode connection pooler such as
+	// PgBouncer before 1.21 (or without max_prepared_statements): a named
+	// statement outlives the transaction, the pooler hands the next
+	// transaction another server connection, and the statement is missing
+	// there or, worse, another client's statement of the same name runs.
+	// On MySQL/MariaDB and SQLite the claim is always prepared (database/sql
+	// keeps the statement per connection; MySQL sends an unprepared
+	// statement with arguments as prepare, execute, close).
+	// Default: false.
+	PrepareStatements bool
+}
+
+// DefaultCommitTimeout is Config.CommitTimeout when it is zero.
+const DefaultCommitTimeout = 10 * time.Second
+
+// Event describes one message's outcome, for the Config hooks.
+type Event struct {
+	// Message is the message handled. Do not modify it.
+	Message *message.Message
+	// Consumer and MessageID are the inbox key of the message.
+	Consumer  string
+	MessageID string
+	// Duration is the time from the start of BEGIN to the end of the
+	// transaction's COMMIT or ROLLBACK, handler included.
+	Duration time.Duration
+	// Err is the error returned to the router, for OnFailed only.
+	Err error
+}
+
+func (c *Config) setDefaults() {
+	if c.Dialect == nil && c.DB != nil {
+		// An unknown driver name is reported by Validate.
+		c.Dialect, _ = dialectForDriver(c.DB.DriverName())
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.MessageID == nil {
+		c.MessageID = messageUUID
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+	if c.CommitTimeout == 0 {
+		c.CommitTimeout = DefaultCommitTimeout
+	}
+}
+
+func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// Validate reports every problem of the configuration at once, joined with
+// errors.Join; nil means valid. Each problem wraps its own sentinel where it
+// has one (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer); the
+// joined error does not wrap ErrInvalidConfig, which New adds. It is called by New after defaults are set,
+// so a zero optional field is not a problem there; called directly, it
+// checks the fields as they are, except that an empty Table, a nil Dialect
+// that can be inferred, a nil MessageID and a nil Logger are accepted as
+// "use the default".
+func (c Config) Validate() error {
+	errs := validateTarget("Config", c.DB, c.Dialect, c.Table)
+	if c.Consumer != "" {
+		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
+			errs = append(errs, fmt.Errorf("Config.Consumer: %w", err))
+		}
+	}
+	if c.CommitTimeout < 0 {
+		errs = append(errs, fmt.Errorf("inbox: Config.CommitTimeout must not be negative, got %v", c.CommitTimeout))
+	}
+	if c.TxOptions != nil && c.TxOptions.ReadOnly {
+		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))
+	}
+	if c.TxOptions != nil {
+		d := c.Dialect
+		if d == nil && c.DB != nil {
+			d, _ = dialectForDriver(c.DB.DriverName()) // an unknown driver is reported above
+		}
+		if d != nil && !isolationSupported(d, c.TxOptions.Isolation) {
+			errs = append(errs, fmt.Errorf("inbox: Config.TxOptions.Isolation %v: not run on %v (a driver refuses it at every BEGIN)", c.TxOptions.Isolation, d))
+		}
+	}
+	if c.Dialect == PostgreSQLPartitioned && c.TxOptions != nil &&
+		c.TxOptions.Isolation != sql.LevelDefault && c.TxOptions.Isolation != sql.LevelReadCommitted {
+		errs = append(errs, fmt.Errorf("inbox: PostgreSQLPartitioned needs READ COMMITTED, got Config.TxOptions.Isolation %v", c.TxOptions.Isolation))
+	}
+	return errors.Join(errs...)
+}
+
+// isolationSupported reports whether isolation level l runs on dialect d:
+// the four SQL standard levels and the default on PostgreSQL and
+// MySQL/MariaDB, whose drivers (pgx, lib/pq, go-sql-driver/mysql) refuse
+// every other level at BEGIN with an error that carries no server code
+// (pgx runs sql.LevelSnapshot as REPEATABLE READ, but lib/pq refuses it:
+// ask for LevelRepeatableRead, which on PostgreSQL is snapshot isolation).
+// SQLite drivers ignore the level (SQLite transactions are always
+// SERIALIZABLE), so any is accepted there.
+func isolationSupported(d Dialect, l sql.IsolationLevel) bool {
+	switch l {
+	case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
+		return true
+	}
+	return d == SQLite
+}
+
+// checkKey validates a consumer name or message id: 1 to MaxKeyLength bytes
+// of valid UTF-8 without NUL (PostgreSQL text cannot hold NUL). The error
+// wraps kind, plus empty or tooLong when those apply and are non-nil.
+func checkKey(s string, kind, empty, tooLong error) error {
+	switch {
+	case s == "":
+		if empty != nil {
+			return fmt.Errorf("%w: %w", kind, empty)
+		}
+		return fmt.Errorf("%w: empty", kind)
+	case len(s) > MaxKeyLength:
+		if tooLong != nil {
+			return fmt.Errorf("%w: %w: %d bytes, at most %d", kind, tooLong, len(s), MaxKeyLength)
+		}
+		return fmt.Errorf("%w: %d bytes, at most %d", kind, len(s), MaxKeyLength)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%w: %q is not valid UTF-8", kind, s)
+	case containsNUL(s):
+		return fmt.Errorf("%w: %q contains a NUL byte", kind, s)
+	}
+	return nil
+}
+
+func containsNUL(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// validateTarget checks the database, dialect and table fields that Config
+// and PurgeConfig share; what names the struct in messages.
+func validateTarget(what string, db *sqlx.DB, d Dialect, table string) []error {
+	var errs []error
+	if db == nil {
+		errs = append(errs, fmt.Errorf("inbox: %s.DB is required", what))
+	} else if d == nil {
+		if _, err := dialectForDriver(db.DriverName()); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if table != "" {
+		if _, err := parseTableName(table); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errs
+}
+
+// resolveTarget returns d, or the dialect inferred from db when d is nil,
+// and the parsed table name (DefaultTable when table is empty).
+func resolveTarget(db *sqlx.DB, d Dialect, table string) (Dialect, qualifiedName, error) {
+	if d == nil {
+		var err error
+		if d, err = dialectForDriver(db.DriverName()); err != nil {
+			return nil, qualifiedName{}, err
+		}
+	}
+	if table == "" {
+		table = DefaultTable
+	}
+	t, err := parseTableName(table)
+	return d, t, err
+}

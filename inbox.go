@@ -1,0 +1,453 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Inbox is the transactional inbox: its Middleware makes a Watermill handler
+// an idempotent consumer. Create it with New. It is safe for concurrent use
+// by any number of handlers, routers and goroutines.
+type Inbox struct {
+	db          *sqlx.DB
+	dialect     Dialect
+	table       qualifiedName
+	consumer    string
+	messageID   func(*message.Message) (string, error)
+	txOptions   *sql.TxOptions
+	logger      watermill.LoggerAdapter
+	onProcessed func(Event)
+	onDuplicate func(Event)
+	onFailed    func(Event)
+	outbox      func(*sqlx.Tx) (message.Publisher, error)
+	tracer      trace.Tracer // nil without Config.TracerProvider
+
+	commitTimeout time.Duration
+	prepare       bool // prepare the claim and heldSQL on DB (Config.PrepareStatements, or the dialect's default)
+
+	backend txBackend // database/sql
+
+	// Built once in New.
+	claimSQL   string
+	keyLockSQL string // with locksKeys: the dialect's key lock, taken before the claim
+	heldSQL    string // with checksHeld: the dialect's pre-commit check
+	locksKeys  bool
+	checksHeld bool
+	nopLogger  bool // Logger is watermill.NopLogger: skip building log fields
+
+	// claimStmt is claimSQL prepared on DB, on first use (the table may not
+	// exist when New runs). database/sql re-prepares it once per pooled
+	// connection and then reuses it in every transaction on that
+	// connection: one round trip per claim on MySQL (an unprepared Exec with
+	// arguments is prepare, execute, close) and no re-parsing on SQLite.
+	claimMu   sync.Mutex
+	claimStmt *sqlx.Stmt
+	heldStmt  *sqlx.Stmt     // heldSQL prepared, the same way
+	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
+	verified  atomic.Bool    // the table passed verifySchema; checked before the first claim
+
+	hooks *hooks // test seams; nil outside tests
+}
+
+// keyLockTable returns the table name the key lock hashes: resolved by the
+// database, so that instances that spell the table differently ("inbox",
+// "public.inbox") still exclude each other. Like preparedClaim, it must run
+// before the message's transaction begins.
+func (ib *Inbox) keyLockTable(ctx context.Context) (qualifiedName, error) {
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.lockTable != nil {
+		return *ib.lockTable, nil
+	}
+	var t qualifiedName
+	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) (err error) {
+		t, err = canonicalTable(ctx, q, ib.dialect, ib.table)
+		return err
+	})
+	if err != nil {
+		return t, err
+	}
+	ib.lockTable = &t
+	return t, nil
+}
+
+// verifyOnce checks the table with verifySchema before the inbox's first
+// claim, and again until a check passes: a table made by hand that could
+// merge or truncate ids is refused before any message is claimed in it. Like
+// preparedClaim, it must run before the message's transaction begins.
+func (ib *Inbox) verifyOnce(ctx context.Context) error {
+	if ib.verified.Load() {
+		return nil
+	}
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.verified.Load() {
+		return nil
+	}
+	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+		return err
+	}
+	ib.verified.Store(true)
+	return nil
+}
+
+// held runs heldSQL in tx and reports whether the claim's row is there.
+// stmt is the prepared query, or nil when not prepared.
+func (ib *Inbox) held(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string) (bool, error) {
+	var n int
+	var err error
+	if stmt == nil {
+		err = tx.GetContext(ctx, &n, ib.heldSQL, consumer, id)
+	} else {
+		txStmt := tx.Tx.StmtContext(ctx, stmt.Stmt)
+		err = txStmt.QueryRowContext(ctx, consumer, id).Scan(&n)
+		txStmt.Close()
+	}
+	return n > 0, err
+}
+
+// claim runs the claim statement in tx and returns its rows affected. stmt
+// is the prepared claim, or nil when preparing failed.
+func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string) (int64, error) {
+	var res sql.Result
+	var err error
+	if stmt == nil {
+		// Not preparable (a missing table, a connection error): run it
+		// unprepared so the error comes from the statement itself, and try
+		// preparing again next time.
+		res, err = tx.ExecContext(ctx, ib.claimSQL, consumer, id)
+	} else {
+		txStmt := tx.Tx.StmtContext(ctx, stmt.Stmt)
+		res, err = txStmt.ExecContext(ctx, consumer, id)
+		// Closing a transaction's statement keeps the underlying
+		// prepared statement for the next transaction on this connection.
+		txStmt.Close()
+	}
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+// preparedClaim returns the prepared claim and the prepared heldSQL (nil
+// when the dialect has none), preparing them on first use; nil for one that
+// could not be prepared. It must run before the message's transaction
+// begins: preparing takes a connection from the pool, and the transaction
+// may hold the last one.
+func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
+	if !ib.prepare {
+		return nil, nil
+	}
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.claimStmt == nil {
+		ib.claimStmt, _ = ib.db.PreparexContext(ctx, ib.claimSQL)
+	}
+	if ib.checksHeld && ib.heldStmt == nil && ib.claimStmt != nil {
+		ib.heldStmt, _ = ib.db.PreparexContext(ctx, ib.heldSQL)
+	}
+	return ib.claimStmt, ib.heldStmt
+}
+
+// Close releases the prepared statements on every connection of DB (the
+// claim on MySQL/MariaDB and SQLite, and on PostgreSQL with
+// Config.PrepareStatements; nothing otherwise). It does not close DB. Call it when the Inbox is no longer used, after the
+// router that runs its middleware has closed: a message still in flight
+// then fails with "sql: statement is closed", which is not transient (see
+// IsTransient), so a poison queue would take it. An Inbox that lives as
+// long as its DB need not be closed. It is safe to call more than once.
+func (ib *Inbox) Close() error {
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	var errs []error
+	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.heldStmt} {
+		if *stmt != nil {
+			errs = append(errs, (*stmt).Close())
+			*stmt = nil
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// New returns an Inbox for cfg. It checks the configuration and builds every
+// statement, but does not touch the database: call InitializeSchema, or
+// create the table with the DDL in schema/, before messages arrive. An
+// invalid cfg gives an error that wraps ErrInvalidConfig and each problem's
+// own sentinel (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer).
+func New(cfg Config) (*Inbox, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	table, _ := parseTableName(cfg.Table) // checked by Validate
+	ib := &Inbox{
+		db:            cfg.DB,
+		dialect:       cfg.Dialect,
+		table:         table,
+		consumer:      cfg.Consumer,
+		messageID:     cfg.MessageID,
+		logger:        cfg.Logger,
+		onProcessed:   cfg.OnProcessed,
+		onDuplicate:   cfg.OnDuplicate,
+		onFailed:      cfg.OnFailed,
+		outbox:        cfg.Outbox,
+		commitTimeout: cfg.CommitTimeout,
+		prepare:       cfg.PrepareStatements || cfg.Dialect.preparesByDefault(),
+		claimSQL:      cfg.Dialect.claimSQL(table),
+	}
+	ib.backend = sqlBackend{ib}
+	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
+	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
+	if cfg.TxOptions != nil {
+		opts := *cfg.TxOptions // a copy: what Validate checked is what runs
+		ib.txOptions = &opts
+	}
+	if cfg.Dialect == PostgreSQLPartitioned {
+		// Pinned, never left to the server's default_transaction_isolation:
+		// at REPEATABLE READ the snapshot would be taken before the key lock
+		// is granted. Validate refused any other explicit level.
+		opts := sql.TxOptions{Isolation: sql.LevelReadCommitted}
+		if cfg.TxOptions != nil {
+			opts.ReadOnly = cfg.TxOptions.ReadOnly
+		}
+		ib.txOptions = &opts
+	}
+	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
+	if cfg.TracerProvider != nil {
+		ib.tracer = cfg.TracerProvider.Tracer("github.com/watermill-inbox/inbox")
+	}
+	if ib.consumer != "" {
+		ib.logger = ib.logger.With(watermill.LogFields{"consumer": ib.consumer})
+	}
+	return ib, nil
+}
+
+// InitializeSchema creates the inbox table and its purge index if they do
+// not exist, with exactly the DDL of schema/ (for the configured table
+// name). When both exist it only reads the catalog and runs no DDL, so it
+// takes no table lock (on PostgreSQL even CREATE INDEX IF NOT EXISTS would
+// queue behind running handlers) and needs no CREATE privilege. It is
+// idempotent and safe to run from several processes at once (on SQLite, with
+// a busy_timeout in the DSN; without one a concurrent starter may get
+// SQLITE_BUSY and must retry): on
+// PostgreSQL the DDL runs in one transaction under a transaction-scoped
+// advisory lock keyed by the table name (concurrent CREATE TABLE IF NOT
+// EXISTS can otherwise fail on pg_type's unique index); on MySQL the table
+// and index are one CREATE TABLE IF NOT EXISTS statement; on SQLite each
+// statement is atomic and IF NOT EXISTS. It does not create a PostgreSQL
+// schema or MySQL database named in Table. Then it checks the table as
+// Verify does, so that a table a migration or a DBA made differently, or a
+// concurrent starter's, is refused (ErrIncompatibleTable) before any
+// message is claimed in it. Errors wrap the driver's error. It works behind
+// a transaction-mode connection pooler.
+//
+// For PostgreSQLPartitioned it also creates the daily partitions from
+// yesterday to DefaultPartitionsAhead days after today (CreatePartitions).
+func (ib *Inbox) InitializeSchema(ctx context.Context) error {
+	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+		return err
+	}
+	if ib.dialect != PostgreSQLPartitioned {
+		return nil
+	}
+	return ensurePartitions(ctx, ib.db, ib.table)
+}
+
+// ensurePartitions creates the partitions from yesterday (by the database
+// clock) to DefaultPartitionsAhead days after today.
+func ensurePartitions(ctx context.Context, db dbConn, t qualifiedName) error {
+	var now time.Time
+	if err := sqlx.GetContext(ctx, db, &now, "SELECT now()"); err != nil {
+		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
+	}
+	return createPartitions(ctx, db, t, now.AddDate(0, 0, -1), DefaultPartitionsAhead+2)
+}
+
+// keyLockHash is the advisory lock key of one inbox key: a 64-bit FNV-1a
+// hash of table, consumer and message id. A collision only makes two
+// unrelated deliveries wait for each other.
+func keyLockHash(t qualifiedName, consumer, id string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte(t.String()))
+	h.Write([]byte{0})
+	h.Write([]byte(consumer))
+	h.Write([]byte{0})
+	h.Write([]byte(id))
+	return int64(h.Sum64())
+}
+
+// txBackend is how the flow (delivery.run) reaches the database. The flow
+// is one for every backend; a backend begins a delivery's transaction and
+// claims its key (in one round trip where it can pipeline the two), and
+// gives the flow a claimedTx to drive. sqlBackend is database/sql's; a
+// pgx-native backend plugs in here.
+type txBackend interface {
+	// beginClaim does what must precede the claim outside any transaction
+	// (the table check, preparing statements: they take a connection, and
+	// the transaction may hold the last one), begins the delivery's
+	// transaction on d.txCtx and claims d's key under d.sctx. claimed false
+	// is a duplicate. A non-nil claimedTx, also with an error, is open and
+	// left to the flow to roll back.
+	beginClaim(d *delivery) (tx claimedTx, claimed bool, err error)
+}
+
+// claimedTx is a delivery's open transaction, as the flow drives it.
+type claimedTx interface {
+	// newState returns what the handler's context carries (TxFromContext,
+	// OutboxFromContext), calling Config.Outbox.
+	newState(ib *Inbox) (*txState, error)
+	// stillClaimed runs the dialect's pre-commit check (true where the
+	// dialect has none).
+	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
+	commit() error
+	// rollback rolls back; after commit, or a rollback, it does nothing.
+	rollback() error
+}
+
+// sqlBackend is the database/sql backend.
+type sqlBackend struct{ ib *Inbox }
+
+func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
+	ib := b.ib
+	if err := ib.verifyOnce(d.sctx); err != nil {
+		// One line, for the router's log of every nacked message; Verify
+		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
+		return nil, false, fmt.Errorf("inbox: %q/%q: %w (Inbox.Verify reports the fix)", d.consumer, d.id, firstLine{err})
+	}
+	stmt, heldStmt := ib.preparedClaim(d.sctx) // nil: run unprepared
+	var lockTable qualifiedName
+	if ib.locksKeys {
+		var err error
+		if lockTable, err = ib.keyLockTable(d.sctx); err != nil {
+			return nil, false, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, err)
+		}
+	}
+	tx, err := ib.db.BeginTxx(d.txCtx, ib.txOptions)
+	if err != nil && ib.maybeLostConn(d.txCtx, err) {
+		tx, err = ib.retryBegin(d, err)
+	}
+	if err != nil {
+		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
+	}
+	t := &sqlTx{ib: ib, tx: tx, heldStmt: heldStmt}
+	ib.hooks.begun()
+	if ib.locksKeys {
+		if _, err := tx.ExecContext(d.sctx, ib.keyLockSQL, keyLockHash(lockTable, d.consumer, d.id)); err != nil {
+			return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
+		}
+	}
+	n, err := ib.claim(d.sctx, tx, stmt, d.consumer, d.id)
+	if err != nil {
+		// Name the table: a missing one is the most common first error.
+		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, err)
+	}
+	claimed, ok := ib.dialect.claimed(n)
+	if !ok {
+		return t, false, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, n, d.consumer, d.id)
+	}
+	return t, claimed, nil
+}
+
+// sqlTx is a delivery's transaction through database/sql.
+type sqlTx struct {
+	ib       *Inbox
+	tx       *sqlx.Tx
+	heldStmt *sqlx.Stmt // the pre-commit check, prepared; nil when not prepared
+}
+
+func (t *sqlTx) newState(ib *Inbox) (*txState, error) {
+	state := &txState{tx: t.tx}
+	if ib.outbox != nil {
+		var err error
+		if state.publisher, err = ib.outbox(t.tx); err != nil {
+			return nil, err
+		}
+	}
+	return state, nil
+}
+
+func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {
+	if !t.ib.checksHeld {
+		return true, nil
+	}
+	return t.ib.held(ctx, t.tx, t.heldStmt, consumer, id)
+}
+
+func (t *sqlTx) commit() error { return t.tx.Commit() }
+
+// rollback ignores sql.ErrTxDone: the transaction committed, was rolled
+// back, or was rolled back by database/sql when its context ended.
+func (t *sqlTx) rollback() error {
+	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+		return err
+	}
+	return nil
+}
+
+// maybeLostConn reports whether err, from the BEGIN or COMMIT of a
+// message's transaction, may be a connection lost after the statement was
+// sent, which the dialect's driver reports without a database error code
+// (go-sql-driver/mysql's plain "invalid connection"): an error IsTransient
+// does not already accept, that carries no code, while ctx is still live.
+func (ib *Inbox) maybeLostConn(ctx context.Context, err error) bool {
+	return ib.dialect.uncodedBoundaryErrIsLostConn() && ctx.Err() == nil && !IsTransient(err) && !anyInChain(err, hasDatabaseCode)
+}
+
+// retryBegin begins the transaction again after the first BEGIN failed
+// with firstErr, which maybeLostConn accepted: a connection lost after
+// START TRANSACTION was sent (a server going down), which database/sql does
+// not retry; nothing has started. If the retry fails the same way, a ping
+// tells a lost connection from a misconfiguration that fails every
+// connection without a code (TLS, an authentication plugin): if the ping
+// succeeds, or fails with a transient error (connection refused), the
+// error is a lostConnError, which IsTransient accepts; otherwise it stays
+// as it is. The retry is logged at Debug and recorded on the span.
+func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Tx, error) {
+	if !ib.nopLogger {
+		fields := d.fields()
+		fields["error"] = firstErr.Error()
+		ib.logger.Debug("Inbox: BEGIN lost its connection, retrying once", fields)
+	}
+	d.span.AddEvent("inbox.begin_retried", trace.WithAttributes(attribute.String("error", firstErr.Error())))
+	ctx := d.txCtx
+	tx, err := ib.db.BeginTxx(ctx, ib.txOptions)
+	if err != nil && ib.maybeLostConn(ctx, err) {
+		if pingErr := ib.db.PingContext(ctx); pingErr == nil || IsTransient(pingErr) {
+			err = &lostConnError{err}
+		}
+	}
+	return tx, err
+}
+
+// withCause returns err, from a call on ctx, joined with ctx's cause when ctx
+// has ended and err does not already wrap it: ctx's Err() is
+// context.Canceled whatever ended it, and the caller must still be able to
+// tell a deadline (errors.Is(err, context.DeadlineExceeded)).
+func withCause(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
+}
+
+// firstLine is err with its text cut at the first line break.
+type firstLine struct{ err error }
+
+func (e firstLine) Error() string {
+	s, _, _ := strings.Cut(e.err.Error(), "\n")
+	return strings.TrimSuffix(s, ":")
+}
+func (e firstLine) Unwrap() error { return e.err }
