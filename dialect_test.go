@@ -19,10 +19,6 @@ import (
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
-func sqliteDB(t *testing.T) *sqlx.DB {
-	return openSQLite(t, t.TempDir()+"/x.db")
-}
-
 // Hostile and malformed table names fail in New with ErrInvalidTableName,
 // before any SQL is built.
 func TestNewRejectsBadTableNames(t *testing.T) {
@@ -157,37 +153,6 @@ func TestPgxPool(t *testing.T) {
 	if got := f.inboxRows(); got != 1 {
 		t.Errorf("inbox rows = %d, want 1", got)
 	}
-}
-
-// logLine is one captured log call.
-type logLine struct {
-	level  string
-	msg    string
-	fields watermill.LogFields
-}
-
-// captureLogger is a watermill.LoggerAdapter that records what it is given.
-type captureLogger struct {
-	mu     *sync.Mutex
-	lines  *[]logLine
-	fields watermill.LogFields
-}
-
-func newCaptureLogger() captureLogger {
-	return captureLogger{mu: &sync.Mutex{}, lines: &[]logLine{}}
-}
-
-func (l captureLogger) log(level, msg string, f watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	*l.lines = append(*l.lines, logLine{level, msg, l.fields.Add(f)})
-}
-func (l captureLogger) Error(msg string, err error, f watermill.LogFields) { l.log("error", msg, f) }
-func (l captureLogger) Info(msg string, f watermill.LogFields)             { l.log("info", msg, f) }
-func (l captureLogger) Debug(msg string, f watermill.LogFields)            { l.log("debug", msg, f) }
-func (l captureLogger) Trace(msg string, f watermill.LogFields)            { l.log("trace", msg, f) }
-func (l captureLogger) With(f watermill.LogFields) watermill.LoggerAdapter {
-	return captureLogger{mu: l.mu, lines: l.lines, fields: l.fields.Add(f)}
 }
 
 // A duplicate is logged once at Debug with Watermill's field names and

@@ -96,17 +96,6 @@ func TestDuplicatePublishGoChannel(t *testing.T) {
 	})
 }
 
-func waitFor(t testing.TB, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 30s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // Rule 1, concurrency: two workers (two routers, one consumer name) receive
 // the same message at the same moment. The second waits on the key while the
 // first holds it; if the first commits, the second skips; if the first rolls

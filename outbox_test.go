@@ -14,55 +14,6 @@ import (
 	"github.com/watermill-inbox/inbox"
 )
 
-// txPublisher is an outbox publisher bound to one transaction: it writes
-// each message as a row of the outbox table, as watermill-sql's publisher
-// does. failing makes Publish fail.
-type txPublisher struct {
-	tx      *sqlx.Tx
-	table   string
-	failing bool
-}
-
-func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if p.failing {
-		return errors.New("outbox unavailable")
-	}
-	for _, m := range msgs {
-		if _, err := p.tx.Exec(p.tx.Rebind("INSERT INTO "+p.table+" (uuid, topic) VALUES (?, ?)"), m.UUID, topic); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func (p *txPublisher) Close() error { return nil }
-
-// recordingPublisher is the router's own publisher; fail makes it fail.
-type recordingPublisher struct {
-	mu        sync.Mutex
-	published int
-	fail      bool
-}
-
-func (p *recordingPublisher) Publish(string, ...*message.Message) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.fail {
-		return errors.New("broker unavailable")
-	}
-	p.published++
-	return nil
-}
-
-func (p *recordingPublisher) Close() error { return nil }
-
-func outboxTable(t *testing.T, db *sqlx.DB) string {
-	table := "outbox_" + randomSuffix()
-	exec(t, db, "CREATE TABLE "+table+" (uuid VARCHAR(64) NOT NULL, topic VARCHAR(255) NOT NULL)")
-	dropLater(t, db, table)
-	return table
-}
-
 // The messages a handler returns go to the outbox inside the inbox
 // transaction, to the handler's publish topic, not to the router; a rolled
 // back message leaves no outbox row; a failed outbox publish is a nack that

@@ -12,35 +12,10 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
-
-// partitionedTable creates an empty partitioned inbox table (no partitions).
-func partitionedTable(t *testing.T, db *sqlx.DB) string {
-	t.Helper()
-	table := "inbox_" + randomSuffix()
-	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-	ddl, err := inbox.SchemaSQL(inbox.PostgreSQLPartitioned, table)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, stmt := range statements(ddl) {
-		exec(t, db, stmt)
-	}
-	return table
-}
-
-func dbNow(t *testing.T, db *sqlx.DB) time.Time {
-	t.Helper()
-	var now time.Time
-	if err := db.Get(&now, "SELECT now()"); err != nil {
-		t.Fatal(err)
-	}
-	return now
-}
 
 // A message claimed just before a partition boundary and delivered again,
 // concurrently, just after it: the primary key cannot see across partitions,

@@ -3,7 +3,6 @@ package inbox_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/url"
 	"strings"
 	"testing"
@@ -16,33 +15,6 @@ import (
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
-
-// agoSQL returns an SQL expression for "the database's now minus d", in the
-// representation of processed_at.
-func agoSQL(d inbox.Dialect, ago time.Duration) string {
-	us := ago.Microseconds()
-	switch d {
-	case inbox.PostgreSQL, inbox.PostgreSQLPartitioned:
-		return fmt.Sprintf("now() - interval '%d microseconds'", us)
-	case inbox.MySQL:
-		return fmt.Sprintf("UTC_TIMESTAMP(6) - INTERVAL %d MICROSECOND", us)
-	default:
-		return fmt.Sprintf("CAST(unixepoch('subsec') * 1000000 AS INTEGER) - %d", us)
-	}
-}
-
-// insertRows adds n inbox rows for consumer, processed ago before now by the
-// database clock, in one statement per 500 rows.
-func insertRows(t *testing.T, db *sqlx.DB, d inbox.Dialect, table, consumer, prefix string, n int, ago time.Duration) {
-	t.Helper()
-	for start := 0; start < n; start += 500 {
-		var values []string
-		for i := start; i < min(n, start+500); i++ {
-			values = append(values, fmt.Sprintf("('%s', '%s-%d', %s)", consumer, prefix, i, agoSQL(d, ago)))
-		}
-		exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES "+strings.Join(values, ", "))
-	}
-}
 
 func TestPurgeDeletesExactlyExpiredRows(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {

@@ -14,11 +14,6 @@ import (
 	"github.com/watermill-inbox/inbox"
 )
 
-// fixedWindow is a WindowSource that reports a fixed safe window.
-type fixedWindow time.Duration
-
-func (w fixedWindow) SafeWindow(context.Context) (time.Duration, error) { return time.Duration(w), nil }
-
 // A round deletes the expired rows, measures the oldest row left, and logs
 // one Info line.
 func TestPurgerRound(t *testing.T) {

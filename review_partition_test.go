@@ -1,64 +1,11 @@
 package inbox_test
 
 import (
-	"context"
 	"database/sql"
-	"sync/atomic"
 	"testing"
-	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jmoiron/sqlx"
-
-	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
-
-// concurrentTwice delivers one message to two middlewares at once: the first
-// claims and holds its transaction open until the second has had time to
-// claim too. It returns how often the handler ran.
-func concurrentTwice(t *testing.T, a, b *inbox.Inbox) int32 {
-	t.Helper()
-	var calls atomic.Int32
-	entered, release := make(chan struct{}), make(chan struct{})
-	var first atomic.Bool
-	h := func(*message.Message) ([]*message.Message, error) {
-		calls.Add(1)
-		if first.CompareAndSwap(false, true) {
-			close(entered)
-			<-release
-		}
-		return nil, nil
-	}
-	msg := message.NewMessage(watermill.NewUUID(), nil)
-	errA := make(chan error, 1)
-	go func() { _, err := a.Middleware(h)(msg.Copy()); errA <- err }()
-	<-entered
-	errB := make(chan error, 1)
-	go func() { _, err := b.Middleware(h)(msg.Copy()); errB <- err }()
-	time.Sleep(500 * time.Millisecond)
-	close(release)
-	if err := <-errA; err != nil {
-		t.Errorf("first delivery: %v", err)
-	}
-	if err := <-errB; err != nil {
-		t.Logf("second delivery: %v", err)
-	}
-	return calls.Load()
-}
-
-func newPartitionedInbox(t *testing.T, db *sqlx.DB, table string, opts *sql.TxOptions) *inbox.Inbox {
-	t.Helper()
-	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, Consumer: "billing", TxOptions: opts})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	return ib
-}
 
 // Two instances of one service name the same table "inbox_x" and
 // "public.inbox_x" (one from a config file, one from an env var). The key

@@ -1,5 +1,7 @@
 package inbox_test
 
+// A pool on a real driver that reports what it runs.
+
 import (
 	"context"
 	"database/sql"

@@ -1,0 +1,320 @@
+package inbox_test
+
+// Routers and what the tests read from them: a feed that delivers exactly
+// the messages a test hands it, middlewares that record the outcome of each
+// delivery, hook counters, a barrier and a log capture.
+
+import (
+	"context"
+	"fmt"
+	"runtime/pprof"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// caseTimeout bounds every wait of a case: a hang fails the test instead of
+// stalling the suite. It is a bound, never a measurement.
+const caseTimeout = 60 * time.Second
+
+// feed is a message.Subscriber for one handler that delivers exactly the
+// messages a test hands it and reports whether the router acked or nacked
+// each one. Unlike a broker it never redelivers by itself: a redelivery is a
+// test calling deliver again with the same message.
+type feed struct {
+	ch        chan *message.Message
+	closed    chan struct{}
+	closeOnce sync.Once
+}
+
+func newFeed() *feed { return &feed{ch: make(chan *message.Message), closed: make(chan struct{})} }
+
+// Subscribe returns a channel that, as every Watermill subscriber's does,
+// closes when ctx ends or the feed is closed: Watermill's router may stop a
+// handler through either (in v1.5.1 it does not always call Close).
+func (f *feed) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
+	out := make(chan *message.Message)
+	go func() {
+		defer close(out)
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-f.closed:
+				return
+			case m := <-f.ch:
+				select {
+				case out <- m:
+				case <-ctx.Done():
+					return
+				case <-f.closed:
+					return
+				}
+			}
+		}
+	}()
+	return out, nil
+}
+
+func (f *feed) Close() error {
+	f.closeOnce.Do(func() { close(f.closed) })
+	return nil
+}
+
+// deliver sends a fresh copy of msg (same UUID, payload and metadata, a new
+// context and ack channels, as a broker redelivery has) and waits for the
+// router's ack (true) or nack (false).
+func (f *feed) deliver(t testing.TB, msg *message.Message) bool {
+	t.Helper()
+	m := msg.Copy()
+	select {
+	case f.ch <- m:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("message %s: router did not take it within 30s", msg.UUID)
+	}
+	select {
+	case <-m.Acked():
+		return true
+	case <-m.Nacked():
+		return false
+	case <-time.After(30 * time.Second):
+		t.Fatalf("message %s: neither acked nor nacked within 30s", msg.UUID)
+		return false
+	}
+}
+
+// send hands msg itself to the router (the caller made the copy and set its
+// context and metadata) and waits, until ctx ends, for the ack (true) or
+// nack (false).
+func (f *feed) send(ctx context.Context, msg *message.Message) (bool, error) {
+	select {
+	case f.ch <- msg:
+	case <-ctx.Done():
+		return false, fmt.Errorf("message %s: router did not take it: %w", msg.UUID, ctx.Err())
+	}
+	select {
+	case <-msg.Acked():
+		return true, nil
+	case <-msg.Nacked():
+		return false, nil
+	case <-ctx.Done():
+		return false, fmt.Errorf("message %s: neither acked nor nacked: %w", msg.UUID, ctx.Err())
+	}
+}
+
+// delivery returns a redelivery of msg (a copy, as a broker makes) labelled
+// in its metadata, so that outcomes and handlers can tell deliveries apart.
+func delivery(msg *message.Message, label string) *message.Message {
+	m := msg.Copy()
+	m.Metadata.Set("delivery", label)
+	return m
+}
+
+// runRouter starts a router configured by setup and closes it when the test ends.
+func runRouter(t testing.TB, setup func(r *message.Router)) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	setup(r)
+	errc := make(chan error, 1)
+	go func() { errc <- r.Run(context.Background()) }()
+	select {
+	case <-r.Running():
+	case err := <-errc:
+		t.Fatalf("router stopped: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			var stacks strings.Builder
+			_ = pprof.Lookup("goroutine").WriteTo(&stacks, 1)
+			t.Errorf("close router: %v; goroutines:\n%s", err, stacks.String())
+		}
+	})
+	return r
+}
+
+// recorder is a middleware placed outside the inbox that records what the
+// router receives from it for each delivery.
+type recorder struct {
+	mu   sync.Mutex
+	errs []error
+}
+
+func (r *recorder) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		msgs, err := h(msg)
+		r.mu.Lock()
+		r.errs = append(r.errs, err)
+		r.mu.Unlock()
+		return msgs, err
+	}
+}
+
+func (r *recorder) last() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.errs) == 0 {
+		return nil
+	}
+	return r.errs[len(r.errs)-1]
+}
+
+// outcomes is a middleware outside the inbox that records the error each
+// delivery returned, by its delivery label.
+type outcomes struct {
+	mu   sync.Mutex
+	errs map[string][]error
+}
+
+func (o *outcomes) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		msgs, err := h(msg)
+		o.mu.Lock()
+		if o.errs == nil {
+			o.errs = map[string][]error{}
+		}
+		label := msg.Metadata.Get("delivery")
+		o.errs[label] = append(o.errs[label], err)
+		o.mu.Unlock()
+		return msgs, err
+	}
+}
+
+// last returns the error of the last delivery labelled label.
+func (o *outcomes) last(label string) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	errs := o.errs[label]
+	if len(errs) == 0 {
+		return nil
+	}
+	return errs[len(errs)-1]
+}
+
+// failures returns every non-nil error recorded.
+func (o *outcomes) failures() []error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var all []error
+	for _, errs := range o.errs {
+		for _, err := range errs {
+			if err != nil {
+				all = append(all, err)
+			}
+		}
+	}
+	return all
+}
+
+// hookCounts counts the inbox's outcome hooks.
+type hookCounts struct{ processed, duplicates, failed atomic.Int32 }
+
+func (c *hookCounts) config(cfg inbox.Config) inbox.Config {
+	cfg.OnProcessed = func(inbox.Event) { c.processed.Add(1) }
+	cfg.OnDuplicate = func(inbox.Event) { c.duplicates.Add(1) }
+	cfg.OnFailed = func(inbox.Event) { c.failed.Add(1) }
+	return cfg
+}
+
+// calls counts handler calls per message UUID.
+type calls struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *calls) inc(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n == nil {
+		c.n = map[string]int{}
+	}
+	c.n[id]++
+}
+
+func (c *calls) get(id string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[id]
+}
+
+// barrier lets n parties through once all n arrived (or ctx ended); later
+// arrivals pass at once.
+type barrier struct {
+	ctx     context.Context
+	n       int32
+	arrived atomic.Int32
+	all     chan struct{}
+}
+
+func newBarrier(ctx context.Context, n int32) *barrier {
+	return &barrier{ctx: ctx, n: n, all: make(chan struct{})}
+}
+
+func (b *barrier) arrive() {
+	switch k := b.arrived.Add(1); {
+	case k == b.n:
+		close(b.all)
+	case k > b.n:
+		return
+	}
+	select {
+	case <-b.all:
+	case <-b.ctx.Done():
+	}
+}
+
+func waitFor(t testing.TB, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 30s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// logLine is one captured log call.
+type logLine struct {
+	level  string
+	msg    string
+	fields watermill.LogFields
+}
+
+// captureLogger is a watermill.LoggerAdapter that records what it is given.
+type captureLogger struct {
+	mu     *sync.Mutex
+	lines  *[]logLine
+	fields watermill.LogFields
+}
+
+func newCaptureLogger() captureLogger {
+	return captureLogger{mu: &sync.Mutex{}, lines: &[]logLine{}}
+}
+
+func (l captureLogger) log(level, msg string, f watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	*l.lines = append(*l.lines, logLine{level, msg, l.fields.Add(f)})
+}
+
+func (l captureLogger) Error(msg string, err error, f watermill.LogFields) { l.log("error", msg, f) }
+
+func (l captureLogger) Info(msg string, f watermill.LogFields) { l.log("info", msg, f) }
+
+func (l captureLogger) Debug(msg string, f watermill.LogFields) { l.log("debug", msg, f) }
+
+func (l captureLogger) Trace(msg string, f watermill.LogFields) { l.log("trace", msg, f) }
+
+func (l captureLogger) With(f watermill.LogFields) watermill.LoggerAdapter {
+	return captureLogger{mu: l.mu, lines: l.lines, fields: l.fields.Add(f)}
+}
