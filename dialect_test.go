@@ -209,7 +209,7 @@ func TestIsolationLevelsMatchTheDrivers(t *testing.T) {
 	}
 	for _, tdb := range testdb.All {
 		if tdb.Dialect == inbox.PostgreSQLPartitioned {
-			continue // READ COMMITTED only, a rule of its own (TestCaseSameMessageTwoWorkersSnapshotIsolation)
+			continue // READ COMMITTED only, a rule of its own (TestConcurrentClaim_TwoWorkersWithOpenTransactionsProcessOnce)
 		}
 		t.Run(tdb.Name, func(t *testing.T) {
 			t.Parallel()
