@@ -13,58 +13,56 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// Middleware is a Watermill handler middleware (message.HandlerMiddleware):
-// add it to a router with router.AddMiddleware(ib.Middleware), or to one
-// handler with handler.AddMiddleware(ib.Middleware).
+// Middleware is a Watermill handler middleware (message.HandlerMiddleware)
+// that makes h an idempotent consumer: for each consumer and message id,
+// h's writes commit once, in one transaction with the inbox row, and a
+// duplicate is acked without calling h. Add it once, to a router with
+// router.AddMiddleware(ib.Middleware) or to one handler with
+// handler.AddMiddleware(ib.Middleware). The package documentation describes
+// the flow step by step (validate, begin, claim, duplicate?, handler,
+// outbox, pre-commit check, commit, after-commit) and what a duplicate, a
+// handler error, a panic, a failed commit and a deadline do.
 //
-// Before its first claim it checks the table once, as Verify does: a
-// missing or incompatible table makes every message fail with an error
-// wrapping ErrTableNotFound or ErrIncompatibleTable (not transient) until a
-// check passes; add RouterPlugin to the router to fail at startup instead.
+// Order: put it inside (after) Recoverer, PoisonQueue, Retry and Timeout,
+// so that each retry gets a fresh transaction, a poisoned message is not
+// marked processed, and a deadline ends a handler stuck on the pool. The
+// inbox cannot detect the reverse order.
 //
-// For each message it begins a transaction on Config.DB with the message's
-// context and inserts (consumer, message id) into the inbox table, letting
-// the primary key decide:
-//   - a new row: the handler runs with the transaction in msg.Context()
-//     (TxFromContext). If it returns nil, the transaction commits and the
-//     handler's messages are returned to the router; if the commit fails,
-//     the commit error is returned (the router nacks, never acks; a COMMIT
-//     whose connection was lost is in doubt, and IsTransient reports it as
-//     transient: the redelivery skips the message if it committed, and the
-//     messages the handler returned are then lost unless Config.Outbox
-//     wrote them in the transaction). On
-//     MySQL/MariaDB the inbox first checks, in the transaction, that its
-//     claim is still held: a deadlock or snapshot-isolation conflict whose
-//     error the handler ignored has rolled everything back already, and
-//     the error is then ErrTxRolledBack. If the
-//     handler returns an error, the transaction rolls back and that same
-//     error is returned (errors.Is/As match it). If it panics, the
-//     transaction rolls back and the panic continues.
-//   - no new row (already processed by this consumer): the transaction rolls
-//     back, the handler is not called and the middleware returns nil, nil, so
-//     the router acks. A concurrent delivery of the same key waits on the
-//     key's row lock until the first transaction ends.
+// Errors: a duplicate returns nil, nil. Every error below can be matched
+// with errors.Is or errors.As:
+//   - h's own error, returned unchanged after the rollback;
+//   - ErrNestedInbox, ErrInvalidConsumer (with ErrEmptyConsumer) and
+//     ErrInvalidMessageID (with ErrEmptyMessageID or ErrMessageIDTooLong):
+//     refused before anything is written; an error from Config.MessageID
+//     comes back wrapped;
+//   - ErrTableNotFound, ErrIncompatibleTable: the table check before the
+//     first claim failed (not transient; add RouterPlugin to the router to
+//     fail at startup instead);
+//   - ErrTxRolledBack (MySQL/MariaDB had already rolled the transaction
+//     back), ErrCommitTimeout (the commit phase outlived
+//     Config.CommitTimeout; in doubt), ErrUnexpectedRowsAffected;
+//   - the message context's cause (context.DeadlineExceeded,
+//     context.Canceled) when it ended before h returned;
+//   - database errors, wrapped with the operation and the key, so that
+//     errors.As reaches the driver's error type; outbox errors, wrapped,
+//     and the error for messages h returned without a publish topic while
+//     Config.Outbox is set.
 //
-// An invalid message id or consumer is returned as an error wrapping
-// ErrInvalidMessageID or ErrInvalidConsumer before anything is written.
-// A nested inbox is refused with ErrNestedInbox, a claim that reports an
-// impossible row count with ErrUnexpectedRowsAffected. Database errors are
-// wrapped with the operation and the key; errors.As still reaches the
-// driver's error type, and IsTransient tells those worth a redelivery.
-// Outbox errors are returned wrapped, as are handler messages returned
-// without a publish topic when Config.Outbox is set. It is safe for
-// concurrent use: every handler goroutine may run it at once.
+// IsTransient tells the errors worth a redelivery from the others. An error
+// means the transaction did not commit or, for a COMMIT in doubt
+// (transient), may have: the redelivery settles it.
 //
-// The message's context governs the transaction until the handler returns:
-// a deadline or cancellation before then rolls it back (the error wraps the
-// context's). Once the handler returned nil, it does not: the outbox
-// publish, the pre-commit check and COMMIT run to completion under
-// Config.CommitTimeout (ErrCommitTimeout past it), so a committed message is
-// acked even when the message's deadline fires during COMMIT.
+// Concurrency: it is safe for concurrent use, and every handler goroutine
+// may run it at once; each message in flight holds one pooled connection of
+// Config.DB for its transaction. A delivery of a key that is in flight
+// elsewhere waits until that transaction ends. Config.MessageID, Outbox and
+// the hooks are called from all these goroutines at once.
 //
-// When it returns, msg.Context() is again the context the message came in
-// with. Put it inside (after) Recoverer, PoisonQueue and Retry, so each retry
-// gets a fresh transaction and a poisoned message is not marked processed.
+// Context: h finds the transaction in msg.Context() (TxFromContext), valid
+// until h returns. When the middleware returns, msg.Context() is again the
+// context the message came in with. Once h returned nil, the message's
+// deadline no longer ends the transaction: COMMIT runs under
+// Config.CommitTimeout, and a committed message is acked.
 func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		d := delivery{ib: ib, msg: msg, handler: h, ctx: msg.Context(), span: noSpan, start: time.Now()}
