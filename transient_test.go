@@ -284,7 +284,7 @@ func deadlock(t *testing.T, db *sqlx.DB, a1, b1, a2, b2 string) error {
 // misconfiguration: not transient, so a poison queue built on IsTransient
 // takes the message instead of nacking it forever. (A BEGIN whose
 // connection was lost is retried once by the middleware; the retry's error
-// classifies itself: TestFaultServerRestart.)
+// classifies itself: TestLostConnection_ServerRestartLosesNoMessage.)
 func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
 	t.Parallel()
 	probe := testdb.OpenMySQL(t, "")
