@@ -1,11 +1,17 @@
 package inbox_test
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
+	"net/http"
+	"net/url"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -24,7 +30,9 @@ import (
 
 // TestIsTransient classifies real errors produced by the real servers, so a
 // driver that changes its error types breaks this test rather than a user's
-// poison queue.
+// poison queue. An error of the message's content is not transient (the
+// poison queue takes the message); a lost connection or an interrupted
+// statement is (the message is nacked and redelivered).
 func TestIsTransient(t *testing.T) {
 	t.Parallel()
 	t.Run("plain", func(t *testing.T) {
@@ -119,23 +127,12 @@ func TestIsTransient(t *testing.T) {
 
 		// Lock wait timeout (1205): hold a row lock, wait for it for 1 s.
 		ctx := context.Background()
-		holder, err := db.BeginTxx(ctx, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer holder.Rollback()
-		if _, err := holder.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`); err != nil {
-			t.Fatal(err)
-		}
-		waiter, err := db.BeginTxx(ctx, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer waiter.Rollback()
+		holder := holdRowLock(ctx, t, db, table)
+		waiter := beginTx(ctx, t, db)
 		if _, err := waiter.Exec(`SET SESSION innodb_lock_wait_timeout = 1`); err != nil {
 			t.Fatal(err)
 		}
-		_, err = waiter.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
+		_, err := waiter.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
 		wantTransient(t, "lock wait timeout (1205)", err, true)
 		_ = waiter.Rollback()
 		_ = holder.Rollback()
@@ -187,6 +184,203 @@ func TestIsTransient(t *testing.T) {
 		_, err = db.Exec(`INSERT INTO t VALUES (1)`)
 		wantTransient(t, "SQLITE_CONSTRAINT", err, false)
 	})
+	// KILL QUERY (an operator, pt-kill, a proxy's query timeout) interrupts a
+	// statement with MySQL error 1317 (ER_QUERY_INTERRUPTED). It is MySQL's
+	// pg_cancel_backend, transient like PostgreSQL's 57014: nothing about the
+	// message, the redelivery succeeds.
+	t.Run("mysql query killed", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.OpenMySQL(t, "")
+		table := "killquery_" + testdb.RandomSuffix()
+		exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int) ENGINE=InnoDB`)
+		testdb.DropLater(t, db, table)
+		exec(t, db, `INSERT INTO `+table+` VALUES (1, 0)`)
+		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+		defer cancel()
+
+		holdRowLock(ctx, t, db, table)
+		victim := beginTx(ctx, t, db)
+		var id int
+		if err := victim.Get(&id, `SELECT CONNECTION_ID()`); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for ctx.Err() == nil { // until the victim waits for the row lock
+				var n int
+				_ = db.GetContext(ctx, &n, `SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'UPDATE%'`, id)
+				if n == 1 {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			_, _ = db.ExecContext(ctx, `KILL QUERY `+fmt.Sprint(id))
+		}()
+		_, err := victim.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
+		wantTransient(t, "KILL QUERY (1317)", err, true)
+	})
+	// The MySQL server closes the handler's connection (a restart, a
+	// failover, KILL, wait_timeout): the handler's next statement and the
+	// inbox's ROLLBACK fail with go-sql-driver's plain "invalid connection"
+	// (mysql.ErrInvalidConn). Nothing was committed, so the message is a
+	// transient nack that the poison queue lets through, and the redelivery
+	// succeeds.
+	t.Run("mysql connection killed in the handler", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.OpenMySQL(t, "")
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		poison, sink := poisonUnlessTransient(t)
+		out := &outcomes{}
+		in := newFeed()
+		defer in.Close()
+		var kill atomic.Bool
+		kill.Store(true)
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(poison, out.Middleware, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				if kill.Load() {
+					tx, _ := inbox.TxFromContext(msg.Context())
+					var id int
+					if err := tx.GetContext(msg.Context(), &id, `SELECT CONNECTION_ID()`); err != nil {
+						return err
+					}
+					if _, err := db.ExecContext(msg.Context(), `KILL `+fmt.Sprint(id)); err != nil {
+						return err
+					}
+				}
+				return f.writeBusinessRow(msg)
+			})
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+		defer cancel()
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		acked, err := in.send(ctx, delivery(msg, "first"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := out.last("first")
+		if acked || len(sink.poisoned()) != 0 || !inbox.IsTransient(first) {
+			t.Fatalf("connection killed: acked %v, poisoned %d, error %v (IsTransient %v); want a nack, nothing poisoned, a transient error",
+				acked, len(sink.poisoned()), first, inbox.IsTransient(first))
+		}
+		kill.Store(false)
+		if acked, err := in.send(ctx, delivery(msg, "redelivery")); err != nil || !acked {
+			t.Fatalf("redelivery: acked %v (%v), error %v", acked, err, out.last("redelivery"))
+		}
+		if f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
+		}
+	})
+	// The net package's parse and address errors (url.Parse, net.ParseCIDR,
+	// net.SplitHostPort) implement net.Error, but they are errors of the
+	// message's content: a redelivery fails the same way. They are not
+	// transient, so the poison queue takes such a message instead of a
+	// redelivery for ever. Real network failures are transient.
+	t.Run("errors of the message content", func(t *testing.T) {
+		t.Parallel()
+		_, urlErr := url.Parse("http://[::1")
+		_, _, cidrErr := net.ParseCIDR("10.0.0.0/99")
+		_, _, addrErr := net.SplitHostPort("billing.example")
+		_, ipErr := net.ResolveIPAddr("ip", "256.1.1.1:80")
+		for _, err := range []error{urlErr, cidrErr, addrErr, ipErr} {
+			if err == nil {
+				t.Fatal("no error produced")
+			}
+			if inbox.IsTransient(err) || inbox.IsTransient(fmt.Errorf("handler: %w", err)) {
+				t.Errorf("IsTransient(%T %v) = true, want false: the message's content is wrong", err, err)
+			}
+		}
+
+		// Network failures are still transient.
+		_, dialErr := net.DialTimeout("tcp", "127.0.0.1:1", time.Second)
+		client := &http.Client{Timeout: time.Nanosecond}
+		_, httpErr := client.Get("http://127.0.0.1:1/")
+		for _, err := range []error{dialErr, httpErr} {
+			if err == nil {
+				t.Fatal("no error produced")
+			}
+			if !inbox.IsTransient(fmt.Errorf("handler: %w", err)) {
+				t.Errorf("IsTransient(%T %v) = false, want true", err, err)
+			}
+		}
+
+		// Through a router with the README's poison queue: the message with the
+		// bad URL goes to the poison topic (acked), not back to the broker.
+		db := openSQLite(t, "")
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		poison, sink := poisonUnlessTransient(t)
+		in := newFeed()
+		defer in.Close()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(poison, ib.Middleware)
+			r.AddConsumerHandler("webhooks", "events", in, func(msg *message.Message) error {
+				if _, err := url.Parse(string(msg.Payload)); err != nil {
+					return fmt.Errorf("webhook target: %w", err)
+				}
+				return f.writeBusinessRow(msg)
+			})
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+		defer cancel()
+		msg := message.NewMessage(watermill.NewUUID(), []byte("http://[::1"))
+		acked, err := in.send(ctx, delivery(msg, "first"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !acked || len(sink.poisoned()) != 1 {
+			t.Errorf("acked %v, poisoned %d: want the message in the poison queue, not redelivered forever", acked, len(sink.poisoned()))
+		}
+	})
+	// io.ErrUnexpectedEOF is what json.Decoder and binary.Read return for a
+	// truncated payload, an error of the message that no redelivery fixes:
+	// not transient, even as a bare value. (A connection lost in a message's
+	// transaction is transient by its failed ROLLBACK, driver.ErrBadConn or
+	// the driver's own error.)
+	t.Run("truncated payload", func(t *testing.T) {
+		t.Parallel()
+		var order map[string]any
+		jsonErr := json.NewDecoder(bytes.NewReader([]byte(`{"order": 4`))).Decode(&order)
+		var amount uint64
+		binErr := binary.Read(bytes.NewReader([]byte{0, 1, 2}), binary.BigEndian, &amount)
+		for _, err := range []error{jsonErr, binErr} {
+			if err == nil {
+				t.Fatal("no error produced")
+			}
+			if inbox.IsTransient(fmt.Errorf("decode order: %w", err)) {
+				t.Errorf("IsTransient(%T %v) = true, want false: the payload is truncated", err, err)
+			}
+		}
+	})
+	// A typed nil pointer in the chain (the classic "var pe *pgconn.PgError;
+	// return pe") is not transient, and IsTransient does not panic on it: it
+	// runs inside the poison queue's filter, where a panic would turn every
+	// message into a panic.
+	t.Run("typed nil in the chain", func(t *testing.T) {
+		t.Parallel()
+		for _, err := range []error{
+			(*sqlStateError)(nil),
+			fmt.Errorf("claim: %w", (*sqlStateError)(nil)),
+			errors.Join(errors.New("x"), (*sqlStateError)(nil)),
+			(*retryError)(nil),
+			fmt.Errorf("commit: %w", (*retryError)(nil)),
+		} {
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						t.Errorf("IsTransient(%#v) panicked: %v", err, r)
+					}
+				}()
+				if inbox.IsTransient(err) {
+					t.Errorf("IsTransient(%#v) = true, want false", err)
+				}
+			}()
+		}
+		// Non-nil values still count.
+		if !inbox.IsTransient(fmt.Errorf("x: %w", &sqlStateError{"40001"})) || !inbox.IsTransient(&retryError{true}) {
+			t.Error("non-nil transient errors not recognised")
+		}
+	})
 }
 
 func wantTransient(t *testing.T, what string, err error, want bool) {
@@ -202,6 +396,29 @@ func wantTransient(t *testing.T, what string, err error, want bool) {
 	if got := inbox.IsTransient(fmt.Errorf("inbox: commit a/b: %w", err)); got != want {
 		t.Errorf("%s (wrapped): IsTransient = %v, want %v", what, got, want)
 	}
+}
+
+// beginTx begins a transaction on db that is rolled back, if still open,
+// when the test ends.
+func beginTx(ctx context.Context, t *testing.T, db *sqlx.DB) *sqlx.Tx {
+	t.Helper()
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	return tx
+}
+
+// holdRowLock begins a transaction on db that locks row 1 of table (an
+// UPDATE of its v) until it is rolled back.
+func holdRowLock(ctx context.Context, t *testing.T, db *sqlx.DB, table string) *sqlx.Tx {
+	t.Helper()
+	holder := beginTx(ctx, t, db)
+	if _, err := holder.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	return holder
 }
 
 var sqlTxRepeatableRead = sql.TxOptions{Isolation: sql.LevelRepeatableRead}
@@ -379,3 +596,15 @@ func mustParseDSN(t *testing.T, dsn string) *mysql.Config {
 	}
 	return cfg
 }
+
+// sqlStateError is a driver error type with a pointer receiver, as pgx's
+// *pgconn.PgError is.
+type sqlStateError struct{ code string }
+
+func (e *sqlStateError) Error() string    { return "sqlstate " + e.code }
+func (e *sqlStateError) SQLState() string { return e.code }
+
+type retryError struct{ safe bool }
+
+func (e *retryError) Error() string     { return "retry" }
+func (e *retryError) SafeToRetry() bool { return e.safe }
