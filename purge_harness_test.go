@@ -1,15 +1,20 @@
 package inbox_test
 
-// Inbox rows of a chosen age, a fixed safe window, and a probe of the purge
-// lock.
+// Inbox rows of a chosen age, a fixed safe window, a probe of the purge
+// lock, a Purger that counts its rounds and a router whose Run fails after
+// loading the Purger's plugin.
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -80,4 +85,37 @@ func lockFree(t *testing.T, probe *sqlx.DB, d inbox.Dialect, table string) bool 
 		}
 	}
 	return got
+}
+
+// countingPurger returns a Purger of table on db (OlderThan one hour) that
+// starts a round every interval, and the count of its rounds.
+func countingPurger(t *testing.T, db *sqlx.DB, table string, interval time.Duration) (*inbox.Purger, *atomic.Int32) {
+	t.Helper()
+	rounds := new(atomic.Int32)
+	p, err := inbox.NewPurger(inbox.PurgerConfig{
+		Purge:    inbox.PurgeConfig{DB: db, Table: table, OlderThan: time.Hour},
+		Interval: interval,
+		OnRound:  func(inbox.PurgeRound) { rounds.Add(1) },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, rounds
+}
+
+// runFailingRouter runs a router with p's RouterPlugin and, after it, a
+// plugin that fails (a metrics plugin whose port is in use), and returns the
+// router once its Run has returned that error. The router is not closed.
+func runFailingRouter(t *testing.T, p *inbox.Purger, closeTimeout time.Duration) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: closeTimeout}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(p.RouterPlugin, func(*message.Router) error { return errors.New("metrics plugin: port in use") })
+	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	if err := r.Run(context.Background()); err == nil {
+		t.Fatal("want Run to fail")
+	}
+	return r
 }

@@ -158,3 +158,140 @@ func TestPurgeStopsWhenContextEnds(t *testing.T) {
 		t.Errorf("rows = %d, want 50", f.inboxRows())
 	}
 }
+
+// A Window refuses a purge that would delete rows the broker can still
+// redeliver, and supplies the window when OlderThan is zero.
+func TestPurgeWindowSource(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "old", 20, 3*time.Hour)
+	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "mid", 20, 90*time.Minute)
+	cfg := inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, Window: fixedWindow(2 * time.Hour)}
+	n, err := inbox.Purge(context.Background(), cfg)
+	if !errors.Is(err, inbox.ErrWindowTooShort) || n != 0 || f.inboxRows() != 40 {
+		t.Fatalf("1h window under a 2h safe window: %d, %v, rows %d; want ErrWindowTooShort and nothing deleted", n, err, f.inboxRows())
+	}
+	cfg.OlderThan = 0
+	if n, err := inbox.Purge(context.Background(), cfg); err != nil || n != 20 {
+		t.Errorf("window from the source: %d, %v; want 20 deleted", n, err)
+	}
+}
+
+// A Window that reports a safe window of 0 or less (an unset or -1 setting
+// converted to a duration) makes the purge fail and delete nothing: it
+// never deletes messages processed a moment ago, which the broker can
+// certainly still redeliver.
+func TestPurgeWindowSource_NonPositiveWindowDeletesNothing(t *testing.T) {
+	for _, w := range []time.Duration{0, -time.Millisecond} {
+		db := sqliteDB(t)
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, inbox.SQLite, f.inbox, "billing", "fresh", 10, 0)
+		n, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Table: f.inbox, Window: fixedWindow(w)})
+		if err == nil || n != 0 {
+			t.Errorf("safe window %v: deleted %d rows processed just now (err %v); want an error and nothing deleted", w, n, err)
+		}
+	}
+}
+
+// Rows just inside the window stay, rows just past it go, with every batch
+// size around the count, and with a consumer filter.
+func TestPurge_CutsExactlyAtTheWindowWithEveryBatchSize(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			t.Skip()
+		}
+		for _, bs := range []int{1, 2, 3, 7} {
+			f := newFixture(t, db)
+			f.newInbox(inbox.Config{})
+			insertRows(t, db, tdb.Dialect, f.inbox, "billing", "in", 3, time.Hour-3*time.Second)
+			insertRows(t, db, tdb.Dialect, f.inbox, "billing", "out", 7, time.Hour+3*time.Second)
+			insertRows(t, db, tdb.Dialect, f.inbox, "other", "out", 5, 2*time.Hour)
+			n, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: bs, Consumer: "billing"})
+			if err != nil || n != 7 || count(t, db, f.inbox, "message_id LIKE 'in-%'") != 3 || count(t, db, f.inbox, "consumer = 'other'") != 5 {
+				t.Errorf("batch %d: deleted %d (%v), left %d", bs, n, err, f.inboxRows())
+			}
+		}
+	})
+}
+
+// A purge does not stall live handlers: while a slow handler's claim is
+// uncommitted, a new message's claim goes through at once. On MySQL/MariaDB
+// each batch reads its keys without locking and deletes them by primary key
+// at READ COMMITTED, so it holds no gap lock that new claims would queue
+// behind; InnoDB may still make the purge itself wait for the slow handler
+// (a record lock on a live key next to expired ones), which delays only the
+// purge. On PostgreSQL (SKIP LOCKED) the purge does not wait at all.
+func TestPurge_DoesNotStallLiveClaims(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.PostgreSQLPartitioned || tdb.Dialect == inbox.SQLite { // SQLite: one writer, by design
+			t.Skip()
+		}
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Consumer: "billing"})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 20000, 2*time.Hour)
+		entered, release := make(chan struct{}), make(chan struct{})
+		done := make(chan error, 1)
+		go func() {
+			_, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+				close(entered)
+				<-release
+				return nil, nil
+			})(message.NewMessage(watermill.NewUUID(), nil))
+			done <- err
+		}()
+		<-entered
+		// The slow handler's transaction stays open until release is
+		// closed, which happens only after the checks below: what must not
+		// wait for it, must finish while it is still open. A bound (not a
+		// measurement) tells "waits for it" from "does not".
+		const bound = 20 * time.Second
+		defer func() {
+			select {
+			case <-release:
+			default:
+				close(release)
+			}
+		}()
+		purged := make(chan error, 1)
+		var n int64
+		go func() {
+			var err error
+			n, err = inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour})
+			purged <- err
+		}()
+		claimed := make(chan error, 1)
+		go func() { // a live claim of a new message while the purge runs
+			_, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(message.NewMessage(watermill.NewUUID(), nil))
+			claimed <- err
+		}()
+		select {
+		case err := <-claimed:
+			if err != nil {
+				t.Error(err)
+			}
+		case <-time.After(bound):
+			t.Fatalf("a new message's claim, started while the purge ran, did not finish within %v while a slow handler's transaction was open: the purge stalled live traffic", bound)
+		}
+		var purgeErr error
+		if tdb.Dialect != inbox.MySQL {
+			// PostgreSQL skips the locked row: the purge does not wait.
+			select {
+			case purgeErr = <-purged:
+			case <-time.After(bound):
+				t.Fatalf("the purge did not finish within %v while a live handler's transaction was open: it waited for it", bound)
+			}
+			close(release)
+		} else {
+			close(release)
+			purgeErr = <-purged
+		}
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		if purgeErr != nil || n != 20000 {
+			t.Errorf("purge: %d, %v; want 20000 deleted", n, purgeErr)
+		}
+	})
+}

@@ -3,7 +3,6 @@ package inbox_test
 import (
 	"bytes"
 	"context"
-	"errors"
 	"runtime"
 	"testing"
 	"time"
@@ -35,10 +34,33 @@ func pluginGoroutines() int {
 	return count
 }
 
+// As a router plugin the purger runs while the router runs and stops when
+// it closes.
+func TestPurgerRouterPlugin(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	p, rounds := countingPurger(t, db, f.inbox, 20*time.Millisecond)
+	router := runRouter(t, func(r *message.Router) {
+		r.AddPlugin(p.RouterPlugin)
+		r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	})
+	waitFor(t, func() bool { return rounds.Load() >= 3 })
+	if err := router.Close(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // the plugin notices within a second
+	stopped := rounds.Load()
+	time.Sleep(200 * time.Millisecond)
+	if rounds.Load() != stopped {
+		t.Errorf("purger still running after the router closed")
+	}
+}
+
 // A router whose Run failed after loading the plugin (a later plugin's
 // error) and that is then closed leaves no purger goroutine behind: the
 // plugin sees the close instead of waiting out RouterPluginStartTimeout (5
-// minutes). Found by goleak in TestMain. Not parallel: it counts goroutines.
+// minutes). Not parallel: it counts goroutines.
 func TestRouterPluginStopsWhenClosedBeforeRunning(t *testing.T) {
 	before := pluginGoroutines()
 	db := sqliteDB(t)
@@ -48,15 +70,7 @@ func TestRouterPluginStopsWhenClosedBeforeRunning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 100 * time.Millisecond}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(p.RouterPlugin, func(*message.Router) error { return errors.New("metrics plugin: port in use") })
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
-	if err := r.Run(context.Background()); err == nil {
-		t.Fatal("want Run to fail")
-	}
+	r := runFailingRouter(t, p, 100*time.Millisecond)
 	if pluginGoroutines() <= before {
 		t.Fatal("the plugin started no goroutine: the test proves nothing")
 	}
@@ -101,4 +115,24 @@ func TestRouterPluginStopsWithRouter(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, func() bool { return pluginGoroutines() <= before })
+}
+
+// A router whose Run failed after loading the plugin (a later plugin's
+// error), and that nobody closes (r.IsClosed() stays false), stops the
+// purger within a second, as a closed router does: no rounds for a dead
+// router.
+func TestRouterPluginStopsWhenRunFails(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	p, rounds := countingPurger(t, db, f.inbox, 50*time.Millisecond)
+	r := runFailingRouter(t, p, time.Second)
+	time.Sleep(1500 * time.Millisecond) // "stops within a second of the router closing"
+	before := rounds.Load()
+	time.Sleep(1 * time.Second)
+	if after := rounds.Load(); after != before {
+		t.Errorf("router.Run returned an error %v ago, purger still running: %d rounds then %d (IsClosed=%v)",
+			2500*time.Millisecond, before, after, r.IsClosed())
+	}
+	_ = r.Close()
 }

@@ -2,16 +2,20 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // A round deletes the expired rows, measures the oldest row left, and logs
@@ -104,61 +108,88 @@ func TestPurgerInstancesDoNotFight(t *testing.T) {
 	})
 }
 
-// A Window refuses a purge that would delete rows the broker can still
-// redeliver, and supplies the window when OlderThan is zero.
-func TestPurgeWindowSource(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	f.newInbox(inbox.Config{})
-	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "old", 20, 3*time.Hour)
-	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "mid", 20, 90*time.Minute)
-	cfg := inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, Window: fixedWindow(2 * time.Hour)}
-	n, err := inbox.Purge(context.Background(), cfg)
-	if !errors.Is(err, inbox.ErrWindowTooShort) || n != 0 || f.inboxRows() != 40 {
-		t.Fatalf("1h window under a 2h safe window: %d, %v, rows %d; want ErrWindowTooShort and nothing deleted", n, err, f.inboxRows())
-	}
-	cfg.OlderThan = 0
-	if n, err := inbox.Purge(context.Background(), cfg); err != nil || n != 20 {
-		t.Errorf("window from the source: %d, %v; want 20 deleted", n, err)
-	}
-}
-
-// As a router plugin the purger runs while the router runs and stops when
-// it closes.
-func TestPurgerRouterPlugin(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	f.newInbox(inbox.Config{})
-	var rounds atomic.Int32
-	p, err := inbox.NewPurger(inbox.PurgerConfig{
-		Purge:    inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour},
-		Interval: 20 * time.Millisecond,
-		OnRound:  func(inbox.PurgeRound) { rounds.Add(1) },
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	router := runRouter(t, func(r *message.Router) {
-		r.AddPlugin(p.RouterPlugin)
-		r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
-	})
-	waitFor(t, func() bool { return rounds.Load() >= 3 })
-	if err := router.Close(); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(1500 * time.Millisecond) // the plugin notices within a second
-	stopped := rounds.Load()
-	time.Sleep(200 * time.Millisecond)
-	if rounds.Load() != stopped {
-		t.Errorf("purger still running after the router closed")
-	}
-}
-
 func TestNewPurgerErrors(t *testing.T) {
 	if _, err := inbox.NewPurger(inbox.PurgerConfig{}); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Errorf("empty config: %v", err)
 	}
 	if _, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: sqliteDB(t), OlderThan: time.Hour}, Interval: -time.Second}); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Errorf("negative interval: %v", err)
+	}
+}
+
+// The purge lock is keyed by the table, not by how its name is written: an
+// instance configured with "x" skips its round while one configured with
+// "public.x" holds the lock.
+func TestPurger_LockIsKeyedByTheTableNotItsSpelling(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	mk := func(table string) *inbox.Purger {
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: time.Hour}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	a, b := mk("public."+f.inbox), mk(f.inbox)
+	ctx := context.Background()
+	release, got, err := inbox.PurgeLock(ctx, db, a)
+	if !got || err != nil {
+		t.Fatal(got, err)
+	}
+	defer release()
+	if r := b.RunOnce(ctx); !r.Skipped {
+		t.Errorf("instance A holds the purge lock of public.%s; instance B (table %q) ran its round anyway: %+v", f.inbox, f.inbox, r)
+	}
+}
+
+// A round whose context ends right after the server granted the purge lock,
+// before the client read the answer (a router closing, a deadline), leaves
+// the lock free: another instance can take it once the round is over. The
+// connector runs the cancellation at that moment (afterLock).
+func TestPurger_RoundCancelledAsTheLockIsGrantedLeavesTheLockFree(t *testing.T) {
+	for _, tc := range []struct {
+		name, driverName, dsn string
+		drv                   driver.Driver
+		dialect               inbox.Dialect
+	}{
+		{"postgres", "pgx", testdb.PostgresDSN(), stdlib.GetDefaultDriver(), inbox.PostgreSQL},
+		{"mysql", "mysql", testdb.MySQLDSN(), &mysql.MySQLDriver{}, inbox.MySQL},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			db := sqlx.NewDb(sql.OpenDB(hookConnector{tc.drv, tc.dsn}), tc.driverName)
+			t.Cleanup(func() { db.Close() })
+			db.SetMaxOpenConns(1)
+			var probe *sqlx.DB
+			if tc.dialect == inbox.MySQL {
+				probe = testdb.OpenMySQL(t, "")
+			} else {
+				probe = testdb.OpenPostgres(t, "")
+			}
+			f := newFixture(t, probe)
+			f.newInbox(inbox.Config{})
+			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			fn := func() { cancel() }
+			afterLock.Store(&fn)
+			r := p.RunOnce(ctx)
+			afterLock.Store(nil)
+			t.Logf("round: %+v", r)
+			// The round is over: its connection is back in the pool, or
+			// closed. A closed session's locks go when the server has
+			// noticed the closed socket, which is soon but not at once:
+			// wait for that, boundedly. A pooled session holding the lock
+			// would keep it for the whole wait.
+			if !eventuallyLockFree(t, probe, tc.dialect, f.inbox) {
+				other, _ := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: probe, Table: f.inbox, OlderThan: time.Hour}})
+				t.Errorf("round ended with %v, but the purge lock stays held by the pooled connection; "+
+					"another instance: skipped=%v; same purger's next round unlocks once: lock free after it = %v",
+					r.Err, other.RunOnce(context.Background()).Skipped,
+					func() bool { p.RunOnce(context.Background()); return lockFree(t, probe, tc.dialect, f.inbox) }())
+			}
+		})
 	}
 }
