@@ -13,12 +13,11 @@ import (
 )
 
 // Two DropPartitions at once (two instances, or an operator's call during a
-// Purger round) must neither fail nor count a partition twice. The first
-// call is held half way through DETACH PARTITION ... CONCURRENTLY (which
-// waits for a transaction that reads the table) when the second starts, and
-// is let go once the second waits for it. Found by TestPurgeDuringLoad: the
-// second call failed with "partition ... already pending detach" (or "is not
-// a partition") instead of finding the work done.
+// Purger round) must neither fail nor count a partition twice. The first call
+// is held half way through DETACH PARTITION ... CONCURRENTLY (which waits for
+// a transaction that reads the table) when the second starts, and is let go
+// once the second waits for it. The second call finds the work done: no
+// "partition ... already pending detach" or "is not a partition" error.
 func TestDropPartitionsConcurrently(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
 	ctx := context.Background()

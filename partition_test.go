@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -101,8 +102,8 @@ func TestPartitionedRedeliveryFromOlderPartition(t *testing.T) {
 	}
 }
 
-// Partitions past the window are dropped whole; the rest stay. A purger
-// round in partitioned mode does the same and creates the coming days.
+// Partitions past the window are dropped whole; the rest stay. A purger round
+// in partitioned mode does the same and creates the coming days.
 func TestDropPartitions(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
 	table := "inbox_" + randomSuffix()
@@ -167,5 +168,203 @@ func TestPartitionedNeedsReadCommitted(t *testing.T) {
 	_, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, TxOptions: &sql.TxOptions{Isolation: sql.LevelRepeatableRead}})
 	if !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "READ COMMITTED") {
 		t.Errorf("err = %v, want ErrInvalidConfig about READ COMMITTED", err)
+	}
+}
+
+// The key lock is keyed by the table, not by how its name is written: two
+// instances of one service that name the same table "inbox_x" and
+// "public.inbox_x" (one from a config file, one from an env var) exclude each
+// other, and one message delivered to both at once is processed once. (The
+// NOT EXISTS cannot see the other's uncommitted row, and the primary key
+// includes processed_at: the key lock is all that excludes them.)
+func TestPartitioned_KeyLockIsKeyedByTheTableNotItsSpelling(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	a := newPartitionedInbox(t, db, table, nil)
+	b := newPartitionedInbox(t, db, "public."+table, nil)
+	if n := concurrentTwice(t, a, b); n != 1 {
+		t.Errorf("handler ran %d times for one message (tables %q and %q), want 1; inbox rows: %d",
+			n, table, "public."+table, count(t, db, table, ""))
+	}
+}
+
+// PostgreSQLPartitioned claims at READ COMMITTED also when TxOptions is set
+// with Isolation LevelDefault and the server's default_transaction_isolation
+// is REPEATABLE READ. (At REPEATABLE READ the key-lock statement would take
+// the snapshot before the lock is granted, and the NOT EXISTS would miss the
+// first claim.) One message delivered twice at once is processed once.
+func TestPartitioned_ClaimsAtReadCommittedWhateverTheServerDefault(t *testing.T) {
+	db := testdb.OpenPostgres(t, "default_transaction_isolation=repeatable%20read")
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	var level string
+	if err := db.Get(&level, "SHOW default_transaction_isolation"); err != nil || level != "repeatable read" {
+		t.Fatalf("session default %q, %v", level, err)
+	}
+	ib := newPartitionedInbox(t, db, table, &sql.TxOptions{}) // New accepts it
+	if n := concurrentTwice(t, ib, ib); n != 1 {
+		t.Errorf("handler ran %d times for one message, want 1; inbox rows: %d", n, count(t, db, table, ""))
+	}
+}
+
+// Live claims while partitions are attached (two CreatePartitions at once)
+// and old ones detached and dropped: no claim fails, none waits long, no
+// message is processed twice.
+func TestPartitioned_MaintenanceDoesNotFailOrDuplicateLiveClaims(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(16)
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	ib := newPartitionedInbox(t, db, table, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+	defer cancel()
+	var calls, errs atomic.Int64
+	var maxLat atomic.Int64
+	ids := make([]string, 200)
+	for i := range ids {
+		ids[i] = watermill.NewUUID()
+	}
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) { calls.Add(1); return nil, nil })
+	var wg sync.WaitGroup
+	for w := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ctx.Err() == nil; i++ {
+				s := time.Now()
+				if _, err := h(message.NewMessage(ids[(i*7+w)%len(ids)], nil)); err != nil {
+					errs.Add(1)
+					t.Log(err)
+				}
+				if d := int64(time.Since(s)); d > maxLat.Load() {
+					maxLat.Store(d)
+				}
+			}
+		}()
+	}
+	now := dbNow(t, db)
+	for round := 0; ctx.Err() == nil; round++ {
+		var mw sync.WaitGroup
+		for range 2 {
+			mw.Add(1)
+			go func() {
+				defer mw.Done()
+				if err := inbox.CreatePartitions(context.Background(), db, table, now.AddDate(0, 0, -40+round%20), 5); err != nil {
+					t.Errorf("create: %v", err)
+				}
+			}()
+		}
+		mw.Wait()
+		if _, err := inbox.DropPartitions(context.Background(), db, table, 10*24*time.Hour, nil); err != nil {
+			t.Errorf("drop: %v", err)
+		}
+	}
+	wg.Wait()
+	if errs.Load() != 0 || calls.Load() != int64(len(ids)) {
+		t.Errorf("claim errors %d, handler calls %d for %d distinct messages", errs.Load(), calls.Load(), len(ids))
+	}
+	t.Logf("max claim latency %v, calls %d", time.Duration(maxLat.Load()), calls.Load())
+}
+
+// A partition left "pending detach" by an interrupted DETACH PARTITION ...
+// CONCURRENTLY is dropped by the next call, and Purger rounds keep working.
+// DETACH ... CONCURRENTLY waits for every transaction that uses the parent (a
+// slow handler); here the role's statement_timeout, as many deployments set,
+// cancels it during that wait (pg_cancel_backend or a server-side cancel
+// would do the same). The next calls finish the detach (DETACH ... FINALIZE)
+// instead of starting it again.
+func TestDropPartitions_FinishesADetachLeftPendingByAnInterruption(t *testing.T) {
+	db := testdb.OpenPostgres(t, "statement_timeout=1000")
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	newPartitionedInbox(t, db, table, nil)
+	ctx := context.Background()
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -5), 3); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'old', now() - interval '4 days')")
+
+	// A slow handler: a transaction that has touched the inbox table.
+	slow, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := slow.Exec("SELECT count(*) FROM " + table + " WHERE consumer = 'x'"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = inbox.DropPartitions(ctx, db, table, 48*time.Hour, nil)
+	t.Logf("interrupted drop: %v", err)
+	slow.Rollback()
+
+	var pending int
+	if err := db.Get(&pending, "SELECT count(*) FROM pg_inherits WHERE inhparent = $1::regclass AND inhdetachpending", table); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("partitions pending detach: %d", pending)
+
+	for i := range 2 {
+		dropped, err := inbox.DropPartitions(ctx, db, table, 48*time.Hour, nil)
+		if err != nil {
+			t.Errorf("drop #%d after the interruption: %v (dropped %v)", i+1, err, dropped)
+		} else {
+			t.Logf("drop #%d: dropped %v", i+1, dropped)
+		}
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 48 * time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if round := p.RunOnce(ctx); round.Err != nil {
+		t.Errorf("purger round: %v", round.Err)
+	}
+	var left int
+	if err := db.Get(&left, `SELECT count(*) FROM pg_class WHERE relkind = 'r' AND relname LIKE $1 ESCAPE '!'`, table+"!_p%"); err != nil {
+		t.Fatal(err)
+	}
+	if left != 9 {
+		t.Errorf("partition tables left: %d, want 9 (yesterday to today+7)", left)
+	}
+}
+
+// An unqualified table whose parent is found through a search_path whose
+// first schema is not the parent's (e.g. the default "$user", public once a
+// schema named after the role exists): DropPartitions and a Purger round
+// still find its partitions and remove the expired rows, wherever
+// CreatePartitions put the partitions.
+func TestDropPartitions_FindsThePartitionsWhateverTheSearchPath(t *testing.T) {
+	admin := testdb.OpenPostgres(t, "")
+	sfx := randomSuffix()
+	schema, table := "brk_"+sfx, "inbox_"+sfx
+	exec(t, admin, "CREATE SCHEMA "+schema)
+	t.Cleanup(func() {
+		admin.Exec("DROP SCHEMA " + schema + " CASCADE")
+		admin.Exec("DROP TABLE IF EXISTS public." + table + " CASCADE")
+	})
+	ddl, _ := inbox.SchemaSQL(inbox.PostgreSQLPartitioned, "public."+table) // applied by migrations
+	for _, s := range statements(ddl) {
+		exec(t, admin, s)
+	}
+	db := testdb.OpenPostgres(t, "search_path="+schema+",public")
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := ib.InitializeSchema(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -5), 3); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'old', now() - interval '4 days')")
+	dropped, err := inbox.DropPartitions(ctx, db, table, 48*time.Hour, nil)
+	p, _ := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 48 * time.Hour}})
+	round := p.RunOnce(ctx)
+	var where string
+	admin.Get(&where, "SELECT relnamespace::regnamespace::text FROM pg_class WHERE relname = $1", table+dbNow(t, db).UTC().Format("_p20060102"))
+	if left := count(t, db, table, "processed_at < now() - interval '3 days'"); left != 0 {
+		t.Errorf("DropPartitions dropped %v (err %v), purger round dropped %v (oldest age %v); %d expired row(s) left; partitions live in schema %q, parent in public",
+			dropped, err, round.DroppedPartitions, round.OldestAge, left, where)
 	}
 }
