@@ -2,8 +2,6 @@ package inbox_test
 
 import (
 	"errors"
-	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -105,67 +103,5 @@ func TestReturnedMessagesLostWithoutOutbox(t *testing.T) {
 	if first || !second || routerPub.published != 0 {
 		t.Errorf("acked %v then %v, published %d; the documented loss is: nack, then ack as duplicate, 0 published",
 			first, second, routerPub.published)
-	}
-}
-
-// AfterCommit functions run once after a commit, in order, and never after a
-// rollback or for a duplicate; a panicking one is logged and the message is
-// still acked.
-func TestAfterCommit(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	logger := newCaptureLogger()
-	ib := f.newInbox(inbox.Config{Logger: logger})
-	var mu sync.Mutex
-	var ran []string
-	var fail atomic.Bool
-	in := newFeed()
-	runRouter(t, func(r *message.Router) {
-		r.AddMiddleware(ib.Middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			for _, name := range []string{"purge cache", "panics", "count"} {
-				name := name
-				if !inbox.AfterCommit(msg.Context(), func() {
-					if name == "panics" {
-						panic("after-commit bug")
-					}
-					mu.Lock()
-					ran = append(ran, fmt.Sprintf("%s %s", name, msg.UUID))
-					mu.Unlock()
-				}) {
-					return errors.New("no inbox transaction")
-				}
-			}
-			if fail.Load() {
-				return errors.New("rolled back")
-			}
-			return nil
-		})
-	})
-	msg := message.NewMessage(watermill.NewUUID(), nil)
-	fail.Store(true)
-	if in.deliver(t, msg) || len(ran) != 0 {
-		t.Fatalf("after a rollback: ran %v", ran)
-	}
-	fail.Store(false)
-	if !in.deliver(t, msg) {
-		t.Fatal("nacked although committed (after-commit panic must not nack)")
-	}
-	in.deliver(t, msg) // duplicate
-	want := []string{"purge cache " + msg.UUID, "count " + msg.UUID}
-	if fmt.Sprint(ran) != fmt.Sprint(want) {
-		t.Errorf("ran %v, want %v", ran, want)
-	}
-	var errs int
-	for _, l := range *logger.lines {
-		if l.level == "error" {
-			errs++
-		}
-	}
-	if errs != 1 {
-		t.Errorf("error log lines = %d, want 1 for the panic", errs)
-	}
-	if inbox.AfterCommit(msg.Context(), func() {}) {
-		t.Error("AfterCommit outside a handler returned true")
 	}
 }
