@@ -17,100 +17,117 @@ import (
 // every optional field selects its documented default.
 type Config struct {
 	// DB is the database that holds the inbox table and the handler's
-	// business tables. Required. Wrap a *sql.DB with sqlx.NewDb(db, driver),
-	// and a pgx pool with sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx").
-	// Behind a transaction-mode pooler (PgBouncer), use lib/pq as it is or
-	// pgx with default_query_exec_mode=exec or simple_protocol: pgx's
-	// default statement cache cannot work there (pgx's documented limit).
+	// business tables, so that both commit in one transaction. Wrap a
+	// *sql.DB with sqlx.NewDb(db, driver), and a pgx pool with
+	// sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx"). Each message in flight
+	// holds one of its pooled connections for its transaction. Behind a
+	// transaction-mode pooler (PgBouncer), use lib/pq as it is or pgx with
+	// default_query_exec_mode=exec or simple_protocol: pgx's default
+	// statement cache cannot work there (pgx's documented limit).
+	// Default: none; required (ErrInvalidConfig without it).
 	DB *sqlx.DB
 
-	// Dialect is the SQL dialect of DB. Default: inferred from
-	// DB.DriverName(): "postgres", "pgx", "pgx/v4", "pgx/v5" give PostgreSQL, "mysql"
-	// gives MySQL, "sqlite" and "sqlite3" give SQLite. Any other driver name
-	// needs an explicit Dialect (ErrUnknownDialect).
+	// Dialect is the SQL dialect of DB: PostgreSQL, PostgreSQLPartitioned,
+	// MySQL (also MariaDB) or SQLite. PostgreSQLPartitioned is never
+	// inferred: set it for a table partitioned by day. With a nil Dialect,
+	// a driver name other than the ones below is ErrUnknownDialect.
+	// Default: inferred from DB.DriverName(): "postgres", "pgx", "pgx/v4",
+	// "pgx/v5" give PostgreSQL, "mysql" gives MySQL, "sqlite" and "sqlite3"
+	// give SQLite.
 	Dialect Dialect
 
 	// Table is the inbox table, optionally qualified by a schema (PostgreSQL)
 	// or database (MySQL, SQLite attached database): "billing.inbox".
-	// Default: "watermill_inbox" (DefaultTable). It must match
+	// Several consumers may share one table. It must match
 	// ^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$ and is
-	// quoted by the inbox; anything else is ErrInvalidTableName. Several
-	// consumers may share one table.
+	// quoted by the inbox (never pass it quoted); anything else is
+	// ErrInvalidTableName.
+	// Default: "watermill_inbox" (DefaultTable).
 	Table string
 
 	// Consumer is the name under which this inbox records processed
-	// messages: the same message id is processed once per consumer. Default:
-	// the Watermill handler name (message.HandlerNameFromCtx), read for each
-	// message, so every handler of a router is its own consumer. Set it when
-	// a handler is renamed, or to make two handlers share one key space. It
-	// must be stable across restarts and hosts: never derive it from a host
-	// name or process id. At most MaxKeyLength bytes of valid UTF-8.
+	// messages: the same message id is processed once per consumer. Set it
+	// when a handler is renamed, or to make two handlers share one key
+	// space. It must be stable across restarts and hosts: never derive it
+	// from a host name or process id. At most MaxKeyLength bytes of valid
+	// UTF-8 without NUL (ErrInvalidConsumer from New otherwise).
+	// Default: the Watermill handler name (message.HandlerNameFromCtx), read
+	// for each message, so every handler of a router is its own consumer; a
+	// message without one fails with ErrEmptyConsumer.
 	Consumer string
 
-	// MessageID returns the id under which a message is deduplicated.
-	// Default: msg.UUID, which Watermill publishers carry across the broker
-	// (the Kafka marshaler puts it in the "_watermill_message_uuid" header).
-	// Use a business key (an event id in the payload or metadata) when
-	// producers may re-send the same event with a new UUID. The id must be
+	// MessageID returns the id under which a message is deduplicated. Use a
+	// business key (an event id in the payload or metadata; see
+	// MessageIDFromMetadata) when producers may re-send the same event with
+	// a new UUID, or when they are not Watermill publishers. The id must be
 	// 1 to MaxKeyLength bytes of valid UTF-8 without NUL bytes; otherwise the
 	// handler is not called and the error wraps ErrInvalidMessageID. An error
 	// returned by MessageID is returned (wrapped) to the router, which nacks.
 	// It is called from every handler goroutine at once: it must be safe for
 	// concurrent use.
+	// Default: msg.UUID, which Watermill publishers carry across the broker
+	// (in the "_watermill_message_uuid" header).
 	MessageID func(msg *message.Message) (string, error)
 
 	// TxOptions are the options of the transaction that holds the claim and
-	// the handler's writes. Default: nil, the database's default isolation
-	// level (READ COMMITTED on PostgreSQL, REPEATABLE READ on MySQL/MariaDB
-	// InnoDB, SERIALIZABLE on SQLite). The claim is correct at every level;
-	// at REPEATABLE READ or SERIALIZABLE on PostgreSQL a concurrent duplicate
-	// fails with a serialization error (SQLSTATE 40001) instead of being
-	// skipped: the message is nacked and its redelivery is skipped (IsTransient
-	// reports such errors). ReadOnly must be false; on PostgreSQL and
-	// MySQL/MariaDB the isolation must be the default or one of the four SQL
-	// standard levels (their drivers refuse sql.LevelSnapshot,
-	// LevelWriteCommitted or LevelLinearizable at every BEGIN, lib/pq and
-	// go-sql-driver Snapshot included; SQLite ignores the level); and with
-	// PostgreSQLPartitioned it must be READ COMMITTED (or the default): New
-	// refuses anything else with ErrInvalidConfig. New keeps a copy: changing
-	// *TxOptions afterwards changes nothing.
+	// the handler's writes, chiefly its isolation level. The claim is
+	// correct at every level; at REPEATABLE READ or SERIALIZABLE on
+	// PostgreSQL a concurrent duplicate fails with a serialization error
+	// (SQLSTATE 40001) instead of being skipped: the message is nacked and
+	// its redelivery is skipped (IsTransient reports such errors). ReadOnly
+	// must be false; on PostgreSQL and MySQL/MariaDB the isolation must be
+	// the default or one of the four SQL standard levels (their drivers
+	// refuse sql.LevelSnapshot, LevelWriteCommitted or LevelLinearizable at
+	// every BEGIN, lib/pq and go-sql-driver Snapshot included; SQLite
+	// ignores the level); and with PostgreSQLPartitioned it must be READ
+	// COMMITTED (or the default): New refuses anything else with
+	// ErrInvalidConfig. New keeps a copy: changing *TxOptions afterwards
+	// changes nothing.
+	// Default: nil, the database's default isolation level (READ COMMITTED
+	// on PostgreSQL, REPEATABLE READ on MySQL/MariaDB InnoDB, SERIALIZABLE
+	// on SQLite).
 	TxOptions *sql.TxOptions
 
 	// Logger receives a Debug line for each duplicate skipped, with the
 	// fields message_uuid, handler_name, consumer and message_id. Nothing is
 	// logged per processed message (the router logs its ack at Trace), and
 	// errors are returned to the router, which logs them, not logged here.
-	// Default: watermill.NopLogger.
+	// It must be safe for concurrent use.
+	// Default: watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 
-	// OnProcessed, if set, is called after a message's transaction
-	// committed. OnDuplicate, if set, is called after a duplicate was
-	// detected and its transaction rolled back (the handler was not called).
-	// OnFailed, if set, is called after the handler or the commit failed and
-	// the message is about to be nacked; Event.Err holds the error. They run
-	// synchronously on the handler's goroutine, possibly concurrently with
-	// each other, so they must be fast and safe for concurrent use: count,
-	// observe Event.Duration in a histogram, do not block.
+	// OnProcessed, OnDuplicate and OnFailed report each message's outcome,
+	// for metrics. OnProcessed is called after a message's transaction
+	// committed (and its AfterCommit functions ran). OnDuplicate is called
+	// after a duplicate was detected and its transaction rolled back (the
+	// handler was not called). OnFailed is called for every message about to
+	// be nacked: the middleware returns an error (a refused id, the
+	// handler's error, a failed commit) or the handler panicked; Event.Err
+	// holds the error. They run synchronously on the handler's goroutine,
+	// possibly concurrently with each other, so they must be fast and safe
+	// for concurrent use: count, observe Event.Duration in a histogram, do
+	// not block.
+	// Default: nil, not called.
 	OnProcessed func(Event)
 	OnDuplicate func(Event)
 	OnFailed    func(Event)
 
-	// TracerProvider, if set, makes the middleware start one span per
-	// message, "inbox" (OpenTelemetry API; attributes inbox.consumer,
+	// TracerProvider makes the middleware start one span per message,
+	// "inbox" (OpenTelemetry API; attributes inbox.consumer,
 	// inbox.message_id, messaging.message.id, db.system), as a child of the
 	// span in msg.Context() (Watermill's OpenTelemetry middleware puts one
 	// there), with the events inbox.claimed, inbox.duplicate,
 	// inbox.committed and inbox.begin_retried (MySQL: a BEGIN retried after
 	// its connection was lost, with the first error), and the error status
-	// on failure or panic. The
-	// statements and the handler run under it, so spans of an instrumented
-	// database/sql driver and of the handler nest inside. Pass
-	// otel.GetTracerProvider() to use the global one. Default: nil, no spans
-	// and no cost.
+	// on failure or panic. The statements and the handler run under it, so
+	// spans of an instrumented database/sql driver and of the handler nest
+	// inside. Pass otel.GetTracerProvider() to use the global one.
+	// Default: nil, no spans and no cost.
 	TracerProvider trace.TracerProvider
 
-	// Outbox, if set, returns a publisher that writes to an outbox in the
-	// given transaction: typically a watermill-sql Publisher on tx, wrapped
+	// Outbox returns a publisher that writes to an outbox in the given
+	// transaction, so that messages are sent if and only if the message's
+	// transaction commits: typically a watermill-sql Publisher on tx, wrapped
 	// by Watermill's forwarder.NewPublisher, or any publisher of yours that
 	// writes through tx. The inbox calls it once per claimed message, right
 	// after the claim (so it must be cheap: watermill-sql's NewPublisher is).
@@ -124,9 +141,10 @@ type Config struct {
 	//     duplicate);
 	//   - handlers can publish to any topic through OutboxFromContext.
 	// An error from Outbox or from publishing rolls the transaction back and
-	// is returned (nack). It is called from every handler goroutine at once:
-	// it must be safe for concurrent use. Default: nil, returned messages go
-	// to the router.
+	// is returned (nack); so is an error when the handler returns messages
+	// but has no publish topic. It is called from every handler goroutine
+	// at once: it must be safe for concurrent use.
+	// Default: nil, returned messages go to the router.
 	Outbox func(tx *sqlx.Tx) (message.Publisher, error)
 
 	// CommitTimeout bounds what runs after the handler returned nil: the
@@ -224,31 +242,13 @@ func (c Config) Validate() error {
 		if d == nil && c.DB != nil {
 			d, _ = dialectForDriver(c.DB.DriverName()) // an unknown driver is reported above
 		}
-		if d != nil && !isolationSupported(d, c.TxOptions.Isolation) {
-			errs = append(errs, fmt.Errorf("inbox: Config.TxOptions.Isolation %v: not run on %v (a driver refuses it at every BEGIN)", c.TxOptions.Isolation, d))
+		if d != nil {
+			if err := d.checkIsolation(c.TxOptions.Isolation); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
-	if c.Dialect == PostgreSQLPartitioned && c.TxOptions != nil &&
-		c.TxOptions.Isolation != sql.LevelDefault && c.TxOptions.Isolation != sql.LevelReadCommitted {
-		errs = append(errs, fmt.Errorf("inbox: PostgreSQLPartitioned needs READ COMMITTED, got Config.TxOptions.Isolation %v", c.TxOptions.Isolation))
-	}
 	return errors.Join(errs...)
-}
-
-// isolationSupported reports whether isolation level l runs on dialect d:
-// the four SQL standard levels and the default on PostgreSQL and
-// MySQL/MariaDB, whose drivers (pgx, lib/pq, go-sql-driver/mysql) refuse
-// every other level at BEGIN with an error that carries no server code
-// (pgx runs sql.LevelSnapshot as REPEATABLE READ, but lib/pq refuses it:
-// ask for LevelRepeatableRead, which on PostgreSQL is snapshot isolation).
-// SQLite drivers ignore the level (SQLite transactions are always
-// SERIALIZABLE), so any is accepted there.
-func isolationSupported(d Dialect, l sql.IsolationLevel) bool {
-	switch l {
-	case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
-		return true
-	}
-	return d == SQLite
 }
 
 // checkKey validates a consumer name or message id: 1 to MaxKeyLength bytes

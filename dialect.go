@@ -2,10 +2,12 @@ package inbox
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"hash/fnv"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -82,6 +84,40 @@ type Dialect interface {
 	// sizeSQL returns a query for the table's size on disk with its indexes,
 	// in bytes.
 	sizeSQL(table qualifiedName) (string, []any)
+
+	// checkIsolation returns why isolation level l cannot run on this
+	// dialect (a driver refuses it at every BEGIN, or the claim needs
+	// another level), nil when it can.
+	checkIsolation(l sql.IsolationLevel) error
+	// txOptions returns the options a message's transaction begins with,
+	// from the validated user options (nil: the database default).
+	txOptions(user *sql.TxOptions) *sql.TxOptions
+	// schemaNotes returns the comment lines SchemaSQL prints before the
+	// DDL of t.
+	schemaNotes(t qualifiedName) string
+	// createSchema runs the DDL that creates t and its purge index, of
+	// which found (existsSQL) already exist, safely against concurrent
+	// starters.
+	createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, found int) error
+	// maintainSchema does what InitializeSchema and every Purger round do
+	// once the table exists: create the partitions ahead; nothing for a
+	// plain table.
+	maintainSchema(ctx context.Context, db dbConn, t qualifiedName) error
+	// resolveSchema returns the schema (PostgreSQL), database (MySQL) or
+	// attached database (SQLite) an unqualified t is in, or would be
+	// created in; see canonicalTable.
+	resolveSchema(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) (string, error)
+	// readTx runs f with a queryer for reads outside a message's
+	// transaction (see withReadTx).
+	readTx(ctx context.Context, db dbConn, f func(q sqlx.QueryerContext) error) error
+	// purgeBatch runs one purge batch (query and args from purgeSQL) in its
+	// own transaction and returns the rows it deleted and the expired rows
+	// it found (fewer than the batch size: the purge is done).
+	purgeBatch(ctx context.Context, db dbConn, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error)
+	// purgeLock takes the purge lock of t (see acquirePurgeLock).
+	purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error)
+	// purgeRound does one Purger round's work on db, under the purge lock.
+	purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound
 
 	// checkTable reads the catalog through q and returns every problem of
 	// the existing table t that could make the inbox merge, truncate or
@@ -198,320 +234,6 @@ func (q qualifiedName) indexName() string {
 	return q.name[:63-len(hashed)] + hashed
 }
 
-type postgresDialect struct{}
-
-func (postgresDialect) String() string            { return "postgres" }
-func (postgresDialect) quote(ident string) string { return `"` + ident + `"` }
-
-func (d postgresDialect) claimSQL(t qualifiedName) string {
-	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES ($1, $2, now())" +
-		" ON CONFLICT (consumer, message_id) DO NOTHING"
-}
-
-func (postgresDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
-
-func (d postgresDialect) createSQL(t qualifiedName) []string {
-	return []string{
-		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
-			"    consumer     text        NOT NULL,\n" +
-			"    message_id   text        NOT NULL,\n" +
-			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
-			"    PRIMARY KEY (consumer, message_id)\n" +
-			")",
-		"CREATE INDEX IF NOT EXISTS " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)",
-	}
-}
-
-func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
-	index := d.quote(t.indexName())
-	if t.schema != "" {
-		index = d.quote(t.schema) + "." + index
-	}
-	// to_regclass resolves unqualified names through search_path, as the
-	// DDL does, and returns NULL for a missing relation instead of failing.
-	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regclass($2) IS NOT NULL)::int", []any{t.quoted(d), index}
-}
-
-func (postgresDialect) keyLock() (string, bool) { return "", false }
-
-// After an error PostgreSQL keeps the transaction open but aborted, and
-// turns COMMIT into ROLLBACK, which the driver reports as an error.
-func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
-
-func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
-
-func (postgresDialect) preparesByDefault() bool { return false }
-
-func (postgresDialect) expiredSQL(byConsumer bool) string {
-	where := "processed_at < now() - $1 * interval '1 microsecond'"
-	if byConsumer {
-		where += " AND consumer = $2"
-	}
-	return where
-}
-
-// A batch skips rows that live transactions hold (FOR UPDATE SKIP LOCKED).
-func (d postgresDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("$", byConsumer), " FOR UPDATE SKIP LOCKED")
-}
-
-func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
-	return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
-}
-
-// The planner's estimate (reltuples: -1 before the first ANALYZE on
-// PostgreSQL 14+, reported as 0).
-func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	return "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)", []any{t.quoted(d)}
-}
-
-func (d postgresDialect) spanSQL(t qualifiedName) string {
-	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), " +
-		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
-}
-
-func (d postgresDialect) sizeSQL(t qualifiedName) (string, []any) {
-	return "SELECT pg_total_relation_size(to_regclass($1))", []any{t.quoted(d)}
-}
-
-type postgresPartitionedDialect struct{ postgresDialect }
-
-func (postgresPartitionedDialect) String() string { return "postgres-partitioned" }
-
-func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
-	q := t.quoted(d)
-	// Under the key lock (keyLockSQL), so the NOT EXISTS sees a concurrent
-	// claim of the key once it committed, in whatever partition.
-	return "INSERT INTO " + q + " (consumer, message_id, processed_at) SELECT $1, $2, now()" +
-		" WHERE NOT EXISTS (SELECT 1 FROM " + q + " WHERE consumer = $1 AND message_id = $2)" +
-		" ON CONFLICT DO NOTHING"
-}
-
-func (postgresPartitionedDialect) keyLock() (string, bool) {
-	return "SELECT pg_advisory_xact_lock($1)", true
-}
-
-// Summed over the partitions: the parent holds no rows.
-func (d postgresPartitionedDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	return `SELECT COALESCE(SUM(GREATEST(c.reltuples, 0)), 0)::bigint FROM pg_inherits i
-			JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
-			HAVING to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
-}
-
-func (d postgresPartitionedDialect) sizeSQL(t qualifiedName) (string, []any) {
-	return "SELECT COALESCE(SUM(pg_total_relation_size(inhrelid)), 0) FROM pg_inherits WHERE inhparent = to_regclass($1)",
-		[]any{t.quoted(d)}
-}
-
-func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
-	// No purge index: purging drops whole partitions. The primary key, led
-	// by (consumer, message_id), serves the claim's lookup in every
-	// partition. No DEFAULT partition: a claim with no partition for its
-	// day fails loudly (nack) instead of landing where no drop reaches it.
-	return []string{
-		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
-			"    consumer     text        NOT NULL,\n" +
-			"    message_id   text        NOT NULL,\n" +
-			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
-			"    PRIMARY KEY (consumer, message_id, processed_at)\n" +
-			") PARTITION BY RANGE (processed_at)",
-	}
-}
-
-func (d postgresPartitionedDialect) existsSQL(t qualifiedName) (string, []any) {
-	// The table alone: its partitions are managed by CreatePartitions.
-	return "SELECT 2 * (to_regclass($1) IS NOT NULL)::int", []any{t.quoted(d)}
-}
-
-type mysqlDialect struct{}
-
-func (mysqlDialect) String() string            { return "mysql" }
-func (mysqlDialect) quote(ident string) string { return "`" + ident + "`" }
-
-func (d mysqlDialect) claimSQL(t qualifiedName) string {
-	// The update always changes the row (processed_at moves by 1µs), so a
-	// duplicate reports 2 rows affected with or without CLIENT_FOUND_ROWS;
-	// a no-op update would report 0 without it and 1 with it, which is
-	// indistinguishable from a new row. The duplicate's transaction is rolled
-	// back, so the change is never seen.
-	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(6))" +
-		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
-}
-
-func (mysqlDialect) claimed(n int64) (bool, bool) { return n == 1, n == 1 || n == 2 }
-
-func (d mysqlDialect) createSQL(t qualifiedName) []string {
-	// varbinary, not varchar: MySQL's and MariaDB's collations compare
-	// case-insensitively or ignore trailing spaces (PAD SPACE, even
-	// utf8mb4_bin), which would make distinct message ids collide.
-	return []string{
-		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
-			"    consumer     varbinary(255) NOT NULL,\n" +
-			"    message_id   varbinary(255) NOT NULL,\n" +
-			"    processed_at datetime(6)    NOT NULL,\n" +
-			"    PRIMARY KEY (consumer, message_id),\n" +
-			"    INDEX " + d.quote(t.indexName()) + " (processed_at)\n" +
-			") ENGINE=InnoDB",
-	}
-}
-
-func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
-	schema, args := "DATABASE()", []any{t.name, t.indexName()}
-	if t.schema != "" {
-		schema, args = "?", append([]any{t.schema}, args...)
-	}
-	// The primary key and the purge index, the table implied.
-	return "SELECT COUNT(DISTINCT index_name) FROM information_schema.statistics" +
-		" WHERE table_schema = " + schema + " AND table_name = ? AND index_name IN ('PRIMARY', ?)", args
-}
-
-func (mysqlDialect) keyLock() (string, bool) { return "", false }
-
-func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
-
-func (mysqlDialect) preparesByDefault() bool { return true }
-
-// A deadlock (1213) or a snapshot-isolation conflict (1020) makes InnoDB roll
-// the whole transaction back and end it: a handler that ignores the error
-// runs its later statements in autocommit mode, and COMMIT succeeds with
-// nothing to commit. The claim's row tells: it is there, and visible to a
-// locking read, only while the transaction holds it or once another delivery
-// committed the key (then the message is processed either way). A locking
-// read, so that no isolation level can show another delivery's uncommitted
-// claim.
-func (d mysqlDialect) preCommitCheck(t qualifiedName) (string, bool) {
-	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE", true
-}
-
-func (mysqlDialect) expiredSQL(byConsumer bool) string {
-	where := "processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
-	if byConsumer {
-		where += " AND consumer = ?"
-	}
-	return where
-}
-
-// Not a DELETE: the batch's keys, by a non-locking consistent read of the
-// processed_at index (see purgeBatch).
-func (d mysqlDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	return "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(byConsumer) +
-		" ORDER BY processed_at LIMIT ?"
-}
-
-func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
-	return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
-}
-
-// mysqlTableWhere is the information_schema.tables condition for t and its
-// arguments: the current database unless t names its schema.
-func mysqlTableWhere(t qualifiedName) (string, []any) {
-	if t.schema != "" {
-		return "table_schema = ? AND table_name = ?", []any{t.schema, t.name}
-	}
-	return "table_schema = DATABASE() AND table_name = ?", []any{t.name}
-}
-
-// InnoDB's estimate, which can be off by 40-50 %.
-func (mysqlDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	where, args := mysqlTableWhere(t)
-	return "SELECT COALESCE(table_rows, 0) FROM information_schema.tables WHERE " + where, args
-}
-
-// processed_at holds UTC: arithmetic from the epoch, no CONVERT_TZ.
-func (d mysqlDialect) spanSQL(t qualifiedName) string {
-	return "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(processed_at)), " +
-		"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)) FROM " + t.quoted(d)
-}
-
-func (mysqlDialect) sizeSQL(t qualifiedName) (string, []any) {
-	where, args := mysqlTableWhere(t)
-	return "SELECT data_length + index_length FROM information_schema.tables WHERE " + where, args
-}
-
-type sqliteDialect struct{}
-
-func (sqliteDialect) String() string            { return "sqlite" }
-func (sqliteDialect) quote(ident string) string { return `"` + ident + `"` }
-
-func (d sqliteDialect) claimSQL(t qualifiedName) string {
-	// unixepoch('subsec') (SQLite 3.42+) is fractional seconds; processed_at
-	// holds whole Unix microseconds, UTC.
-	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at)" +
-		" VALUES (?, ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER))" +
-		" ON CONFLICT (consumer, message_id) DO NOTHING"
-}
-
-func (sqliteDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
-
-func (d sqliteDialect) createSQL(t qualifiedName) []string {
-	// In SQLite an index lives in its table's database, which is named on the
-	// index, not on the table: CREATE INDEX "aux"."idx" ON "t" (...).
-	index := d.quote(t.indexName())
-	if t.schema != "" {
-		index = d.quote(t.schema) + "." + index
-	}
-	return []string{
-		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
-			"    consumer     TEXT    NOT NULL,\n" +
-			"    message_id   TEXT    NOT NULL,\n" +
-			"    processed_at INTEGER NOT NULL,\n" +
-			"    PRIMARY KEY (consumer, message_id)\n" +
-			") WITHOUT ROWID",
-		"CREATE INDEX IF NOT EXISTS " + index + " ON " + d.quote(t.name) + " (processed_at)",
-	}
-}
-
-func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
-	master := "sqlite_master"
-	if t.schema != "" {
-		master = d.quote(t.schema) + ".sqlite_master"
-	}
-	return "SELECT COUNT(*) FROM " + master + " WHERE (type = 'table' AND name = ?) OR (type = 'index' AND name = ?)",
-		[]any{t.name, t.indexName()}
-}
-
-func (sqliteDialect) keyLock() (string, bool) { return "", false }
-
-// A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
-// makes COMMIT fail: no transaction is active.
-func (sqliteDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
-
-func (sqliteDialect) uncodedBoundaryErrIsLostConn() bool { return false }
-
-func (sqliteDialect) preparesByDefault() bool { return true }
-
-func (sqliteDialect) expiredSQL(byConsumer bool) string {
-	where := "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1"
-	if byConsumer {
-		where += " AND consumer = ?2"
-	}
-	return where
-}
-
-// WITHOUT ROWID, so the batch is chosen by primary key.
-func (d sqliteDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("?", byConsumer), "")
-}
-
-func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
-	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
-}
-
-// SQLite keeps no estimate: an exact count (SQLite tables are expected to be
-// small enough).
-func (d sqliteDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	return "SELECT COUNT(*) FROM " + t.quoted(d), nil
-}
-
-func (d sqliteDialect) spanSQL(t qualifiedName) string {
-	return "SELECT MIN(processed_at), MAX(processed_at) FROM " + t.quoted(d)
-}
-
-// The whole database file.
-func (sqliteDialect) sizeSQL(qualifiedName) (string, []any) {
-	return "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()", nil
-}
-
 // deleteOldestSQL is a DELETE of the oldest rows of the quoted table q that
 // match where, at most limit (a placeholder) of them, chosen by primary key
 // with the row-locking clause lock ("" for none).
@@ -530,9 +252,6 @@ func batchParam(prefix string, byConsumer bool) string {
 	return prefix + "2"
 }
 
-// isPostgres reports whether d is one of the PostgreSQL dialects.
-func isPostgres(d Dialect) bool { return d == PostgreSQL || d == PostgreSQLPartitioned }
-
 // canonicalTable returns t qualified the way the database resolves it, so
 // that every instance derives the same lock keys and partition names
 // however the table name was written ("inbox" or "public.inbox"): on
@@ -543,18 +262,7 @@ func canonicalTable(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qua
 	if t.schema != "" {
 		return t, nil
 	}
-	var schema string
-	var err error
-	switch {
-	case isPostgres(d):
-		err = sqlx.GetContext(ctx, q, &schema, `SELECT COALESCE(
-			(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)),
-			current_schema())`, t.quoted(d))
-	case d == MySQL:
-		err = sqlx.GetContext(ctx, q, &schema, "SELECT DATABASE()")
-	default:
-		schema = "main"
-	}
+	schema, err := d.resolveSchema(ctx, q, t)
 	if err != nil {
 		return t, fmt.Errorf("resolve table %s: %w", t, err)
 	}
@@ -562,4 +270,59 @@ func canonicalTable(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qua
 		return t, fmt.Errorf("resolve table %s: no current schema or database", t)
 	}
 	return qualifiedName{schema: schema, name: t.name}, nil
+}
+
+// standardIsolation reports whether l is the default or one of the four SQL
+// standard levels: what the PostgreSQL and MySQL drivers (pgx, lib/pq,
+// go-sql-driver/mysql) accept; they refuse every other level at BEGIN with
+// an error that carries no server code (pgx runs sql.LevelSnapshot as
+// REPEATABLE READ, but lib/pq refuses it: ask for LevelRepeatableRead,
+// which on PostgreSQL is snapshot isolation).
+func standardIsolation(l sql.IsolationLevel) bool {
+	switch l {
+	case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
+		return true
+	}
+	return false
+}
+
+// errIsolationRefused is checkIsolation's error for a level the drivers
+// refuse.
+func errIsolationRefused(l sql.IsolationLevel, d Dialect) error {
+	return fmt.Errorf("inbox: Config.TxOptions.Isolation %v: not run on %v (a driver refuses it at every BEGIN)", l, d)
+}
+
+// copyTxOptions returns a copy of user: what Validate checked is what runs.
+func copyTxOptions(user *sql.TxOptions) *sql.TxOptions {
+	if user == nil {
+		return nil
+	}
+	opts := *user
+	return &opts
+}
+
+// runStatements runs stmts on db one by one, for the DDL of dialects whose
+// statements are each atomic and IF NOT EXISTS.
+func runStatements(ctx context.Context, db *sqlx.DB, t qualifiedName, stmts []string) error {
+	for _, stmt := range stmts {
+		if _, err := db.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+		}
+	}
+	return nil
+}
+
+// purgeRows is a Purger round of the dialects that delete rows: Purge, then
+// the age of the oldest row left.
+func purgeRows(ctx context.Context, d Dialect, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
+	if round.Deleted, round.Err = purge(ctx, db, cfg); round.Err != nil {
+		return round
+	}
+	var us sql.NullInt64
+	if err := db.QueryRowxContext(ctx, d.oldestAgeSQL(t)).Scan(&us); err != nil {
+		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", t, err)
+		return round
+	}
+	round.OldestAge = time.Duration(max(us.Int64, 0)) * time.Microsecond
+	return round
 }

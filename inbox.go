@@ -211,20 +211,7 @@ func New(cfg Config) (*Inbox, error) {
 	ib.backend = sqlBackend{ib}
 	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
-	if cfg.TxOptions != nil {
-		opts := *cfg.TxOptions // a copy: what Validate checked is what runs
-		ib.txOptions = &opts
-	}
-	if cfg.Dialect == PostgreSQLPartitioned {
-		// Pinned, never left to the server's default_transaction_isolation:
-		// at REPEATABLE READ the snapshot would be taken before the key lock
-		// is granted. Validate refused any other explicit level.
-		opts := sql.TxOptions{Isolation: sql.LevelReadCommitted}
-		if cfg.TxOptions != nil {
-			opts.ReadOnly = cfg.TxOptions.ReadOnly
-		}
-		ib.txOptions = &opts
-	}
+	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
 	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
 	if cfg.TracerProvider != nil {
 		ib.tracer = cfg.TracerProvider.Tracer("github.com/watermill-inbox/inbox")
@@ -260,20 +247,7 @@ func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
 	}
-	if ib.dialect != PostgreSQLPartitioned {
-		return nil
-	}
-	return ensurePartitions(ctx, ib.db, ib.table)
-}
-
-// ensurePartitions creates the partitions from yesterday (by the database
-// clock) to DefaultPartitionsAhead days after today.
-func ensurePartitions(ctx context.Context, db dbConn, t qualifiedName) error {
-	var now time.Time
-	if err := sqlx.GetContext(ctx, db, &now, "SELECT now()"); err != nil {
-		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
-	}
-	return createPartitions(ctx, db, t, now.AddDate(0, 0, -1), DefaultPartitionsAhead+2)
+	return ib.dialect.maintainSchema(ctx, ib.db, ib.table)
 }
 
 // keyLockHash is the advisory lock key of one inbox key: a 64-bit FNV-1a

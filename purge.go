@@ -2,10 +2,8 @@ package inbox
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -187,7 +185,7 @@ const purgeRetryBackoff = 10 * time.Millisecond
 func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
 	backoff := purgeRetryBackoff
 	for attempt := 1; ; attempt++ {
-		deleted, found, err = purgeBatch(ctx, db, d, t, query, args, h)
+		deleted, found, err = d.purgeBatch(ctx, db, t, query, args, h)
 		if err == nil || attempt == purgeBatchAttempts || !purgeRetryable(err) || ctx.Err() != nil {
 			if err != nil && attempt > 1 {
 				err = fmt.Errorf("attempt %d of %d: %w", attempt, purgeBatchAttempts, err)
@@ -221,97 +219,6 @@ func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consume
 		args = append(args, consumer)
 	}
 	return d.purgeSQL(t, consumer != ""), append(args, batch)
-}
-
-// purgeBatch runs one batch in its own transaction and returns the rows it
-// deleted and the expired rows it found (fewer than the batch size: the
-// purge is done).
-//
-// On PostgreSQL and SQLite the batch is one DELETE (on PostgreSQL in an
-// explicit transaction, so that it works behind a transaction-mode pooler
-// with lib/pq). On
-// MySQL/MariaDB a DELETE that walks the processed_at index must lock the
-// first record past the cutoff to see that the range ended, at any isolation
-// level; when that record is a live handler's uncommitted claim (a quiet
-// table), the batch would wait for the whole handler. So the keys are read
-// first with a non-locking consistent read, and then deleted by primary key,
-// at READ COMMITTED: only the expired rows themselves are locked.
-func purgeBatch(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
-	switch {
-	case d == SQLite:
-		res, err := db.ExecContext(ctx, query, args...)
-		if err != nil {
-			return 0, 0, err
-		}
-		n, err := res.RowsAffected()
-		return n, n, err
-	case isPostgres(d):
-		// One DELETE, in an explicit transaction: behind a transaction-mode
-		// pooler, lib/pq's two exchanges for a statement with arguments
-		// must reach the same server connection (see withReadTx).
-		tx, err := db.BeginTxx(ctx, nil)
-		if err != nil {
-			return 0, 0, err
-		}
-		defer tx.Rollback() //nolint:errcheck // no-op after Commit
-		res, err := tx.ExecContext(ctx, query, args...)
-		if err != nil {
-			return 0, 0, err
-		}
-		n, err := res.RowsAffected()
-		if err != nil {
-			return 0, 0, err
-		}
-		return n, n, tx.Commit()
-	}
-	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	if err != nil {
-		return 0, 0, err
-	}
-	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	var keys []struct {
-		Consumer  []byte `db:"consumer"`
-		MessageID []byte `db:"message_id"`
-	}
-	if err := sqlx.SelectContext(ctx, tx, &keys, query, args...); err != nil {
-		return 0, 0, err
-	}
-	h.purgeKeysRead()
-	// consumer = ? AND message_id IN (...) is a primary-key range MariaDB
-	// resolves by point lookups; a row-value IN ((?, ?), ...) list it scans,
-	// locking every row it reads, live claims included.
-	byConsumer := map[string][]any{}
-	var consumers []string
-	for _, k := range keys {
-		c := string(k.Consumer)
-		if _, ok := byConsumer[c]; !ok {
-			consumers = append(consumers, c)
-		}
-		byConsumer[c] = append(byConsumer[c], k.MessageID)
-	}
-	const perStatement = 1000 // placeholders, far below MySQL's 65,535
-	for _, c := range consumers {
-		ids := byConsumer[c]
-		for lo := 0; lo < len(ids); lo += perStatement {
-			chunk := ids[lo:min(len(ids), lo+perStatement)]
-			// The expiry condition again: a key that another purge deleted
-			// and a late redelivery claimed afresh since the read above is
-			// young now, and must stay.
-			query := "DELETE FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id IN (?" +
-				strings.Repeat(", ?", len(chunk)-1) + ") AND " + d.expiredSQL(false)
-			stmtArgs := append(append([]any{c}, chunk...), args[0]) // args[0]: the window
-			res, err := tx.ExecContext(ctx, query, stmtArgs...)
-			if err != nil {
-				return 0, 0, err
-			}
-			n, err := res.RowsAffected()
-			if err != nil {
-				return 0, 0, err
-			}
-			deleted += n
-		}
-	}
-	return deleted, int64(len(keys)), tx.Commit()
 }
 
 // checkWindow returns the window a purge of olderThan may use under the

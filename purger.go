@@ -2,7 +2,6 @@ package inbox
 
 import (
 	"context"
-	"database/sql"
 	"database/sql/driver"
 	"errors"
 	"fmt"
@@ -78,7 +77,6 @@ type Purger struct {
 	cfg     PurgerConfig
 	table   qualifiedName
 	dialect Dialect
-	oldest  string
 }
 
 // NewPurger checks cfg (the error wraps ErrInvalidConfig) and returns a
@@ -101,7 +99,6 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 	table, _ := parseTableName(cfg.Purge.Table)
 	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect}
 	p.cfg.Logger = cfg.Logger.With(watermill.LogFields{"table": table.String()})
-	p.oldest = p.dialect.oldestAgeSQL(table)
 	return p, nil
 }
 
@@ -215,45 +212,7 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 			round.Err = fmt.Errorf("inbox: purge lock: %w", err)
 		}
 	}()
-	db := lease.work
-	if p.dialect == PostgreSQLPartitioned {
-		// Whole partitions: create the coming days', drop those past the
-		// window. The window is checked as Purge checks it.
-		olderThan, err := checkWindow(ctx, p.cfg.Purge.Window, p.cfg.Purge.OlderThan)
-		if err != nil {
-			round.Err = fmt.Errorf("inbox: purge %s: %w", p.table, err)
-			return round
-		}
-		if round.Err = ensurePartitions(ctx, db, p.table); round.Err != nil {
-			return round
-		}
-		dropped, err := dropPartitions(ctx, db, p.table, olderThan)
-		for _, d := range dropped {
-			round.Deleted += d.Rows
-			round.DroppedPartitions = append(round.DroppedPartitions, d.Name)
-		}
-		if round.Err = err; err != nil {
-			return round
-		}
-		err = withReadTx(ctx, db, p.dialect, func(q sqlx.QueryerContext) (err error) {
-			round.OldestAge, err = oldestPartitionAge(ctx, q, p.table)
-			return err
-		})
-		if err != nil {
-			round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, err)
-		}
-		return round
-	}
-	if round.Deleted, round.Err = purge(ctx, db, p.cfg.Purge); round.Err != nil {
-		return round
-	}
-	var us sql.NullInt64
-	if err := db.QueryRowxContext(ctx, p.oldest).Scan(&us); err != nil {
-		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", p.table, err)
-		return round
-	}
-	round.OldestAge = time.Duration(max(us.Int64, 0)) * time.Microsecond
-	return round
+	return p.dialect.purgeRound(ctx, lease.work, p.cfg.Purge, p.table)
 }
 
 // purgeLockKey is the purge lock key of the resolved table name.
@@ -262,9 +221,6 @@ func purgeLockKey(t qualifiedName) int64 {
 	h.Write([]byte("watermill-inbox purge " + t.String()))
 	return int64(h.Sum64())
 }
-
-// mysqlLockName is the GET_LOCK name for key: at most 64 characters.
-func mysqlLockName(key int64) string { return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(key)) }
 
 // purgeLease is a held purge lock: what a Purger round or DropPartitions
 // runs under.
@@ -278,111 +234,14 @@ type purgeLease struct {
 	release func() error
 }
 
-// acquirePurgeLock takes the purge lock of table t, keyed by the name as
-// the database resolves it (so instances that spell the table differently
-// still exclude each other). Without wait, got is false when another
-// instance holds it; with wait, it waits for it (until ctx ends).
-//
-//   - PostgreSQL: pg_try_advisory_xact_lock (pg_advisory_xact_lock with
-//     wait) in a transaction of its own, held open for the round and rolled
-//     back to release. A transaction-scoped lock holds behind a
-//     transaction-mode pooler (PgBouncer), where a session lock would be
-//     taken on one server connection and released, or not, on another. The
-//     transaction only takes the lock and then keeps no snapshot (see
-//     below), so it holds back no vacuum, and the round's statements run
-//     on the pool, each in its own short transaction: a round needs two
-//     connections, and a pool limited to one is refused.
-//   - MySQL/MariaDB: GET_LOCK, a session lock, on one connection taken from
-//     the pool for the round; the round's statements run on that connection.
-//   - SQLite: no lock; every writer is serialised by the database anyway.
-func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, wait bool) (purgeLease, bool, error) {
-	switch {
-	case d == SQLite:
-		return purgeLease{work: db, release: func() error { return nil }}, true, nil
-	case isPostgres(d):
-		if db.Stats().MaxOpenConnections == 1 {
-			return purgeLease{}, false, fmt.Errorf("%w: on PostgreSQL the purge needs two connections (one holds the lock's transaction), and DB allows one (sql.DB.SetMaxOpenConns)", ErrInvalidConfig)
-		}
-		tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-		if err != nil {
-			return purgeLease{}, false, err
-		}
-		ct, err := canonicalTable(ctx, tx, d, t)
-		if err != nil {
-			tx.Rollback() //nolint:errcheck // the error above is the one to report
-			return purgeLease{}, false, err
-		}
-		query := "SELECT pg_try_advisory_xact_lock($1)"
-		if wait {
-			query = "SELECT true FROM pg_advisory_xact_lock($1)" // one row once granted
-		}
-		var got bool
-		if err := tx.QueryRowxContext(ctx, query, purgeLockKey(ct)).Scan(&got); err != nil || !got {
-			tx.Rollback() //nolint:errcheck // nothing held; err is the one to report
-			return purgeLease{}, false, err
-		}
-		// A statement without arguments goes by the simple protocol, which
-		// drops the unnamed portal of the lock query: that portal keeps the
-		// transaction's snapshot, and with it the session's xmin, which
-		// would hold back vacuum and make DETACH PARTITION ... FINALIZE wait
-		// on this very transaction. It also keeps a server-side
-		// idle_in_transaction_session_timeout from ending the lock while
-		// the round runs.
-		if _, err := tx.ExecContext(ctx, "SET LOCAL idle_in_transaction_session_timeout = 0"); err != nil {
-			tx.Rollback() //nolint:errcheck // the error above is the one to report
-			return purgeLease{}, false, err
-		}
-		release := func() error {
-			if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
-				// ErrTxDone: ctx ended and database/sql rolled back already.
-				return fmt.Errorf("the lock's transaction failed (the lock may have been lost during the round): %w", err)
-			}
-			return nil
-		}
-		return purgeLease{work: db, release: release}, true, nil
-	default:
-		conn, err := db.Connx(ctx)
-		if err != nil {
-			return purgeLease{}, false, fmt.Errorf("connection: %w", err)
-		}
-		ct, err := canonicalTable(ctx, conn, d, t)
-		if err != nil {
-			conn.Close()
-			return purgeLease{}, false, err
-		}
-		name := mysqlLockName(purgeLockKey(ct))
-		timeout := 0
-		if wait {
-			timeout = -1 // forever (until ctx ends)
-		}
-		var got sql.NullBool
-		if err := conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, ?) = 1", name, timeout).Scan(&got); err != nil {
-			// The server may have granted the lock before the error (a
-			// context cancelled in between): never return this session to
-			// the pool, or it would hold the lock for good.
-			_ = conn.Raw(func(any) error { return errBadConn })
-			conn.Close()
-			return purgeLease{}, false, err
-		}
-		if !got.Valid || !got.Bool {
-			conn.Close()
-			return purgeLease{}, false, nil
-		}
-		release := func() error {
-			defer conn.Close()
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			if _, err := conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", name); err != nil {
-				// The session may still hold the lock: close the connection
-				// instead of returning it to the pool, which releases it.
-				_ = conn.Raw(func(any) error { return errBadConn })
-				return err
-			}
-			return nil
-		}
-		return purgeLease{work: conn, release: release}, true, nil
-	}
-}
-
 // errBadConn makes database/sql discard a connection (driver.ErrBadConn).
 var errBadConn = driver.ErrBadConn
+
+// acquirePurgeLock takes the purge lock of table t, keyed by the name as
+// the database resolves it (so instances that spell the table differently
+// still exclude each other), as d does it (Dialect.purgeLock). Without
+// wait, got is false when another instance holds it; with wait, it waits
+// for it (until ctx ends).
+func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, wait bool) (purgeLease, bool, error) {
+	return d.purgeLock(ctx, db, t, wait)
+}

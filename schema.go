@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strings"
-	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -30,35 +29,13 @@ func SchemaSQL(d Dialect, table string) (string, error) {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "-- Inbox table for github.com/watermill-inbox/inbox (%s).\n", d)
-	notes := schemaNotes[d]
-	if d == PostgreSQLPartitioned {
-		p, _ := partitionName(t, time.Date(2026, 11, 29, 0, 0, 0, 0, time.UTC))
-		notes += "-- Partition of one day: CREATE TABLE " + p.quoted(d) + " PARTITION OF " + t.quoted(d) + "\n" +
-			"--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');\n"
-	}
-	b.WriteString(notes)
+	b.WriteString(d.schemaNotes(t))
 	for _, stmt := range d.createSQL(t) {
 		b.WriteString("\n")
 		b.WriteString(stmt)
 		b.WriteString(";\n")
 	}
 	return b.String(), nil
-}
-
-// schemaNotes are dialect-specific comment lines for SchemaSQL.
-var schemaNotes = map[Dialect]string{
-	PostgreSQL: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
-		"-- processed_at: the database clock (now()), an absolute instant.\n",
-	PostgreSQLPartitioned: "-- Range-partitioned by UTC day on processed_at; partitions are created ahead by\n" +
-		"-- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
-		"-- The primary key must include the partition key, so it guards one partition only:\n" +
-		"-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.\n",
-	MySQL: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
-		"-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
-		"-- (PAD SPACE, even utf8mb4_bin), and message ids must compare byte for byte.\n" +
-		"-- processed_at: UTC_TIMESTAMP(6), UTC whatever the session time zone.\n",
-	SQLite: "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
-		"-- processed_at: Unix microseconds, UTC, from the database clock.\n",
 }
 
 func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName) error {
@@ -76,7 +53,7 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 		return fmt.Errorf("inbox: initialize schema of %s: check catalog: %w", t, err)
 	}
 	if found < 2 {
-		if err := createSchema(ctx, db, d, t, found); err != nil {
+		if err := d.createSchema(ctx, db, t, found); err != nil {
 			return err
 		}
 	}
@@ -84,58 +61,6 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 	// is used only once it is known not to merge or truncate ids.
 	if err := verifySchema(ctx, db, d, t); err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
-	}
-	return nil
-}
-
-// createSchema runs the DDL of d for t, of which found objects (see
-// schemaObjects) already exist.
-func createSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, found int) error {
-	stmts := d.createSQL(t)
-	if d == MySQL && found == 1 {
-		// The table exists without its purge index, and CREATE TABLE IF NOT
-		// EXISTS would skip the inline index with the table. MySQL 8 has no
-		// CREATE INDEX IF NOT EXISTS; a concurrent starter doing the same
-		// fails with error 1061 (duplicate key name) and can simply retry.
-		stmts = []string{"CREATE INDEX " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)"}
-	}
-	if !isPostgres(d) {
-		// MySQL: one CREATE TABLE IF NOT EXISTS (index inline), atomic under
-		// the metadata lock. SQLite: each statement is atomic and the second
-		// only creates the index; running them outside one transaction keeps
-		// a concurrent starter from failing on a stale read snapshot.
-		for _, stmt := range stmts {
-			if _, err := db.ExecContext(ctx, stmt); err != nil {
-				return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
-			}
-		}
-		return nil
-	}
-
-	// PostgreSQL: concurrent CREATE TABLE IF NOT EXISTS of one name can fail
-	// with a unique violation on pg_type; serialise starters on an advisory
-	// lock that ends with the transaction (so it holds behind a
-	// transaction-mode pooler), keyed by the name as resolved by the
-	// database. DDL is transactional here.
-	tx, err := db.BeginTxx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("inbox: initialize schema of %s: begin: %w", t, err)
-	}
-	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op returning ErrTxDone
-	ct, err := canonicalTable(ctx, tx, d, t)
-	if err != nil {
-		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
-	}
-	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(ct)); err != nil {
-		return fmt.Errorf("inbox: initialize schema of %s: lock: %w", t, err)
-	}
-	for _, stmt := range stmts {
-		if _, err := tx.ExecContext(ctx, stmt); err != nil {
-			return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("inbox: initialize schema of %s: commit: %w", t, err)
 	}
 	return nil
 }

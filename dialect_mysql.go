@@ -1,0 +1,533 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+)
+
+var _ Dialect = mysqlDialect{}
+
+// mysqlDialect is MySQL and MariaDB through go-sql-driver/mysql: every
+// statement the inbox runs there.
+type mysqlDialect struct{}
+
+func (mysqlDialect) String() string { return "mysql" }
+
+func (mysqlDialect) quote(ident string) string { return "`" + ident + "`" }
+
+func (d mysqlDialect) claimSQL(t qualifiedName) string {
+	// The update always changes the row (processed_at moves by 1µs), so a
+	// duplicate reports 2 rows affected with or without CLIENT_FOUND_ROWS;
+	// a no-op update would report 0 without it and 1 with it, which is
+	// indistinguishable from a new row. The duplicate's transaction is rolled
+	// back, so the change is never seen.
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(6))" +
+		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
+}
+
+func (mysqlDialect) claimed(n int64) (bool, bool) { return n == 1, n == 1 || n == 2 }
+
+func (d mysqlDialect) createSQL(t qualifiedName) []string {
+	// varbinary, not varchar: MySQL's and MariaDB's collations compare
+	// case-insensitively or ignore trailing spaces (PAD SPACE, even
+	// utf8mb4_bin), which would make distinct message ids collide.
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     varbinary(255) NOT NULL,\n" +
+			"    message_id   varbinary(255) NOT NULL,\n" +
+			"    processed_at datetime(6)    NOT NULL,\n" +
+			"    PRIMARY KEY (consumer, message_id),\n" +
+			"    INDEX " + d.quote(t.indexName()) + " (processed_at)\n" +
+			") ENGINE=InnoDB",
+	}
+}
+
+func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
+	schema, args := "DATABASE()", []any{t.name, t.indexName()}
+	if t.schema != "" {
+		schema, args = "?", append([]any{t.schema}, args...)
+	}
+	// The primary key and the purge index, the table implied.
+	return "SELECT COUNT(DISTINCT index_name) FROM information_schema.statistics" +
+		" WHERE table_schema = " + schema + " AND table_name = ? AND index_name IN ('PRIMARY', ?)", args
+}
+
+func (mysqlDialect) keyLock() (string, bool) { return "", false }
+
+func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
+
+func (mysqlDialect) preparesByDefault() bool { return true }
+
+// A deadlock (1213) or a snapshot-isolation conflict (1020) makes InnoDB roll
+// the whole transaction back and end it: a handler that ignores the error
+// runs its later statements in autocommit mode, and COMMIT succeeds with
+// nothing to commit. The claim's row tells: it is there, and visible to a
+// locking read, only while the transaction holds it or once another delivery
+// committed the key (then the message is processed either way). A locking
+// read, so that no isolation level can show another delivery's uncommitted
+// claim.
+func (d mysqlDialect) preCommitCheck(t qualifiedName) (string, bool) {
+	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE", true
+}
+
+func (mysqlDialect) expiredSQL(byConsumer bool) string {
+	where := "processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+	if byConsumer {
+		where += " AND consumer = ?"
+	}
+	return where
+}
+
+// Not a DELETE: the batch's keys, by a non-locking consistent read of the
+// processed_at index (see purgeBatch).
+func (d mysqlDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
+	return "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(byConsumer) +
+		" ORDER BY processed_at LIMIT ?"
+}
+
+func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
+	return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
+}
+
+// mysqlTableWhere is the information_schema.tables condition for t and its
+// arguments: the current database unless t names its schema.
+func mysqlTableWhere(t qualifiedName) (string, []any) {
+	if t.schema != "" {
+		return "table_schema = ? AND table_name = ?", []any{t.schema, t.name}
+	}
+	return "table_schema = DATABASE() AND table_name = ?", []any{t.name}
+}
+
+// InnoDB's estimate, which can be off by 40-50 %.
+func (mysqlDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	where, args := mysqlTableWhere(t)
+	return "SELECT COALESCE(table_rows, 0) FROM information_schema.tables WHERE " + where, args
+}
+
+// processed_at holds UTC: arithmetic from the epoch, no CONVERT_TZ.
+func (d mysqlDialect) spanSQL(t qualifiedName) string {
+	return "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(processed_at)), " +
+		"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)) FROM " + t.quoted(d)
+}
+
+func (mysqlDialect) sizeSQL(t qualifiedName) (string, []any) {
+	where, args := mysqlTableWhere(t)
+	return "SELECT data_length + index_length FROM information_schema.tables WHERE " + where, args
+}
+
+// myColumn is one column of the table, from information_schema.COLUMNS.
+type myColumn struct {
+	Name      string         `db:"name"`
+	DataType  string         `db:"data_type"`   // varbinary, varchar, datetime, ...
+	Type      string         `db:"column_type"` // varbinary(255), for messages and DDL
+	MaxLength sql.NullInt64  `db:"max_length"`  // characters (bytes for binary types)
+	Charset   sql.NullString `db:"charset"`
+	Collation sql.NullString `db:"collation"`
+	Nullable  string         `db:"nullable"` // YES or NO
+	Default   sql.NullString `db:"column_default"`
+	Extra     sql.NullString `db:"extra"` // auto_increment, VIRTUAL GENERATED, ...
+	Precision sql.NullInt64  `db:"datetime_precision"`
+}
+
+// myIndexColumn is one column of one index, from information_schema.STATISTICS.
+type myIndexColumn struct {
+	Index   string         `db:"index_name"`
+	Unique  bool           `db:"is_unique"`
+	Seq     int            `db:"seq"`
+	Column  sql.NullString `db:"column_name"` // NULL for a functional key part (MySQL 8)
+	SubPart sql.NullInt64  `db:"sub_part"`    // the prefix length; NULL for the whole column
+}
+
+const myColumnsSQL = `SELECT COLUMN_NAME AS name, DATA_TYPE AS data_type, COLUMN_TYPE AS column_type,
+	CHARACTER_MAXIMUM_LENGTH AS max_length, CHARACTER_SET_NAME AS charset, COLLATION_NAME AS collation,
+	IS_NULLABLE AS nullable, COLUMN_DEFAULT AS column_default, EXTRA AS extra, DATETIME_PRECISION AS datetime_precision
+FROM information_schema.COLUMNS WHERE `
+
+const myIndexesSQL = `SELECT INDEX_NAME AS index_name, NON_UNIQUE = 0 AS is_unique, SEQ_IN_INDEX AS seq,
+	COLUMN_NAME AS column_name, SUB_PART AS sub_part
+FROM information_schema.STATISTICS WHERE `
+
+func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error) {
+	where, args := mysqlTableWhere(t)
+	tq := t.quoted(d)
+	var table struct {
+		Type   string         `db:"table_type"`
+		Engine sql.NullString `db:"engine"`
+	}
+	err := sqlx.GetContext(ctx, q, &table, "SELECT TABLE_TYPE AS table_type, ENGINE AS engine FROM information_schema.TABLES WHERE "+where, args...)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, tableNotFound(t)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var ps problems
+	if strings.Contains(table.Type, "VIEW") {
+		ps.add("replace it with the table of the canonical DDL below", "%q is a %q, not a table", t.String(), table.Type)
+		return ps, nil
+	}
+	if !strings.EqualFold(table.Engine.String, "InnoDB") {
+		ps.add("ALTER TABLE "+tq+" ENGINE=InnoDB", "the table uses the storage engine %q, not InnoDB: the claim relies on"+
+			" InnoDB's transactions and row locks (on MyISAM a claim survives its handler's failure)", table.Engine.String)
+	}
+
+	var cols []myColumn
+	if err := sqlx.SelectContext(ctx, q, &cols, myColumnsSQL+where+" ORDER BY ORDINAL_POSITION", args...); err != nil {
+		return nil, err
+	}
+	byName := map[string]myColumn{}
+	for _, c := range cols {
+		byName[strings.ToLower(c.Name)] = c
+	}
+	for _, name := range keyColumns {
+		fix := "ALTER TABLE " + tq + " MODIFY " + name + " varbinary(255) NOT NULL"
+		c, ok := byName[name]
+		if !ok {
+			ps.add("ALTER TABLE "+tq+" ADD COLUMN "+name+" varbinary(255) NOT NULL", "column %q is missing", name)
+			continue
+		}
+		what, err := d.keyColumnProblem(ctx, q, c)
+		if err != nil {
+			return nil, err
+		}
+		if what == "" && c.Nullable != "NO" {
+			what = fmt.Sprintf("column %q is nullable", c.Name)
+		}
+		if what != "" {
+			ps.add(fix, "%s", what)
+		}
+	}
+	fix := "ALTER TABLE " + tq + " MODIFY " + processedAt + " datetime(6) NOT NULL"
+	switch c, ok := byName[processedAt]; {
+	case !ok:
+		ps.add("ALTER TABLE "+tq+" ADD COLUMN "+processedAt+" datetime(6) NOT NULL", "column %q is missing", processedAt)
+	case c.DataType == "timestamp":
+		ps.add(fix, "column %q has type %q, which the server converts by the session time zone:"+
+			" the time zone would change which rows a purge deletes", c.Name, c.Type)
+	case c.DataType != "datetime":
+		ps.add(fix, "column %q has type %q, not datetime(6)", c.Name, c.Type)
+	case c.Precision.Int64 != 6:
+		ps.add(fix, "column %q has type %q, with fewer than 6 fractional digits: the claim of a duplicate adds"+
+			" 1 microsecond to it and must change the row", c.Name, c.Type)
+	}
+	for _, c := range cols {
+		name := strings.ToLower(c.Name)
+		if name == processedAt || slices.Contains(keyColumns, name) {
+			continue
+		}
+		generated := strings.Contains(strings.ToLower(c.Extra.String), "auto_increment") ||
+			strings.Contains(strings.ToUpper(c.Extra.String), "GENERATED")
+		if c.Nullable == "NO" && !c.Default.Valid && !generated {
+			def := c.Type
+			if c.Collation.Valid {
+				def += " CHARACTER SET " + c.Charset.String + " COLLATE " + c.Collation.String
+			}
+			ps.add("ALTER TABLE "+tq+" MODIFY "+myQuote(c.Name)+" "+def+" NULL",
+				"column %q is NOT NULL without a default, so every claim (which sets only consumer, message_id and processed_at) fails", c.Name)
+		}
+	}
+
+	var keys []myIndexColumn
+	if err := sqlx.SelectContext(ctx, q, &keys, myIndexesSQL+where+" ORDER BY INDEX_NAME, SEQ_IN_INDEX", args...); err != nil {
+		return nil, err
+	}
+	indexes := map[string][]myIndexColumn{}
+	var names []string
+	for _, k := range keys {
+		if _, ok := indexes[k.Index]; !ok {
+			names = append(names, k.Index)
+		}
+		indexes[k.Index] = append(indexes[k.Index], k)
+	}
+	want := strings.Join(keyColumns, ", ")
+	if pk, ok := indexes["PRIMARY"]; !ok {
+		fix := "ALTER TABLE " + tq + " ADD PRIMARY KEY (" + want + ")"
+		for _, name := range names {
+			if idx := indexes[name]; idx[0].Unique && myIndexIsKey(idx) {
+				fix = "ALTER TABLE " + tq + " DROP INDEX " + myQuote(name) + ", ADD PRIMARY KEY (" + want + ")"
+			}
+		}
+		ps.add(fix, "the table has no primary key; the claim needs the primary key %s"+
+			" (a UNIQUE index does not do: InnoDB takes gap locks on it that block neighbouring claims)", nameList(keyColumns))
+	} else if !myIndexIsKey(pk) {
+		why := ""
+		for _, k := range pk {
+			if k.SubPart.Valid {
+				why = ": it indexes a prefix of a key column, so ids that share the prefix merge"
+			}
+		}
+		ps.add("ALTER TABLE "+tq+" DROP PRIMARY KEY, ADD PRIMARY KEY ("+want+")",
+			"the primary key is (%s), not %s%s", myIndexColumns(pk), nameList(keyColumns), why)
+	}
+	indexed := false
+	for _, name := range names {
+		if idx := indexes[name]; name != "PRIMARY" && strings.EqualFold(idx[0].Column.String, processedAt) {
+			indexed = true
+		}
+	}
+	if !indexed {
+		ps.add("CREATE INDEX "+d.quote(t.indexName())+" ON "+tq+" ("+processedAt+")",
+			"no index is led by %q, so every purge scans the whole table", processedAt)
+	}
+	return ps, nil
+}
+
+// keyColumnProblem says what is wrong with the type, character set or
+// collation of key column c, or "" when it stores any id of up to
+// MaxKeyLength bytes and compares byte for byte.
+func (d mysqlDialect) keyColumnProblem(ctx context.Context, q sqlx.QueryerContext, c myColumn) (string, error) {
+	narrow := c.MaxLength.Int64 < MaxKeyLength
+	switch c.DataType {
+	case "varbinary":
+		if narrow {
+			return fmt.Sprintf("column %q has type %q, narrower than %d bytes (MaxKeyLength): longer ids are truncated or rejected",
+				c.Name, c.Type, MaxKeyLength), nil
+		}
+		return "", nil
+	case "binary", "char":
+		return fmt.Sprintf("column %q has type %q, which pads ids: ids that differ only in trailing padding merge", c.Name, c.Type), nil
+	case "tinyblob", "blob", "mediumblob", "longblob", "tinytext", "text", "mediumtext", "longtext":
+		return fmt.Sprintf("column %q has type %q, which a primary key indexes only by a prefix: ids that share it merge",
+			c.Name, c.Type), nil
+	case "varchar":
+	default:
+		return fmt.Sprintf("column %q has type %q; the key columns must be varbinary(255)", c.Name, c.Type), nil
+	}
+	if narrow {
+		return fmt.Sprintf("column %q has type %q, narrower than %d bytes (MaxKeyLength): longer ids are truncated or rejected",
+			c.Name, c.Type, MaxKeyLength), nil
+	}
+	if c.Charset.String != "utf8mb4" {
+		return fmt.Sprintf("column %q has the character set %q, which cannot hold every UTF-8 id", c.Name, c.Charset.String), nil
+	}
+	coll := c.Collation.String
+	noPad, err := d.noPad(ctx, q, coll)
+	if err != nil {
+		return "", err
+	}
+	var why []string
+	switch {
+	case strings.Contains(coll, "_ci"):
+		why = append(why, "compares case-insensitively (Order-1 = order-1), may fold accents (ö = o) or expand letters (ß = ss)")
+	case !strings.HasSuffix(coll, "_bin"):
+		why = append(why, "does not compare byte for byte")
+	}
+	if !noPad {
+		why = append(why, "is PAD SPACE (ids that differ only in trailing spaces merge)")
+	}
+	if len(why) > 0 {
+		return fmt.Sprintf("column %q has the collation %q, which %s", c.Name, coll, strings.Join(why, ", and ")), nil
+	}
+	return "", nil
+}
+
+// noPad reports whether collation coll is NO PAD: by information_schema.
+// COLLATIONS.PAD_ATTRIBUTE where the server has it (MySQL 8), else by the
+// MariaDB naming ("_nopad_").
+func (mysqlDialect) noPad(ctx context.Context, q sqlx.QueryerContext, coll string) (bool, error) {
+	var has int
+	if err := sqlx.GetContext(ctx, q, &has, "SELECT COUNT(*) FROM information_schema.COLUMNS"+
+		" WHERE TABLE_SCHEMA = 'information_schema' AND TABLE_NAME = 'COLLATIONS' AND COLUMN_NAME = 'PAD_ATTRIBUTE'"); err != nil {
+		return false, err
+	}
+	if has == 0 {
+		return strings.Contains(coll, "_nopad_"), nil
+	}
+	var pad string
+	err := sqlx.GetContext(ctx, q, &pad, "SELECT PAD_ATTRIBUTE FROM information_schema.COLLATIONS WHERE COLLATION_NAME = ?", coll)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	return pad == "NO PAD", err
+}
+
+// myIndexIsKey reports whether idx is exactly (consumer, message_id) on
+// whole columns.
+func myIndexIsKey(idx []myIndexColumn) bool {
+	if len(idx) != len(keyColumns) {
+		return false
+	}
+	for i, k := range idx {
+		if !strings.EqualFold(k.Column.String, keyColumns[i]) || k.SubPart.Valid {
+			return false
+		}
+	}
+	return true
+}
+
+// myIndexColumns describes idx's key parts for a message: `"consumer", "message_id"(36)`.
+func myIndexColumns(idx []myIndexColumn) string {
+	parts := make([]string, len(idx))
+	for i, k := range idx {
+		parts[i] = strconv.Quote(k.Column.String)
+		if !k.Column.Valid {
+			parts[i] = "an expression"
+		}
+		if k.SubPart.Valid {
+			parts[i] += fmt.Sprintf("(%d)", k.SubPart.Int64)
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+// myQuote quotes a name read from the catalog, which may hold any character.
+func myQuote(name string) string { return "`" + strings.ReplaceAll(name, "`", "``") + "`" }
+
+func (mysqlDialect) readTx(_ context.Context, db dbConn, f func(q sqlx.QueryerContext) error) error {
+	return f(db)
+}
+
+// The current database.
+func (mysqlDialect) resolveSchema(ctx context.Context, q sqlx.QueryerContext, _ qualifiedName) (string, error) {
+	var schema string
+	err := sqlx.GetContext(ctx, q, &schema, "SELECT DATABASE()")
+	return schema, err
+}
+
+func (d mysqlDialect) checkIsolation(l sql.IsolationLevel) error {
+	if !standardIsolation(l) {
+		return errIsolationRefused(l, d)
+	}
+	return nil
+}
+
+func (mysqlDialect) txOptions(user *sql.TxOptions) *sql.TxOptions { return copyTxOptions(user) }
+
+func (mysqlDialect) schemaNotes(qualifiedName) string {
+	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		"-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
+		"-- (PAD SPACE, even utf8mb4_bin), and message ids must compare byte for byte.\n" +
+		"-- processed_at: UTC_TIMESTAMP(6), UTC whatever the session time zone.\n"
+}
+
+// One CREATE TABLE IF NOT EXISTS (index inline), atomic under the metadata
+// lock. When the table exists without its purge index (found 1), CREATE
+// TABLE IF NOT EXISTS would skip the inline index with the table, and MySQL
+// 8 has no CREATE INDEX IF NOT EXISTS: a concurrent starter doing the same
+// fails with error 1061 (duplicate key name) and can simply retry.
+func (d mysqlDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, found int) error {
+	stmts := d.createSQL(t)
+	if found == 1 {
+		stmts = []string{"CREATE INDEX " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)"}
+	}
+	return runStatements(ctx, db, t, stmts)
+}
+
+func (mysqlDialect) maintainSchema(context.Context, dbConn, qualifiedName) error { return nil }
+
+// A DELETE that walks the processed_at index must lock the first record
+// past the cutoff to see that the range ended, at any isolation level; when
+// that record is a live handler's uncommitted claim (a quiet table), the
+// batch would wait for the whole handler. So the keys are read first with a
+// non-locking consistent read (purgeSQL), and then deleted by primary key,
+// at READ COMMITTED: only the expired rows themselves are locked.
+func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
+	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, 0, err
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	var keys []struct {
+		Consumer  []byte `db:"consumer"`
+		MessageID []byte `db:"message_id"`
+	}
+	if err := sqlx.SelectContext(ctx, tx, &keys, query, args...); err != nil {
+		return 0, 0, err
+	}
+	h.purgeKeysRead()
+	// consumer = ? AND message_id IN (...) is a primary-key range MariaDB
+	// resolves by point lookups; a row-value IN ((?, ?), ...) list it scans,
+	// locking every row it reads, live claims included.
+	byConsumer := map[string][]any{}
+	var consumers []string
+	for _, k := range keys {
+		c := string(k.Consumer)
+		if _, ok := byConsumer[c]; !ok {
+			consumers = append(consumers, c)
+		}
+		byConsumer[c] = append(byConsumer[c], k.MessageID)
+	}
+	const perStatement = 1000 // placeholders, far below MySQL's 65,535
+	for _, c := range consumers {
+		ids := byConsumer[c]
+		for lo := 0; lo < len(ids); lo += perStatement {
+			chunk := ids[lo:min(len(ids), lo+perStatement)]
+			// The expiry condition again: a key that another purge deleted
+			// and a late redelivery claimed afresh since the read above is
+			// young now, and must stay.
+			query := "DELETE FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id IN (?" +
+				strings.Repeat(", ?", len(chunk)-1) + ") AND " + d.expiredSQL(false)
+			stmtArgs := append(append([]any{c}, chunk...), args[0]) // args[0]: the window
+			res, err := tx.ExecContext(ctx, query, stmtArgs...)
+			if err != nil {
+				return 0, 0, err
+			}
+			n, err := res.RowsAffected()
+			if err != nil {
+				return 0, 0, err
+			}
+			deleted += n
+		}
+	}
+	return deleted, int64(len(keys)), tx.Commit()
+}
+
+// GET_LOCK, a session lock, on one connection taken from the pool for the
+// round; the round's statements run on that connection.
+func (d mysqlDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error) {
+	conn, err := db.Connx(ctx)
+	if err != nil {
+		return purgeLease{}, false, fmt.Errorf("connection: %w", err)
+	}
+	ct, err := canonicalTable(ctx, conn, d, t)
+	if err != nil {
+		conn.Close()
+		return purgeLease{}, false, err
+	}
+	name := mysqlLockName(purgeLockKey(ct))
+	timeout := 0
+	if wait {
+		timeout = -1 // forever (until ctx ends)
+	}
+	var got sql.NullBool
+	if err := conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, ?) = 1", name, timeout).Scan(&got); err != nil {
+		// The server may have granted the lock before the error (a
+		// context cancelled in between): never return this session to
+		// the pool, or it would hold the lock for good.
+		_ = conn.Raw(func(any) error { return errBadConn })
+		conn.Close()
+		return purgeLease{}, false, err
+	}
+	if !got.Valid || !got.Bool {
+		conn.Close()
+		return purgeLease{}, false, nil
+	}
+	release := func() error {
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := conn.ExecContext(ctx, "SELECT RELEASE_LOCK(?)", name); err != nil {
+			// The session may still hold the lock: close the connection
+			// instead of returning it to the pool, which releases it.
+			_ = conn.Raw(func(any) error { return errBadConn })
+			return err
+		}
+		return nil
+	}
+	return purgeLease{work: conn, release: release}, true, nil
+}
+
+func (d mysqlDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound {
+	return purgeRows(ctx, d, db, cfg, t)
+}
+
+// mysqlLockName is the GET_LOCK name for key: at most 64 characters.
+func mysqlLockName(key int64) string { return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(key)) }

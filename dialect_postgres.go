@@ -1,0 +1,468 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/jmoiron/sqlx"
+)
+
+var _ Dialect = postgresDialect{}
+
+// postgresDialect is PostgreSQL: every statement the inbox runs there, from
+// the claim to the catalog checks, the purge batches and the purge lock.
+// The partitioned dialect (dialect_postgres_partitioned.go) embeds it.
+type postgresDialect struct{}
+
+func (postgresDialect) String() string { return "postgres" }
+
+func (postgresDialect) quote(ident string) string { return `"` + ident + `"` }
+
+func (d postgresDialect) claimSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES ($1, $2, now())" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
+}
+
+func (postgresDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
+
+func (d postgresDialect) createSQL(t qualifiedName) []string {
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     text        NOT NULL,\n" +
+			"    message_id   text        NOT NULL,\n" +
+			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
+			"    PRIMARY KEY (consumer, message_id)\n" +
+			")",
+		"CREATE INDEX IF NOT EXISTS " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)",
+	}
+}
+
+func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
+	index := d.quote(t.indexName())
+	if t.schema != "" {
+		index = d.quote(t.schema) + "." + index
+	}
+	// to_regclass resolves unqualified names through search_path, as the
+	// DDL does, and returns NULL for a missing relation instead of failing.
+	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regclass($2) IS NOT NULL)::int", []any{t.quoted(d), index}
+}
+
+func (postgresDialect) keyLock() (string, bool) { return "", false }
+
+// After an error PostgreSQL keeps the transaction open but aborted, and
+// turns COMMIT into ROLLBACK, which the driver reports as an error.
+func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
+
+func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
+
+func (postgresDialect) preparesByDefault() bool { return false }
+
+func (postgresDialect) expiredSQL(byConsumer bool) string {
+	where := "processed_at < now() - $1 * interval '1 microsecond'"
+	if byConsumer {
+		where += " AND consumer = $2"
+	}
+	return where
+}
+
+// A batch skips rows that live transactions hold (FOR UPDATE SKIP LOCKED).
+func (d postgresDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
+	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("$", byConsumer), " FOR UPDATE SKIP LOCKED")
+}
+
+func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
+	return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+}
+
+// The planner's estimate (reltuples: -1 before the first ANALYZE on
+// PostgreSQL 14+, reported as 0).
+func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	return "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)", []any{t.quoted(d)}
+}
+
+func (d postgresDialect) spanSQL(t qualifiedName) string {
+	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), " +
+		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+}
+
+func (d postgresDialect) sizeSQL(t qualifiedName) (string, []any) {
+	return "SELECT pg_total_relation_size(to_regclass($1))", []any{t.quoted(d)}
+}
+
+// pgRelation is what pg_class says about the table.
+type pgRelation struct {
+	Kind     string `db:"kind"`     // relkind: r table, p partitioned table, v view, ...
+	Encoding string `db:"encoding"` // the database's encoding
+}
+
+// pgColumn is one column of the table, from pg_attribute.
+type pgColumn struct {
+	Name          string `db:"name"`
+	Ident         string `db:"ident"` // quote_ident(name), for DDL
+	Type          string `db:"type"`  // format_type, for messages
+	Kind          string `db:"kind"`  // text, varchar, bpchar, timestamptz, timestamp, domain or the type's name
+	Typmod        int    `db:"typmod"`
+	NotNull       bool   `db:"not_null"`
+	HasDefault    bool   `db:"has_default"` // a default, an identity or a generated column
+	Collation     string `db:"collation"`
+	Deterministic bool   `db:"deterministic"`
+}
+
+// pgPrimaryKeyColumn is one column of the table's primary key constraint.
+type pgPrimaryKeyColumn struct {
+	Constraint string `db:"constraint_name"` // quote_ident(conname), for DDL
+	Deferrable bool   `db:"deferrable"`
+	Column     string `db:"col"`
+}
+
+const pgRelationSQL = `SELECT c.relkind::text AS kind, current_setting('server_encoding') AS encoding
+FROM pg_class c WHERE c.oid = to_regclass($1)`
+
+const pgColumnsSQL = `SELECT a.attname::text AS name, quote_ident(a.attname) AS ident,
+	format_type(a.atttypid, a.atttypmod) AS type,
+	CASE WHEN a.atttypid = 'pg_catalog.text'::regtype THEN 'text'
+		WHEN a.atttypid = 'pg_catalog.varchar'::regtype THEN 'varchar'
+		WHEN a.atttypid = 'pg_catalog.bpchar'::regtype THEN 'bpchar'
+		WHEN a.atttypid = 'pg_catalog.timestamptz'::regtype THEN 'timestamptz'
+		WHEN a.atttypid = 'pg_catalog.timestamp'::regtype THEN 'timestamp'
+		WHEN ty.typtype = 'd' THEN 'domain'
+		ELSE ty.typname::text END AS kind,
+	a.atttypmod AS typmod, a.attnotnull AS not_null,
+	(a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '') AS has_default,
+	COALESCE(co.collname::text, '') AS collation, COALESCE(co.collisdeterministic, true) AS deterministic
+FROM pg_attribute a
+JOIN pg_type ty ON ty.oid = a.atttypid
+LEFT JOIN pg_collation co ON co.oid = a.attcollation
+WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum`
+
+const pgPrimaryKeySQL = `SELECT quote_ident(con.conname) AS constraint_name, con.condeferrable AS deferrable,
+	a.attname::text AS col
+FROM pg_index i
+JOIN pg_constraint con ON con.conrelid = i.indrelid AND con.contype = 'p'
+CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+WHERE i.indrelid = to_regclass($1) AND i.indisprimary
+ORDER BY k.ord`
+
+// A valid, non-partial btree or BRIN index led by processed_at: one that
+// serves the purge's range scan.
+const pgPurgeIndexSQL = `SELECT EXISTS (SELECT 1 FROM pg_index i
+	JOIN pg_class ic ON ic.oid = i.indexrelid
+	JOIN pg_am am ON am.oid = ic.relam
+	JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+	WHERE i.indrelid = to_regclass($1) AND a.attname = 'processed_at'
+		AND i.indisvalid AND i.indpred IS NULL AND am.amname IN ('btree', 'brin'))`
+
+const pgPartitioningSQL = `SELECT pt.partstrat::text AS strategy, pt.partnatts AS columns,
+	COALESCE(a.attname::text, '') AS key
+FROM pg_partitioned_table pt
+LEFT JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+WHERE pt.partrelid = to_regclass($1)`
+
+func pgReadRelation(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) (pgRelation, error) {
+	var rel pgRelation
+	err := sqlx.GetContext(ctx, q, &rel, pgRelationSQL, t.quoted(d))
+	if errors.Is(err, sql.ErrNoRows) {
+		return rel, tableNotFound(t)
+	}
+	return rel, err
+}
+
+func (d postgresDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error) {
+	rel, err := pgReadRelation(ctx, q, d, t)
+	if err != nil {
+		return nil, err
+	}
+	var ps problems
+	switch rel.Kind {
+	case "r":
+	case "p":
+		// Its primary key must include processed_at, so it cannot be the
+		// (consumer, message_id) the plain claim relies on.
+		ps.add("set Config.Dialect to inbox.PostgreSQLPartitioned",
+			"the table is partitioned, which only the PostgreSQLPartitioned dialect supports")
+		return ps, nil
+	default:
+		ps.add("replace it with the table of the canonical DDL below",
+			"%q is not a table (relkind %q)", t.String(), rel.Kind)
+		return ps, nil
+	}
+	if err := pgCheckCommon(ctx, q, d, t, rel, &ps, keyColumns, false); err != nil {
+		return nil, err
+	}
+	var indexed bool
+	if err := sqlx.GetContext(ctx, q, &indexed, pgPurgeIndexSQL, t.quoted(d)); err != nil {
+		return nil, err
+	}
+	if !indexed {
+		ps.add(d.createSQL(t)[1], "no index is led by %q, so every purge scans the whole table", processedAt)
+	}
+	return ps, nil
+}
+
+// pgCheckCommon adds the problems of the database encoding, the columns and
+// the primary key, which must be exactly pk. When partitioned, processed_at
+// is the partition key, whose type cannot be altered in place.
+func pgCheckCommon(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName, rel pgRelation,
+	ps *problems, pk []string, partitioned bool,
+) error {
+	tq := t.quoted(d)
+	if rel.Encoding != "UTF8" && rel.Encoding != "SQL_ASCII" {
+		ps.add("move the table to a database created with ENCODING 'UTF8'",
+			"the database encoding %q cannot store every UTF-8 message id", rel.Encoding)
+	}
+	var cols []pgColumn
+	if err := sqlx.SelectContext(ctx, q, &cols, pgColumnsSQL, tq); err != nil {
+		return err
+	}
+	byName := map[string]pgColumn{}
+	for _, c := range cols {
+		byName[c.Name] = c
+	}
+	for _, name := range keyColumns {
+		c, ok := byName[name]
+		fix := "ALTER TABLE " + tq + " ALTER COLUMN " + name + ` TYPE text COLLATE "C"`
+		if !ok {
+			ps.add("ALTER TABLE "+tq+" ADD COLUMN "+name+` text COLLATE "C" NOT NULL`, "column %q is missing", name)
+			continue
+		}
+		if what := pgKeyColumnProblem(c); what != "" {
+			ps.add(fix, "%s", what)
+		}
+		if !c.NotNull {
+			ps.add("ALTER TABLE "+tq+" ALTER COLUMN "+name+" SET NOT NULL", "column %q is nullable", name)
+		}
+	}
+	fix := "ALTER TABLE " + tq + " ALTER COLUMN " + processedAt + " TYPE timestamptz"
+	if partitioned {
+		fix = postgresPartitionedDialect{}.recreateScript(t)
+	}
+	switch c, ok := byName[processedAt]; {
+	case !ok:
+		ps.add("ALTER TABLE "+tq+" ADD COLUMN "+processedAt+" timestamptz NOT NULL DEFAULT now()", "column %q is missing", processedAt)
+	case c.Kind == "timestamp":
+		ps.add(fix, "column %q has type %q: the session time zone would change which rows a purge deletes", c.Name, c.Type)
+	case c.Kind != "timestamptz":
+		ps.add(fix, "column %q has type %q, not timestamptz", c.Name, c.Type)
+	}
+	for _, c := range cols {
+		if c.Name == processedAt || slices.Contains(keyColumns, c.Name) {
+			continue
+		}
+		if c.NotNull && !c.HasDefault {
+			ps.add("ALTER TABLE "+tq+" ALTER COLUMN "+c.Ident+" DROP NOT NULL",
+				"column %q is NOT NULL without a default, so every claim (which sets only consumer, message_id and processed_at) fails", c.Name)
+		}
+	}
+
+	want := strings.Join(pk, ", ")
+	var key []pgPrimaryKeyColumn
+	if err := sqlx.SelectContext(ctx, q, &key, pgPrimaryKeySQL, tq); err != nil {
+		return err
+	}
+	if len(key) == 0 {
+		ps.add("ALTER TABLE "+tq+" ADD PRIMARY KEY ("+want+")",
+			"the table has no primary key; the claim needs the primary key %s", nameList(pk))
+		return nil
+	}
+	got := make([]string, len(key))
+	for i, k := range key {
+		got[i] = k.Column
+	}
+	pkFix := "ALTER TABLE " + tq + " DROP CONSTRAINT " + key[0].Constraint + ", ADD PRIMARY KEY (" + want + ")"
+	switch {
+	case !slices.Equal(got, pk):
+		ps.add(pkFix, "the primary key is %s, not %s", nameList(got), nameList(pk))
+	case key[0].Deferrable:
+		// ON CONFLICT cannot use a deferrable constraint as its arbiter.
+		ps.add(pkFix, "the primary key is DEFERRABLE, which INSERT ... ON CONFLICT refuses")
+	}
+	return nil
+}
+
+// pgKeyColumnProblem says what is wrong with the type or collation of key
+// column c, or "" when it stores any id of up to MaxKeyLength bytes and
+// compares byte for byte.
+func pgKeyColumnProblem(c pgColumn) string {
+	switch c.Kind {
+	case "text":
+	case "varchar":
+		if n := c.Typmod - 4; c.Typmod >= 0 && n < MaxKeyLength {
+			return fmt.Sprintf("column %q has type %q, narrower than %d bytes (MaxKeyLength): longer ids are rejected",
+				c.Name, c.Type, MaxKeyLength)
+		}
+	case "bpchar":
+		return fmt.Sprintf("column %q has type %q, which pads with spaces: ids that differ only in trailing spaces merge",
+			c.Name, c.Type)
+	case "citext":
+		return fmt.Sprintf("column %q has type %q, which compares case-insensitively: Order-1 and order-1 merge",
+			c.Name, c.Type)
+	case "domain":
+		return fmt.Sprintf("column %q has type %q, a domain; the key columns must be text", c.Name, c.Type)
+	default:
+		return fmt.Sprintf("column %q has type %q; the key columns must be text (or varchar of at least %d characters)",
+			c.Name, c.Type, MaxKeyLength)
+	}
+	if !c.Deterministic {
+		return fmt.Sprintf("column %q has the nondeterministic collation %q, under which distinct ids can compare equal",
+			c.Name, c.Collation)
+	}
+	return ""
+}
+
+// Reads outside a message's transaction run in one short transaction,
+// rolled back when f returns (it only reads): behind a transaction-mode
+// pooler (PgBouncer) only a transaction keeps one server connection, and
+// lib/pq sends a statement with arguments in two exchanges (parse, then
+// bind and execute) that the pooler may otherwise hand to two server
+// connections. The rollback's own error is not returned: the reads are
+// complete, and database/sql discards a connection whose rollback failed.
+func (postgresDialect) readTx(ctx context.Context, db dbConn, f func(q sqlx.QueryerContext) error) error {
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // read only; see above
+	return f(tx)
+}
+
+// The schema the table is in, or the one CREATE TABLE would use
+// (current_schema()) when it does not exist yet.
+func (d postgresDialect) resolveSchema(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) (string, error) {
+	var schema string
+	err := sqlx.GetContext(ctx, q, &schema, `SELECT COALESCE(
+		(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)),
+		current_schema())`, t.quoted(d))
+	return schema, err
+}
+
+func (d postgresDialect) checkIsolation(l sql.IsolationLevel) error {
+	if !standardIsolation(l) {
+		return errIsolationRefused(l, d)
+	}
+	return nil
+}
+
+func (postgresDialect) txOptions(user *sql.TxOptions) *sql.TxOptions { return copyTxOptions(user) }
+
+func (postgresDialect) schemaNotes(qualifiedName) string {
+	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		"-- processed_at: the database clock (now()), an absolute instant.\n"
+}
+
+// Concurrent CREATE TABLE IF NOT EXISTS of one name can fail with a unique
+// violation on pg_type: starters are serialised on an advisory lock that
+// ends with the transaction (so it holds behind a transaction-mode pooler),
+// keyed by the name as resolved by the database. DDL is transactional here.
+func (d postgresDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, _ int) error {
+	return createSchemaLocked(ctx, db, d, t, d.createSQL(t))
+}
+
+// createSchemaLocked runs stmts in one transaction under the schema lock of
+// t (see postgresDialect.createSchema).
+func createSchemaLocked(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, stmts []string) error {
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: begin: %w", t, err)
+	}
+	defer tx.Rollback() //nolint:errcheck // after Commit it is a no-op returning ErrTxDone
+	ct, err := canonicalTable(ctx, tx, d, t)
+	if err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+	}
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(ct)); err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: lock: %w", t, err)
+	}
+	for _, stmt := range stmts {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("inbox: initialize schema of %s: commit: %w", t, err)
+	}
+	return nil
+}
+
+func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) error { return nil }
+
+// One DELETE, in an explicit transaction: behind a transaction-mode pooler,
+// lib/pq's two exchanges for a statement with arguments must reach the same
+// server connection (see readTx). FOR UPDATE SKIP LOCKED in purgeSQL skips
+// the rows live transactions hold.
+func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, query string, args []any, _ *hooks) (deleted, found int64, err error) {
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	res, err := tx.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, 0, err
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, 0, err
+	}
+	return n, n, tx.Commit()
+}
+
+// pg_try_advisory_xact_lock (pg_advisory_xact_lock with wait) in a
+// transaction of its own, held open for the round and rolled back to
+// release. A transaction-scoped lock holds behind a transaction-mode pooler
+// (PgBouncer), where a session lock would be taken on one server connection
+// and released, or not, on another. The transaction only takes the lock and
+// then keeps no snapshot (see below), so it holds back no vacuum, and the
+// round's statements run on the pool, each in its own short transaction: a
+// round needs two connections, and a pool limited to one is refused.
+func (d postgresDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error) {
+	if db.Stats().MaxOpenConnections == 1 {
+		return purgeLease{}, false, fmt.Errorf("%w: on PostgreSQL the purge needs two connections (one holds the lock's transaction), and DB allows one (sql.DB.SetMaxOpenConns)", ErrInvalidConfig)
+	}
+	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return purgeLease{}, false, err
+	}
+	ct, err := canonicalTable(ctx, tx, d, t)
+	if err != nil {
+		tx.Rollback() //nolint:errcheck // the error above is the one to report
+		return purgeLease{}, false, err
+	}
+	query := "SELECT pg_try_advisory_xact_lock($1)"
+	if wait {
+		query = "SELECT true FROM pg_advisory_xact_lock($1)" // one row once granted
+	}
+	var got bool
+	if err := tx.QueryRowxContext(ctx, query, purgeLockKey(ct)).Scan(&got); err != nil || !got {
+		tx.Rollback() //nolint:errcheck // nothing held; err is the one to report
+		return purgeLease{}, false, err
+	}
+	// A statement without arguments goes by the simple protocol, which
+	// drops the unnamed portal of the lock query: that portal keeps the
+	// transaction's snapshot, and with it the session's xmin, which
+	// would hold back vacuum and make DETACH PARTITION ... FINALIZE wait
+	// on this very transaction. It also keeps a server-side
+	// idle_in_transaction_session_timeout from ending the lock while
+	// the round runs.
+	if _, err := tx.ExecContext(ctx, "SET LOCAL idle_in_transaction_session_timeout = 0"); err != nil {
+		tx.Rollback() //nolint:errcheck // the error above is the one to report
+		return purgeLease{}, false, err
+	}
+	release := func() error {
+		if err := tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+			// ErrTxDone: ctx ended and database/sql rolled back already.
+			return fmt.Errorf("the lock's transaction failed (the lock may have been lost during the round): %w", err)
+		}
+		return nil
+	}
+	return purgeLease{work: db, release: release}, true, nil
+}
+
+func (d postgresDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound {
+	return purgeRows(ctx, d, db, cfg, t)
+}

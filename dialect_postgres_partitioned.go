@@ -1,0 +1,185 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+)
+
+var _ Dialect = postgresPartitionedDialect{}
+
+// postgresPartitionedDialect is PostgreSQL with the inbox table
+// range-partitioned by day (PostgreSQLPartitioned): what differs from
+// postgresDialect, which it embeds. The partition maintenance itself is in
+// partition.go.
+type postgresPartitionedDialect struct{ postgresDialect }
+
+func (postgresPartitionedDialect) String() string { return "postgres-partitioned" }
+
+func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
+	q := t.quoted(d)
+	// Under the key lock (keyLockSQL), so the NOT EXISTS sees a concurrent
+	// claim of the key once it committed, in whatever partition.
+	return "INSERT INTO " + q + " (consumer, message_id, processed_at) SELECT $1, $2, now()" +
+		" WHERE NOT EXISTS (SELECT 1 FROM " + q + " WHERE consumer = $1 AND message_id = $2)" +
+		" ON CONFLICT DO NOTHING"
+}
+
+func (postgresPartitionedDialect) keyLock() (string, bool) {
+	return "SELECT pg_advisory_xact_lock($1)", true
+}
+
+// Summed over the partitions: the parent holds no rows.
+func (d postgresPartitionedDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	return `SELECT COALESCE(SUM(GREATEST(c.reltuples, 0)), 0)::bigint FROM pg_inherits i
+			JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
+			HAVING to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
+}
+
+func (d postgresPartitionedDialect) sizeSQL(t qualifiedName) (string, []any) {
+	return "SELECT COALESCE(SUM(pg_total_relation_size(inhrelid)), 0) FROM pg_inherits WHERE inhparent = to_regclass($1)",
+		[]any{t.quoted(d)}
+}
+
+func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
+	// No purge index: purging drops whole partitions. The primary key, led
+	// by (consumer, message_id), serves the claim's lookup in every
+	// partition. No DEFAULT partition: a claim with no partition for its
+	// day fails loudly (nack) instead of landing where no drop reaches it.
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     text        NOT NULL,\n" +
+			"    message_id   text        NOT NULL,\n" +
+			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
+			"    PRIMARY KEY (consumer, message_id, processed_at)\n" +
+			") PARTITION BY RANGE (processed_at)",
+	}
+}
+
+func (d postgresPartitionedDialect) existsSQL(t qualifiedName) (string, []any) {
+	// The table alone: its partitions are managed by CreatePartitions.
+	return "SELECT 2 * (to_regclass($1) IS NOT NULL)::int", []any{t.quoted(d)}
+}
+
+func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error) {
+	rel, err := pgReadRelation(ctx, q, d, t)
+	if err != nil {
+		return nil, err
+	}
+	var ps problems
+	recreate := d.recreateScript(t)
+	switch rel.Kind {
+	case "p":
+	case "r":
+		ps.add(recreate, "the table is not partitioned; PostgreSQLPartitioned needs one range-partitioned on %q"+
+			" (or set Config.Dialect to inbox.PostgreSQL)", processedAt)
+		return ps, nil
+	default:
+		ps.add(recreate, "%q is not a table (relkind %q)", t.String(), rel.Kind)
+		return ps, nil
+	}
+	var part struct {
+		Strategy string `db:"strategy"`
+		Columns  int    `db:"columns"`
+		Key      string `db:"key"`
+	}
+	if err := sqlx.GetContext(ctx, q, &part, pgPartitioningSQL, t.quoted(d)); err != nil {
+		return nil, err
+	}
+	if part.Strategy != "r" || part.Columns != 1 || part.Key != processedAt {
+		strategy := map[string]string{"r": "range", "l": "list", "h": "hash"}[part.Strategy]
+		ps.add(recreate, "the table is partitioned by %s on %d column(s), the first %q, not by range on %q alone,"+
+			" so DropPartitions cannot purge it", strategy, part.Columns, part.Key, processedAt)
+		return ps, nil
+	}
+	if err := pgCheckCommon(ctx, q, d, t, rel, &ps, partitionedKey, true); err != nil {
+		return nil, err
+	}
+	return ps, nil
+}
+
+// recreateScript returns the statements that replace t with a partitioned
+// table of the canonical shape, keeping its rows.
+func (d postgresPartitionedDialect) recreateScript(t qualifiedName) string {
+	old := oldName(t)
+	return "ALTER TABLE " + t.quoted(d) + " RENAME TO " + d.quote(old.name) + ";\n" +
+		"-- Create the partitioned table (the canonical DDL below, or InitializeSchema) and the partitions\n" +
+		"-- for the days of the existing rows (CreatePartitions), then copy the rows and drop the old table:\n" +
+		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, processed_at FROM " +
+		old.quoted(d) + ";\n" +
+		"DROP TABLE " + old.quoted(d) + ";"
+}
+
+func (postgresPartitionedDialect) checkIsolation(l sql.IsolationLevel) error {
+	if l != sql.LevelDefault && l != sql.LevelReadCommitted {
+		return fmt.Errorf("inbox: PostgreSQLPartitioned needs READ COMMITTED, got Config.TxOptions.Isolation %v", l)
+	}
+	return nil
+}
+
+// Pinned, never left to the server's default_transaction_isolation: at
+// REPEATABLE READ the snapshot would be taken before the key lock is
+// granted. Validate refused any other explicit level.
+func (postgresPartitionedDialect) txOptions(user *sql.TxOptions) *sql.TxOptions {
+	opts := sql.TxOptions{Isolation: sql.LevelReadCommitted}
+	if user != nil {
+		opts.ReadOnly = user.ReadOnly
+	}
+	return &opts
+}
+
+func (d postgresPartitionedDialect) schemaNotes(t qualifiedName) string {
+	p, _ := partitionName(t, time.Date(2026, 11, 29, 0, 0, 0, 0, time.UTC))
+	return "-- Range-partitioned by UTC day on processed_at; partitions are created ahead by\n" +
+		"-- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
+		"-- The primary key must include the partition key, so it guards one partition only:\n" +
+		"-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.\n" +
+		"-- Partition of one day: CREATE TABLE " + p.quoted(d) + " PARTITION OF " + t.quoted(d) + "\n" +
+		"--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');\n"
+}
+
+func (d postgresPartitionedDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, _ int) error {
+	return createSchemaLocked(ctx, db, d, t, d.createSQL(t))
+}
+
+// The partitions from yesterday (by the database clock) to
+// DefaultPartitionsAhead days after today.
+func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn, t qualifiedName) error {
+	var now time.Time
+	if err := sqlx.GetContext(ctx, db, &now, "SELECT now()"); err != nil {
+		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
+	}
+	return createPartitions(ctx, db, t, now.AddDate(0, 0, -1), DefaultPartitionsAhead+2)
+}
+
+// Whole partitions: create the coming days', drop those past the window
+// (checked as Purge checks it), and report the oldest partition's age.
+func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
+	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
+	if err != nil {
+		round.Err = fmt.Errorf("inbox: purge %s: %w", t, err)
+		return round
+	}
+	if round.Err = d.maintainSchema(ctx, db, t); round.Err != nil {
+		return round
+	}
+	dropped, err := dropPartitions(ctx, db, t, olderThan)
+	for _, p := range dropped {
+		round.Deleted += p.Rows
+		round.DroppedPartitions = append(round.DroppedPartitions, p.Name)
+	}
+	if round.Err = err; err != nil {
+		return round
+	}
+	err = d.readTx(ctx, db, func(q sqlx.QueryerContext) (err error) {
+		round.OldestAge, err = oldestPartitionAge(ctx, q, t)
+		return err
+	})
+	if err != nil {
+		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", t, err)
+	}
+	return round
+}

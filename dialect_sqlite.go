@@ -1,0 +1,312 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"slices"
+	"strings"
+
+	"github.com/jmoiron/sqlx"
+)
+
+var _ Dialect = sqliteDialect{}
+
+// sqliteDialect is SQLite: every statement the inbox runs there.
+type sqliteDialect struct{}
+
+func (sqliteDialect) String() string { return "sqlite" }
+
+func (sqliteDialect) quote(ident string) string { return `"` + ident + `"` }
+
+func (d sqliteDialect) claimSQL(t qualifiedName) string {
+	// unixepoch('subsec') (SQLite 3.42+) is fractional seconds; processed_at
+	// holds whole Unix microseconds, UTC.
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at)" +
+		" VALUES (?, ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER))" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
+}
+
+func (sqliteDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
+
+func (d sqliteDialect) createSQL(t qualifiedName) []string {
+	// In SQLite an index lives in its table's database, which is named on the
+	// index, not on the table: CREATE INDEX "aux"."idx" ON "t" (...).
+	index := d.quote(t.indexName())
+	if t.schema != "" {
+		index = d.quote(t.schema) + "." + index
+	}
+	return []string{
+		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
+			"    consumer     TEXT    NOT NULL,\n" +
+			"    message_id   TEXT    NOT NULL,\n" +
+			"    processed_at INTEGER NOT NULL,\n" +
+			"    PRIMARY KEY (consumer, message_id)\n" +
+			") WITHOUT ROWID",
+		"CREATE INDEX IF NOT EXISTS " + index + " ON " + d.quote(t.name) + " (processed_at)",
+	}
+}
+
+func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
+	master := "sqlite_master"
+	if t.schema != "" {
+		master = d.quote(t.schema) + ".sqlite_master"
+	}
+	return "SELECT COUNT(*) FROM " + master + " WHERE (type = 'table' AND name = ?) OR (type = 'index' AND name = ?)",
+		[]any{t.name, t.indexName()}
+}
+
+func (sqliteDialect) keyLock() (string, bool) { return "", false }
+
+// A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
+// makes COMMIT fail: no transaction is active.
+func (sqliteDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
+
+func (sqliteDialect) uncodedBoundaryErrIsLostConn() bool { return false }
+
+func (sqliteDialect) preparesByDefault() bool { return true }
+
+func (sqliteDialect) expiredSQL(byConsumer bool) string {
+	where := "processed_at < CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?1"
+	if byConsumer {
+		where += " AND consumer = ?2"
+	}
+	return where
+}
+
+// WITHOUT ROWID, so the batch is chosen by primary key.
+func (d sqliteDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
+	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("?", byConsumer), "")
+}
+
+func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
+	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
+}
+
+// SQLite keeps no estimate: an exact count (SQLite tables are expected to be
+// small enough).
+func (d sqliteDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
+	return "SELECT COUNT(*) FROM " + t.quoted(d), nil
+}
+
+func (d sqliteDialect) spanSQL(t qualifiedName) string {
+	return "SELECT MIN(processed_at), MAX(processed_at) FROM " + t.quoted(d)
+}
+
+// The whole database file.
+func (sqliteDialect) sizeSQL(qualifiedName) (string, []any) {
+	return "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()", nil
+}
+
+// sqliteColumn is one column of the table, from pragma_table_xinfo.
+type sqliteColumn struct {
+	Name       string `db:"name"`
+	Type       string `db:"type"` // the declared type
+	NotNull    bool   `db:"not_null"`
+	HasDefault bool   `db:"has_default"`
+	PK         int    `db:"pk"`     // position in the primary key, 0 if not in it
+	Hidden     int    `db:"hidden"` // 2, 3: a generated column
+}
+
+// The schema that an unqualified name resolves to (temp, main, then the
+// attached databases in order) or the given one (parameter 2, "" for
+// unqualified), and what the object is there.
+const sqliteTableSQL = `SELECT tl.schema AS schema, tl.type AS type
+FROM pragma_table_list(?1) tl LEFT JOIN pragma_database_list dl ON dl.name = tl.schema
+WHERE ?2 = '' OR tl.schema = ?2 COLLATE NOCASE
+ORDER BY CASE tl.schema WHEN 'temp' THEN -1 ELSE COALESCE(dl.seq, 1000) END LIMIT 1`
+
+const sqliteColumnsSQL = `SELECT name, type, "notnull" AS not_null, dflt_value IS NOT NULL AS has_default, pk, hidden
+FROM pragma_table_xinfo(?1, ?2) ORDER BY cid`
+
+// The collation of each key column of the primary key, in order.
+const sqlitePKCollationsSQL = `SELECT ix.name AS name, ix.coll AS coll
+FROM pragma_index_list(?1, ?2) il, pragma_index_xinfo(il.name, ?2) ix
+WHERE il.origin = 'pk' AND ix.key = 1 ORDER BY ix.seqno`
+
+// Whether a full (not partial) index is led by processed_at.
+const sqlitePurgeIndexSQL = `SELECT EXISTS (SELECT 1
+FROM pragma_index_list(?1, ?2) il, pragma_index_xinfo(il.name, ?2) ix
+WHERE il.partial = 0 AND ix.seqno = 0 AND ix.name = 'processed_at' COLLATE NOCASE)`
+
+func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error) {
+	var table struct {
+		Schema string `db:"schema"`
+		Type   string `db:"type"`
+	}
+	err := sqlx.GetContext(ctx, q, &table, sqliteTableSQL, t.name, t.schema)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, tableNotFound(t)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var ps problems
+	recreate := d.recreateScript(t)
+	if table.Type != "table" {
+		ps.add(recreate, "%q is a %q, not a table", t.String(), table.Type)
+		return ps, nil
+	}
+	var cols []sqliteColumn
+	if err := sqlx.SelectContext(ctx, q, &cols, sqliteColumnsSQL, t.name, table.Schema); err != nil {
+		return nil, err
+	}
+	byName := map[string]sqliteColumn{}
+	for _, c := range cols {
+		byName[strings.ToLower(c.Name)] = c
+	}
+	// SQLite cannot alter a column: every fix but the index's is the
+	// recreate script.
+	for _, name := range keyColumns {
+		c, ok := byName[name]
+		switch {
+		case !ok:
+			ps.add(recreate, "column %q is missing", name)
+			continue
+		case sqliteAffinity(c.Type) != "TEXT":
+			ps.add(recreate, "column %q has the declared type %q, of %s affinity, not TEXT: ids that look like numbers are"+
+				" converted ('0123' becomes 123) and merge", c.Name, c.Type, sqliteAffinity(c.Type))
+		}
+		if !c.NotNull {
+			ps.add(recreate, "column %q is nullable", c.Name)
+		}
+	}
+	switch c, ok := byName[processedAt]; {
+	case !ok:
+		ps.add(recreate, "column %q is missing", processedAt)
+	case sqliteAffinity(c.Type) != "INTEGER":
+		ps.add(recreate, "column %q has the declared type %q, not of INTEGER affinity (Unix microseconds)", c.Name, c.Type)
+	}
+	var pk []string
+	for _, c := range cols {
+		name := strings.ToLower(c.Name)
+		if c.PK > 0 {
+			for len(pk) < c.PK {
+				pk = append(pk, "")
+			}
+			pk[c.PK-1] = c.Name
+		}
+		if name == processedAt || slices.Contains(keyColumns, name) {
+			continue
+		}
+		if c.NotNull && !c.HasDefault && c.Hidden != 2 && c.Hidden != 3 {
+			ps.add(recreate, "column %q is NOT NULL without a default, so every claim"+
+				" (which sets only consumer, message_id and processed_at) fails", c.Name)
+		}
+	}
+	switch {
+	case len(pk) == 0:
+		ps.add(recreate, "the table has no primary key; the claim needs the primary key %s", nameList(keyColumns))
+	case !slices.EqualFunc(pk, keyColumns, strings.EqualFold):
+		ps.add(recreate, "the primary key is %s, not %s", nameList(pk), nameList(keyColumns))
+	default:
+		var colls []struct {
+			Name string         `db:"name"`
+			Coll sql.NullString `db:"coll"`
+		}
+		if err := sqlx.SelectContext(ctx, q, &colls, sqlitePKCollationsSQL, t.name, table.Schema); err != nil {
+			return nil, err
+		}
+		for _, c := range colls {
+			if strings.EqualFold(c.Coll.String, "BINARY") {
+				continue
+			}
+			why := "which may not compare byte for byte"
+			switch strings.ToUpper(c.Coll.String) {
+			case "NOCASE":
+				why = "which folds case: Order-1 and order-1 merge"
+			case "RTRIM":
+				why = "which ignores trailing spaces: ids that differ only in them merge"
+			}
+			ps.add(recreate, "the primary key compares column %q with the collation %q, %s", c.Name, c.Coll.String, why)
+		}
+	}
+	var indexed bool
+	if err := sqlx.GetContext(ctx, q, &indexed, sqlitePurgeIndexSQL, t.name, table.Schema); err != nil {
+		return nil, err
+	}
+	if !indexed {
+		ps.add(d.createSQL(t)[1], "no index is led by %q, so every purge scans the whole table", processedAt)
+	}
+	return ps, nil
+}
+
+// recreateScript returns the statements that replace t with a table of the
+// canonical shape, keeping its rows: SQLite cannot alter a column.
+func (d sqliteDialect) recreateScript(t qualifiedName) string {
+	old := oldName(t)
+	create := d.createSQL(t)
+	return "BEGIN IMMEDIATE;\n" +
+		"ALTER TABLE " + t.quoted(d) + " RENAME TO " + d.quote(old.name) + ";\n" +
+		create[0] + ";\n" +
+		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, processed_at FROM " +
+		old.quoted(d) + ";\n" +
+		"DROP TABLE " + old.quoted(d) + ";\n" +
+		create[1] + ";\n" +
+		"COMMIT;"
+}
+
+// sqliteAffinity returns the type affinity SQLite gives a column of the
+// declared type decl (https://sqlite.org/datatype3.html, 3.1).
+func sqliteAffinity(decl string) string {
+	u := strings.ToUpper(decl)
+	switch {
+	case strings.Contains(u, "INT"):
+		return "INTEGER"
+	case strings.Contains(u, "CHAR"), strings.Contains(u, "CLOB"), strings.Contains(u, "TEXT"):
+		return "TEXT"
+	case strings.Contains(u, "BLOB"), u == "":
+		return "BLOB"
+	case strings.Contains(u, "REAL"), strings.Contains(u, "FLOA"), strings.Contains(u, "DOUB"):
+		return "REAL"
+	}
+	return "NUMERIC"
+}
+
+func (sqliteDialect) readTx(_ context.Context, db dbConn, f func(q sqlx.QueryerContext) error) error {
+	return f(db)
+}
+
+// "main": an unqualified name is created in the main database.
+func (sqliteDialect) resolveSchema(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+	return "main", nil
+}
+
+// SQLite drivers ignore the level (SQLite transactions are always
+// SERIALIZABLE), so any is accepted.
+func (sqliteDialect) checkIsolation(sql.IsolationLevel) error { return nil }
+
+func (sqliteDialect) txOptions(user *sql.TxOptions) *sql.TxOptions { return copyTxOptions(user) }
+
+func (sqliteDialect) schemaNotes(qualifiedName) string {
+	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		"-- processed_at: Unix microseconds, UTC, from the database clock.\n"
+}
+
+// Each statement is atomic and IF NOT EXISTS, and the second only creates
+// the index; running them outside one transaction keeps a concurrent
+// starter from failing on a stale read snapshot.
+func (d sqliteDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, _ int) error {
+	return runStatements(ctx, db, t, d.createSQL(t))
+}
+
+func (sqliteDialect) maintainSchema(context.Context, dbConn, qualifiedName) error { return nil }
+
+// One DELETE, autocommit: SQLite serialises writers anyway.
+func (sqliteDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, query string, args []any, _ *hooks) (deleted, found int64, err error) {
+	res, err := db.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, 0, err
+	}
+	n, err := res.RowsAffected()
+	return n, n, err
+}
+
+// No lock: every writer is serialised by the database anyway.
+func (sqliteDialect) purgeLock(_ context.Context, db *sqlx.DB, _ qualifiedName, _ bool) (purgeLease, bool, error) {
+	return purgeLease{work: db, release: func() error { return nil }}, true, nil
+}
+
+func (d sqliteDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound {
+	return purgeRows(ctx, d, db, cfg, t)
+}
