@@ -34,7 +34,7 @@ const (
 // A message that carries none of keys gets an error wrapping
 // ErrInvalidMessageID and ErrEmptyMessageID, which names the keys (quoted);
 // the handler is not called and nothing is written. Such a message can never
-// succeed: route it to a poison queue (see the README) so that it does not
+// succeed: route it to a poison queue (docs/errors.md) so that it does not
 // spin between the broker and the router. The returned function is safe for
 // concurrent use. It panics if keys is empty: that is a programming error
 // caught when the Config is built.

@@ -47,7 +47,7 @@ type PurgeConfig struct {
 	// live handlers, lowering the purge's share of its time. For the
 	// handlers' tail latency a smaller BatchSize matters more (each batch's
 	// burst of work and WAL is what a concurrent claim waits behind); see
-	// the README for measured numbers. Default: 0 (none).
+	// docs/purge.md for measured numbers. Default: 0 (none).
 	Pause time.Duration
 
 	// Consumer, if set, restricts the purge to that consumer's rows.
