@@ -51,3 +51,6 @@ func WithAfterPurgeSelect(cfg PurgeConfig, f func()) PurgeConfig {
 	cfg.hooks = &hooks{afterPurgeSelect: f}
 	return cfg
 }
+
+// PurgeRetryable is purgeRetryable, for the external tests.
+var PurgeRetryable = purgeRetryable

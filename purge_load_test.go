@@ -25,14 +25,14 @@ import (
 )
 
 // purgeRows is how many expired rows TestPurgeDuringLoad purges on each
-// database. The issue's size is a million; CI runs 100,000 so that the
+// database. The full size is a million; CI runs 100,000 so that the
 // suite stays fast under -race. Run the full size with
 //
 //	go test -race -run TestPurgeDuringLoad -timeout 60m . -purge.rows=1000000
 //
 // or INBOX_TEST_PURGE_ROWS=1000000.
 var purgeRows = flag.Int("purge.rows", envInt("INBOX_TEST_PURGE_ROWS", 100_000),
-	"expired inbox rows that TestPurgeDuringLoad purges on each database (the issue's full size: 1000000)")
+	"expired inbox rows that TestPurgeDuringLoad purges on each database (the full size: 1000000)")
 
 func envInt(name string, def int) int {
 	if n, err := strconv.Atoi(os.Getenv(name)); err == nil && n > 0 {
@@ -56,11 +56,11 @@ const (
 	loadRecentSpan = loadWindow - 11*time.Minute
 )
 
-// Issue 6, "Purge during load": expired rows plus 10,000 recent ones; two
-// consumers (handlers) run through a real router while two purgers run with
-// batch size 1000. On every database (MySQL once: clientFoundRows changes
-// only the claim's rows affected, which the middleware tests cover), in two
-// modes:
+// A purge during load deletes exactly the expired rows and disturbs no
+// consumer: expired rows plus 10,000 recent ones; two consumers (handlers)
+// run through a real router while two purgers run with batch size 1000. On
+// every database (MySQL once: clientFoundRows changes only the claim's rows
+// affected, which the middleware tests cover), in two modes:
 //   - two-purgers: two Purger instances (two application instances, each
 //     with its own pool). With the purge lock (PostgreSQL, MySQL/MariaDB) one
 //     holds it and the other skips its rounds; on SQLite both purge at once.
@@ -73,11 +73,11 @@ const (
 // works but scans, for want of a processed_at index; it is not the mode's
 // purge.
 //
-// It checks: exactly the expired rows are gone and each was counted once
-// (the deleted counts add up to the expired rows), the recent rows are all
-// there, every message was processed exactly once per consumer (redeliveries
-// during the purge, and replays of the recent rows' messages, are skipped),
-// every batch deleted at most 1000 rows (as the database reported for each
+// It checks: exactly the expired rows are gone and each was counted once (the
+// deleted counts add up to the expired rows), the recent rows are all there,
+// every message was processed exactly once per consumer (redeliveries during
+// the purge, and replays of the recent rows' messages, are skipped), every
+// batch deleted at most 1000 rows (as the database reported for each
 // statement and transaction, recorded between database/sql and the real
 // driver), and no purge failed (a deadlock is retried). Consumers are proved
 // to run while the purge runs: the first batch (or partition drop) waits

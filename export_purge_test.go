@@ -1,4 +1,0 @@
-package inbox
-
-// PurgeRetryable is purgeRetryable, for the external tests.
-var PurgeRetryable = purgeRetryable
