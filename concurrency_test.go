@@ -121,21 +121,7 @@ func TestConcurrentClaim_TwoWorkersWithOpenTransactionsProcessOnce(t *testing.T)
 				}
 
 				msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-				var mu sync.Mutex
-				acked := map[string]bool{}
-				var wg sync.WaitGroup
-				for label, in := range workers {
-					wg.Go(func() {
-						a, err := in.send(ctx, delivery(msg, label))
-						if err != nil {
-							t.Error(err)
-						}
-						mu.Lock()
-						acked[label] = a
-						mu.Unlock()
-					})
-				}
-				wg.Wait()
+				acked := sendToEach(ctx, t, workers, func(string) *message.Message { return msg })
 				if t.Failed() {
 					return
 				}

@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -87,21 +86,7 @@ func TestIsolationError_InTheHandlerIsATransientNack(t *testing.T) {
 			"A": message.NewMessage(watermill.NewUUID(), nil),
 			"B": message.NewMessage(watermill.NewUUID(), nil),
 		}
-		var mu sync.Mutex
-		acked := map[string]bool{}
-		var wg sync.WaitGroup
-		for label, in := range workers {
-			wg.Go(func() {
-				a, err := in.send(ctx, delivery(msgs[label], label))
-				if err != nil {
-					t.Error(err)
-				}
-				mu.Lock()
-				acked[label] = a
-				mu.Unlock()
-			})
-		}
-		wg.Wait()
+		acked := sendToEach(ctx, t, workers, func(label string) *message.Message { return msgs[label] })
 		if t.Failed() {
 			return
 		}

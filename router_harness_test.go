@@ -117,6 +117,29 @@ func delivery(msg *message.Message, label string) *message.Message {
 	return m
 }
 
+// sendToEach sends, at once, to each worker the delivery of msg(label)
+// labelled with the worker's label, and returns by label whether it was
+// acked. A delivery that does not complete fails the test (t.Error).
+func sendToEach(ctx context.Context, t *testing.T, workers map[string]*feed, msg func(label string) *message.Message) map[string]bool {
+	t.Helper()
+	var mu sync.Mutex
+	acked := map[string]bool{}
+	var wg sync.WaitGroup
+	for label, in := range workers {
+		wg.Go(func() {
+			a, err := in.send(ctx, delivery(msg(label), label))
+			if err != nil {
+				t.Error(err)
+			}
+			mu.Lock()
+			acked[label] = a
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	return acked
+}
+
 // runRouter starts a router configured by setup and closes it when the test ends.
 func runRouter(t testing.TB, setup func(r *message.Router)) *message.Router {
 	t.Helper()

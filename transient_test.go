@@ -116,10 +116,7 @@ func TestIsTransient(t *testing.T) {
 	t.Run("mysql", func(t *testing.T) {
 		t.Parallel()
 		db := testdb.OpenMySQL(t, "")
-		table := "transient_" + testdb.RandomSuffix()
-		exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int) ENGINE=InnoDB`)
-		testdb.DropLater(t, db, table)
-		exec(t, db, `INSERT INTO `+table+` VALUES (1, 0), (2, 0)`)
+		table := innodbTable(t, db, "transient_", `(1, 0), (2, 0)`)
 
 		wantTransient(t, "deadlock (1213)", deadlock(t, db,
 			`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
@@ -191,10 +188,7 @@ func TestIsTransient(t *testing.T) {
 	t.Run("mysql query killed", func(t *testing.T) {
 		t.Parallel()
 		db := testdb.OpenMySQL(t, "")
-		table := "killquery_" + testdb.RandomSuffix()
-		exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int) ENGINE=InnoDB`)
-		testdb.DropLater(t, db, table)
-		exec(t, db, `INSERT INTO `+table+` VALUES (1, 0)`)
+		table := innodbTable(t, db, "killquery_", `(1, 0)`)
 		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
 		defer cancel()
 
@@ -396,6 +390,18 @@ func wantTransient(t *testing.T, what string, err error, want bool) {
 	if got := inbox.IsTransient(fmt.Errorf("inbox: commit a/b: %w", err)); got != want {
 		t.Errorf("%s (wrapped): IsTransient = %v, want %v", what, got, want)
 	}
+}
+
+// innodbTable creates an InnoDB table (id int PRIMARY KEY, v int) named
+// prefix and a random suffix on db, holding rows (an SQL VALUES list), and
+// drops it when the test ends.
+func innodbTable(t *testing.T, db *sqlx.DB, prefix, rows string) string {
+	t.Helper()
+	table := prefix + testdb.RandomSuffix()
+	exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int) ENGINE=InnoDB`)
+	testdb.DropLater(t, db, table)
+	exec(t, db, `INSERT INTO `+table+` VALUES `+rows)
+	return table
 }
 
 // beginTx begins a transaction on db that is rolled back, if still open,
