@@ -1,13 +1,15 @@
 package inbox_test
 
 // Inbox rows of a chosen age, a fixed safe window, a probe of the purge
-// lock, a Purger that counts its rounds and a router whose Run fails after
-// loading the Purger's plugin.
+// lock, a Purger that counts its rounds, a router whose Run fails after
+// loading the Purger's plugin, and a count of the plugin's goroutines.
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -118,4 +120,25 @@ func runFailingRouter(t *testing.T, p *inbox.Purger, closeTimeout time.Duration)
 		t.Fatal("want Run to fail")
 	}
 	return r
+}
+
+// pluginGoroutines counts the goroutines running Purger.RouterPlugin's
+// watcher or the Purger it started.
+func pluginGoroutines() int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	var count int
+	for _, g := range bytes.Split(buf, []byte("\n\n")) {
+		if bytes.Contains(g, []byte("inbox.(*Purger).RouterPlugin")) || bytes.Contains(g, []byte("inbox.(*Purger).Run(")) {
+			count++
+		}
+	}
+	return count
 }

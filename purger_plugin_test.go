@@ -1,9 +1,7 @@
 package inbox_test
 
 import (
-	"bytes"
 	"context"
-	"runtime"
 	"testing"
 	"time"
 
@@ -12,27 +10,6 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 )
-
-// pluginGoroutines counts the goroutines running Purger.RouterPlugin's
-// watcher or the Purger it started.
-func pluginGoroutines() int {
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	var count int
-	for _, g := range bytes.Split(buf, []byte("\n\n")) {
-		if bytes.Contains(g, []byte("inbox.(*Purger).RouterPlugin")) || bytes.Contains(g, []byte("inbox.(*Purger).Run(")) {
-			count++
-		}
-	}
-	return count
-}
 
 // As a router plugin the purger runs while the router runs and stops when
 // it closes.
