@@ -211,7 +211,7 @@ func TestPartitioned_ClaimsAtReadCommittedWhateverTheServerDefault(t *testing.T)
 // Live claims while partitions are attached (two CreatePartitions at once)
 // and old ones detached and dropped: no claim fails, none waits long, no
 // message is processed twice.
-func TestPartitioned_MaintenanceDoesNotFailOrDuplicateLiveClaims(t *testing.T) {
+func TestPartitioned_LiveClaimsNeitherFailNorRepeatDuringMaintenance(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
 	db.SetMaxOpenConns(16)
 	table := "inbox_" + randomSuffix()
