@@ -124,8 +124,7 @@ func deliverCancelledAfterReturn(t *testing.T, db *sqlx.DB, cfg inbox.Config, pr
 // A message context that ends (a deadline, a router shutdown) while COMMIT
 // is on the wire does not make the committed message look failed: it is
 // acked, its AfterCommit function ran and the message it returned is
-// published. With pgx, COMMIT used to run on the message's context and came
-// back "context canceled" after the server had committed.
+// published, with pgx (whose COMMIT takes the BeginTx context) and lib/pq.
 func TestCommit_ContextEndingDuringCommitStillAcks(t *testing.T) {
 	t.Parallel()
 	for _, drv := range []struct{ name, driver string }{{"pgx", "pgx"}, {"lib/pq", "postgres"}} {
