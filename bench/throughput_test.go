@@ -144,15 +144,26 @@ var variants = []variant{
 }
 
 // run feeds b.N messages to h from conc goroutines and reports msgs/s and
-// the p50 and p99 latency of one message, in microseconds. It returns the
-// msgs/s, for benchmarks that compare two runs.
-func run(b *testing.B, h message.HandlerFunc, msgs []*message.Message, conc int) float64 {
+// the p50 and p99 latency of one message, in microseconds.
+func run(b *testing.B, h message.HandlerFunc, msgs []*message.Message, conc int) {
 	latencies := make([]time.Duration, len(msgs))
+	b.ReportAllocs()
+	b.ResetTimer()
+	elapsed, err := feed(h, msgs, conc, latencies)
+	b.StopTimer()
+	if err != nil {
+		b.Fatal(err)
+	}
+	report(b, len(msgs), elapsed, latencies)
+}
+
+// feed hands msgs to h from conc goroutines, stores each message's latency
+// at its index in latencies, and returns the time it took and an error h
+// returned, if any.
+func feed(h message.HandlerFunc, msgs []*message.Message, conc int, latencies []time.Duration) (time.Duration, error) {
 	var next atomic.Int64
 	var failed atomic.Value
 	var wg sync.WaitGroup
-	b.ReportAllocs()
-	b.ResetTimer()
 	start := time.Now()
 	for range conc {
 		wg.Add(1)
@@ -173,23 +184,18 @@ func run(b *testing.B, h message.HandlerFunc, msgs []*message.Message, conc int)
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
-	b.StopTimer()
-	if err, ok := failed.Load().(error); ok {
-		b.Fatal(err)
-	}
-	return report(b, len(msgs), elapsed, latencies)
+	err, _ := failed.Load().(error)
+	return elapsed, err
 }
 
-func report(b *testing.B, n int, elapsed time.Duration, latencies []time.Duration) float64 {
+func report(b *testing.B, n int, elapsed time.Duration, latencies []time.Duration) {
 	slices.Sort(latencies)
 	pct := func(p float64) float64 {
 		return float64(latencies[min(len(latencies)-1, int(float64(len(latencies))*p))].Microseconds())
 	}
-	rate := float64(n) / elapsed.Seconds()
-	b.ReportMetric(rate, "msgs/s")
+	b.ReportMetric(float64(n)/elapsed.Seconds(), "msgs/s")
 	b.ReportMetric(pct(0.50), "p50-us")
 	b.ReportMetric(pct(0.99), "p99-us")
-	return rate
 }
 
 // BenchmarkThroughput/<db>/<variant>/dup=<pct>/conc=<n>: one message is one
