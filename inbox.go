@@ -280,9 +280,9 @@ type txBackend interface {
 
 // claimedTx is a delivery's open transaction, as the flow drives it.
 type claimedTx interface {
-	// newState returns what the handler's context carries (TxFromContext,
-	// OutboxFromContext), calling Config.Outbox.
-	newState(ib *Inbox) (*txState, error)
+	// newState sets s to what the handler's context carries
+	// (TxFromContext, OutboxFromContext), calling Config.Outbox.
+	newState(ib *Inbox, s *txState) error
 	// stillClaimed runs the dialect's pre-commit check (true where the
 	// dialect has none).
 	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
@@ -316,7 +316,8 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if err != nil {
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
-	t := &sqlTx{ib: ib, tx: tx, heldStmt: heldStmt}
+	t := &d.sqlTx
+	*t = sqlTx{ib: ib, tx: tx, heldStmt: heldStmt}
 	ib.hooks.begun()
 	if ib.locksKeys {
 		if _, err := tx.ExecContext(d.sctx, ib.keyLockSQL, keyLockHash(lockTable, d.consumer, d.id)); err != nil {
@@ -342,15 +343,15 @@ type sqlTx struct {
 	heldStmt *sqlx.Stmt // the pre-commit check, prepared; nil when not prepared
 }
 
-func (t *sqlTx) newState(ib *Inbox) (*txState, error) {
-	state := &txState{tx: t.tx}
+func (t *sqlTx) newState(ib *Inbox, s *txState) error {
+	s.tx = t.tx
 	if ib.outbox != nil {
 		var err error
-		if state.publisher, err = ib.outbox(t.tx); err != nil {
-			return nil, err
+		if s.publisher, err = ib.outbox(t.tx); err != nil {
+			return err
 		}
 	}
-	return state, nil
+	return nil
 }
 
 func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {

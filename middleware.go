@@ -99,9 +99,13 @@ type delivery struct {
 	followMessage func() bool // stops txCtx from following sctx; false if sctx had already ended
 	commitBound   *time.Timer
 
-	tx        claimedTx // nil before BEGIN
-	state     *txState  // what the handler's context carries; nil until claimed
-	duplicate bool
+	tx claimedTx // nil before BEGIN
+	// The values behind tx (with the database/sql backend) and state, kept
+	// here so that they cost no allocation of their own.
+	sqlTx      sqlTx
+	stateValue txState
+	state      *txState // what the handler's context carries; nil until claimed
+	duplicate  bool
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -226,12 +230,11 @@ func (d *delivery) begin() {
 // runHandler calls the Outbox factory and then the handler, with the
 // transaction in the message's context.
 func (d *delivery) runHandler() ([]*message.Message, error) {
-	state, err := d.tx.newState(d.ib)
-	if err != nil {
+	if err := d.tx.newState(d.ib, &d.stateValue); err != nil {
 		return nil, fmt.Errorf("inbox: outbox publisher for %q/%q: %w", d.consumer, d.id, err)
 	}
-	d.state = state
-	d.msg.SetContext(contextWithTx(d.sctx, state))
+	d.state = &d.stateValue
+	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)
 }
 
