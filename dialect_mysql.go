@@ -277,7 +277,73 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 		ps.add("CREATE INDEX "+d.quote(t.indexName())+" ON "+tq+" ("+processedAt+")",
 			"no index is led by %q, so every purge scans the whole table", processedAt)
 	}
+	if err := d.checkObjects(ctx, q, t, &ps); err != nil {
+		return nil, err
+	}
 	return ps, nil
+}
+
+// myObjectsSQL lists, as (what, fix), what besides columns and the primary
+// key can make a claim merge, drop or reject ids, or a purge fail or reach
+// other rows: a second unique index (ON DUPLICATE KEY UPDATE fires on any
+// unique key, so a unique message_id makes a second consumer's claim look
+// like a duplicate), triggers, CHECK constraints, foreign keys to and from
+// the table. Its parameters are the schema (twice, or DATABASE()) and the
+// table name, for each part.
+func myObjectsSQL(t qualifiedName) (string, []any) {
+	schema, args := "DATABASE()", []any{}
+	if t.schema != "" {
+		schema = "?"
+	}
+	arg := func() []any {
+		if t.schema != "" {
+			return []any{t.schema, t.name}
+		}
+		return []any{t.name}
+	}
+	tq := t.quoted(mysqlDialect{})
+	query := "SELECT CONCAT('unique index ', INDEX_NAME, ': ON DUPLICATE KEY UPDATE fires on it too, so a key it shares (another consumer''s message id) is taken for a duplicate') AS what," +
+		" CONCAT('ALTER TABLE " + tq + " DROP INDEX `', INDEX_NAME, '`') AS fix" +
+		" FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = " + schema + " AND TABLE_NAME = ? AND NON_UNIQUE = 0 AND INDEX_NAME <> 'PRIMARY'" +
+		" GROUP BY INDEX_NAME" +
+		" UNION ALL SELECT CONCAT('trigger ', TRIGGER_NAME, ': it can change or reject the claim''s row'), CONCAT('DROP TRIGGER `', TRIGGER_SCHEMA, '`.`', TRIGGER_NAME, '`')" +
+		" FROM information_schema.TRIGGERS WHERE EVENT_OBJECT_SCHEMA = " + schema + " AND EVENT_OBJECT_TABLE = ?" +
+		" UNION ALL SELECT CONCAT('CHECK constraint ', CONSTRAINT_NAME, ': it can reject a valid message id'), CONCAT('ALTER TABLE " + tq + " DROP CONSTRAINT `', CONSTRAINT_NAME, '`')" +
+		" FROM information_schema.TABLE_CONSTRAINTS WHERE TABLE_SCHEMA = " + schema + " AND TABLE_NAME = ? AND CONSTRAINT_TYPE = 'CHECK'" +
+		" UNION ALL SELECT CONCAT('foreign key ', CONSTRAINT_NAME, ' of ', TABLE_NAME, ' references the inbox table: a purge fails on it, or cascades into that table')," +
+		" CONCAT('ALTER TABLE `', CONSTRAINT_SCHEMA, '`.`', TABLE_NAME, '` DROP FOREIGN KEY `', CONSTRAINT_NAME, '`')" +
+		" FROM information_schema.REFERENTIAL_CONSTRAINTS WHERE UNIQUE_CONSTRAINT_SCHEMA = " + schema + " AND REFERENCED_TABLE_NAME = ?" +
+		" UNION ALL SELECT CONCAT('foreign key ', CONSTRAINT_NAME, ' from the inbox table: it can reject a claim'), CONCAT('ALTER TABLE " + tq + " DROP FOREIGN KEY `', CONSTRAINT_NAME, '`')" +
+		" FROM information_schema.REFERENTIAL_CONSTRAINTS WHERE CONSTRAINT_SCHEMA = " + schema + " AND TABLE_NAME = ?"
+	for range 5 {
+		args = append(args, arg()...)
+	}
+	return query, args
+}
+
+// checkObjects adds the problems of myObjectsSQL.
+func (d mysqlDialect) checkObjects(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, ps *problems) error {
+	query, args := myObjectsSQL(t)
+	var objects []struct {
+		What string `db:"what"`
+		Fix  string `db:"fix"`
+	}
+	if err := sqlx.SelectContext(ctx, q, &objects, query, args...); err != nil {
+		return err
+	}
+	tq := t.quoted(d)
+next:
+	for _, o := range objects {
+		// A unique index that stands in for the primary key has its fix
+		// (drop it, add the key) already.
+		for _, p := range *ps {
+			if strings.Contains(p.fix, strings.TrimPrefix(o.Fix, "ALTER TABLE "+tq+" ")) {
+				continue next
+			}
+		}
+		ps.add(o.Fix, "%s", o.What)
+	}
+	return nil
 }
 
 // keyColumnProblem says what is wrong with the type, character set or

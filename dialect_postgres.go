@@ -268,7 +268,7 @@ func pgCheckCommon(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qual
 	if len(key) == 0 {
 		ps.add("ALTER TABLE "+tq+" ADD PRIMARY KEY ("+want+")",
 			"the table has no primary key; the claim needs the primary key %s", nameList(pk))
-		return nil
+		return pgCheckObjects(ctx, q, tq, ps, partitioned)
 	}
 	got := make([]string, len(key))
 	for i, k := range key {
@@ -281,6 +281,71 @@ func pgCheckCommon(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qual
 	case key[0].Deferrable:
 		// ON CONFLICT cannot use a deferrable constraint as its arbiter.
 		ps.add(pkFix, "the primary key is DEFERRABLE, which INSERT ... ON CONFLICT refuses")
+	}
+	return pgCheckObjects(ctx, q, tq, ps, partitioned)
+}
+
+// pgObjectsSQL lists what besides columns and the primary key can make a
+// claim merge, drop or reject ids, or a purge fail or reach other rows, each
+// as (what, the DDL that removes it). Its one parameter is the quoted table.
+const pgObjectsSQL = `WITH t AS (SELECT to_regclass($1) AS oid)
+SELECT 'unique index ' || quote_ident(ic.relname) || ': a second arbiter of the claim''s ON CONFLICT, so ids it folds (or that a consumer shares) are taken for duplicates' AS what,
+       CASE WHEN con.conname IS NOT NULL THEN 'ALTER TABLE ' || $1 || ' DROP CONSTRAINT ' || quote_ident(con.conname)
+            ELSE 'DROP INDEX ' || quote_ident(n.nspname) || '.' || quote_ident(ic.relname) END AS fix
+  FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid JOIN pg_namespace n ON n.oid = ic.relnamespace
+  LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
+ WHERE i.indrelid = (SELECT oid FROM t) AND i.indisunique AND NOT i.indisprimary
+UNION ALL
+SELECT 'trigger ' || quote_ident(tgname) || ': it can change, redirect or drop the claim''s row',
+       'DROP TRIGGER ' || quote_ident(tgname) || ' ON ' || $1
+  FROM pg_trigger WHERE tgrelid = (SELECT oid FROM t) AND NOT tgisinternal
+UNION ALL
+SELECT 'rule ' || quote_ident(rulename) || ': it can rewrite or drop the claim',
+       'DROP RULE ' || quote_ident(rulename) || ' ON ' || $1
+  FROM pg_rewrite WHERE ev_class = (SELECT oid FROM t) AND rulename <> '_RETURN'
+UNION ALL
+SELECT 'CHECK constraint ' || quote_ident(conname) || ': it can reject a valid message id',
+       'ALTER TABLE ' || $1 || ' DROP CONSTRAINT ' || quote_ident(conname)
+  FROM pg_constraint WHERE conrelid = (SELECT oid FROM t) AND contype = 'c'
+UNION ALL
+SELECT 'foreign key ' || quote_ident(conname) || ' of ' || conrelid::regclass::text ||
+       CASE WHEN confrelid = (SELECT oid FROM t) THEN ' references the inbox table: a purge fails on it, or cascades into that table'
+            ELSE ' from the inbox table: it can reject a claim' END,
+       'ALTER TABLE ' || conrelid::regclass::text || ' DROP CONSTRAINT ' || quote_ident(conname)
+  FROM pg_constraint WHERE contype = 'f' AND (confrelid = (SELECT oid FROM t) OR conrelid = (SELECT oid FROM t))
+UNION ALL
+SELECT 'the table is UNLOGGED: PostgreSQL empties it in crash recovery, and every message redelivered after a crash is processed again',
+       'ALTER TABLE ' || $1 || ' SET LOGGED'
+  FROM pg_class WHERE oid = (SELECT oid FROM t) AND relpersistence = 'u'
+`
+
+// pgInheritedSQL lists the tables that inherit from a plain (not
+// partitioned) table: a purge deletes their rows, and Stats counts them.
+const pgInheritedSQL = `SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = to_regclass($1)`
+
+// pgCheckObjects adds the problems of pgObjectsSQL, and of child tables of a
+// plain table, for the table quoted tq.
+func pgCheckObjects(ctx context.Context, q sqlx.QueryerContext, tq string, ps *problems, partitioned bool) error {
+	var objects []struct {
+		What string `db:"what"`
+		Fix  string `db:"fix"`
+	}
+	if err := sqlx.SelectContext(ctx, q, &objects, pgObjectsSQL, tq); err != nil {
+		return err
+	}
+	for _, o := range objects {
+		ps.add(o.Fix, "%s", o.What)
+	}
+	if partitioned {
+		return nil
+	}
+	var children []string
+	if err := sqlx.SelectContext(ctx, q, &children, pgInheritedSQL, tq); err != nil {
+		return err
+	}
+	for _, child := range children {
+		ps.add("ALTER TABLE "+child+" NO INHERIT "+tq,
+			"table %q inherits from the inbox table: a purge deletes its rows, and Stats counts them", child)
 	}
 	return nil
 }

@@ -228,7 +228,50 @@ func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t 
 	if !indexed {
 		ps.add(d.createSQL(t)[1], "no index is led by %q, so every purge scans the whole table", processedAt)
 	}
+	if err := d.checkObjects(ctx, q, t, table.Schema, recreate, &ps); err != nil {
+		return nil, err
+	}
 	return ps, nil
+}
+
+// checkObjects adds the problems of what besides columns and the primary
+// key can make a claim merge, drop or reject ids: a second unique index
+// (a conflict on it is not the claim's ON CONFLICT target and fails the
+// claim; one with a NOCASE collation merges ids), a trigger (RAISE(IGNORE)
+// drops the claim's row), a CHECK constraint.
+func (d sqliteDialect) checkObjects(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, schema, recreate string, ps *problems) error {
+	var unique []struct {
+		Name   string `db:"name"`
+		Origin string `db:"origin"`
+	}
+	if err := sqlx.SelectContext(ctx, q, &unique,
+		`SELECT name, origin FROM pragma_index_list(?, ?) WHERE "unique" = 1 AND origin <> 'pk'`, t.name, schema); err != nil {
+		return err
+	}
+	for _, u := range unique {
+		fix := "DROP INDEX " + d.quote(schema) + "." + d.quote(u.Name)
+		if u.Origin == "u" { // a UNIQUE constraint of the table's definition
+			fix = recreate
+		}
+		ps.add(fix, "unique index %q: a second unique key of the claim's row, which can merge or reject ids", u.Name)
+	}
+	var triggers []string
+	if err := sqlx.SelectContext(ctx, q, &triggers,
+		"SELECT name FROM "+d.quote(schema)+".sqlite_master WHERE type = 'trigger' AND tbl_name = ? COLLATE NOCASE", t.name); err != nil {
+		return err
+	}
+	for _, name := range triggers {
+		ps.add("DROP TRIGGER "+d.quote(schema)+"."+d.quote(name), "trigger %q: it can change, reject or drop the claim's row", name)
+	}
+	var ddl string
+	if err := sqlx.GetContext(ctx, q, &ddl,
+		"SELECT sql FROM "+d.quote(schema)+".sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE", t.name); err != nil {
+		return err
+	}
+	if strings.Contains(strings.ToUpper(ddl), "CHECK") {
+		ps.add(recreate, "the table has a CHECK constraint, which can reject a valid message id")
+	}
+	return nil
 }
 
 // recreateScript returns the statements that replace t with a table of the

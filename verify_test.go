@@ -635,3 +635,78 @@ func TestMiddleware_MissingTableIsRefusedBeforeTheClaim(t *testing.T) {
 		t.Errorf("error %q: want one line wrapping ErrTableNotFound", err)
 	}
 }
+
+// Objects besides the columns and the primary key that make a claim merge,
+// drop or reject ids, or a purge fail or reach other rows, are refused on a
+// table that is otherwise canonical, and the printed fixes remove them: a
+// second unique index (MariaDB's ON DUPLICATE KEY UPDATE fires on it, so a
+// unique message_id made a second consumer skip every message; PostgreSQL's
+// ON CONFLICT takes a folding one as an arbiter), a trigger (it can drop or
+// rewrite the row), a rule, a CHECK constraint, a foreign key to the table,
+// an UNLOGGED table, child tables.
+func TestVerify_refusesObjectsThatChangeTheClaimOrThePurge(t *testing.T) {
+	t.Parallel()
+	objects := map[string]map[string][]string{
+		"postgres": {
+			"unique message_id": {"CREATE UNIQUE INDEX {t}_mid ON {t} (message_id)"},
+			"trigger": {"CREATE FUNCTION {t}_lower() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN NEW.message_id := lower(NEW.message_id); RETURN NEW; END $$",
+				"CREATE TRIGGER {t}_lower BEFORE INSERT ON {t} FOR EACH ROW EXECUTE FUNCTION {t}_lower()"},
+			"rule":        {"CREATE RULE {t}_drop AS ON INSERT TO {t} WHERE NEW.message_id LIKE 'x%' DO INSTEAD NOTHING"},
+			"CHECK":       {"ALTER TABLE {t} ADD CONSTRAINT {t}_len CHECK (length(message_id) < 40)"},
+			"foreign key": {"CREATE TABLE {t}_ref (c text, m text, FOREIGN KEY (c, m) REFERENCES {t} (consumer, message_id))"},
+			"UNLOGGED":    {"ALTER TABLE {t} SET UNLOGGED"},
+			"inherit":     {"CREATE TABLE {t}_archive () INHERITS ({t})"},
+		},
+		"mysql": {
+			"unique message_id": {"CREATE UNIQUE INDEX {t}_mid ON {t} (message_id)"},
+			"trigger":           {"CREATE TRIGGER {t}_lower BEFORE INSERT ON {t} FOR EACH ROW SET NEW.message_id = LOWER(NEW.message_id)"},
+			"CHECK":             {"ALTER TABLE {t} ADD CONSTRAINT {t}_len CHECK (length(message_id) < 40)"},
+			"foreign key":       {"CREATE TABLE {t}_ref (c varbinary(255), m varbinary(255), FOREIGN KEY (c, m) REFERENCES {t} (consumer, message_id) ON DELETE CASCADE) ENGINE=InnoDB"},
+		},
+		"sqlite": {
+			"unique NOCASE": {"CREATE UNIQUE INDEX {t}_nocase ON {t} (consumer, message_id COLLATE NOCASE)"},
+			"trigger":       {"CREATE TRIGGER {t}_ignore BEFORE INSERT ON {t} WHEN NEW.message_id LIKE 'x%' BEGIN SELECT RAISE(IGNORE); END"},
+		},
+	}
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		name := tdb.Name
+		switch name {
+		case "postgres-partitioned":
+			t.Skip("the plain PostgreSQL cases cover the catalog queries the partitioned dialect shares")
+		case "mysql-clientFoundRows":
+			name = "mysql"
+		}
+		for what, ddl := range objects[name] {
+			t.Run(what, func(t *testing.T) {
+				table := "inbox_" + randomSuffix()
+				t.Cleanup(func() {
+					for _, suffix := range []string{"_ref", "_archive", ""} {
+						drop := "DROP TABLE IF EXISTS " + table + suffix
+						if isPostgres(tdb.Dialect) {
+							drop += " CASCADE"
+						}
+						db.Exec(drop)
+					}
+					if isPostgres(tdb.Dialect) {
+						db.Exec("DROP FUNCTION IF EXISTS " + table + "_lower()")
+					}
+				})
+				ib := verifyInbox(t, db, tdb.Dialect, table)
+				if err := ib.InitializeSchema(context.Background()); err != nil {
+					t.Fatal(err)
+				}
+				for _, stmt := range ddl {
+					exec(t, db, expand(stmt, table))
+				}
+				err := ib.Verify(context.Background())
+				if !errors.Is(err, inbox.ErrIncompatibleTable) {
+					t.Fatalf("Verify with a %s: %v, want ErrIncompatibleTable", what, err)
+				}
+				applyFixes(t, db, err)
+				if err := ib.Verify(context.Background()); err != nil {
+					t.Errorf("Verify after the printed fixes: %v", err)
+				}
+			})
+		}
+	})
+}
