@@ -155,10 +155,12 @@ type Config struct {
 	// COMMIT, so a message whose transaction committed is acked. When the
 	// bound passes first, the message is nacked with an error wrapping
 	// ErrCommitTimeout (transient; the COMMIT is in doubt, and the redelivery
-	// is skipped if it took effect). pgx honours the bound during COMMIT
-	// itself; lib/pq and go-sql-driver/mysql do not take a context at
-	// COMMIT, which then ends by the driver's own network timeouts (MySQL's
-	// readTimeout DSN parameter). Must not be negative.
+	// is skipped if it took effect). pgx and lib/pq honour the bound during
+	// COMMIT itself (both watch the context the transaction began with;
+	// lib/pq cancels the COMMIT, SQLSTATE 57014); go-sql-driver/mysql does
+	// not take a context at COMMIT, which then ends by the driver's own
+	// network timeouts (MySQL's readTimeout DSN parameter). Must not be
+	// negative.
 	// Default: 10 s (DefaultCommitTimeout).
 	CommitTimeout time.Duration
 

@@ -477,14 +477,19 @@ func (mysqlDialect) schemaNotes(qualifiedName) string {
 // One CREATE TABLE IF NOT EXISTS (index inline), atomic under the metadata
 // lock. When the table exists without its purge index (found 1), CREATE
 // TABLE IF NOT EXISTS would skip the inline index with the table, and MySQL
-// 8 has no CREATE INDEX IF NOT EXISTS: a concurrent starter doing the same
-// fails with error 1061 (duplicate key name) and can simply retry.
+// 8 has no CREATE INDEX IF NOT EXISTS: a starter that loses that race to a
+// concurrent one gets error 1061 (duplicate key name), which means the index
+// is there.
 func (d mysqlDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, found int) error {
 	stmts := d.createSQL(t)
 	if found == 1 {
 		stmts = []string{"CREATE INDEX " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)"}
 	}
-	return runStatements(ctx, db, t, stmts)
+	err := runStatements(ctx, db, t, stmts)
+	if found == 1 && hasMySQLNumber(err, 1061) {
+		return nil // ER_DUP_KEYNAME: a concurrent starter created the index first
+	}
+	return err
 }
 
 func (mysqlDialect) maintainSchema(context.Context, dbConn, qualifiedName) error { return nil }

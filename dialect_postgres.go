@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -477,7 +478,7 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 	return n, n, tx.Commit()
 }
 
-// pg_try_advisory_xact_lock (pg_advisory_xact_lock with wait) in a
+// pg_try_advisory_xact_lock in a
 // transaction of its own, held open for the round and rolled back to
 // release. A transaction-scoped lock holds behind a transaction-mode pooler
 // (PgBouncer), where a session lock would be taken on one server connection
@@ -485,10 +486,30 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 // then keeps no snapshot (see below), so it holds back no vacuum, and the
 // round's statements run on the pool, each in its own short transaction: a
 // round needs two connections, and a pool limited to one is refused.
+//
+// With wait, it polls (pg_try_advisory_xact_lock, backing off from 50 ms to
+// 1 s) rather than blocking in pg_advisory_xact_lock: a caller blocked on
+// the lock would hold a server connection that the holder may need for its
+// work, which behind a small transaction-mode pool deadlocks the pool.
 func (d postgresDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error) {
 	if db.Stats().MaxOpenConnections == 1 {
 		return purgeLease{}, false, fmt.Errorf("%w: on PostgreSQL the purge needs two connections (one holds the lock's transaction), and DB allows one (sql.DB.SetMaxOpenConns)", ErrInvalidConfig)
 	}
+	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
+		lease, got, err := d.tryPurgeLock(ctx, db, t)
+		if got || err != nil || !wait {
+			return lease, got, err
+		}
+		select {
+		case <-ctx.Done():
+			return purgeLease{}, false, ctx.Err()
+		case <-time.After(backoff):
+		}
+	}
+}
+
+// tryPurgeLock is one attempt of purgeLock.
+func (d postgresDialect) tryPurgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName) (purgeLease, bool, error) {
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return purgeLease{}, false, err
@@ -498,12 +519,8 @@ func (d postgresDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualified
 		tx.Rollback() //nolint:errcheck // the error above is the one to report
 		return purgeLease{}, false, err
 	}
-	query := "SELECT pg_try_advisory_xact_lock($1)"
-	if wait {
-		query = "SELECT true FROM pg_advisory_xact_lock($1)" // one row once granted
-	}
 	var got bool
-	if err := tx.QueryRowxContext(ctx, query, purgeLockKey(ct)).Scan(&got); err != nil || !got {
+	if err := tx.QueryRowxContext(ctx, "SELECT pg_try_advisory_xact_lock($1)", purgeLockKey(ct)).Scan(&got); err != nil || !got {
 		tx.Rollback() //nolint:errcheck // nothing held; err is the one to report
 		return purgeLease{}, false, err
 	}

@@ -299,7 +299,10 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if err := ib.verifyOnce(d.sctx); err != nil {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
-		return nil, false, fmt.Errorf("inbox: %q/%q: %w (Inbox.Verify reports the fix)", d.consumer, d.id, firstLine{err})
+		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
+			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
+		}
+		return nil, false, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 	}
 	stmt, heldStmt := ib.preparedClaim(d.sctx) // nil: run unprepared
 	var lockTable qualifiedName
@@ -327,7 +330,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	n, err := ib.claim(d.sctx, tx, stmt, d.consumer, d.id)
 	if err != nil {
 		// Name the table: a missing one is the most common first error.
-		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, err)
+		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
 	claimed, ok := ib.dialect.claimed(n)
 	if !ok {

@@ -349,3 +349,39 @@ func TestPooler_PartitionsAreMaintained(t *testing.T) {
 		}
 	})
 }
+
+// Concurrent DropPartitions calls behind a pooler with as few server
+// connections as callers all finish: a caller waiting for the lock holds no
+// server connection (it polls), so the holder gets the second one it works
+// on. A caller that blocked in pg_advisory_xact_lock held one each, and the
+// pool deadlocked.
+func TestPooler_ConcurrentDropPartitionsDoNotDeadlockThePool(t *testing.T) {
+	forEachPooledDriver(t, func(t *testing.T, drv testdb.PgBouncerDriver, db *sqlx.DB) {
+		table := "inbox_" + randomSuffix()
+		t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+		newPartitionedInbox(t, db, table, nil)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -8), 4); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		var dropped atomic.Int64
+		for range 4 { // the test PgBouncer's default_pool_size
+			caller := testdb.OpenPgBouncer(t, drv)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				parts, err := inbox.DropPartitions(ctx, caller, table, 72*time.Hour, nil)
+				if err != nil {
+					t.Errorf("DropPartitions: %v", err)
+				}
+				dropped.Add(int64(len(parts)))
+			}()
+		}
+		wg.Wait()
+		if n := dropped.Load(); n != 4 {
+			t.Errorf("partitions dropped by the four calls together: %d, want 4 (each once)", n)
+		}
+	})
+}

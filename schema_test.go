@@ -318,3 +318,36 @@ func TestSchemaExistsCheck(t *testing.T) {
 		check(true)
 	})
 }
+
+// Several starters at once on a table that lacks its purge index all
+// succeed: on MySQL/MariaDB, which has no CREATE INDEX IF NOT EXISTS, the
+// starters that lose the race to create the index get error 1061 (the name
+// exists), which means the index is there.
+func TestInitializeSchema_ConcurrentStartersAddTheMissingIndex(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		table := "inbox_" + randomSuffix()
+		dropLater(t, db, table)
+		ctx := context.Background()
+		if err := inbox.CreateTableOnly(ctx, db, tdb.Dialect, table); err != nil {
+			t.Fatal(err)
+		}
+		ib, err := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := ib.InitializeSchema(ctx); err != nil {
+					t.Errorf("InitializeSchema: %v", err)
+				}
+			}()
+		}
+		wg.Wait()
+		if ok, err := inbox.SchemaExists(ctx, db, tdb.Dialect, table); !ok || err != nil {
+			t.Errorf("table and purge index after the starters: %v, %v", ok, err)
+		}
+	})
+}

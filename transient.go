@@ -5,8 +5,10 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
+	"fmt"
 	"net"
 	"reflect"
+	"slices"
 	"syscall"
 )
 
@@ -315,3 +317,50 @@ type lostConnError struct{ err error }
 
 func (e *lostConnError) Error() string { return e.err.Error() }
 func (e *lostConnError) Unwrap() error { return e.err }
+
+// hasSQLState reports whether an error in err's chain carries one of the
+// SQLSTATEs states (PostgreSQL drivers' SQLState() method).
+func hasSQLState(err error, states ...string) bool {
+	return anyInChain(err, func(e error) bool {
+		s, ok := e.(interface{ SQLState() string })
+		return ok && !isNilPointer(e) && slices.Contains(states, s.SQLState())
+	})
+}
+
+// hasMySQLNumber reports whether an error in err's chain is a
+// go-sql-driver/mysql *MySQLError with error number n.
+func hasMySQLNumber(err error, n uint64) bool {
+	return anyInChain(err, func(e error) bool {
+		v := reflect.ValueOf(e)
+		if isNilPointer(e) {
+			return false
+		}
+		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+			v = v.Elem()
+		}
+		if v.Kind() != reflect.Struct || v.Type().PkgPath() != "github.com/go-sql-driver/mysql" || v.Type().Name() != "MySQLError" {
+			return false
+		}
+		got, ok := uintField(v, "Number")
+		return ok && got == n
+	})
+}
+
+// isNilPointer reports whether err is a typed nil pointer.
+func isNilPointer(err error) bool {
+	v := reflect.ValueOf(err)
+	return v.Kind() == reflect.Pointer && v.IsNil()
+}
+
+// poolerHint returns err with a pointer to the fix when it says that a
+// prepared statement was missing on the server connection or already there
+// (26000, 42P05): what pgx's default statement cache meets behind a
+// transaction-mode connection pooler.
+func poolerHint(err error) error {
+	if hasSQLState(err, "26000", "42P05") {
+		return fmt.Errorf("%w (a prepared statement missing or already there on the server connection: behind a "+
+			"transaction-mode pooler such as PgBouncer use pgx with default_query_exec_mode=exec or simple_protocol, "+
+			"and leave Config.PrepareStatements false; see docs/poolers.md)", err)
+	}
+	return err
+}

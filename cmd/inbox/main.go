@@ -185,7 +185,19 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 	driver, dsn := "", c.dsn
 	switch {
 	case strings.HasPrefix(dsn, "postgres://"), strings.HasPrefix(dsn, "postgresql://"):
+		// Unless the DSN says otherwise, pgx's exec mode (unnamed
+		// statements, one round trip): it works directly and behind a
+		// transaction-mode pooler, where pgx's default statement cache
+		// fails with 42P05/26000. A command runs few statements, so the
+		// cache would save nothing.
 		driver = "pgx"
+		if !strings.Contains(dsn, "default_query_exec_mode=") {
+			sep := "?"
+			if strings.Contains(dsn, "?") {
+				sep = "&"
+			}
+			dsn += sep + "default_query_exec_mode=exec"
+		}
 	case strings.HasPrefix(dsn, "mysql://"):
 		driver, dsn = "mysql", strings.TrimPrefix(dsn, "mysql://")
 	case strings.HasPrefix(dsn, "sqlite://"):
