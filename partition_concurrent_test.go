@@ -59,9 +59,11 @@ func TestDropPartitionsConcurrently(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The second call polls for the purge lock (it never blocks in the lock,
-	// holding a connection): wait until it has tried.
+	// holding a connection): wait until it has tried, seen as the try itself
+	// or the rollback that follows a try that failed.
 	waitFor(t, func() bool {
-		return count(t, db, "pg_stat_activity", "application_name = $1 AND query LIKE '%pg_try_advisory_xact_lock%'", app) > 0
+		return count(t, db, "pg_stat_activity",
+			"application_name = $1 AND (query LIKE '%pg_try_advisory_xact_lock%' OR lower(query) = 'rollback')", app) > 0
 	})
 	if err := reader.Rollback(); err != nil {
 		t.Fatal(err)
