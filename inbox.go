@@ -247,6 +247,7 @@ func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
 	}
+	ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
 	return ib.dialect.maintainSchema(ctx, ib.db, ib.table)
 }
 
