@@ -248,10 +248,12 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 		indexes[k.Index] = append(indexes[k.Index], k)
 	}
 	want := strings.Join(keyColumns, ", ")
+	standIn := "" // a unique index on the key columns that the primary key's fix replaces
 	if pk, ok := indexes["PRIMARY"]; !ok {
 		fix := "ALTER TABLE " + tq + " ADD PRIMARY KEY (" + want + ")"
 		for _, name := range names {
 			if idx := indexes[name]; idx[0].Unique && myIndexIsKey(idx) {
+				standIn = name
 				fix = "ALTER TABLE " + tq + " DROP INDEX " + myQuote(name) + ", ADD PRIMARY KEY (" + want + ")"
 			}
 		}
@@ -266,6 +268,15 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 		}
 		ps.add("ALTER TABLE "+tq+" DROP PRIMARY KEY, ADD PRIMARY KEY ("+want+")",
 			"the primary key is (%s), not %s%s", myIndexColumns(pk), nameList(keyColumns), why)
+	}
+	for _, name := range names {
+		// ON DUPLICATE KEY UPDATE fires on any unique key, so a key this
+		// index shares (another consumer's message id) is taken for a
+		// duplicate.
+		if idx := indexes[name]; name != "PRIMARY" && name != standIn && idx[0].Unique {
+			ps.add("ALTER TABLE "+tq+" DROP INDEX "+myQuote(name),
+				"unique index %q: ON DUPLICATE KEY UPDATE fires on it too, so a key it shares (another consumer's message id) is taken for a duplicate", name)
+		}
 	}
 	indexed := false
 	for _, name := range names {
@@ -283,12 +294,9 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 	return ps, nil
 }
 
-// myObjectsSQL lists, as (what, fix), what besides columns and the primary
-// key can make a claim merge, drop or reject ids, or a purge fail or reach
-// other rows: a second unique index (ON DUPLICATE KEY UPDATE fires on any
-// unique key, so a unique message_id makes a second consumer's claim look
-// like a duplicate), triggers, CHECK constraints, foreign keys to and from
-// the table. Its parameters are the schema (twice, or DATABASE()) and the
+// myObjectsSQL lists, as (what, fix), what besides columns and indexes can
+// make a claim change or reject ids, or a purge fail or reach other rows:
+// triggers, CHECK constraints, foreign keys to and from the table. Its parameters are the schema (twice, or DATABASE()) and the
 // table name, for each part.
 func myObjectsSQL(t qualifiedName) (string, []any) {
 	schema, args := "DATABASE()", []any{}
@@ -302,11 +310,8 @@ func myObjectsSQL(t qualifiedName) (string, []any) {
 		return []any{t.name}
 	}
 	tq := t.quoted(mysqlDialect{})
-	query := "SELECT CONCAT('unique index ', INDEX_NAME, ': ON DUPLICATE KEY UPDATE fires on it too, so a key it shares (another consumer''s message id) is taken for a duplicate') AS what," +
-		" CONCAT('ALTER TABLE " + tq + " DROP INDEX `', INDEX_NAME, '`') AS fix" +
-		" FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = " + schema + " AND TABLE_NAME = ? AND NON_UNIQUE = 0 AND INDEX_NAME <> 'PRIMARY'" +
-		" GROUP BY INDEX_NAME" +
-		" UNION ALL SELECT CONCAT('trigger ', TRIGGER_NAME, ': it can change or reject the claim''s row'), CONCAT('DROP TRIGGER `', TRIGGER_SCHEMA, '`.`', TRIGGER_NAME, '`')" +
+	query := "SELECT CONCAT('trigger ', TRIGGER_NAME, ': it can change or reject the claim''s row') AS what," +
+		" CONCAT('DROP TRIGGER `', TRIGGER_SCHEMA, '`.`', TRIGGER_NAME, '`') AS fix" +
 		" FROM information_schema.TRIGGERS WHERE EVENT_OBJECT_SCHEMA = " + schema + " AND EVENT_OBJECT_TABLE = ?" +
 		" UNION ALL SELECT CONCAT('CHECK constraint ', CONSTRAINT_NAME, ': it can reject a valid message id'), CONCAT('ALTER TABLE " + tq + " DROP CONSTRAINT `', CONSTRAINT_NAME, '`')" +
 		" FROM information_schema.TABLE_CONSTRAINTS WHERE TABLE_SCHEMA = " + schema + " AND TABLE_NAME = ? AND CONSTRAINT_TYPE = 'CHECK'" +
@@ -315,7 +320,7 @@ func myObjectsSQL(t qualifiedName) (string, []any) {
 		" FROM information_schema.REFERENTIAL_CONSTRAINTS WHERE UNIQUE_CONSTRAINT_SCHEMA = " + schema + " AND REFERENCED_TABLE_NAME = ?" +
 		" UNION ALL SELECT CONCAT('foreign key ', CONSTRAINT_NAME, ' from the inbox table: it can reject a claim'), CONCAT('ALTER TABLE " + tq + " DROP FOREIGN KEY `', CONSTRAINT_NAME, '`')" +
 		" FROM information_schema.REFERENTIAL_CONSTRAINTS WHERE CONSTRAINT_SCHEMA = " + schema + " AND TABLE_NAME = ?"
-	for range 5 {
+	for range 4 {
 		args = append(args, arg()...)
 	}
 	return query, args
@@ -331,16 +336,7 @@ func (d mysqlDialect) checkObjects(ctx context.Context, q sqlx.QueryerContext, t
 	if err := sqlx.SelectContext(ctx, q, &objects, query, args...); err != nil {
 		return err
 	}
-	tq := t.quoted(d)
-next:
 	for _, o := range objects {
-		// A unique index that stands in for the primary key has its fix
-		// (drop it, add the key) already.
-		for _, p := range *ps {
-			if strings.Contains(p.fix, strings.TrimPrefix(o.Fix, "ALTER TABLE "+tq+" ")) {
-				continue next
-			}
-		}
 		ps.add(o.Fix, "%s", o.What)
 	}
 	return nil
