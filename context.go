@@ -32,9 +32,12 @@ type txKey struct{}
 // starts may use it as database/sql allows (a *sql.Tx serialises its
 // statements on its one connection), but they must be done before the
 // handler returns.
+//
+// With package pgxinbox the transaction is a pgx.Tx: this returns nil and
+// false there, and pgxinbox.TxFromContext returns it.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
-	s, ok := ctx.Value(txKey{}).(*txState)
-	if !ok || s == nil {
+	s := stateFromContext(ctx)
+	if s == nil || s.tx == nil {
 		return nil, false
 	}
 	return s.tx, true
@@ -42,8 +45,9 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 
 // txState is what the middleware keeps in a claimed message's context.
 type txState struct {
-	tx        *sqlx.Tx
-	publisher message.Publisher // from Config.Outbox; nil without one
+	tx        *sqlx.Tx          // with the database/sql backend
+	handle    any               // with a native backend: its transaction (a pgx.Tx)
+	publisher message.Publisher // from the outbox factory; nil without one
 
 	mu          sync.Mutex
 	afterCommit []func()
@@ -58,6 +62,13 @@ func (s *txState) end() []func() {
 	fs := s.afterCommit
 	s.afterCommit = nil
 	return fs
+}
+
+// stateFromContext returns the state of the claimed delivery whose message
+// context ctx is, or nil.
+func stateFromContext(ctx context.Context) *txState {
+	s, _ := ctx.Value(txKey{}).(*txState)
+	return s
 }
 
 func contextWithTx(ctx context.Context, s *txState) context.Context {

@@ -92,6 +92,11 @@ type Dialect interface {
 	// txOptions returns the options a message's transaction begins with,
 	// from the validated user options (nil: the database default).
 	txOptions(user *sql.TxOptions) *sql.TxOptions
+	// nativeBegin returns the BEGIN statement of a message's transaction
+	// with the options opts (from txOptions), for a backend that sends it as
+	// text (package pgxinbox), and false when the dialect has no such
+	// backend.
+	nativeBegin(opts *sql.TxOptions) (string, bool)
 	// schemaNotes returns the comment lines SchemaSQL prints before the
 	// DDL of t.
 	schemaNotes(t qualifiedName) string

@@ -463,6 +463,8 @@ func (d mysqlDialect) checkIsolation(l sql.IsolationLevel) error {
 
 func (mysqlDialect) txOptions(user *sql.TxOptions) *sql.TxOptions { return copyTxOptions(user) }
 
+func (mysqlDialect) nativeBegin(*sql.TxOptions) (string, bool) { return "", false }
+
 func (mysqlDialect) schemaNotes(qualifiedName) string {
 	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
 		"-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +

@@ -416,6 +416,30 @@ func (d postgresDialect) checkIsolation(l sql.IsolationLevel) error {
 
 func (postgresDialect) txOptions(user *sql.TxOptions) *sql.TxOptions { return copyTxOptions(user) }
 
+// nativeBegin renders opts as PostgreSQL's BEGIN (its SQL reference: BEGIN
+// [ ISOLATION LEVEL level ] [ READ ONLY ]); checkIsolation has accepted the
+// level.
+func (postgresDialect) nativeBegin(opts *sql.TxOptions) (string, bool) {
+	q := "BEGIN"
+	if opts == nil {
+		return q, true
+	}
+	switch opts.Isolation {
+	case sql.LevelReadUncommitted:
+		q += " ISOLATION LEVEL READ UNCOMMITTED"
+	case sql.LevelReadCommitted:
+		q += " ISOLATION LEVEL READ COMMITTED"
+	case sql.LevelRepeatableRead:
+		q += " ISOLATION LEVEL REPEATABLE READ"
+	case sql.LevelSerializable:
+		q += " ISOLATION LEVEL SERIALIZABLE"
+	}
+	if opts.ReadOnly {
+		q += " READ ONLY"
+	}
+	return q, true
+}
+
 func (postgresDialect) schemaNotes(qualifiedName) string {
 	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
 		"-- processed_at: the database clock (now()), an absolute instant.\n"

@@ -321,6 +321,8 @@ func (sqliteDialect) checkIsolation(sql.IsolationLevel) error { return nil }
 
 func (sqliteDialect) txOptions(user *sql.TxOptions) *sql.TxOptions { return copyTxOptions(user) }
 
+func (sqliteDialect) nativeBegin(*sql.TxOptions) (string, bool) { return "", false }
+
 func (sqliteDialect) schemaNotes(qualifiedName) string {
 	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
 		"-- processed_at: Unix microseconds, UTC, from the database clock.\n"

@@ -38,7 +38,8 @@ type Inbox struct {
 	commitTimeout time.Duration
 	prepare       bool // prepare the claim and heldSQL on DB (Config.PrepareStatements, or the dialect's default)
 
-	backend txBackend // database/sql
+	backend   txBackend // sqlBackend, or nativeBackend (package pgxinbox)
+	hasOutbox bool      // Config.Outbox, or the native backend's own outbox
 
 	// Built once in New.
 	claimSQL   string
@@ -209,6 +210,7 @@ func New(cfg Config) (*Inbox, error) {
 		claimSQL:      cfg.Dialect.claimSQL(table),
 	}
 	ib.backend = sqlBackend{ib}
+	ib.hasOutbox = cfg.Outbox != nil
 	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
 	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
@@ -295,24 +297,34 @@ type claimedTx interface {
 // sqlBackend is the database/sql backend.
 type sqlBackend struct{ ib *Inbox }
 
-func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
-	ib := b.ib
+// beforeBegin does what every backend must do before a delivery's
+// transaction begins, on DB: the table check before the first claim, and
+// with the dialect's key lock, resolving the table name it hashes (both
+// take a connection, and the transaction may hold the last one).
+func (ib *Inbox) beforeBegin(d *delivery) (lockTable qualifiedName, err error) {
 	if err := ib.verifyOnce(d.sctx); err != nil {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
 		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
 			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
 		}
-		return nil, false, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+		return lockTable, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 	}
-	stmt, heldStmt := ib.preparedClaim(d.sctx) // nil: run unprepared
-	var lockTable qualifiedName
 	if ib.locksKeys {
-		var err error
 		if lockTable, err = ib.keyLockTable(d.sctx); err != nil {
-			return nil, false, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, err)
+			return lockTable, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, err)
 		}
 	}
+	return lockTable, nil
+}
+
+func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
+	ib := b.ib
+	lockTable, err := ib.beforeBegin(d)
+	if err != nil {
+		return nil, false, err
+	}
+	stmt, heldStmt := ib.preparedClaim(d.sctx) // nil: run unprepared
 	tx, err := ib.db.BeginTxx(d.txCtx, ib.txOptions)
 	if err != nil && ib.maybeLostConn(d.txCtx, err) {
 		tx, err = ib.retryBegin(d, err)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/watermill-inbox/inbox/internal/backend"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -102,8 +103,10 @@ type delivery struct {
 	tx claimedTx // nil before BEGIN
 	// The values behind tx (with the database/sql backend) and state, kept
 	// here so that they cost no allocation of their own.
-	sqlTx      sqlTx
-	stateValue txState
+	sqlTx       sqlTx
+	nativeClaim backend.Claim
+	nativeTx    nativeTx
+	stateValue  txState
 	state      *txState // what the handler's context carries; nil until claimed
 	duplicate  bool
 }
@@ -182,7 +185,7 @@ func (d *delivery) run() ([]*message.Message, error) {
 // before anything is written.
 func (d *delivery) validate() error {
 	ib, msg := d.ib, d.msg
-	if _, nested := TxFromContext(d.ctx); nested {
+	if stateFromContext(d.ctx) != nil {
 		// The inner claim would wait forever on the outer transaction's
 		// uncommitted row of the same key.
 		return fmt.Errorf("%w (message %q)", ErrNestedInbox, msg.UUID)
@@ -243,7 +246,8 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 func (d *delivery) detach() error {
 	if !d.followMessage() {
 		// The message's context ended before the handler returned, and
-		// database/sql has rolled the transaction back.
+		// the transaction's context with it (database/sql has rolled the
+		// transaction back; end rolls back a native one).
 		return fmt.Errorf("inbox: commit %q/%q: the message context ended before the handler returned: %w",
 			d.consumer, d.id, context.Cause(d.sctx))
 	}
@@ -255,7 +259,7 @@ func (d *delivery) detach() error {
 // outbox of its transaction, to the handler's publish topic, with
 // Config.Outbox; without it they go back to the router.
 func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Message, error) {
-	if d.ib.outbox == nil || len(produced) == 0 {
+	if !d.ib.hasOutbox || len(produced) == 0 {
 		return produced, nil
 	}
 	topic := message.PublishTopicFromCtx(d.msg.Context())

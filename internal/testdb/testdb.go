@@ -20,6 +20,7 @@ import (
 	"time"
 
 	_ "github.com/go-sql-driver/mysql" // registers "mysql"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
 	"github.com/jmoiron/sqlx"
 	_ "github.com/lib/pq"  // registers "postgres"
@@ -145,6 +146,48 @@ func PgBouncerDSN() string { return Env(PgBouncerDSNEnv, DefaultPgBouncerDSN) }
 // PgBouncer with driver d.
 func OpenPgBouncer(tb testing.TB, d PgBouncerDriver) *sqlx.DB {
 	return open(tb, d.Driver, WithParam(PgBouncerDSN(), d.Param), "PgBouncer", PgBouncerDSNEnv, startPgBouncer)
+}
+
+// OpenPgxPool opens a pgx pool of at most 8 connections to the test
+// PostgreSQL with the extra DSN parameter param (may be empty), closed when
+// tb ends; a server that cannot be reached skips or fails as open does.
+func OpenPgxPool(tb testing.TB, param string) *pgxpool.Pool {
+	return openPool(tb, WithParam(PostgresDSN(), param), "PostgreSQL", PostgresDSNEnv, startPostgres)
+}
+
+// OpenPgxPoolBouncer opens a pgx pool of at most 8 connections through the
+// test PgBouncer with the extra DSN parameter param (a
+// default_query_exec_mode that works behind it).
+func OpenPgxPoolBouncer(tb testing.TB, param string) *pgxpool.Pool {
+	return openPool(tb, WithParam(PgBouncerDSN(), param), "PgBouncer", PgBouncerDSNEnv, startPgBouncer)
+}
+
+func openPool(tb testing.TB, dsn, what, envName, start string) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.MaxConns = 8
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(pool.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := pool.Ping(ctx); err != nil {
+		var netErr *net.OpError
+		if !errors.As(err, &netErr) {
+			tb.Fatalf("%s: %v", what, err)
+		}
+		msg := fmt.Sprintf("%s not reachable (%v): start it with `%s`, or point %s at a server", what, err, start, envName)
+		if os.Getenv("CI") == "true" {
+			tb.Fatal(msg)
+		}
+		tb.Skip(msg)
+	}
+	return pool
 }
 
 // OpenMySQL opens MySQL/MariaDB with the extra DSN parameter param (may be empty).

@@ -1,0 +1,111 @@
+// Package backend is the seam between package inbox's per-message flow and a
+// transaction backend other than database/sql: package pgxinbox plugs pgx's
+// native API in here, so that the one flow (middleware.go) runs over it and
+// users of MySQL or SQLite never compile pgx. It is internal: what crosses it
+// changes with the flow.
+package backend
+
+import (
+	"context"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Statements are an inbox's SQL texts, built once by package inbox from its
+// dialect and table. Placeholders are PostgreSQL's ($1, $2).
+type Statements struct {
+	// Begin starts the message's transaction, with the configured
+	// isolation level.
+	Begin string
+	// KeyLock, when not empty, runs after Begin and before Claim with the
+	// key's lock hash ($1, int64): the partitioned dialect's advisory lock.
+	KeyLock string
+	// Claim inserts the key if absent ($1 consumer, $2 message id); its rows
+	// affected tell a claim (1) from a duplicate (0).
+	Claim string
+	// Held, when not empty, is the pre-commit check ($1, $2): a count of the
+	// claim's row.
+	Held string
+}
+
+// Claim is one delivery's request to begin its transaction and claim its
+// key.
+type Claim struct {
+	// TxCtx is the transaction's context: BEGIN, the claim, the pre-commit
+	// check and COMMIT run under it. It follows the message's context until
+	// the handler returned nil, and then only the commit bound.
+	TxCtx context.Context
+	// Consumer and ID are the validated inbox key.
+	Consumer, ID string
+	// LockKey is the argument of Statements.KeyLock.
+	LockKey int64
+}
+
+// Backend begins transactions and claims keys in them.
+type Backend interface {
+	// BeginClaim begins c's transaction and runs Statements.KeyLock (when
+	// set) and Statements.Claim in it, in as few round trips as the backend
+	// can, and returns the claim's rows affected. A non-nil Tx, also with an
+	// error, is open: the flow rolls it back. An error says which step
+	// failed with *StepError.
+	BeginClaim(c *Claim) (Tx, int64, error)
+}
+
+// Tx is a claimed delivery's open transaction, as the flow drives it.
+type Tx interface {
+	// Handle is what the handler's context carries (pgxinbox.TxFromContext
+	// returns it).
+	Handle() any
+	// Publisher returns the outbox publisher bound to the transaction, or
+	// nil without an outbox factory.
+	Publisher() (message.Publisher, error)
+	// StillClaimed runs Statements.Held (true when it is empty).
+	StillClaimed(ctx context.Context, consumer, id string) (bool, error)
+	// Commit commits under Claim.TxCtx.
+	Commit() error
+	// Rollback rolls back; after Commit or Rollback, and on a connection
+	// the server has already closed (which ends the transaction), it does
+	// nothing and returns nil.
+	Rollback() error
+}
+
+// Step names the statement of BeginClaim that failed.
+type Step int
+
+const (
+	StepBegin   Step = iota // acquiring a connection or BEGIN
+	StepKeyLock             // Statements.KeyLock
+	StepClaim               // Statements.Claim
+)
+
+// StepError is a BeginClaim error with the step that failed; it wraps the
+// driver's error.
+type StepError struct {
+	Step Step
+	Err  error
+}
+
+func (e *StepError) Error() string { return e.Err.Error() }
+func (e *StepError) Unwrap() error { return e.Err }
+
+// Options are what a backend's package passes to package inbox's
+// constructor with the core configuration.
+type Options struct {
+	// New makes the backend from the inbox's statements; its error is a
+	// configuration error.
+	New func(Statements) (Backend, error)
+	// Outbox reports that the backend's Tx.Publisher returns an outbox
+	// publisher: the handler's returned messages go there, as with
+	// inbox.Config.Outbox.
+	Outbox bool
+}
+
+// NewInbox is package inbox's constructor for an inbox over a Backend, set
+// by that package's init: a func(inbox.Config, Options) (*inbox.Inbox,
+// error), held as any because this package cannot name package inbox's
+// types.
+var NewInbox any
+
+// HandleFromContext returns the Tx.Handle of the claimed delivery whose
+// message context ctx is, and true; set by package inbox's init.
+var HandleFromContext func(ctx context.Context) (any, bool)

@@ -1,0 +1,132 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/watermill-inbox/inbox/internal/backend"
+)
+
+// A backend other than database/sql (package pgxinbox) reaches the one flow
+// through internal/backend: it makes the Inbox with newNativeInbox, and
+// nativeBackend adapts it to txBackend.
+func init() {
+	backend.NewInbox = newNativeInbox
+	backend.HandleFromContext = func(ctx context.Context) (any, bool) {
+		s := stateFromContext(ctx)
+		if s == nil || s.handle == nil {
+			return nil, false
+		}
+		return s.handle, true
+	}
+}
+
+// newNativeInbox is New for an inbox whose messages' transactions go
+// through a backend made by opts.New; cfg.DB serves everything else (the
+// table check, InitializeSchema, Verify, the key lock's table name) and must
+// reach the same database (pgxinbox passes its pool through pgx's
+// database/sql adapter). cfg.Outbox must be nil: the backend has its own.
+func newNativeInbox(cfg Config, opts backend.Options) (*Inbox, error) {
+	if cfg.Outbox != nil {
+		return nil, fmt.Errorf("%w: Config.Outbox takes a *sqlx.Tx; this backend has its own outbox factory", ErrInvalidConfig)
+	}
+	ib, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	begin, ok := ib.dialect.nativeBegin(ib.txOptions)
+	if !ok {
+		return nil, fmt.Errorf("%w: dialect %s is not supported by this backend", ErrInvalidConfig, ib.dialect)
+	}
+	st := backend.Statements{Begin: begin, Claim: ib.claimSQL}
+	if ib.locksKeys {
+		st.KeyLock = ib.keyLockSQL
+	}
+	if ib.checksHeld {
+		st.Held = ib.heldSQL
+	}
+	b, err := opts.New(st)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	ib.backend = nativeBackend{ib: ib, b: b}
+	ib.hasOutbox = opts.Outbox
+	ib.prepare = false // the backend decides how its statements are sent
+	return ib, nil
+}
+
+// nativeBackend runs a delivery's transaction through a backend.Backend.
+type nativeBackend struct {
+	ib *Inbox
+	b  backend.Backend
+}
+
+func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
+	ib := n.ib
+	lockTable, err := ib.beforeBegin(d)
+	if err != nil {
+		return nil, false, err
+	}
+	c := &d.nativeClaim
+	*c = backend.Claim{TxCtx: d.txCtx, Consumer: d.consumer, ID: d.id}
+	if ib.locksKeys {
+		c.LockKey = keyLockHash(lockTable, d.consumer, d.id)
+	}
+	tx, rows, err := n.b.BeginClaim(c)
+	var t *nativeTx
+	if tx != nil {
+		t = &d.nativeTx
+		*t = nativeTx{tx: tx}
+		ib.hooks.begun()
+	}
+	if err != nil {
+		var step *backend.StepError
+		errors.As(err, &step)
+		switch {
+		case step != nil && step.Step == backend.StepKeyLock:
+			err = fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
+		case step != nil && step.Step == backend.StepClaim:
+			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
+		default:
+			err = fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, poolerHint(err)))
+		}
+		if t == nil {
+			return nil, false, err // not a nil *nativeTx in a non-nil claimedTx
+		}
+		return t, false, err
+	}
+	claimed, ok := ib.dialect.claimed(rows)
+	if !ok {
+		return t, false, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, rows, d.consumer, d.id)
+	}
+	return t, claimed, nil
+}
+
+// nativeTx is a delivery's transaction through a backend.Backend.
+type nativeTx struct{ tx backend.Tx }
+
+func (t *nativeTx) newState(_ *Inbox, s *txState) error {
+	s.handle = t.tx.Handle()
+	p, err := t.tx.Publisher()
+	if err != nil {
+		return err
+	}
+	s.publisher = p
+	return nil
+}
+
+func (t *nativeTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {
+	return t.tx.StillClaimed(ctx, consumer, id)
+}
+
+func (t *nativeTx) commit() error   { return t.tx.Commit() }
+func (t *nativeTx) rollback() error { return t.tx.Rollback() }
+
+// Compile-time checks: both backends satisfy the flow's interfaces.
+var (
+	_ txBackend = nativeBackend{}
+	_ txBackend = sqlBackend{}
+	_ claimedTx = (*nativeTx)(nil)
+	_ claimedTx = (*sqlTx)(nil)
+)

@@ -1,0 +1,108 @@
+package pgxinbox
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/watermill-inbox/inbox/internal/backend"
+)
+
+// pgxBackend begins each message's transaction with pgx's Batch.BeginTx:
+// BEGIN, the partitioned dialect's key lock and the claim go to the server
+// in one batch (one round trip in every query exec mode), and the
+// transaction that comes back is pgx's own, on a connection the pool keeps
+// acquired until it commits or rolls back.
+type pgxBackend struct {
+	pool            *pgxpool.Pool
+	st              backend.Statements
+	begin           pgx.TxOptions // BeginQuery: st.Begin
+	outbox          func(pgx.Tx) (message.Publisher, error)
+	rollbackTimeout time.Duration
+}
+
+func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
+	batch := &pgx.Batch{}
+	batch.BeginTx(b.begin)
+	if b.st.KeyLock != "" {
+		batch.Queue(b.st.KeyLock, c.LockKey)
+	}
+	batch.Queue(b.st.Claim, c.Consumer, c.ID)
+	br := b.pool.SendBatch(c.TxCtx, batch)
+	// Tx is never nil for a batch that began one; when the batch fails
+	// before BEGIN (no connection) it is closed, and its Rollback releases
+	// whatever was acquired.
+	t := &pgxTx{b: b, tx: br.Tx(), ctx: c.TxCtx}
+	if _, err := br.Exec(); err != nil {
+		br.Close()
+		return t, 0, &backend.StepError{Step: backend.StepBegin, Err: err}
+	}
+	if b.st.KeyLock != "" {
+		if _, err := br.Exec(); err != nil {
+			br.Close()
+			return t, 0, &backend.StepError{Step: backend.StepKeyLock, Err: err}
+		}
+	}
+	tag, err := br.Exec()
+	if err == nil {
+		err = br.Close()
+	} else {
+		br.Close()
+	}
+	if err != nil {
+		return t, 0, &backend.StepError{Step: backend.StepClaim, Err: err}
+	}
+	return t, tag.RowsAffected(), nil
+}
+
+// pgxTx is one message's transaction.
+type pgxTx struct {
+	b   *pgxBackend
+	tx  pgx.Tx
+	ctx context.Context // backend.Claim.TxCtx
+}
+
+func (t *pgxTx) Handle() any { return t.tx }
+
+func (t *pgxTx) Publisher() (message.Publisher, error) {
+	if t.b.outbox == nil {
+		return nil, nil
+	}
+	return t.b.outbox(t.tx)
+}
+
+func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, error) {
+	if t.b.st.Held == "" {
+		return true, nil
+	}
+	var n int
+	err := t.tx.QueryRow(ctx, t.b.st.Held, consumer, id).Scan(&n)
+	return n > 0, err
+}
+
+// Commit commits under the transaction's context, which the commit bound
+// ends. pgx closes the connection when COMMIT fails outside an idle state
+// and reports pgx.ErrTxCommitRollback when PostgreSQL turned the COMMIT into
+// a ROLLBACK.
+func (t *pgxTx) Commit() error { return t.tx.Commit(t.ctx) }
+
+// Rollback rolls back and returns the connection to the pool. It runs under
+// its own bound, not the transaction's context, which may have ended (the
+// message's deadline): a ROLLBACK that could not be sent would make pgx close
+// a healthy connection. A transaction already ended (committed, rolled
+// back, never begun: pgx.ErrTxClosed) is not an error, nor is a connection
+// that was already closed, which ends the transaction on the server.
+func (t *pgxTx) Rollback() error {
+	conn := t.tx.Conn()
+	closedBefore := conn == nil || conn.IsClosed()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), t.b.rollbackTimeout)
+	defer cancel()
+	err := t.tx.Rollback(ctx)
+	if err == nil || errors.Is(err, pgx.ErrTxClosed) || closedBefore {
+		return nil
+	}
+	return err
+}
