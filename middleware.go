@@ -107,8 +107,8 @@ type delivery struct {
 	nativeClaim backend.Claim
 	nativeTx    nativeTx
 	stateValue  txState
-	state      *txState // what the handler's context carries; nil until claimed
-	duplicate  bool
+	state       *txState // what the handler's context carries; nil until claimed
+	duplicate   bool
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
