@@ -1,0 +1,45 @@
+// Package pgxinbox is the transactional inbox (idempotent consumer) for
+// services that use pgx natively: a Watermill middleware over a
+// *pgxpool.Pool whose handlers get a pgx.Tx. It runs the same per-message
+// flow as package inbox (read its documentation for the flow, the
+// semantics, the errors and the middleware order); only the transaction
+// is pgx's instead of database/sql's. It is its own package so that users
+// of package inbox on MySQL or SQLite do not compile pgx.
+//
+//	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool})
+//	if err != nil { … }
+//	if err := ib.InitializeSchema(ctx); err != nil { … }
+//	router.AddMiddleware(ib.Middleware)
+//
+//	func handle(msg *message.Message) error {
+//		tx, _ := pgxinbox.TxFromContext(msg.Context())
+//		_, err := tx.Exec(msg.Context(), "INSERT INTO invoices …", …)
+//		return err
+//	}
+//
+// What is different from package inbox:
+//
+//   - One round trip fewer per message. BEGIN, the partitioned dialect's key
+//     lock and the claim are sent as one pgx batch (pgx's Batch.BeginTx, in
+//     pgx v5.12.0 and later), and the claim's rows affected come back with
+//     it: a processed message costs the batch, the handler's statements and
+//     COMMIT; a duplicate costs the batch and ROLLBACK. Through database/sql,
+//     BEGIN is a round trip of its own.
+//   - The handler's transaction is pgx's own (pgxinbox.TxFromContext):
+//     Exec, Query, CopyFrom, SendBatch, LargeObjects and nested
+//     transactions (savepoints) work as pgx documents them.
+//   - The outbox factory takes the pgx.Tx (Config.Outbox): with
+//     watermill-sql v4, wsql.NewPublisher(wsql.TxFromPgx(tx), …), and the
+//     forwarder's subscriber reads with wsql.BeginnerFromPgx(pool).
+//   - How statements are sent is the pool's query exec mode. pgx's default
+//     (cache_statement) prepares each statement once per connection.
+//     Behind a transaction-mode connection pooler (PgBouncer before 1.21)
+//     set default_query_exec_mode=exec or simple_protocol in the pool's
+//     connection string: both still send BEGIN and the claim in one round
+//     trip.
+//
+// inbox.OutboxFromContext, inbox.AfterCommit and inbox.IsTransient work on
+// this package's messages and errors (IsTransient knows pgx's errors). The
+// purge, the Purger, the stats and the CLI take a *sqlx.DB: pass Inbox.DB,
+// or DB(pool) for a pool without an Inbox.
+package pgxinbox
