@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"math"
 	"net/url"
 	"strings"
 	"testing"
@@ -134,6 +135,11 @@ func TestPurgeConfigErrors(t *testing.T) {
 		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, BatchSize: inbox.MaxPurgeBatchSize + 1}, "BatchSize"},
 		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, Table: "x; DROP TABLE y"}, "invalid table name"},
 		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, Pause: -time.Second}, "Pause"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, DutyCycle: -0.1}, "DutyCycle"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, DutyCycle: 1.5}, "DutyCycle"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, DutyCycle: math.NaN()}, "DutyCycle"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, DutyCycle: math.Inf(1)}, "DutyCycle"},
+		{inbox.PurgeConfig{DB: db, OlderThan: time.Hour, MaxPause: -time.Millisecond}, "MaxPause"},
 	}
 	for _, tc := range cases {
 		n, err := inbox.Purge(context.Background(), tc.cfg)

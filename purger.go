@@ -27,7 +27,8 @@ type PurgerConfig struct {
 	Interval time.Duration
 
 	// Logger receives one Info line per round (rows deleted, duration, age
-	// of the oldest remaining row, or that another instance had the lock)
+	// of the oldest remaining row, batches, time paused, back-offs and the
+	// effective duty cycle, or that another instance had the lock)
 	// and an Error line for a failed round. Default: watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
@@ -53,6 +54,12 @@ type PurgeRound struct {
 	// PostgreSQLPartitioned it is the age of the start of the oldest
 	// non-empty partition: an upper bound, exact to the day.
 	OldestAge time.Duration
+	// Pacing is how the round paced its batches (PurgeConfig.DutyCycle):
+	// batches, time in batches, time paused, back-offs and the effective
+	// duty cycle. Zero for a skipped round and for PostgreSQLPartitioned,
+	// whose rounds drop partitions instead of deleting in batches. Filled
+	// in for a failed or cancelled round too, up to where it stopped.
+	Pacing PurgePacing
 	// Err is the round's error, nil on success.
 	Err error
 }
@@ -71,7 +78,19 @@ type PurgeRound struct {
 // needs two (a pool limited to one fails the round with ErrInvalidConfig).
 // On MySQL/MariaDB it is GET_LOCK, held on one connection for the round. On
 // SQLite every writer is serialised by the database anyway, so no lock is
-// taken. A Purger is safe for concurrent use, but one Run at a time is what
+// taken.
+//
+// A round holds the lock while its purge pauses between batches (see
+// PurgeConfig.DutyCycle), so a paced round lasts longer and other instances
+// skip, and DropPartitions waits, for as long. The lock holds nothing else
+// back: on PostgreSQL its transaction is idle in between, with no
+// transaction id and no snapshot (pg_stat_activity shows backend_xid and
+// backend_xmin NULL), so it holds back neither vacuum nor the wait of
+// DETACH PARTITION ... CONCURRENTLY for older snapshots, and it takes no
+// lock on the table; on MySQL/MariaDB GET_LOCK is a session lock, and the
+// session has no open transaction between batches (nothing in
+// information_schema.INNODB_TRX), so it holds back no purge of undo logs.
+// A Purger is safe for concurrent use, but one Run at a time is what
 // it is made for.
 type Purger struct {
 	cfg     PurgerConfig
@@ -182,6 +201,8 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 	round.Duration = time.Since(start)
 	fields := watermill.LogFields{
 		"deleted": round.Deleted, "duration": round.Duration.String(), "oldest_age": round.OldestAge.String(),
+		"batches": round.Pacing.Batches, "paused": round.Pacing.Paused.String(),
+		"back_offs": round.Pacing.BackOffs, "duty_cycle": round.Pacing.DutyCycle,
 	}
 	switch {
 	case round.Err != nil && ctx.Err() == nil:
@@ -212,7 +233,12 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 			round.Err = fmt.Errorf("inbox: purge lock: %w", err)
 		}
 	}()
-	return p.dialect.purgeRound(ctx, lease.work, p.cfg.Purge, p.table)
+	cfg := p.cfg.Purge
+	var pacing PurgePacing
+	cfg.pacing = &pacing
+	round = p.dialect.purgeRound(ctx, lease.work, cfg, p.table)
+	round.Pacing = pacing
+	return round
 }
 
 // purgeLockKey is the purge lock key of the resolved table name.

@@ -1,0 +1,269 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"math"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// pacingLog records what the pacing hook saw: each full batch's duration
+// and the pause chosen after it.
+type pacingLog struct {
+	mu      sync.Mutex
+	batches []time.Duration
+	pauses  []time.Duration
+}
+
+func (l *pacingLog) record(batch, pause time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.batches = append(l.batches, batch)
+	l.pauses = append(l.pauses, pause)
+}
+
+func sum(ds []time.Duration) (total time.Duration) {
+	for _, d := range ds {
+		total += d
+	}
+	return total
+}
+
+// pacedPurger returns a Purger of table with the given pacing whose batch
+// hooks are before and log.
+func pacedPurger(t *testing.T, db *sqlx.DB, table string, cfg inbox.PurgeConfig, before func(), log *pacingLog) *inbox.Purger {
+	t.Helper()
+	cfg.DB, cfg.Table, cfg.OlderThan = db, table, time.Hour
+	if d, ok := dialectOf.Load(db); ok {
+		cfg.Dialect = d.(inbox.Dialect)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inbox.WithPurgerBatchHooks(p, before, log.record)
+	return p
+}
+
+// After every full batch the purge pauses at least (1-DutyCycle)/DutyCycle
+// times the batch's duration, and the round reports those pauses and
+// batches. A partitioned table's round drops partitions and reports no
+// pacing.
+func TestPurgePacesBatchesByTheirDuration(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 45, 2*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "recent", 5, 30*time.Minute)
+		const duty = 0.25
+		var log pacingLog
+		p := pacedPurger(t, db, f.inbox, inbox.PurgeConfig{BatchSize: 10, DutyCycle: duty, MaxPause: time.Minute}, nil, &log)
+		round := p.RunOnce(context.Background())
+		if round.Err != nil {
+			t.Fatal(round.Err)
+		}
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			if round.Pacing != (inbox.PurgePacing{}) || len(log.pauses) != 0 {
+				t.Errorf("partition drop: pacing %+v, pauses %v; want none", round.Pacing, log.pauses)
+			}
+			return
+		}
+		if round.Deleted != 45 || f.inboxRows() != 5 {
+			t.Fatalf("deleted %d, %d rows left; want 45 deleted, 5 left", round.Deleted, f.inboxRows())
+		}
+		// 4 full batches, each followed by a pause, and the short fifth.
+		if len(log.pauses) != 4 || round.Pacing.Batches != 5 {
+			t.Fatalf("pauses %v, pacing %+v; want 4 pauses and 5 batches", log.pauses, round.Pacing)
+		}
+		for i, pause := range log.pauses {
+			want := time.Duration(float64(log.batches[i]) * (1 - duty) / duty)
+			if pause < want-time.Nanosecond {
+				t.Errorf("pause %d = %v after a batch of %v, want at least %v", i, pause, log.batches[i], want)
+			}
+		}
+		if round.Pacing.Paused < sum(log.pauses) {
+			t.Errorf("reported paused %v, want at least the pauses chosen, %v", round.Pacing.Paused, sum(log.pauses))
+		}
+		if round.Pacing.BatchTime < sum(log.batches) {
+			t.Errorf("reported batch time %v, want at least the full batches' %v", round.Pacing.BatchTime, sum(log.batches))
+		}
+		bt, paused := float64(round.Pacing.BatchTime), float64(round.Pacing.Paused)
+		if got, want := round.Pacing.DutyCycle, bt/(bt+paused); math.Abs(got-want) > 1e-9 || got <= 0 || got >= 1 {
+			t.Errorf("effective duty cycle %v, want %v, in (0, 1)", got, want)
+		}
+	})
+}
+
+// MaxPause caps every pacing pause; Pause is added on top of it.
+func TestPurgePauseIsCappedByMaxPause(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "old", 30, 2*time.Hour)
+	var log pacingLog
+	cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{
+		DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 10,
+		DutyCycle: 0.001, MaxPause: time.Microsecond, Pause: 2 * time.Microsecond,
+	}, nil, log.record)
+	if n, err := inbox.Purge(context.Background(), cfg); err != nil || n != 30 {
+		t.Fatalf("purge: %d, %v; want 30, nil", n, err)
+	}
+	if len(log.pauses) != 3 {
+		t.Fatalf("pauses %v, want 3", log.pauses)
+	}
+	for _, pause := range log.pauses {
+		if pause > 3*time.Microsecond || pause < 2*time.Microsecond {
+			t.Errorf("pause %v, want MaxPause 1µs at most plus Pause 2µs", pause)
+		}
+	}
+}
+
+// A batch that takes far longer than the recent ones lengthens the pause
+// after it beyond the duty cycle's share (a back-off), and the round counts
+// it.
+func TestPurgeBacksOffWhenBatchesSlowDown(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			t.Skip("partitioned rounds drop partitions: no batches to pace")
+		}
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 75, 2*time.Hour)
+		const duty, slowBatch = 0.5, 4 // the fifth batch (index 4) is slowed
+		var log pacingLog
+		batch := 0
+		slowdown := func() { // runs inside the batch's measured time
+			if batch == slowBatch {
+				log.mu.Lock()
+				longest := time.Duration(0)
+				for _, b := range log.batches {
+					longest = max(longest, b)
+				}
+				log.mu.Unlock()
+				time.Sleep(10*longest + 20*time.Millisecond)
+			}
+			batch++
+		}
+		p := pacedPurger(t, db, f.inbox, inbox.PurgeConfig{BatchSize: 10, DutyCycle: duty, MaxPause: time.Minute}, slowdown, &log)
+		round := p.RunOnce(context.Background())
+		if round.Err != nil || round.Deleted != 75 {
+			t.Fatalf("round %+v, want 75 deleted", round)
+		}
+		if round.Pacing.BackOffs < 1 {
+			t.Errorf("back-offs = %d, want at least 1 after the slowed batch", round.Pacing.BackOffs)
+		}
+		if len(log.pauses) != 7 {
+			t.Fatalf("pauses %v, want 7", log.pauses)
+		}
+		slow, pause := log.batches[slowBatch], log.pauses[slowBatch]
+		if want := 2 * time.Duration(float64(slow)*(1-duty)/duty); pause < want-time.Nanosecond {
+			t.Errorf("pause after the slowed batch (%v) = %v, want at least twice the duty cycle's share, %v", slow, pause, want)
+		}
+	})
+}
+
+// A cancelled context ends a paced purge while it pauses, with the
+// context's error; the batches before stay deleted, and a Purger's lock is
+// free again.
+func TestPurgeStopsDuringPauseWhenContextEnds(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			t.Skip("partitioned rounds drop partitions: no batches to pace")
+		}
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 50, 2*time.Hour)
+
+		// Plain Purge: an hour's Pause, cancelled as it starts.
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{
+			DB: db, Dialect: tdb.Dialect, Table: f.inbox, OlderThan: time.Hour, BatchSize: 10, Pause: time.Hour,
+		}, nil, func(time.Duration, time.Duration) { cancel() })
+		n, err := inbox.Purge(ctx, cfg)
+		if n != 10 || !errors.Is(err, context.Canceled) {
+			t.Fatalf("purge: %d, %v; want 10 and context.Canceled", n, err)
+		}
+		if f.inboxRows() != 40 {
+			t.Errorf("rows left = %d, want 40", f.inboxRows())
+		}
+
+		// A Purger round: pacing pauses of up to an hour.
+		ctx, cancel = context.WithCancel(context.Background())
+		defer cancel()
+		var log pacingLog
+		p := pacedPurger(t, db, f.inbox, inbox.PurgeConfig{BatchSize: 10, DutyCycle: 1e-9, MaxPause: time.Hour}, nil, &log)
+		inbox.WithPurgerBatchHooks(p, nil, func(b, pause time.Duration) { log.record(b, pause); cancel() })
+		round := p.RunOnce(ctx)
+		if !errors.Is(round.Err, context.Canceled) || round.Deleted != 10 || round.Pacing.Batches != 1 {
+			t.Errorf("round %+v, want 10 deleted in 1 batch and context.Canceled", round)
+		}
+		if f.inboxRows() != 30 {
+			t.Errorf("rows left = %d, want 30", f.inboxRows())
+		}
+		if !eventuallyLockFree(t, tdb.Open(t), tdb.Dialect, f.inbox) {
+			t.Error("the purge lock is still held after the cancelled round")
+		}
+	})
+}
+
+// DutyCycle 1 with no Pause runs the batches back to back: no pause, no
+// back-off.
+func TestPurgeFlatOutDoesNotPause(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			t.Skip("partitioned rounds drop partitions: no batches to pace")
+		}
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 50, 2*time.Hour)
+		var log pacingLog
+		p := pacedPurger(t, db, f.inbox, inbox.PurgeConfig{BatchSize: 10, DutyCycle: 1}, nil, &log)
+		round := p.RunOnce(context.Background())
+		if round.Err != nil || round.Deleted != 50 {
+			t.Fatalf("round %+v, want 50 deleted", round)
+		}
+		if len(log.pauses) != 5 {
+			t.Fatalf("pauses %v, want 5 decisions", log.pauses)
+		}
+		for _, pause := range log.pauses {
+			if pause != 0 {
+				t.Errorf("pauses %v, want all 0", log.pauses)
+				break
+			}
+		}
+		if pc := round.Pacing; pc.Paused != 0 || pc.BackOffs != 0 || pc.DutyCycle != 1 || pc.Batches != 6 {
+			t.Errorf("pacing %+v, want 6 batches, nothing paused, duty cycle 1", pc)
+		}
+	})
+}
+
+// The zero pacing fields are the defaults: a duty cycle of 0.1, so each
+// pause is at least 9 times its batch (and at most MaxPause's 1 s).
+func TestPurgeDefaultPacing(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "old", 25, 2*time.Hour)
+	var log pacingLog
+	cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 10}, nil, log.record)
+	if n, err := inbox.Purge(context.Background(), cfg); err != nil || n != 25 {
+		t.Fatalf("purge: %d, %v; want 25, nil", n, err)
+	}
+	if len(log.pauses) != 2 {
+		t.Fatalf("pauses %v, want 2", log.pauses)
+	}
+	ratio := (1 - inbox.DefaultPurgeDutyCycle) / inbox.DefaultPurgeDutyCycle
+	for i, pause := range log.pauses {
+		want := min(time.Duration(float64(log.batches[i])*ratio), inbox.DefaultPurgeMaxPause)
+		if pause < want-time.Nanosecond || pause > inbox.DefaultPurgeMaxPause {
+			t.Errorf("pause %v after a batch of %v, want between %v and %v", pause, log.batches[i], want, inbox.DefaultPurgeMaxPause)
+		}
+	}
+}
