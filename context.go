@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"fmt"
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -122,3 +123,40 @@ func AfterCommit(ctx context.Context, f func()) bool {
 	s.afterCommit = append(s.afterCommit, f)
 	return true
 }
+
+// ContextOutbox is a message.Publisher that publishes each message through
+// the outbox of the inbox transaction in the message's own context
+// (msg.Context(); see OutboxFromContext). It is the bridge for code that
+// publishes through a publisher it was given instead of returning messages
+// from the handler, chiefly Watermill's CQRS EventBus, whose
+// Publish(ctx, event) sets ctx on the message it publishes:
+//
+//	eventBus, err := cqrs.NewEventBusWithConfig(inbox.ContextOutbox{}, cqrs.EventBusConfig{…})
+//	// in a CQRS event handler: eventBus.Publish(ctx, &InvoiceIssued{…})
+//
+// The events are then written in the handled message's transaction and sent
+// by the forwarder if and only if it commits. A message whose context has no
+// such outbox fails with ErrNoOutbox, and that message and the ones after
+// it are not published. It works with package inbox and with package
+// pgxinbox. The zero value is ready to use and safe for concurrent use;
+// Close does nothing.
+type ContextOutbox struct{}
+
+// Publish publishes msgs, in order, each through the outbox in its context.
+func (ContextOutbox) Publish(topic string, msgs ...*message.Message) error {
+	for _, msg := range msgs {
+		pub, ok := OutboxFromContext(msg.Context())
+		if !ok {
+			return fmt.Errorf("%w (message %q to topic %q: publish it with the handled message's context, from its handler)", ErrNoOutbox, msg.UUID, topic)
+		}
+		if err := pub.Publish(topic, msg); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Close does nothing: the outboxes belong to their transactions.
+func (ContextOutbox) Close() error { return nil }
+
+var _ message.Publisher = ContextOutbox{}

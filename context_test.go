@@ -98,3 +98,13 @@ func TestAfterCommit_OnAnEndedTransactionRunsFOrReturnsFalse(t *testing.T) {
 		t.Logf("TxFromContext on the captured context still returns the finished tx: %v", tx.Commit())
 	}
 }
+
+// ContextOutbox refuses a message whose context has no inbox transaction:
+// nothing is published outside a claimed message's handler.
+func TestContextOutbox_RefusesAMessageOutsideAnInboxTransaction(t *testing.T) {
+	t.Parallel()
+	err := inbox.ContextOutbox{}.Publish("topic", message.NewMessage("m-1", nil))
+	if !errors.Is(err, inbox.ErrNoOutbox) {
+		t.Fatalf("err = %v, want ErrNoOutbox", err)
+	}
+}

@@ -112,3 +112,9 @@ var (
 // transaction rolled back or skips it as a duplicate if it committed.
 // IsTransient reports true.
 var ErrCommitTimeout = errors.New("inbox: commit timed out")
+
+// ErrNoOutbox means that ContextOutbox was asked to publish a message whose
+// context carries no inbox transaction with an outbox: it was published
+// outside a claimed message's handler (or after it returned), or the inbox
+// has no Config.Outbox. Nothing was published. IsTransient reports false.
+var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")

@@ -1,0 +1,304 @@
+// Command cqrs shows the inbox under Watermill's CQRS component: an event
+// handler that issues one invoice per placed order, with the inbox of
+// package inbox (database/sql) or of package pgxinbox (pgx), on PostgreSQL,
+// and the InvoiceIssued events it publishes written to a watermill-sql v4
+// outbox in the same transaction. Run it from this folder:
+//
+//	go run . [-inbox database/sql|pgx] [-db postgres://…]
+//
+// What it shows:
+//   - the router handler's name is the CQRS event handler's name, so that is
+//     the inbox consumer;
+//   - inbox.TxFromContext (pgxinbox.TxFromContext) works on the ctx the
+//     CQRS handler receives;
+//   - a CQRS handler cannot return messages, so it publishes through an
+//     EventBus over inbox.ContextOutbox, which writes each event to the
+//     outbox of the handled message's transaction;
+//   - an event published again through an EventBus gets a new UUID, so
+//     Config.MessageID reads the business id (the order id) and the second
+//     OrderPlaced of an order is skipped;
+//   - a handler that fails after publishing leaves no outbox row: only the
+//     retry that commits writes its InvoiceIssued.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"os"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/pgxinbox"
+)
+
+// OrderPlaced is what the handler consumes; InvoiceIssued what it publishes.
+type OrderPlaced struct {
+	OrderID string `json:"order_id"`
+}
+
+type InvoiceIssued struct {
+	OrderID string `json:"order_id"`
+}
+
+// handlerName is the CQRS event handler's name, and so the inbox consumer.
+const handlerName = "IssueInvoiceOnOrderPlaced"
+
+func main() {
+	kind := flag.String("inbox", "database/sql", "database/sql (package inbox) or pgx (package pgxinbox)")
+	dsn := flag.String("db", envOr("INBOX_TEST_POSTGRES_DSN", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL DSN")
+	flag.Parse()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	r, err := run(ctx, *kind, *dsn)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("%s inbox: %d orders placed (one twice), handler called %d times (one failure), %d processed, %d duplicate skipped, %d invoices, %d InvoiceIssued in the outbox, consumer %q\n",
+		*kind, r.Published, r.Calls, r.Processed, r.Duplicates, r.Invoices, r.OutboxRows, r.Consumer)
+	if err := r.Check(); err != nil {
+		log.Fatal(err)
+	}
+}
+
+// Result is what one run did.
+type Result struct {
+	Published, Calls, Processed, Duplicates, Invoices, OutboxRows int
+	Consumer                                                      string
+}
+
+// Check reports what is not exactly once.
+func (r Result) Check() error {
+	var errs []error
+	want := func(what string, got, want int) {
+		if got != want {
+			errs = append(errs, fmt.Errorf("%s = %d, want %d", what, got, want))
+		}
+	}
+	want("processed", r.Processed, 2)
+	want("duplicates", r.Duplicates, 1)
+	want("handler calls", r.Calls, 3)
+	want("invoices", r.Invoices, 2)
+	want("outbox rows", r.OutboxRows, 2)
+	if r.Consumer != handlerName {
+		errs = append(errs, fmt.Errorf("consumer = %q, want %q", r.Consumer, handlerName))
+	}
+	return errors.Join(errs...)
+}
+
+// run publishes o-1, o-1 again (a new UUID) and o-2 to the handler, which
+// fails o-2's first try after publishing, and returns what happened.
+func run(ctx context.Context, kind, dsn string) (Result, error) {
+	var r Result
+	logger := watermill.NopLogger{}
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		return r, err
+	}
+	defer pool.Close()
+	db := pgxinbox.DB(pool) // database/sql over the same pool, for the database/sql inbox and the reads
+	defer db.Close()
+
+	sfx := strings.ToLower(watermill.NewShortUUID()) // unquoted names below fold to lower case
+	inboxTable, invoices, topic := "cqrs_inbox_"+sfx, "cqrs_invoices_"+sfx, "cqrs_invoices_"+sfx
+	outboxTable := `"watermill_` + topic + `"`
+	defer func() {
+		for _, t := range []string{inboxTable, invoices, outboxTable, `"watermill_offsets_` + topic + `"`} {
+			db.ExecContext(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS "+t)
+		}
+	}()
+	if _, err := db.ExecContext(ctx, "CREATE TABLE "+invoices+" (order_id text PRIMARY KEY)"); err != nil {
+		return r, err
+	}
+	// The outbox table: a transaction's publisher cannot create it.
+	outboxSchema := wsql.DefaultPostgreSQLSchema{}
+	outboxSub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(pool), wsql.SubscriberConfig{
+		SchemaAdapter: outboxSchema, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
+	}, logger)
+	if err != nil {
+		return r, err
+	}
+	if err := outboxSub.SubscribeInitialize(topic); err != nil {
+		return r, err
+	}
+
+	var processed, duplicates, calls, failed atomic.Int32
+	var consumer atomic.Value
+	// An EventBus re-publish has a new UUID: deduplicate by the order id.
+	orderID := func(msg *message.Message) (string, error) {
+		var e OrderPlaced
+		if err := json.Unmarshal(msg.Payload, &e); err != nil {
+			return "", err
+		}
+		return "order-placed/" + e.OrderID, nil
+	}
+	onProcessed := func(inbox.Event) { processed.Add(1) }
+	onDuplicate := func(inbox.Event) { duplicates.Add(1) }
+
+	var middleware message.HandlerMiddleware
+	var insertInvoice func(ctx context.Context, orderID string) error
+	switch kind {
+	case "database/sql":
+		ib, err := inbox.New(inbox.Config{
+			DB: db, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
+			Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+				return wsql.NewPublisher(wsql.TxFromStdSQL(tx.Tx), wsql.PublisherConfig{SchemaAdapter: outboxSchema}, logger)
+			},
+		})
+		if err != nil {
+			return r, err
+		}
+		if err := ib.InitializeSchema(ctx); err != nil {
+			return r, err
+		}
+		middleware = ib.Middleware
+		insertInvoice = func(ctx context.Context, orderID string) error {
+			tx, ok := inbox.TxFromContext(ctx)
+			if !ok {
+				return errors.New("no inbox transaction in the CQRS handler's context")
+			}
+			_, err := tx.ExecContext(ctx, "INSERT INTO "+invoices+" (order_id) VALUES ($1)", orderID)
+			return err
+		}
+	case "pgx":
+		ib, err := pgxinbox.New(pgxinbox.Config{
+			Pool: pool, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
+			Outbox: func(tx pgx.Tx) (message.Publisher, error) {
+				return wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{SchemaAdapter: outboxSchema}, logger)
+			},
+		})
+		if err != nil {
+			return r, err
+		}
+		defer ib.Close()
+		if err := ib.InitializeSchema(ctx); err != nil {
+			return r, err
+		}
+		middleware = ib.Middleware
+		insertInvoice = func(ctx context.Context, orderID string) error {
+			tx, ok := pgxinbox.TxFromContext(ctx)
+			if !ok {
+				return errors.New("no inbox transaction in the CQRS handler's context")
+			}
+			_, err := tx.Exec(ctx, "INSERT INTO "+invoices+" (order_id) VALUES ($1)", orderID)
+			return err
+		}
+	default:
+		return r, fmt.Errorf("-inbox %q: want database/sql or pgx", kind)
+	}
+
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		return r, err
+	}
+	router.AddMiddleware(middleware)
+	marshaler := cqrs.JSONMarshaler{}
+	// Events the handler publishes go to the outbox of its transaction.
+	outboxBus, err := cqrs.NewEventBusWithConfig(inbox.ContextOutbox{}, cqrs.EventBusConfig{
+		GeneratePublishTopic: func(cqrs.GenerateEventPublishTopicParams) (string, error) { return topic, nil },
+		Marshaler:            marshaler,
+	})
+	if err != nil {
+		return r, err
+	}
+	processor, err := cqrs.NewEventProcessorWithConfig(router, cqrs.EventProcessorConfig{
+		GenerateSubscribeTopic: func(cqrs.EventProcessorGenerateSubscribeTopicParams) (string, error) { return "orders", nil },
+		SubscriberConstructor: func(cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+			return pubsub, nil
+		},
+		Marshaler: marshaler,
+	})
+	if err != nil {
+		return r, err
+	}
+	err = processor.AddHandlers(cqrs.NewEventHandler(handlerName, func(ctx context.Context, e *OrderPlaced) error {
+		calls.Add(1)
+		consumer.Store(message.HandlerNameFromCtx(ctx))
+		if err := insertInvoice(ctx, e.OrderID); err != nil {
+			return err
+		}
+		if err := outboxBus.Publish(ctx, &InvoiceIssued{OrderID: e.OrderID}); err != nil {
+			return err
+		}
+		if e.OrderID == "o-2" && failed.Add(1) == 1 {
+			return errors.New("fails once after publishing") // rolls the invoice and the outbox row back
+		}
+		return nil
+	}))
+	if err != nil {
+		return r, err
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(runCtx) }()
+	<-router.Running()
+
+	orderBus, err := cqrs.NewEventBusWithConfig(pubsub, cqrs.EventBusConfig{
+		GeneratePublishTopic: func(cqrs.GenerateEventPublishTopicParams) (string, error) { return "orders", nil },
+		Marshaler:            marshaler,
+	})
+	if err != nil {
+		stop()
+		return r, err
+	}
+	for _, id := range []string{"o-1", "o-1", "o-2"} {
+		if err := orderBus.Publish(ctx, &OrderPlaced{OrderID: id}); err != nil {
+			stop()
+			return r, err
+		}
+		r.Published++
+	}
+	for processed.Load()+duplicates.Load() < 3 && ctx.Err() == nil {
+		time.Sleep(10 * time.Millisecond)
+	}
+	stop()
+	if err := <-done; err != nil {
+		return r, err
+	}
+	r.Calls, r.Processed, r.Duplicates = int(calls.Load()), int(processed.Load()), int(duplicates.Load())
+	r.Consumer, _ = consumer.Load().(string)
+	if err := db.GetContext(ctx, &r.Invoices, "SELECT count(*) FROM "+invoices); err != nil {
+		return r, err
+	}
+	if err := db.GetContext(ctx, &r.OutboxRows, "SELECT count(*) FROM "+outboxTable); err != nil {
+		return r, err
+	}
+	var inboxConsumer string
+	if err := db.GetContext(ctx, &inboxConsumer, "SELECT DISTINCT consumer FROM "+inboxTable); err != nil {
+		return r, err
+	}
+	if inboxConsumer != r.Consumer {
+		return r, fmt.Errorf("inbox rows' consumer %q, handler's name %q", inboxConsumer, r.Consumer)
+	}
+	return r, nil
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// isUnreachable reports a PostgreSQL that is not running (for the test's
+// local skip).
+func isUnreachable(err error) bool {
+	var netErr *net.OpError
+	return errors.As(err, &netErr)
+}
