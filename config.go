@@ -129,7 +129,13 @@ type Config struct {
 	// transaction, so that messages are sent if and only if the message's
 	// transaction commits: typically a watermill-sql Publisher on tx, wrapped
 	// by Watermill's forwarder.NewPublisher, or any publisher of yours that
-	// writes through tx. The inbox calls it once per claimed message, right
+	// writes through tx. With watermill-sql v4:
+	// wsql.NewPublisher(wsql.TxFromStdSQL(tx.Tx), wsql.PublisherConfig{…}, logger)
+	// (its queue schemas with DeleteOnAck keep the outbox table bounded);
+	// with v3: wsql.NewPublisher(tx, …). On MySQL/MariaDB with the default
+	// schema wrap it with package mysqloutbox; on SQLite use the adapters of
+	// package sqliteoutboxv4 (v3: sqliteoutbox). docs/outbox.md has each
+	// setup in full. The inbox calls it once per claimed message, right
 	// after the claim (so it must be cheap: watermill-sql's NewPublisher is).
 	// Then:
 	//   - the messages the handler returns are published through it, to the
