@@ -78,6 +78,17 @@ func TestReturnedMessagesGoThroughOutbox(t *testing.T) {
 	})
 }
 
+// With watermill-sql v3 (its publisher on the inbox's *sqlx.Tx, its
+// subscriber on the *sqlx.DB), the messages a handler returns and those it
+// publishes through OutboxFromContext reach the broker if and only if the
+// inbox transaction commits: a handler error, a panic or a failed COMMIT
+// forwards nothing, a success forwards each message exactly once, and a
+// duplicate delivery forwards nothing again. On PostgreSQL and MariaDB,
+// through a real router and Watermill's forwarder.
+func TestOutboxV3PublishesIffCommitted(t *testing.T) {
+	testOutboxPublishesIffCommitted(t, outboxV3)
+}
+
 // Without an outbox, the router publishes returned messages after the
 // commit; if that publish fails the message is nacked, and its redelivery is
 // skipped as a duplicate: the returned messages are lost. This documents why
