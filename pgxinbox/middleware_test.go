@@ -10,54 +10,18 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
-// fixture is one test's inbox table and business table on a pgx pool.
-type fixture struct {
-	pool          *pgxpool.Pool
-	table, effect string
-}
-
-func newFixture(t *testing.T, pool *pgxpool.Pool) fixture {
-	t.Helper()
-	sfx := testdb.RandomSuffix()
-	f := fixture{pool: pool, table: "pgx_inbox_" + sfx, effect: "pgx_effect_" + sfx}
-	ctx := context.Background()
-	if _, err := pool.Exec(ctx, "CREATE TABLE "+f.effect+" (message_id text NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		for _, tbl := range []string{f.table, f.effect} {
-			if _, err := pool.Exec(ctx, "DROP TABLE IF EXISTS "+tbl); err != nil {
-				t.Logf("drop %s: %v", tbl, err)
-			}
-		}
-	})
-	return f
-}
-
-func (f fixture) count(t *testing.T, table string) int {
-	t.Helper()
-	var n int
-	if err := f.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+table).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-// runRouter runs h behind ib's middleware on a GoChannel topic, publishes
+// runGoChannel runs h behind ib's middleware on a GoChannel topic, publishes
 // msgs, and returns once every message was acked or nacked its last time
 // (nacked messages are not redelivered: the router's handler returns
 // errors, and GoChannel resends a nacked message, so the test's handler
 // decides by itself when to stop failing).
-func runRouter(t *testing.T, ib *pgxinbox.Inbox, h message.HandlerFunc, acked func() bool, msgs ...*message.Message) {
+func runGoChannel(t *testing.T, ib *pgxinbox.Inbox, h message.HandlerFunc, acked func() bool, msgs ...*message.Message) {
 	t.Helper()
 	logger := watermill.NopLogger{}
 	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
@@ -98,14 +62,7 @@ func TestMiddleware_ProcessesEachMessageOnceInOnePgxTransaction(t *testing.T) {
 	pool := testdb.OpenPgxPool(t, "")
 	f := newFixture(t, pool)
 	var duplicates atomic.Int32
-	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Table: f.table, OnDuplicate: func(inbox.Event) { duplicates.Add(1) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ib.Close() })
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	ib := f.newInbox(pgxinbox.Config{OnDuplicate: func(inbox.Event) { duplicates.Add(1) }})
 	var calls, failures atomic.Int32
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		calls.Add(1)
@@ -123,18 +80,12 @@ func TestMiddleware_ProcessesEachMessageOnceInOnePgxTransaction(t *testing.T) {
 	}
 	a := message.NewMessage("a", []byte("ok"))
 	b := message.NewMessage("b", []byte("fail once"))
-	runRouter(t, ib, h, func() bool { return calls.Load()+duplicates.Load() == 5 },
+	runGoChannel(t, ib, h, func() bool { return calls.Load()+duplicates.Load() == 5 },
 		a, b, message.NewMessage("a", []byte("ok")), message.NewMessage("a", []byte("ok")))
-	if got := f.count(t, f.effect); got != 2 {
-		t.Errorf("business rows = %d, want 2 (a once, b once after its failed try rolled back)", got)
-	}
-	if got := f.count(t, f.table); got != 2 {
-		t.Errorf("inbox rows = %d, want 2", got)
-	}
+	// a once, b once after its failed try rolled back.
+	f.expectRows(2, 2)
 	if got := duplicates.Load(); got != 2 {
 		t.Errorf("duplicates = %d, want 2", got)
 	}
-	if got := pool.Stat().AcquiredConns(); got != 0 {
-		t.Errorf("connections still acquired: %d", got)
-	}
+	expectNoConnHeld(t, pool)
 }
