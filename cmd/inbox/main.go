@@ -58,6 +58,9 @@ Usage:
   inbox purge  -db DSN -brokers B -topics T [-margin D] [-older-than DURATION] ...
                                                 the same, with the window checked against (or, without
                                                 -older-than, taken from) the Kafka topics' retention
+  inbox purge  -db DSN -nats-url URL -nats-stream S [-nats-stream S2] [-margin D] [-older-than DURATION] ...
+                                                the same, from the JetStream streams' MaxAge (and their
+                                                consumers' AckWait x MaxDeliver when longer)
   inbox stats  -db DSN [-table T]               rows per consumer, oldest and newest row, size
 
 DSN forms:
@@ -68,8 +71,9 @@ DSN forms:
 
 Dialects: postgres, postgres-partitioned, mysql, sqlite (default: from the DSN).
 Durations use Go syntax: 360h, 15m, 90s. Choose -older-than longer than your broker
-can redeliver (Kafka: retention.ms + segment.ms + a margin); with -brokers and -topics
-the command reads those settings and refuses a shorter window (exit 1).
+can redeliver (Kafka: retention.ms + segment.ms + a margin; JetStream: MaxAge + a margin);
+with -brokers and -topics, or -nats-url and -nats-stream, the command reads those settings
+and refuses a shorter window (exit 1), or a stream that has none (no MaxAge, compacted).
 
 Run "inbox <command> -h" for a command's flags.
 `
@@ -347,15 +351,19 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	dryRun := fs.Bool("dry-run", false, "count the rows that would go; delete nothing")
 	brokers := fs.String("brokers", "", "Kafka bootstrap addresses, comma-separated: derive the safe window from -topics")
 	topics := fs.String("topics", "", "the Kafka topics the consumer reads, comma-separated (with -brokers)")
-	margin := fs.Duration("margin", kafkaretention.DefaultMargin, "added to the topics' retention.ms + segment.ms (with -brokers)")
+	margin := fs.Duration("margin", kafkaretention.DefaultMargin, "added to the topics' retention.ms + segment.ms (with -brokers) or the streams' window (with -nats-url)")
+	js := addJetStreamFlags(fs)
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if (*brokers == "") != (*topics == "") {
 		return fmt.Errorf("%w: -brokers and -topics go together", errUsage)
 	}
-	if *olderThan < 0 || (*olderThan == 0 && *brokers == "") {
-		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics give the window", errUsage)
+	if err := js.check(*brokers != ""); err != nil {
+		return err
+	}
+	if *olderThan < 0 || (*olderThan == 0 && *brokers == "" && !js.set()) {
+		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics (or -nats-url and -nats-stream) give the window", errUsage)
 	}
 	db, d, err := c.open(ctx, false)
 	if err != nil {
@@ -380,6 +388,16 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			cfg.OlderThan = safe
 		}
 		cfg.Window = src
+	}
+	if js.set() {
+		src, err := js.source(*margin)
+		if err != nil {
+			return err
+		}
+		defer src.Close()
+		if err := useWindow(ctx, stdout, &cfg, src, "JetStream ("+js.streams.String()+")"); err != nil {
+			return err
+		}
 	}
 	if *dryRun {
 		n, err := inbox.CountExpired(ctx, cfg)

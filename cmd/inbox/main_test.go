@@ -11,11 +11,14 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-inbox/inbox"
@@ -349,5 +352,123 @@ func verifyFails(t *testing.T, dsn, table string, want error) {
 	code, out, errOut := cli(t, append([]string{"schema"}, args...)...)
 	if code != 1 || out != "" || errOut != prefixed(err)+"\n" {
 		t.Errorf("schema -verify %s: exit %d, stdout %q, stderr %q; want 1, nothing on stdout, the error on stderr", table, code, out, errOut)
+	}
+}
+
+// jetStreamOrSkip connects to the NATS server with JetStream that the
+// JetStream tests use (INBOX_TEST_NATS_URL, default 127.0.0.1:4222); a
+// missing one skips the test locally and fails it under CI=true.
+func jetStreamOrSkip(t *testing.T) (jetstream.JetStream, string) {
+	t.Helper()
+	url := testdb.Env("INBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
+	nc, err := nats.Connect(url, nats.Timeout(2*time.Second), nats.NoReconnect())
+	if err == nil {
+		t.Cleanup(nc.Close)
+		var js jetstream.JetStream
+		if js, err = jetstream.New(nc); err == nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			if _, err = js.AccountInfo(ctx); err == nil {
+				return js, url
+			}
+		}
+	}
+	msg := fmt.Sprintf("NATS JetStream not reachable at %s (%v): start it with "+
+		"`nats-server -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server &`, or point INBOX_TEST_NATS_URL at a server", url, err)
+	if os.Getenv("CI") == "true" {
+		t.Fatal(msg)
+	}
+	t.Skip(msg)
+	return nil, ""
+}
+
+// jetStreamStream creates a memory stream with a name of its own and the
+// given MaxAge (0: none), deleted when t ends, and returns its name.
+func jetStreamStream(t *testing.T, js jetstream.JetStream, maxAge time.Duration) string {
+	t.Helper()
+	name := "INBOX_CLI_" + strings.ToUpper(testdb.RandomSuffix())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{name + ".orders"},
+		Storage: jetstream.MemoryStorage, MaxAge: maxAge}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := js.DeleteStream(ctx, name); err != nil {
+			t.Logf("delete stream %s: %v", name, err)
+		}
+	})
+	return name
+}
+
+// With -nats-url and -nats-stream (repeated or comma-separated) the window
+// comes from the streams' MaxAge plus -margin: a shorter -older-than is
+// refused before anything is deleted, no -older-than takes the safe window,
+// and a stream without MaxAge or one that does not exist stops the purge.
+func TestPurgeWindowFromJetStream(t *testing.T) {
+	t.Parallel()
+	js, url := jetStreamOrSkip(t)
+	hour, halfHour := jetStreamStream(t, js, time.Hour), jetStreamStream(t, js, 30*time.Minute)
+	forever := jetStreamStream(t, js, 0)
+	path := filepath.Join(t.TempDir(), "js.db")
+	db := testdb.OpenSQLite(t, path)
+	dsn := "sqlite://" + path + "?" + testdb.SQLiteParams
+	if code, _, errOut := cli(t, "schema", "-db", dsn, "-apply"); code != 0 {
+		t.Fatal(errOut)
+	}
+	for i, ago := range []time.Duration{3 * time.Hour, 2 * time.Hour, 70 * time.Minute} {
+		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+			fmt.Sprint(i), ago.Microseconds()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows := func() int {
+		var n int
+		if err := db.Get(&n, "SELECT count(*) FROM watermill_inbox"); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	// 1h (the longest MaxAge) + 20m = 1h20m.
+	fromStreams := []string{"-nats-url", url, "-nats-stream", hour + "," + halfHour, "-margin", "20m"}
+	code, out, errOut := cli(t, append([]string{"purge", "-db", dsn, "-older-than", "1h"}, fromStreams...)...)
+	if code != 1 || !strings.Contains(errOut, "shorter than the safe window") || rows() != 3 {
+		t.Errorf("1h under a 1h20m safe window: exit %d %q %q, %d rows; want 1, a refusal and all 3 rows", code, out, errOut, rows())
+	}
+	for _, tc := range []struct {
+		streams []string
+		want    string
+	}{
+		{[]string{"-nats-stream", hour, "-nats-stream", forever}, "no safe purge window"},
+		{[]string{"-nats-stream", "INBOX_CLI_NO_SUCH_STREAM"}, `"INBOX_CLI_NO_SUCH_STREAM" does not exist`},
+	} {
+		code, out, errOut := cli(t, append([]string{"purge", "-db", dsn, "-older-than", "1000h", "-nats-url", url}, tc.streams...)...)
+		if code != 1 || out != "" || !strings.Contains(errOut, tc.want) || rows() != 3 {
+			t.Errorf("%q: exit %d %q %q, %d rows; want 1, nothing on stdout, %q and all 3 rows", tc.streams, code, out, errOut, rows(), tc.want)
+		}
+	}
+	code, out, errOut = cli(t, "purge", "-db", dsn, "-nats-url", url, "-nats-stream", hour, "-nats-stream", halfHour, "-margin", "20m")
+	if code != 0 || !strings.Contains(out, "safe window from JetStream ("+hour+","+halfHour+"): 1h20m0s") ||
+		!strings.Contains(out, "deleted 2 rows") || rows() != 1 {
+		t.Errorf("window from JetStream: exit %d %q %q, %d rows; want the 2 rows older than 1h20m deleted", code, out, errOut, rows())
+	}
+}
+
+// The JetStream flags go together and exclude the Kafka ones: usage
+// errors, exit status 2.
+func TestJetStreamFlagsUsageErrors(t *testing.T) {
+	t.Parallel()
+	cases := [][]string{
+		{"purge", "-db", "sqlite:///tmp/x.db", "-nats-url", "nats://127.0.0.1:4222"},
+		{"purge", "-db", "sqlite:///tmp/x.db", "-nats-stream", "ORDERS"},
+		{"purge", "-db", "sqlite:///tmp/x.db", "-nats-url", "nats://127.0.0.1:4222", "-nats-stream", "ORDERS",
+			"-brokers", "127.0.0.1:9092", "-topics", "orders"},
+	}
+	for _, args := range cases {
+		if code, _, errOut := cli(t, args...); code != 2 {
+			t.Errorf("%q: exit %d (%s), want 2", args, code, errOut)
+		}
 	}
 }
