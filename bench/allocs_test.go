@@ -20,7 +20,11 @@ import (
 // statement (modernc.org/sqlite starts a goroutine each time), and the
 // inbox runs the transaction under a cancellable context of its own either
 // way: with Background messages that cost shows as the middleware's.
+//
+// postgres-pgx is package pgxinbox against a bare pgx transaction
+// (pgx_test.go).
 func BenchmarkMiddlewareAllocs(b *testing.B) {
+	b.Run("postgres-pgx", benchmarkMiddlewareAllocsPgx)
 	for _, d := range databases() {
 		b.Run(d.Name, func(b *testing.B) {
 			db := d.Open(b)

@@ -199,8 +199,11 @@ func report(b *testing.B, n int, elapsed time.Duration, latencies []time.Duratio
 }
 
 // BenchmarkThroughput/<db>/<variant>/dup=<pct>/conc=<n>: one message is one
-// handler call that inserts one business row in a transaction.
+// handler call that inserts one business row in a transaction. <db>
+// postgres-pgx is package pgxinbox against a bare pgx transaction
+// (pgx_test.go).
 func BenchmarkThroughput(b *testing.B) {
+	b.Run("postgres-pgx", benchmarkThroughputPgx)
 	for _, d := range databases() {
 		b.Run(d.Name, func(b *testing.B) {
 			db := d.Open(b)
