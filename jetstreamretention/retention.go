@@ -24,12 +24,13 @@
 //     on time. Such a stream has no safe window (ErrNoSafeWindow).
 //   - A redelivery of an unacked message: after AckWait (or the consumer's
 //     BackOff intervals), up to MaxDeliver times. It too ends when MaxAge
-//     removes the message (seen with nats-server 2.9.10, under limits and
-//     work-queue retention: a consumer with AckWait 500ms and unlimited
-//     MaxDeliver on a stream with MaxAge 2s got an unacked message 4 times,
-//     then never again, and the stream was empty). The consumers' spans are still reported and
-//     taken as a floor of the window: a stream's window is never shorter
-//     than what one of its consumers is configured to redeliver.
+//     removes the message (seen with nats-server 2.9.10 under limits,
+//     interest and work-queue retention: a consumer with AckWait 500ms and
+//     unlimited MaxDeliver on a stream with MaxAge 2s got an unacked
+//     message 4 times, then never again, and the stream was empty). The
+//     consumers' spans are still reported and taken as a floor of the
+//     window: a stream's window is never shorter than what one of its
+//     consumers is configured to redeliver.
 //   - A re-publish by a producer (a retry, an outbox relay). JetStream drops
 //     a message whose Nats-Msg-Id it stored less than the stream's
 //     Duplicates window ago (2 minutes by default; the server keeps it at
