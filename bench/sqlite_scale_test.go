@@ -62,7 +62,7 @@ var sqliteVariants = []sqliteVariant{
 // message) on its own file with rows of other messages already in its
 // table. rows=<base> (the first size) runs the variant and the default at
 // the base size; every larger rows=<n> runs four sides: default and variant,
-// each at the base size and at n rows. The sides take turns, a twentieth of
+// each at the base size and at n rows. The sides take turns, a fortieth of
 // the messages at a time (as BenchmarkPreparedClaim), and each ratio is the
 // median over the rounds of one side's rate over another's in the same
 // round, so that the shared machine's load weighs on all of them:
@@ -94,14 +94,18 @@ func BenchmarkSQLiteScale(b *testing.B) {
 		b.Run(v.name, func(b *testing.B) {
 			for _, n := range rows {
 				// Fill and open every side once per size, not once per b.N probe.
-				sides := []*sqliteSide{f.side(b, sqliteVariants[0], base)}
-				if v.name != sqliteVariants[0].name {
-					sides = append(sides, f.side(b, v, base))
+				// The default at the base size is the variant's own (every run
+				// adds b.N rows to it); the default at a larger size is shared
+				// (b.N rows are little beside millions).
+				def, own := sqliteVariants[0], v.name
+				sides := []*sqliteSide{f.side(b, def, base, own)}
+				if v.name != def.name {
+					sides = append(sides, f.side(b, v, base, own))
 				}
 				if n != base {
-					sides = append(sides, f.side(b, sqliteVariants[0], n))
-					if v.name != sqliteVariants[0].name {
-						sides = append(sides, f.side(b, v, n))
+					sides = append(sides, f.side(b, def, n, ""))
+					if v.name != def.name {
+						sides = append(sides, f.side(b, v, n, own))
 					}
 				}
 				vBase, vN, dN := sides[len(sides)-1], sides[len(sides)-1], sides[0]
@@ -140,16 +144,17 @@ type sqliteSide struct {
 	sizeMB float64 // the file's size when filled
 }
 
-// side returns variant v at n rows: a copy of the filled file of v's shape
-// and page size, opened with v's settings, with an inbox on its table.
-func (f *sqliteFiles) side(b *testing.B, v sqliteVariant, n int) *sqliteSide {
-	key := fmt.Sprintf("%s/%d", v.name, n)
+// side returns variant v at n rows for the variant named owner (empty:
+// shared by all): a copy of the filled file of v's shape and page size,
+// opened with v's settings, with an inbox on its table.
+func (f *sqliteFiles) side(b *testing.B, v sqliteVariant, n int, owner string) *sqliteSide {
+	key := fmt.Sprintf("%s/%d/%s", v.name, n, owner)
 	if s, ok := f.sides[key]; ok {
 		return s
 	}
 	const table = "bench_inbox"
 	master := f.fill(b, v, n, table)
-	path := filepath.Join(f.dir, fmt.Sprintf("%s-%d.db", v.name, n))
+	path := filepath.Join(f.dir, fmt.Sprintf("%s-%d-%s.db", v.name, n, owner))
 	copyFile(b, master, path)
 	db, err := sqlx.Open("sqlite", "file:"+path+"?"+testdb.SQLiteParams+"&"+v.params)
 	if err != nil {
@@ -282,6 +287,55 @@ func copyFile(b *testing.B, from, to string) {
 // rounds is the time each side of sqliteRounds took in each round.
 type rounds map[*sqliteSide][]time.Duration
 
+// procCounters are this process's totals that show where a message's time
+// goes: CPU time (all threads, user and system), read and write system
+// calls (a page SQLite does not hold in its cache is a pread of the file or
+// the WAL), and minor page faults (a page read through mmap). They come
+// from /proc/self/stat and /proc/self/io; ok is false where those do not
+// exist (not Linux), and the metrics are left out.
+type procCounters struct {
+	cpu           time.Duration
+	reads, writes int64
+	minorFaults   int64
+	ok            bool
+}
+
+// clockTick is the unit of /proc/self/stat's CPU times (USER_HZ, 100 on
+// Linux).
+const clockTick = 10 * time.Millisecond
+
+func readProc() procCounters {
+	stat, err := os.ReadFile("/proc/self/stat")
+	if err != nil {
+		return procCounters{}
+	}
+	io, err := os.ReadFile("/proc/self/io")
+	if err != nil {
+		return procCounters{}
+	}
+	// The fields after the command name, which is in parentheses and may
+	// hold spaces: state is field 3, minflt 10, utime 14, stime 15.
+	f := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
+	num := func(i int) int64 { n, _ := strconv.ParseInt(f[i-3], 10, 64); return n }
+	c := procCounters{cpu: time.Duration(num(14)+num(15)) * clockTick, minorFaults: num(10), ok: true}
+	for _, line := range strings.Split(string(io), "\n") {
+		k, v, _ := strings.Cut(line, ": ")
+		n, _ := strconv.ParseInt(v, 10, 64)
+		switch k {
+		case "syscr":
+			c.reads = n
+		case "syscw":
+			c.writes = n
+		}
+	}
+	return c
+}
+
+func (c procCounters) sub(d procCounters) procCounters {
+	return procCounters{cpu: c.cpu - d.cpu, reads: c.reads - d.reads, writes: c.writes - d.writes,
+		minorFaults: c.minorFaults - d.minorFaults, ok: c.ok && d.ok}
+}
+
 // median returns the median over the rounds of a's rate over b's.
 func (r rounds) median(a, b *sqliteSide) float64 {
 	x := make([]float64, len(r[a]))
@@ -292,18 +346,25 @@ func (r rounds) median(a, b *sqliteSide) float64 {
 	return x[len(x)/2]
 }
 
+// sqliteRoundCount is how many turns each side of sqliteRounds takes.
+const sqliteRoundCount = 40
+
 // sqliteRounds feeds b.N new messages to each side from conc goroutines, the
 // sides taking turns (in alternating order) for compareRounds rounds, and
-// reports each side's msgs/s over all its messages as <name>-msgs/s. It
-// returns what each round took each side.
+// reports for each side over all its messages: msgs/s, and per message the
+// CPU time in µs, read and write system calls and minor page faults of the
+// whole process (see procCounters), as <name>-msgs/s, <name>-cpu-us/msg,
+// <name>-reads/msg, <name>-writes/msg and <name>-faults/msg. It returns what
+// each round took each side.
 func sqliteRounds(b *testing.B, conc int, sides []*sqliteSide) rounds {
 	msgs := make([][]*message.Message, len(sides))
 	latencies := make([]time.Duration, b.N)
 	for i := range sides {
 		msgs[i] = messages(b.N, 0)
 	}
-	chunk := (b.N + compareRounds - 1) / compareRounds
+	chunk := (b.N + sqliteRoundCount - 1) / sqliteRoundCount
 	r := rounds{}
+	used := make([]procCounters, len(sides))
 	b.ReportAllocs()
 	b.ResetTimer()
 	for round, lo := 0, 0; lo < b.N; round, lo = round+1, lo+chunk {
@@ -313,20 +374,31 @@ func sqliteRounds(b *testing.B, conc int, sides []*sqliteSide) rounds {
 			if round%2 == 1 {
 				i = len(sides) - 1 - k
 			}
+			before := readProc()
 			took, err := feed(sides[i].h, msgs[i][lo:hi], conc, latencies[lo:hi])
 			if err != nil {
 				b.Fatalf("%s: %v", sides[i].name, err)
 			}
+			d := readProc().sub(before)
+			used[i] = procCounters{cpu: used[i].cpu + d.cpu, reads: used[i].reads + d.reads, writes: used[i].writes + d.writes,
+				minorFaults: used[i].minorFaults + d.minorFaults, ok: d.ok && (round == 0 || used[i].ok)}
 			r[sides[i]] = append(r[sides[i]], took)
 		}
 	}
 	b.StopTimer()
-	for _, s := range sides {
+	for i, s := range sides {
 		var total time.Duration
 		for _, d := range r[s] {
 			total += d
 		}
 		b.ReportMetric(float64(b.N)/total.Seconds(), s.name+"-msgs/s")
+		if u := used[i]; u.ok {
+			n := float64(b.N)
+			b.ReportMetric(float64(u.cpu.Microseconds())/n, s.name+"-cpu-us/msg")
+			b.ReportMetric(float64(u.reads)/n, s.name+"-reads/msg")
+			b.ReportMetric(float64(u.writes)/n, s.name+"-writes/msg")
+			b.ReportMetric(float64(u.minorFaults)/n, s.name+"-faults/msg")
+		}
 	}
 	return r
 }
