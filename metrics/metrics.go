@@ -40,6 +40,11 @@ type Metrics struct {
 	txSeconds    *prometheus.HistogramVec
 	purgeDeleted *prometheus.CounterVec
 	oldestAge    *prometheus.GaugeVec
+	batches      *prometheus.CounterVec
+	batchSeconds *prometheus.CounterVec
+	pausedSecs   *prometheus.CounterVec
+	backOffs     *prometheus.CounterVec
+	dutyCycle    *prometheus.GaugeVec
 }
 
 // New creates the collectors and registers them with reg (for example
@@ -65,8 +70,29 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "inbox_oldest_row_age_seconds",
 			Help: "Age of the oldest inbox row after the last purge round, by the database clock; 0 when empty.",
 		}, []string{"table"}),
+		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_purge_batches_total",
+			Help: "Purge batches (DELETE transactions) run by purge rounds.",
+		}, []string{"table"}),
+		batchSeconds: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_purge_batch_seconds_total",
+			Help: "Time purge rounds spent running batches, retries included.",
+		}, []string{"table"}),
+		pausedSecs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_purge_paused_seconds_total",
+			Help: "Time purge rounds paused between batches to leave the database to the handlers (pacing, back-off and fixed Pause).",
+		}, []string{"table"}),
+		backOffs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_purge_backoffs_total",
+			Help: "Purge batches slower than the recent baseline, each of which lengthened the pause after it.",
+		}, []string{"table"}),
+		dutyCycle: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "inbox_purge_duty_cycle",
+			Help: "Effective duty cycle of the last purge round that ran batches: time in batches / (time in batches + time paused).",
+		}, []string{"table"}),
 	}
-	for _, c := range []prometheus.Collector{m.messages, m.txSeconds, m.purgeDeleted, m.oldestAge} {
+	for _, c := range []prometheus.Collector{m.messages, m.txSeconds, m.purgeDeleted, m.oldestAge,
+		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -99,9 +125,13 @@ func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event)
 	}
 }
 
-// InstrumentPurger returns cfg with its OnRound hook recording rows deleted
-// and the oldest row's age, labelled with the purged table. A hook already
-// set still runs, first. Skipped and failed rounds change nothing.
+// InstrumentPurger returns cfg with its OnRound hook recording, labelled with
+// the purged table: rows deleted and the oldest row's age (successful rounds
+// only), and the pacing of every round that ran batches, failed and
+// cancelled ones included (batches, time in batches, time paused,
+// back-offs: PurgeRound.Pacing), with the effective duty cycle of the last
+// such round. A hook already set still runs, first. Skipped rounds change
+// nothing.
 func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 	next := cfg.OnRound
 	table := cfg.Purge.Table
@@ -112,7 +142,17 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 		if next != nil {
 			next(r)
 		}
-		if r.Skipped || r.Err != nil {
+		if r.Skipped {
+			return
+		}
+		if pc := r.Pacing; pc.Batches > 0 {
+			m.batches.WithLabelValues(table).Add(float64(pc.Batches))
+			m.batchSeconds.WithLabelValues(table).Add(pc.BatchTime.Seconds())
+			m.pausedSecs.WithLabelValues(table).Add(pc.Paused.Seconds())
+			m.backOffs.WithLabelValues(table).Add(float64(pc.BackOffs))
+			m.dutyCycle.WithLabelValues(table).Set(pc.DutyCycle)
+		}
+		if r.Err != nil {
 			return
 		}
 		m.purgeDeleted.WithLabelValues(table).Add(float64(r.Deleted))

@@ -3,6 +3,7 @@ package metrics_test
 import (
 	"context"
 	"errors"
+	"math"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -151,4 +152,91 @@ func TestRegisterTwice(t *testing.T) {
 	if _, err := metrics.New(reg); !errors.As(err, &already) {
 		t.Errorf("second New on one registry: %v, want AlreadyRegisteredError", err)
 	}
+}
+
+// A purge round's pacing is exported: its batches, time in batches and
+// paused, back-offs, and the effective duty cycle; a second round adds to
+// the counters.
+func TestMetricsPurgePacing(t *testing.T) {
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	expire := func(n int) {
+		t.Helper()
+		if _, err := db.Exec(`WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < ?)
+			INSERT INTO watermill_inbox SELECT 'old', lower(hex(randomblob(16))), CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000 FROM s`, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var rounds []inbox.PurgeRound
+	p, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{
+		Purge:   inbox.PurgeConfig{DB: db, OlderThan: time.Hour, BatchSize: 10, DutyCycle: 0.5},
+		OnRound: func(r inbox.PurgeRound) { rounds = append(rounds, r) },
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		expire(25) // 3 batches (10, 10, 5), 2 pauses
+		if r := p.RunOnce(context.Background()); r.Err != nil || r.Deleted != 25 {
+			t.Fatalf("round %+v, want 25 deleted", r)
+		}
+	}
+	var batchTime, paused time.Duration
+	backOffs := 0
+	for _, r := range rounds {
+		batchTime += r.Pacing.BatchTime
+		paused += r.Pacing.Paused
+		backOffs += r.Pacing.BackOffs
+	}
+	if paused <= 0 {
+		t.Fatalf("rounds %+v paused for nothing; want pauses at DutyCycle 0.5", rounds)
+	}
+	for name, want := range map[string]float64{
+		"inbox_purge_batches_total":        6,
+		"inbox_purge_batch_seconds_total":  batchTime.Seconds(),
+		"inbox_purge_paused_seconds_total": paused.Seconds(),
+		"inbox_purge_backoffs_total":       float64(backOffs),
+		"inbox_purge_duty_cycle":           rounds[1].Pacing.DutyCycle,
+		"inbox_purge_rows_deleted_total":   50,
+	} {
+		if got := gathered(t, reg, name); math.Abs(got-want) > 1e-9 {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// gathered returns the value of the single series of the counter or gauge
+// name, labelled with the default table.
+func gathered(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name || len(mf.Metric) != 1 {
+			continue
+		}
+		mt := mf.Metric[0]
+		if l := mt.GetLabel(); len(l) != 1 || l[0].GetValue() != inbox.DefaultTable {
+			t.Fatalf("%s labels %v, want table=%q", name, l, inbox.DefaultTable)
+		}
+		if c := mt.GetCounter(); c != nil {
+			return c.GetValue()
+		}
+		return mt.GetGauge().GetValue()
+	}
+	t.Fatalf("no single series of %s", name)
+	return 0
 }
