@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"math"
 	"sync"
@@ -265,5 +266,104 @@ func TestPurgeDefaultPacing(t *testing.T) {
 		if pause < want-time.Nanosecond || pause > inbox.DefaultPurgeMaxPause {
 			t.Errorf("pause %v after a batch of %v, want between %v and %v", pause, log.batches[i], want, inbox.DefaultPurgeMaxPause)
 		}
+	}
+}
+
+// While a Purger's round pauses between batches it holds the purge lock
+// and nothing else that could hold the database back: on PostgreSQL the
+// lock's transaction has no transaction id and no snapshot (so it holds
+// back no vacuum and no DETACH PARTITION ... CONCURRENTLY), and no lock on
+// the table is held; on MySQL/MariaDB the session that holds GET_LOCK has no
+// open InnoDB transaction.
+func TestPurgerPausedRoundHoldsOnlyTheLock(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect != inbox.PostgreSQL && tdb.Dialect != inbox.MySQL {
+			t.Skip("SQLite takes no purge lock; partitioned rounds drop partitions")
+		}
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 30, 2*time.Hour)
+		ctx := context.Background()
+		probe := tdb.Open(t)
+		p := pacedPurger(t, db, f.inbox, inbox.PurgeConfig{BatchSize: 10}, nil, &pacingLog{})
+		key, err := inbox.PurgeLockKey(ctx, probe, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var checks int
+		inbox.WithPurgerBatchHooks(p, nil, func(time.Duration, time.Duration) {
+			checks++
+			if tdb.Dialect == inbox.PostgreSQL {
+				checkPausedPostgres(t, probe, f.inbox, key)
+			} else {
+				checkPausedMySQL(t, probe, key)
+			}
+		})
+		round := p.RunOnce(ctx)
+		if round.Err != nil || round.Deleted != 30 || checks != 3 {
+			t.Fatalf("round %+v with %d checks; want 30 deleted, 3 paused checks", round, checks)
+		}
+	})
+}
+
+// checkPausedPostgres checks that the session holding the purge lock key is
+// idle in a transaction without transaction id or snapshot, and that no
+// session holds a lock on table.
+func checkPausedPostgres(t *testing.T, probe *sqlx.DB, table string, key int64) {
+	t.Helper()
+	var holders []struct {
+		NoXID  bool   `db:"no_xid"`
+		NoXmin bool   `db:"no_xmin"`
+		State  string `db:"state"`
+	}
+	// A bigint advisory key is (classid, objid) = (high, low 32 bits), objsubid 1.
+	if err := probe.Select(&holders, `SELECT a.backend_xid IS NULL AS no_xid, a.backend_xmin IS NULL AS no_xmin, a.state
+		FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+		  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+		  AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid`,
+		int64(uint64(key)>>32), int64(uint32(uint64(key)))); err != nil {
+		t.Fatal(err)
+	}
+	if len(holders) != 1 || !holders[0].NoXID || !holders[0].NoXmin || holders[0].State != "idle in transaction" {
+		t.Errorf("purge lock holders while paused: %+v; want one, idle in transaction, without xid or xmin", holders)
+	}
+	var tableLocks int
+	if err := probe.Get(&tableLocks, "SELECT COUNT(*) FROM pg_locks WHERE relation = $1::regclass", table); err != nil {
+		t.Fatal(err)
+	}
+	if tableLocks != 0 {
+		t.Errorf("%d locks on %s while the purge pauses, want none", tableLocks, table)
+	}
+}
+
+// checkPausedMySQL checks that the session holding the purge lock has no
+// open InnoDB transaction.
+func checkPausedMySQL(t *testing.T, probe *sqlx.DB, key int64) {
+	t.Helper()
+	var holder sql.NullInt64
+	if err := probe.Get(&holder, "SELECT IS_USED_LOCK(?)", inbox.MySQLPurgeLockName(key)); err != nil {
+		t.Fatal(err)
+	}
+	if !holder.Valid {
+		t.Fatal("nobody holds the purge lock while the round pauses")
+	}
+	// INNODB_TRX is a cache InnoDB refreshes at most every 100 ms, so it
+	// may still list the batch that just committed: poll it. The round
+	// waits in this hook, so a transaction really left open stays listed.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var trx int
+		if err := probe.Get(&trx, "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_mysql_thread_id = ?", holder.Int64); err != nil {
+			t.Fatal(err)
+		}
+		if trx == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("the purge lock's session %d has %d open InnoDB transactions while paused, want none", holder.Int64, trx)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
