@@ -17,7 +17,7 @@ import (
 )
 
 // newLock returns a Lock on a lock table of the test's own, initialised.
-func newLock(t *testing.T, db *sql.DB) *mysqloutbox.Lock {
+func newLock(t testing.TB, db *sql.DB) *mysqloutbox.Lock {
 	t.Helper()
 	table := "outbox_lock_" + testdb.RandomSuffix()
 	dropLater(t, db, table)
@@ -31,7 +31,7 @@ func newLock(t *testing.T, db *sql.DB) *mysqloutbox.Lock {
 	return lock
 }
 
-func dropLater(t *testing.T, db *sql.DB, table string) {
+func dropLater(t testing.TB, db *sql.DB, table string) {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
