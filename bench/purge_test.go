@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"slices"
 	"strings"
@@ -19,39 +20,85 @@ import (
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
+// purgeRows overrides the rows each purge benchmark removes (0: the
+// benchmark's own default).
+var purgeRows = flag.Int("purge.rows", 0, "expired rows per purge benchmark (0: 1,000,000 for BenchmarkPurgeUnderLoad, 200,000 for BenchmarkPurgePacingCurve; -short: 20,000)")
+
+// purgeMode is one way of purging in the purge benchmarks.
+type purgeMode struct {
+	name     string
+	batch    int           // PurgeConfig.BatchSize (0: default)
+	duty     float64       // PurgeConfig.DutyCycle (0: default, 1: flat out)
+	maxPause time.Duration // PurgeConfig.MaxPause (0: default)
+	pause    time.Duration // PurgeConfig.Pause
+	purges   int           // concurrent Purge calls
+	dropped  bool          // partition-drop
+}
+
 // BenchmarkPurgeUnderLoad/<db>/<mode> purges 1,000,000 expired inbox rows
-// (-short: 20,000) while 4 handlers claim new messages in the same table, and
-// reports the rows removed per second and the handlers' p99 latency while
-// purging (p99-us-purging) against the same handlers with no purge running
-// (p99-us-idle), and their ratio (p99-ratio: the issue asks for at most 2).
+// (-short: 20,000; -purge.rows: any) while 4 handlers claim new messages in
+// the same table, and reports the rows removed per second and the
+// handlers' p99 latency while purging (p99-us-purging) against the same
+// handlers with no purge running (p99-us-idle), their ratio (p99-ratio),
+// and the purge's pacing (paused-s, effective duty-cycle, back-offs).
 // db: sqlite, postgres, mysql. mode:
-//   - delete-batch<n>[-pause<d>]: one Purge with BatchSize n and Pause d;
-//   - two-purges-batch1000: two Purge calls at once, BatchSize 1000, as two
-//     application instances whose purges are not serialised (a Purger takes
-//     a lock, so two Purgers are one purge at a time: delete-batch1000);
+//   - defaults: one Purge with every optional field zero (BatchSize 1000,
+//     DutyCycle 0.1, MaxPause 1 s): what a purge left on in production does;
+//   - delete-batch<n>[-pause<d>]: one Purge with BatchSize n and Pause d,
+//     flat out (DutyCycle 1), as before pacing existed;
+//   - two-purges-batch1000: two flat-out Purge calls at once, BatchSize
+//     1000, as two application instances whose purges are not serialised
+//     (a Purger takes a lock, so two Purgers are one purge at a time);
 //   - partition-drop (postgres only): PostgreSQLPartitioned, DropPartitions
 //     of 10 daily partitions.
 //
 // One run per benchmark: use -benchtime 1x.
 func BenchmarkPurgeUnderLoad(b *testing.B) {
 	rows := 1_000_000
+	if testing.Short() {
+		rows = 20_000
+	}
+	runPurgeModes(b, rows, []purgeMode{
+		{name: "defaults", purges: 1},
+		{name: "delete-batch1000", batch: 1000, duty: 1, purges: 1},
+		{name: "two-purges-batch1000", batch: 1000, duty: 1, purges: 2},
+		{name: "delete-batch100", batch: 100, duty: 1, purges: 1},
+		{name: "delete-batch100-pause2ms", batch: 100, duty: 1, pause: 2 * time.Millisecond, purges: 1},
+		{name: "partition-drop", dropped: true},
+	})
+}
+
+// BenchmarkPurgePacingCurve/<db>/batch<n>-duty<d> is the trade-off curve of
+// the paced purge: BatchSize n (100, 1000) times DutyCycle d (1: flat out,
+// 0.5, 0.2, 0.1 = the default, 0.05), purging 200,000 expired rows (-short:
+// 20,000; -purge.rows: any) under the same load and with the same metrics as
+// BenchmarkPurgeUnderLoad. Lower duty cycles trade purge speed
+// (rows-removed/s) for the handlers' tail latency (p99-ratio).
+//
+// One run per benchmark: use -benchtime 1x.
+func BenchmarkPurgePacingCurve(b *testing.B) {
+	rows := 200_000
+	if testing.Short() {
+		rows = 20_000
+	}
+	var modes []purgeMode
+	for _, batch := range []int{100, 1000} {
+		for _, duty := range []float64{1, 0.5, 0.2, 0.1, 0.05} {
+			modes = append(modes, purgeMode{name: fmt.Sprintf("batch%d-duty%g", batch, duty), batch: batch, duty: duty, purges: 1})
+		}
+	}
+	runPurgeModes(b, rows, modes)
+}
+
+// runPurgeModes runs every mode on every database, purging rows expired rows
+// (-purge.rows, when set) while the handlers run.
+func runPurgeModes(b *testing.B, rows int, modes []purgeMode) {
+	if *purgeRows > 0 {
+		rows = *purgeRows
+	}
 	idleFor := 3 * time.Second
 	if testing.Short() {
-		rows, idleFor = 20_000, time.Second
-	}
-	type purgeMode struct {
-		name    string
-		batch   int
-		pause   time.Duration
-		purges  int
-		dropped bool // partition-drop
-	}
-	modes := []purgeMode{
-		{name: "delete-batch1000", batch: 1000, purges: 1},
-		{name: "two-purges-batch1000", batch: 1000, purges: 2},
-		{name: "delete-batch100", batch: 100, purges: 1},
-		{name: "delete-batch100-pause2ms", batch: 100, pause: 2 * time.Millisecond, purges: 1},
-		{name: "partition-drop", dropped: true},
+		idleFor = time.Second
 	}
 	for _, tdb := range []testdb.DB{purgeDB("sqlite"), purgeDB("postgres"), purgeDB("mysql")} {
 		for _, m := range modes {
@@ -94,6 +141,7 @@ func BenchmarkPurgeUnderLoad(b *testing.B) {
 				var removed atomic.Int64
 				var purgeTime time.Duration
 				var purgeErr error
+				var pacing inbox.PurgePacing
 				purging := load(b, h, func() {
 					start := time.Now()
 					if m.dropped {
@@ -109,12 +157,29 @@ func BenchmarkPurgeUnderLoad(b *testing.B) {
 							wg.Add(1)
 							go func() {
 								defer wg.Done()
-								n, err := inbox.Purge(ctx, inbox.PurgeConfig{
-									DB: db, Dialect: dialect, Table: table, OlderThan: 7 * 24 * time.Hour, BatchSize: m.batch, Pause: m.pause,
-								})
+								// One purge: a Purger's round, for the pacing
+								// it reports. Two: plain Purge calls, which a
+								// Purger's lock would serialise.
+								cfg := inbox.PurgeConfig{
+									DB: db, Dialect: dialect, Table: table, OlderThan: 7 * 24 * time.Hour,
+									BatchSize: m.batch, DutyCycle: m.duty, MaxPause: m.maxPause, Pause: m.pause,
+								}
+								var n int64
+								var err error
+								var pc inbox.PurgePacing
+								if m.purges == 1 {
+									var p *inbox.Purger
+									if p, err = inbox.NewPurger(inbox.PurgerConfig{Purge: cfg}); err == nil {
+										r := p.RunOnce(ctx)
+										n, err, pc = r.Deleted, r.Err, r.Pacing
+									}
+								} else {
+									n, err = inbox.Purge(ctx, cfg)
+								}
 								removed.Add(n)
 								mu.Lock()
 								purgeErr = errors.Join(purgeErr, err)
+								pacing = pc
 								mu.Unlock()
 							}()
 						}
@@ -133,6 +198,11 @@ func BenchmarkPurgeUnderLoad(b *testing.B) {
 				b.ReportMetric(float64(idle.Microseconds()), "p99-us-idle")
 				b.ReportMetric(float64(purging.Microseconds()), "p99-us-purging")
 				b.ReportMetric(float64(purging)/float64(idle), "p99-ratio")
+				if m.purges == 1 {
+					b.ReportMetric(pacing.Paused.Seconds(), "paused-s")
+					b.ReportMetric(pacing.DutyCycle, "duty-cycle")
+					b.ReportMetric(float64(pacing.BackOffs), "back-offs")
+				}
 			})
 		}
 	}
