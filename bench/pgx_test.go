@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jmoiron/sqlx"
 
+	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
@@ -280,5 +281,31 @@ func BenchmarkPgxRoundTrips(b *testing.B) {
 				b.ReportMetric(float64(s.prepared.Load()-prepared)/n, "prepared/msg")
 			})
 		}
+	}
+}
+
+// BenchmarkPgxInboxVsBaseline/conc=<n> is BenchmarkThroughput's
+// postgres-pgx inbox against its baseline at dup=0, taking turns on the
+// same pool (compare: b.N messages per side in compareRounds rounds), with
+// the database/sql inbox over pgx's stdlib driver as a third side for
+// reference ("sql-inbox", its own pool of 16 connections). It reports each
+// side's msgs/s and p50, and x-baseline and sql-inbox-x-baseline: the
+// median over the rounds of that inbox's rate over the baseline's. The
+// turns make the ratio stand a load on the machine that comes and goes,
+// which a table of separate runs does not.
+func BenchmarkPgxInboxVsBaseline(b *testing.B) {
+	p := openPgxPool(b, 16, nil)
+	db := testdb.OpenPostgres(b, "")
+	warm(b, db)
+	for _, conc := range []int{1, 8} {
+		b.Run(fmt.Sprintf("conc=%d", conc), func(b *testing.B) {
+			ib, _ := newInbox(b, db, inbox.PostgreSQL, "bench")
+			x := compare(b, conc,
+				side{"baseline", pgxBaseline(b, p)},
+				side{"inbox", pgxInbox(b, p)},
+				side{"sql-inbox", inboxHandler(ib, insertSQL(db, businessTable(b, db)))})
+			b.ReportMetric(x[1], "x-baseline")
+			b.ReportMetric(x[2], "sql-inbox-x-baseline")
+		})
 	}
 }
