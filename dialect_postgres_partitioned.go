@@ -12,7 +12,8 @@ import (
 var _ Dialect = postgresPartitionedDialect{}
 
 // postgresPartitionedDialect is PostgreSQL with the inbox table
-// range-partitioned by day (PostgreSQLPartitioned): what differs from
+// range-partitioned on processed_at by week or day (PostgreSQLPartitioned,
+// PartitionInterval): what differs from
 // postgresDialect, which it embeds. The partition maintenance itself is in
 // partition.go.
 type postgresPartitionedDialect struct{ postgresDialect }
@@ -48,7 +49,7 @@ func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
 	// No purge index: purging drops whole partitions. The primary key, led
 	// by (consumer, message_id), serves the claim's lookup in every
 	// partition. No DEFAULT partition: a claim with no partition for its
-	// day fails loudly (nack) instead of landing where no drop reaches it.
+	// time fails loudly (nack) instead of landing where no drop reaches it.
 	return []string{
 		"CREATE TABLE IF NOT EXISTS " + t.quoted(d) + " (\n" +
 			"    consumer     text        NOT NULL,\n" +
@@ -107,7 +108,7 @@ func (d postgresPartitionedDialect) recreateScript(t qualifiedName) string {
 	old := oldName(t)
 	return "ALTER TABLE " + t.quoted(d) + " RENAME TO " + d.quote(old.name) + ";\n" +
 		"-- Create the partitioned table (the canonical DDL below, or InitializeSchema) and the partitions\n" +
-		"-- for the days of the existing rows (CreatePartitions), then copy the rows and drop the old table:\n" +
+		"-- for the time of the existing rows (CreatePartitions), then copy the rows and drop the old table:\n" +
 		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, processed_at FROM " +
 		old.quoted(d) + ";\n" +
 		"DROP TABLE " + old.quoted(d) + ";"
@@ -132,27 +133,30 @@ func (postgresPartitionedDialect) txOptions(user *sql.TxOptions) *sql.TxOptions 
 }
 
 func (d postgresPartitionedDialect) schemaNotes(t qualifiedName) string {
-	p, _ := partitionName(t, time.Date(2026, 11, 29, 0, 0, 0, 0, time.UTC))
-	return "-- Range-partitioned by UTC day on processed_at; partitions are created ahead by\n" +
-		"-- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
+	start := time.Date(2026, 11, 30, 0, 0, 0, 0, time.UTC) // a Monday
+	p, _ := partitionName(t, PartitionWeek, start)
+	return "-- Range-partitioned on processed_at, by ISO week (Monday 00:00 UTC) unless the table's partitions\n" +
+		"-- say otherwise (see PartitionInterval); partitions are created ahead by InitializeSchema /\n" +
+		"-- CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
 		"-- The primary key must include the partition key, so it guards one partition only:\n" +
 		"-- the claim serialises each key with pg_advisory_xact_lock and checks every partition.\n" +
-		"-- Partition of one day: CREATE TABLE " + p.quoted(d) + " PARTITION OF " + t.quoted(d) + "\n" +
-		"--   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');\n"
+		"-- Partition of one week: CREATE TABLE " + p.quoted(d) + " PARTITION OF " + t.quoted(d) + "\n" +
+		"--   FOR VALUES FROM ('2026-11-30 00:00:00Z') TO ('2026-12-07 00:00:00Z');\n" +
+		"-- (daily partitions are named " + t.name + "_pYYYYMMDD and cover one UTC day.)\n"
 }
 
 func (d postgresPartitionedDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifiedName, _ int) error {
 	return createSchemaLocked(ctx, db, d, t, d.createSQL(t))
 }
 
-// The partitions from yesterday (by the database clock) to
-// DefaultPartitionsAhead days after today.
+// The partitions, at the table's interval, that cover yesterday (by the
+// database clock) to DefaultPartitionsAhead days after today.
 func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn, t qualifiedName) error {
-	var now time.Time
-	if err := sqlx.GetContext(ctx, db, &now, "SELECT now()"); err != nil {
-		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
+	from, until, err := maintainedRange(ctx, db, t)
+	if err != nil {
+		return err
 	}
-	return createPartitions(ctx, db, t, now.AddDate(0, 0, -1), DefaultPartitionsAhead+2)
+	return createPartitions(ctx, db, t, "", false, from, until)
 }
 
 // Whole partitions: create the coming days', drop those past the window

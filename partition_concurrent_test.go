@@ -23,6 +23,9 @@ func TestDropPartitionsConcurrently(t *testing.T) {
 	ctx := context.Background()
 	table := partitionedTable(t, db)
 	now := dbNow(t, db)
+	if err := inbox.InitializePartitions(ctx, db, table, inbox.PartitionDay); err != nil {
+		t.Fatal(err)
+	}
 	if err := inbox.CreatePartitions(ctx, db, table, now.AddDate(0, 0, -6), 7); err != nil {
 		t.Fatal(err)
 	}

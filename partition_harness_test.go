@@ -74,8 +74,21 @@ func concurrentTwice(t *testing.T, a, b *inbox.Inbox) int32 {
 	return calls.Load()
 }
 
+// newPartitionedInbox returns an inbox on a new daily-partitioned table
+// (the interval the tests that count partitions by day were written for).
 func newPartitionedInbox(t *testing.T, db *sqlx.DB, table string, opts *sql.TxOptions) *inbox.Inbox {
 	t.Helper()
+	return newPartitionedInboxEvery(t, db, table, opts, inbox.PartitionDay)
+}
+
+// newPartitionedInboxEvery returns an inbox on a new table partitioned at
+// interval iv, initialised as an application does: InitializePartitions,
+// then InitializeSchema.
+func newPartitionedInboxEvery(t *testing.T, db *sqlx.DB, table string, opts *sql.TxOptions, iv inbox.PartitionInterval) *inbox.Inbox {
+	t.Helper()
+	if err := inbox.InitializePartitions(context.Background(), db, table, iv); err != nil {
+		t.Fatal(err)
+	}
 	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, Consumer: "billing", TxOptions: opts})
 	if err != nil {
 		t.Fatal(err)
@@ -84,4 +97,54 @@ func newPartitionedInbox(t *testing.T, db *sqlx.DB, table string, opts *sql.TxOp
 		t.Fatal(err)
 	}
 	return ib
+}
+
+// slotOf returns the range of the partition of interval iv that holds x,
+// as the library lays them out: UTC days, or weeks from Monday 00:00 UTC.
+func slotOf(iv inbox.PartitionInterval, x time.Time) (start, end time.Time) {
+	start = x.UTC().Truncate(24 * time.Hour)
+	if iv == inbox.PartitionWeek {
+		start = start.AddDate(0, 0, -((int(start.Weekday()) + 6) % 7))
+		return start, start.AddDate(0, 0, 7)
+	}
+	return start, start.AddDate(0, 0, 1)
+}
+
+// partitionOf returns the name of the partition of table of interval iv
+// that starts at start.
+func partitionOf(table string, iv inbox.PartitionInterval, start time.Time) string {
+	letter := map[inbox.PartitionInterval]string{inbox.PartitionDay: "_p", inbox.PartitionWeek: "_w"}[iv]
+	return table + letter + start.UTC().Format("20060102")
+}
+
+// partitionNames returns the names of table's partitions, oldest first.
+func partitionNames(t *testing.T, db *sqlx.DB, table string) []string {
+	t.Helper()
+	var names []string
+	if err := db.Select(&names, `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		WHERE i.inhparent = to_regclass($1) ORDER BY pg_get_expr(c.relpartbound, c.oid)`, table); err != nil {
+		t.Fatal(err)
+	}
+	return names
+}
+
+// uncovered returns the days (noon UTC) from first to last days after
+// today that no partition of table accepts, trying an insert for each in a
+// transaction that is rolled back.
+func uncovered(t *testing.T, db *sqlx.DB, table string, first, last int) []string {
+	t.Helper()
+	var gaps []string
+	today := dbNow(t, db).UTC().Truncate(24 * time.Hour)
+	for d := first; d <= last; d++ {
+		at := today.AddDate(0, 0, d).Add(12 * time.Hour)
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec("INSERT INTO "+table+" VALUES ('probe', 'probe', $1)", at); err != nil {
+			gaps = append(gaps, at.Format("2006-01-02"))
+		}
+		tx.Rollback()
+	}
+	return gaps
 }

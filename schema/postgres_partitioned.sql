@@ -1,10 +1,12 @@
 -- Inbox table for github.com/watermill-inbox/inbox (postgres-partitioned).
--- Range-partitioned by UTC day on processed_at; partitions are created ahead by
--- InitializeSchema / CreatePartitions (or a Purger) and dropped by DropPartitions.
+-- Range-partitioned on processed_at, by ISO week (Monday 00:00 UTC) unless the table's partitions
+-- say otherwise (see PartitionInterval); partitions are created ahead by InitializeSchema /
+-- CreatePartitions (or a Purger) and dropped by DropPartitions.
 -- The primary key must include the partition key, so it guards one partition only:
 -- the claim serialises each key with pg_advisory_xact_lock and checks every partition.
--- Partition of one day: CREATE TABLE "watermill_inbox_p20261129" PARTITION OF "watermill_inbox"
---   FOR VALUES FROM ('2026-11-29 00:00:00Z') TO ('2026-11-30 00:00:00Z');
+-- Partition of one week: CREATE TABLE "watermill_inbox_w20261130" PARTITION OF "watermill_inbox"
+--   FOR VALUES FROM ('2026-11-30 00:00:00Z') TO ('2026-12-07 00:00:00Z');
+-- (daily partitions are named watermill_inbox_pYYYYMMDD and cover one UTC day.)
 
 CREATE TABLE IF NOT EXISTS "watermill_inbox" (
     consumer     text        NOT NULL,
