@@ -13,7 +13,7 @@ import (
 const DefaultPurgeBatchSize = 1000
 
 // DefaultPurgeDutyCycle is PurgeConfig.DutyCycle when it is zero.
-const DefaultPurgeDutyCycle = 0.1
+const DefaultPurgeDutyCycle = 0.2
 
 // DefaultPurgeMaxPause is PurgeConfig.MaxPause when it is zero.
 const DefaultPurgeMaxPause = time.Second
@@ -64,7 +64,7 @@ type PurgeConfig struct {
 	// DutyCycle paces the purge: the share of its wall time spent running
 	// batches, the rest left to the live handlers. After a batch that took
 	// d, the purge pauses d×(1−DutyCycle)/DutyCycle before the next one (at
-	// 0.1, nine times the batch's own duration), so the pause follows what
+	// 0.2, four times the batch's own duration), so the pause follows what
 	// the batches cost on this database under this load. When a batch takes
 	// longer than 1.5 times the moving average of the recent batches (the
 	// database is busier), the pause is doubled for every such batch, up to
@@ -73,11 +73,13 @@ type PurgeConfig struct {
 	// MaxPause. Between 0 and 1; 1 runs the batches back to back with no
 	// pacing pause and no back-off (flat out, the behaviour before pacing
 	// existed; combine with Pause 0 for no pause at all); NaN is refused.
-	// Default: 0.1 (DefaultPurgeDutyCycle), chosen so that 4 handlers
-	// purging next to 1,000,000 expired rows keep their p99 within 1.5x of
-	// idle while the purge still removes well over 10,000 rows/s on
-	// PostgreSQL; see docs/purge.md for the measurements and the trade-off
-	// curve.
+	// Default: 0.2 (DefaultPurgeDutyCycle): a purge's speed is about
+	// DutyCycle times its flat-out speed, and flat out at BatchSize 1000 it
+	// removed 82,300 rows/s on PostgreSQL on 2 shared cores (raising 4
+	// handlers' p99 3.8x), so 0.2 keeps above 10,000 rows/s there (16,000
+	// nominal, less after back-offs) while leaving the database to the
+	// handlers four fifths of the time. See docs/purge.md for the trade-off
+	// curve (BenchmarkPurgePacingCurve) and which setting suits which volume.
 	DutyCycle float64
 
 	// MaxPause caps one pacing pause (DutyCycle's pause, back-off
@@ -204,7 +206,7 @@ func (c PurgeConfig) Validate() error {
 // It deletes in batches of at most cfg.BatchSize rows, oldest first, each one
 // DELETE in its own transaction that uses the processed_at index, until a
 // batch comes back short or ctx ends. Between two batches it pauses as
-// cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 9 times the
+// cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 4 times the
 // last batch's duration, longer when batches slow down); no transaction,
 // row lock or connection of the purge is held while it pauses. On PostgreSQL a batch skips rows that
 // live transactions hold locked (FOR UPDATE SKIP LOCKED), so it never waits

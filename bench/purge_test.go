@@ -43,7 +43,7 @@ type purgeMode struct {
 // and the purge's pacing (paused-s, effective duty-cycle, back-offs).
 // db: sqlite, postgres, mysql. mode:
 //   - defaults: one Purge with every optional field zero (BatchSize 1000,
-//     DutyCycle 0.1, MaxPause 1 s): what a purge left on in production does;
+//     DutyCycle 0.2, MaxPause 1 s): what a purge left on in production does;
 //   - delete-batch<n>[-pause<d>]: one Purge with BatchSize n and Pause d,
 //     flat out (DutyCycle 1), as before pacing existed;
 //   - two-purges-batch1000: two flat-out Purge calls at once, BatchSize
@@ -70,7 +70,7 @@ func BenchmarkPurgeUnderLoad(b *testing.B) {
 
 // BenchmarkPurgePacingCurve/<db>/batch<n>-duty<d> is the trade-off curve of
 // the paced purge: BatchSize n (100, 1000) times DutyCycle d (1: flat out,
-// 0.5, 0.2, 0.1 = the default, 0.05), purging 200,000 expired rows (-short:
+// 0.5, 0.2 = the default, 0.1, 0.05), purging 200,000 expired rows (-short:
 // 20,000; -purge.rows: any) under the same load and with the same metrics as
 // BenchmarkPurgeUnderLoad. Lower duty cycles trade purge speed
 // (rows-removed/s) for the handlers' tail latency (p99-ratio).
