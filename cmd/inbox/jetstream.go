@@ -24,7 +24,7 @@ type jetStreamFlags struct {
 func addJetStreamFlags(fs *flag.FlagSet) *jetStreamFlags {
 	f := &jetStreamFlags{}
 	fs.StringVar(&f.url, "nats-url", "", "NATS server URL (several comma-separated): derive the safe window from the -nats-stream streams")
-	fs.Var(&f.streams, "nats-stream", "a JetStream stream the consumer reads (with -nats-url); repeat the flag or separate names with commas")
+	fs.Var(&f.streams, "nats-stream", "a JetStream `stream` the consumer reads (with -nats-url); repeat the flag or separate names with commas")
 	return f
 }
 
