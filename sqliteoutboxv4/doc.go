@@ -57,8 +57,9 @@
 //     a closed forwarder or a failed commit before that leaves the row, and
 //     it is sent again (at least once; an inbox at the receiving end absorbs
 //     the duplicate). A closed subscriber or an expired ack deadline acks
-//     only the rows up to the last acked message of the batch (see
-//     QueueOffsetsAdapter).
+//     at most the batch's rows up to its last acked message (see
+//     QueueOffsetsAdapter: watermill-sql v4.1.2's own queue adapters delete
+//     the whole batch then).
 //
 // # SQLite's single writer
 //

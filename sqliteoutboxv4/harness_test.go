@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"os"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -46,7 +45,7 @@ func queueSubscriberWithDeadline(t *testing.T, db *sqlx.DB, topic string, batch 
 		RetryInterval:  10 * time.Millisecond,
 		SchemaAdapter:  sqliteoutboxv4.QueueSchema{SubscribeBatchSize: batch},
 		OffsetsAdapter: sqliteoutboxv4.QueueOffsetsAdapter{DeleteOnAck: true},
-	}, testLogger())
+	}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,13 +65,6 @@ func outboxPublisher(t *testing.T, exec wsql.ContextExecutor, topic string) mess
 		t.Fatal(err)
 	}
 	return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: topic})
-}
-
-func testLogger() watermill.LoggerAdapter {
-	if os.Getenv("H1DEBUG") != "" {
-		return watermill.NewStdLogger(true, true)
-	}
-	return watermill.NopLogger{}
 }
 
 // runningForwarder is a Watermill forwarder from sub to dest, running until

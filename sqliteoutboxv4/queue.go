@@ -19,7 +19,9 @@ import (
 //
 // It serves one logical consumer: a subscriber with a consumer group is
 // refused (ErrConsumerGroup). Several subscribers on one topic share the
-// queue; SQLite's write lock makes them take turns.
+// queue: with _txlock=immediate they take turns on SQLite's write lock;
+// with deferred transactions two may deliver the same row, and the ack of
+// the later one fails with SQLITE_BUSY_SNAPSHOT (at least once).
 //
 // The zero value is ready to use. It holds no state and is safe for
 // concurrent use.
