@@ -38,7 +38,7 @@ func TestQueueDeleteOnAck_keeps_rows_of_a_stopped_forwarder(t *testing.T) {
 	t.Parallel()
 	db := testdb.OpenSQLite(t, newDBFile(t))
 	topic := outboxTopic()
-	dest := newGoChannel(t)
+	dest := newDestination(t)
 	next := receive(t, dest, "invoices")
 	first := queueSubscriber(t, db, topic, 10) // one batch holds all three
 	sent := publishThree(t, db, topic)
@@ -84,7 +84,7 @@ func TestQueueDeleteOnAck_keeps_rows_past_the_ack_deadline(t *testing.T) {
 	t.Parallel()
 	db := testdb.OpenSQLite(t, newDBFile(t))
 	topic := outboxTopic()
-	dest := newGoChannel(t)
+	dest := newDestination(t)
 	next := receive(t, dest, "invoices")
 	sub := queueSubscriberWithDeadline(t, db, topic, 10, 50*time.Millisecond)
 	sent := publishThree(t, db, topic)

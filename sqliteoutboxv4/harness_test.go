@@ -144,10 +144,18 @@ func (p *stallingPublisher) Publish(topic string, msgs ...*message.Message) erro
 func (p *stallingPublisher) unblock()     { p.released.Do(func() { close(p.release) }) }
 func (p *stallingPublisher) Close() error { return nil }
 
-// newGoChannel is the destination broker: persistent, so that a subscriber
-// that comes late still gets every message. Closed when t ends.
-func newGoChannel(t *testing.T) *gochannel.GoChannel {
-	ch := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+// newDestination is the destination broker: persistent, so that a
+// subscriber that comes late still gets every message, and blocking each
+// publish until the subscriber acked it, so that messages arrive in the
+// order they were published (GoChannel delivers each message from a
+// goroutine of its own otherwise). Closed when t ends.
+func newDestination(t *testing.T) *gochannel.GoChannel {
+	return newGoChannel(t, gochannel.Config{Persistent: true, BlockPublishUntilSubscriberAck: true})
+}
+
+// newGoChannel returns a GoChannel closed when t ends.
+func newGoChannel(t *testing.T, config gochannel.Config) *gochannel.GoChannel {
+	ch := gochannel.NewGoChannel(config, watermill.NopLogger{})
 	t.Cleanup(func() { ch.Close() })
 	return ch
 }

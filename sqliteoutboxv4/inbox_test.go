@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -43,7 +44,7 @@ func TestInboxOutbox_sends_returned_message_iff_committed(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	dest := newGoChannel(t)
+	dest := newDestination(t)
 	broker := &countingPublisher{next: dest}
 	next := receive(t, dest, "invoices")
 	startForwarder(t, fwdSub, broker, topic)
@@ -52,7 +53,7 @@ func TestInboxOutbox_sends_returned_message_iff_committed(t *testing.T) {
 	var committedInvoice atomic.Value
 	errHandler := errors.New("handler failed after writing to the outbox")
 	failed := make(chan struct{}, 1)
-	orders := newGoChannel(t)
+	orders := newGoChannel(t, gochannel.Config{})
 	router := runRouter(t, func(r *message.Router) {
 		r.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {

@@ -98,13 +98,15 @@ func TestQueueDeleteOnAck_keeps_rows_of_a_killed_forwarder(t *testing.T) {
 		t.Fatalf("after the forwarder process was killed while publishing %s, the outbox holds %v, want %v", sent[0], left, sent)
 	}
 
-	dest := newGoChannel(t)
+	dest := newDestination(t)
 	next := receive(t, dest, "invoices")
 	startForwarder(t, queueSubscriber(t, db, topic, 10), dest, topic)
-	for _, want := range sent {
-		if got := next(); got != want {
-			t.Fatalf("the new forwarder sent %s, want %s", got, want)
-		}
+	var got []string
+	for range sent {
+		got = append(got, next())
+	}
+	if !slices.Equal(got, sent) {
+		t.Fatalf("the new forwarder sent %v, want %v", got, sent)
 	}
 	waitEmpty(t, db, topic)
 }
