@@ -54,8 +54,11 @@ func Example() {
 	})
 
 	// The forwarder reads the outbox table and publishes to the broker.
+	// A batch of 1: watermill-sql v4.1.2's subscriber, stopped in the middle
+	// of a batch, acks (here: deletes) the rows of the batch it had not
+	// delivered (docs/outbox.md).
 	outboxSubscriber, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(pool), wsql.SubscriberConfig{
-		SchemaAdapter:    outboxSchema,
+		SchemaAdapter:    wsql.PostgreSQLQueueSchema{SubscribeBatchSize: 1},
 		OffsetsAdapter:   wsql.PostgreSQLQueueOffsetsAdapter{DeleteOnAck: true},
 		InitializeSchema: true,
 	}, logger)
