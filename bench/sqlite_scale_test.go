@@ -72,7 +72,11 @@ var sqliteVariants = []sqliteVariant{
 //   - x-default: the variant at n rows over the default at n rows;
 //   - x-default-base: the variant at n rows over the default at the base size.
 //
-// It also reports the depth of the primary key's B-tree (pk-depth), and the
+// Per side it reports msgs/s and, per message, the process's CPU time and
+// read/write system calls (see sqliteRounds): a page that SQLite's cache
+// does not hold is a read, a WAL frame two writes, so they show where a
+// larger table costs more without depending on the machine's load. It
+// also reports the depth of the primary key's B-tree (pk-depth), and the
 // file's size in MB, of the variant's file at n rows. The default sizes
 // (-sqlite-scale-rows) take a few minutes to fill; -short uses 10000,50000.
 func BenchmarkSQLiteScale(b *testing.B) {
