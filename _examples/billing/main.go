@@ -7,8 +7,22 @@
 //
 //	go run .                       # kfake broker in process + SQLite in a temporary folder
 //	go run . -db 'postgres://postgres@127.0.0.1:5432/test?sslmode=disable'
+//	go run . -db 'postgres://postgres@127.0.0.1:5432/test?sslmode=disable' -inbox pgx
 //	go run . -db 'mysql://root@tcp(127.0.0.1:3306)/test?parseTime=true'
 //	go run . -brokers kafka:9092   # an external Kafka
+//
+// The outbox is watermill-sql v4's bounded one on every database: a queue
+// schema whose rows the forwarder deletes once it has published them to Kafka
+// (PostgreSQLQueueSchema, MySQLQueueSchema, and this repository's
+// sqliteoutboxv4.QueueSchema, each with its queue offsets adapter and
+// DeleteOnAck). The queue schemas select every row not yet acked rather than
+// the rows above an offset, so MySQL/MariaDB needs no commit-order lock
+// (package mysqloutbox; see docs/outbox.md).
+//
+// With -inbox pgx (PostgreSQL only) Billing and Mailer run package pgxinbox
+// over a pgxpool instead of package inbox over database/sql: handlers get a
+// pgx.Tx, the outbox writes through wsql.TxFromPgx, and the forwarder reads
+// through wsql.BeginnerFromPgx.
 //
 // Injected, by default: the producer re-sends 5 % of the events (an outbox
 // relay retry); a Billing worker process is SIGKILLed right after a commit,
@@ -17,12 +31,15 @@
 // replayed (operator rewind). It ends with
 //
 //	effectively-once: orders=N invoices=N emails=N deliveries=D duplicates_skipped=S
+//	outbox_rows=0
 //
-// and exits non-zero if invoices or emails differ from orders.
+// and exits non-zero if invoices or emails differ from orders, or if the
+// outbox still holds rows once everything was forwarded.
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log"
@@ -35,17 +52,20 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	_ "github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/jmoiron/sqlx"
 	_ "modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
-	"github.com/watermill-inbox/inbox/sqliteoutbox"
+	"github.com/watermill-inbox/inbox/pgxinbox"
+	"github.com/watermill-inbox/inbox/sqliteoutboxv4"
 )
 
 const (
@@ -59,6 +79,7 @@ var (
 	role      = flag.String("role", "orchestrator", "internal: orchestrator, billing or mailer")
 	brokers   = flag.String("brokers", "", "Kafka bootstrap addresses (default: an in-process kfake broker)")
 	dsn       = flag.String("db", "", "postgres://… or mysql://<go-sql-driver DSN> (default: SQLite in a temporary folder)")
+	inboxImpl = flag.String("inbox", "database/sql", "database/sql (package inbox over sqlx) or pgx (package pgxinbox over a pgxpool; PostgreSQL only)")
 	orders    = flag.Int("orders", 1000, "orders to publish")
 	resend    = flag.Float64("resend", 0.05, "share of events the producer publishes twice")
 	killAfter = flag.Int("kill-after", 0, "internal: SIGKILL this worker right after its Nth commit")
@@ -81,36 +102,116 @@ func main() {
 	}
 }
 
-// database is the opened -db with its dialect and outbox schema adapter.
+// database is the opened -db with its dialect and bounded-outbox adapters.
 type database struct {
 	db      *sqlx.DB
+	pool    *pgxpool.Pool // -inbox pgx only: db then borrows its connections
 	dialect inbox.Dialect
-	schema  wsql.SchemaAdapter
-	offsets wsql.OffsetsAdapter
-	// subscriber opens the forwarder's handle.
-	subscriber func() (*sqlx.DB, error)
+	// publish is the outbox schema of the publishing side (the inbox
+	// transaction), subscribe the forwarder's: the same table, with the
+	// forwarder's batch size.
+	publish, subscribe wsql.SchemaAdapter
+	offsets            wsql.OffsetsAdapter
 }
 
-func openDB(dsn string) (*database, error) {
+// checkInbox refuses an -inbox the -db cannot run.
+func checkInbox(dsn, impl string) error {
+	if impl != "database/sql" && impl != "pgx" {
+		return fmt.Errorf("-inbox %q: want database/sql or pgx", impl)
+	}
+	if impl == "pgx" && !strings.HasPrefix(dsn, "postgres://") {
+		return fmt.Errorf("-inbox pgx needs PostgreSQL (-db postgres://…): pgxinbox runs on a pgx pool, and pgx speaks only PostgreSQL")
+	}
+	return nil
+}
+
+func openDB(ctx context.Context, dsn, impl string) (*database, error) {
+	if err := checkInbox(dsn, impl); err != nil {
+		return nil, err
+	}
 	switch {
 	case strings.HasPrefix(dsn, "postgres://"):
+		// SubscribeBatchSize 1: watermill-sql v4.1.2's subscriber, closed
+		// in the middle of a batch, deletes the rows of that batch it never
+		// delivered (docs/outbox.md). With one row per batch the only row
+		// read is the one in flight, which is kept and sent again.
+		d := &database{dialect: inbox.PostgreSQL, publish: wsql.PostgreSQLQueueSchema{},
+			subscribe: wsql.PostgreSQLQueueSchema{SubscribeBatchSize: 1},
+			offsets:   wsql.PostgreSQLQueueOffsetsAdapter{DeleteOnAck: true}}
+		if impl == "pgx" {
+			pool, err := pgxpool.New(ctx, dsn)
+			if err != nil {
+				return nil, err
+			}
+			d.pool, d.db = pool, pgxinbox.DB(pool)
+			return d, nil
+		}
 		db, err := sqlx.Open("pgx", dsn)
-		return &database{db: db, dialect: inbox.PostgreSQL, schema: wsql.DefaultPostgreSQLSchema{},
-			offsets: wsql.DefaultPostgreSQLOffsetsAdapter{}, subscriber: func() (*sqlx.DB, error) { return db, nil }}, err
+		d.db = db
+		return d, err
 	case strings.HasPrefix(dsn, "mysql://"):
+		// The same batch size as on PostgreSQL, for the same reason. The
+		// queue schema needs no mysqloutbox.Lock: it does not read by offset.
 		db, err := sqlx.Open("mysql", strings.TrimPrefix(dsn, "mysql://"))
-		return &database{db: db, dialect: inbox.MySQL, schema: wsql.DefaultMySQLSchema{},
-			offsets: wsql.DefaultMySQLOffsetsAdapter{}, subscriber: func() (*sqlx.DB, error) { return db, nil }}, err
+		return &database{db: db, dialect: inbox.MySQL, publish: wsql.MySQLQueueSchema{},
+			subscribe: wsql.MySQLQueueSchema{SubscribeBatchSize: 1},
+			offsets:   wsql.MySQLQueueOffsetsAdapter{DeleteOnAck: true}}, err
 	case strings.HasPrefix(dsn, "sqlite:"):
 		path := strings.TrimPrefix(dsn, "sqlite:")
 		params := "_journal_mode=WAL&_busy_timeout=30000&_synchronous=NORMAL"
 		db, err := sqlx.Open("sqlite", "file:"+path+"?"+params+"&_txlock=immediate")
 		// The forwarder's subscriber holds the write lock while it forwards
-		// a small batch (see sqliteoutbox): exactly once, no livelock.
-		return &database{db: db, dialect: inbox.SQLite, schema: sqliteoutbox.SchemaAdapter{SubscribeBatchSize: 10},
-			offsets: sqliteoutbox.OffsetsAdapter{}, subscriber: func() (*sqlx.DB, error) { return db, nil }}, err
+		// a small batch (_txlock=immediate; see sqliteoutboxv4): exactly
+		// once, no livelock. A batch of 10 as sqliteoutboxv4 recommends:
+		// its QueueOffsetsAdapter deletes only the rows up to the last acked
+		// one, so a batch cut by a closing forwarder loses nothing.
+		return &database{db: db, dialect: inbox.SQLite, publish: sqliteoutboxv4.QueueSchema{},
+			subscribe: sqliteoutboxv4.QueueSchema{SubscribeBatchSize: 10},
+			offsets:   sqliteoutboxv4.QueueOffsetsAdapter{DeleteOnAck: true}}, err
 	}
 	return nil, fmt.Errorf("-db %q: want postgres://… or mysql://…", dsn)
+}
+
+func (d *database) Close() {
+	d.db.Close()
+	if d.pool != nil {
+		d.pool.Close()
+	}
+}
+
+// beginner is the forwarder subscriber's handle on the database.
+func (d *database) beginner() wsql.Beginner {
+	if d.pool != nil {
+		return wsql.BeginnerFromPgx(d.pool)
+	}
+	return wsql.BeginnerFromStdSQL(d.db.DB)
+}
+
+// outboxTable is the outbox table of the run, quoted (watermill-sql's name).
+func (d *database) outboxTable(run string) string {
+	if d.dialect == inbox.MySQL {
+		return "`watermill_" + outboxTopic + "_" + run + "`"
+	}
+	return `"watermill_` + outboxTopic + "_" + run + `"`
+}
+
+// execInTx runs a statement (with ? placeholders) in the message's inbox
+// transaction, whichever inbox claimed it.
+func (d *database) execInTx(ctx context.Context, query string, args ...any) error {
+	if d.pool != nil {
+		tx, ok := pgxinbox.TxFromContext(ctx)
+		if !ok {
+			return errors.New("no pgxinbox transaction in the message context")
+		}
+		_, err := tx.Exec(ctx, sqlx.Rebind(sqlx.DOLLAR, query), args...)
+		return err
+	}
+	tx, ok := inbox.TxFromContext(ctx)
+	if !ok {
+		return errors.New("no inbox transaction in the message context")
+	}
+	_, err := tx.ExecContext(ctx, tx.Rebind(query), args...)
+	return err
 }
 
 func saramaConfig() *sarama.Config {
@@ -137,14 +238,48 @@ func tables(d *database, run string) error {
 	return nil
 }
 
+// middleware is the inbox middleware of one worker: package inbox on
+// database/sql, or package pgxinbox on the pgx pool.
+func (d *database) middleware(name, run string, hooks func(string) func(inbox.Event), logger watermill.LoggerAdapter) (message.HandlerMiddleware, error) {
+	outbox := func(tx wsql.ContextExecutor) (message.Publisher, error) {
+		pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: d.publish}, logger)
+		if err != nil {
+			return nil, err
+		}
+		return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: outboxTopic + "_" + run}), nil
+	}
+	if d.pool != nil {
+		ib, err := pgxinbox.New(pgxinbox.Config{
+			Pool: d.pool, Table: "inbox_" + run, Consumer: name,
+			OnProcessed: hooks("processed"), OnDuplicate: hooks("duplicate"),
+			Outbox: func(tx pgx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromPgx(tx)) },
+		})
+		if err != nil {
+			return nil, err
+		}
+		return ib.Middleware, nil
+	}
+	ib, err := inbox.New(inbox.Config{
+		DB: d.db, Dialect: d.dialect, Table: "inbox_" + run, Consumer: name,
+		OnProcessed: hooks("processed"), OnDuplicate: hooks("duplicate"),
+		Outbox: func(tx *sqlx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromStdSQL(tx.Tx)) },
+	})
+	if err != nil {
+		return nil, err
+	}
+	return ib.Middleware, nil
+}
+
 // work runs one Billing or Mailer worker process until SIGTERM.
 func work(name string) error {
 	run := os.Getenv("BILLING_RUN")
-	d, err := openDB(*dsn)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	d, err := openDB(ctx, *dsn, *inboxImpl)
 	if err != nil {
 		return err
 	}
-	defer d.db.Close()
+	defer d.Close()
 	logger := watermill.NopLogger{}
 	record := func(outcome string) func(inbox.Event) {
 		return func(inbox.Event) {
@@ -154,22 +289,7 @@ func work(name string) error {
 			}
 		}
 	}
-	commits := 0
-	ib, err := inbox.New(inbox.Config{
-		DB: d.db, Dialect: d.dialect, Table: "inbox_" + run, Consumer: name,
-		OnProcessed: record("processed"), OnDuplicate: record("duplicate"),
-		Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
-			pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: d.schema}, logger)
-			if err != nil {
-				return nil, err
-			}
-			var out message.Publisher = forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: outboxTopic + "_" + run})
-			if d.dialect == inbox.MySQL {
-				out = commitOrderedPublisher{tx: tx, lock: "SELECT id FROM outbox_lock_" + run + " WHERE id = 1 FOR UPDATE", next: out}
-			}
-			return out, nil
-		},
-	})
+	ib, err := d.middleware(name, run, record, logger)
 	if err != nil {
 		return err
 	}
@@ -185,12 +305,12 @@ func work(name string) error {
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(middleware.Recoverer, middleware.Retry{MaxRetries: 5, InitialInterval: 50 * time.Millisecond}.Middleware, ib.Middleware)
+	router.AddMiddleware(middleware.Recoverer, middleware.Retry{MaxRetries: 5, InitialInterval: 50 * time.Millisecond}.Middleware, ib)
+	commits := 0
 	if name == "billing" {
 		router.AddHandler("billing", ordersTopic, sub, invoicesTopic, unusedPublisher{}, func(msg *message.Message) ([]*message.Message, error) {
-			tx, _ := inbox.TxFromContext(msg.Context())
 			orderID := msg.Metadata.Get("order_id")
-			if _, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO invoices_"+run+" (order_id, amount) VALUES (?, ?)"), orderID, 100); err != nil {
+			if err := d.execInTx(msg.Context(), "INSERT INTO invoices_"+run+" (order_id, amount) VALUES (?, ?)", orderID, 100); err != nil {
 				return nil, err
 			}
 			commits++
@@ -200,19 +320,16 @@ func work(name string) error {
 					syscall.Kill(os.Getpid(), syscall.SIGKILL)
 				})
 			}
-			invoice := message.NewMessage(watermill.NewUUID(), nil)
+			// A JSON payload: the queue schemas' payload column is JSON.
+			invoice := message.NewMessage(watermill.NewUUID(), []byte(`{"amount":100}`))
 			invoice.Metadata.Set("order_id", orderID)
 			return []*message.Message{invoice}, nil // through the outbox, in this transaction
 		})
 	} else {
 		router.AddConsumerHandler("mailer", invoicesTopic, sub, func(msg *message.Message) error {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO emails_sent_"+run+" (order_id) VALUES (?)"), msg.Metadata.Get("order_id"))
-			return err
+			return d.execInTx(msg.Context(), "INSERT INTO emails_sent_"+run+" (order_id) VALUES (?)", msg.Metadata.Get("order_id"))
 		})
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
-	defer stop()
 	return router.Run(ctx)
 }
 
@@ -235,25 +352,3 @@ func (l errorLogger) Info(string, watermill.LogFields)                 {}
 func (l errorLogger) Debug(string, watermill.LogFields)                {}
 func (l errorLogger) Trace(string, watermill.LogFields)                {}
 func (l errorLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-
-// commitOrderedPublisher makes MySQL outbox offsets follow commit order.
-// watermill-sql's MySQL relay reads rows past its last acked AUTO_INCREMENT
-// offset; a transaction that takes offset 93 but becomes visible after one
-// that took 94 and committed would be skipped for good (seen in this
-// example). Taking one row lock, held until COMMIT, just before the outbox
-// insert serialises publish-to-commit, so offsets are assigned in commit
-// order. Handlers still run in parallel up to their publish.
-type commitOrderedPublisher struct {
-	tx   *sqlx.Tx
-	lock string
-	next message.Publisher
-}
-
-func (p commitOrderedPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if _, err := p.tx.Exec(p.lock); err != nil {
-		return fmt.Errorf("outbox order lock: %w", err)
-	}
-	return p.next.Publish(topic, msgs...)
-}
-
-func (p commitOrderedPublisher) Close() error { return p.next.Close() }
