@@ -76,8 +76,9 @@ type PurgeConfig struct {
 	// Default: 0.2 (DefaultPurgeDutyCycle): a purge's speed is about
 	// DutyCycle times its flat-out speed, and flat out at BatchSize 1000 it
 	// removed 82,300 rows/s on PostgreSQL on 2 shared cores (raising 4
-	// handlers' p99 3.8x), so 0.2 keeps above 10,000 rows/s there (16,000
-	// nominal, less after back-offs) while leaving the database to the
+	// handlers' p99 3.8x); 0.2 aims at about 10,000 rows/s there (a paced
+	// batch costs more than a flat-out one, so the speed measured was about
+	// a tenth of flat out, not a fifth) while leaving the database to the
 	// handlers four fifths of the time. See docs/purge.md for the trade-off
 	// curve (BenchmarkPurgePacingCurve) and which setting suits which volume.
 	DutyCycle float64
