@@ -63,6 +63,10 @@ type pgxTx struct {
 	b   *pgxBackend
 	tx  pgx.Tx
 	ctx context.Context // backend.Claim.TxCtx
+	// committed is set once Commit was called: the pool then has the
+	// connection back (whatever COMMIT returned), and it may already serve
+	// another message, so Rollback must not touch it.
+	committed bool
 }
 
 func (t *pgxTx) Handle() any { return t.tx }
@@ -87,7 +91,10 @@ func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, er
 // ends. pgx closes the connection when COMMIT fails outside an idle state
 // and reports pgx.ErrTxCommitRollback when PostgreSQL turned the COMMIT into
 // a ROLLBACK.
-func (t *pgxTx) Commit() error { return t.tx.Commit(t.ctx) }
+func (t *pgxTx) Commit() error {
+	t.committed = true
+	return t.tx.Commit(t.ctx)
+}
 
 // Rollback rolls back and returns the connection to the pool. It runs under
 // its own bound, not the transaction's context, which may have ended (the
@@ -95,7 +102,15 @@ func (t *pgxTx) Commit() error { return t.tx.Commit(t.ctx) }
 // a healthy connection. A transaction already ended (committed, rolled
 // back, never begun: pgx.ErrTxClosed) is not an error, nor is a connection
 // that was already closed, which ends the transaction on the server.
+//
+// After Commit it does nothing: the flow's deferred rollback runs after
+// every COMMIT, when pgxpool has already released the connection, and
+// reading that connection's state then raced with the message that
+// acquired it next.
 func (t *pgxTx) Rollback() error {
+	if t.committed {
+		return nil
+	}
 	conn := t.tx.Conn()
 	closedBefore := conn == nil || conn.IsClosed()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), t.b.rollbackTimeout)
