@@ -62,6 +62,10 @@ Usage:
                                                 the same, from the JetStream streams' MaxAge (and their
                                                 consumers' AckWait x MaxDeliver when longer)
   inbox stats  -db DSN [-table T]               rows per consumer, oldest and newest row, size
+  inbox partitions -db DSN [-table T] [-interval day|week [-migrate]]
+                                                postgres-partitioned: list the partitions and their
+                                                interval; -interval gives a new table that interval,
+                                                -migrate switches an existing one (default: week)
 
 DSN forms:
   postgres://user@host:5432/db?sslmode=disable  PostgreSQL (pgx)
@@ -103,6 +107,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = purgeCmd(ctx, args[1:], stdout, stderr)
 	case "stats":
 		err = statsCmd(ctx, args[1:], stdout, stderr)
+	case "partitions":
+		err = partitionsCmd(ctx, args[1:], stdout, stderr)
 	default:
 		err = fmt.Errorf("%w: unknown command %q", errUsage, args[0])
 	}

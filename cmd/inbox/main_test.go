@@ -472,3 +472,31 @@ func TestJetStreamFlagsUsageErrors(t *testing.T) {
 		}
 	}
 }
+
+// "inbox partitions": a new table gets daily partitions on request, the
+// listing shows them and their interval, asking for weeks is refused
+// (exit 1) until -migrate, after which the interval is week.
+func TestPartitionsCommand(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "") // skips locally without PostgreSQL
+	dsn := struct{ dsn string }{testdb.PostgresDSN()}
+	table := "cli_parts_" + strings.ToLower(watermill.NewShortUUID())
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	code, out, errOut := cli(t, "partitions", "-db", dsn.dsn, "-table", table, "-interval", "day")
+	if code != 0 || !strings.Contains(out, "partition interval day, 9 partitions") || !strings.Contains(out, table+"_p") {
+		t.Fatalf("-interval day: exit %d %q %q; want 9 daily partitions", code, out, errOut)
+	}
+	code, _, errOut = cli(t, "partitions", "-db", dsn.dsn, "-table", table, "-interval", "week")
+	if code != 1 || !strings.Contains(errOut, "-migrate") {
+		t.Errorf("-interval week on a daily table: exit %d %q; want 1 and a hint to -migrate", code, errOut)
+	}
+	code, out, errOut = cli(t, "partitions", "-db", dsn.dsn, "-table", table, "-interval", "week", "-migrate")
+	if code != 0 || !strings.Contains(out, "partition interval week") || !strings.Contains(out, table+"_w") {
+		t.Errorf("-migrate: exit %d %q %q; want interval week", code, out, errOut)
+	}
+	for _, args := range [][]string{{"-migrate"}, {"-interval", "month"}} {
+		if code, _, errOut := cli(t, append([]string{"partitions", "-db", dsn.dsn, "-table", table}, args...)...); code != 2 {
+			t.Errorf("%q: exit %d (%s), want 2", args, code, errOut)
+		}
+	}
+}

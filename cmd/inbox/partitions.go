@@ -1,0 +1,75 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// partitionsCmd lists the partitions of a PostgreSQLPartitioned table and
+// its interval, gives a new table partitions of an interval (-interval),
+// or switches an existing one to another (-interval with -migrate).
+func partitionsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("partitions", stderr, &c, true)
+	interval := fs.String("interval", "", "day or week: create the table if missing and its partitions at this interval"+
+		" (refused when the table's partitions have another; see -migrate)")
+	migrate := fs.Bool("migrate", false, "with -interval: switch the table's new partitions to it; the existing ones age out")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *migrate && *interval == "" {
+		return fmt.Errorf("%w: -migrate needs -interval", errUsage)
+	}
+	var iv inbox.PartitionInterval
+	if *interval != "" {
+		var err error
+		if iv, err = inbox.ParsePartitionInterval(*interval); err != nil {
+			return fmt.Errorf("%w: -interval: %v", errUsage, err)
+		}
+	}
+	if c.dialect == "" {
+		c.dialect = "postgres-partitioned"
+	}
+	db, d, err := c.open(ctx, false)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if d != inbox.PostgreSQLPartitioned || db.DriverName() != "pgx" {
+		return fmt.Errorf("%w: partitions needs a PostgreSQL -db and -dialect postgres-partitioned", errUsage)
+	}
+	switch {
+	case *migrate:
+		err = inbox.MigratePartitionInterval(ctx, db, c.table, iv)
+	case iv != "":
+		err = inbox.InitializePartitions(ctx, db, c.table, iv)
+	}
+	if err != nil {
+		return err
+	}
+	got, err := inbox.TablePartitionInterval(ctx, db, c.table)
+	if err != nil {
+		return err
+	}
+	if got == "" {
+		got = "none yet (new partitions: " + inbox.DefaultPartitionInterval + ")"
+	}
+	var parts []struct {
+		Name  string `db:"name"`
+		Bound string `db:"bound"`
+	}
+	err = db.SelectContext(ctx, &parts, `SELECT c.oid::regclass::text AS name, pg_get_expr(c.relpartbound, c.oid) AS bound
+		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
+		ORDER BY pg_get_expr(c.relpartbound, c.oid)`, c.table)
+	if err != nil {
+		return fmt.Errorf("inbox: list partitions of %s: %w", c.table, err)
+	}
+	fmt.Fprintf(stdout, "%s: partition interval %s, %d partitions\n", c.table, got, len(parts))
+	for _, p := range parts {
+		fmt.Fprintf(stdout, "  %s  %s\n", p.Name, p.Bound)
+	}
+	return nil
+}
