@@ -150,9 +150,10 @@ var (
 	MySQL Dialect = mysqlDialect{}
 
 	// PostgreSQLPartitioned is the dialect for an inbox table on PostgreSQL
-	// 14 or later that is range-partitioned by day on processed_at
-	// (schema/postgres_partitioned.sql), for volumes where dropping whole
-	// partitions (DropPartitions) beats deleting rows. It is never inferred:
+	// 14 or later that is range-partitioned on processed_at, by week or by
+	// day (the table's PartitionInterval; schema/postgres_partitioned.sql),
+	// for volumes where dropping whole partitions (DropPartitions) beats
+	// deleting rows. It is never inferred:
 	// set Config.Dialect to it. A partitioned table's primary key must
 	// include processed_at, so it only guards within one partition; the
 	// claim therefore first takes a transaction-scoped advisory lock on the
