@@ -28,13 +28,17 @@ func TestOutbox_PublishedIffTheInboxTransactionCommits(t *testing.T) {
 		subPool := testdb.OpenPgxPool(t, "") // the subscriber polls: its connections are not the inbox's
 		f := newFixture(t, pool)
 		topic := "pgx_outbox_" + f.sfx
-		f.dropLater(`"watermill_`+topic+`"`, `"watermill_offsets_`+topic+`"`)
-		schema := wsql.DefaultPostgreSQLSchema{}
+		f.dropLater(`"watermill_` + topic + `"`)
+		// The queue schema: the default schema's subscriber reads only rows
+		// older than every transaction open on the server
+		// (pg_snapshot_xmin), which other tests' and processes' open
+		// transactions on this shared server hold back for as long as they
+		// run.
+		schema := wsql.PostgreSQLQueueSchema{}
 		sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(subPool), wsql.SubscriberConfig{
-			ConsumerGroup:    "test",
 			PollInterval:     10 * time.Millisecond,
 			SchemaAdapter:    schema,
-			OffsetsAdapter:   wsql.DefaultPostgreSQLOffsetsAdapter{},
+			OffsetsAdapter:   wsql.PostgreSQLQueueOffsetsAdapter{DeleteOnAck: true},
 			InitializeSchema: true,
 		}, watermill.NopLogger{})
 		if err != nil {
@@ -94,8 +98,8 @@ func TestOutbox_PublishedIffTheInboxTransactionCommits(t *testing.T) {
 		if n := c.get(""); n != 3 {
 			t.Errorf("handler calls %d, want 3", n)
 		}
-		// m2's messages commit last: once both arrived, every committed
-		// message before them has too.
+		// m2's messages commit last: once both arrived, every message
+		// committed before them has too (the queue reads in offset order).
 		got := map[string]int{}
 		for got[m2.UUID+"/from-context"] == 0 || got[m2.UUID+"/returned"] == 0 {
 			select {
