@@ -361,7 +361,10 @@ func checkPausedMySQL(t *testing.T, probe *sqlx.DB, key int64) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Errorf("the purge lock's session %d has %d open InnoDB transactions while paused, want none", holder.Int64, trx)
+			var what []string
+			_ = probe.Select(&what, `SELECT CONCAT_WS(' ', trx_id, trx_state, trx_started, trx_isolation_level, trx_rows_locked, IFNULL(trx_query, '-'))
+				FROM information_schema.INNODB_TRX WHERE trx_mysql_thread_id = ?`, holder.Int64)
+			t.Errorf("the purge lock's session %d has %d open InnoDB transactions while paused (%q), want none", holder.Int64, trx, what)
 			return
 		}
 		time.Sleep(50 * time.Millisecond)
