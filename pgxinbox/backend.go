@@ -25,17 +25,25 @@ type pgxBackend struct {
 }
 
 func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
-	batch := &pgx.Batch{}
+	// The batch, its queue and the claim's queued query and arguments live
+	// in t: one allocation instead of six.
+	t := &pgxTx{b: b, ctx: c.TxCtx}
+	batch := &t.batch
+	batch.QueuedQueries = t.queued[:0]
 	batch.BeginTx(b.begin)
 	if b.st.KeyLock != "" {
-		batch.Queue(b.st.KeyLock, c.LockKey)
+		t.lockArgs[0] = c.LockKey
+		t.lock = pgx.QueuedQuery{SQL: b.st.KeyLock, Arguments: t.lockArgs[:]}
+		batch.QueuedQueries = append(batch.QueuedQueries, &t.lock)
 	}
-	batch.Queue(b.st.Claim, c.Consumer, c.ID)
+	t.claimArgs = [2]any{c.Consumer, c.ID}
+	t.claim = pgx.QueuedQuery{SQL: b.st.Claim, Arguments: t.claimArgs[:]}
+	batch.QueuedQueries = append(batch.QueuedQueries, &t.claim)
 	br := b.pool.SendBatch(c.TxCtx, batch)
 	// Tx is never nil for a batch that began one; when the batch fails
 	// before BEGIN (no connection) it is closed, and its Rollback releases
 	// whatever was acquired.
-	t := &pgxTx{b: b, tx: br.Tx(), ctx: c.TxCtx}
+	t.tx = br.Tx()
 	if _, err := br.Exec(); err != nil {
 		br.Close()
 		return t, 0, &backend.StepError{Step: backend.StepBegin, Err: err}
@@ -58,7 +66,7 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 	return t, tag.RowsAffected(), nil
 }
 
-// pgxTx is one message's transaction.
+// pgxTx is one message's transaction, with the batch that began it.
 type pgxTx struct {
 	b   *pgxBackend
 	tx  pgx.Tx
@@ -67,6 +75,12 @@ type pgxTx struct {
 	// connection back (whatever COMMIT returned), and it may already serve
 	// another message, so Rollback must not touch it.
 	committed bool
+
+	batch       pgx.Batch
+	queued      [3]*pgx.QueuedQuery
+	lock, claim pgx.QueuedQuery
+	lockArgs    [1]any
+	claimArgs   [2]any
 }
 
 func (t *pgxTx) Handle() any { return t.tx }
