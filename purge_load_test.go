@@ -83,7 +83,8 @@ const (
 // to run while the purge runs: the first batch (or partition drop) waits
 // until the consumers have handled more messages, and, with the lock, until
 // the other instance has skipped a round. Latency is not asserted here: see
-// BenchmarkPurgeUnderLoad.
+// BenchmarkPurgeUnderLoad. The purges run flat out (DutyCycle 1), the
+// hardest case for the handlers; the paced default only adds pauses.
 func TestPurgeDuringLoad(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short")
@@ -224,7 +225,7 @@ func purgeDuringLoad(t *testing.T, tdb testDB, mode string, expired int) {
 		var errs sync.Map
 		for i := range pools {
 			p, err := inbox.NewPurger(inbox.PurgerConfig{
-				Purge:    inbox.PurgeConfig{DB: pools[i], Dialect: d, Table: f.inbox, OlderThan: loadWindow, BatchSize: loadBatch},
+				Purge:    inbox.PurgeConfig{DB: pools[i], Dialect: d, Table: f.inbox, OlderThan: loadWindow, BatchSize: loadBatch, DutyCycle: 1},
 				Interval: 20 * time.Millisecond,
 				OnRound: func(r inbox.PurgeRound) {
 					if r.Err != nil && runCtx.Err() == nil {
@@ -267,7 +268,7 @@ func purgeDuringLoad(t *testing.T, tdb testDB, mode string, expired int) {
 						n += p.Rows
 					}
 				} else {
-					n, err = inbox.Purge(ctx, inbox.PurgeConfig{DB: pools[i], Dialect: d, Table: f.inbox, OlderThan: loadWindow, BatchSize: loadBatch})
+					n, err = inbox.Purge(ctx, inbox.PurgeConfig{DB: pools[i], Dialect: d, Table: f.inbox, OlderThan: loadWindow, BatchSize: loadBatch, DutyCycle: 1})
 				}
 				if err != nil {
 					t.Errorf("purge %d: deleted %d, then %v", i, n, err)
