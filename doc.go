@@ -207,7 +207,8 @@
 // older than a window by the database clock, in short batches; a Purger
 // runs it periodically and may run in every instance (on PostgreSQL and
 // MySQL a round takes a lock, and an instance that does not get it skips
-// the round); a WindowSource such as the kafkaretention package refuses a window
+// the round); a WindowSource (the kafkaretention or jetstreamretention
+// package, or FixedWindow) refuses a window
 // shorter than the broker can redeliver (ErrWindowTooShort).
 //
 // # Operations

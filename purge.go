@@ -102,7 +102,9 @@ type PurgeConfig struct {
 
 	// Window, if set, tells the shortest safe window: how long the broker
 	// can still redeliver a message (see the kafkaretention package, which
-	// reads it from the topics' retention.ms and segment.ms). Purge asks it
+	// reads it from the topics' retention.ms and segment.ms, the
+	// jetstreamretention package, which reads a JetStream stream's MaxAge,
+	// or FixedWindow for a window you state). Purge asks it
 	// first: an OlderThan shorter than the safe window is refused with
 	// ErrWindowTooShort and nothing is deleted; a zero OlderThan means "use
 	// the safe window". Its errors are returned wrapped.
