@@ -243,8 +243,9 @@ func New(cfg Config) (*Inbox, error) {
 // message is claimed in it. Errors wrap the driver's error. It works behind
 // a transaction-mode connection pooler.
 //
-// For PostgreSQLPartitioned it also creates the daily partitions from
-// yesterday to DefaultPartitionsAhead days after today (CreatePartitions).
+// For PostgreSQLPartitioned it also creates the partitions, at the table's
+// PartitionInterval (weekly for a new table), that cover yesterday to
+// DefaultPartitionsAhead days after today (CreatePartitions).
 func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
