@@ -348,9 +348,12 @@ func checkPausedMySQL(t *testing.T, probe *sqlx.DB, key int64) {
 	if !holder.Valid {
 		t.Fatal("nobody holds the purge lock while the round pauses")
 	}
-	// INNODB_TRX is a cache InnoDB refreshes at most every 100 ms, so it
-	// may still list the batch that just committed: poll it. The round
-	// waits in this hook, so a transaction really left open stays listed.
+	// INNODB_TRX is a cache that InnoDB refreshes on a read only if the
+	// previous read was over 100 ms ago (trx_i_s_cache_end_read stamps
+	// each read), so it may still list the batch that just committed, and
+	// polled faster than every 100 ms it never refreshes at all: poll it
+	// every 250 ms. The round waits in this hook, so a transaction really
+	// left open stays listed.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		var trx int
@@ -367,6 +370,6 @@ func checkPausedMySQL(t *testing.T, probe *sqlx.DB, key int64) {
 			t.Errorf("the purge lock's session %d has %d open InnoDB transactions while paused (%q), want none", holder.Int64, trx, what)
 			return
 		}
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(250 * time.Millisecond)
 	}
 }

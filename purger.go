@@ -88,8 +88,8 @@ type PurgeRound struct {
 // backend_xmin NULL), so it holds back neither vacuum nor the wait of
 // DETACH PARTITION ... CONCURRENTLY for older snapshots, and it takes no
 // lock on the table; on MySQL/MariaDB GET_LOCK is a session lock, and every
-// batch on that session commits before the pause, so it is meant to hold
-// back no purge of undo logs (see docs/purge.md for an open question).
+// batch on that session commits before the pause, so it holds back no
+// purge of undo logs.
 // A Purger is safe for concurrent use, but one Run at a time is what
 // it is made for.
 type Purger struct {
