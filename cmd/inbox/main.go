@@ -53,8 +53,10 @@ Usage:
   inbox schema -db DSN [-dialect D] [-table T] -verify
                                                 check that the existing table is one the inbox
                                                 can use (exit 1 with the problems if not)
-  inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-pause D] [-dry-run]
-                                                delete rows processed longer ago than DURATION
+  inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-dry-run]
+               [-duty-cycle F] [-max-pause D] [-pause D]
+                                                delete rows processed longer ago than DURATION, paced
+                                                to spend the share F of its time in batches (0.2)
   inbox purge  -db DSN -brokers B -topics T [-margin D] [-older-than DURATION] ...
                                                 the same, with the window checked against (or, without
                                                 -older-than, taken from) the Kafka topics' retention
@@ -353,7 +355,9 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	olderThan := fs.Duration("older-than", 0, "required: delete rows processed longer ago than this (e.g. 360h)")
 	consumer := fs.String("consumer", "", "only this consumer's rows (default: all)")
 	batch := fs.Int("batch", inbox.DefaultPurgeBatchSize, "rows per DELETE, each its own transaction")
-	pause := fs.Duration("pause", 0, "sleep between batches, to leave the database to live handlers")
+	duty := fs.Float64("duty-cycle", inbox.DefaultPurgeDutyCycle, "share of the purge's time spent in batches, above 0 and at most 1: after a batch of d it pauses d*(1-duty)/duty, longer when batches slow down; 1 runs them back to back")
+	maxPause := fs.Duration("max-pause", inbox.DefaultPurgeMaxPause, "longest pacing pause between two batches")
+	pause := fs.Duration("pause", 0, "fixed sleep between batches, added to the pacing pause (-duty-cycle 1 -pause D: a fixed pause alone)")
 	dryRun := fs.Bool("dry-run", false, "count the rows that would go; delete nothing")
 	brokers := fs.String("brokers", "", "Kafka bootstrap addresses, comma-separated: derive the safe window from -topics")
 	topics := fs.String("topics", "", "the Kafka topics the consumer reads, comma-separated (with -brokers)")
@@ -368,6 +372,14 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := js.check(*brokers != ""); err != nil {
 		return err
 	}
+	// 0 would mean "the default" to PurgeConfig; here the default is
+	// spelled out, so 0 is a mistake (a purge that never runs a batch).
+	if !(*duty > 0 && *duty <= 1) {
+		return fmt.Errorf("%w: -duty-cycle must be above 0 and at most 1, got %v", errUsage, *duty)
+	}
+	if *maxPause <= 0 {
+		return fmt.Errorf("%w: -max-pause must be positive, got %v", errUsage, *maxPause)
+	}
 	if *olderThan < 0 || (*olderThan == 0 && *brokers == "" && !js.set()) {
 		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics (or -nats-url and -nats-stream) give the window", errUsage)
 	}
@@ -376,7 +388,8 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer db.Close()
-	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: *olderThan, BatchSize: *batch, Pause: *pause, Consumer: *consumer}
+	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: *olderThan, BatchSize: *batch,
+		DutyCycle: *duty, MaxPause: *maxPause, Pause: *pause, Consumer: *consumer}
 	if *brokers != "" {
 		src, err := kafkaretention.New(kafkaretention.Config{
 			Brokers: strings.Split(*brokers, ","), Topics: strings.Split(*topics, ","), Margin: *margin,
@@ -419,7 +432,8 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		// Nothing on stdout: a script reading it must not see success.
 		return fmt.Errorf("%w (%s deleted before the error)", err, count(n, "row"))
 	}
-	fmt.Fprintf(stdout, "deleted %s older than %s from %s in %s\n", count(n, "row"), cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond))
+	fmt.Fprintf(stdout, "deleted %s older than %s from %s in %s (batches of %d, duty cycle %v, pauses up to %s)\n",
+		count(n, "row"), cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond), cfg.BatchSize, cfg.DutyCycle, cfg.MaxPause)
 	return nil
 }
 

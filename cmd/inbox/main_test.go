@@ -84,8 +84,10 @@ func TestSchemaApplyPurgeStats(t *testing.T) {
 			if code != 0 || !strings.Contains(out, "would delete 5 rows") {
 				t.Errorf("purge -dry-run: %d %q", code, out)
 			}
-			code, out, _ = cli(t, "purge", "-db", c.dsn, "-table", table, "-older-than", "1h", "-batch", "2")
-			if code != 0 || !strings.Contains(out, "deleted 5 rows") {
+			code, out, _ = cli(t, "purge", "-db", c.dsn, "-table", table, "-older-than", "1h", "-batch", "2",
+				"-duty-cycle", "0.5", "-max-pause", "50ms")
+			if code != 0 || !strings.Contains(out, "deleted 5 rows") ||
+				!strings.Contains(out, "(batches of 2, duty cycle 0.5, pauses up to 50ms)") {
 				t.Errorf("purge: %d %q", code, out)
 			}
 			if code, out, _ := cli(t, "stats", "-db", c.dsn, "-table", table); code != 0 || !strings.Contains(out, "rows:     1") {
@@ -108,6 +110,10 @@ func TestUsageErrors(t *testing.T) {
 		{"stats", "-db", "sqlite:///tmp/x.db", "extra"},
 		{"schema", "-db", "sqlite:///tmp/x.db", "-apply", "-verify"}, // exclusive
 		{"schema", "-verify"}, // no -db
+		{"purge", "-db", "sqlite:///tmp/x.db", "-older-than", "1h", "-duty-cycle", "0"},
+		{"purge", "-db", "sqlite:///tmp/x.db", "-older-than", "1h", "-duty-cycle", "1.5"},
+		{"purge", "-db", "sqlite:///tmp/x.db", "-older-than", "1h", "-duty-cycle", "NaN"},
+		{"purge", "-db", "sqlite:///tmp/x.db", "-older-than", "1h", "-max-pause", "0s"},
 	}
 	for _, args := range cases {
 		if code, _, errOut := cli(t, args...); code != 2 {
