@@ -68,10 +68,11 @@ type Dialect interface {
 	// Purge and CountExpired share it, so a dry run counts exactly what a
 	// purge deletes.
 	expiredSQL(byConsumer bool) string
-	// purgeSQL returns one purge batch: a DELETE of at most the batch size
-	// (the parameter after expiredSQL's) expired rows, oldest first; on
-	// MySQL a non-locking SELECT of their keys instead (see purgeBatch).
-	purgeSQL(table qualifiedName, byConsumer bool) string
+	// purgeStatement returns one purge batch and its arguments: a DELETE of
+	// at most batch rows processed more than window microseconds ago (of
+	// consumer only, unless it is ""), oldest first; on MySQL a non-locking
+	// SELECT of their keys instead (see purgeBatch).
+	purgeStatement(table qualifiedName, window int64, batch int, consumer string) (string, []any)
 	// oldestAgeSQL returns a query for the age of the oldest row, in
 	// microseconds by the database clock, NULL when the table is empty.
 	oldestAgeSQL(table qualifiedName) string
@@ -115,8 +116,8 @@ type Dialect interface {
 	// readTx runs f with a queryer for reads outside a message's
 	// transaction (see withReadTx).
 	readTx(ctx context.Context, db dbConn, f func(q sqlx.QueryerContext) error) error
-	// purgeBatch runs one purge batch (query and args from purgeSQL) in its
-	// own transaction and returns the rows it deleted and the expired rows
+	// purgeBatch runs one purge batch (query and args from purgeStatement)
+	// in its own transaction and returns the rows it deleted and the expired rows
 	// it found (fewer than the batch size: the purge is done).
 	purgeBatch(ctx context.Context, db dbConn, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error)
 	// purgeLock takes the purge lock of t (see acquirePurgeLock).
@@ -256,6 +257,16 @@ func batchParam(prefix string, byConsumer bool) string {
 		return prefix + "3"
 	}
 	return prefix + "2"
+}
+
+// purgeArgs are the bind parameters of expiredSQL and batchParam: the window
+// in microseconds, the consumer when set, and the batch size.
+func purgeArgs(window int64, batch int, consumer string) []any {
+	args := []any{window}
+	if consumer != "" {
+		args = append(args, consumer)
+	}
+	return append(args, batch)
 }
 
 // canonicalTable returns t qualified the way the database resolves it, so

@@ -88,9 +88,9 @@ func (mysqlDialect) expiredSQL(byConsumer bool) string {
 
 // Not a DELETE: the batch's keys, by a non-locking consistent read of the
 // processed_at index (see purgeBatch).
-func (d mysqlDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	return "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(byConsumer) +
-		" ORDER BY processed_at LIMIT ?"
+func (d mysqlDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
+	return "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(consumer != "") +
+		" ORDER BY processed_at LIMIT ?", purgeArgs(window, batch, consumer)
 }
 
 func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
@@ -496,7 +496,7 @@ func (mysqlDialect) maintainSchema(context.Context, dbConn, qualifiedName) error
 // past the cutoff to see that the range ended, at any isolation level; when
 // that record is a live handler's uncommitted claim (a quiet table), the
 // batch would wait for the whole handler. So the keys are read first with a
-// non-locking consistent read (purgeSQL), and then deleted by primary key,
+// non-locking consistent read (purgeStatement), and then deleted by primary key,
 // at READ COMMITTED: only the expired rows themselves are locked.
 func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})

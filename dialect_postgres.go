@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -63,16 +64,57 @@ func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 func (postgresDialect) preparesByDefault() bool { return false }
 
 func (postgresDialect) expiredSQL(byConsumer bool) string {
-	where := "processed_at < now() - $1 * interval '1 microsecond'"
+	consumer := ""
 	if byConsumer {
-		where += " AND consumer = $2"
+		consumer = "$2"
+	}
+	return pgExpired("$1", consumer)
+}
+
+// pgExpired is expiredSQL with the window (microseconds) and the consumer
+// ("": any) given as SQL expressions: placeholders or constants.
+func pgExpired(window, consumer string) string {
+	where := "processed_at < now() - " + window + " * interval '1 microsecond'"
+	if consumer != "" {
+		where += " AND consumer = " + consumer
 	}
 	return where
 }
 
-// A batch skips rows that live transactions hold (FOR UPDATE SKIP LOCKED).
-func (d postgresDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("$", byConsumer), " FOR UPDATE SKIP LOCKED")
+// pgExpiredConstants is expiredSQL with the window and the consumer written
+// into the statement as constants.
+func pgExpiredConstants(window int64, consumer string) string {
+	if consumer != "" {
+		consumer = pgStringConstant(consumer)
+	}
+	return pgExpired(strconv.FormatInt(window, 10), consumer)
+}
+
+// pgStringConstant quotes s as a PostgreSQL string constant with C-style
+// escapes (E'...'), whose meaning, unlike a plain '...' constant's, does not
+// depend on standard_conforming_strings: every backslash and quote in s is
+// escaped. s must be valid UTF-8 without NUL bytes (checkKey), which every
+// server encoding the inbox accepts can hold.
+func pgStringConstant(s string) string {
+	return "E'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(s) + "'"
+}
+
+// One statement with no bind parameters, so that every driver sends it in
+// one exchange and autocommits it (see purgeBatch). The batch's rows are
+// chosen oldest first by the processed_at index and locked, skipping rows
+// that live transactions hold (FOR UPDATE SKIP LOCKED), then deleted by
+// ctid (a TID scan): by primary key, every row would cost an index probe,
+// two thirds of a 1,000-row batch's time (3.9 ms against 13 ms here, see
+// BENCHMARKS.md). A row's ctid stays its own until the statement ends:
+// only an UPDATE or a DELETE moves or removes a row version, both need the
+// row lock the statement holds, and VACUUM removes only dead versions. On
+// a partitioned table ctids repeat across partitions, so
+// postgresPartitionedDialect deletes by primary key.
+func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
+	q := t.quoted(d)
+	return "DELETE FROM " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM " + q + " WHERE " +
+		pgExpiredConstants(window, consumer) + " ORDER BY processed_at LIMIT " + strconv.Itoa(batch) +
+		" FOR UPDATE SKIP LOCKED))", nil
 }
 
 func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
@@ -481,25 +523,20 @@ func createSchemaLocked(ctx context.Context, db *sqlx.DB, d Dialect, t qualified
 
 func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) error { return nil }
 
-// One DELETE, in an explicit transaction: behind a transaction-mode pooler,
-// lib/pq's two exchanges for a statement with arguments must reach the same
-// server connection (see readTx). FOR UPDATE SKIP LOCKED in purgeSQL skips
-// the rows live transactions hold.
+// One DELETE, autocommitted: its own transaction, one round trip. It has no
+// bind parameters (purgeStatement), so lib/pq sends it in one exchange too
+// (the simple query protocol) and a transaction-mode pooler (PgBouncer)
+// runs it on one server connection; a statement with arguments, which
+// lib/pq sends in two exchanges, would need an explicit transaction, and
+// BEGIN and COMMIT would triple the round trips of every batch (on a busy
+// database, every round trip is a wait for a core; see BENCHMARKS.md).
 func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, query string, args []any, _ *hooks) (deleted, found int64, err error) {
-	tx, err := db.BeginTxx(ctx, nil)
-	if err != nil {
-		return 0, 0, err
-	}
-	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	res, err := tx.ExecContext(ctx, query, args...)
+	res, err := db.ExecContext(ctx, query, args...)
 	if err != nil {
 		return 0, 0, err
 	}
 	n, err := res.RowsAffected()
-	if err != nil {
-		return 0, 0, err
-	}
-	return n, n, tx.Commit()
+	return n, n, err
 }
 
 // pg_try_advisory_xact_lock in a

@@ -75,8 +75,9 @@ func (sqliteDialect) expiredSQL(byConsumer bool) string {
 }
 
 // WITHOUT ROWID, so the batch is chosen by primary key.
-func (d sqliteDialect) purgeSQL(t qualifiedName, byConsumer bool) string {
-	return deleteOldestSQL(t.quoted(d), d.expiredSQL(byConsumer), batchParam("?", byConsumer), "")
+func (d sqliteDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
+	return deleteOldestSQL(t.quoted(d), d.expiredSQL(consumer != ""), batchParam("?", consumer != ""), ""),
+		purgeArgs(window, batch, consumer)
 }
 
 func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {

@@ -21,13 +21,17 @@ const DefaultPurgeMaxPause = time.Second
 // purgeBackOffLimit is the most the back-off multiplies the pacing pause by.
 const purgeBackOffLimit = 8
 
-// purgeSlowBatch is how much longer than the recent baseline a batch must
-// take to count as slowed down: 1.5 times the moving average.
-const purgeSlowBatch = 1.5
+// purgeCostWindow is how many of the latest full batches the pacer looks at
+// for a batch's cost: the shortest of their durations (see purgePacer).
+const purgeCostWindow = 8
 
-// purgeBaselineWeight is the weight of the newest batch in the moving
-// average of batch durations (an exponentially weighted mean over about the
-// last 8 batches).
+// purgeSlowdown is how much the cost must rise above the recent baseline to
+// count as a slowdown: 1.5 times.
+const purgeSlowdown = 1.5
+
+// purgeBaselineWeight is the weight of the newest cost in the baseline's
+// moving average (an exponentially weighted mean over about the last 8
+// batches).
 const purgeBaselineWeight = 0.125
 
 // MaxPurgeBatchSize bounds PurgeConfig.BatchSize, so that no single DELETE
@@ -61,28 +65,31 @@ type PurgeConfig struct {
 	// while they run do better with 100.
 	BatchSize int
 
-	// DutyCycle paces the purge: the share of its wall time spent running
-	// batches, the rest left to the live handlers. After a batch that took
-	// d, the purge pauses d×(1−DutyCycle)/DutyCycle before the next one (at
-	// 0.2, four times the batch's own duration), so the pause follows what
-	// the batches cost on this database under this load. When a batch takes
-	// longer than 1.5 times the moving average of the recent batches (the
-	// database is busier), the pause is doubled for every such batch, up to
-	// 8 times, and halves back once batches are fast again; each doubling is
-	// counted in PurgePacing.BackOffs. The pacing pause is capped by
-	// MaxPause. Between 0 and 1; 1 runs the batches back to back with no
-	// pacing pause and no back-off (flat out, the behaviour before pacing
-	// existed; combine with Pause 0 for no pause at all); NaN is refused.
+	// DutyCycle paces the purge: the share of its wall time spent on the
+	// batches' own work, the rest left to the live handlers. After a batch,
+	// the purge pauses cost×(1−DutyCycle)/DutyCycle before the next one (at
+	// 0.2, four times the cost), where a batch's cost is the shortest of the
+	// last 8 full batches' durations: a batch that waits for a core or a
+	// lock behind busy handlers takes longer without costing the database
+	// more (see purgePacer), so the effective duty cycle
+	// (PurgePacing.DutyCycle, wall time in batches) is above DutyCycle on a
+	// busy database. When the cost rises above 1.5 times its moving average
+	// (all of the last 8 batches were slow: the database is busier), the
+	// pause is doubled for every such batch, up to 8 times, and halves back
+	// once a batch is fast again; each doubling is counted in
+	// PurgePacing.BackOffs. The pacing pause is capped by MaxPause. Between
+	// 0 and 1; 1 runs the batches back to back with no pacing pause and no
+	// back-off (flat out, the behaviour before pacing existed; combine with
+	// Pause 0 for no pause at all); NaN is refused.
 	// Default: 0.2 (DefaultPurgeDutyCycle). Measured on 2 cores shared with
 	// 4 handlers claiming back to back (BenchmarkPurgeUnderLoad, 1,000,000
-	// rows): flat out at BatchSize 1000 PostgreSQL removed 82,600 rows/s
-	// and raised the handlers' p99 4.5x; at 0.2 it removed 4,200 rows/s
-	// (15 million an hour) at 2.0x, MariaDB 5,600 at 1.7x, SQLite 7,200
-	// at 1.0x. A paced batch competes with the handlers for the cores, so
-	// it takes longer than a flat-out one and the speed is well under
-	// DutyCycle times the flat-out speed. See docs/purge.md for the
-	// trade-off curve (BenchmarkPurgePacingCurve) and which setting suits
-	// which volume.
+	// rows, BENCHMARKS.md): at the defaults PostgreSQL removed 11,800
+	// rows/s and raised the handlers' p99 2.3x, MariaDB 6,400 at 1.5x,
+	// SQLite 6,800 at 1.7x; flat out at BatchSize 100, PostgreSQL removed
+	// about 80,000 rows/s at 1.4x (100,000 rows), but flat out takes
+	// SQLite's write lock from the handlers for seconds under a light load.
+	// See docs/purge.md for the trade-off curve (BenchmarkPurgePacingCurve)
+	// and which setting suits which volume.
 	DutyCycle float64
 
 	// MaxPause caps one pacing pause (DutyCycle's pause, back-off
@@ -128,9 +135,10 @@ type PurgePacing struct {
 	// back-off and Pause included. Every pause ends early when the
 	// context ends.
 	Paused time.Duration
-	// BackOffs is how many batches took longer than 1.5 times the recent
-	// baseline, each doubling the pacing pause that follows (up to 8
-	// times); always 0 at DutyCycle 1.
+	// BackOffs is how many batches found the cost (the shortest of the
+	// last 8 full batches) above 1.5 times its recent baseline, that is all
+	// 8 slow, each doubling the pacing pause that follows (up to 8 times);
+	// always 0 at DutyCycle 1.
 	BackOffs int
 	// DutyCycle is the effective duty cycle, BatchTime / (BatchTime +
 	// Paused): 1 when nothing paused, 0 when no batch ran. It is above the
@@ -212,7 +220,7 @@ func (c PurgeConfig) Validate() error {
 // DELETE in its own transaction that uses the processed_at index, until a
 // batch comes back short or ctx ends. Between two batches it pauses as
 // cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 4 times the
-// last batch's duration, longer when batches slow down); no transaction,
+// shortest of the last 8 batches, longer when they all slow down); no transaction,
 // row lock or connection of the purge is held while it pauses. On PostgreSQL a batch skips rows that
 // live transactions hold locked (FOR UPDATE SKIP LOCKED), so it never waits
 // on a handler; on MySQL/MariaDB and SQLite a batch holds its locks only for
@@ -247,7 +255,7 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
-	query, args := purgeStatement(cfg.Dialect, table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
+	query, args := cfg.Dialect.purgeStatement(table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
 	pace := newPurgePacer(cfg)
 	if cfg.pacing != nil {
 		defer func() { cfg.pacing.add(pace.stats) }()
@@ -291,12 +299,27 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 // purgePacer computes the pauses between purge batches (see
 // PurgeConfig.DutyCycle) and keeps the totals. Not safe for concurrent use:
 // one per purge.
+//
+// A batch's cost is the shortest duration among the last purgeCostWindow
+// full batches, not the latest batch's own: on a database kept busy by the
+// handlers, a batch woken from its pause first waits for a core (and on
+// SQLite and MariaDB, for a lock) behind them, which makes most batches take
+// several times what the same work takes when it gets a core at once
+// (PostgreSQL, 1,000 rows: 40 ms against 12 ms, BENCHMARKS.md). That wait
+// is the handlers' work, not the purge's, and pacing by it would slow the
+// purge to a fraction of its duty cycle while taking nothing more from the
+// handlers. The shortest recent batch is the work itself; a slowdown of the
+// database shows as a rise of that shortest batch, which needs every batch
+// of the window to be slow: one slow batch (a checkpoint, a lock wait, a
+// scheduler hiccup) changes nothing.
 type purgePacer struct {
-	ratio    float64       // pause per unit of batch time: (1-duty)/duty
+	ratio    float64       // pause per unit of cost: (1-duty)/duty
 	maxPause time.Duration // cap of the pacing pause
 	fixed    time.Duration // PurgeConfig.Pause, added uncapped
-	baseline float64       // moving average of batch durations, ns; 0: none yet
-	backOff  float64       // multiplier of the pacing pause, 1 to purgeBackOffLimit
+	recent   [purgeCostWindow]time.Duration
+	n        int     // full batches seen
+	baseline float64 // moving average of the cost, ns; 0: none yet
+	backOff  float64 // multiplier of the pacing pause, 1 to purgeBackOffLimit
 	stats    PurgePacing
 }
 
@@ -314,20 +337,26 @@ func (p *purgePacer) next(took time.Duration) time.Duration {
 	if p.ratio == 0 { // DutyCycle 1: flat out, no pacing and no back-off
 		return p.fixed
 	}
-	d := float64(took)
+	p.recent[p.n%purgeCostWindow] = took
+	p.n++
+	cost := took
+	for _, d := range p.recent[:min(p.n, purgeCostWindow)] {
+		cost = min(cost, d)
+	}
+	c := float64(cost)
 	switch {
-	case p.baseline > 0 && d > purgeSlowBatch*p.baseline:
+	case p.baseline > 0 && c > purgeSlowdown*p.baseline:
 		p.backOff = min(2*p.backOff, purgeBackOffLimit)
 		p.stats.BackOffs++
 	default:
 		p.backOff = max(1, p.backOff/2)
 	}
 	if p.baseline == 0 {
-		p.baseline = d
+		p.baseline = c
 	} else {
-		p.baseline += purgeBaselineWeight * (d - p.baseline)
+		p.baseline += purgeBaselineWeight * (c - p.baseline)
 	}
-	pause := time.Duration(min(d*p.ratio*p.backOff, float64(p.maxPause)))
+	pause := time.Duration(min(c*p.ratio*p.backOff, float64(p.maxPause)))
 	return pause + p.fixed
 }
 
@@ -372,16 +401,6 @@ func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedNa
 // by the error's text. It looks through wrapping (errors.Unwrap,
 // errors.Join).
 func purgeRetryable(err error) bool { return isConflict(err) }
-
-// purgeStatement returns one batch's DELETE and its arguments: the window
-// in microseconds, the batch size and, when set, the consumer.
-func purgeStatement(d Dialect, t qualifiedName, window int64, batch int, consumer string) (string, []any) {
-	args := []any{window}
-	if consumer != "" {
-		args = append(args, consumer)
-	}
-	return d.purgeSQL(t, consumer != ""), append(args, batch)
-}
 
 // checkWindow returns the window a purge of olderThan may use under the
 // window source w: olderThan itself when it is at least w's safe window, the

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"math"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -27,6 +28,12 @@ func (l *pacingLog) record(batch, pause time.Duration) {
 	defer l.mu.Unlock()
 	l.batches = append(l.batches, batch)
 	l.pauses = append(l.pauses, pause)
+}
+
+// cost is what the pacer takes as the cost of full batch i: the shortest of
+// it and the 7 full batches before it.
+func cost(batches []time.Duration, i int) time.Duration {
+	return slices.Min(batches[max(0, i-7) : i+1])
 }
 
 func sum(ds []time.Duration) (total time.Duration) {
@@ -53,7 +60,8 @@ func pacedPurger(t *testing.T, db *sqlx.DB, table string, cfg inbox.PurgeConfig,
 }
 
 // After every full batch the purge pauses at least (1-DutyCycle)/DutyCycle
-// times the batch's duration, and the round reports those pauses and
+// times the batch's cost (the shortest of the last 8 full batches), and the
+// round reports those pauses and
 // batches. A partitioned table's round drops partitions and reports no
 // pacing.
 func TestPurgePacesBatchesByTheirDuration(t *testing.T) {
@@ -83,9 +91,9 @@ func TestPurgePacesBatchesByTheirDuration(t *testing.T) {
 			t.Fatalf("pauses %v, pacing %+v; want 4 pauses and 5 batches", log.pauses, round.Pacing)
 		}
 		for i, pause := range log.pauses {
-			want := time.Duration(float64(log.batches[i]) * (1 - duty) / duty)
+			want := time.Duration(float64(cost(log.batches, i)) * (1 - duty) / duty)
 			if pause < want-time.Nanosecond {
-				t.Errorf("pause %d = %v after a batch of %v, want at least %v", i, pause, log.batches[i], want)
+				t.Errorf("pause %d = %v after a batch costing %v, want at least %v", i, pause, cost(log.batches, i), want)
 			}
 		}
 		if round.Pacing.Paused < sum(log.pauses) {
@@ -125,9 +133,10 @@ func TestPurgePauseIsCappedByMaxPause(t *testing.T) {
 	}
 }
 
-// A batch that takes far longer than the recent ones lengthens the pause
-// after it beyond the duty cycle's share (a back-off), and the round counts
-// it.
+// One slow batch does not change the pacing (a checkpoint or a wait for a
+// core is not the purge's cost); a slowdown of every batch does: once the
+// last 8 full batches were all slow, the pause grows beyond the duty
+// cycle's share of the cost (a back-off), and the round counts it.
 func TestPurgeBacksOffWhenBatchesSlowDown(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		if tdb.Dialect == inbox.PostgreSQLPartitioned {
@@ -135,36 +144,41 @@ func TestPurgeBacksOffWhenBatchesSlowDown(t *testing.T) {
 		}
 		f := newFixture(t, db)
 		f.newInbox(inbox.Config{})
-		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 75, 2*time.Hour)
-		const duty, slowBatch = 0.5, 4 // the fifth batch (index 4) is slowed
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 205, 2*time.Hour)
+		// Batch 3 alone is slowed, then every batch from 8 on.
+		const duty, lone, from = 0.9, 3, 8
 		var log pacingLog
 		batch := 0
+		var slowBy time.Duration
 		slowdown := func() { // runs inside the batch's measured time
-			if batch == slowBatch {
+			if batch == lone || batch == from {
 				log.mu.Lock()
-				longest := time.Duration(0)
-				for _, b := range log.batches {
-					longest = max(longest, b)
-				}
+				slowBy = 5*slices.Max(log.batches) + 20*time.Millisecond
 				log.mu.Unlock()
-				time.Sleep(10*longest + 20*time.Millisecond)
+			}
+			if batch == lone || batch >= from {
+				time.Sleep(slowBy)
 			}
 			batch++
 		}
 		p := pacedPurger(t, db, f.inbox, inbox.PurgeConfig{BatchSize: 10, DutyCycle: duty, MaxPause: time.Minute}, slowdown, &log)
 		round := p.RunOnce(context.Background())
-		if round.Err != nil || round.Deleted != 75 {
-			t.Fatalf("round %+v, want 75 deleted", round)
+		if round.Err != nil || round.Deleted != 205 {
+			t.Fatalf("round %+v, want 205 deleted", round)
+		}
+		if len(log.pauses) != 20 {
+			t.Fatalf("pauses %v, want 20", log.pauses)
+		}
+		ratio := (1 - duty) / duty
+		if pause, fast := log.pauses[lone], cost(log.batches, lone-1); pause > time.Duration(2*ratio*float64(fast)) {
+			t.Errorf("pause after the lone slow batch (%v) = %v, want the fast batches' share (about %v)", log.batches[lone], pause, time.Duration(ratio*float64(fast)))
 		}
 		if round.Pacing.BackOffs < 1 {
-			t.Errorf("back-offs = %d, want at least 1 after the slowed batch", round.Pacing.BackOffs)
+			t.Errorf("back-offs = %d, want at least 1 once every recent batch was slow", round.Pacing.BackOffs)
 		}
-		if len(log.pauses) != 7 {
-			t.Fatalf("pauses %v, want 7", log.pauses)
-		}
-		slow, pause := log.batches[slowBatch], log.pauses[slowBatch]
-		if want := 2 * time.Duration(float64(slow)*(1-duty)/duty); pause < want-time.Nanosecond {
-			t.Errorf("pause after the slowed batch (%v) = %v, want at least twice the duty cycle's share, %v", slow, pause, want)
+		last := from + 7 // the first full batch whose window holds only slow ones
+		if want := 2 * time.Duration(float64(cost(log.batches, last))*ratio); log.pauses[last] < want-time.Nanosecond {
+			t.Errorf("pause after 8 slow batches (cost %v) = %v, want at least twice the duty cycle's share, %v", cost(log.batches, last), log.pauses[last], want)
 		}
 	})
 }
@@ -262,9 +276,9 @@ func TestPurgeDefaultPacing(t *testing.T) {
 	}
 	ratio := (1 - inbox.DefaultPurgeDutyCycle) / inbox.DefaultPurgeDutyCycle
 	for i, pause := range log.pauses {
-		want := min(time.Duration(float64(log.batches[i])*ratio), inbox.DefaultPurgeMaxPause)
+		want := min(time.Duration(float64(cost(log.batches, i))*ratio), inbox.DefaultPurgeMaxPause)
 		if pause < want-time.Nanosecond || pause > inbox.DefaultPurgeMaxPause {
-			t.Errorf("pause %v after a batch of %v, want between %v and %v", pause, log.batches[i], want, inbox.DefaultPurgeMaxPause)
+			t.Errorf("pause %v after a batch costing %v, want between %v and %v", pause, cost(log.batches, i), want, inbox.DefaultPurgeMaxPause)
 		}
 	}
 }

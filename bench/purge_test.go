@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -31,6 +32,13 @@ var purgeRows = flag.Int("purge.rows", 0, "expired rows per purge benchmark (0: 
 // claiming back to back, which keeps the database saturated and makes any
 // work of the purge a loss of the handlers' share.
 var purgeLoadRate = flag.Int("purge.rate", 0, "messages per second the purge benchmarks' 4 handlers receive in all (0: as fast as they go)")
+
+// purgeCurveBatches and purgeCurveDuties override the points of
+// BenchmarkPurgePacingCurve.
+var (
+	purgeCurveBatches = flag.String("purge.batches", "", "comma-separated batch sizes of BenchmarkPurgePacingCurve (default: 100,1000)")
+	purgeCurveDuties  = flag.String("purge.duties", "", "comma-separated duty cycles of BenchmarkPurgePacingCurve (default: 1,0.5,0.2,0.1,0.05)")
+)
 
 // purgeMode is one way of purging in the purge benchmarks.
 type purgeMode struct {
@@ -95,6 +103,26 @@ func BenchmarkPurgePacingCurve(b *testing.B) {
 		// at a low duty cycle sleeps for most of a minute).
 		rows, batches, duties = 5_000, []int{1000}, []float64{0.5}
 	}
+	if *purgeCurveBatches != "" {
+		batches = nil
+		for _, f := range strings.Split(*purgeCurveBatches, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil {
+				b.Fatalf("-purge.batches: %v", err)
+			}
+			batches = append(batches, n)
+		}
+	}
+	if *purgeCurveDuties != "" {
+		duties = nil
+		for _, f := range strings.Split(*purgeCurveDuties, ",") {
+			d, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+			if err != nil {
+				b.Fatalf("-purge.duties: %v", err)
+			}
+			duties = append(duties, d)
+		}
+	}
 	var modes []purgeMode
 	for _, batch := range batches {
 		for _, duty := range duties {
@@ -145,7 +173,7 @@ func runPurgeModes(b *testing.B, rows int, modes []purgeMode) {
 						b.Fatal(err)
 					}
 				}
-				fillExpired(b, db, dialect, table, rows) // 10 days, 20 to 29 days ago
+				fillExpired(b, db, dialect, table, rows) // over 10 days, 30 to 20 days ago
 				h := inboxHandler(ib, insertSQL(db, businessTable(b, db)))
 
 				b.ResetTimer()
@@ -240,14 +268,18 @@ func cascade(d inbox.Dialect) string {
 }
 
 // fillExpired adds n rows for the consumer "old", processed over 10 days,
-// 20 to 29 days (and an hour) ago by the database clock, in bulk statements.
+// 30 to 20 days (and an hour) ago by the database clock, in bulk statements,
+// inserted in the order they were processed, as a consumer inserts them: on
+// PostgreSQL, whose heap keeps insertion order, the oldest rows share heap
+// pages, so a batch touches few of them (rows interleaved in time would put
+// each of a batch's rows on a page of its own, 4.5 times the WAL).
 func fillExpired(b *testing.B, db *sqlx.DB, d inbox.Dialect, table string, n int) {
 	var err error
 	switch d {
 	case inbox.PostgreSQL, inbox.PostgreSQLPartitioned:
 		_, err = db.Exec(fmt.Sprintf(`INSERT INTO %s (consumer, message_id, processed_at)
-			SELECT 'old', md5(random()::text || g), now() - interval '20 days' - (g %% 10) * interval '1 day' - interval '1 hour'
-			FROM generate_series(1, %d) g`, table, n))
+			SELECT 'old', md5(random()::text || g), now() - interval '30 days 1 hour' + g * (interval '10 days' / %d)
+			FROM generate_series(1, %d) g`, table, n, n))
 		// Rows expired weeks ago have long been vacuumed (hint bits set,
 		// all-visible): so are these, and the fill's dirty pages are
 		// written out before the idle handlers are measured, not while.
@@ -261,7 +293,7 @@ func fillExpired(b *testing.B, db *sqlx.DB, d inbox.Dialect, table string, n int
 		_, err = db.Exec(`WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < ?1)
 			INSERT INTO `+table+` (consumer, message_id, processed_at)
 			SELECT 'old', lower(hex(randomblob(16))),
-			       CAST(unixepoch('subsec') * 1000000 AS INTEGER) - (20 + g % 10) * 86400000000 - 3600000000
+			       CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 30 * 86400000000 - 3600000000 + g * (10 * 86400000000 / ?1)
 			FROM s`, n)
 		if err == nil {
 			_, err = db.Exec("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -270,7 +302,8 @@ func fillExpired(b *testing.B, db *sqlx.DB, d inbox.Dialect, table string, n int
 		for lo := 0; lo < n && err == nil; lo += 10_000 {
 			var values []string
 			for g := lo; g < min(n, lo+10_000); g++ {
-				values = append(values, fmt.Sprintf("('old', '%s', UTC_TIMESTAMP(6) - INTERVAL %d DAY - INTERVAL 1 HOUR)", watermill.NewUUID(), 20+g%10))
+				values = append(values, fmt.Sprintf("('old', '%s', UTC_TIMESTAMP(6) - INTERVAL 30 DAY - INTERVAL 1 HOUR + INTERVAL %d MICROSECOND)",
+					watermill.NewUUID(), int64(g)*int64(10*24*time.Hour/time.Microsecond)/int64(n)))
 			}
 			_, err = db.Exec("INSERT INTO " + table + " (consumer, message_id, processed_at) VALUES " + strings.Join(values, ", "))
 		}
