@@ -32,6 +32,19 @@ func partitionedTable(t *testing.T, db *sqlx.DB) string {
 	return table
 }
 
+// dailyPartitionedTable creates a PostgreSQLPartitioned inbox table with
+// daily partitions (InitializePartitions, PartitionDay), dropped when the
+// test ends.
+func dailyPartitionedTable(t *testing.T, db *sqlx.DB) string {
+	t.Helper()
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	if err := inbox.InitializePartitions(context.Background(), db, table, inbox.PartitionDay); err != nil {
+		t.Fatal(err)
+	}
+	return table
+}
+
 func dbNow(t *testing.T, db *sqlx.DB) time.Time {
 	t.Helper()
 	var now time.Time

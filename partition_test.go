@@ -128,12 +128,8 @@ func TestPartitionedRedeliveryFromOlderPartition(t *testing.T) {
 // in partitioned mode does the same and creates the coming days.
 func TestDropPartitions(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
-	table := "inbox_" + randomSuffix()
-	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	table := dailyPartitionedTable(t, db)
 	ctx := context.Background()
-	if err := inbox.InitializePartitions(ctx, db, table, inbox.PartitionDay); err != nil {
-		t.Fatal(err)
-	}
 	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
 	if err != nil {
 		t.Fatal(err)

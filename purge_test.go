@@ -86,12 +86,8 @@ func TestPurgeByConsumerWithQuotesAndBackslashes(t *testing.T) {
 // rows of two partitions sit at the same physical positions (ctids).
 func TestPurgeOnPartitionedTableDeletesOnlyExpiredRows(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
-	table := "inbox_" + randomSuffix()
-	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	table := dailyPartitionedTable(t, db)
 	ctx := context.Background()
-	if err := inbox.InitializePartitions(ctx, db, table, inbox.PartitionDay); err != nil {
-		t.Fatal(err)
-	}
 	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -5), 6); err != nil {
 		t.Fatal(err)
 	}
