@@ -151,18 +151,19 @@ func TestMigratePartitionIntervalKeepsDeduplicating(t *testing.T) {
 	if called {
 		t.Error("a message processed in a daily partition was processed again after the migration")
 	}
-	// A 10-day-old row (in a partition of the new interval, before the
-	// daily ones) goes with its partition; the daily partitions, which end
-	// inside the 5-day window, stay, and so does the key in one of them.
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -10), 2); err != nil {
+	// A 14-day-old row (in a partition of the new interval, before the
+	// daily ones, which ends 7 to 14 days ago whatever today's weekday)
+	// goes with its partition; the daily partitions, which end inside the
+	// 5-day window, stay, and so does the key in one of them.
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -14), 2); err != nil {
 		t.Fatal(err)
 	}
-	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'old', now() - interval '10 days')")
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'old', now() - interval '14 days')")
 	if _, err := inbox.DropPartitions(ctx, db, table, 5*24*time.Hour, nil); err != nil {
 		t.Fatal(err)
 	}
 	if count(t, db, table, "message_id = 'old'") != 0 || count(t, db, table, "message_id = $1", old.UUID) != 1 {
-		t.Errorf("after the drop: the 10-day-old row is still there, or today's is gone")
+		t.Errorf("after the drop: the 14-day-old row is still there, or today's is gone")
 	}
 	if gaps := uncovered(t, db, table, -1, 29); len(gaps) > 0 {
 		t.Errorf("days without a partition after the drop: %v", gaps)
