@@ -39,6 +39,13 @@ type Dialect interface {
 	// one key (its bind parameter is an int64 hash of table and key), run
 	// before the claim, and true; false when the primary key alone decides.
 	keyLock() (stmt string, ok bool)
+	// lockedClaim returns one statement that takes the key lock and claims
+	// (bind parameters: consumer, message id, the key lock's hash; its rows
+	// affected are the claim's), when the dialect has a key lock and the
+	// database holds the function that statement calls for table exactly as
+	// this package creates it (read through q); "" otherwise, and the key
+	// lock and the claim then run as two statements.
+	lockedClaim(ctx context.Context, q sqlx.QueryerContext, table qualifiedName) (string, error)
 	// preCommitCheck returns a query, run in the transaction right before
 	// COMMIT, that counts the claim's row (bind parameters: consumer,
 	// message id), 0 meaning the database has already rolled the
@@ -163,8 +170,14 @@ var (
 	// deliveries of one key are thereby serialised even when they fall on
 	// both sides of a partition boundary. The transaction runs at READ
 	// COMMITTED, so that the insert's snapshot is taken after the lock is
-	// granted; New refuses any other isolation level. The claim costs one
-	// more round trip than PostgreSQL's.
+	// granted; New refuses any other isolation level. The lock and the
+	// insert are one call of the table's claim function ("<table>_claim",
+	// PL/pgSQL, created with the table by InitializeSchema and in
+	// schema/postgres_partitioned.sql), one round trip as PostgreSQL's
+	// claim; on a table without that function (made by an older version, or
+	// by a migration that left it out) they are two statements, one round
+	// trip more, until InitializeSchema adds it and the application
+	// restarts.
 	PostgreSQLPartitioned Dialect = postgresPartitionedDialect{}
 
 	// SQLite is the dialect for SQLite 3.42 and later (modernc.org/sqlite, or
@@ -227,11 +240,15 @@ func (q qualifiedName) quoted(d Dialect) string {
 	return d.quote(q.schema) + "." + d.quote(q.name)
 }
 
-// indexName returns the name of the purge index: "<table>_processed_at_idx",
-// shortened with a hash of the table name when that would pass the 63-byte
-// identifier limit, so that two long table names never share an index name.
-func (q qualifiedName) indexName() string {
-	const suffix = "_processed_at_idx"
+// indexName returns the name of the purge index: "<table>_processed_at_idx"
+// (see derivedName).
+func (q qualifiedName) indexName() string { return q.derivedName("_processed_at_idx") }
+
+// derivedName returns the name of an object that belongs to table q: q's
+// name with suffix, shortened with a hash of q's name when that would pass
+// the 63-byte identifier limit, so that two long table names never share an
+// object name.
+func (q qualifiedName) derivedName(suffix string) string {
 	if len(q.name)+len(suffix) <= 63 {
 		return q.name + suffix
 	}

@@ -62,6 +62,10 @@ func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (mysqlDialect) keyLock() (string, bool) { return "", false }
 
+func (mysqlDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+	return "", nil
+}
+
 func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
 
 func (mysqlDialect) preparesByDefault() bool { return true }

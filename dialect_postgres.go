@@ -55,6 +55,10 @@ func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (postgresDialect) keyLock() (string, bool) { return "", false }
 
+func (postgresDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+	return "", nil
+}
+
 // After an error PostgreSQL keeps the transaction open but aborted, and
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
 func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }

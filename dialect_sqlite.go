@@ -58,6 +58,10 @@ func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (sqliteDialect) keyLock() (string, bool) { return "", false }
 
+func (sqliteDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+	return "", nil
+}
+
 // A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
 // makes COMMIT fail: no transaction is active.
 func (sqliteDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }

@@ -84,7 +84,8 @@
 //     MICROSECOND (1 row: new, 2: already processed). Any other count is
 //     ErrUnexpectedRowsAffected. PostgreSQLPartitioned first takes
 //     pg_advisory_xact_lock on a hash of (table, consumer, message id), then
-//     inserts only if no partition holds the key, at READ COMMITTED. A
+//     inserts only if no partition holds the key, at READ COMMITTED, both in
+//     one call of the table's claim function ("<table>_claim"). A
 //     duplicate is never detected from error text or codes, only from the
 //     rows the claim affected.
 //  4. Duplicate? No new row: this consumer already processed the message.

@@ -54,35 +54,61 @@ type Inbox struct {
 	// connection and then reuses it in every transaction on that
 	// connection: one round trip per claim on MySQL (an unprepared Exec with
 	// arguments is prepare, execute, close) and no re-parsing on SQLite.
-	claimMu   sync.Mutex
-	claimStmt *sqlx.Stmt
-	heldStmt  *sqlx.Stmt     // heldSQL prepared, the same way
-	lockTable *qualifiedName // canonicalTable of table, for the key lock; resolved on first use
-	verified  atomic.Bool    // the table passed verifySchema; checked before the first claim
+	claimMu    sync.Mutex
+	claimStmt  *sqlx.Stmt
+	heldStmt   *sqlx.Stmt  // heldSQL prepared, the same way
+	keyLocking *keyLocking // with locksKeys: resolved on first use, and again after a failed locked claim
+	verified   atomic.Bool // the table passed verifySchema; checked before the first claim
 
 	hooks *hooks // test seams; nil outside tests
 }
 
-// keyLockTable returns the table name the key lock hashes: resolved by the
-// database, so that instances that spell the table differently ("inbox",
-// "public.inbox") still exclude each other. Like preparedClaim, it must run
-// before the message's transaction begins.
-func (ib *Inbox) keyLockTable(ctx context.Context) (qualifiedName, error) {
+// keyLocking is how deliveries take the dialect's key lock.
+type keyLocking struct {
+	// table is the table name the lock's hash is keyed by (keyLockHash):
+	// resolved by the database (canonicalTable), so that instances that
+	// spell the table differently ("inbox", "public.inbox") still exclude
+	// each other.
+	table qualifiedName
+	// lockedClaim is the dialect's one statement that takes the key lock
+	// and claims (Dialect.lockedClaim), "" when the two run as two
+	// statements.
+	lockedClaim string
+}
+
+// resolveKeyLocking returns how deliveries take the key lock, reading the
+// catalog on first use and after forgetKeyLocking. Like preparedClaim, it
+// must run before the message's transaction begins.
+func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
-	if ib.lockTable != nil {
-		return *ib.lockTable, nil
+	if ib.keyLocking != nil {
+		return *ib.keyLocking, nil
 	}
-	var t qualifiedName
+	var k keyLocking
 	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) (err error) {
-		t, err = canonicalTable(ctx, q, ib.dialect, ib.table)
-		return err
+		if k.table, err = canonicalTable(ctx, q, ib.dialect, ib.table); err != nil {
+			return err
+		}
+		// As the table is spelled: the function resolves as the table does.
+		if k.lockedClaim, err = ib.dialect.lockedClaim(ctx, q, ib.table); err != nil {
+			return fmt.Errorf("find claim function: %w", err)
+		}
+		return nil
 	})
 	if err != nil {
-		return t, err
+		return k, err
 	}
-	ib.lockTable = &t
-	return t, nil
+	ib.keyLocking = &k
+	return k, nil
+}
+
+// forgetKeyLocking makes the next delivery resolve the key locking again:
+// after a locked claim failed, in case its function was dropped or replaced.
+func (ib *Inbox) forgetKeyLocking() {
+	ib.claimMu.Lock()
+	ib.keyLocking = nil
+	ib.claimMu.Unlock()
 }
 
 // verifyOnce checks the table with verifySchema before the inbox's first
@@ -137,6 +163,12 @@ func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consum
 		// prepared statement for the next transaction on this connection.
 		txStmt.Close()
 	}
+	return execRowsAffected(res, err)
+}
+
+// execRowsAffected returns the rows affected of an Exec's result, or its
+// error.
+func execRowsAffected(res sql.Result, err error) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
@@ -300,32 +332,35 @@ type sqlBackend struct{ ib *Inbox }
 
 // beforeBegin does what every backend must do before a delivery's
 // transaction begins, on DB: the table check before the first claim, and
-// with the dialect's key lock, resolving the table name it hashes (both
-// take a connection, and the transaction may hold the last one).
-func (ib *Inbox) beforeBegin(d *delivery) (lockTable qualifiedName, err error) {
+// with the dialect's key lock, resolving how it is taken (both take a
+// connection, and the transaction may hold the last one).
+func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 	if err := ib.verifyOnce(d.sctx); err != nil {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
 		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
 			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
 		}
-		return lockTable, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+		return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 	}
 	if ib.locksKeys {
-		if lockTable, err = ib.keyLockTable(d.sctx); err != nil {
-			return lockTable, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, err)
+		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {
+			return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 		}
 	}
-	return lockTable, nil
+	return lock, nil
 }
 
 func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	ib := b.ib
-	lockTable, err := ib.beforeBegin(d)
+	lock, err := ib.beforeBegin(d)
 	if err != nil {
 		return nil, false, err
 	}
-	stmt, heldStmt := ib.preparedClaim(d.sctx) // nil: run unprepared
+	var stmt, heldStmt *sqlx.Stmt // nil: run unprepared
+	if lock.lockedClaim == "" {
+		stmt, heldStmt = ib.preparedClaim(d.sctx)
+	}
 	tx, err := ib.db.BeginTxx(d.txCtx, ib.txOptions)
 	if err != nil && ib.maybeLostConn(d.txCtx, err) {
 		tx, err = ib.retryBegin(d, err)
@@ -336,12 +371,21 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	t := &d.sqlTx
 	*t = sqlTx{ib: ib, tx: tx, heldStmt: heldStmt}
 	ib.hooks.begun()
-	if ib.locksKeys {
-		if _, err := tx.ExecContext(d.sctx, ib.keyLockSQL, keyLockHash(lockTable, d.consumer, d.id)); err != nil {
-			return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
+	var n int64
+	if lock.lockedClaim != "" {
+		// The key lock and the claim in one statement: one round trip.
+		n, err = execRowsAffected(tx.ExecContext(d.sctx, lock.lockedClaim, d.consumer, d.id, keyLockHash(lock.table, d.consumer, d.id)))
+		if err != nil {
+			ib.forgetKeyLocking() // in case its function was dropped or replaced
 		}
+	} else {
+		if ib.locksKeys {
+			if _, err := tx.ExecContext(d.sctx, ib.keyLockSQL, keyLockHash(lock.table, d.consumer, d.id)); err != nil {
+				return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
+			}
+		}
+		n, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id)
 	}
-	n, err := ib.claim(d.sctx, tx, stmt, d.consumer, d.id)
 	if err != nil {
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))

@@ -4,12 +4,16 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // TestMain fails the run if a goroutine is still running once every test
 // has ended: each test must close what it started (routers, pub/subs,
-// pools, purgers).
+// pools, purgers). First it drops the claim functions that earlier runs'
+// partitioned tables left behind.
 func TestMain(m *testing.M) {
+	testdb.DropOrphanClaimFunctions()
 	goleak.VerifyTestMain(m,
 		// Watermill v1.5.1: Router.Close after a Run that failed (a plugin
 		// returned an error) waits for handlers that never started; the two

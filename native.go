@@ -64,14 +64,16 @@ type nativeBackend struct {
 
 func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	ib := n.ib
-	lockTable, err := ib.beforeBegin(d)
+	lock, err := ib.beforeBegin(d)
 	if err != nil {
 		return nil, false, err
 	}
 	c := &d.nativeClaim
 	*c = backend.Claim{TxCtx: d.txCtx, Consumer: d.consumer, ID: d.id}
 	if ib.locksKeys {
-		c.LockKey = keyLockHash(lockTable, d.consumer, d.id)
+		// The backend sends the key lock and the claim in one batch
+		// with BEGIN, so it has no use for lock.lockedClaim.
+		c.LockKey = keyLockHash(lock.table, d.consumer, d.id)
 	}
 	tx, rows, err := n.b.BeginClaim(c)
 	var t *nativeTx

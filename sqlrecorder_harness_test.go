@@ -6,6 +6,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"sync"
 	"testing"
 
 	"github.com/jmoiron/sqlx"
@@ -210,3 +211,32 @@ func (s *recStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (d
 	}
 	return s.Stmt.Query(values) //nolint:staticcheck // fallback of database/sql itself
 }
+
+// statementLog is an sqlObserver that keeps every statement text a pool
+// runs, in order.
+type statementLog struct {
+	mu  sync.Mutex
+	all []string
+}
+
+// take returns, and forgets, the statements run so far.
+func (l *statementLog) take() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	all := l.all
+	l.all = nil
+	return all
+}
+
+func (l *statementLog) statement(_ any, query string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.all = append(l.all, query)
+}
+
+func (l *statementLog) executed(any, string, int64) {}
+func (l *statementLog) failed(any, string, error)   {}
+func (l *statementLog) began(any)                   {}
+func (l *statementLog) ended(any, bool)             {}
+
+var _ sqlObserver = (*statementLog)(nil)

@@ -239,3 +239,25 @@ func DropLater(tb testing.TB, db *sqlx.DB, table string) {
 		}
 	})
 }
+
+// DropOrphanClaimFunctions drops, in the PostgreSQL test database, the claim
+// functions of partitioned inbox tables ("<table>_claim", made with the
+// table) whose table no longer exists: dropping a table, CASCADE or not,
+// leaves its function behind, since PL/pgSQL bodies record no dependency.
+// Tests drop their tables; a package's TestMain calls this first, so
+// leftovers of earlier runs do not pile up. A database that cannot be
+// reached is left alone (the tests that need it say so).
+func DropOrphanClaimFunctions() {
+	db, err := sqlx.Open("pgx", PostgresDSN())
+	if err != nil {
+		return
+	}
+	defer db.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	db.ExecContext(ctx, `DO $$DECLARE f regprocedure; BEGIN
+		FOR f IN SELECT p.oid::regprocedure FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+			WHERE p.proname LIKE '%\_claim' AND p.prosrc LIKE 'BEGIN PERFORM pg_advisory_xact_lock($3); %'
+			AND to_regclass(quote_ident(n.nspname) || '.' || quote_ident(left(p.proname, -6))) IS NULL
+		LOOP EXECUTE 'DROP FUNCTION IF EXISTS ' || f::text; END LOOP; END$$`) //nolint:errcheck // best effort
+}
