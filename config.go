@@ -181,7 +181,9 @@ type Config struct {
 	// there or, worse, another client's statement of the same name runs.
 	// On MySQL/MariaDB and SQLite the claim is always prepared (database/sql
 	// keeps the statement per connection; MySQL sends an unprepared
-	// statement with arguments as prepare, execute, close).
+	// statement with arguments as prepare, execute, close). With
+	// PostgreSQLPartitioned and the table's claim function, the call of
+	// that function is not prepared.
 	// Default: false.
 	PrepareStatements bool
 }

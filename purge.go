@@ -83,11 +83,12 @@ type PurgeConfig struct {
 	// Pause 0 for no pause at all); NaN is refused.
 	// Default: 0.2 (DefaultPurgeDutyCycle). Measured on 2 cores shared with
 	// 4 handlers claiming back to back (BenchmarkPurgeUnderLoad, 1,000,000
-	// rows, BENCHMARKS.md): at the defaults PostgreSQL removed 11,800
-	// rows/s and raised the handlers' p99 2.3x, MariaDB 6,400 at 1.5x,
-	// SQLite 6,800 at 1.7x; flat out at BatchSize 100, PostgreSQL removed
-	// about 80,000 rows/s at 1.4x (100,000 rows), but flat out takes
-	// SQLite's write lock from the handlers for seconds under a light load.
+	// rows, BENCHMARKS.md): at the defaults PostgreSQL removed 24,000 to
+	// 25,000 rows/s and raised the handlers' p99 1.4 to 1.7x (two runs;
+	// 11,800 at 2.3x on a machine with faster handlers), MariaDB 6,700 to
+	// 7,100 at 1.2 to 1.4x, SQLite 4,700 to 5,200 at 1.1 to 1.4x; flat out
+	// takes SQLite's write lock from the handlers for seconds under a light
+	// load.
 	// See docs/purge.md for the trade-off curve (BenchmarkPurgePacingCurve)
 	// and which setting suits which volume.
 	DutyCycle float64
