@@ -75,11 +75,11 @@ type Dialect interface {
 	// Purge and CountExpired share it, so a dry run counts exactly what a
 	// purge deletes.
 	expiredSQL(byConsumer bool) string
-	// purgeStatement returns one purge batch and its arguments: a DELETE of
-	// at most batch rows processed more than window microseconds ago (of
-	// consumer only, unless it is ""), oldest first; on MySQL a non-locking
-	// SELECT of their keys instead (see purgeBatch).
-	purgeStatement(table qualifiedName, window int64, batch int, consumer string) (string, []any)
+	// purgeStatement returns one purge batch: a DELETE of at most batch
+	// rows processed more than window microseconds ago (of consumer only,
+	// unless it is ""), oldest first; on MySQL a non-locking SELECT of their
+	// keys instead (see purgeBatch).
+	purgeStatement(table qualifiedName, window int64, batch int, consumer string) purgeQuery
 	// oldestAgeSQL returns a query for the age of the oldest row, in
 	// microseconds by the database clock, NULL when the table is empty.
 	oldestAgeSQL(table qualifiedName) string
@@ -123,10 +123,10 @@ type Dialect interface {
 	// readTx runs f with a queryer for reads outside a message's
 	// transaction (see withReadTx).
 	readTx(ctx context.Context, db dbConn, f func(q sqlx.QueryerContext) error) error
-	// purgeBatch runs one purge batch (query and args from purgeStatement)
-	// in its own transaction and returns the rows it deleted and the expired rows
-	// it found (fewer than the batch size: the purge is done).
-	purgeBatch(ctx context.Context, db dbConn, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error)
+	// purgeBatch runs one purge batch (from purgeStatement) in its own
+	// transaction and returns the rows it deleted and the expired rows it
+	// found (fewer than the batch size: the purge is done).
+	purgeBatch(ctx context.Context, db dbConn, t qualifiedName, q purgeQuery, h *hooks) (deleted, found int64, err error)
 	// purgeLock takes the purge lock of t (see acquirePurgeLock).
 	purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error)
 	// purgeRound does one Purger round's work on db, under the purge lock.
@@ -261,6 +261,19 @@ func (q qualifiedName) derivedName(suffix string) string {
 // deleteOldestSQL is a DELETE of the oldest rows of the quoted table q that
 // match where, at most limit (a placeholder) of them, chosen by primary key
 // with the row-locking clause lock ("" for none).
+// purgeQuery is one purge batch as a dialect's purgeStatement builds it
+// for its purgeBatch.
+type purgeQuery struct {
+	sql  string // the batch: a DELETE, or on MySQL the SELECT of its keys
+	args []any  // sql's bind parameters
+	size int64  // the batch size
+	// remaining, where set, counts the expired rows left, up to the batch
+	// size: what a batch that deleted fewer rows than the batch size asks
+	// to tell whether it ran out of rows or lost some to another purge (see
+	// postgresDialect.purgeBatch).
+	remaining string
+}
+
 func deleteOldestSQL(q, where, limit, lock string) string {
 	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +
 		"SELECT consumer, message_id FROM " + q + " WHERE " + where +

@@ -92,9 +92,12 @@ func (mysqlDialect) expiredSQL(byConsumer bool) string {
 
 // Not a DELETE: the batch's keys, by a non-locking consistent read of the
 // processed_at index (see purgeBatch).
-func (d mysqlDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
-	return "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(consumer != "") +
-		" ORDER BY processed_at LIMIT ?", purgeArgs(window, batch, consumer)
+func (d mysqlDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
+	return purgeQuery{
+		sql: "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(consumer != "") +
+			" ORDER BY processed_at LIMIT ?",
+		args: purgeArgs(window, batch, consumer),
+	}
 }
 
 func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
@@ -502,7 +505,8 @@ func (mysqlDialect) maintainSchema(context.Context, dbConn, qualifiedName) error
 // batch would wait for the whole handler. So the keys are read first with a
 // non-locking consistent read (purgeStatement), and then deleted by primary key,
 // at READ COMMITTED: only the expired rows themselves are locked.
-func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
+func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName, pq purgeQuery, h *hooks) (deleted, found int64, err error) {
+	query, args := pq.sql, pq.args
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return 0, 0, err

@@ -105,20 +105,42 @@ func pgStringConstant(s string) string {
 
 // One statement with no bind parameters, so that every driver sends it in
 // one exchange and autocommits it (see purgeBatch). The batch's rows are
-// chosen oldest first by the processed_at index and locked, skipping rows
-// that live transactions hold (FOR UPDATE SKIP LOCKED), then deleted by
-// ctid (a TID scan): by primary key, every row would cost an index probe,
-// two thirds of a 1,000-row batch's time (3.9 ms against 13 ms here, see
-// BENCHMARKS.md). A row's ctid stays its own until the statement ends:
-// only an UPDATE or a DELETE moves or removes a row version, both need the
-// row lock the statement holds, and VACUUM removes only dead versions. On
-// a partitioned table ctids repeat across partitions, so
+// chosen oldest first by the processed_at index and deleted by ctid (a TID
+// scan): by primary key, every row would cost an index probe, two thirds of
+// a 1,000-row batch's time (3.9 ms against 13 ms here, see BENCHMARKS.md).
+//
+// The rows are not locked first (no FOR UPDATE SKIP LOCKED): locking writes
+// a WAL record for every row before its delete does (1,000 rows: 190 kB of
+// WAL against 142 kB without, and 3.1 ms against 2.4 ms, pg_walinspect and
+// psql on PostgreSQL 15), and the handlers' commits wait for that WAL to be
+// flushed. A ctid read by the subquery names that row version until the
+// statement ends: the statement's snapshot saw the version live, so VACUUM
+// and pruning keep it (and its line pointer) while the statement runs, and
+// inbox rows are never updated. A row that another purge deletes meanwhile
+// is waited for and skipped (READ COMMITTED's recheck of a concurrently
+// deleted row); two purges that chose the same rows thus delete them once,
+// and the loser's batch comes up short (see purgeBatch).
+//
+// The batch commits asynchronously (synchronous_commit off for its own
+// transaction, set_config's is_local): it does not wait for its WAL to be
+// flushed, and its flush joins the next handler's commit instead of costing
+// one of its own. A crash may lose the last batches' deletes (at most about
+// three wal_writer_delay, PostgreSQL's asynchronous commit): the rows are
+// still expired and the next purge deletes them; nothing else depends on
+// the delete being durable.
+//
+// On a partitioned table ctids repeat across partitions, so
 // postgresPartitionedDialect deletes by primary key.
-func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
-	q := t.quoted(d)
-	return "DELETE FROM " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM " + q + " WHERE " +
-		pgExpiredConstants(window, consumer) + " ORDER BY processed_at LIMIT " + strconv.Itoa(batch) +
-		" FOR UPDATE SKIP LOCKED))", nil
+func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
+	q, limit := t.quoted(d), strconv.Itoa(batch)
+	expired := pgExpiredConstants(window, consumer)
+	return purgeQuery{
+		sql: "DELETE FROM " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM " + q + " WHERE " + expired +
+			" ORDER BY processed_at LIMIT " + limit + "))" +
+			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL",
+		size:      int64(batch),
+		remaining: "SELECT count(*) FROM (SELECT FROM " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
+	}
 }
 
 func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
@@ -534,13 +556,31 @@ func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) er
 // lib/pq sends in two exchanges, would need an explicit transaction, and
 // BEGIN and COMMIT would triple the round trips of every batch (on a busy
 // database, every round trip is a wait for a core; see BENCHMARKS.md).
-func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, query string, args []any, _ *hooks) (deleted, found int64, err error) {
-	res, err := db.ExecContext(ctx, query, args...)
+//
+// A batch that deleted fewer rows than the batch size either ran out of
+// expired rows or lost some to another purge that chose the same rows (the
+// DELETE does not lock them first, see purgeStatement); the rows it found
+// are then what it deleted plus the expired rows still there (counted up to
+// the batch size by q.remaining), so the purge goes on while a full batch
+// is left and stops, as before, once fewer are.
+func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
+	res, err := db.ExecContext(ctx, q.sql, q.args...)
 	if err != nil {
 		return 0, 0, err
 	}
-	n, err := res.RowsAffected()
-	return n, n, err
+	if deleted, err = res.RowsAffected(); err != nil {
+		return 0, 0, err
+	}
+	found = deleted
+	if q.remaining != "" && deleted < q.size {
+		var left int64
+		if err := db.QueryRowxContext(ctx, q.remaining).Scan(&left); err != nil {
+			// The batch's delete has committed: its rows count.
+			return deleted, 0, fmt.Errorf("count the expired rows left: %w", err)
+		}
+		found += left
+	}
+	return deleted, found, nil
 }
 
 // pg_try_advisory_xact_lock in a

@@ -221,8 +221,8 @@ func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn,
 // By primary key, not by ctid as on a plain table: a DELETE on the
 // partitioned table matches a ctid in every partition, and ctids repeat
 // across partitions. (A Purger drops whole partitions; this is Purge's.)
-func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
-	return deleteOldestSQL(t.quoted(d), pgExpiredConstants(window, consumer), strconv.Itoa(batch), " FOR UPDATE SKIP LOCKED"), nil
+func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
+	return purgeQuery{sql: deleteOldestSQL(t.quoted(d), pgExpiredConstants(window, consumer), strconv.Itoa(batch), " FOR UPDATE SKIP LOCKED")}
 }
 
 // Whole partitions: create the coming days', drop those past the window

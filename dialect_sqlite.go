@@ -79,9 +79,11 @@ func (sqliteDialect) expiredSQL(byConsumer bool) string {
 }
 
 // WITHOUT ROWID, so the batch is chosen by primary key.
-func (d sqliteDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) (string, []any) {
-	return deleteOldestSQL(t.quoted(d), d.expiredSQL(consumer != ""), batchParam("?", consumer != ""), ""),
-		purgeArgs(window, batch, consumer)
+func (d sqliteDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
+	return purgeQuery{
+		sql:  deleteOldestSQL(t.quoted(d), d.expiredSQL(consumer != ""), batchParam("?", consumer != ""), ""),
+		args: purgeArgs(window, batch, consumer),
+	}
 }
 
 func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
@@ -343,8 +345,8 @@ func (d sqliteDialect) createSchema(ctx context.Context, db *sqlx.DB, t qualifie
 func (sqliteDialect) maintainSchema(context.Context, dbConn, qualifiedName) error { return nil }
 
 // One DELETE, autocommit: SQLite serialises writers anyway.
-func (sqliteDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, query string, args []any, _ *hooks) (deleted, found int64, err error) {
-	res, err := db.ExecContext(ctx, query, args...)
+func (sqliteDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
+	res, err := db.ExecContext(ctx, q.sql, q.args...)
 	if err != nil {
 		return 0, 0, err
 	}

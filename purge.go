@@ -222,9 +222,13 @@ func (c PurgeConfig) Validate() error {
 // batch comes back short or ctx ends. Between two batches it pauses as
 // cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 4 times the
 // shortest of the last 8 batches, longer when they all slow down); no transaction,
-// row lock or connection of the purge is held while it pauses. On PostgreSQL a batch skips rows that
-// live transactions hold locked (FOR UPDATE SKIP LOCKED), so it never waits
-// on a handler; on MySQL/MariaDB and SQLite a batch holds its locks only for
+// row lock or connection of the purge is held while it pauses. On PostgreSQL a batch is one
+// DELETE that commits asynchronously (a crash may lose its last batches,
+// which the next purge deletes again) and locks no row before deleting it:
+// a handler's claim never holds an expired row, so the batch waits for no
+// handler, only for another purge that chose the same rows, and a batch
+// that lost rows that way counts the expired rows left to decide whether
+// to go on. On MySQL/MariaDB and SQLite a batch holds its locks only for
 // its own short statement. The cutoff is recomputed for every batch.
 //
 // With a cfg.Window, the window is checked (or chosen) first; a window
@@ -256,7 +260,7 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
-	query, args := cfg.Dialect.purgeStatement(table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
+	batch := cfg.Dialect.purgeStatement(table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
 	pace := newPurgePacer(cfg)
 	if cfg.pacing != nil {
 		defer func() { cfg.pacing.add(pace.stats) }()
@@ -267,14 +271,14 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 		}
 		start := time.Now()
 		cfg.hooks.purgeBatchStarting()
-		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, query, args, cfg.hooks)
+		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, batch, cfg.hooks)
 		took := time.Since(start)
 		pace.stats.Batches++
 		pace.stats.BatchTime += took
+		deleted += n // a batch can fail after its delete committed (PostgreSQL's count of the rows left)
 		if err != nil {
 			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
 		}
-		deleted += n
 		if found < int64(cfg.BatchSize) {
 			return deleted, nil
 		}
@@ -371,13 +375,16 @@ const purgeRetryBackoff = 10 * time.Millisecond
 
 // purgeBatchRetrying runs one batch and runs it again, up to
 // purgeBatchAttempts in all, when it lost a race with other transactions
-// (purgeRetryable): a failed batch changed nothing (its statement or
-// transaction was rolled back), and the next attempt picks its rows afresh.
-// Any other error, and the last attempt's, is returned at once.
-func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedName, query string, args []any, h *hooks) (deleted, found int64, err error) {
+// (purgeRetryable): a failed batch's delete was rolled back, or, when it
+// had committed (PostgreSQL: the count of the rows left failed), is counted
+// in deleted; the next attempt picks its rows afresh. Any other error, and
+// the last attempt's, is returned at once, with the rows deleted so far.
+func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedName, q purgeQuery, h *hooks) (deleted, found int64, err error) {
 	backoff := purgeRetryBackoff
 	for attempt := 1; ; attempt++ {
-		deleted, found, err = d.purgeBatch(ctx, db, t, query, args, h)
+		var n int64
+		n, found, err = d.purgeBatch(ctx, db, t, q, h)
+		deleted += n
 		if err == nil || attempt == purgeBatchAttempts || !purgeRetryable(err) || ctx.Err() != nil {
 			if err != nil && attempt > 1 {
 				err = fmt.Errorf("attempt %d of %d: %w", attempt, purgeBatchAttempts, err)
@@ -388,7 +395,7 @@ func purgeBatchRetrying(ctx context.Context, db dbConn, d Dialect, t qualifiedNa
 		case <-ctx.Done():
 			// The context's error first, so errors.Is(err, context.Canceled)
 			// holds as after any other stop; the conflict is kept too.
-			return 0, 0, errors.Join(ctx.Err(), err)
+			return deleted, 0, errors.Join(ctx.Err(), err)
 		case <-time.After(backoff):
 		}
 		backoff *= 2

@@ -288,7 +288,8 @@ func TestPurge_CutsExactlyAtTheWindowWithEveryBatchSize(t *testing.T) {
 // at READ COMMITTED, so it holds no gap lock that new claims would queue
 // behind; InnoDB may still make the purge itself wait for the slow handler
 // (a record lock on a live key next to expired ones), which delays only the
-// purge. On PostgreSQL (SKIP LOCKED) the purge does not wait at all.
+// purge. On PostgreSQL the purge does not wait at all: its DELETE touches
+// only expired rows, which no claim holds.
 func TestPurge_DoesNotStallLiveClaims(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		if tdb.Dialect == inbox.PostgreSQLPartitioned || tdb.Dialect == inbox.SQLite { // SQLite: one writer, by design
