@@ -13,7 +13,7 @@ import (
 const DefaultPurgeBatchSize = 1000
 
 // DefaultPurgeDutyCycle is PurgeConfig.DutyCycle when it is zero.
-const DefaultPurgeDutyCycle = 0.2
+const DefaultPurgeDutyCycle = 0.1
 
 // DefaultPurgeMaxPause is PurgeConfig.MaxPause when it is zero.
 const DefaultPurgeMaxPause = time.Second
@@ -68,7 +68,7 @@ type PurgeConfig struct {
 	// DutyCycle paces the purge: the share of its wall time spent on the
 	// batches' own work, the rest left to the live handlers. After a batch,
 	// the purge pauses cost×(1−DutyCycle)/DutyCycle before the next one (at
-	// 0.2, four times the cost), where a batch's cost is the shortest of the
+	// 0.1, nine times the cost), where a batch's cost is the shortest of the
 	// last 8 full batches' durations: a batch that waits for a core or a
 	// lock behind busy handlers takes longer without costing the database
 	// more (see purgePacer), so the effective duty cycle
@@ -81,14 +81,14 @@ type PurgeConfig struct {
 	// 0 and 1; 1 runs the batches back to back with no pacing pause and no
 	// back-off (flat out, the behaviour before pacing existed; combine with
 	// Pause 0 for no pause at all); NaN is refused.
-	// Default: 0.2 (DefaultPurgeDutyCycle). Measured on 2 cores shared with
-	// 4 handlers claiming back to back (BenchmarkPurgeUnderLoad, 1,000,000
-	// rows, BENCHMARKS.md): at the defaults PostgreSQL removed 24,000 to
-	// 25,000 rows/s and raised the handlers' p99 1.4 to 1.7x (two runs;
-	// 11,800 at 2.3x on a machine with faster handlers), MariaDB 6,700 to
-	// 7,100 at 1.2 to 1.4x, SQLite 4,700 to 5,200 at 1.1 to 1.4x; flat out
-	// takes SQLite's write lock from the handlers for seconds under a light
-	// load.
+	// Default: 0.1 (DefaultPurgeDutyCycle); the effective duty cycle is
+	// then about 0.2. Measured on 2 cores shared with 4 handlers claiming
+	// back to back (BenchmarkPurgeUnderLoad and BenchmarkPurgePacingCurve,
+	// 1,000,000 rows, BENCHMARKS.md): PostgreSQL removed 10,200 to 10,600
+	// rows/s with the handlers' p99 at 1.1 to 1.4 times idle, where 0.2
+	// removed 21,800 to 29,300 rows/s at 1.7 to 1.8 times (several runs);
+	// see BENCHMARKS.md for MariaDB and SQLite. Flat out takes SQLite's
+	// write lock from the handlers for seconds under a light load.
 	// See docs/purge.md for the trade-off curve (BenchmarkPurgePacingCurve)
 	// and which setting suits which volume.
 	DutyCycle float64

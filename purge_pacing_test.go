@@ -259,8 +259,8 @@ func TestPurgeFlatOutDoesNotPause(t *testing.T) {
 	})
 }
 
-// The zero pacing fields are the defaults: a duty cycle of 0.2, so each
-// pause is at least 4 times its batch (and at most MaxPause's 1 s).
+// The zero pacing fields are the defaults: a duty cycle of 0.1, so each
+// pause is at least 9 times its batch (and at most MaxPause's 1 s).
 func TestPurgeDefaultPacing(t *testing.T) {
 	db := sqliteDB(t)
 	f := newFixture(t, db)
