@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"database/sql"
+	"strings"
 	"testing"
 	"time"
 
@@ -71,21 +72,27 @@ func TestPurgeGoesOnAfterLosingABatchToAnotherPurge(t *testing.T) {
 }
 
 // waitForPurgeLockWait waits until a purge statement on table waits for a
-// row lock.
+// row lock. On MySQL/MariaDB it reads SHOW ENGINE INNODB STATUS, not
+// information_schema.INNODB_TRX, a cache that InnoDB refreshes only when
+// nobody (no other test either) read it in the last 100 ms.
 func waitForPurgeLockWait(t *testing.T, db *sqlx.DB, d inbox.Dialect, table string) {
 	t.Helper()
-	query := `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %' || $1 || '%'`
-	if d == inbox.MySQL {
-		query = `SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE CONCAT('DELETE FROM %', ?, '%')`
-	}
-	poll := 10 * time.Millisecond
-	if d == inbox.MySQL {
-		poll = 150 * time.Millisecond // InnoDB refreshes INNODB_TRX only when unread for 0.1 s
-	}
+	ctx := context.Background()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		var n int
-		if err := db.Get(&n, query, table); err != nil {
+		n := 0
+		if d == inbox.MySQL {
+			trxs, err := innodbTransactions(ctx, db)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, x := range trxs {
+				if x.lockWait && strings.Contains(x.text, "DELETE FROM `"+table+"`") {
+					n++
+				}
+			}
+		} else if err := db.GetContext(ctx, &n, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %' || $1 || '%'`, table); err != nil {
 			t.Fatal(err)
 		}
 		if n > 0 {
@@ -94,7 +101,7 @@ func waitForPurgeLockWait(t *testing.T, db *sqlx.DB, d inbox.Dialect, table stri
 		if time.Now().After(deadline) {
 			t.Fatal("the purge never waited for the other purge's deletes")
 		}
-		time.Sleep(poll)
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 

@@ -203,8 +203,14 @@ var innodbThreadID = regexp.MustCompile(`(?:MySQL|MariaDB) thread id (\d+)`)
 // refreshes only when nobody read it in the last 100 ms: with several tests
 // (or other users of the server) polling it, it can stay stale for seconds.
 func (d *faultDB) innodbTransactions(ctx context.Context) ([]innodbTrx, error) {
+	return innodbTransactions(ctx, d.ctl)
+}
+
+// innodbTransactions lists InnoDB's transactions from SHOW ENGINE INNODB
+// STATUS, read through q (see faultDB.innodbTransactions).
+func innodbTransactions(ctx context.Context, q sqlx.QueryerContext) ([]innodbTrx, error) {
 	var typ, name, status string
-	if err := d.ctl.QueryRowxContext(ctx, "SHOW ENGINE INNODB STATUS").Scan(&typ, &name, &status); err != nil {
+	if err := q.QueryRowxContext(ctx, "SHOW ENGINE INNODB STATUS").Scan(&typ, &name, &status); err != nil {
 		return nil, err
 	}
 	_, section, ok := strings.Cut(status, "\nTRANSACTIONS\n")
