@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"flag"
 	"fmt"
@@ -449,6 +450,13 @@ func (r *purgeRecorder) statement(any, string) {}
 
 func (r *purgeRecorder) failed(conn any, query string, err error) {
 	if errors.Is(err, context.Canceled) { // the test stopping the purgers
+		return
+	}
+	// A driver returns driver.ErrBadConn only for a statement it did not
+	// send (a connection found closed), and database/sql then runs the
+	// statement again on another connection: the purge never sees it.
+	// Seen once in CI on PostgreSQL (pgx), cause not known.
+	if errors.Is(err, driver.ErrBadConn) {
 		return
 	}
 	r.mu.Lock()
