@@ -1,6 +1,7 @@
 package sqliteoutboxv4_test
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -65,12 +66,15 @@ func TestQueueDeleteOnAck_keeps_rows_of_a_stopped_forwarder(t *testing.T) {
 	}
 
 	startForwarder(t, queueSubscriber(t, db, topic, 10), dest, topic)
-	got := next()
-	if got == sent[0] { // sent again
-		got = next()
+	// At least once: sent[0] may come again, and so may sent[1], whose
+	// stalled publish can still reach the destination once unblocked. What
+	// must hold: sent[1] arrives before sent[2], and nothing else comes.
+	var got []string
+	for len(got) == 0 || got[len(got)-1] != sent[2] {
+		got = append(got, next())
 	}
-	if got2 := next(); got != sent[1] || got2 != sent[2] {
-		t.Fatalf("the new forwarder sent %s, %s; want %v", got, got2, sent[1:])
+	if i := slices.Index(got, sent[1]); i < 0 || slices.ContainsFunc(got, func(id string) bool { return !slices.Contains(sent, id) }) {
+		t.Fatalf("the new forwarder sent %v; want %v in order, possibly after %s or a repeat of %s", got, sent[1:], sent[0], sent[1])
 	}
 	waitEmpty(t, db, topic)
 }
@@ -106,8 +110,13 @@ func TestQueueDeleteOnAck_keeps_rows_past_the_ack_deadline(t *testing.T) {
 	}
 
 	stalling.unblock()
-	if got, got2 := next(), next(); got != sent[1] || got2 != sent[2] {
-		t.Fatalf("then forwarded %s, %s; want %v", got, got2, sent[1:])
+	// sent[1] may come twice (its stalled publish, then the redelivery).
+	var got []string
+	for len(got) == 0 || got[len(got)-1] != sent[2] {
+		got = append(got, next())
+	}
+	if slices.Index(got, sent[1]) < 0 || slices.ContainsFunc(got, func(id string) bool { return id != sent[1] && id != sent[2] }) {
+		t.Fatalf("then forwarded %v; want %v in order, possibly with %s twice", got, sent[1:], sent[1])
 	}
 	waitEmpty(t, db, topic)
 }
