@@ -362,28 +362,30 @@ func checkPausedMySQL(t *testing.T, probe *sqlx.DB, key int64) {
 	if !holder.Valid {
 		t.Fatal("nobody holds the purge lock while the round pauses")
 	}
-	// INNODB_TRX is a cache that InnoDB refreshes on a read only if the
-	// previous read was over 100 ms ago (trx_i_s_cache_end_read stamps
-	// each read), so it may still list the batch that just committed, and
-	// polled faster than every 100 ms it never refreshes at all: poll it
-	// every 250 ms. The round waits in this hook, so a transaction really
-	// left open stays listed.
+	// Read from SHOW ENGINE INNODB STATUS, not information_schema.INNODB_TRX:
+	// that is a cache InnoDB refreshes only when nobody read it in the last
+	// 100 ms, so it may still list the batch that just committed, and other
+	// tests polling it keep it stale (see innodbTransactions). The round
+	// waits in this hook, so a transaction really left open stays listed.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		var trx int
-		if err := probe.Get(&trx, "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_mysql_thread_id = ?", holder.Int64); err != nil {
+		trxs, err := innodbTransactions(context.Background(), probe)
+		if err != nil {
 			t.Fatal(err)
 		}
-		if trx == 0 {
+		var open []string
+		for _, x := range trxs {
+			if x.active && x.thread == holder.Int64 {
+				open = append(open, x.text)
+			}
+		}
+		if len(open) == 0 {
 			return
 		}
 		if time.Now().After(deadline) {
-			var what []string
-			_ = probe.Select(&what, `SELECT CONCAT_WS(' ', trx_id, trx_state, trx_started, trx_isolation_level, trx_rows_locked, IFNULL(trx_query, '-'))
-				FROM information_schema.INNODB_TRX WHERE trx_mysql_thread_id = ?`, holder.Int64)
-			t.Errorf("the purge lock's session %d has %d open InnoDB transactions while paused (%q), want none", holder.Int64, trx, what)
+			t.Errorf("the purge lock's session %d has %d open InnoDB transactions while paused (%q), want none", holder.Int64, len(open), open)
 			return
 		}
-		time.Sleep(250 * time.Millisecond)
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -399,8 +399,9 @@ func leftInTransaction(t *testing.T, d inbox.Dialect, probe *sqlx.DB, table stri
 // a lock on table's keys: on PostgreSQL the pool's sessions (by
 // application_name, which db must set) waiting on a lock, the advisory key
 // lock of the partitioned dialect included; on MySQL/MariaDB the
-// transactions in LOCK WAIT on a statement that names table. Only sessions
-// this test opened are counted.
+// transactions in LOCK WAIT on a statement that names table, read from SHOW
+// ENGINE INNODB STATUS (see innodbTransactions). Only sessions this test
+// opened are counted.
 func lockWaiters(d inbox.Dialect, probe *sqlx.DB, appName, table string) func(ctx context.Context) (int, error) {
 	return func(ctx context.Context) (int, error) {
 		var n int
@@ -409,7 +410,13 @@ func lockWaiters(d inbox.Dialect, probe *sqlx.DB, appName, table string) func(ct
 		case isPostgres(d):
 			err = probe.GetContext(ctx, &n, "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'", appName)
 		case d == inbox.MySQL:
-			err = probe.GetContext(ctx, &n, "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?", "%"+table+"%")
+			var trxs []innodbTrx
+			trxs, err = innodbTransactions(ctx, probe)
+			for _, x := range trxs {
+				if x.lockWait && strings.Contains(x.text, table) {
+					n++
+				}
+			}
 		}
 		return n, err
 	}
