@@ -176,8 +176,9 @@ var (
 	// schema/postgres_partitioned.sql), one round trip as PostgreSQL's
 	// claim; on a table without that function (made by an older version, or
 	// by a migration that left it out) they are two statements, one round
-	// trip more, until InitializeSchema adds it and the application
-	// restarts.
+	// trip more, until InitializeSchema or a migration adds it (an Inbox
+	// looks for it again at most a minute later, or at once after its own
+	// InitializeSchema).
 	PostgreSQLPartitioned Dialect = postgresPartitionedDialect{}
 
 	// SQLite is the dialect for SQLite 3.42 and later (modernc.org/sqlite, or

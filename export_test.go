@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -44,6 +45,11 @@ func PurgeLock(ctx context.Context, db *sqlx.DB, p *Purger) (release func() erro
 // transaction, before any statement in it (the key lock, the claim). Call it
 // before ib handles messages.
 func SetAfterBegin(ib *Inbox, f func()) { ib.hooks = &hooks{afterBegin: f} }
+
+// SetClaimFunctionRecheck sets how often ib, having found no claim
+// function, looks for it again (claimFunctionRecheck). Call it before ib
+// handles messages.
+func SetClaimFunctionRecheck(ib *Inbox, d time.Duration) { ib.recheckKeyLocking = d }
 
 // WithAfterPurgeSelect returns cfg with f run between each MySQL purge
 // batch's read of its keys and its DELETE.

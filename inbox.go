@@ -58,7 +58,11 @@ type Inbox struct {
 	claimStmt  *sqlx.Stmt
 	heldStmt   *sqlx.Stmt  // heldSQL prepared, the same way
 	keyLocking *keyLocking // with locksKeys: resolved on first use, and again after a failed locked claim
-	verified   atomic.Bool // the table passed verifySchema; checked before the first claim
+	// recheckKeyLocking is how long a resolution without the claim
+	// function holds before the next delivery looks for it again
+	// (claimFunctionRecheck; tests shorten it).
+	recheckKeyLocking time.Duration
+	verified          atomic.Bool // the table passed verifySchema; checked before the first claim
 
 	hooks *hooks // test seams; nil outside tests
 }
@@ -74,18 +78,27 @@ type keyLocking struct {
 	// and claims (Dialect.lockedClaim), "" when the two run as two
 	// statements.
 	lockedClaim string
+	// resolved is when it was read from the catalog.
+	resolved time.Time
 }
 
+// claimFunctionRecheck is how often an Inbox that found no claim function
+// (Dialect.lockedClaim) looks for it again, so that a function added by a
+// migration while the application runs is used within this time, without a
+// restart: one catalog read a minute, and none once it is found.
+const claimFunctionRecheck = time.Minute
+
 // resolveKeyLocking returns how deliveries take the key lock, reading the
-// catalog on first use and after forgetKeyLocking. Like preparedClaim, it
-// must run before the message's transaction begins.
+// catalog on first use, after forgetKeyLocking, and while no claim function
+// was found, every recheckKeyLocking. Like preparedClaim, it must run before
+// the message's transaction begins.
 func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
-	if ib.keyLocking != nil {
-		return *ib.keyLocking, nil
+	if k := ib.keyLocking; k != nil && (k.lockedClaim != "" || time.Since(k.resolved) < ib.recheckKeyLocking) {
+		return *k, nil
 	}
-	var k keyLocking
+	k := keyLocking{resolved: time.Now()}
 	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) (err error) {
 		if k.table, err = canonicalTable(ctx, q, ib.dialect, ib.table); err != nil {
 			return err
@@ -240,6 +253,8 @@ func New(cfg Config) (*Inbox, error) {
 		commitTimeout: cfg.CommitTimeout,
 		prepare:       cfg.PrepareStatements || cfg.Dialect.preparesByDefault(),
 		claimSQL:      cfg.Dialect.claimSQL(table),
+
+		recheckKeyLocking: claimFunctionRecheck,
 	}
 	ib.backend = sqlBackend{ib}
 	ib.hasOutbox = cfg.Outbox != nil
@@ -283,6 +298,7 @@ func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 		return err
 	}
 	ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
+	ib.forgetKeyLocking()   // it may have added the claim function
 	return ib.dialect.maintainSchema(ctx, ib.db, ib.table)
 }
 
