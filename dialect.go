@@ -265,7 +265,7 @@ func (q qualifiedName) derivedName(suffix string) string {
 // purgeQuery is one purge batch as a dialect's purgeStatement builds it
 // for its purgeBatch.
 type purgeQuery struct {
-	sql  string // the batch: a DELETE, or on MySQL the SELECT of its keys
+	sql  string // the batch: a DELETE (on PostgreSQL in a WITH that returns its count and the next bound), or on MySQL the SELECT of its keys
 	args []any  // sql's bind parameters
 	size int64  // the batch size
 	// remaining, where set, counts the expired rows left, up to the batch
@@ -273,7 +273,18 @@ type purgeQuery struct {
 	// to tell whether it ran out of rows or lost some to another purge (see
 	// postgresDialect.purgeBatch).
 	remaining string
+	// resume, where set, is the batch that starts its scan at a lower
+	// bound on processed_at (a SQL expression), and cursor the bound a
+	// round's batches carry from one to the next (see
+	// postgresDialect.purgeBatch).
+	resume func(from string) string
+	cursor *purgeCursor
 }
+
+// purgeCursor is where a round's next purge batch starts: after a full
+// batch, just below the newest processed_at it deleted; "" from the oldest
+// row (the first batch, and after a batch that came up short).
+type purgeCursor struct{ from string }
 
 func deleteOldestSQL(q, where, limit, lock string) string {
 	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +

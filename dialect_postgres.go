@@ -129,18 +129,66 @@ func pgStringConstant(s string) string {
 // still expired and the next purge deletes them; nothing else depends on
 // the delete being durable.
 //
+// Each batch after a full one starts its scan of the processed_at index at
+// the previous batch's newest row (purgeCursor), not at the oldest entry: a
+// deleted row's index entry stays until VACUUM removes it, so a scan from
+// the oldest entry steps over every row the purge deleted so far, a cost
+// that grows with each batch (BENCHMARKS.md: a batch's scan read 1,160
+// index pages and took 45 ms, paced, after 418,000 rows with autovacuum
+// off; from the bound, 17 pages and 0.5 ms). The bound is the newest
+// processed_at the batch deleted, floored to the millisecond and less one
+// millisecond (the statement carries it as a constant, see purgeBatch), so
+// no row at that instant or later is passed over; a row older than the
+// bound that is still there (one that another purge chose and then rolled
+// back) is found by the batch after a short one, which starts from the
+// oldest row again, and by the next round.
+//
 // On a partitioned table ctids repeat across partitions, so
 // postgresPartitionedDialect deletes by primary key.
 func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
 	q, limit := t.quoted(d), strconv.Itoa(batch)
 	expired := pgExpiredConstants(window, consumer)
-	return purgeQuery{
-		sql: "DELETE FROM " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM " + q + " WHERE " + expired +
+	batchSQL := func(where string) string {
+		return "WITH batch AS (DELETE FROM " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM " + q + " WHERE " + where +
 			" ORDER BY processed_at LIMIT " + limit + "))" +
-			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL",
-		size:      int64(batch),
+			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING processed_at)" +
+			" SELECT count(*), floor(extract(epoch FROM max(processed_at)) * 1000)::bigint - 1 FROM batch"
+	}
+	return purgeQuery{
+		sql:  batchSQL(expired),
+		size: int64(batch),
+		resume: func(from string) string {
+			return batchSQL(expired + " AND processed_at >= " + from)
+		},
+		cursor:    &purgeCursor{},
 		remaining: "SELECT count(*) FROM (SELECT FROM " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
 	}
+}
+
+// purgeDialect returns the dialect whose batches a purge of t must run: d,
+// unless d is PostgreSQL and t is a partitioned table (a PurgeConfig that
+// left Dialect to be inferred from the driver, which never infers
+// PostgreSQLPartitioned). Then PostgreSQLPartitioned's, which deletes by
+// primary key: PostgreSQL's batch deletes by ctid, and a ctid names a row
+// in every partition that has one at that position, so on a partitioned
+// table it would delete recent rows next to the expired ones. One catalog
+// read, its name a constant (no bind parameters, as the batches).
+func purgeDialect(ctx context.Context, db dbConn, d Dialect, t qualifiedName) (Dialect, error) {
+	pd, ok := d.(postgresDialect)
+	if !ok {
+		return d, nil
+	}
+	var partitioned bool
+	err := db.QueryRowxContext(ctx, "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass("+pgStringConstant(t.quoted(d))+")").Scan(&partitioned)
+	switch {
+	case errors.Is(err, sql.ErrNoRows): // no such table: the batch reports it
+		return d, nil
+	case err != nil:
+		return nil, fmt.Errorf("read the table's kind: %w", err)
+	case partitioned:
+		return postgresPartitionedDialect{pd}, nil
+	}
+	return d, nil
 }
 
 func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
@@ -563,13 +611,38 @@ func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) er
 // are then what it deleted plus the expired rows still there (counted up to
 // the batch size by q.remaining), so the purge goes on while a full batch
 // is left and stops, as before, once fewer are.
+//
+// With q.cursor (postgresDialect's batch), the batch returns its count and
+// the bound for the next one (the newest processed_at it deleted, in Unix
+// milliseconds, floored, less one): a full batch moves q.cursor there, a
+// short one clears it, so that the batch after it scans from the oldest
+// row, and a short batch that ran from a bound and left expired rows below
+// it reports a full batch found, so that the purge runs that batch rather
+// than stopping. Without q.cursor (the partitioned dialect's DELETE), the
+// rows affected.
 func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
-	res, err := db.ExecContext(ctx, q.sql, q.args...)
-	if err != nil {
-		return 0, 0, err
-	}
-	if deleted, err = res.RowsAffected(); err != nil {
-		return 0, 0, err
+	bounded := q.cursor != nil && q.cursor.from != ""
+	if q.cursor == nil {
+		res, err := db.ExecContext(ctx, q.sql, q.args...)
+		if err != nil {
+			return 0, 0, err
+		}
+		if deleted, err = res.RowsAffected(); err != nil {
+			return 0, 0, err
+		}
+	} else {
+		stmt := q.sql
+		if bounded {
+			stmt = q.resume(q.cursor.from)
+		}
+		var next sql.NullInt64
+		if err := db.QueryRowxContext(ctx, stmt, q.args...).Scan(&deleted, &next); err != nil {
+			return 0, 0, err
+		}
+		q.cursor.from = ""
+		if deleted >= q.size && next.Valid {
+			q.cursor.from = "timestamptz 'epoch' + " + strconv.FormatInt(next.Int64, 10) + " * interval '1 millisecond'"
+		}
 	}
 	found = deleted
 	if q.remaining != "" && deleted < q.size {
@@ -579,6 +652,11 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 			return deleted, 0, fmt.Errorf("count the expired rows left: %w", err)
 		}
 		found += left
+		if bounded && left > 0 && found < q.size {
+			// Expired rows below the bound (see purgeStatement): one
+			// more batch, from the oldest row, deletes them.
+			found = q.size
+		}
 	}
 	return deleted, found, nil
 }

@@ -261,6 +261,9 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
+	if cfg.Dialect, err = purgeDialect(ctx, db, cfg.Dialect, table); err != nil {
+		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
+	}
 	batch := cfg.Dialect.purgeStatement(table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
 	pace := newPurgePacer(cfg)
 	if cfg.pacing != nil {

@@ -462,14 +462,14 @@ func (r *purgeRecorder) failed(conn any, query string, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	q := strings.TrimSpace(query)
-	if (strings.HasPrefix(q, "DELETE FROM") && strings.Contains(q, r.table)) || (q == "COMMIT" && r.open[conn] != nil && r.open[conn].touched) {
+	if r.isDelete(q) || (q == "COMMIT" && r.open[conn] != nil && r.open[conn].touched) {
 		r.failures = append(r.failures, err)
 	}
 }
 
 func (r *purgeRecorder) executed(conn any, query string, n int64) {
 	q := strings.TrimSpace(query)
-	isDelete := strings.HasPrefix(q, "DELETE FROM") && strings.Contains(q, r.table)
+	isDelete := r.isDelete(q)
 	isDrop := strings.HasPrefix(q, "DROP TABLE") && strings.Contains(q, r.table)
 	if !isDelete && !isDrop {
 		return
@@ -516,6 +516,12 @@ func (r *purgeRecorder) ended(conn any, committed bool) {
 	if event {
 		r.firstEvent()
 	}
+}
+
+// isDelete reports whether q is a purge batch's DELETE of the table (on
+// PostgreSQL in a WITH that returns the batch's count).
+func (r *purgeRecorder) isDelete(q string) bool {
+	return (strings.HasPrefix(q, "DELETE FROM") || strings.HasPrefix(q, "WITH batch AS (DELETE FROM")) && strings.Contains(q, r.table)
 }
 
 func (r *purgeRecorder) firstEvent() {

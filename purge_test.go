@@ -83,8 +83,16 @@ func TestPurgeByConsumerWithQuotesAndBackslashes(t *testing.T) {
 }
 
 // On a partitioned table, Purge deletes only the expired rows, though the
-// rows of two partitions sit at the same physical positions (ctids).
+// rows of two partitions sit at the same physical positions (ctids): with
+// the partitioned dialect, and with the dialect left to be inferred from the
+// driver (PostgreSQL).
 func TestPurgeOnPartitionedTableDeletesOnlyExpiredRows(t *testing.T) {
+	for name, d := range map[string]inbox.Dialect{"partitioned dialect": inbox.PostgreSQLPartitioned, "inferred dialect": nil} {
+		t.Run(name, func(t *testing.T) { purgePartitionedTable(t, d) })
+	}
+}
+
+func purgePartitionedTable(t *testing.T, d inbox.Dialect) {
 	db := testdb.OpenPostgres(t, "")
 	table := dailyPartitionedTable(t, db)
 	ctx := context.Background()
@@ -100,7 +108,7 @@ func TestPurgeOnPartitionedTableDeletesOnlyExpiredRows(t *testing.T) {
 	if shared == 0 {
 		t.Fatal("the old and young rows share no ctid; the test would not tell")
 	}
-	n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 20})
+	n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: d, Table: table, OlderThan: 24 * time.Hour, BatchSize: 20})
 	if err != nil || n != 50 {
 		t.Fatalf("purge: deleted %d, err %v; want 50, nil", n, err)
 	}
@@ -278,6 +286,52 @@ func TestPurge_CutsExactlyAtTheWindowWithEveryBatchSize(t *testing.T) {
 			if err != nil || n != 7 || count(t, db, f.inbox, "message_id LIKE 'in-%'") != 3 || count(t, db, f.inbox, "consumer = 'other'") != 5 {
 				t.Errorf("batch %d: deleted %d (%v), left %d", bs, n, err, f.inboxRows())
 			}
+		}
+	})
+}
+
+// Rows that expired before the ones a purge has reached, added while it
+// runs (an import of old rows, a transaction that stayed open past the
+// window), are deleted by that purge: it does not stop at the newest rows
+// while older ones are left behind it.
+func TestPurgeDeletesRowsThatExpiredBehindIt(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 3000, 2*time.Hour)
+		batches := 0
+		cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 1000, DutyCycle: 1}, func() {
+			if batches++; batches == 3 {
+				insertRows(t, db, tdb.Dialect, f.inbox, "billing", "older", 10, 3*time.Hour)
+			}
+		}, nil)
+		deleted, err := inbox.Purge(t.Context(), cfg)
+		if err != nil || deleted != 3010 {
+			t.Errorf("deleted %d (%v), want 3010: the 3000 rows and the 10 older ones added before the third batch", deleted, err)
+		}
+		if left := f.inboxRows(); left != 0 {
+			t.Errorf("%d rows left (%d of them the older ones), want none", left, count(t, db, f.inbox, "message_id LIKE 'older-%'"))
+		}
+	})
+}
+
+// Rows processed at one instant (claims in one transaction share its
+// timestamp on PostgreSQL) are all deleted, however many batches they span.
+func TestPurgeDeletesEveryRowOfOneInstantAcrossBatches(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		values := make([]string, 2500)
+		for i := range values {
+			values[i] = fmt.Sprintf("('billing', 'same-%d', %s)", i, agoSQL(tdb.Dialect, 2*time.Hour))
+		}
+		exec(t, db, "INSERT INTO "+f.inbox+" (consumer, message_id, processed_at) VALUES "+strings.Join(values, ", "))
+		if n := count(t, db, f.inbox, "processed_at = (SELECT MIN(processed_at) FROM "+f.inbox+")"); n != 2500 {
+			t.Fatalf("%d of 2500 rows share the oldest processed_at; the test needs all", n)
+		}
+		deleted, err := inbox.Purge(t.Context(), inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 1000, DutyCycle: 1})
+		if err != nil || deleted != 2500 || f.inboxRows() != 0 {
+			t.Errorf("deleted %d (%v), %d rows left; want 2500 deleted, none left", deleted, err, f.inboxRows())
 		}
 	})
 }

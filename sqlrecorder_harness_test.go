@@ -6,6 +6,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"io"
 	"sync"
 	"testing"
 
@@ -13,9 +14,10 @@ import (
 )
 
 // sqlObserver sees what goes through a recording pool (openRecording): every
-// statement text before it runs, the rows every successful Exec affected,
-// every failed Exec or COMMIT (query "COMMIT"), and where transactions begin
-// and end. conn identifies the connection; one connection is used by one
+// statement text before it runs, the rows every successful Exec affected
+// (for a query, the integer its first row starts with, if it does: the
+// count that PostgreSQL's purge batch returns), every failed Exec, query or
+// COMMIT (query "COMMIT"), and where transactions begin and end. conn identifies the connection; one connection is used by one
 // goroutine at a time.
 type sqlObserver interface {
 	statement(conn any, query string)
@@ -129,7 +131,36 @@ func (c *recConn) QueryContext(ctx context.Context, query string, args []driver.
 		return nil, err
 	}
 	c.obs.statement(c, query)
-	return rows, err
+	if err != nil {
+		c.obs.failed(c, query, err)
+		return rows, err
+	}
+	return &recRows{Rows: rows, conn: c, query: query}, nil
+}
+
+// recRows reports a query's first row's leading integer as executed, and an
+// error of reading its rows as failed.
+type recRows struct {
+	driver.Rows
+	conn  *recConn
+	query string
+	read  bool
+}
+
+func (r *recRows) Next(dest []driver.Value) error {
+	err := r.Rows.Next(dest)
+	switch {
+	case err == nil && !r.read:
+		r.read = true
+		if len(dest) > 0 {
+			if n, ok := dest[0].(int64); ok {
+				r.conn.obs.executed(r.conn, r.query, n)
+			}
+		}
+	case err != nil && err != io.EOF: //nolint:errorlint // io.EOF is returned as is (driver.Rows)
+		r.conn.obs.failed(r.conn, r.query, err)
+	}
+	return err
 }
 
 func (c *recConn) CheckNamedValue(nv *driver.NamedValue) error {
