@@ -43,7 +43,9 @@ type PurgeConfig struct {
 	// DB is the database that holds the inbox table. Required.
 	DB *sqlx.DB
 
-	// Dialect is the SQL dialect of DB. Default: inferred from
+	// Dialect is the SQL dialect of DB. A PostgreSQL purge of a
+	// partitioned table runs PostgreSQLPartitioned's batches (by primary
+	// key) even when Dialect says PostgreSQL. Default: inferred from
 	// DB.DriverName(), as in Config.
 	Dialect Dialect
 
