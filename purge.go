@@ -84,14 +84,12 @@ type PurgeConfig struct {
 	// back-off (flat out, the behaviour before pacing existed; combine with
 	// Pause 0 for no pause at all); NaN is refused.
 	// Default: 0.1 (DefaultPurgeDutyCycle); the effective duty cycle is
-	// then about 0.2. Measured on 2 cores shared with 4 handlers claiming
-	// back to back (BenchmarkPurgeUnderLoad and BenchmarkPurgePacingCurve,
-	// 1,000,000 rows, BENCHMARKS.md): PostgreSQL removed 10,200 to 11,800
-	// rows/s with the handlers' p99 at 1.1 to 1.7 times idle (at most 1.5
-	// in three runs of four), where 0.2 removed 21,800 to 29,300 rows/s at
-	// 1.7 to 1.8 times (five runs);
-	// see BENCHMARKS.md for MariaDB and SQLite. Flat out takes SQLite's
-	// write lock from the handlers for seconds under a light load.
+	// then 0.15 to 0.4. Measured on 2 cores shared with 4 handlers
+	// claiming back to back (BenchmarkPurgeUnderLoad, 1,000,000 rows, one
+	// run of every mode, BENCHMARKS.md): PostgreSQL removed 14,700 rows/s
+	// with the handlers' p99 at 1.10 times idle, MariaDB 4,200 at 1.11,
+	// SQLite 2,600 at 1.27. Flat out takes SQLite's write lock from the
+	// handlers for seconds under a light load.
 	// See docs/purge.md for the trade-off curve (BenchmarkPurgePacingCurve)
 	// and which setting suits which volume.
 	DutyCycle float64
