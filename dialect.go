@@ -274,17 +274,20 @@ type purgeQuery struct {
 	// postgresDialect.purgeBatch).
 	remaining string
 	// resume, where set, is the batch that starts its scan at a lower
-	// bound on processed_at (a SQL expression), and cursor the bound a
+	// bound on processed_at (Unix milliseconds), and cursor the bound a
 	// round's batches carry from one to the next (see
 	// postgresDialect.purgeBatch).
-	resume func(from string) string
+	resume func(fromMillis int64) string
 	cursor *purgeCursor
 }
 
 // purgeCursor is where a round's next purge batch starts: after a full
-// batch, just below the newest processed_at it deleted; "" from the oldest
-// row (the first batch, and after a batch that came up short).
-type purgeCursor struct{ from string }
+// batch (set), just below the newest processed_at it deleted; else from the
+// oldest row (the first batch, and after a batch that came up short).
+type purgeCursor struct {
+	fromMillis int64
+	set        bool
+}
 
 func deleteOldestSQL(q, where, limit, lock string) string {
 	return "DELETE FROM " + q + " WHERE (consumer, message_id) IN (" +

@@ -157,8 +157,9 @@ func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int
 	return purgeQuery{
 		sql:  batchSQL(expired),
 		size: int64(batch),
-		resume: func(from string) string {
-			return batchSQL(expired + " AND processed_at >= " + from)
+		resume: func(fromMillis int64) string {
+			return batchSQL(expired + " AND processed_at >= timestamptz 'epoch' + " +
+				strconv.FormatInt(fromMillis, 10) + " * interval '1 millisecond'")
 		},
 		cursor:    &purgeCursor{},
 		remaining: "SELECT count(*) FROM (SELECT FROM " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
@@ -621,7 +622,7 @@ func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) er
 // than stopping. Without q.cursor (the partitioned dialect's DELETE), the
 // rows affected.
 func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
-	bounded := q.cursor != nil && q.cursor.from != ""
+	bounded := q.cursor != nil && q.cursor.set
 	if q.cursor == nil {
 		res, err := db.ExecContext(ctx, q.sql, q.args...)
 		if err != nil {
@@ -633,16 +634,13 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 	} else {
 		stmt := q.sql
 		if bounded {
-			stmt = q.resume(q.cursor.from)
+			stmt = q.resume(q.cursor.fromMillis)
 		}
 		var next sql.NullInt64
 		if err := db.QueryRowxContext(ctx, stmt, q.args...).Scan(&deleted, &next); err != nil {
 			return 0, 0, err
 		}
-		q.cursor.from = ""
-		if deleted >= q.size && next.Valid {
-			q.cursor.from = "timestamptz 'epoch' + " + strconv.FormatInt(next.Int64, 10) + " * interval '1 millisecond'"
-		}
+		*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted >= q.size && next.Valid}
 	}
 	found = deleted
 	if q.remaining != "" && deleted < q.size {
