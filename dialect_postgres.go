@@ -144,12 +144,18 @@ func pgStringConstant(s string) string {
 // oldest row again, and by the next round.
 //
 // On a partitioned table ctids repeat across partitions, so
-// postgresPartitionedDialect deletes by primary key.
+// postgresPartitionedDialect deletes by primary key. Both the DELETE and
+// its subquery read ONLY the table itself: a ctid names a row only within
+// one table, and the same ctid in an inheritance child or a partition is
+// another row. Should the table be replaced by a partitioned one (or gain
+// children) while a purge runs, a batch still touches only rows of the
+// table itself (none, for a partitioned one, whose rows are all in its
+// partitions: the batch comes back empty and the purge ends).
 func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
 	q, limit := t.quoted(d), strconv.Itoa(batch)
 	expired := pgExpiredConstants(window, consumer)
 	batchSQL := func(where string) string {
-		return "WITH batch AS (DELETE FROM " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM " + q + " WHERE " + where +
+		return "WITH batch AS (DELETE FROM ONLY " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM ONLY " + q + " WHERE " + where +
 			" ORDER BY processed_at LIMIT " + limit + "))" +
 			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING processed_at)" +
 			" SELECT count(*), floor(extract(epoch FROM max(processed_at)) * 1000)::bigint - 1 FROM batch"
@@ -162,7 +168,7 @@ func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int
 				strconv.FormatInt(fromMillis, 10) + " * interval '1 millisecond'")
 		},
 		cursor:    &purgeCursor{},
-		remaining: "SELECT count(*) FROM (SELECT FROM " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
+		remaining: "SELECT count(*) FROM (SELECT FROM ONLY " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
 	}
 }
 
@@ -170,24 +176,36 @@ func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int
 // unless d is PostgreSQL and t is a partitioned table (a PurgeConfig that
 // left Dialect to be inferred from the driver, which never infers
 // PostgreSQLPartitioned). Then PostgreSQLPartitioned's, which deletes by
-// primary key: PostgreSQL's batch deletes by ctid, and a ctid names a row
-// in every partition that has one at that position, so on a partitioned
-// table it would delete recent rows next to the expired ones. One catalog
-// read, its name a constant (no bind parameters, as the batches).
+// primary key: a ctid names a row in one table only, so PostgreSQL's batch
+// reads and deletes ONLY the parent, which holds no rows of a partitioned
+// table. A plain table with inheritance children is refused with
+// ErrIncompatibleTable (as Verify refuses it): its children's rows are not
+// the inbox's, and a purge that skips them (ONLY) would leave whatever
+// relies on them. One catalog read, its name a constant (no bind
+// parameters, as the batches).
 func purgeDialect(ctx context.Context, db dbConn, d Dialect, t qualifiedName) (Dialect, error) {
 	pd, ok := d.(postgresDialect)
 	if !ok {
 		return d, nil
 	}
-	var partitioned bool
-	err := db.QueryRowxContext(ctx, "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass("+pgStringConstant(t.quoted(d))+")").Scan(&partitioned)
+	var kind struct {
+		Partitioned bool           `db:"partitioned"`
+		Child       sql.NullString `db:"child"`
+	}
+	table := pgStringConstant(t.quoted(d))
+	err := sqlx.GetContext(ctx, db, &kind, "SELECT c.relkind = 'p' AS partitioned,"+
+		" (SELECT i.inhrelid::regclass::text FROM pg_inherits i WHERE i.inhparent = c.oid LIMIT 1) AS child"+
+		" FROM pg_class c WHERE c.oid = to_regclass("+table+")")
 	switch {
 	case errors.Is(err, sql.ErrNoRows): // no such table: the batch reports it
 		return d, nil
 	case err != nil:
 		return nil, fmt.Errorf("read the table's kind: %w", err)
-	case partitioned:
+	case kind.Partitioned:
 		return postgresPartitionedDialect{pd}, nil
+	case kind.Child.Valid:
+		return nil, fmt.Errorf("%w: table %q inherits from the inbox table %s, whose purge deletes only its own rows;"+
+			" detach it (ALTER TABLE %s NO INHERIT %s)", ErrIncompatibleTable, kind.Child.String, t, kind.Child.String, t.quoted(d))
 	}
 	return d, nil
 }
@@ -726,6 +744,17 @@ func (d postgresDialect) tryPurgeLock(ctx context.Context, db *sqlx.DB, t qualif
 	return purgeLease{work: db, release: release}, true, nil
 }
 
+// A partitioned table gets PostgreSQLPartitioned's round whatever the
+// configured dialect (one a PurgeConfig left to be inferred from the
+// driver, which never infers PostgreSQLPartitioned): it creates the coming
+// partitions and drops the old ones, which row batches never would.
 func (d postgresDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound {
+	pd, err := purgeDialect(ctx, db, d, t)
+	if err != nil {
+		return PurgeRound{Err: fmt.Errorf("inbox: purge %s: %w", t, err)}
+	}
+	if pd, ok := pd.(postgresPartitionedDialect); ok {
+		return pd.purgeRound(ctx, db, cfg, t)
+	}
 	return purgeRows(ctx, d, db, cfg, t)
 }

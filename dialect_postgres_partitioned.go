@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -72,13 +73,17 @@ func (d postgresPartitionedDialect) createClaimFunctionSQL(t qualifiedName) stri
 		"    LANGUAGE plpgsql VOLATILE AS $$" + d.claimFunctionBody(t) + "$$"
 }
 
+// Only a function exactly as createClaimFunctionSQL makes it: the same
+// source, signature, return type, volatility and language, no settings of
+// its own (proconfig: a SET search_path would resolve the table's name
+// elsewhere) and not SECURITY DEFINER.
 // A zero-column row when the claim inserted the key, none when it was
 // there: rows affected 1 or 0, as claimSQL's.
 func (d postgresPartitionedDialect) lockedClaim(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) (string, error) {
 	fn := d.claimFunction(t).quoted(d)
 	var n int
 	err := sqlx.GetContext(ctx, q, &n, `SELECT count(*) FROM pg_proc WHERE oid = to_regprocedure($1) AND prosrc = $2
-		AND provolatile = 'v' AND prorettype = 'boolean'::regtype
+		AND provolatile = 'v' AND prorettype = 'boolean'::regtype AND proconfig IS NULL AND NOT prosecdef
 		AND prolang = (SELECT oid FROM pg_language WHERE lanname = 'plpgsql')`,
 		fn+"(text, text, bigint)", d.claimFunctionBody(t))
 	if err != nil || n == 0 {
@@ -157,6 +162,28 @@ func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.Query
 	if err := pgCheckCommon(ctx, q, d, t, rel, &ps, partitionedKey, true); err != nil {
 		return nil, err
 	}
+	tp, err := listPartitions(ctx, q, t)
+	if err != nil {
+		return nil, err
+	}
+	if what, fix := tp.problem(t); what != "" {
+		ps.add(fix, "%s", what)
+	}
+	// A claim function with settings of its own (ALTER FUNCTION ... SET
+	// search_path) could resolve the table's name to another table; the
+	// inbox does not call it (lockedClaim), but nothing else should either.
+	var settings sql.NullString
+	err = sqlx.GetContext(ctx, q, &settings, "SELECT array_to_string(proconfig, ', ') FROM pg_proc WHERE oid = to_regprocedure($1)",
+		d.claimFunction(t).quoted(d)+"(text, text, bigint)")
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return nil, err
+	}
+	if settings.Valid && settings.String != "" {
+		fn := d.claimFunction(t).quoted(d) + "(text, text, bigint)"
+		ps.add("ALTER FUNCTION "+fn+" RESET ALL",
+			"the claim function %s has settings of its own (%s), under which its statements may reach another table;"+
+				" the inbox claims in two statements instead of calling it", fn, settings.String)
+	}
 	return ps, nil
 }
 
@@ -227,6 +254,10 @@ func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, window int64
 
 // Whole partitions: create the coming days', drop those past the window
 // (checked as Purge checks it), and report the oldest partition's age.
+// With a PurgeConfig.Consumer, a partition that also holds other
+// consumers' rows is not dropped (their window may be longer); the
+// consumer's own expired rows in it are deleted in batches, by primary key,
+// as Purge does.
 func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
 	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
 	if err != nil {
@@ -236,13 +267,21 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 	if round.Err = d.maintainSchema(ctx, db, t); round.Err != nil {
 		return round
 	}
-	dropped, err := dropPartitions(ctx, db, t, olderThan)
+	dropped, err := dropPartitions(ctx, db, t, olderThan, cfg.Consumer)
 	for _, p := range dropped {
 		round.Deleted += p.Rows
 		round.DroppedPartitions = append(round.DroppedPartitions, p.Name)
 	}
 	if round.Err = err; err != nil {
 		return round
+	}
+	if cfg.Consumer != "" {
+		cfg.OlderThan, cfg.Window, cfg.Dialect = olderThan, nil, d
+		n, err := purge(ctx, db, cfg)
+		round.Deleted += n
+		if round.Err = err; err != nil {
+			return round
+		}
 	}
 	err = d.readTx(ctx, db, func(q sqlx.QueryerContext) (err error) {
 		round.OldestAge, err = oldestPartitionAge(ctx, q, t)

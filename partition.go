@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"regexp"
 	"sort"
 	"strings"
 	"time"
@@ -174,8 +175,11 @@ func MigratePartitionInterval(ctx context.Context, db *sqlx.DB, table string, to
 }
 
 // TablePartitionInterval returns the PartitionInterval of the
-// PostgreSQLPartitioned table named table (that of its newest partition),
-// and "" when it has no partitions. Errors wrap the driver's error, or
+// PostgreSQLPartitioned table named table: that of its newest partition, by
+// the partition's bounds in the catalog (not its name), and "" when it has
+// no partitions or its newest partition is not exactly one UTC day or one
+// ISO week (a partition made by hand or by another tool, such as
+// pg_partman's monthly ones). Errors wrap the driver's error, or
 // ErrInvalidTableName.
 func TablePartitionInterval(ctx context.Context, db *sqlx.DB, table string) (PartitionInterval, error) {
 	t, err := parseTableName(table)
@@ -188,9 +192,9 @@ func TablePartitionInterval(ctx context.Context, db *sqlx.DB, table string) (Par
 		if err != nil {
 			return err
 		}
-		parts, err := listPartitions(ctx, q, t)
-		if len(parts) > 0 {
-			iv = parts[len(parts)-1].interval
+		tp, err := listPartitions(ctx, q, t)
+		if newest, ok := tp.newest(); ok {
+			iv = newest.interval
 		}
 		return err
 	})
@@ -244,19 +248,28 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 			return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
 		}
 	}
-	parts, err := listPartitions(ctx, tx, t)
+	tp, err := listPartitions(ctx, tx, t)
+	if err == nil {
+		err = tp.check(t)
+	}
 	if err != nil {
 		return fmt.Errorf("inbox: create partitions of %s: %w", t, err)
 	}
+	parts := tp.ranges
 	iv := DefaultPartitionInterval
 	if want != "" {
 		iv = want
 	}
-	if len(parts) > 0 {
-		newest := parts[len(parts)-1]
+	if newest, ok := tp.newest(); ok {
 		switch {
+		case newest.interval == "":
+			// A range made by hand or by another tool: its interval says
+			// nothing about ours; only the ranges no partition covers are
+			// filled below.
 		case want == "" || newest.interval == want:
 			iv = newest.interval
+		case migrate && newest.end.IsZero():
+			// Unbounded above: there is nothing to create after it.
 		case migrate:
 			// Daily partitions up to the first boundary of want at or
 			// after the newest partition's end, then one of want.
@@ -274,6 +287,9 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 	}
 	for x := from; x.Before(until); {
 		if p, ok := covering(parts, x); ok {
+			if p.end.IsZero() {
+				break // MAXVALUE: everything after x is covered
+			}
 			x = p.end
 			continue
 		}
@@ -325,7 +341,7 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 // covering returns the partition whose range holds x.
 func covering(parts []partition, x time.Time) (partition, bool) {
 	for _, p := range parts {
-		if !x.Before(p.start) && x.Before(p.end) {
+		if !x.Before(p.start) && (p.end.IsZero() || x.Before(p.end)) {
 			return p, true
 		}
 	}
@@ -335,7 +351,7 @@ func covering(parts []partition, x time.Time) (partition, bool) {
 // overlapping reports whether a partition's range meets [start, end).
 func overlapping(parts []partition, start, end time.Time) bool {
 	for _, p := range parts {
-		if p.start.Before(end) && start.Before(p.end) {
+		if p.start.Before(end) && (p.end.IsZero() || start.Before(p.end)) {
 			return true
 		}
 	}
@@ -392,17 +408,23 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 			err = fmt.Errorf("inbox: drop partitions of %s: lock: %w", t, rerr)
 		}
 	}()
-	return dropPartitions(ctx, lease.work, t, olderThan)
+	return dropPartitions(ctx, lease.work, t, olderThan, "")
 }
 
-// dropPartitions drops the partitions of t past olderThan, under the purge
-// lock. Its reads with arguments run in short transactions (withReadTx), so
-// that they work behind a transaction-mode pooler with lib/pq; DETACH
-// PARTITION CONCURRENTLY cannot run in a transaction block at all.
-func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration) ([]DroppedPartition, error) {
+// dropPartitions drops the partitions of t whose upper bound (from the
+// catalog) is at or before the cutoff olderThan ago, under the purge lock,
+// and the partitions an interrupted call left detached once all their rows
+// are past it. With a consumer, a partition that holds a row of another
+// consumer is kept: those rows may have a longer window (their own
+// consumer's purge deletes them). Its reads with arguments run in short
+// transactions (withReadTx), so that they work behind a transaction-mode
+// pooler with lib/pq; DETACH PARTITION CONCURRENTLY cannot run in a
+// transaction block at all.
+func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration, consumer string) ([]DroppedPartition, error) {
 	d := PostgreSQLPartitioned
 	var cutoff time.Time
-	var parts []partition
+	var tp tablePartitions
+	var detached []qualifiedName
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) (err error) {
 		if t, err = canonicalTable(ctx, q, d, t); err != nil {
 			return err
@@ -410,112 +432,324 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		if err := sqlx.GetContext(ctx, q, &cutoff, "SELECT now() - $1 * interval '1 microsecond'", olderThan.Microseconds()); err != nil {
 			return err
 		}
-		parts, err = listPartitions(ctx, q, t)
+		if tp, err = listPartitions(ctx, q, t); err != nil {
+			return err
+		}
+		if err := tp.check(t); err != nil {
+			return err
+		}
+		detached, err = detachedPartitions(ctx, q, t)
 		return err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
 	var dropped []DroppedPartition
-	for _, part := range parts {
-		if part.end.After(cutoff) {
-			continue // not entirely past the window
-		}
-		p := part.name
-		// Attached, attached with a DETACH CONCURRENTLY interrupted half way
-		// ("pending": only FINALIZE completes it), or already detached.
-		var state sql.NullBool // NULL: detached; else inhdetachpending
-		err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
-			return sqlx.GetContext(ctx, q, &state,
-				"SELECT (SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass($1))", p.quoted(d))
-		})
-		if err != nil {
-			return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
-		}
-		if state.Valid {
-			detach := " CONCURRENTLY"
-			if state.Bool {
-				detach = " FINALIZE"
-			}
-			if _, err := db.ExecContext(ctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach); err != nil {
-				return dropped, fmt.Errorf("inbox: detach partition %s: %w", p, err)
-			}
-		}
+	drop := func(p qualifiedName) error {
 		var rows int64
 		if err := sqlx.GetContext(ctx, db, &rows, "SELECT count(*) FROM "+p.quoted(d)); err != nil {
-			return dropped, fmt.Errorf("inbox: drop partition %s: count: %w", p, err)
+			return fmt.Errorf("inbox: drop partition %s: count: %w", p, err)
 		}
 		if _, err := db.ExecContext(ctx, "DROP TABLE "+p.quoted(d)); err != nil {
-			return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
+			return fmt.Errorf("inbox: drop partition %s: %w", p, err)
 		}
 		dropped = append(dropped, DroppedPartition{Name: p.String(), Rows: rows})
+		return nil
+	}
+	for _, part := range tp.ranges {
+		if part.end.IsZero() || part.end.After(cutoff) {
+			continue // not entirely past the window (or unbounded above)
+		}
+		p := part.name
+		if keep, err := holdsOtherConsumers(ctx, db, p, consumer); err != nil || keep {
+			if err != nil {
+				return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
+			}
+			continue
+		}
+		detach := " CONCURRENTLY"
+		if part.pending {
+			detach = " FINALIZE"
+		}
+		if _, err := db.ExecContext(ctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach); err != nil {
+			return dropped, fmt.Errorf("inbox: detach partition %s: %w", p, err)
+		}
+		if err := drop(p); err != nil {
+			return dropped, err
+		}
+	}
+	for _, p := range detached {
+		// Left detached by an interrupted call, or detached by someone
+		// else: nothing says which range it held, so its rows decide.
+		var recent int64
+		err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+			return sqlx.GetContext(ctx, q, &recent,
+				"SELECT count(*) FROM "+p.quoted(d)+" WHERE processed_at >= $1", cutoff)
+		})
+		if err != nil {
+			return dropped, fmt.Errorf("inbox: drop detached partition %s: %w", p, err)
+		}
+		if recent > 0 {
+			continue
+		}
+		if keep, err := holdsOtherConsumers(ctx, db, p, consumer); err != nil || keep {
+			if err != nil {
+				return dropped, fmt.Errorf("inbox: drop detached partition %s: %w", p, err)
+			}
+			continue
+		}
+		if err := drop(p); err != nil {
+			return dropped, err
+		}
 	}
 	return dropped, nil
 }
 
-// partition is one partition table of an inbox table.
-type partition struct {
-	name       qualifiedName
-	start, end time.Time // its first instant and the first after it, UTC
-	interval   PartitionInterval
+// holdsOtherConsumers reports whether partition p holds a row of a consumer
+// other than consumer; false without a consumer. Two probes of the primary
+// key, which starts with the consumer.
+func holdsOtherConsumers(ctx context.Context, db dbConn, p qualifiedName, consumer string) (bool, error) {
+	if consumer == "" {
+		return false, nil
+	}
+	var others bool
+	q := p.quoted(PostgreSQLPartitioned)
+	err := withReadTx(ctx, db, PostgreSQLPartitioned, func(tx sqlx.QueryerContext) error {
+		return sqlx.GetContext(ctx, tx, &others, "SELECT EXISTS (SELECT 1 FROM "+q+" WHERE consumer < $1)"+
+			" OR EXISTS (SELECT 1 FROM "+q+" WHERE consumer > $1)", consumer)
+	})
+	if err != nil {
+		return false, fmt.Errorf("look for other consumers' rows: %w", err)
+	}
+	return others, nil
 }
 
-// listPartitions returns the partition tables of t, oldest first: the
-// attached ones and any an interrupted DropPartitions left detached. Their
-// ranges come from their names (see PartitionInterval).
-func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) ([]partition, error) {
+// detachedPartitions returns the plain tables in t's schema that are named
+// like t's partitions ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"), have a
+// processed_at column and are attached to no table: what a DropPartitions
+// interrupted between its DETACH and its DROP leaves behind.
+func detachedPartitions(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]qualifiedName, error) {
 	var names []string
-	err := sqlx.SelectContext(ctx, db, &names, `
-		SELECT c.relname FROM pg_class c
+	err := sqlx.SelectContext(ctx, q, &names, `
+		SELECT c.relname::text FROM pg_class c
 		WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1))
-		  AND c.relkind IN ('r', 'p') AND c.relname LIKE $2 ESCAPE '!'
+		  AND c.relkind = 'r' AND NOT c.relispartition AND c.relname ~ $2
+		  AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
+		  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attname = 'processed_at' AND NOT attisdropped)
 		ORDER BY c.relname`,
-		t.quoted(PostgreSQLPartitioned), strings.ReplaceAll(t.name, "_", "!_")+"!__________")
+		t.quoted(PostgreSQLPartitioned), "^"+regexp.QuoteMeta(t.name)+"_[pw][0-9]{8}$")
 	if err != nil {
-		return nil, fmt.Errorf("list partitions: %w", err)
+		return nil, fmt.Errorf("list detached partitions: %w", err)
 	}
-	var parts []partition
-	for _, name := range names {
-		rest := strings.TrimPrefix(name, t.name+"_")
-		iv := map[byte]PartitionInterval{'p': PartitionDay, 'w': PartitionWeek}[rest[0]]
-		start, err := time.Parse("20060102", rest[1:])
-		if err != nil || iv == "" {
-			continue // a table that only looks like ours
-		}
-		s, end := iv.slot(start)
-		if !s.Equal(start) {
-			continue // not a week's Monday: not ours
-		}
-		parts = append(parts, partition{name: qualifiedName{schema: t.schema, name: name}, start: start, end: end, interval: iv})
+	parts := make([]qualifiedName, len(names))
+	for i, name := range names {
+		parts[i] = qualifiedName{schema: t.schema, name: name}
 	}
-	sort.Slice(parts, func(i, j int) bool { return parts[i].start.Before(parts[j].start) })
 	return parts, nil
 }
 
+// partition is one partition table of an inbox table.
+type partition struct {
+	name qualifiedName
+	// start and end are its bounds as the catalog holds them (UTC), never
+	// as its name suggests: the first instant it accepts and the first it
+	// does not. A zero start is MINVALUE (or -infinity), a zero end
+	// MAXVALUE (or infinity): unbounded on that side.
+	start, end time.Time
+	// interval is PartitionDay or PartitionWeek when its bounds are
+	// exactly one such slot, "" for any other range (a hand-made or
+	// pg_partman partition, an unbounded side).
+	interval PartitionInterval
+	// pending is a DETACH PARTITION ... CONCURRENTLY interrupted half way
+	// (pg_inherits.inhdetachpending): only FINALIZE completes it.
+	pending bool
+}
+
+// bounded reports whether p has both bounds.
+func (p partition) bounded() bool { return !p.start.IsZero() && !p.end.IsZero() }
+
+// tablePartitions is what the catalog says about the partitions of an
+// inbox table.
+type tablePartitions struct {
+	// ranges are the attached range partitions, by start (an unbounded
+	// start first).
+	ranges []partition
+	// defaults names a DEFAULT partition ("" when there is none).
+	defaults qualifiedName
+	// other names the attached partitions whose bound is neither a range
+	// of one processed_at value nor DEFAULT (a table partitioned
+	// otherwise, which Verify refuses): never dropped, never trusted.
+	other []qualifiedName
+	// partitioned is whether the table itself is partitioned (relkind p).
+	partitioned bool
+}
+
+// newest returns the attached range partition that starts last.
+func (tp tablePartitions) newest() (partition, bool) {
+	if len(tp.ranges) == 0 {
+		return partition{}, false
+	}
+	return tp.ranges[len(tp.ranges)-1], true
+}
+
+// pgPartitionsSQL lists the partitions attached to $1 with their bounds.
+// A range bound's values are cast back to timestamptz in the statement, in
+// the session that printed them (pg_get_expr writes them in the session's
+// TimeZone and DateStyle, and the cast reads them the same way), and
+// returned as Unix microseconds; NULL for MINVALUE, MAXVALUE and infinity.
+// bound_kind: "range" for FROM (x) TO (y) on one column, "default", or
+// "other".
+const pgPartitionsSQL = `
+WITH parts AS (
+	SELECT c.relname::text AS name, pg_get_expr(c.relpartbound, c.oid) AS bound, i.inhdetachpending AS pending
+	FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+	WHERE i.inhparent = to_regclass($1)
+), parsed AS (
+	SELECT name, pending, bound,
+		regexp_match(bound, '^FOR VALUES FROM \((MINVALUE|''[^'']*'')\) TO \((MAXVALUE|''[^'']*'')\)$') AS m
+	FROM parts
+), cast_ AS (
+	SELECT name, pending, bound, m,
+		CASE WHEN m[1] <> 'MINVALUE' THEN btrim(m[1], '''')::timestamptz END AS lo,
+		CASE WHEN m[2] <> 'MAXVALUE' THEN btrim(m[2], '''')::timestamptz END AS hi
+	FROM parsed
+)
+SELECT name, pending,
+	CASE WHEN bound = 'DEFAULT' THEN 'default' WHEN m IS NOT NULL THEN 'range' ELSE 'other' END AS bound_kind,
+	CASE WHEN isfinite(lo) THEN CAST(EXTRACT(EPOCH FROM lo) * 1000000 AS bigint) END AS lo_us,
+	CASE WHEN isfinite(hi) THEN CAST(EXTRACT(EPOCH FROM hi) * 1000000 AS bigint) END AS hi_us,
+	COALESCE(lo = '-infinity' OR m[1] = 'MINVALUE', false) AS lo_unbounded
+FROM cast_`
+
+// listPartitions returns what the catalog says of the partitions attached
+// to t (resolved: canonicalTable), by their real bounds: a partition's name
+// says nothing, since other tools (pg_partman names its partitions
+// <parent>_pYYYYMMDD whatever their interval) and hand-made DDL may use
+// names like ours for other ranges.
+func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (tablePartitions, error) {
+	var rows []struct {
+		Name        string        `db:"name"`
+		Pending     bool          `db:"pending"`
+		Kind        string        `db:"bound_kind"`
+		Lo          sql.NullInt64 `db:"lo_us"`
+		Hi          sql.NullInt64 `db:"hi_us"`
+		LoUnbounded bool          `db:"lo_unbounded"`
+	}
+	var tp tablePartitions
+	err := sqlx.GetContext(ctx, db, &tp.partitioned,
+		"SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", t.quoted(PostgreSQLPartitioned))
+	if err != nil {
+		return tp, fmt.Errorf("read the table's kind: %w", err)
+	}
+	if err := sqlx.SelectContext(ctx, db, &rows, pgPartitionsSQL, t.quoted(PostgreSQLPartitioned)); err != nil {
+		return tp, fmt.Errorf("list partitions: %w", err)
+	}
+	for _, r := range rows {
+		name := qualifiedName{schema: t.schema, name: r.Name}
+		switch {
+		case r.Kind == "default":
+			tp.defaults = name
+			continue
+		case r.Kind != "range" || (!r.Lo.Valid && !r.LoUnbounded):
+			// A start of +infinity: a range no row can be in; or not a
+			// range at all.
+			tp.other = append(tp.other, name)
+			continue
+		}
+		p := partition{name: name, pending: r.Pending}
+		if r.Lo.Valid {
+			p.start = time.UnixMicro(r.Lo.Int64).UTC()
+		}
+		if r.Hi.Valid {
+			p.end = time.UnixMicro(r.Hi.Int64).UTC()
+		}
+		for _, iv := range []PartitionInterval{PartitionDay, PartitionWeek} {
+			if s, e := iv.slot(p.start); p.bounded() && s.Equal(p.start) && e.Equal(p.end) {
+				p.interval = iv
+			}
+		}
+		tp.ranges = append(tp.ranges, p)
+	}
+	sort.Slice(tp.ranges, func(i, j int) bool { return tp.ranges[i].start.Before(tp.ranges[j].start) })
+	return tp, nil
+}
+
 // oldestPartitionAge returns how long ago the oldest non-empty partition of
-// t began: the age of the oldest row, to the day, without scanning rows
-// (the table has no index on processed_at). 0 when every partition is empty.
+// t began: the age of the oldest row, to the partition's start, without
+// scanning rows (the table has no index on processed_at). A partition
+// unbounded below, and a DEFAULT partition, have no start to go by: their
+// oldest row is read. 0 when every partition is empty.
 func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (time.Duration, error) {
 	t, err := canonicalTable(ctx, db, PostgreSQLPartitioned, t)
 	if err != nil {
 		return 0, err
 	}
-	parts, err := listPartitions(ctx, db, t)
+	tp, err := listPartitions(ctx, db, t)
 	if err != nil {
 		return 0, err
 	}
-	for _, p := range parts {
+	const ageOfOldestRow = "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM "
+	var oldest time.Duration
+	if tp.defaults.name != "" {
 		var age sql.NullInt64
-		err := sqlx.GetContext(ctx, db, &age,
-			"SELECT CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint) WHERE EXISTS (SELECT 1 FROM "+
-				p.name.quoted(PostgreSQLPartitioned)+")", p.start)
-		if errors.Is(err, sql.ErrNoRows) {
+		if err := sqlx.GetContext(ctx, db, &age, ageOfOldestRow+tp.defaults.quoted(PostgreSQLPartitioned)); err != nil {
+			return 0, err
+		}
+		oldest = time.Duration(age.Int64) * time.Microsecond
+	}
+	for _, p := range tp.ranges {
+		var age sql.NullInt64
+		q := p.name.quoted(PostgreSQLPartitioned)
+		if p.start.IsZero() {
+			err = sqlx.GetContext(ctx, db, &age, ageOfOldestRow+q)
+		} else {
+			err = sqlx.GetContext(ctx, db, &age,
+				"SELECT CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint) WHERE EXISTS (SELECT 1 FROM "+
+					q+")", p.start)
+		}
+		if errors.Is(err, sql.ErrNoRows) || (err == nil && !age.Valid) {
 			continue // empty
 		}
 		if err != nil {
 			return 0, err
 		}
-		return time.Duration(age.Int64) * time.Microsecond, nil
+		return max(oldest, time.Duration(age.Int64)*time.Microsecond), nil
 	}
-	return 0, nil
+	return oldest, nil
+}
+
+// check returns an error wrapping ErrIncompatibleTable, with the fix, when
+// the partitions of t cannot be maintained by their bounds (problem).
+func (tp tablePartitions) check(t qualifiedName) error {
+	if what, fix := tp.problem(t); what != "" {
+		return fmt.Errorf("%w: %s: %s; fix: %s", ErrIncompatibleTable, t, what, fix)
+	}
+	return nil
+}
+
+// problem says what keeps the partitions of t from being maintained by
+// their bounds, and how to fix it; "" when nothing does. t is not
+// partitioned; a partition is not a range of processed_at; or t has a
+// DEFAULT partition, which makes every DETACH PARTITION ... CONCURRENTLY
+// fail (SQLSTATE 55000, a restriction PostgreSQL documents) and, once it
+// holds a row of a time that has no partition, makes attaching that time's
+// partition fail (23514): no partition would ever be dropped or created
+// again, so the table is refused instead of left to grow.
+func (tp tablePartitions) problem(t qualifiedName) (what, fix string) {
+	d := PostgreSQLPartitioned
+	switch {
+	case !tp.partitioned:
+		return "the table is not partitioned, so partitions cannot be created or dropped on it",
+			"use the PostgreSQL dialect, or recreate it partitioned (inbox schema -verify -dialect postgres-partitioned)"
+	case len(tp.other) > 0:
+		return fmt.Sprintf("partition %s is not a range of %s alone", tp.other[0], processedAt),
+			"recreate the table partitioned by range on " + processedAt + " alone (inbox schema -verify -dialect postgres-partitioned)"
+	case tp.defaults.name != "":
+		return fmt.Sprintf("it has the DEFAULT partition %s, with which PostgreSQL can neither detach a partition"+
+				" concurrently nor attach one for a time the DEFAULT partition holds rows of", tp.defaults),
+			"ALTER TABLE " + t.quoted(d) + " DETACH PARTITION " + tp.defaults.quoted(d) + "; then create the partitions" +
+				" for the times of its rows (inbox.CreatePartitions), move them back (INSERT INTO " + t.quoted(d) +
+				" SELECT * FROM " + tp.defaults.quoted(d) + ") and drop it"
+	}
+	return "", ""
 }

@@ -1,0 +1,323 @@
+package inbox_test
+
+// A purge deletes a row only when it is provably past the window, whatever
+// the table's shape and whatever tool made its partitions: partitions go by
+// the bounds the catalog holds, not by their names; tables the purge cannot
+// maintain are refused loudly; row batches reach no other table's rows.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+const day = 24 * time.Hour
+
+// A partition named like a daily one ("<table>_pYYYYMMDD", as pg_partman
+// names its partitions whatever their interval) that really covers three
+// weeks up to tomorrow keeps its row claimed a minute ago through
+// DropPartitions and Purger rounds of either dialect; an older hand-made
+// partition whose real upper bound is past the window is dropped.
+func TestDropPartitionsGoesByTheCatalogsBoundsNotTheName(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := partitionedTable(t, db)
+	now := dbNow(t, db).UTC()
+	wide := table + "_p" + now.AddDate(0, 0, -20).Format("20060102")
+	monthly := table + "_p" + now.AddDate(0, 0, -60).Format("20060102")
+	exec(t, db, "CREATE TABLE "+monthly+" PARTITION OF "+table+
+		" FOR VALUES FROM (date_trunc('day', now() - interval '60 days', 'UTC')) TO (date_trunc('day', now() - interval '20 days', 'UTC'))")
+	exec(t, db, "CREATE TABLE "+wide+" PARTITION OF "+table+
+		" FOR VALUES FROM (date_trunc('day', now() - interval '20 days', 'UTC')) TO (date_trunc('day', now() + interval '1 day', 'UTC'))")
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'recent', now() - interval '1 minute'), ('billing', 'old', now() - interval '40 days')")
+
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.Verify(ctx); err != nil {
+		t.Errorf("Verify: %v, want a table with hand-made range partitions accepted", err)
+	}
+	dropped, err := inbox.DropPartitions(ctx, db, table, 7*day, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dropped) != 1 || dropped[0].Name != "public."+monthly || dropped[0].Rows != 1 {
+		t.Errorf("dropped %+v, want only %s with its one row", dropped, monthly)
+	}
+	for _, d := range []inbox.Dialect{nil, inbox.PostgreSQLPartitioned} {
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: d, Table: table, OlderThan: 7 * day}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if round := p.RunOnce(ctx); round.Err != nil || round.Deleted != 0 {
+			t.Errorf("Purger round (dialect %v): %+v, want nothing deleted", d, round)
+		}
+	}
+	if n := count(t, db, table, "message_id = 'recent'"); n != 1 {
+		t.Errorf("the row claimed a minute ago: %d left, want 1", n)
+	}
+	// The rounds fill the days after the wide partition.
+	if gaps := uncovered(t, db, table, 0, inbox.DefaultPartitionsAhead); len(gaps) > 0 {
+		t.Errorf("days without a partition after the rounds: %v", gaps)
+	}
+}
+
+// A DEFAULT partition stops DETACH ... CONCURRENTLY and, once it holds rows,
+// the creation of partitions: Verify, DropPartitions, CreatePartitions and
+// a Purger round refuse the table with ErrIncompatibleTable and the fix,
+// and delete nothing.
+func TestPartitionedTableWithADefaultPartitionIsRefused(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -9), 9); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "CREATE TABLE "+table+"_rest PARTITION OF "+table+" DEFAULT")
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'old', now() - interval '5 days'), ('billing', 'far', now() + interval '60 days')")
+
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, inbox.ErrIncompatibleTable) || !strings.Contains(err.Error(), "DETACH PARTITION") {
+			t.Errorf("%s: %v, want ErrIncompatibleTable naming the DEFAULT partition and how to detach it", what, err)
+		}
+	}
+	refused("Verify", ib.Verify(ctx))
+	_, err = inbox.DropPartitions(ctx, db, table, 2*day, nil)
+	refused("DropPartitions", err)
+	refused("CreatePartitions", inbox.CreatePartitions(ctx, db, table, dbNow(t, db), 30))
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: 2 * day}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused("Purger round", p.RunOnce(ctx).Err)
+	if n := count(t, db, table, ""); n != 2 {
+		t.Errorf("rows left: %d, want 2", n)
+	}
+}
+
+// A plain table replaced by a partitioned one between two batches of a
+// purge: the next batch (a statement by ctid, written for the plain table)
+// deletes no row of the partitioned one, where the same ctid names a recent
+// row in every partition.
+func TestPurgeOfATableTurnedPartitionedMidwayDeletesNoRecentRow(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + ", " + table + "_plain CASCADE") })
+	if err := inbox.CreateTableOnly(ctx, db, inbox.PostgreSQL, table); err != nil {
+		t.Fatal(err)
+	}
+	insertRows(t, db, inbox.PostgreSQL, table, "billing", "expired", 250, 10*day)
+
+	batches := 0
+	cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Table: table, OlderThan: 7 * day, BatchSize: 100, DutyCycle: 1}, func() {
+		if batches++; batches != 2 {
+			return
+		}
+		exec(t, db, "ALTER TABLE "+table+" RENAME TO "+table+"_plain")
+		exec(t, db, "CREATE TABLE "+table+" (LIKE "+table+"_plain) PARTITION BY RANGE (processed_at)")
+		exec(t, db, "CREATE TABLE "+table+"_old PARTITION OF "+table+" FOR VALUES FROM (now() - interval '30 days') TO (now() - interval '5 days')")
+		exec(t, db, "CREATE TABLE "+table+"_new PARTITION OF "+table+" FOR VALUES FROM (now() - interval '5 days') TO (now() + interval '1 day')")
+		insertRows(t, db, inbox.PostgreSQL, table, "billing", "expired", 300, 9*day)
+		insertRows(t, db, inbox.PostgreSQL, table, "billing", "recent", 300, time.Hour)
+	}, nil)
+	if _, err := inbox.Purge(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if batches < 2 {
+		t.Fatalf("the purge ran %d batches, want at least 2", batches)
+	}
+	if n := count(t, db, table, "message_id LIKE 'recent-%'"); n != 300 {
+		t.Errorf("rows processed an hour ago: %d left, want 300", n)
+	}
+}
+
+// A plain inbox table with an inheritance child: Purge and a Purger round
+// refuse it with ErrIncompatibleTable before deleting anything (a ctid names
+// a row in the child too).
+func TestPurgeRefusesATableWithInheritanceChildren(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+	if err := inbox.CreateTableOnly(ctx, db, inbox.PostgreSQL, table); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "CREATE TABLE "+table+"_child () INHERITS ("+table+")")
+	insertRows(t, db, inbox.PostgreSQL, table, "billing", "expired", 100, 10*day)
+	insertRows(t, db, inbox.PostgreSQL, table+"_child", "billing", "recent", 100, time.Hour)
+
+	_, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: table, OlderThan: 7 * day})
+	if !errors.Is(err, inbox.ErrIncompatibleTable) || !strings.Contains(err.Error(), "NO INHERIT") {
+		t.Errorf("Purge: %v, want ErrIncompatibleTable with the fix", err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: 7 * day}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.RunOnce(ctx).Err; !errors.Is(err, inbox.ErrIncompatibleTable) {
+		t.Errorf("Purger round: %v, want ErrIncompatibleTable", err)
+	}
+	if n := count(t, db, table, ""); n != 200 {
+		t.Errorf("rows left (the table's and its child's): %d, want 200", n)
+	}
+}
+
+// Consumers sharing a partitioned table may have different windows: a
+// Purger for consumer "fast" (3 days) drops a partition only when it holds
+// no other consumer's row, and deletes its own expired rows from the rest;
+// "slow"'s 5-day-old row stays.
+func TestConsumerPurgerKeepsPartitionsHoldingOtherConsumersRows(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -9), 9); err != nil {
+		t.Fatal(err)
+	}
+	noon := func(days int) string {
+		return fmt.Sprintf("date_trunc('day', now(), 'UTC') - interval '%d days' + interval '12 hours'", days)
+	}
+	exec(t, db, "INSERT INTO "+table+" VALUES ('slow', 's5', "+noon(5)+"), ('fast', 'f5', "+noon(5)+"), ('fast', 'f6', "+noon(6)+
+		"), ('fast', 'f1', now() - interval '1 hour')")
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 3 * day, Consumer: "fast",
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	round := p.RunOnce(ctx)
+	if round.Err != nil {
+		t.Fatal(round.Err)
+	}
+	if n := count(t, db, table, "consumer = 'slow'"); n != 1 {
+		t.Errorf("slow's 5-day-old row: %d left, want 1", n)
+	}
+	var fast []string
+	if err := db.Select(&fast, "SELECT message_id FROM "+table+" WHERE consumer = 'fast' ORDER BY 1"); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(fast, ",") != "f1" || round.Deleted != 2 {
+		t.Errorf("fast's rows left %v, %d deleted; want [f1] and 2 deleted", fast, round.Deleted)
+	}
+	for _, name := range round.DroppedPartitions {
+		if name == partitionOf(table, inbox.PartitionDay, dbNow(t, db).AddDate(0, 0, -5)) {
+			t.Errorf("dropped %s, which holds slow's row", name)
+		}
+	}
+}
+
+// A Purger whose dialect is inferred from the driver (PostgreSQL) on a
+// partitioned table maintains it as PostgreSQLPartitioned does: it drops
+// the partitions past the window and creates the coming days'.
+func TestPurgerWithInferredDialectMaintainsAPartitionedTable(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := partitionedTable(t, db)
+	if err := inbox.InitializePartitions(ctx, db, table, inbox.PartitionDay); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "DROP TABLE "+partitionOf(table, inbox.PartitionDay, dbNow(t, db).AddDate(0, 0, inbox.DefaultPartitionsAhead)))
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -10), 5); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'old', now() - interval '8 days')")
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: 3 * day}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	round := p.RunOnce(ctx)
+	if round.Err != nil || len(round.DroppedPartitions) != 5 || round.Deleted != 1 {
+		t.Errorf("round = %+v, want the 5 partitions of days -10 to -6 dropped with their row", round)
+	}
+	if gaps := uncovered(t, db, table, 0, inbox.DefaultPartitionsAhead); len(gaps) > 0 {
+		t.Errorf("days without a partition after the round: %v", gaps)
+	}
+}
+
+// A claim function given settings of its own (ALTER FUNCTION ... SET
+// search_path) to a schema with a table of the same name would record claims
+// there: Verify names the settings and the fix, a delivery is nacked with
+// nothing recorded anywhere, and once the settings are reset the claim lands
+// in the inbox table.
+func TestClaimFunctionWithSettingsOfItsOwnIsRefused(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := "inbox_" + randomSuffix()
+	other := "decoy_" + randomSuffix()
+	t.Cleanup(func() {
+		db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE")
+		db.Exec("DROP SCHEMA IF EXISTS " + other + " CASCADE")
+	})
+	newPartitionedInboxEvery(t, db, table, nil, inbox.PartitionWeek)
+	exec(t, db, "CREATE SCHEMA "+other)
+	exec(t, db, "CREATE TABLE "+other+"."+table+" (LIKE public."+table+")")
+	exec(t, db, "ALTER FUNCTION "+table+"_claim(text, text, bigint) SET search_path = "+other)
+
+	deliver := func() (acked bool, calls int32) {
+		t.Helper()
+		ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ib.Verify(ctx); err != nil {
+			t.Logf("Verify: %v", err)
+		}
+		in := newFeed()
+		var n atomic.Int32
+		r := runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(*message.Message) error { n.Add(1); return nil })
+		})
+		defer r.Close()
+		sendCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		acked, err = in.send(sendCtx, message.NewMessage(watermill.NewUUID(), nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return acked, n.Load()
+	}
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.Verify(ctx); !errors.Is(err, inbox.ErrIncompatibleTable) || !strings.Contains(err.Error(), "RESET ALL") {
+		t.Errorf("Verify: %v, want ErrIncompatibleTable naming the function's settings and RESET ALL", err)
+	}
+	if acked, calls := deliver(); acked || calls != 0 {
+		t.Errorf("delivery with the altered function: acked %v, handler calls %d; want a nack before the handler", acked, calls)
+	}
+	if n, decoy := count(t, db, table, ""), count(t, db, other+"."+table, ""); n != 0 || decoy != 0 {
+		t.Errorf("claims: %d in the inbox table, %d in %s.%s; want none", n, decoy, other, table)
+	}
+	exec(t, db, "ALTER FUNCTION "+table+"_claim(text, text, bigint) RESET ALL")
+	if acked, calls := deliver(); !acked || calls != 1 {
+		t.Errorf("delivery after RESET ALL: acked %v, handler calls %d; want an ack after one call", acked, calls)
+	}
+	if n, decoy := count(t, db, table, ""), count(t, db, other+"."+table, ""); n != 1 || decoy != 0 {
+		t.Errorf("claims: %d in the inbox table, %d in %s.%s; want 1 and 0", n, decoy, other, table)
+	}
+}
