@@ -296,9 +296,12 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 		piv := iv
 		start, end := iv.slot(x)
 		if overlapping(parts, start, end) {
-			piv = PartitionDay // a day is free: no partition covers x, all are whole days
+			piv = PartitionDay
 			start, end = PartitionDay.slot(x)
 		}
+		// Partitions made otherwise need not fall on whole days: the new
+		// one fills only the free range around x.
+		start, end = freeRange(parts, x, start, end)
 		p, err := partitionName(t, piv, start)
 		if err != nil {
 			return err
@@ -321,7 +324,7 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start, end time.Time) error {
 	d := PostgreSQLPartitioned
 	// Bounds are formatted by us from a time.Time, never user input.
-	lo, hi := start.Format("2006-01-02 15:04:05Z07:00"), end.Format("2006-01-02 15:04:05Z07:00")
+	lo, hi := start.Format("2006-01-02 15:04:05.999999Z07:00"), end.Format("2006-01-02 15:04:05.999999Z07:00")
 	for _, stmt := range []string{
 		"CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
 		// The CHECK lets ATTACH skip its validation scan.
@@ -336,6 +339,20 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		}
 	}
 	return nil
+}
+
+// freeRange returns [start, end) narrowed to the range around x that no
+// partition covers (x itself is not covered).
+func freeRange(parts []partition, x, start, end time.Time) (time.Time, time.Time) {
+	for _, p := range parts {
+		if !p.end.IsZero() && !p.end.After(x) && p.end.After(start) {
+			start = p.end
+		}
+		if p.start.After(x) && p.start.Before(end) {
+			end = p.start
+		}
+	}
+	return start, end
 }
 
 // covering returns the partition whose range holds x.

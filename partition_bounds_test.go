@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -319,5 +320,122 @@ func TestClaimFunctionWithSettingsOfItsOwnIsRefused(t *testing.T) {
 	}
 	if n, decoy := count(t, db, table, ""), count(t, db, other+"."+table, ""); n != 1 || decoy != 0 {
 		t.Errorf("claims: %d in the inbox table, %d in %s.%s; want 1 and 0", n, decoy, other, table)
+	}
+}
+
+// For random table shapes (plain; partitioned by day, by week, or by
+// hand-made ranges of random widths, some named like the library's daily
+// partitions of other days) and random windows, whichever purge runs
+// (Purge with the dialect inferred or given, DropPartitions, a Purger round
+// of either dialect), every row newer than the window is still there
+// afterwards; a row purge leaves no row older than it.
+func TestPurgeNeverDeletesARowInsideTheWindow(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	const margin = time.Minute // rows age while the purge runs
+	for i := range 8 {
+		shape := []string{"plain", "daily", "weekly", "hand-made"}[rng.IntN(4)]
+		window := time.Duration(1+rng.IntN(20*24)) * time.Hour
+		table := "inbox_" + randomSuffix()
+		t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+		partitioned := shape != "plain"
+		switch shape {
+		case "plain":
+			if err := inbox.CreateTableOnly(ctx, db, inbox.PostgreSQL, table); err != nil {
+				t.Fatal(err)
+			}
+		case "daily", "weekly":
+			iv := map[string]inbox.PartitionInterval{"daily": inbox.PartitionDay, "weekly": inbox.PartitionWeek}[shape]
+			if err := inbox.InitializePartitions(ctx, db, table, iv); err != nil {
+				t.Fatal(err)
+			}
+			if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -45), 46); err != nil {
+				t.Fatal(err)
+			}
+		case "hand-made":
+			ddl, err := inbox.SchemaSQL(inbox.PostgreSQLPartitioned, table)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, stmt := range statements(ddl) {
+				exec(t, db, stmt)
+			}
+			var ranges []string
+			for from, n := -45*24, 0; from < 48; n++ {
+				to := from + 1 + rng.IntN(20*24)
+				name := fmt.Sprintf("%s_x%d", table, n)
+				if rng.IntN(2) == 0 { // named like the library's daily partition of some past day
+					name = table + dbNow(t, db).AddDate(0, 0, -1-n).UTC().Format("_p20060102")
+				}
+				exec(t, db, fmt.Sprintf("CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (date_trunc('hour', now()) + interval '%d hours') TO (date_trunc('hour', now()) + interval '%d hours')",
+					name, table, from, to))
+				ranges = append(ranges, fmt.Sprintf("%s [%dh, %dh)", name, from, to))
+				from = to
+			}
+			t.Logf("case %d: partitions %v", i, ranges)
+		}
+		ages := map[string]time.Duration{}
+		var values []string
+		for j := range 80 {
+			age := time.Duration(rng.Int64N(int64(44 * day)))
+			id := fmt.Sprintf("m%d", j)
+			ages[id] = age
+			values = append(values, fmt.Sprintf("('c%d', '%s', now() - interval '%d microseconds')", rng.IntN(2), id, age.Microseconds()))
+		}
+		exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES "+strings.Join(values, ", "))
+
+		ops := []string{"Purge", "Purge with dialect", "Purger", "Purger with dialect"}
+		if partitioned {
+			ops = append(ops, "DropPartitions", "Purger for one consumer")
+		}
+		op := ops[rng.IntN(len(ops))]
+		var dialect inbox.Dialect
+		if strings.HasSuffix(op, "with dialect") {
+			dialect = inbox.PostgreSQL
+			if partitioned {
+				dialect = inbox.PostgreSQLPartitioned
+			}
+		}
+		cfg := inbox.PurgeConfig{DB: db, Dialect: dialect, Table: table, OlderThan: window, BatchSize: 1 + rng.IntN(30), DutyCycle: 1}
+		if op == "Purger for one consumer" {
+			cfg.Consumer = "c0"
+		}
+		t.Logf("case %d: %s table, window %v, %s, batch %d", i, shape, window, op, cfg.BatchSize)
+		var err error
+		switch {
+		case strings.HasPrefix(op, "Purge "), op == "Purge":
+			_, err = inbox.Purge(ctx, cfg)
+		case op == "DropPartitions":
+			_, err = inbox.DropPartitions(ctx, db, table, window, nil)
+		default:
+			p, perr := inbox.NewPurger(inbox.PurgerConfig{Purge: cfg})
+			if perr != nil {
+				t.Fatal(perr)
+			}
+			err = p.RunOnce(ctx).Err
+		}
+		if err != nil {
+			t.Fatalf("case %d: %s: %v", i, op, err)
+		}
+		var left []string
+		if err := db.Select(&left, "SELECT message_id FROM "+table); err != nil {
+			t.Fatal(err)
+		}
+		kept := map[string]bool{}
+		for _, id := range left {
+			kept[id] = true
+		}
+		for id, age := range ages {
+			if age < window-margin && !kept[id] {
+				t.Errorf("case %d: row %s, %v old, was deleted under a %v window", i, id, age, window)
+			}
+			if !partitioned && age > window+margin && kept[id] {
+				t.Errorf("case %d: row %s, %v old, was kept under a %v window", i, id, age, window)
+			}
+		}
 	}
 }
