@@ -21,11 +21,13 @@ const DefaultPartitionsAhead = 7
 
 // PartitionInterval is the span of processed_at one partition of a
 // PostgreSQLPartitioned table covers. It is a property of the table, read
-// from its partitions' names: "<table>_pYYYYMMDD" is a UTC day (the only
-// interval before weekly partitions existed), "<table>_wYYYYMMDD" a week
-// starting on that Monday, 00:00 UTC. The newest partition decides; a table
-// with no partitions gets DefaultPartitionInterval from InitializeSchema, a
-// Purger or CreatePartitions, or the interval given to InitializePartitions.
+// from its newest partition's bounds in the catalog (never from a name): one
+// UTC day, or one week starting on a Monday, 00:00 UTC. The library names
+// them "<table>_pYYYYMMDD" and "<table>_wYYYYMMDD". A table whose newest
+// partition is neither (made by hand or by another tool), or that has no
+// partitions, gets DefaultPartitionInterval from InitializeSchema, a Purger
+// or CreatePartitions (only for ranges no partition covers), or the
+// interval given to InitializePartitions.
 // Only MigratePartitionInterval changes the interval of a table that has
 // partitions; every other call refuses to mix intervals.
 //
@@ -382,8 +384,13 @@ type DroppedPartition struct {
 }
 
 // DropPartitions removes, from a PostgreSQLPartitioned inbox table, every
-// partition (daily or weekly, see PartitionInterval) whose whole range ended
-// more than olderThan ago by the database clock, and returns them. Each is first detached with DETACH
+// partition whose upper bound, as the catalog holds it (never as its name
+// suggests), is at least olderThan ago by the database clock, whoever made
+// it, and returns them. A partition unbounded above is never dropped. A
+// table with a DEFAULT partition, with partitions that are not ranges of
+// processed_at, or that is not partitioned, is refused with an error
+// wrapping ErrIncompatibleTable that says how to fix it (see
+// docs/purge.md); nothing is dropped then. Each is first detached with DETACH
 // PARTITION ... CONCURRENTLY (PostgreSQL 14+), which waits for transactions
 // that use it without blocking new claims, then counted and dropped. With a
 // window, like PurgeConfig.Window, a shorter olderThan is refused with
@@ -392,7 +399,8 @@ type DroppedPartition struct {
 // non-positive olderThan is an error wrapping ErrInvalidConfig, a bad table
 // name one wrapping ErrInvalidTableName. When ctx ends or a step fails it returns what it
 // dropped so far with the error; a partition left detached by an
-// interruption is dropped by the next call.
+// interruption is dropped by the next call, once none of its rows is
+// inside the window.
 //
 // It is safe to run from several processes at once, and alongside Purger
 // rounds, also behind a transaction-mode pooler: it takes the Purger's lock

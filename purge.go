@@ -107,8 +107,11 @@ type PurgeConfig struct {
 	// negative. Default: 0 (none besides the pacing).
 	Pause time.Duration
 
-	// Consumer, if set, restricts the purge to that consumer's rows.
-	// Default: all consumers.
+	// Consumer, if set, restricts the purge to that consumer's rows. A
+	// Purger round on a partitioned table then drops only the partitions
+	// that hold no other consumer's row (consumers sharing a table may have
+	// longer windows) and deletes the consumer's expired rows from the
+	// others by primary key. Default: all consumers.
 	Consumer string
 
 	// Window, if set, tells the shortest safe window: how long the broker
