@@ -65,9 +65,12 @@ type PurgeRound struct {
 }
 
 // Purger runs Purge periodically, until its context ends. For a
-// PostgreSQLPartitioned table a round instead creates the partitions of the
-// coming days and drops the partitions past the window (CreatePartitions,
-// DropPartitions). Several instances
+// partitioned PostgreSQL table (whatever PurgeConfig.Dialect says: one
+// inferred from the driver is PostgreSQL) a round instead creates the
+// partitions of the coming days and drops the partitions past the window
+// (CreatePartitions, DropPartitions); a table whose partitions cannot be
+// maintained (a DEFAULT partition, say) fails every round with
+// ErrIncompatibleTable rather than grow unnoticed. Several instances
 // of an application may run one against the same table at once: each round
 // first takes a lock keyed by the table name, and an instance that does not
 // get it skips the round instead of competing for the same rows. On
