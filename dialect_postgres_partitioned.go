@@ -245,11 +245,17 @@ func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn,
 	return createPartitions(ctx, db, t, "", false, from, until)
 }
 
-// By primary key, not by ctid as on a plain table: a DELETE on the
-// partitioned table matches a ctid in every partition, and ctids repeat
-// across partitions. (A Purger drops whole partitions; this is Purge's.)
+// By the whole primary key, not by ctid as on a plain table: a DELETE on
+// the partitioned table matches a ctid in every partition, and ctids repeat
+// across partitions. The key includes processed_at, so a batch deletes the
+// expired row it chose and never a newer row of the same (consumer,
+// message_id) in another partition (one written without the claim's lock).
+// (A Purger drops whole partitions; this is Purge's.)
 func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
-	return purgeQuery{sql: deleteOldestSQL(t.quoted(d), pgExpiredConstants(window, consumer), strconv.Itoa(batch), " FOR UPDATE SKIP LOCKED")}
+	q := t.quoted(d)
+	return purgeQuery{sql: "DELETE FROM " + q + " WHERE (consumer, message_id, processed_at) IN (" +
+		"SELECT consumer, message_id, processed_at FROM " + q + " WHERE " + pgExpiredConstants(window, consumer) +
+		" ORDER BY processed_at LIMIT " + strconv.Itoa(batch) + " FOR UPDATE SKIP LOCKED)"}
 }
 
 // Whole partitions: create the coming days', drop those past the window

@@ -439,3 +439,28 @@ func TestPurgeNeverDeletesARowInsideTheWindow(t *testing.T) {
 		}
 	}
 }
+
+// A key that has an expired row and a recent one in another partition (the
+// recent one written without the claim's lock, by hand or by an old
+// version): Purge deletes the expired row only.
+func TestPartitionedPurgeDeletesTheExpiredRowNotItsKeysRecentTwin(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -9), 9); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "INSERT INTO "+table+" VALUES ('billing', 'm1', now() - interval '8 days'), ('billing', 'm1', now() - interval '1 hour')")
+	for _, d := range []inbox.Dialect{nil, inbox.PostgreSQLPartitioned} {
+		if _, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: d, Table: table, OlderThan: 7 * day}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := count(t, db, table, "processed_at > now() - interval '1 day'"); n != 1 {
+		t.Errorf("recent rows of the key: %d left, want 1", n)
+	}
+	if n := count(t, db, table, ""); n != 1 {
+		t.Errorf("rows left: %d, want 1 (the expired one deleted)", n)
+	}
+}
