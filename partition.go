@@ -761,7 +761,6 @@ func (tp tablePartitions) check(t qualifiedName) error {
 // partition fail (23514): no partition would ever be dropped or created
 // again, so the table is refused instead of left to grow.
 func (tp tablePartitions) problem(t qualifiedName) (what, fix string) {
-	d := PostgreSQLPartitioned
 	switch {
 	case !tp.partitioned:
 		return "the table is not partitioned, so partitions cannot be created or dropped on it",
@@ -771,10 +770,27 @@ func (tp tablePartitions) problem(t qualifiedName) (what, fix string) {
 			"recreate the table partitioned by range on " + processedAt + " alone (inbox schema -verify -dialect postgres-partitioned)"
 	case tp.defaults.name != "":
 		return fmt.Sprintf("it has the DEFAULT partition %s, with which PostgreSQL can neither detach a partition"+
-				" concurrently nor attach one for a time the DEFAULT partition holds rows of", tp.defaults),
-			"ALTER TABLE " + t.quoted(d) + " DETACH PARTITION " + tp.defaults.quoted(d) + "; then create the partitions" +
-				" for the times of its rows (inbox.CreatePartitions), move them back (INSERT INTO " + t.quoted(d) +
-				" SELECT * FROM " + tp.defaults.quoted(d) + ") and drop it"
+			" concurrently nor attach one for a time the DEFAULT partition holds rows of", tp.defaults), defaultPartitionFix(t, tp.defaults)
 	}
 	return "", ""
+}
+
+// defaultPartitionFix returns the script that replaces the DEFAULT
+// partition def of t by daily partitions for the days it holds rows of
+// (where no partition covers them yet) and moves its rows there.
+func defaultPartitionFix(t, def qualifiedName) string {
+	d := PostgreSQLPartitioned
+	schema := "current_schema()"
+	if t.schema != "" {
+		schema = pgStringConstant(t.schema)
+	}
+	return "ALTER TABLE " + t.quoted(d) + " DETACH PARTITION " + def.quoted(d) + ";\n" +
+		"-- A daily partition for each day its rows are of, unless one covers it already (42P17, 42P07):\n" +
+		"DO $$DECLARE day date; BEGIN FOR day IN SELECT DISTINCT (processed_at AT TIME ZONE 'UTC')::date FROM " + def.quoted(d) +
+		" LOOP BEGIN EXECUTE format('CREATE TABLE %I.%I PARTITION OF " + strings.ReplaceAll(t.quoted(d), "'", "''") +
+		" FOR VALUES FROM (%L) TO (%L)', " + schema + ", " + pgStringConstant(t.name+"_p") + " || to_char(day, 'YYYYMMDD')," +
+		" day::timestamp AT TIME ZONE 'UTC', (day + 1)::timestamp AT TIME ZONE 'UTC');" +
+		" EXCEPTION WHEN invalid_object_definition OR duplicate_table THEN NULL; END; END LOOP; END$$;\n" +
+		"INSERT INTO " + t.quoted(d) + " SELECT * FROM " + def.quoted(d) + ";\n" +
+		"DROP TABLE " + def.quoted(d) + ";"
 }
