@@ -210,7 +210,10 @@
 // MySQL a round takes a lock, and an instance that does not get it skips
 // the round); a WindowSource (the kafkaretention or jetstreamretention
 // package, or FixedWindow) refuses a window
-// shorter than the broker can redeliver (ErrWindowTooShort).
+// shorter than the broker can redeliver (ErrWindowTooShort), and a source's
+// error (a topic or stream that keeps messages forever: ErrNoSafeWindow of
+// those packages) or a window out of range (ErrWindowOutOfRange: below 1µs
+// or above MaxSafeWindow) stops the purge before anything is deleted.
 //
 // # Operations
 //

@@ -61,6 +61,15 @@ var (
 	// was deleted.
 	ErrWindowTooShort = errors.New("inbox: purge window shorter than the broker can redeliver")
 
+	// ErrWindowOutOfRange means a PurgeConfig.Window (or the window given to
+	// DropPartitions) reported a safe window below 1µs (zero, negative) or
+	// above MaxSafeWindow: a broken or overflowing WindowSource, whose window
+	// cannot be trusted to keep the rows of messages the broker still holds.
+	// The purge stopped before deleting anything. A source whose broker keeps
+	// messages without a time limit must return an error instead (as
+	// kafkaretention.ErrNoSafeWindow and jetstreamretention.ErrNoSafeWindow).
+	ErrWindowOutOfRange = errors.New("inbox: window source reported a safe window out of range")
+
 	// ErrNestedInbox means the message context already carries an inbox
 	// transaction: an inbox middleware runs inside another (for example
 	// added both to the router and to the handler). The inner claim would

@@ -121,7 +121,9 @@ type PurgeConfig struct {
 	// or FixedWindow for a window you state). Purge asks it
 	// first: an OlderThan shorter than the safe window is refused with
 	// ErrWindowTooShort and nothing is deleted; a zero OlderThan means "use
-	// the safe window". Its errors are returned wrapped.
+	// the safe window". Its errors are returned wrapped, and a safe window
+	// below 1µs or above MaxSafeWindow is refused with ErrWindowOutOfRange;
+	// either stops the purge before anything is deleted.
 	Window WindowSource
 
 	hooks  *hooks       // test seams; nil outside tests
@@ -167,9 +169,29 @@ func (p *PurgePacing) add(q PurgePacing) {
 // WindowSource reports the shortest window after which the inbox rows of a
 // consumer can no longer be needed, because the broker can no longer
 // redeliver their messages. Implementations must be safe for concurrent use.
+//
+// Every purge checks what SafeWindow returns: an error stops the purge and
+// is returned wrapped; a window below 1µs or above MaxSafeWindow stops it
+// with ErrWindowOutOfRange. In both cases nothing is deleted. A broker that
+// keeps messages without a time limit (or longer than MaxSafeWindow) has no
+// safe window: report it with an error of your own, as kafkaretention and
+// jetstreamretention do with their ErrNoSafeWindow, rather than a very
+// long duration. Compute the window with arithmetic that cannot wrap: a sum
+// that overflows time.Duration comes back short or negative.
 type WindowSource interface {
 	SafeWindow(ctx context.Context) (time.Duration, error)
 }
+
+// MaxSafeWindow is the longest safe window a WindowSource may report: 100
+// years (36,500 days). A longer one stops the purge with
+// ErrWindowOutOfRange. A time.Duration holds at most about 292 years, so a
+// window near that is what arithmetic that saturated (or a retention meant
+// as "forever", such as Kafka's retention.ms=9223372036854775807) produces;
+// no broker redelivers a message after a century and no inbox row is that
+// old, so a purge under such a window could delete nothing and would only
+// hide a broken source. The bound also leaves a time.Duration room for a
+// margin added to any window below it.
+const MaxSafeWindow = 100 * 365 * 24 * time.Hour
 
 func (c *PurgeConfig) setDefaults() {
 	if c.Dialect == nil && c.DB != nil {
@@ -236,7 +258,10 @@ func (c PurgeConfig) Validate() error {
 // its own short statement. The cutoff is recomputed for every batch.
 //
 // With a cfg.Window, the window is checked (or chosen) first; a window
-// shorter than the safe one gives ErrWindowTooShort and deletes nothing.
+// shorter than the safe one gives ErrWindowTooShort, a safe window out of
+// range (below 1µs, above MaxSafeWindow) ErrWindowOutOfRange, and the
+// source's own error (such as kafkaretention.ErrNoSafeWindow) is returned
+// wrapped: each deletes nothing.
 //
 // A batch that fails because it lost a race with other transactions (a
 // deadlock, a lock wait timeout, a serialization failure, SQLITE_BUSY; told
@@ -420,8 +445,12 @@ func purgeRetryable(err error) bool { return isConflict(err) }
 // checkWindow returns the window a purge of olderThan may use under the
 // window source w: olderThan itself when it is at least w's safe window, the
 // safe window when olderThan is 0, and an error wrapping ErrWindowTooShort
-// otherwise. A source that reports less than 1µs is an error, not a licence
-// to delete rows processed a moment ago. Without w, olderThan is returned.
+// otherwise. Every purge path (Purge, a Purger round, DropPartitions) calls
+// it before it deletes anything. A source that reports less than 1µs is an
+// error, not a licence to delete rows processed a moment ago, and one that
+// reports more than MaxSafeWindow is an error too (an overflow, or a
+// "forever" the source did not report as such): both wrap
+// ErrWindowOutOfRange. Without w, olderThan is returned.
 func checkWindow(ctx context.Context, w WindowSource, olderThan time.Duration) (time.Duration, error) {
 	if w == nil {
 		return olderThan, nil
@@ -430,8 +459,10 @@ func checkWindow(ctx context.Context, w WindowSource, olderThan time.Duration) (
 	if err != nil {
 		return 0, fmt.Errorf("safe window: %w", err)
 	}
-	if safe < time.Microsecond {
-		return 0, fmt.Errorf("safe window: the window source reported %v; refusing to purge", safe)
+	if safe < time.Microsecond || safe > MaxSafeWindow {
+		return 0, fmt.Errorf("safe window: %w: the window source (%T) reported %v, outside 1µs to %v (MaxSafeWindow); "+
+			"refusing to purge: fix the source, which must return an error when the broker keeps messages without a time limit",
+			ErrWindowOutOfRange, w, safe, MaxSafeWindow)
 	}
 	if olderThan == 0 {
 		return safe, nil

@@ -19,7 +19,8 @@ import (
 //
 // A FixedWindow that is not positive reports an error wrapping
 // ErrInvalidConfig, which stops the purge before anything is deleted (a zero
-// window would otherwise delete rows processed a moment ago). The value is
+// window would otherwise delete rows processed a moment ago); one above
+// MaxSafeWindow (100 years) stops it with ErrWindowOutOfRange. The value is
 // never changed, so it is safe for concurrent use. For brokers whose window
 // can be read, the kafkaretention and jetstreamretention packages ask the
 // broker at every purge instead.

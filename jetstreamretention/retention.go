@@ -46,6 +46,22 @@
 // arrived: if it can be re-created and source the origins from the start, add
 // the origins' MaxAge to Margin.
 //
+// # Streams that keep messages forever
+//
+// A stream with MaxAge 0 or AllowMsgTTL has no safe window (above). Nor has
+// one whose window is longer than inbox.MaxSafeWindow (100 years): a MaxAge
+// near the largest time.Duration (about 292 years), which some tools write
+// for "forever", or a consumer whose redelivery span (AckWait or BackOff
+// over MaxDeliver deliveries, MaxDeliver up to 2,147,483,647) is that long;
+// nor one whose window plus Margin is. Nothing that old is ever purged, and
+// such a setting means "forever" in practice. SafeWindow then returns an
+// error wrapping ErrNoSafeWindow that names the stream (and the consumer),
+// and a purge using the Source stops before it deletes anything. Every sum
+// and product is computed without wrapping: a window never comes out
+// shorter, or negative, because its parts were large. A consumer whose
+// MaxDeliver is meant as "as often as needed" is better set to -1
+// (unlimited), which the stream's MaxAge bounds.
+//
 // It is a package of its own so that the inbox core package does not import
 // a NATS client; the inbox command uses it for its -nats-url flag.
 package jetstreamretention
@@ -61,14 +77,16 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/duration"
 )
 
 // DefaultMargin is Config.Margin when it is zero.
 const DefaultMargin = 24 * time.Hour
 
 // ErrNoSafeWindow means a stream can keep messages without a time limit:
-// MaxAge 0 (unlimited), or per-message TTLs allowed (AllowMsgTTL), which
-// override MaxAge. A consumer of such a stream can have a stored message
+// MaxAge 0 (unlimited), per-message TTLs allowed (AllowMsgTTL), which
+// override MaxAge, or a window (MaxAge, a consumer's redelivery span, plus
+// Margin) longer than inbox.MaxSafeWindow. A consumer of such a stream can have a stored message
 // replayed at any time, so no inbox row of its consumers may be purged by
 // age. Match it with errors.Is.
 var ErrNoSafeWindow = errors.New("jetstreamretention: stream has no safe purge window")
@@ -91,7 +109,7 @@ type Config struct {
 	// down, an expiry that runs late, clock skew between the server and the
 	// database, and producers that re-publish after the stream's Duplicates
 	// window (see the package documentation). Default: 24h (DefaultMargin);
-	// a negative value is an error.
+	// a negative value, or one above inbox.MaxSafeWindow, is an error.
 	Margin time.Duration
 }
 
@@ -120,8 +138,8 @@ func New(cfg Config) (*Source, error) {
 			return nil, errors.New("jetstreamretention: Config.Streams holds an empty stream name")
 		}
 	}
-	if cfg.Margin < 0 {
-		return nil, fmt.Errorf("jetstreamretention: Config.Margin must not be negative, got %v", cfg.Margin)
+	if cfg.Margin < 0 || cfg.Margin > inbox.MaxSafeWindow {
+		return nil, fmt.Errorf("jetstreamretention: Config.Margin must be between 0 and %v (inbox.MaxSafeWindow), got %v", inbox.MaxSafeWindow, cfg.Margin)
 	}
 	if cfg.Margin == 0 {
 		cfg.Margin = DefaultMargin
@@ -180,13 +198,20 @@ type StreamWindow struct {
 // it: MaxAge, or the longest redelivery span of its consumers if that is
 // longer.
 func (w StreamWindow) Window() time.Duration {
-	window := w.MaxAge
+	window, _ := w.longest()
+	return window
+}
+
+// longest returns Window and the consumer whose redelivery span it is ("" if
+// it is MaxAge).
+func (w StreamWindow) longest() (window time.Duration, consumer string) {
+	window = w.MaxAge
 	for _, c := range w.Consumers {
-		if span, bounded := c.Redelivery(); bounded {
-			window = max(window, span)
+		if span, bounded := c.Redelivery(); bounded && span > window {
+			window, consumer = span, c.Consumer
 		}
 	}
-	return window
+	return window, consumer
 }
 
 // ConsumerWindow is what one consumer's configuration allows.
@@ -200,29 +225,32 @@ type ConsumerWindow struct {
 // Redelivery returns how long after its first delivery the consumer can
 // still redeliver an unacked message: the wait after each of its MaxDeliver
 // deliveries (AckWait, or the BackOff interval of that delivery, the last
-// one repeating), summed. bounded is false when MaxDeliver is unlimited:
-// then only the stream's MaxAge ends the redeliveries.
+// one repeating), summed. It is computed in closed form (AckWait ×
+// MaxDeliver; the BackOff intervals, then the last one × the deliveries
+// left), in time proportional to len(BackOff), and saturates at the longest
+// time.Duration (about 292 years) instead of wrapping. bounded is false
+// when MaxDeliver is unlimited: then only the stream's MaxAge ends the
+// redeliveries.
 func (c ConsumerWindow) Redelivery() (span time.Duration, bounded bool) {
 	if c.MaxDeliver <= 0 {
 		return 0, false
 	}
-	for i := range c.MaxDeliver {
-		switch {
-		case len(c.BackOff) == 0:
-			span += c.AckWait
-		case i < len(c.BackOff):
-			span += c.BackOff[i]
-		default:
-			span += c.BackOff[len(c.BackOff)-1]
-		}
+	deliveries := int64(c.MaxDeliver)
+	if len(c.BackOff) == 0 {
+		return duration.Mul(c.AckWait, deliveries), true
 	}
-	return span, true
+	listed := min(deliveries, int64(len(c.BackOff)))
+	for _, wait := range c.BackOff[:listed] {
+		span = duration.Add(span, wait)
+	}
+	last := c.BackOff[len(c.BackOff)-1]
+	return duration.Add(span, duration.Mul(last, deliveries-listed)), true
 }
 
 // Describe reads the streams' and their consumers' settings. A stream that
 // does not exist gives an error wrapping jetstream.ErrStreamNotFound; one
-// without a time limit (MaxAge 0, or AllowMsgTTL) an error wrapping
-// ErrNoSafeWindow. Every request uses ctx (nats.go's default timeout of 5s
+// without a time limit (MaxAge 0, or AllowMsgTTL) or whose Window is longer
+// than inbox.MaxSafeWindow an error wrapping ErrNoSafeWindow. Every request uses ctx (nats.go's default timeout of 5s
 // applies when ctx has no deadline).
 func (s *Source) Describe(ctx context.Context) ([]StreamWindow, error) {
 	out := make([]StreamWindow, 0, len(s.streams))
@@ -254,22 +282,53 @@ func (s *Source) Describe(ctx context.Context) ([]StreamWindow, error) {
 		if err := consumers.Err(); err != nil {
 			return nil, fmt.Errorf("jetstreamretention: stream %s: list consumers: %w", name, err)
 		}
+		if err := w.checkBound(0); err != nil {
+			return nil, err
+		}
 		out = append(out, w)
 	}
 	return out, nil
 }
 
+// checkBound returns an error wrapping ErrNoSafeWindow when the stream's
+// window plus margin is longer than inbox.MaxSafeWindow, naming the
+// setting that makes it so.
+func (w StreamWindow) checkBound(margin time.Duration) error {
+	window, consumer := w.longest()
+	if duration.Add(window, margin) <= inbox.MaxSafeWindow {
+		return nil
+	}
+	what := fmt.Sprintf("MaxAge %v", w.MaxAge)
+	if consumer != "" {
+		what = fmt.Sprintf("consumer %s redelivering for up to %v (AckWait or BackOff over MaxDeliver deliveries; "+
+			"set MaxDeliver to -1, unlimited, to let MaxAge %v bound it)", consumer, window, w.MaxAge)
+	}
+	withMargin := ""
+	if margin > 0 {
+		withMargin = fmt.Sprintf(", with the margin %v,", margin)
+	}
+	return fmt.Errorf("%w: stream %s has %s%s beyond inbox.MaxSafeWindow (%v): messages kept forever in practice",
+		ErrNoSafeWindow, w.Stream, what, withMargin, inbox.MaxSafeWindow)
+}
+
 // SafeWindow returns the longest stream window plus the margin: the purge
 // window under which no row of a message the server can still deliver is
-// deleted. It implements inbox.WindowSource.
+// deleted. A stream without a safe window, or a result longer than
+// inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
+// duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	windows, err := s.Describe(ctx)
 	if err != nil {
 		return 0, err
 	}
-	var longest time.Duration
+	var longest StreamWindow
 	for _, w := range windows {
-		longest = max(longest, w.Window())
+		if w.Window() > longest.Window() {
+			longest = w
+		}
 	}
-	return longest + s.margin, nil
+	if err := longest.checkBound(s.margin); err != nil {
+		return 0, err
+	}
+	return duration.Add(longest.Window(), s.margin), nil
 }

@@ -3,6 +3,7 @@ package jetstreamretention_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/jetstreamretention"
 )
 
@@ -182,5 +184,107 @@ func TestConfigErrors(t *testing.T) {
 			src.Close()
 			t.Errorf("%s: want an error", desc)
 		}
+	}
+}
+
+// loopRedelivery is the redelivery span summed one delivery at a time: the
+// reference Redelivery's closed form must equal on every input that does not
+// overflow.
+func loopRedelivery(c jetstreamretention.ConsumerWindow) (span time.Duration, bounded bool) {
+	if c.MaxDeliver <= 0 {
+		return 0, false
+	}
+	for i := range c.MaxDeliver {
+		switch {
+		case len(c.BackOff) == 0:
+			span += c.AckWait
+		case i < len(c.BackOff):
+			span += c.BackOff[i]
+		default:
+			span += c.BackOff[len(c.BackOff)-1]
+		}
+	}
+	return span, true
+}
+
+// Redelivery's closed form gives what summing delivery by delivery gives,
+// on the settings consumers use: AckWait alone, BackOff lists shorter than,
+// as long as and longer than MaxDeliver, unlimited MaxDeliver.
+func TestRedelivery_ClosedFormEqualsSumPerDelivery(t *testing.T) {
+	t.Parallel()
+	backOff := []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute}
+	var cases []jetstreamretention.ConsumerWindow
+	for _, maxDeliver := range []int{-1, 0, 1, 2, 3, 4, 5, 10, 1000, 100_000} {
+		for _, ackWait := range []time.Duration{time.Millisecond, 30 * time.Second, 7 * time.Minute, 12 * time.Hour} {
+			cases = append(cases, jetstreamretention.ConsumerWindow{AckWait: ackWait, MaxDeliver: maxDeliver})
+		}
+		for n := 1; n <= len(backOff); n++ {
+			cases = append(cases, jetstreamretention.ConsumerWindow{AckWait: 30 * time.Second, MaxDeliver: maxDeliver, BackOff: backOff[:n]})
+		}
+	}
+	for _, c := range cases {
+		gotSpan, gotBounded := c.Redelivery()
+		wantSpan, wantBounded := loopRedelivery(c)
+		if gotSpan != wantSpan || gotBounded != wantBounded {
+			t.Errorf("%+v: Redelivery = %v, %v; summed per delivery %v, %v", c, gotSpan, gotBounded, wantSpan, wantBounded)
+		}
+	}
+}
+
+// A MaxAge near the largest duration or beyond inbox.MaxSafeWindow (150
+// years), a consumer redelivering for centuries (MaxDeliver 2,147,483,647 ×
+// AckWait 30s), or a window that the margin takes past 100 years keeps
+// messages forever in practice: ErrNoSafeWindow naming the stream, never a
+// short or negative window. A consumer with MaxDeliver 2,147,483,647 and
+// short BackOff intervals is a window of its exact span.
+func TestSafeWindow_HugeSettingsMeanForever(t *testing.T) {
+	t.Parallel()
+	js, _ := connect(t)
+	const year = 365 * 24 * time.Hour
+	nearMax := createStream(t, js, jetstream.StreamConfig{MaxAge: math.MaxInt64 - 1})
+	centuries := createStream(t, js, jetstream.StreamConfig{MaxAge: 150 * year})
+	ninetyNine := createStream(t, js, jetstream.StreamConfig{MaxAge: 99 * year})
+	redelivers := createStream(t, js, jetstream.StreamConfig{MaxAge: time.Hour})
+	addConsumer(t, redelivers, jetstream.ConsumerConfig{Durable: "forever_ish", AckWait: 30 * time.Second, MaxDeliver: math.MaxInt32})
+	backOff := createStream(t, js, jetstream.StreamConfig{MaxAge: time.Hour})
+	addConsumer(t, backOff, jetstream.ConsumerConfig{Durable: "backoff", MaxDeliver: math.MaxInt32,
+		BackOff: []time.Duration{time.Millisecond, 2 * time.Millisecond}})
+
+	name := func(s jetstream.Stream) string { return s.CachedInfo().Config.Name }
+	cases := []struct {
+		desc   string
+		stream jetstream.Stream
+		margin time.Duration
+		want   time.Duration // 0: ErrNoSafeWindow
+	}{
+		{desc: "MaxAge near the largest duration", stream: nearMax},
+		{desc: "MaxAge 150 years", stream: centuries},
+		{desc: "MaxAge 99 years + margin 2 years", stream: ninetyNine, margin: 2 * year},
+		{desc: "MaxAge 99 years + margin 1h", stream: ninetyNine, margin: time.Hour, want: 99*year + time.Hour},
+		{desc: "MaxDeliver 2^31-1 x AckWait 30s", stream: redelivers},
+		{desc: "MaxDeliver 2^31-1 x BackOff 1ms, 2ms", stream: backOff, margin: time.Minute,
+			want: time.Millisecond + 2*time.Millisecond*(math.MaxInt32-1) + time.Minute},
+	}
+	for _, tc := range cases {
+		if tc.stream.CachedInfo().Config.MaxAge == 0 {
+			t.Fatalf("%s: the server dropped the MaxAge", tc.desc)
+		}
+		src, err := jetstreamretention.New(jetstreamretention.Config{JetStream: js, Streams: []string{name(tc.stream)}, Margin: tc.margin})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := src.SafeWindow(context.Background())
+		if tc.want != 0 {
+			if err != nil || got != tc.want {
+				t.Errorf("%s: SafeWindow = %v, %v; want %v", tc.desc, got, err, tc.want)
+			}
+			continue
+		}
+		if !errors.Is(err, jetstreamretention.ErrNoSafeWindow) || !strings.Contains(err.Error(), name(tc.stream)) || got != 0 {
+			t.Errorf("%s: SafeWindow = %v, %v; want ErrNoSafeWindow naming the stream", tc.desc, got, err)
+		}
+	}
+	if _, err := jetstreamretention.New(jetstreamretention.Config{JetStream: js, Streams: []string{"A"}, Margin: inbox.MaxSafeWindow + 1}); err == nil {
+		t.Error("a margin beyond inbox.MaxSafeWindow: want an error")
 	}
 }

@@ -8,6 +8,20 @@
 //	...
 //	deleted, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Window: src}) // OlderThan 0: the safe window
 //
+// # Topics that keep messages forever
+//
+// A topic that keeps its records without a time limit has no safe window:
+// retention.ms=-1, a cleanup.policy with "compact", and a retention.ms or
+// segment.ms beyond what a time.Duration holds (about 292 years: Kafka's
+// Long.MAX_VALUE, 9223372036854775807, which some tools write for "forever",
+// or 300 years). So has a topic whose window, retention.ms + segment.ms, or
+// that window plus Margin, is longer than inbox.MaxSafeWindow (100 years):
+// nothing that old is ever purged, and such a setting means "forever" in
+// practice. SafeWindow then returns an error wrapping ErrNoSafeWindow that
+// names the topic and the setting, and a purge using the Source stops before
+// it deletes anything. Every sum is computed without wrapping: a window can
+// never come out shorter, or negative, because its parts were large.
+//
 // It is a package of its own so that the inbox core package does not import
 // a Kafka client; the inbox command uses it for its -brokers flag.
 package kafkaretention
@@ -24,6 +38,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/duration"
 )
 
 // Kafka's broker defaults (log.retention.hours=168, log.roll.hours=168),
@@ -37,10 +52,12 @@ const (
 const DefaultMargin = 24 * time.Hour
 
 // ErrNoSafeWindow means a topic keeps messages without a time limit:
-// retention.ms=-1 (forever), or a cleanup.policy with "compact" (the latest
-// record of every key stays forever and can be replayed at any time). No
-// inbox row of such a topic's consumers may be purged by age. Match it with
-// errors.Is.
+// retention.ms=-1 (forever), a cleanup.policy with "compact" (the latest
+// record of every key stays forever and can be replayed at any time), a
+// retention.ms or segment.ms beyond what a time.Duration holds (about 292
+// years, such as Long.MAX_VALUE), or a window (retention.ms + segment.ms,
+// plus Margin) longer than inbox.MaxSafeWindow. No inbox row of such a
+// topic's consumers may be purged by age. Match it with errors.Is.
 var ErrNoSafeWindow = errors.New("kafkaretention: topic has no safe purge window")
 
 // Config configures a Source.
@@ -60,7 +77,8 @@ type Config struct {
 	// Margin is added to the longest topic window, for a consumer that is
 	// down, a retention check that runs late (log.retention.check.interval.ms)
 	// and clock skew between the broker and the database. Default: 24h
-	// (DefaultMargin); a negative value is an error.
+	// (DefaultMargin); a negative value, or one above inbox.MaxSafeWindow,
+	// is an error.
 	Margin time.Duration
 }
 
@@ -84,8 +102,8 @@ func New(cfg Config) (*Source, error) {
 	if len(cfg.Topics) == 0 {
 		return nil, errors.New("kafkaretention: Config.Topics is required")
 	}
-	if cfg.Margin < 0 {
-		return nil, fmt.Errorf("kafkaretention: Config.Margin must not be negative, got %v", cfg.Margin)
+	if cfg.Margin < 0 || cfg.Margin > inbox.MaxSafeWindow {
+		return nil, fmt.Errorf("kafkaretention: Config.Margin must be between 0 and %v (inbox.MaxSafeWindow), got %v", inbox.MaxSafeWindow, cfg.Margin)
 	}
 	if cfg.Margin == 0 {
 		cfg.Margin = DefaultMargin
@@ -133,11 +151,15 @@ type TopicWindow struct {
 // Window is how long the topic can redeliver a message: a segment is only
 // deleted once its newest record is older than retention.ms, and a segment
 // may hold records up to segment.ms older than its newest, so a record can
-// be readable until retention.ms + segment.ms after its timestamp.
-func (w TopicWindow) Window() time.Duration { return w.Retention + w.Segment }
+// be readable until retention.ms + segment.ms after its timestamp. The sum
+// saturates at the longest time.Duration instead of wrapping.
+func (w TopicWindow) Window() time.Duration { return duration.Add(w.Retention, w.Segment) }
 
 // Describe reads the topics' retention settings. A topic that keeps
-// messages forever or compacts them gives an error wrapping ErrNoSafeWindow.
+// messages forever or compacts them, or whose Window is longer than
+// inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow (see the
+// package documentation); a segment.ms that Kafka would refuse (0 or
+// negative) or a value that is not a number gives another error.
 func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 	var out []TopicWindow
 	for _, topic := range s.topics {
@@ -153,20 +175,34 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 				if err != nil {
 					return nil, fmt.Errorf("kafkaretention: topic %s: %s=%q: %w", topic, e.Name, e.Value, err)
 				}
-				if e.Name == "segment.ms" {
-					w.Segment = time.Duration(ms) * time.Millisecond
-					continue
-				}
-				if ms < 0 {
+				if e.Name == "retention.ms" && ms < 0 {
 					return nil, fmt.Errorf("%w: topic %s has retention.ms=%d (kept forever)", ErrNoSafeWindow, topic, ms)
 				}
-				w.Retention = time.Duration(ms) * time.Millisecond
+				if e.Name == "segment.ms" && ms <= 0 {
+					// Kafka refuses it (at least 1): a window computed from it
+					// would be shorter than the retention.
+					return nil, fmt.Errorf("kafkaretention: topic %s has segment.ms=%d, which Kafka does not accept (at least 1): fix the topic's configuration", topic, ms)
+				}
+				d, ok := duration.Millis(ms)
+				if !ok {
+					return nil, fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
+						ErrNoSafeWindow, topic, e.Name, ms)
+				}
+				if e.Name == "segment.ms" {
+					w.Segment = d
+				} else {
+					w.Retention = d
+				}
 			case "cleanup.policy":
 				w.Policy = e.Value
 				if strings.Contains(e.Value, "compact") {
 					return nil, fmt.Errorf("%w: topic %s has cleanup.policy=%s (compacted records stay forever)", ErrNoSafeWindow, topic, e.Value)
 				}
 			}
+		}
+		if w.Window() > inbox.MaxSafeWindow {
+			return nil, fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms = %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
+				ErrNoSafeWindow, topic, w.Retention, w.Segment, inbox.MaxSafeWindow)
 		}
 		out = append(out, w)
 	}
@@ -175,17 +211,26 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 
 // SafeWindow returns the longest topic window plus the margin: the purge
 // window under which no row of a message the cluster can still deliver is
-// deleted. It implements inbox.WindowSource.
+// deleted. A topic without a safe window, or a result longer than
+// inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
+// duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	windows, err := s.Describe(ctx)
 	if err != nil {
 		return 0, err
 	}
-	var longest time.Duration
+	var longest TopicWindow
 	for _, w := range windows {
-		longest = max(longest, w.Window())
+		if w.Window() > longest.Window() {
+			longest = w
+		}
 	}
-	return longest + s.margin, nil
+	safe := duration.Add(longest.Window(), s.margin)
+	if safe > inbox.MaxSafeWindow {
+		return 0, fmt.Errorf("%w: topic %s keeps records for up to %v, which with the margin %v is beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
+			ErrNoSafeWindow, longest.Topic, longest.Window(), s.margin, inbox.MaxSafeWindow)
+	}
+	return safe, nil
 }
 
 // describe runs sarama's DescribeConfig, which takes no context, so that a

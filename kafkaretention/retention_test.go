@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -137,5 +139,109 @@ func TestPurgeWithRetentionSource(t *testing.T) {
 	compacted, _ := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"orders", "ledger"}})
 	if _, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, OlderThan: 1000 * time.Hour, Window: compacted}); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
 		t.Errorf("compacted topic: err = %v, want ErrNoSafeWindow", err)
+	}
+}
+
+// years is n years of 365 days in milliseconds, as a topic config value.
+func years(n int64) string { return strconv.FormatInt(n*365*24*3600*1000, 10) }
+
+// A retention.ms or segment.ms beyond what a time.Duration holds (Kafka's
+// Long.MAX_VALUE, 300 or 1,000 years), or a window beyond
+// inbox.MaxSafeWindow (150 years; two values that would wrap when added; a
+// margin that takes a 99-year window past 100 years), keeps records forever:
+// ErrNoSafeWindow, never a shorter window, even beside a topic with a short
+// one. A segment.ms Kafka would refuse (negative) is an error, not a
+// shorter window.
+func TestSafeWindow_RetentionBeyondADurationMeansForever(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	const longMax = "9223372036854775807"
+	createTopic(t, admin, "one_day", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"})
+	createTopic(t, admin, "long_max_retention", map[string]string{"retention.ms": longMax})
+	createTopic(t, admin, "long_max_segment", map[string]string{"retention.ms": "86400000", "segment.ms": longMax})
+	createTopic(t, admin, "300_years", map[string]string{"retention.ms": years(300)})
+	createTopic(t, admin, "1000_years", map[string]string{"retention.ms": years(1000)})
+	createTopic(t, admin, "150_years", map[string]string{"retention.ms": years(150)})
+	createTopic(t, admin, "sum_wraps", map[string]string{"retention.ms": years(200), "segment.ms": years(200)})
+	createTopic(t, admin, "99_years", map[string]string{"retention.ms": years(99), "segment.ms": "3600000"})
+	createTopic(t, admin, "negative_segment", map[string]string{"retention.ms": "86400000", "segment.ms": "-86400000"})
+
+	cases := []struct {
+		topic  string
+		margin time.Duration
+		want   time.Duration // 0: ErrNoSafeWindow
+	}{
+		{topic: "long_max_retention"},
+		{topic: "long_max_segment"},
+		{topic: "300_years"},
+		{topic: "1000_years"},
+		{topic: "150_years"},
+		{topic: "sum_wraps"},
+		{topic: "99_years", margin: 2 * 365 * 24 * time.Hour},
+		{topic: "99_years", margin: time.Hour, want: 99*365*24*time.Hour + 2*time.Hour}, // within MaxSafeWindow: a window
+	}
+	for _, tc := range cases {
+		src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"one_day", tc.topic}, Margin: tc.margin})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := src.SafeWindow(context.Background())
+		if tc.want != 0 {
+			if err != nil || got != tc.want {
+				t.Errorf("%s, margin %v: SafeWindow = %v, %v; want %v", tc.topic, tc.margin, got, err, tc.want)
+			}
+			continue
+		}
+		if !errors.Is(err, kafkaretention.ErrNoSafeWindow) || !strings.Contains(err.Error(), tc.topic) || got != 0 {
+			t.Errorf("%s, margin %v: SafeWindow = %v, %v; want ErrNoSafeWindow naming the topic", tc.topic, tc.margin, got, err)
+		}
+	}
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"one_day", "negative_segment"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := src.SafeWindow(context.Background()); err == nil || errors.Is(err, kafkaretention.ErrNoSafeWindow) || !strings.Contains(err.Error(), "segment.ms=-86400000") {
+		t.Errorf("negative segment.ms: SafeWindow = %v, %v; want an error naming segment.ms", got, err)
+	}
+	if _, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"one_day"}, Margin: inbox.MaxSafeWindow + 1}); err == nil {
+		t.Error("a margin beyond inbox.MaxSafeWindow: want an error")
+	}
+}
+
+// A purge under a topic that keeps its records forever in practice
+// (retention.ms = Long.MAX_VALUE, 1,000 years) stops with ErrNoSafeWindow
+// and deletes nothing, however old the rows are.
+func TestPurge_TopicKeptForeverDeletesNothing(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	createTopic(t, admin, "ledger", map[string]string{"retention.ms": "9223372036854775807"})
+	createTopic(t, admin, "archive", map[string]string{"retention.ms": years(1000)})
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	ib, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for i, ago := range []time.Duration{400 * 24 * time.Hour, 30 * 24 * time.Hour, 10 * 24 * time.Hour, 3 * 24 * time.Hour} {
+		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+			i, ago.Microseconds()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, topic := range []string{"ledger", "archive"} {
+		src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{topic}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Window: src})
+		var left int
+		if err := db.Get(&left, "SELECT COUNT(*) FROM watermill_inbox"); err != nil {
+			t.Fatal(err)
+		}
+		if !errors.Is(err, kafkaretention.ErrNoSafeWindow) || n != 0 || left != 4 {
+			t.Errorf("topic %s: deleted %d, %v, %d rows left; want ErrNoSafeWindow and all 4 rows", topic, n, err, left)
+		}
 	}
 }

@@ -68,6 +68,15 @@ func useWindow(ctx context.Context, stdout io.Writer, cfg *inbox.PurgeConfig, sr
 	return nil
 }
 
+// splitList splits a comma-separated flag value into its items, each
+// trimmed of spaces, the empty ones dropped: " orders, payments," is
+// [orders payments].
+func splitList(v string) []string {
+	var l listFlag
+	l.Set(v) // never fails
+	return l
+}
+
 // listFlag is a flag that may be repeated, each value a comma-separated
 // list; empty items are dropped.
 type listFlag []string

@@ -44,7 +44,9 @@ import (
 	"github.com/watermill-inbox/inbox/kafkaretention"
 )
 
-const usage = `inbox manages the inbox table of github.com/watermill-inbox/inbox.
+// usage is the command's help. The defaults it states come from the
+// library's constants, so that the text cannot drift from them.
+var usage = `inbox manages the inbox table of github.com/watermill-inbox/inbox.
 
 Usage:
   inbox schema -dialect D [-table T]            print the DDL (or -db DSN instead of -dialect)
@@ -56,7 +58,7 @@ Usage:
   inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-dry-run]
                [-duty-cycle F] [-max-pause D] [-pause D]
                                                 delete rows processed longer ago than DURATION, paced
-                                                to spend the share F of its time in batches (0.2)
+                                                to spend the share F of its time in batches (` + fmt.Sprint(inbox.DefaultPurgeDutyCycle) + `)
   inbox purge  -db DSN -brokers B -topics T [-margin D] [-older-than DURATION] ...
                                                 the same, with the window checked against (or, without
                                                 -older-than, taken from) the Kafka topics' retention
@@ -366,10 +368,12 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	if (*brokers == "") != (*topics == "") {
-		return fmt.Errorf("%w: -brokers and -topics go together", errUsage)
+	brokerList, topicList := splitList(*brokers), splitList(*topics)
+	if (len(brokerList) == 0) != (len(topicList) == 0) {
+		return fmt.Errorf("%w: -brokers and -topics go together, each a comma-separated list of at least one name", errUsage)
 	}
-	if err := js.check(*brokers != ""); err != nil {
+	kafka := len(brokerList) > 0
+	if err := js.check(kafka); err != nil {
 		return err
 	}
 	// 0 would mean "the default" to PurgeConfig; here the default is
@@ -380,7 +384,7 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *maxPause <= 0 {
 		return fmt.Errorf("%w: -max-pause must be positive, got %v", errUsage, *maxPause)
 	}
-	if *olderThan < 0 || (*olderThan == 0 && *brokers == "" && !js.set()) {
+	if *olderThan < 0 || (*olderThan == 0 && !kafka && !js.set()) {
 		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics (or -nats-url and -nats-stream) give the window", errUsage)
 	}
 	db, d, err := c.open(ctx, false)
@@ -390,10 +394,8 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	defer db.Close()
 	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: *olderThan, BatchSize: *batch,
 		DutyCycle: *duty, MaxPause: *maxPause, Pause: *pause, Consumer: *consumer}
-	if *brokers != "" {
-		src, err := kafkaretention.New(kafkaretention.Config{
-			Brokers: strings.Split(*brokers, ","), Topics: strings.Split(*topics, ","), Margin: *margin,
-		})
+	if kafka {
+		src, err := kafkaretention.New(kafkaretention.Config{Brokers: brokerList, Topics: topicList, Margin: *margin})
 		if err != nil {
 			return err
 		}
@@ -402,7 +404,7 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "safe window from Kafka (%s): %s\n", *topics, safe)
+		fmt.Fprintf(stdout, "safe window from Kafka (%s): %s\n", strings.Join(topicList, ","), safe)
 		if cfg.OlderThan == 0 {
 			cfg.OlderThan = safe
 		}

@@ -136,6 +136,15 @@ func TestUsageErrors(t *testing.T) {
 }
 
 // The installed binary, end to end: go build, then run it.
+// The help states the duty cycle a purge uses by default.
+func TestUsageStatesTheDefaultDutyCycle(t *testing.T) {
+	code, out, _ := cli(t, "-h")
+	want := fmt.Sprintf("to spend the share F of its time in batches (%v)", inbox.DefaultPurgeDutyCycle)
+	if code != 0 || !strings.Contains(out, want) {
+		t.Errorf("inbox -h: exit %d, help without %q:\n%s", code, want, out)
+	}
+}
+
 func TestBinary(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "inbox")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
@@ -191,6 +200,16 @@ func TestPurgeWindowFromKafka(t *testing.T) {
 	code, out, errOut := cli(t, append([]string{"purge", "-db", dsn, "-older-than", "1h"}, kafka...)...)
 	if code != 1 || !strings.Contains(errOut, "shorter than the safe window") {
 		t.Errorf("1h under a 1h30m safe window: exit %d %q %q, want 1 and a refusal", code, out, errOut)
+	}
+	// The items of -brokers and -topics are trimmed, and empty ones dropped:
+	// " orders" is the topic orders.
+	spaced := []string{"-brokers", " " + strings.Join(cluster.ListenAddrs(), " , ") + " ,", "-topics", " orders, ,", "-margin", "20m"}
+	code, out, errOut = cli(t, append([]string{"purge", "-db", dsn, "-dry-run"}, spaced...)...)
+	if code != 0 || !strings.Contains(out, "safe window from Kafka (orders): 1h30m0s") || !strings.Contains(out, "would delete 2 rows") {
+		t.Errorf("spaced -brokers and -topics: exit %d %q %q, want the window of orders and 2 rows", code, out, errOut)
+	}
+	if code, _, errOut := cli(t, "purge", "-db", dsn, "-brokers", cluster.ListenAddrs()[0], "-topics", " , "); code != 2 {
+		t.Errorf("-topics without a name: exit %d %q, want 2", code, errOut)
 	}
 	code, out, errOut = cli(t, append([]string{"purge", "-db", dsn}, kafka...)...)
 	if code != 0 || !strings.Contains(out, "safe window from Kafka (orders): 1h30m0s") || !strings.Contains(out, "deleted 2 rows") {
