@@ -93,6 +93,16 @@ type Dialect interface {
 	// in bytes.
 	sizeSQL(table qualifiedName) (string, []any)
 
+	// outbox returns the statements of the outbox relay (Outbox) for the
+	// outbox table t and its dead-letter table dead.
+	outbox(t, dead qualifiedName) outboxSQL
+	// outboxTableOptions returns what follows the column list of an outbox
+	// table's CREATE TABLE.
+	outboxTableOptions() string
+	// createOutbox runs the outbox DDL stmts of table t, safely against
+	// concurrent starters.
+	createOutbox(ctx context.Context, db *sqlx.DB, t qualifiedName, stmts []string) error
+
 	// checkIsolation returns why isolation level l cannot run on this
 	// dialect (a driver refuses it at every BEGIN, or the claim needs
 	// another level), nil when it can.

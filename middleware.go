@@ -177,6 +177,9 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if err := d.commit(); err != nil {
 		return nil, err
 	}
+	if p, ok := d.state.publisher.(txBoundPublisher); ok {
+		p.committed() // wakes this process's outbox relay
+	}
 	d.runAfterCommit()
 	return produced, nil
 }
@@ -237,6 +240,9 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		return nil, fmt.Errorf("inbox: outbox publisher for %q/%q: %w", d.consumer, d.id, err)
 	}
 	d.state = &d.stateValue
+	if p, ok := d.state.publisher.(txBoundPublisher); ok {
+		p.bindContext(d.txCtx)
+	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)
 }

@@ -159,6 +159,16 @@ const routerPollInterval = 100 * time.Millisecond
 // neither running nor closed within RouterPluginStartTimeout, the purger
 // gives up and never starts either.
 func (p *Purger) RouterPlugin(r *message.Router) error {
+	runWhileRouterRuns(r, p.cfg.Logger, "Inbox purger", func(ctx context.Context) { _ = p.Run(ctx) })
+	return nil
+}
+
+// runWhileRouterRuns runs run in a goroutine of its own from the moment r
+// is running until r is closed (then cancels run's context and waits for
+// it); never if r is closed before it ran, or is neither running nor closed
+// within RouterPluginStartTimeout (logged at Error as what, "... not
+// started").
+func runWhileRouterRuns(r *message.Router, logger watermill.LoggerAdapter, what string, run func(ctx context.Context)) {
 	go func() {
 		poll := time.NewTicker(routerPollInterval)
 		defer poll.Stop()
@@ -174,7 +184,7 @@ func (p *Purger) RouterPlugin(r *message.Router) error {
 					return
 				}
 			case <-started.C:
-				p.cfg.Logger.Error("Inbox purger not started: the router did not start running", nil, nil)
+				logger.Error(what+" not started: the router did not start running", nil, nil)
 				return
 			}
 		}
@@ -182,7 +192,7 @@ func (p *Purger) RouterPlugin(r *message.Router) error {
 		stopped := make(chan struct{})
 		go func() {
 			defer close(stopped)
-			_ = p.Run(ctx)
+			run(ctx)
 		}()
 		for range poll.C {
 			if r.IsClosed() {
@@ -192,7 +202,6 @@ func (p *Purger) RouterPlugin(r *message.Router) error {
 		cancel()
 		<-stopped
 	}()
-	return nil
 }
 
 // RunOnce runs one round now: take the lock (or skip), purge, measure the

@@ -1,0 +1,355 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+)
+
+// Defaults of OutboxConfig.
+const (
+	// DefaultOutboxTable is OutboxConfig.Table when it is empty; its
+	// dead-letter table is "<table>_dead".
+	DefaultOutboxTable = "watermill_inbox_outbox"
+	// DefaultOutboxBatchSize is OutboxConfig.BatchSize when it is zero.
+	DefaultOutboxBatchSize = 500
+	// DefaultOutboxPollInterval is OutboxConfig.PollInterval when it is zero.
+	DefaultOutboxPollInterval = time.Second
+	// DefaultOutboxMaxAttempts is OutboxConfig.MaxAttempts when it is zero.
+	DefaultOutboxMaxAttempts = 10
+	// DefaultOutboxMaxBackoff is OutboxConfig.MaxBackoff when it is zero.
+	DefaultOutboxMaxBackoff = 5 * time.Second
+)
+
+// MaxOutboxBatchSize is the largest OutboxConfig.BatchSize.
+const MaxOutboxBatchSize = 10000
+
+// outboxInsertChunk is the most rows one outbox INSERT writes: 4 bind
+// parameters a row stay far below every database's limit (65,535 on
+// PostgreSQL and MySQL, 32,766 on SQLite).
+const outboxInsertChunk = 1000
+
+// maxOutboxTopic is the longest topic the outbox stores, in bytes.
+const maxOutboxTopic = 1024
+
+// ErrOutboxMessage is wrapped by the error an outbox publisher returns for a
+// message it cannot store: an empty or over-long topic, or a message UUID
+// that is empty, over MaxKeyLength bytes or not valid UTF-8 (the next
+// consumer's inbox could not deduplicate it). Nothing is written then, and
+// the inbox rolls the message's transaction back.
+var ErrOutboxMessage = errors.New("inbox: message cannot go to the outbox")
+
+// OutboxConfig configures an Outbox.
+type OutboxConfig struct {
+	// DB is the database of the inbox table: the outbox rows are written in
+	// the inbox transaction, and the relay reads and deletes them here.
+	// Required.
+	DB *sqlx.DB
+
+	// Dialect is the SQL dialect of DB. Default: inferred from
+	// DB.DriverName(), as Config.Dialect.
+	Dialect Dialect
+
+	// Table is the outbox table; its dead-letter table is "<Table>_dead".
+	// It may be schema-qualified and must match the pattern of
+	// Config.Table. Default: DefaultOutboxTable ("watermill_inbox_outbox").
+	Table string
+
+	// Publisher is the broker's publisher the relay sends the messages to,
+	// each to the topic it was published to in the handler. It is called
+	// from the relay's goroutine only, with all the messages of one topic
+	// of a batch at once, in the order they were written. Required.
+	Publisher message.Publisher
+
+	// BatchSize is the most messages one relay transaction reads, publishes
+	// and deletes; between 1 and MaxOutboxBatchSize. Larger batches relay
+	// faster, and after a crash send up to a batch again.
+	// Default: DefaultOutboxBatchSize (500).
+	BatchSize int
+
+	// PollInterval is how long the relay waits for new messages when
+	// nothing tells it of any: messages committed through an Inbox of this
+	// process wake it at once; those of other processes are found at the
+	// latest after PollInterval. Must not be negative.
+	// Default: DefaultOutboxPollInterval (1 s).
+	PollInterval time.Duration
+
+	// MaxAttempts is how many times the relay tries to publish a message
+	// the broker refuses before it sets the message aside in the
+	// dead-letter table, so that it stops holding back the messages behind
+	// it on its topic. A message is set aside only once the broker has
+	// accepted the next message of the same topic (so a broker that is down
+	// sets nothing aside, however long the outage); until then it stays
+	// first in line. Must be at least 1. Default: DefaultOutboxMaxAttempts
+	// (10).
+	MaxAttempts int
+
+	// MaxBackoff caps the wait after a failed relay round (a publish the
+	// broker refused, a database error), which doubles from 50 ms. Must not
+	// be negative. Default: DefaultOutboxMaxBackoff (5 s).
+	MaxBackoff time.Duration
+
+	// Logger receives an Error line for each failed relay round and a Warn
+	// line for each message set aside. Default: watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+
+	// OnRound, if set, is called after every relay round that found
+	// messages or failed, with its outcome, for metrics. It runs on the
+	// relay's goroutine. Default: nil.
+	OnRound func(OutboxRound)
+}
+
+// OutboxRound is the outcome of one relay round.
+type OutboxRound struct {
+	// Relayed is the number of messages the broker accepted and whose rows
+	// were deleted.
+	Relayed int
+	// Failed is the number of publishes the broker refused.
+	Failed int
+	// DeadLettered is the number of messages set aside in the dead-letter
+	// table.
+	DeadLettered int
+	// Duration is how long the round took.
+	Duration time.Duration
+	// Err is the round's error, nil on success.
+	Err error
+}
+
+// OutboxStats is what Outbox.Stats reads.
+type OutboxStats struct {
+	// Pending is the number of messages not yet relayed.
+	Pending int64
+	// OldestAge is how long ago the oldest pending message was written, by
+	// the database clock; 0 when none is pending.
+	OldestAge time.Duration
+	// DeadLettered is the number of messages in the dead-letter table.
+	DeadLettered int64
+}
+
+// Outbox is the transactional outbox of the inbox, with its relay: the
+// messages a handler returns (or publishes through OutboxFromContext) are
+// written to the outbox table in the message's inbox transaction, and the
+// relay sends them to OutboxConfig.Publisher once that transaction has
+// committed, then deletes their rows. Plug it in with
+// Config{Outbox: ob.Publisher} and router.AddPlugin(ob.RouterPlugin).
+//
+// Guarantees (docs/outbox.md says what each rests on):
+//   - a message is sent if and only if its transaction commits, at least
+//     once: a crash or a relay stopped at any point only sends it again,
+//     with the same UUID and metadata, so the next consumer's inbox skips
+//     the repeat;
+//   - a sent message's row is deleted in the transaction that read it, so
+//     the table holds only what has not been sent;
+//   - the messages of one topic are published in the order of their ids
+//     (the order they were written) while nothing fails; a crash sends a
+//     batch again, and several relays on one table publish their batches
+//     side by side;
+//   - on PostgreSQL and MySQL/MariaDB a relay locks the rows it reads (FOR
+//     UPDATE SKIP LOCKED), so several instances share the work and no row
+//     is skipped when transactions commit out of id order; on SQLite one
+//     relay per database is expected (two send messages twice).
+//
+// An Outbox is safe for concurrent use; run one relay (Run or RouterPlugin)
+// per process.
+type Outbox struct {
+	cfg     OutboxConfig
+	dialect Dialect
+	table   qualifiedName
+	sql     outboxSQL
+	wake    chan struct{}
+	logger  watermill.LoggerAdapter
+}
+
+func (c *OutboxConfig) setDefaults() {
+	if c.Dialect == nil && c.DB != nil {
+		c.Dialect, _ = dialectForDriver(c.DB.DriverName())
+	}
+	if c.Table == "" {
+		c.Table = DefaultOutboxTable
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultOutboxBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultOutboxPollInterval
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultOutboxMaxAttempts
+	}
+	if c.MaxBackoff == 0 {
+		c.MaxBackoff = DefaultOutboxMaxBackoff
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports every problem of the configuration at once, joined with
+// errors.Join; nil means valid. Zero optional fields are accepted as their
+// defaults.
+func (c OutboxConfig) Validate() error {
+	errs := validateTarget("OutboxConfig", c.DB, c.Dialect, c.Table)
+	if c.Publisher == nil {
+		errs = append(errs, errors.New("OutboxConfig.Publisher (the broker's publisher) is required"))
+	}
+	if c.BatchSize < 0 || c.BatchSize > MaxOutboxBatchSize {
+		errs = append(errs, fmt.Errorf("OutboxConfig.BatchSize must be between 1 and %d, got %d", MaxOutboxBatchSize, c.BatchSize))
+	}
+	if c.PollInterval < 0 {
+		errs = append(errs, fmt.Errorf("OutboxConfig.PollInterval must not be negative, got %v", c.PollInterval))
+	}
+	if c.MaxAttempts < 0 {
+		errs = append(errs, fmt.Errorf("OutboxConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts))
+	}
+	if c.MaxBackoff < 0 {
+		errs = append(errs, fmt.Errorf("OutboxConfig.MaxBackoff must not be negative, got %v", c.MaxBackoff))
+	}
+	return errors.Join(errs...)
+}
+
+// NewOutbox checks cfg (the error wraps ErrInvalidConfig) and returns an
+// Outbox. It does not touch the database: create the tables with
+// InitializeSchema (or apply its DDL with your migrations).
+func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	t, _ := parseTableName(cfg.Table) // validated
+	dead := qualifiedName{schema: t.schema, name: t.derivedName("_dead")}
+	return &Outbox{
+		cfg:     cfg,
+		dialect: cfg.Dialect,
+		table:   t,
+		sql:     cfg.Dialect.outbox(t, dead),
+		wake:    make(chan struct{}, 1),
+		logger:  cfg.Logger.With(watermill.LogFields{"outbox_table": t.String()}),
+	}, nil
+}
+
+// InitializeSchema creates the outbox table and its dead-letter table if
+// they do not exist. It is idempotent and safe to run from several
+// processes at once.
+func (o *Outbox) InitializeSchema(ctx context.Context) error {
+	if err := o.dialect.createOutbox(ctx, o.cfg.DB, o.table, o.sql.create); err != nil {
+		return fmt.Errorf("inbox: initialize outbox %s: %w", o.table, err)
+	}
+	return nil
+}
+
+// SchemaSQL returns the DDL of the outbox and dead-letter tables, for
+// migration tools.
+func (o *Outbox) SchemaSQL() string {
+	return strings.Join(o.sql.create, ";\n\n") + ";\n"
+}
+
+// Publisher returns a publisher that writes to the outbox in tx: the
+// signature of Config.Outbox (Config{Outbox: ob.Publisher}). Its Publish
+// inserts the messages, in one statement per 1,000, with the message's
+// UUID, payload and metadata, for the relay to send to the topic given once
+// tx commits; it sends nothing itself. Its errors wrap ErrOutboxMessage or
+// the driver's error. Each is bound to one transaction and is safe for
+// concurrent use while the transaction is open; Close does nothing.
+func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
+	if tx == nil {
+		return nil, errors.New("inbox: outbox publisher: no transaction")
+	}
+	return &outboxWriter{o: o, tx: tx, ctx: context.Background()}, nil
+}
+
+// txBoundPublisher is an outbox publisher of this package (outboxWriter)
+// that the middleware tells of its transaction's context and commit.
+type txBoundPublisher interface {
+	bindContext(ctx context.Context)
+	committed()
+}
+
+var _ txBoundPublisher = (*outboxWriter)(nil)
+
+// outboxWriter is the outbox publisher of one inbox transaction.
+type outboxWriter struct {
+	o     *Outbox
+	tx    *sqlx.Tx
+	ctx   context.Context // the transaction's (bindContext)
+	wrote atomic.Bool
+}
+
+// bindContext makes the writer's statements run under ctx, the inbox
+// transaction's context (cancelled by the message's context until the
+// handler returns, then by Config.CommitTimeout). The middleware calls it
+// right after the Outbox factory.
+func (w *outboxWriter) bindContext(ctx context.Context) { w.ctx = ctx }
+
+// committed tells the relay of this process that rows were committed.
+func (w *outboxWriter) committed() {
+	if w.wrote.Load() {
+		w.o.notify()
+	}
+}
+
+// Publish writes msgs to the outbox in the writer's transaction.
+func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
+	if topic == "" || len(topic) > maxOutboxTopic || !utf8.ValidString(topic) || containsNUL(topic) {
+		return fmt.Errorf("%w: topic %q must be 1 to %d bytes of UTF-8 without NUL", ErrOutboxMessage, topic, maxOutboxTopic)
+	}
+	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
+	for start := 0; start < len(msgs); start += outboxInsertChunk {
+		chunk := msgs[start:min(len(msgs), start+outboxInsertChunk)]
+		args = args[:0]
+		for _, m := range chunk {
+			if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
+				return fmt.Errorf("message UUID %q: %w", m.UUID, err)
+			}
+			meta, err := json.Marshal(m.Metadata)
+			if err != nil {
+				return fmt.Errorf("inbox: outbox: metadata of message %s: %w", m.UUID, err)
+			}
+			payload := []byte(m.Payload)
+			if payload == nil {
+				payload = []byte{} // NOT NULL: an empty payload is stored empty
+			}
+			args = append(args, topic, m.UUID, payload, meta)
+		}
+		query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", len(chunk)), ", ")
+		if _, err := w.tx.ExecContext(w.ctx, w.tx.Rebind(query), args...); err != nil {
+			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
+		}
+		w.wrote.Store(true)
+	}
+	return nil
+}
+
+// Close does nothing: the writer holds nothing of its own.
+func (w *outboxWriter) Close() error { return nil }
+
+// notify wakes the relay of this process, if it waits.
+func (o *Outbox) notify() {
+	select {
+	case o.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Stats reads the outbox's depth, the age of its oldest message and the
+// number of dead letters. Errors wrap the driver's.
+func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
+	var (
+		s       OutboxStats
+		oldestU sql.NullInt64
+	)
+	if err := o.cfg.DB.QueryRowxContext(ctx, o.sql.stats).Scan(&s.Pending, &oldestU, &s.DeadLettered); err != nil {
+		return s, fmt.Errorf("inbox: outbox stats of %s: %w", o.table, err)
+	}
+	s.OldestAge = time.Duration(max(oldestU.Int64, 0)) * time.Microsecond
+	return s, nil
+}

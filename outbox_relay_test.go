@@ -1,0 +1,368 @@
+package inbox_test
+
+// The outbox relay (inbox.Outbox): what a handler's transaction writes is
+// sent if and only if it commits, at least once, in order per topic, and
+// its row is deleted; a message the broker keeps refusing is set aside
+// without holding back the rest, and a broker that is down sets nothing
+// aside.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// brokerStub is the broker the relay publishes to: it records what it
+// accepted, per topic in order, and refuses what refuse says.
+type brokerStub struct {
+	mu       sync.Mutex
+	accepted map[string][]*message.Message
+	refuse   func(topic string, m *message.Message) error
+}
+
+func newBrokerStub() *brokerStub { return &brokerStub{accepted: map[string][]*message.Message{}} }
+
+func (b *brokerStub) Publish(topic string, msgs ...*message.Message) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, m := range msgs {
+		if b.refuse != nil {
+			if err := b.refuse(topic, m); err != nil {
+				return err
+			}
+		}
+		b.accepted[topic] = append(b.accepted[topic], m)
+	}
+	return nil
+}
+
+func (b *brokerStub) Close() error { return nil }
+
+func (b *brokerStub) setRefuse(f func(topic string, m *message.Message) error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.refuse = f
+}
+
+// uuids returns the UUIDs accepted on topic, in order.
+func (b *brokerStub) uuids(topic string) []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var ids []string
+	for _, m := range b.accepted[topic] {
+		ids = append(ids, m.UUID)
+	}
+	return ids
+}
+
+// newTestOutbox returns an Outbox on a table of its own, created, with cfg's
+// other fields.
+func newTestOutbox(t *testing.T, db *sqlx.DB, d inbox.Dialect, cfg inbox.OutboxConfig) *inbox.Outbox {
+	t.Helper()
+	table := "outbox_" + randomSuffix()
+	dropLater(t, db, table)
+	dropLater(t, db, table+"_dead")
+	cfg.DB, cfg.Dialect, cfg.Table = db, d, table
+	ob, err := inbox.NewOutbox(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return ob
+}
+
+// writeOutbox commits n messages to topic through ob's publisher, in one
+// transaction, and returns their UUIDs.
+func writeOutbox(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topic string, n int) []string {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	pub, err := ob.Publisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	var msgs []*message.Message
+	for i := range n {
+		m := message.NewMessage(watermill.NewUUID(), []byte("payload "+strconv.Itoa(i)))
+		m.Metadata.Set("n", strconv.Itoa(i))
+		msgs = append(msgs, m)
+		ids = append(ids, m.UUID)
+	}
+	if err := pub.Publish(topic, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func relayUntilEmpty(t *testing.T, ob *inbox.Outbox) {
+	t.Helper()
+	for range 1000 {
+		round := ob.RelayOnce(context.Background())
+		if round.Err == nil && round.Relayed == 0 && round.DeadLettered == 0 {
+			return
+		}
+	}
+	t.Fatal("the relay did not empty the outbox in 1,000 rounds")
+}
+
+// Through a real router: the messages a handler returns and those it
+// publishes through OutboxFromContext reach the broker once its transaction
+// commits, with their UUID, payload and metadata; a failed handler's reach
+// it never; a duplicate delivery sends nothing again; the table ends empty.
+// The relay runs as a router plugin and is woken by the commit (its poll
+// interval is an hour).
+func TestOutboxRelaySendsWhatCommittedOnly(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddPlugin(ob.RouterPlugin)
+			r.AddMiddleware(ib.Middleware)
+			r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
+				pub, ok := inbox.OutboxFromContext(msg.Context())
+				if !ok {
+					return nil, errors.New("no outbox publisher")
+				}
+				mail := message.NewMessage(msg.UUID+"-mail", []byte("mail"))
+				if err := pub.Publish("mails", mail); err != nil {
+					return nil, err
+				}
+				if msg.Metadata.Get("fail") != "" {
+					return nil, errors.New("payment service unavailable")
+				}
+				invoice := message.NewMessage(msg.UUID+"-invoice", []byte("invoice of "+msg.UUID))
+				invoice.Metadata.Set("order", msg.UUID)
+				return []*message.Message{invoice}, nil
+			})
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		ok := message.NewMessage(watermill.NewUUID(), nil)
+		failing := message.NewMessage(watermill.NewUUID(), nil)
+		failing.Metadata.Set("fail", "yes")
+		for _, m := range []*message.Message{ok, delivery(ok, "again"), failing} {
+			want := m.Metadata.Get("fail") == ""
+			if acked, err := in.send(ctx, m.Copy()); err != nil || acked != want {
+				t.Fatalf("delivery of %s: acked %v (%v), want %v", m.UUID, acked, err, want)
+			}
+		}
+		waitFor(t, func() bool { // the plugin's relay, woken by the commit
+			stats, err := ob.Stats(ctx)
+			return err == nil && stats.Pending == 0 && len(broker.uuids("invoices")) >= 1 && len(broker.uuids("mails")) >= 1
+		})
+		if got := broker.uuids("invoices"); len(got) != 1 || got[0] != ok.UUID+"-invoice" {
+			t.Errorf("invoices sent: %v, want [%s-invoice]", got, ok.UUID)
+		}
+		if got := broker.uuids("mails"); len(got) != 1 || got[0] != ok.UUID+"-mail" {
+			t.Errorf("mails sent: %v, want [%s-mail]", got, ok.UUID)
+		}
+		broker.mu.Lock()
+		invoice := broker.accepted["invoices"][0]
+		broker.mu.Unlock()
+		if string(invoice.Payload) != "invoice of "+ok.UUID || invoice.Metadata.Get("order") != ok.UUID {
+			t.Errorf("invoice sent with payload %q and metadata %v", invoice.Payload, invoice.Metadata)
+		}
+		stats, err := ob.Stats(ctx)
+		if err != nil || stats.Pending != 0 || stats.DeadLettered != 0 {
+			t.Errorf("stats after the relay: %+v (%v), want an empty outbox", stats, err)
+		}
+	})
+}
+
+// Messages written in many transactions leave in the order they were
+// written, per topic, whatever the batch size.
+func TestOutboxRelayKeepsTheOrderOfATopic(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, BatchSize: 7})
+		var want []string
+		for range 20 {
+			want = append(want, writeOutbox(t, db, ob, "ledger", 5)...)
+			writeOutbox(t, db, ob, "audit", 1)
+		}
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("ledger"); fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("ledger order:\n got %v\nwant %v", got, want)
+		}
+		if n := len(broker.uuids("audit")); n != 20 {
+			t.Errorf("audit messages sent: %d, want 20", n)
+		}
+	})
+}
+
+// One message the broker refuses for ever: after MaxAttempts tries, once
+// the next message of its topic is accepted, it is set aside in the
+// dead-letter table and every message behind it is sent, in order.
+func TestOutboxRelaySetsAsideAMessageTheBrokerKeepsRefusing(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3, BatchSize: 20})
+		ids := writeOutbox(t, db, ob, "payments", 50)
+		poison := ids[0]
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == poison {
+				return errors.New("message too large")
+			}
+			return nil
+		})
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[1:]) {
+			t.Errorf("sent %d messages %v, want the 49 behind the refused one, in order", len(got), got)
+		}
+		stats, err := ob.Stats(context.Background())
+		if err != nil || stats.Pending != 0 || stats.DeadLettered != 1 {
+			t.Errorf("stats: %+v (%v), want nothing pending and one dead letter", stats, err)
+		}
+	})
+}
+
+// A broker that refuses everything for longer than MaxAttempts rounds sets
+// nothing aside: once it is back, every message is sent, in order.
+func TestOutboxRelaySetsNothingAsideWhileTheBrokerIsDown(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+		ids := writeOutbox(t, db, ob, "payments", 30)
+		broker.setRefuse(func(string, *message.Message) error { return errors.New("broker unavailable") })
+		for range 10 {
+			if round := ob.RelayOnce(context.Background()); round.Err == nil || round.Relayed != 0 || round.DeadLettered != 0 {
+				t.Fatalf("round while the broker is down: %+v, want an error and nothing relayed or set aside", round)
+			}
+		}
+		broker.setRefuse(nil)
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
+			t.Errorf("sent %v after the outage, want all 30 in order", got)
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.DeadLettered != 0 {
+			t.Errorf("stats: %+v (%v), want no dead letter", stats, err)
+		}
+	})
+}
+
+// A transaction that wrote to the outbox first (lower id) and commits last
+// is not skipped: the relay keeps no offset, it sends what is there.
+func TestOutboxRelaySendsWhatCommitsOutOfIDOrder(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite has one writer at a time: two write transactions cannot interleave")
+		}
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		slow, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer slow.Rollback()
+		pub, err := ob.Publisher(slow)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := message.NewMessage(watermill.NewUUID(), nil)
+		if err := pub.Publish("orders", first); err != nil {
+			t.Fatal(err)
+		}
+		later := writeOutbox(t, db, ob, "orders", 1)
+		relayUntilEmpty(t, ob)
+		if err := slow.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("orders"); fmt.Sprint(got) != fmt.Sprint([]string{later[0], first.UUID}) {
+			t.Errorf("sent %v, want the later commit's message, then the earlier write's", got)
+		}
+	})
+}
+
+// Two relays on one table at once send every message, none twice (their
+// locked reads skip each other's rows), and empty the table.
+func TestOutboxRelaysShareTheWork(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite has no row locks: a second relay on one database sends messages twice (docs/outbox.md)")
+		}
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, BatchSize: 50})
+		var ids []string
+		for range 10 {
+			ids = append(ids, writeOutbox(t, db, ob, "orders", 100)...)
+		}
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				relayUntilEmpty(t, ob)
+			}()
+		}
+		wg.Wait()
+		got := broker.uuids("orders")
+		seen := map[string]int{}
+		for _, id := range got {
+			seen[id]++
+		}
+		for _, id := range ids {
+			if seen[id] != 1 {
+				t.Errorf("message %s sent %d times, want once", id, seen[id])
+			}
+		}
+		if len(got) != len(ids) {
+			t.Errorf("sent %d messages, want %d", len(got), len(ids))
+		}
+	})
+}
+
+// Ids are 64-bit: past 2^31 inserts the outbox still takes and relays
+// messages (a 32-bit SERIAL fails every insert from there on).
+func TestOutboxIDsDoNotRunOutAt32Bits(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		table := relayTable(t, ob)
+		switch tdb.Dialect {
+		case inbox.MySQL:
+			exec(t, db, "ALTER TABLE "+table+" AUTO_INCREMENT = 2147483640")
+		case inbox.SQLite:
+			exec(t, db, "INSERT INTO sqlite_sequence (name, seq) VALUES ('"+table+"', 2147483640)")
+		default:
+			exec(t, db, "ALTER TABLE "+table+" ALTER COLUMN id RESTART WITH 2147483640")
+		}
+		ids := writeOutbox(t, db, ob, "orders", 20)
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("orders"); fmt.Sprint(got) != fmt.Sprint(ids) {
+			t.Errorf("sent %v, want the 20 messages written past id 2^31", got)
+		}
+	})
+}
+
+// relayTable returns the name of ob's table (from its DDL).
+func relayTable(t *testing.T, ob *inbox.Outbox) string {
+	t.Helper()
+	var name string
+	if _, err := fmt.Sscanf(ob.SchemaSQL(), "CREATE TABLE IF NOT EXISTS %s", &name); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
