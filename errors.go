@@ -113,6 +113,28 @@ var (
 // IsTransient reports true.
 var ErrCommitTimeout = errors.New("inbox: commit timed out")
 
+// ErrTransactionEnded means that the handler ended the inbox transaction
+// itself before returning nil: it committed or rolled it back (tx.Commit,
+// tx.Rollback, a COMMIT or ROLLBACK statement run through it) or, on
+// MySQL/MariaDB, ran a statement that commits implicitly (DDL such as
+// CREATE TABLE or ALTER TABLE, LOCK TABLES). The inbox row and the handler's
+// writes were then not committed together, or not at all, so the message is
+// nacked instead of acked. Fix the handler: let the inbox commit, return an
+// error to roll back, and run DDL outside the handler. IsTransient reports
+// false: a redelivery runs the same handler. Whatever the handler committed
+// stays committed; if that included the inbox row, the redelivery is skipped
+// as a duplicate.
+//
+// It is detected before COMMIT from the transaction status the server sent
+// with its last response (no round trip): with pgxinbox, and with
+// database/sql on pgx's stdlib, lib/pq, go-sql-driver/mysql and
+// mattn/go-sqlite3; on modernc.org/sqlite from the COMMIT that SQLite
+// refuses. On MySQL/MariaDB a ROLLBACK (which removed the inbox row) looks
+// like a deadlock the handler ignored and is reported as ErrTxRolledBack.
+var ErrTransactionEnded = errors.New("inbox: the handler ended the inbox transaction itself " +
+	"(COMMIT, ROLLBACK, tx.Commit, tx.Rollback, or a statement that commits implicitly, such as DDL on MySQL): " +
+	"return nil to commit or an error to roll back, and leave the transaction to the inbox")
+
 // ErrNoOutbox means that ContextOutbox was asked to publish a message whose
 // context carries no inbox transaction with an outbox: it was published
 // outside a claimed message's handler (or after it returned), or the inbox
