@@ -75,7 +75,9 @@ var (
 	// handler that ignores that error runs its later statements outside any
 	// transaction (they are kept). The message is nacked, and its redelivery
 	// processes it. IsTransient reports true. (PostgreSQL and SQLite report
-	// this at COMMIT, with their own error.)
+	// this at COMMIT, with their own error.) A handler's ROLLBACK statement
+	// on MySQL/MariaDB removes the inbox row in the same way and cannot be
+	// told apart from it: it is reported with this error too.
 	ErrTxRolledBack = errors.New("inbox: the database rolled the transaction back before the commit")
 
 	// ErrUnexpectedRowsAffected means the claim statement reported a number

@@ -74,7 +74,8 @@ import (
 //     does not resolve): they are errors of the message. Nor a bare
 //     io.ErrUnexpectedEOF, which is what json.Decoder and binary.Read
 //     return for a truncated payload.
-//   - Any error with a SafeToRetry() bool method that reports true: pgx's
+//   - Any error with a SafeToRetry() bool method that reports true (but
+//     pgx's "conn busy", below): pgx's
 //     errors that happened before anything was sent to the server, such as
 //     "conn closed" when a transaction's connection was lost earlier (a
 //     COMMIT after a statement whose connection error the handler ignored).
@@ -108,6 +109,21 @@ import (
 //     and transient by the rules above.
 //   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
 //     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
+//   - A shutdown, so that a deploy does not poison the messages in flight:
+//     a closed pgxpool.Pool (puddle's ErrClosedPool, which pgxpool returns
+//     as it is), a closed *sql.DB (database/sql's "sql: database is
+//     closed", matched by identity with the value database/sql returns,
+//     never by text), sql.ErrConnDone, and the message context that the
+//     router's Close ended (context.Canceled, above).
+//
+// Never transient, whatever else the chain holds (a failed ROLLBACK after
+// them): bugs of the handler that a redelivery repeats. The inbox's
+// ErrTransactionEnded (the handler committed or rolled back the inbox
+// transaction itself), and pgx's "conn busy" (pgconn's lock error for a
+// connection used while rows of an earlier query were still open, or
+// "conn uninitialized"), which pgx marks SafeToRetry but exports no
+// sentinel for: it is recognised by its type, as a lock error that does
+// not wrap pgconn.ErrConnClosed (a closed connection's stays transient).
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
