@@ -282,7 +282,9 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 // has already rolled everything back. COMMIT would succeed with nothing to
 // commit in each case.
 func (d *delivery) checkStillClaimed() error {
-	ended := d.tx.ended()
+	// A transaction that ended with its context (the commit bound: then
+	// database/sql rolls it back) is reported by commitTimedOut below.
+	ended := d.txCtx.Err() == nil && d.tx.ended()
 	held, err := d.tx.stillClaimed(d.txCtx, d.consumer, d.id)
 	switch {
 	case err != nil && !ended:

@@ -22,12 +22,13 @@ func TestShutdown_ClosedDBIsTransient(t *testing.T) {
 	for _, tdb := range testDBs {
 		t.Run(tdb.Name, func(t *testing.T) {
 			t.Parallel()
-			closedShutdownCase(t, tdb)
+			closedDBCase(t, tdb)
 		})
 	}
 }
 
-func closedShutdownCase(t *testing.T, tdb testDB) {
+// closedDBCase is one database's case of TestShutdown_ClosedDBIsTransient.
+func closedDBCase(t *testing.T, tdb testDB) {
 	var db, inboxDB *sqlx.DB // inboxDB: the inbox's own, closed below
 	if tdb.Dialect == inbox.SQLite {
 		path := filepath.Join(t.TempDir(), "inbox.db")
@@ -35,36 +36,34 @@ func closedShutdownCase(t *testing.T, tdb testDB) {
 	} else {
 		db, inboxDB = tdb.Open(t), tdb.Open(t)
 	}
-	{
-		f := newFixture(t, db)
-		ib, err := inbox.New(inbox.Config{DB: inboxDB, Dialect: tdb.Dialect, Table: f.inbox})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := ib.InitializeSchema(context.Background()); err != nil {
-			t.Fatal(err)
-		}
-		out := &outcomes{}
-		in := newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(out.Middleware, ib.Middleware)
-			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return f.writeBusinessRow(msg) })
-		})
-		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
-		defer cancel()
-		if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), "before")); err != nil || !acked {
-			t.Fatalf("before the close: acked %v (%v), router got %v", acked, err, out.last("before"))
-		}
-		inboxDB.Close()
-		if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), "after")); err != nil || acked {
-			t.Fatalf("after the close: acked %v (%v), want a nack", acked, err)
-		}
-		if err := out.last("after"); err == nil || !inbox.IsTransient(err) {
-			t.Errorf("router got %v (transient %v), want a transient error", err, inbox.IsTransient(err))
-		}
-		if f.businessRows() != 1 || f.inboxRows() != 1 {
-			t.Errorf("business rows %d, inbox rows %d; want 1 and 1", f.businessRows(), f.inboxRows())
-		}
+	f := newFixture(t, db)
+	ib, err := inbox.New(inbox.Config{DB: inboxDB, Dialect: tdb.Dialect, Table: f.inbox})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	out := &outcomes{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return f.writeBusinessRow(msg) })
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+	defer cancel()
+	if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), "before")); err != nil || !acked {
+		t.Fatalf("before the close: acked %v (%v), router got %v", acked, err, out.last("before"))
+	}
+	inboxDB.Close()
+	if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), "after")); err != nil || acked {
+		t.Fatalf("after the close: acked %v (%v), want a nack", acked, err)
+	}
+	if err := out.last("after"); err == nil || !inbox.IsTransient(err) {
+		t.Errorf("router got %v (transient %v), want a transient error", err, inbox.IsTransient(err))
+	}
+	if f.businessRows() != 1 || f.inboxRows() != 1 {
+		t.Errorf("business rows %d, inbox rows %d; want 1 and 1", f.businessRows(), f.inboxRows())
 	}
 }
 

@@ -82,18 +82,16 @@ func newTxProbe(t reflect.Type) txProbe {
 }
 
 // pgxStdlibProbe calls pgx's exported Conn().PgConn().TxStatus() on a
-// *stdlib.Conn (type t).
+// *stdlib.Conn (type t): the first two through reflect (their results are
+// pgx's types), TxStatus through an interface.
 func pgxStdlibProbe(t reflect.Type) txProbe {
 	conn, ok := t.MethodByName("Conn")
-	if !ok || conn.Type.NumIn() != 1 || conn.Type.NumOut() != 1 {
+	if !ok || conn.Type.NumIn() != 1 || conn.Type.NumOut() != 1 || conn.Type.Out(0).Kind() != reflect.Pointer {
 		return nil
 	}
 	pgConn, ok := conn.Type.Out(0).MethodByName("PgConn")
-	if !ok || pgConn.Type.NumIn() != 1 || pgConn.Type.NumOut() != 1 {
-		return nil
-	}
-	status, ok := pgConn.Type.Out(0).MethodByName("TxStatus")
-	if !ok || status.Type.NumIn() != 1 || status.Type.NumOut() != 1 || status.Type.Out(0).Kind() != reflect.Uint8 {
+	if !ok || pgConn.Type.NumIn() != 1 || pgConn.Type.NumOut() != 1 || pgConn.Type.Out(0).Kind() != reflect.Pointer ||
+		!pgConn.Type.Out(0).Implements(reflect.TypeFor[txStatuser]()) {
 		return nil
 	}
 	return func(v reflect.Value) bool {
@@ -105,9 +103,14 @@ func pgxStdlibProbe(t reflect.Type) txProbe {
 		if pc.IsNil() {
 			return false
 		}
-		return status.Func.Call([]reflect.Value{pc})[0].Uint() == 'I'
+		return pc.Interface().(txStatuser).TxStatus() == 'I'
 	}
 }
+
+// txStatuser is pgconn.PgConn's TxStatus: the transaction status of
+// PostgreSQL's last ReadyForQuery ('I' idle, 'T' in a transaction, 'E' in
+// a failed one).
+type txStatuser interface{ TxStatus() byte }
 
 // sqliteError is SQLite's primary result code SQLITE_ERROR: a COMMIT gets
 // it only when no transaction is active ("cannot commit - no transaction
