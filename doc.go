@@ -157,6 +157,12 @@
 // A failed rollback of the inbox transaction is returned too (joined,
 // transient): the connection is in doubt, and the redelivery settles it.
 //
+// A handler that ended the transaction itself and returned nil is nacked
+// with ErrTransactionEnded (step 7; not transient): a message is never
+// acked unless the inbox committed its row together with the handler's
+// writes. A handler that ended it and returned an error is nacked with its
+// error.
+//
 // A deadline or cancellation of the message's context (middleware.Timeout,
 // a router shutdown) that fires before the handler returns ends the
 // transaction: database/sql rolls it back, the handler's statements fail
@@ -172,8 +178,10 @@
 // Errors of the database are wrapped with the operation and the key;
 // errors.As still reaches the driver's error type. IsTransient tells a
 // failure worth a redelivery (deadlock, serialization failure, timeout,
-// lost connection, busy SQLite database) from one that is not, by driver
-// error code, never by text.
+// lost connection, busy SQLite database, a shutdown closing the pool or
+// the DB) from one that is not (including the handler's bugs:
+// ErrTransactionEnded, pgx's "conn busy"), by driver error code or
+// sentinel, never by text.
 //
 // # Order of middlewares
 //

@@ -131,8 +131,9 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // with its last response (no round trip): with pgxinbox, and with
 // database/sql on pgx's stdlib, lib/pq, go-sql-driver/mysql and
 // mattn/go-sqlite3; on modernc.org/sqlite from the COMMIT that SQLite
-// refuses. On MySQL/MariaDB a ROLLBACK (which removed the inbox row) looks
-// like a deadlock the handler ignored and is reported as ErrTxRolledBack.
+// refuses. On MySQL/MariaDB a ROLLBACK statement (which removed the inbox
+// row) looks exactly like a deadlock the handler ignored and is reported as
+// ErrTxRolledBack; tx.Rollback is ErrTransactionEnded there too.
 var ErrTransactionEnded = errors.New("inbox: the handler ended the inbox transaction itself " +
 	"(COMMIT, ROLLBACK, tx.Commit, tx.Rollback, or a statement that commits implicitly, such as DDL on MySQL): " +
 	"return nil to commit or an error to roll back, and leave the transaction to the inbox")
