@@ -50,7 +50,10 @@
 //     statements after it run outside any transaction and are kept.
 //   - Never end the transaction: no Commit or Rollback, no COMMIT or
 //     ROLLBACK statement, no MySQL statement that commits implicitly (DDL,
-//     LOCK TABLES). The inbox row would commit early.
+//     LOCK TABLES). Return nil to commit, an error to roll back. A handler
+//     that ends it and returns nil is nacked with ErrTransactionEnded (not
+//     transient; on MySQL/MariaDB a ROLLBACK is ErrTxRolledBack, step 7);
+//     what it committed itself stays committed, the inbox row included.
 //   - Add the middleware once (ErrNestedInbox).
 //
 // # The flow
@@ -104,13 +107,19 @@
 //     transaction; none are returned to the router, so they are sent if and
 //     only if the transaction commits. Without it the router publishes them
 //     after the commit.
-//  7. Pre-commit check. On MySQL/MariaDB the inbox re-reads its claim in
+//  7. Pre-commit check. The transaction must still be open: a handler that
+//     committed or rolled it back itself (see the rules above) is nacked
+//     with ErrTransactionEnded, because PostgreSQL and MySQL accept a COMMIT
+//     outside a transaction. The inbox reads the transaction status the
+//     server sent with its last response (no round trip; SQLite refuses the
+//     COMMIT instead). On MySQL/MariaDB the inbox also re-reads its claim in
 //     the transaction (one round trip): a deadlock (1213) or snapshot
 //     conflict (1020) whose error the handler ignored has already rolled the
 //     transaction back there, its later statements ran outside any
 //     transaction, and COMMIT would succeed with nothing to commit. The
-//     error is then ErrTxRolledBack. PostgreSQL and SQLite report this at
-//     COMMIT with their own error.
+//     error is then ErrTxRolledBack, also for a handler's ROLLBACK, which
+//     MySQL reports alike. PostgreSQL and SQLite report a rollback by the
+//     database at COMMIT with their own error.
 //  8. Commit. COMMIT makes the inbox row and the handler's writes durable
 //     together.
 //  9. After-commit. The functions registered with AfterCommit run (a panic
@@ -148,6 +157,12 @@
 // A failed rollback of the inbox transaction is returned too (joined,
 // transient): the connection is in doubt, and the redelivery settles it.
 //
+// A handler that ended the transaction itself and returned nil is nacked
+// with ErrTransactionEnded (step 7; not transient): a message is never
+// acked unless the inbox committed its row together with the handler's
+// writes. A handler that ended it and returned an error is nacked with its
+// error.
+//
 // A deadline or cancellation of the message's context (middleware.Timeout,
 // a router shutdown) that fires before the handler returns ends the
 // transaction: database/sql rolls it back, the handler's statements fail
@@ -163,8 +178,10 @@
 // Errors of the database are wrapped with the operation and the key;
 // errors.As still reaches the driver's error type. IsTransient tells a
 // failure worth a redelivery (deadlock, serialization failure, timeout,
-// lost connection, busy SQLite database) from one that is not, by driver
-// error code, never by text.
+// lost connection, busy SQLite database, a shutdown closing the pool or
+// the DB) from one that is not (including the handler's bugs:
+// ErrTransactionEnded, pgx's "conn busy"), by driver error code or
+// sentinel, never by text.
 //
 // # Order of middlewares
 //

@@ -84,7 +84,9 @@ var (
 	// handler that ignores that error runs its later statements outside any
 	// transaction (they are kept). The message is nacked, and its redelivery
 	// processes it. IsTransient reports true. (PostgreSQL and SQLite report
-	// this at COMMIT, with their own error.)
+	// this at COMMIT, with their own error.) A handler's ROLLBACK statement
+	// on MySQL/MariaDB removes the inbox row in the same way and cannot be
+	// told apart from it: it is reported with this error too.
 	ErrTxRolledBack = errors.New("inbox: the database rolled the transaction back before the commit")
 
 	// ErrUnexpectedRowsAffected means the claim statement reported a number
@@ -121,6 +123,29 @@ var (
 // transaction rolled back or skips it as a duplicate if it committed.
 // IsTransient reports true.
 var ErrCommitTimeout = errors.New("inbox: commit timed out")
+
+// ErrTransactionEnded means that the handler ended the inbox transaction
+// itself before returning nil: it committed or rolled it back (tx.Commit,
+// tx.Rollback, a COMMIT or ROLLBACK statement run through it) or, on
+// MySQL/MariaDB, ran a statement that commits implicitly (DDL such as
+// CREATE TABLE or ALTER TABLE, LOCK TABLES). The inbox row and the handler's
+// writes were then not committed together, or not at all, so the message is
+// nacked instead of acked. Fix the handler: let the inbox commit, return an
+// error to roll back, and run DDL outside the handler. IsTransient reports
+// false: a redelivery runs the same handler. Whatever the handler committed
+// stays committed; if that included the inbox row, the redelivery is skipped
+// as a duplicate.
+//
+// It is detected before COMMIT from the transaction status the server sent
+// with its last response (no round trip): with pgxinbox, and with
+// database/sql on pgx's stdlib, lib/pq, go-sql-driver/mysql and
+// mattn/go-sqlite3; on modernc.org/sqlite from the COMMIT that SQLite
+// refuses. On MySQL/MariaDB a ROLLBACK statement (which removed the inbox
+// row) looks exactly like a deadlock the handler ignored and is reported as
+// ErrTxRolledBack; tx.Rollback is ErrTransactionEnded there too.
+var ErrTransactionEnded = errors.New("inbox: the handler ended the inbox transaction itself " +
+	"(COMMIT, ROLLBACK, tx.Commit, tx.Rollback, or a statement that commits implicitly, such as DDL on MySQL): " +
+	"return nil to commit or an error to roll back, and leave the transaction to the inbox")
 
 // ErrNoOutbox means that ContextOutbox was asked to publish a message whose
 // context carries no inbox transaction with an outbox: it was published

@@ -60,3 +60,7 @@ func WithAfterPurgeSelect(cfg PurgeConfig, f func()) PurgeConfig {
 
 // PurgeRetryable is purgeRetryable, for the external tests.
 var PurgeRetryable = purgeRetryable
+
+// DriverTxEnded is the pre-commit check's read of a driver connection's
+// transaction status (dc from database/sql's Conn.Raw).
+func DriverTxEnded(dc any) bool { return driverTxEnded(dc) }

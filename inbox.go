@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -338,6 +339,10 @@ type claimedTx interface {
 	// stillClaimed runs the dialect's pre-commit check (true where the
 	// dialect has none).
 	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
+	// ended reports, without a round trip, whether the transaction has
+	// already ended on the server: the handler committed or rolled it back
+	// itself. False when the driver cannot tell.
+	ended() bool
 	commit() error
 	// rollback rolls back; after commit, or a rollback, it does nothing.
 	rollback() error
@@ -377,15 +382,15 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if lock.lockedClaim == "" {
 		stmt, heldStmt = ib.preparedClaim(d.sctx)
 	}
-	tx, err := ib.db.BeginTxx(d.txCtx, ib.txOptions)
+	conn, tx, err := ib.beginOnConn(d.txCtx)
 	if err != nil && ib.maybeLostConn(d.txCtx, err) {
-		tx, err = ib.retryBegin(d, err)
+		conn, tx, err = ib.retryBegin(d, err)
 	}
 	if err != nil {
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
-	*t = sqlTx{ib: ib, tx: tx, heldStmt: heldStmt}
+	*t = sqlTx{ib: ib, conn: conn, tx: tx, ctx: d.txCtx, heldStmt: heldStmt}
 	ib.hooks.begun()
 	var n int64
 	if lock.lockedClaim != "" {
@@ -413,11 +418,39 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	return t, claimed, nil
 }
 
+// beginOnConn begins a message's transaction on a connection it holds as a
+// database/sql Conn, so that ended can read the driver connection's
+// transaction status (Conn.Raw) without a round trip. As DB.BeginTx does,
+// it tries again, at most twice, when the connection turns out dead
+// (driver.ErrBadConn).
+func (ib *Inbox) beginOnConn(ctx context.Context) (*sqlx.Conn, *sqlx.Tx, error) {
+	for try := 0; ; try++ {
+		conn, err := ib.db.Connx(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		tx, err := conn.BeginTxx(ctx, ib.txOptions)
+		if err == nil {
+			return conn, tx, nil
+		}
+		conn.Close()
+		if try == 2 || !errors.Is(err, driver.ErrBadConn) {
+			return nil, nil, err
+		}
+	}
+}
+
 // sqlTx is a delivery's transaction through database/sql.
 type sqlTx struct {
 	ib       *Inbox
+	conn     *sqlx.Conn // the connection tx runs on; closed (back to the pool) when tx ends
 	tx       *sqlx.Tx
-	heldStmt *sqlx.Stmt // the pre-commit check, prepared; nil when not prepared
+	ctx      context.Context // the transaction's context (delivery.txCtx)
+	heldStmt *sqlx.Stmt      // the pre-commit check, prepared; nil when not prepared
+	// endedEarly is set when ended found the transaction already ended:
+	// the final ROLLBACK may then fail (lib/pq refuses one outside a
+	// transaction) without meaning anything.
+	endedEarly bool
 }
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
@@ -438,12 +471,38 @@ func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, er
 	return t.ib.held(ctx, t.tx, t.heldStmt, consumer, id)
 }
 
-func (t *sqlTx) commit() error { return t.tx.Commit() }
+// ended asks the driver connection, through Conn.Raw, what the server last
+// said about its transaction (see driverTxEnded).
+func (t *sqlTx) ended() bool {
+	_ = t.conn.Raw(func(dc any) error {
+		t.endedEarly = driverTxEnded(dc)
+		return nil
+	})
+	return t.endedEarly
+}
+
+// commit commits and gives the connection back to the pool. A COMMIT that
+// the driver refuses for want of a transaction (SQLite), or that
+// database/sql refuses because the handler called tx.Commit or tx.Rollback
+// (sql.ErrTxDone while the transaction's context is live: not a rollback
+// for an ended context), is ErrTransactionEnded.
+func (t *sqlTx) commit() error {
+	err := t.tx.Commit()
+	t.conn.Close()
+	if err != nil && (commitFoundNoTx(err) || (errors.Is(err, sql.ErrTxDone) && t.ctx.Err() == nil)) {
+		t.endedEarly = true
+		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
+	}
+	return err
+}
 
 // rollback ignores sql.ErrTxDone: the transaction committed, was rolled
-// back, or was rolled back by database/sql when its context ended.
+// back, or was rolled back by database/sql when its context ended. It gives
+// the connection back to the pool.
 func (t *sqlTx) rollback() error {
-	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+	err := t.tx.Rollback()
+	t.conn.Close()
+	if err != nil && !errors.Is(err, sql.ErrTxDone) && !t.endedEarly {
 		return err
 	}
 	return nil
@@ -467,7 +526,7 @@ func (ib *Inbox) maybeLostConn(ctx context.Context, err error) bool {
 // succeeds, or fails with a transient error (connection refused), the
 // error is a lostConnError, which IsTransient accepts; otherwise it stays
 // as it is. The retry is logged at Debug and recorded on the span.
-func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Tx, error) {
+func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Conn, *sqlx.Tx, error) {
 	if !ib.nopLogger {
 		fields := d.fields()
 		fields["error"] = firstErr.Error()
@@ -475,13 +534,13 @@ func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Tx, error) {
 	}
 	d.span.AddEvent("inbox.begin_retried", trace.WithAttributes(attribute.String("error", firstErr.Error())))
 	ctx := d.txCtx
-	tx, err := ib.db.BeginTxx(ctx, ib.txOptions)
+	conn, tx, err := ib.beginOnConn(ctx)
 	if err != nil && ib.maybeLostConn(ctx, err) {
 		if pingErr := ib.db.PingContext(ctx); pingErr == nil || IsTransient(pingErr) {
 			err = &lostConnError{err}
 		}
 	}
-	return tx, err
+	return conn, tx, err
 }
 
 // withCause returns err, from a call on ctx, joined with ctx's cause when ctx

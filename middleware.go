@@ -39,8 +39,10 @@ import (
 //   - ErrTableNotFound, ErrIncompatibleTable: the table check before the
 //     first claim failed (not transient; add RouterPlugin to the router to
 //     fail at startup instead);
-//   - ErrTxRolledBack (MySQL/MariaDB had already rolled the transaction
-//     back), ErrCommitTimeout (the commit phase outlived
+//   - ErrTransactionEnded (h committed or rolled back the transaction
+//     itself and returned nil: a bug in h; the message is nacked, never
+//     acked), ErrTxRolledBack (MySQL/MariaDB had already rolled the
+//     transaction back), ErrCommitTimeout (the commit phase outlived
 //     Config.CommitTimeout; in doubt), ErrUnexpectedRowsAffected;
 //   - the message context's cause (context.DeadlineExceeded,
 //     context.Canceled) when it ended before h returned;
@@ -279,16 +281,26 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 	return nil, nil // sent by the outbox, not by the router
 }
 
-// checkStillClaimed runs the dialect's pre-commit check: on MySQL/MariaDB a
-// deadlock or conflict whose error the handler ignored has already rolled
-// everything back, and COMMIT would succeed with nothing to commit.
+// checkStillClaimed checks that the transaction is still open and holds the
+// claim: the handler may have ended it (ended: the driver's transaction
+// status, no round trip), and on MySQL/MariaDB the dialect's pre-commit
+// check finds a deadlock or conflict whose error the handler ignored, which
+// has already rolled everything back. COMMIT would succeed with nothing to
+// commit in each case.
 func (d *delivery) checkStillClaimed() error {
+	// A transaction that ended with its context (the commit bound: then
+	// database/sql rolls it back) is reported by commitTimedOut below.
+	ended := d.txCtx.Err() == nil && d.tx.ended()
 	held, err := d.tx.stillClaimed(d.txCtx, d.consumer, d.id)
-	if err != nil {
+	switch {
+	case err != nil && !ended:
 		return fmt.Errorf("inbox: commit %q/%q: check the claim: %w", d.consumer, d.id, d.commitTimedOut(err))
-	}
-	if !held {
+	case err == nil && !held:
+		// The inbox row is gone: rolled back by the database or, which
+		// MySQL reports alike, by the handler's ROLLBACK statement.
 		return fmt.Errorf("inbox: commit %q/%q: %w", d.consumer, d.id, ErrTxRolledBack)
+	case ended:
+		return fmt.Errorf("inbox: commit %q/%q: %w", d.consumer, d.id, ErrTransactionEnded)
 	}
 	return nil
 }

@@ -122,6 +122,7 @@ func (t *nativeTx) stillClaimed(ctx context.Context, consumer, id string) (bool,
 	return t.tx.StillClaimed(ctx, consumer, id)
 }
 
+func (t *nativeTx) ended() bool     { return t.tx.Ended() }
 func (t *nativeTx) commit() error   { return t.tx.Commit() }
 func (t *nativeTx) rollback() error { return t.tx.Rollback() }
 

@@ -9,7 +9,10 @@ import (
 	"net"
 	"reflect"
 	"slices"
+	"sync"
 	"syscall"
+
+	"github.com/jackc/puddle/v2"
 )
 
 // IsTransient reports whether err is a failure that says nothing about the
@@ -71,7 +74,8 @@ import (
 //     does not resolve): they are errors of the message. Nor a bare
 //     io.ErrUnexpectedEOF, which is what json.Decoder and binary.Read
 //     return for a truncated payload.
-//   - Any error with a SafeToRetry() bool method that reports true: pgx's
+//   - Any error with a SafeToRetry() bool method that reports true (but
+//     pgx's "conn busy", below): pgx's
 //     errors that happened before anything was sent to the server, such as
 //     "conn closed" when a transaction's connection was lost earlier (a
 //     COMMIT after a statement whose connection error the handler ignored).
@@ -105,6 +109,21 @@ import (
 //     and transient by the rules above.
 //   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
 //     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
+//   - A shutdown, so that a deploy does not poison the messages in flight:
+//     a closed pgxpool.Pool (puddle's ErrClosedPool, which pgxpool returns
+//     as it is), a closed *sql.DB (database/sql's "sql: database is
+//     closed", matched by identity with the value database/sql returns,
+//     never by text), sql.ErrConnDone, and the message context that the
+//     router's Close ended (context.Canceled, above).
+//
+// Never transient, whatever else the chain holds (a failed ROLLBACK after
+// them): bugs of the handler that a redelivery repeats. The inbox's
+// ErrTransactionEnded (the handler committed or rolled back the inbox
+// transaction itself), and pgx's "conn busy" (pgconn's lock error for a
+// connection used while rows of an earlier query were still open, or
+// "conn uninitialized"), which pgx marks SafeToRetry but exports no
+// sentinel for: it is recognised by its type, as a lock error that does
+// not wrap pgconn.ErrConnClosed (a closed connection's stays transient).
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
@@ -115,6 +134,14 @@ import (
 func IsTransient(err error) bool {
 	if err == nil {
 		return false
+	}
+	// Bugs of the handler first: whatever else the chain holds (a failed
+	// ROLLBACK after them), a redelivery runs the same handler.
+	if errors.Is(err, ErrTransactionEnded) || anyInChain(err, isPgconnMisuse) {
+		return false
+	}
+	if isShutdown(err) {
+		return true
 	}
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) || errors.Is(err, ErrTxRolledBack) ||
 		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || errors.Is(err, syscall.ECONNRESET) ||
@@ -130,6 +157,58 @@ func IsTransient(err error) bool {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
+}
+
+// isShutdown reports whether err says that the process is shutting down
+// the inbox's database handle under it: pgxpool's closed pool (puddle's
+// exported ErrClosedPool, which pgxpool.Pool.Acquire returns as it is), or
+// a closed *sql.DB. database/sql reports the latter with an unexported
+// sentinel ("sql: database is closed"); errDBClosed obtains that very value
+// from a closed DB once, so that errors.Is matches it by identity, never by
+// text. sql.ErrConnDone and a cancelled context are matched in IsTransient.
+func isShutdown(err error) bool {
+	return errors.Is(err, puddle.ErrClosedPool) || errors.Is(err, errDBClosed())
+}
+
+// errDBClosed is the error database/sql returns for any use of a closed
+// *sql.DB, taken from a DB opened on a connector that never connects and
+// closed at once.
+var errDBClosed = sync.OnceValue(func() error {
+	db := sql.OpenDB(noConnector{})
+	db.Close()
+	_, err := db.Conn(context.Background())
+	if err == nil {
+		return errors.New("inbox: unreachable") // never matched
+	}
+	return err
+})
+
+// noConnector is a driver.Connector that never connects.
+type noConnector struct{}
+
+func (noConnector) Connect(context.Context) (driver.Conn, error) { return nil, driver.ErrSkip }
+func (noConnector) Driver() driver.Driver                        { return nil }
+
+// isPgconnMisuse reports whether err (not its chain) is pgconn's lock
+// error for a connection used while it was busy ("conn busy": a handler
+// that left rows open and ran another statement, or returned with them
+// open) or never connected ("conn uninitialized"): bugs of the code that
+// holds the connection. pgconn reports both with the unexported
+// *connLockError, whose SafeToRetry is true (nothing was sent), and exports
+// no sentinel for them: only the lock error of a closed connection wraps
+// one, pgconn.ErrConnClosed. So the error is recognised by its type, as
+// classifyDriverError recognises the drivers the core does not import, and
+// a lock error that wraps nothing is the busy or uninitialized one; a
+// closed connection's stays transient (SafeToRetry).
+func isPgconnMisuse(err error) bool {
+	if isNilPointer(err) {
+		return false
+	}
+	t := reflect.TypeOf(err)
+	if t.Kind() != reflect.Pointer || t.Elem().PkgPath() != "github.com/jackc/pgx/v5/pgconn" || t.Elem().Name() != "connLockError" {
+		return false
+	}
+	return errors.Unwrap(err) == nil
 }
 
 // isNetworkFailure reports whether err is a failure of the network: a

@@ -22,6 +22,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/puddle/v2"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -47,6 +48,12 @@ func TestIsTransient(t *testing.T) {
 			{fmt.Errorf("inbox: claim: %w", context.DeadlineExceeded), true},
 			{errors.Join(errors.New("x"), context.Canceled), true},
 			{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTxRolledBack), true},
+			// A handler bug stays one whatever joins it.
+			{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTransactionEnded), false},
+			{errors.Join(fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTransactionEnded), context.Canceled), false},
+			// Shutdown.
+			{fmt.Errorf("inbox: begin transaction for a/b: %w", puddle.ErrClosedPool), true},
+			{fmt.Errorf("inbox: begin transaction for a/b: %w", sql.ErrConnDone), true},
 		} {
 			if got := inbox.IsTransient(tc.err); got != tc.want {
 				t.Errorf("IsTransient(%v) = %v, want %v", tc.err, got, tc.want)

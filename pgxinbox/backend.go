@@ -25,9 +25,18 @@ type pgxBackend struct {
 }
 
 func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
+	// The connection is acquired here and released by Commit or Rollback
+	// only: a handler that ends the transaction itself (tx.Commit,
+	// tx.Rollback) does not give it back to the pool, so that the
+	// pre-commit check and the rollback never touch a connection that
+	// already serves another message.
+	conn, err := b.pool.Acquire(c.TxCtx)
+	if err != nil {
+		return nil, 0, &backend.StepError{Step: backend.StepBegin, Err: err}
+	}
 	// The batch, its queue and the claim's queued query and arguments live
 	// in t: one allocation instead of six.
-	t := &pgxTx{b: b, ctx: c.TxCtx}
+	t := &pgxTx{b: b, conn: conn, ctx: c.TxCtx}
 	batch := &t.batch
 	batch.QueuedQueries = t.queued[:0]
 	batch.BeginTx(b.begin)
@@ -39,10 +48,9 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 	t.claimArgs = [2]any{c.Consumer, c.ID}
 	t.claim = pgx.QueuedQuery{SQL: b.st.Claim, Arguments: t.claimArgs[:]}
 	batch.QueuedQueries = append(batch.QueuedQueries, &t.claim)
-	br := b.pool.SendBatch(c.TxCtx, batch)
+	br := conn.SendBatch(c.TxCtx, batch)
 	// Tx is never nil for a batch that began one; when the batch fails
-	// before BEGIN (no connection) it is closed, and its Rollback releases
-	// whatever was acquired.
+	// before BEGIN it is closed, and Rollback releases the connection.
 	t.tx = br.Tx()
 	if _, err := br.Exec(); err != nil {
 		br.Close()
@@ -68,13 +76,13 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 
 // pgxTx is one message's transaction, with the batch that began it.
 type pgxTx struct {
-	b   *pgxBackend
-	tx  pgx.Tx
-	ctx context.Context // backend.Claim.TxCtx
-	// committed is set once Commit was called: the pool then has the
-	// connection back (whatever COMMIT returned), and it may already serve
-	// another message, so Rollback must not touch it.
-	committed bool
+	b *pgxBackend
+	// conn is the pool connection the transaction runs on, acquired by
+	// BeginClaim; nil once Commit or Rollback released it: from then on it
+	// may serve another message and must not be touched.
+	conn *pgxpool.Conn
+	tx   pgx.Tx
+	ctx  context.Context // backend.Claim.TxCtx
 
 	batch       pgx.Batch
 	queued      [3]*pgx.QueuedQuery
@@ -101,37 +109,54 @@ func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, er
 	return n > 0, err
 }
 
-// Commit commits under the transaction's context, which the commit bound
-// ends. pgx closes the connection when COMMIT fails outside an idle state
-// and reports pgx.ErrTxCommitRollback when PostgreSQL turned the COMMIT into
-// a ROLLBACK.
-func (t *pgxTx) Commit() error {
-	t.committed = true
-	return t.tx.Commit(t.ctx)
+// Ended reports whether the server said, in its last ReadyForQuery, that no
+// transaction is open on the connection (pgconn's TxStatus 'I'): the
+// handler ended it, with tx.Commit, tx.Rollback or a COMMIT or ROLLBACK
+// statement. No round trip. A failed transaction ('E') is not ended: its
+// COMMIT reports pgx.ErrTxCommitRollback.
+func (t *pgxTx) Ended() bool {
+	return t.conn != nil && t.conn.Conn().PgConn().TxStatus() == 'I'
 }
 
-// Rollback rolls back and returns the connection to the pool. It runs under
-// its own bound, not the transaction's context, which may have ended (the
-// message's deadline): a ROLLBACK that could not be sent would make pgx close
-// a healthy connection. A transaction already ended (committed, rolled
-// back, never begun: pgx.ErrTxClosed) is not an error, nor is a connection
-// that was already closed, which ends the transaction on the server.
-//
-// After Commit it does nothing: the flow's deferred rollback runs after
-// every COMMIT, when pgxpool has already released the connection, and
-// reading that connection's state then raced with the message that
-// acquired it next.
+// Commit commits under the transaction's context, which the commit bound
+// ends, and releases the connection. pgx closes the connection when COMMIT
+// fails outside an idle state and reports pgx.ErrTxCommitRollback when
+// PostgreSQL turned the COMMIT into a ROLLBACK.
+func (t *pgxTx) Commit() error {
+	err := t.tx.Commit(t.ctx)
+	t.release()
+	return err
+}
+
+// Rollback rolls back and releases the connection. It runs under its own
+// bound, not the transaction's context, which may have ended (the
+// message's deadline): a ROLLBACK that could not be sent would make pgx
+// close a healthy connection. A transaction already ended (committed, rolled
+// back by the handler, never begun: pgx.ErrTxClosed) is not an error, nor
+// is a connection that was already closed, which ends the transaction on
+// the server. After Commit or Rollback it does nothing: the connection is
+// back in the pool.
 func (t *pgxTx) Rollback() error {
-	if t.committed {
+	if t.conn == nil {
 		return nil
 	}
-	conn := t.tx.Conn()
-	closedBefore := conn == nil || conn.IsClosed()
+	defer t.release()
+	if t.tx == nil || t.conn.Conn().IsClosed() {
+		return nil
+	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), t.b.rollbackTimeout)
 	defer cancel()
-	err := t.tx.Rollback(ctx)
-	if err == nil || errors.Is(err, pgx.ErrTxClosed) || closedBefore {
-		return nil
+	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+		return err
 	}
-	return err
+	return nil
+}
+
+// release gives the connection back to the pool, which destroys it if it
+// is closed, busy or still in a transaction (a handler's BEGIN statement).
+func (t *pgxTx) release() {
+	if t.conn != nil {
+		t.conn.Release()
+		t.conn = nil
+	}
 }

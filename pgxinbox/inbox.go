@@ -199,10 +199,12 @@ func DB(pool *pgxpool.Pool) *sqlx.DB {
 // returns the database/sql one). Call it with msg.Context() in the handler.
 // The rules of inbox.TxFromContext hold: every write through it commits or
 // rolls back with the inbox row; the handler must not end it (no Commit,
-// no Rollback, no COMMIT statement: that commits the inbox row early, and
-// the middleware then reports pgx.ErrTxClosed), it may start nested
-// transactions (tx.Begin: savepoints), and it is valid only until the
-// handler returns. Like every pgx.Tx it is not safe for concurrent use.
+// no Rollback, no COMMIT or ROLLBACK statement: a handler that does and
+// returns nil is nacked with inbox.ErrTransactionEnded, and what it
+// committed stays committed), it may start nested transactions (tx.Begin:
+// savepoints), and it is valid only until the handler returns. Its
+// connection stays with the message until the middleware commits or rolls
+// back, even after the handler's own Commit or Rollback. Like every pgx.Tx it is not safe for concurrent use.
 // inbox.OutboxFromContext and inbox.AfterCommit work on the same context.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	h, ok := backend.HandleFromContext(ctx)

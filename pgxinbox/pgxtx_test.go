@@ -121,29 +121,3 @@ func TestPgxTx_HandlerUsesPgxFeatures(t *testing.T) {
 		expectNoConnHeld(t, pool)
 	})
 }
-
-// A handler that ends the inbox's transaction itself (tx.Rollback) breaks
-// the rules of TxFromContext: the middleware reports pgx.ErrTxClosed from
-// its COMMIT, a nack, instead of acking a message whose claim is gone.
-func TestPgxTx_HandlerEndingTheTransactionIsAnError(t *testing.T) {
-	t.Parallel()
-	pool := testdb.OpenPgxPool(t, "")
-	f := newFixture(t, pool)
-	ib := f.newInbox(pgxinbox.Config{})
-	rec := &recorder{}
-	in := consume(t, ib, func(msg *message.Message) error {
-		tx, _ := pgxinbox.TxFromContext(msg.Context())
-		if err := f.writeEffect(msg); err != nil {
-			return err
-		}
-		return tx.Rollback(msg.Context())
-	}, rec.Middleware)
-	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-		t.Error("acked a message whose handler rolled the inbox transaction back")
-	}
-	if err := rec.last(); !errors.Is(err, pgx.ErrTxClosed) {
-		t.Errorf("router got %v, want pgx.ErrTxClosed", err)
-	}
-	f.expectRows(0, 0)
-	expectNoConnHeld(t, pool)
-}

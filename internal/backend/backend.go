@@ -61,11 +61,16 @@ type Tx interface {
 	Publisher() (message.Publisher, error)
 	// StillClaimed runs Statements.Held (true when it is empty).
 	StillClaimed(ctx context.Context, consumer, id string) (bool, error)
+	// Ended reports, without a round trip, whether the transaction has
+	// already ended on the server before Commit (the handler committed or
+	// rolled it back itself); false when unknown.
+	Ended() bool
 	// Commit commits under Claim.TxCtx.
 	Commit() error
 	// Rollback rolls back; after Commit or Rollback, and on a connection
 	// the server has already closed (which ends the transaction), it does
-	// nothing and returns nil.
+	// nothing and returns nil. Commit and Rollback give the connection back;
+	// no other method may touch it after that.
 	Rollback() error
 }
 

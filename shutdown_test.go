@@ -1,0 +1,118 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// A message that arrives after the service closed its *sql.DB (a deploy
+// shutting down) is nacked with an error IsTransient accepts, so that a
+// poison filter (!IsTransient) leaves it for a redelivery; nothing is written.
+func TestShutdown_ClosedDBIsTransient(t *testing.T) {
+	t.Parallel()
+	for _, tdb := range testDBs {
+		t.Run(tdb.Name, func(t *testing.T) {
+			t.Parallel()
+			closedDBCase(t, tdb)
+		})
+	}
+}
+
+// closedDBCase is one database's case of TestShutdown_ClosedDBIsTransient.
+func closedDBCase(t *testing.T, tdb testDB) {
+	var db, inboxDB *sqlx.DB // inboxDB: the inbox's own, closed below
+	if tdb.Dialect == inbox.SQLite {
+		path := filepath.Join(t.TempDir(), "inbox.db")
+		db, inboxDB = openSQLite(t, path), openSQLite(t, path)
+	} else {
+		db, inboxDB = tdb.Open(t), tdb.Open(t)
+	}
+	f := newFixture(t, db)
+	ib, err := inbox.New(inbox.Config{DB: inboxDB, Dialect: tdb.Dialect, Table: f.inbox})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	out := &outcomes{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return f.writeBusinessRow(msg) })
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+	defer cancel()
+	if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), "before")); err != nil || !acked {
+		t.Fatalf("before the close: acked %v (%v), router got %v", acked, err, out.last("before"))
+	}
+	inboxDB.Close()
+	if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), nil), "after")); err != nil || acked {
+		t.Fatalf("after the close: acked %v (%v), want a nack", acked, err)
+	}
+	if err := out.last("after"); err == nil || !inbox.IsTransient(err) {
+		t.Errorf("router got %v (transient %v), want a transient error", err, inbox.IsTransient(err))
+	}
+	if f.businessRows() != 1 || f.inboxRows() != 1 {
+		t.Errorf("business rows %d, inbox rows %d; want 1 and 1", f.businessRows(), f.inboxRows())
+	}
+}
+
+// A message in its handler when the router closes: its context ends (the
+// GoChannel subscriber's messages live on the router's context), the
+// transaction rolls back, and the error the router gets is transient, with
+// context.Canceled reachable by errors.Is; nothing is written.
+func TestShutdown_RouterCloseIsTransient(t *testing.T) {
+	t.Parallel()
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { pubsub.Close() })
+	rec := &recorder{}
+	inHandler := make(chan struct{})
+	done := make(chan struct{})
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: caseTimeout}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddMiddleware(rec.Middleware, ib.Middleware)
+	r.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
+		if err := f.writeBusinessRow(msg); err != nil {
+			return err
+		}
+		close(inHandler)
+		<-msg.Context().Done()
+		return nil // the handler does not check its context: the inbox does
+	})
+	go func() { _ = r.Run(context.Background()); close(done) }()
+	<-r.Running()
+	if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-inHandler:
+	case <-done:
+		t.Fatal("the router stopped before the handler ran")
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	<-done
+	err = rec.last()
+	if !errors.Is(err, context.Canceled) || !inbox.IsTransient(err) {
+		t.Errorf("router got %v (transient %v), want context.Canceled, transient", err, inbox.IsTransient(err))
+	}
+	if f.businessRows() != 0 || f.inboxRows() != 0 {
+		t.Errorf("business rows %d, inbox rows %d; want 0 and 0", f.businessRows(), f.inboxRows())
+	}
+}

@@ -1,0 +1,147 @@
+package inbox
+
+import (
+	"reflect"
+	"sync"
+)
+
+// The pre-commit check asks the driver connection whether the server still
+// has the message's transaction open, from what the server told it last:
+// every protocol reports the transaction status with each response, so no
+// round trip is needed. database/sql exposes no such status; the driver
+// connection, reached through Conn.Raw, does:
+//
+//   - github.com/jackc/pgx/v5/stdlib: its Conn's exported
+//     Conn().PgConn().TxStatus(), the status of PostgreSQL's last
+//     ReadyForQuery ('I': no transaction). The core does not import pgx, so
+//     these exported methods are called through reflect.
+//   - github.com/lib/pq: the txnStatus field of its conn (the same
+//     ReadyForQuery byte), read through reflect: lib/pq exports no accessor.
+//     (lib/pq's own COMMIT refuses an ended transaction, but with an error
+//     nothing can match.)
+//   - github.com/go-sql-driver/mysql: the status field of its mysqlConn,
+//     the server status flags of the last OK or EOF packet, whose
+//     SERVER_STATUS_IN_TRANS bit (1) is clear once a COMMIT, a ROLLBACK or
+//     a statement that commits implicitly (DDL such as CREATE TABLE) ended
+//     the transaction. Read through reflect: the driver exports no accessor.
+//   - github.com/mattn/go-sqlite3: its exported AutoCommit().
+//   - modernc.org/sqlite exports no status (its conn keeps the handle
+//     unexported). None is needed: SQLite refuses a COMMIT outside a
+//     transaction with SQLITE_ERROR, which commitFoundNoTx recognises, so
+//     the handler's COMMIT or ROLLBACK costs nothing to detect there either.
+//
+// A driver not listed, or one whose internals changed, reports "not ended":
+// the inbox then behaves as before the check, and the tests of every
+// supported driver fail loudly on such a change.
+
+// txProbe reads whether a driver connection's transaction has ended.
+type txProbe func(dc reflect.Value) bool
+
+// txProbes caches, by driver connection type, its probe (nil: none).
+var txProbes sync.Map // reflect.Type -> txProbe
+
+// driverTxEnded reports whether the driver connection dc (from Conn.Raw)
+// says that the server has no transaction open on it. False when the driver
+// cannot tell.
+func driverTxEnded(dc any) bool {
+	if c, ok := dc.(interface{ AutoCommit() bool }); ok { // mattn/go-sqlite3
+		return c.AutoCommit()
+	}
+	t := reflect.TypeOf(dc)
+	p, ok := txProbes.Load(t)
+	if !ok {
+		p, _ = txProbes.LoadOrStore(t, newTxProbe(t))
+	}
+	probe := p.(txProbe)
+	if probe == nil {
+		return false
+	}
+	return probe(reflect.ValueOf(dc))
+}
+
+// newTxProbe returns the probe for driver connection type t, or nil.
+func newTxProbe(t reflect.Type) txProbe {
+	if t == nil || t.Kind() != reflect.Pointer || t.Elem().Kind() != reflect.Struct {
+		return nil
+	}
+	s := t.Elem()
+	switch {
+	case s.PkgPath() == "github.com/jackc/pgx/v5/stdlib" && s.Name() == "Conn":
+		return pgxStdlibProbe(t)
+	case s.PkgPath() == "github.com/lib/pq" && s.Name() == "conn":
+		if f, ok := s.FieldByName("txnStatus"); ok && f.Type.Kind() == reflect.Uint8 {
+			return func(v reflect.Value) bool { return v.Elem().FieldByIndex(f.Index).Uint() == 'I' }
+		}
+	case s.PkgPath() == "github.com/go-sql-driver/mysql" && s.Name() == "mysqlConn":
+		if f, ok := s.FieldByName("status"); ok && f.Type.Kind() == reflect.Uint16 {
+			const serverStatusInTrans = 1
+			return func(v reflect.Value) bool { return v.Elem().FieldByIndex(f.Index).Uint()&serverStatusInTrans == 0 }
+		}
+	}
+	return nil
+}
+
+// pgxStdlibProbe calls pgx's exported Conn().PgConn().TxStatus() on a
+// *stdlib.Conn (type t): the first two through reflect (their results are
+// pgx's types), TxStatus through an interface.
+func pgxStdlibProbe(t reflect.Type) txProbe {
+	conn, ok := t.MethodByName("Conn")
+	if !ok || conn.Type.NumIn() != 1 || conn.Type.NumOut() != 1 || conn.Type.Out(0).Kind() != reflect.Pointer {
+		return nil
+	}
+	pgConn, ok := conn.Type.Out(0).MethodByName("PgConn")
+	if !ok || pgConn.Type.NumIn() != 1 || pgConn.Type.NumOut() != 1 || pgConn.Type.Out(0).Kind() != reflect.Pointer ||
+		!pgConn.Type.Out(0).Implements(reflect.TypeFor[txStatuser]()) {
+		return nil
+	}
+	return func(v reflect.Value) bool {
+		c := conn.Func.Call([]reflect.Value{v})[0]
+		if c.IsNil() {
+			return false
+		}
+		pc := pgConn.Func.Call([]reflect.Value{c})[0]
+		if pc.IsNil() {
+			return false
+		}
+		return pc.Interface().(txStatuser).TxStatus() == 'I'
+	}
+}
+
+// txStatuser is pgconn.PgConn's TxStatus: the transaction status of
+// PostgreSQL's last ReadyForQuery ('I' idle, 'T' in a transaction, 'E' in
+// a failed one).
+type txStatuser interface{ TxStatus() byte }
+
+// sqliteError is SQLite's primary result code SQLITE_ERROR: a COMMIT gets
+// it only when no transaction is active ("cannot commit - no transaction
+// is active"); a busy or locked database, a full disk or a deferred
+// constraint have their own codes.
+const sqliteError = 1
+
+// commitFoundNoTx reports whether err, from COMMIT, says that no
+// transaction was open: SQLite's SQLITE_ERROR (modernc.org/sqlite,
+// mattn/go-sqlite3), the drivers that have no status to read before.
+func commitFoundNoTx(err error) bool {
+	return anyInChain(err, func(e error) bool {
+		v := reflect.ValueOf(e)
+		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+			if v.IsNil() {
+				return false
+			}
+			v = v.Elem()
+		}
+		if v.Kind() != reflect.Struct {
+			return false
+		}
+		t := v.Type()
+		switch {
+		case t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error":
+			c, ok := e.(interface{ Code() int })
+			return ok && c.Code() == sqliteError
+		case t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error":
+			code, ok := intField(v, "Code")
+			return ok && code == sqliteError
+		}
+		return false
+	})
+}
