@@ -122,8 +122,8 @@ func runFailingRouter(t *testing.T, p *inbox.Purger, closeTimeout time.Duration)
 	return r
 }
 
-// pluginGoroutines counts the goroutines running Purger.RouterPlugin's
-// watcher or the Purger it started.
+// pluginGoroutines counts the goroutines running a router plugin's watcher
+// (runWhileRouterRuns) or the Purger it started.
 func pluginGoroutines() int {
 	buf := make([]byte, 1<<20)
 	for {
@@ -136,7 +136,7 @@ func pluginGoroutines() int {
 	}
 	var count int
 	for _, g := range bytes.Split(buf, []byte("\n\n")) {
-		if bytes.Contains(g, []byte("inbox.(*Purger).RouterPlugin")) || bytes.Contains(g, []byte("inbox.(*Purger).Run(")) {
+		if bytes.Contains(g, []byte("inbox.runWhileRouterRuns")) || bytes.Contains(g, []byte("inbox.(*Purger).Run(")) {
 			count++
 		}
 	}
