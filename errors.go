@@ -105,6 +105,16 @@ var (
 	ErrIncompatibleTable = errors.New("inbox: inbox table incompatible")
 )
 
+// ErrDialectMismatch means the dialect (Config.Dialect, or the one inferred
+// from DB's driver name) is for another database server than the one DB
+// reaches: a PostgreSQL database opened under the driver name "mysql", or
+// Config.Dialect MySQL on SQLite. Its statements would fail there with
+// syntax errors. The error names the dialect, the server found and the
+// configuration that fixes it. Inbox.Verify, Inbox.RouterPlugin,
+// InitializeSchema and the middleware's first message check it (once per
+// Inbox). It is not transient (IsTransient): no redelivery can succeed.
+var ErrDialectMismatch = errors.New("inbox: dialect does not match the database server")
+
 // ErrCommitTimeout means that what runs after the handler returned nil (the
 // outbox publish, the pre-commit check, COMMIT) did not finish within
 // Config.CommitTimeout. Whether the transaction committed is unknown (in

@@ -63,6 +63,8 @@ type Inbox struct {
 	// (claimFunctionRecheck; tests shorten it).
 	recheckKeyLocking time.Duration
 	verified          atomic.Bool // the table passed verifySchema; checked before the first claim
+	server            serverCheck // the dialect matches DB's server; checked before verifySchema
+	dialectInferred   bool        // Config.Dialect was nil: inferred from DB.DriverName()
 
 	hooks *hooks // test seams; nil outside tests
 }
@@ -136,6 +138,9 @@ func (ib *Inbox) verifyOnce(ctx context.Context) error {
 	defer ib.claimMu.Unlock()
 	if ib.verified.Load() {
 		return nil
+	}
+	if err := ib.server.check(ctx, ib); err != nil {
+		return err
 	}
 	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
@@ -234,6 +239,7 @@ func (ib *Inbox) Close() error {
 // invalid cfg gives an error that wraps ErrInvalidConfig and each problem's
 // own sentinel (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer).
 func New(cfg Config) (*Inbox, error) {
+	inferred := cfg.Dialect == nil
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -255,6 +261,7 @@ func New(cfg Config) (*Inbox, error) {
 		claimSQL:      cfg.Dialect.claimSQL(table),
 
 		recheckKeyLocking: claimFunctionRecheck,
+		dialectInferred:   inferred,
 	}
 	ib.backend = sqlBackend{ib}
 	ib.hasOutbox = cfg.Outbox != nil
@@ -294,6 +301,9 @@ func New(cfg Config) (*Inbox, error) {
 // PartitionInterval (weekly for a new table), that cover yesterday to
 // DefaultPartitionsAhead days after today (CreatePartitions).
 func (ib *Inbox) InitializeSchema(ctx context.Context) error {
+	if err := ib.server.check(ctx, ib); err != nil {
+		return err
+	}
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
 	}
