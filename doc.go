@@ -28,7 +28,7 @@
 //	func handle(msg *message.Message) error {
 //		tx, ok := inbox.TxFromContext(msg.Context())
 //		if !ok {
-//			return errors.New("no inbox transaction")
+//			return inbox.MissingTxError(msg.Context()) // wraps ErrNoTx, says what is missing
 //		}
 //		_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO invoices (order_id) VALUES (?)"), id)
 //		return err

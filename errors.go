@@ -123,6 +123,14 @@ var ErrDialectMismatch = errors.New("inbox: dialect does not match the database 
 // IsTransient reports true.
 var ErrCommitTimeout = errors.New("inbox: commit timed out")
 
+// ErrNoTx is wrapped by the error MissingTxError (and pgxinbox.MissingTxError)
+// returns when a handler finds no inbox transaction of the kind it asks for
+// in the message context: the inbox middleware is not around the handler,
+// the handler did not use msg.Context(), or the message was claimed by the
+// other backend (package pgxinbox gives a pgx.Tx, this package a *sqlx.Tx).
+// IsTransient reports false: a redelivery meets the same setup.
+var ErrNoTx = errors.New("inbox: no inbox transaction in the message context")
+
 // ErrNoOutbox means that ContextOutbox was asked to publish a message whose
 // context carries no inbox transaction with an outbox: it was published
 // outside a claimed message's handler (or after it returned), or the inbox
