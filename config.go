@@ -29,7 +29,9 @@ type Config struct {
 
 	// Dialect is the SQL dialect of DB: PostgreSQL, PostgreSQLPartitioned,
 	// MySQL (also MariaDB) or SQLite. PostgreSQLPartitioned is never
-	// inferred: set it for a table partitioned by day. With a nil Dialect,
+	// inferred: set it for a table range-partitioned on processed_at (by
+	// week for a new table, DefaultPartitionInterval, or by day; see
+	// PartitionInterval). With a nil Dialect,
 	// a driver name other than the ones below is ErrUnknownDialect.
 	// Default: inferred from DB.DriverName(): "postgres", "pgx", "pgx/v4",
 	// "pgx/v5" give PostgreSQL, "mysql" gives MySQL, "sqlite" and "sqlite3"

@@ -199,7 +199,9 @@
 // would report 1 with it, the same as a new row); the duplicate's
 // transaction rolls back, so the change is never kept. INSERT IGNORE is not
 // used: it also silences unrelated errors. PostgreSQLPartitioned
-// (PostgreSQL 14+, never inferred) partitions the table by UTC day so that
+// (PostgreSQL 14+, never inferred) range-partitions the table on
+// processed_at, by ISO week (Monday 00:00 UTC) for a new table
+// (DefaultPartitionInterval) or by UTC day (PartitionInterval), so that
 // the purge drops partitions (DropPartitions) instead of deleting rows.
 //
 // # Purge
