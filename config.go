@@ -240,7 +240,7 @@ func (c Config) Validate() error {
 	errs := validateTarget("Config", c.DB, c.Dialect, c.Table)
 	if c.Consumer != "" {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
-			errs = append(errs, fmt.Errorf("Config.Consumer: %w", err))
+			errs = append(errs, &wrapped{msg: "inbox: Config.Consumer", err: err})
 		}
 	}
 	if c.CommitTimeout < 0 {

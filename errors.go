@@ -1,6 +1,9 @@
 package inbox
 
-import "errors"
+import (
+	"errors"
+	"strings"
+)
 
 // MaxKeyLength is the longest consumer name or message id, in bytes, that the
 // inbox stores. It matches the width of the consumer and message_id columns
@@ -136,3 +139,38 @@ var ErrNoTx = errors.New("inbox: no inbox transaction in the message context")
 // outside a claimed message's handler (or after it returned), or the inbox
 // has no Config.Outbox. Nothing was published. IsTransient reports false.
 var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")
+
+// prefix starts the text of every error of this package.
+const prefix = "inbox: "
+
+// wrapped is the error "<msg>: <err>" without a second "inbox: ": err's
+// own prefix is dropped, on each of its lines (errors.Join puts one problem
+// per line). It wraps also (a sentinel; may be nil) and err, so errors.Is
+// and errors.As reach both.
+type wrapped struct {
+	msg  string
+	also error
+	err  error
+}
+
+func (e *wrapped) Error() string {
+	lines := strings.Split(e.err.Error(), "\n")
+	for i, l := range lines {
+		lines[i] = strings.TrimPrefix(l, prefix)
+	}
+	return e.msg + ": " + strings.Join(lines, "\n")
+}
+
+func (e *wrapped) Unwrap() []error {
+	if e.also == nil {
+		return []error{e.err}
+	}
+	return []error{e.also, e.err}
+}
+
+// invalidConfig is the error of New, Purge and NewPurger for the problems
+// Validate found: "inbox: invalid config: <problem>", one problem per line,
+// wrapping ErrInvalidConfig and every problem (and so its sentinel).
+func invalidConfig(problems error) error {
+	return &wrapped{msg: ErrInvalidConfig.Error(), also: ErrInvalidConfig, err: problems}
+}

@@ -242,7 +242,7 @@ func New(cfg Config) (*Inbox, error) {
 	inferred := cfg.Dialect == nil
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return nil, invalidConfig(err)
 	}
 	table, _ := parseTableName(cfg.Table) // checked by Validate
 	ib := &Inbox{
@@ -367,7 +367,7 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
 			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
 		}
-		return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+		return lock, &wrapped{msg: fmt.Sprintf("inbox: %q/%q", d.consumer, d.id), err: poolerHint(err)}
 	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {

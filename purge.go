@@ -212,7 +212,7 @@ func (c PurgeConfig) Validate() error {
 	}
 	if c.Consumer != "" {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
-			errs = append(errs, fmt.Errorf("PurgeConfig.Consumer: %w", err))
+			errs = append(errs, &wrapped{msg: "inbox: PurgeConfig.Consumer", err: err})
 		}
 	}
 	return errors.Join(errs...)
@@ -254,7 +254,7 @@ func (c PurgeConfig) Validate() error {
 func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return 0, invalidConfig(err)
 	}
 	return purge(ctx, cfg.DB, cfg)
 }
