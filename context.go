@@ -53,8 +53,8 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 // ctx carries no inbox transaction at all, because no Inbox's Middleware
 // runs around the handler (add it with router.AddMiddleware, or to the
 // handler) or ctx is not msg.Context(). The router nacks the message; the
-// error is not transient (IsTransient), so a poison queue takes it. It is
-// safe for concurrent use.
+// error is not transient (IsTransient): every redelivery meets the same
+// setup. It is safe for concurrent use.
 //
 //	tx, ok := inbox.TxFromContext(msg.Context())
 //	if !ok {

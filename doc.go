@@ -67,10 +67,13 @@
 //     ErrInvalidConsumer (ErrEmptyConsumer) or ErrInvalidMessageID
 //     (ErrEmptyMessageID, ErrMessageIDTooLong). A refused message is not
 //     handled and nothing is written.
-//  2. Begin. Before its first claim the inbox checks the table once, as
-//     Inbox.Verify does: a missing or incompatible table fails every message
-//     with an error wrapping ErrTableNotFound or ErrIncompatibleTable until
-//     a check passes (Inbox.RouterPlugin makes router.Run fail instead).
+//  2. Begin. Before its first claim the inbox checks once, as Inbox.Verify
+//     does, that the dialect is for the server DB reaches (ErrDialectMismatch:
+//     a PostgreSQL database opened under the driver name "mysql", say) and
+//     that the table is usable: a mismatch, a missing or an incompatible
+//     table fails every message with an error wrapping ErrDialectMismatch,
+//     ErrTableNotFound or ErrIncompatibleTable until a check passes
+//     (Inbox.RouterPlugin makes router.Run fail instead).
 //     Then it begins a transaction on Config.DB with Config.TxOptions, under
 //     the message's context. On MySQL/MariaDB a BEGIN whose connection was
 //     lost after START TRANSACTION was sent is retried once (logged at Debug,

@@ -294,8 +294,10 @@ func New(cfg Config) (*Inbox, error) {
 // schema or MySQL database named in Table. Then it checks the table as
 // Verify does, so that a table a migration or a DBA made differently, or a
 // concurrent starter's, is refused (ErrIncompatibleTable) before any
-// message is claimed in it. Errors wrap the driver's error. It works behind
-// a transaction-mode connection pooler.
+// message is claimed in it. Before any of it, it checks that the dialect is
+// for the server DB reaches, as Verify does (ErrDialectMismatch). Errors
+// wrap the driver's error. It works behind a transaction-mode connection
+// pooler.
 //
 // For PostgreSQLPartitioned it also creates the partitions, at the table's
 // PartitionInterval (weekly for a new table), that cover yesterday to
