@@ -134,7 +134,10 @@ type serverCheck struct {
 
 // check returns nil when ib's dialect is for the server behind ib's DB (or
 // the server cannot be identified), and otherwise an error wrapping
-// ErrDialectMismatch that names both and the configuration that fixes it.
+// ErrDialectMismatch that names both, DB's driver type, and the
+// configuration that fixes it. The server's own answer decides, not the
+// driver's type, which a wrapping driver (an instrumented database/sql
+// driver) hides.
 func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -152,8 +155,8 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 		if ib.dialectInferred {
 			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
 		}
-		c.err = fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB is %s (version %s): set %s",
-			ErrDialectMismatch, ib.dialect, how, want, found, version, serverFix[found])
+		c.err = fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s",
+			ErrDialectMismatch, ib.dialect, how, want, ib.db.Driver(), found, version, serverFix[found])
 	}
 	return c.err
 }

@@ -726,17 +726,17 @@ func TestDialect_mismatchWithServerIsRefused(t *testing.T) {
 	}{
 		{"postgres opened as mysql", func(t *testing.T) *sqlx.DB {
 			return sqlx.NewDb(testdb.OpenPostgres(t, "").DB, "mysql")
-		}, nil, []string{`dialect is mysql (inferred from DB's driver name "mysql"), which is for MySQL/MariaDB`, "but DB is PostgreSQL (version ", "inbox.PostgreSQL", `"pgx"`}},
+		}, nil, []string{`dialect is mysql (inferred from DB's driver name "mysql"), which is for MySQL/MariaDB`, "is PostgreSQL (version ", "inbox.PostgreSQL", `"pgx"`}},
 		{"postgres opened as sqlite3", func(t *testing.T) *sqlx.DB {
 			return sqlx.NewDb(testdb.OpenPostgres(t, "").DB, "sqlite3")
-		}, nil, []string{`dialect is sqlite (inferred from DB's driver name "sqlite3"`, "but DB is PostgreSQL", "inbox.PostgreSQL"}},
+		}, nil, []string{`dialect is sqlite (inferred from DB's driver name "sqlite3"`, "is PostgreSQL", "inbox.PostgreSQL"}},
 		{"mysql with PostgreSQL", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
-			inbox.PostgreSQL, []string{"dialect is postgres (Config.Dialect", "but DB is MySQL/MariaDB (version ", "inbox.MySQL", `"mysql"`}},
+			inbox.PostgreSQL, []string{"dialect is postgres (Config.Dialect", "is MySQL/MariaDB (version ", "inbox.MySQL", `"mysql"`}},
 		{"mysql with SQLite", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
-			inbox.SQLite, []string{"dialect is sqlite (Config.Dialect", "but DB is MySQL/MariaDB (version ", "inbox.MySQL"}},
-		{"sqlite with MySQL", sqliteDB, inbox.MySQL, []string{"dialect is mysql (Config.Dialect", "but DB is SQLite (version 3.", "inbox.SQLite", `"sqlite"`}},
-		{"sqlite with PostgreSQL", sqliteDB, inbox.PostgreSQL, []string{"dialect is postgres (Config.Dialect", "but DB is SQLite", "inbox.SQLite"}},
-		{"sqlite with PostgreSQLPartitioned", sqliteDB, inbox.PostgreSQLPartitioned, []string{"dialect is postgres-partitioned", "but DB is SQLite"}},
+			inbox.SQLite, []string{"dialect is sqlite (Config.Dialect", "is MySQL/MariaDB (version ", "inbox.MySQL"}},
+		{"sqlite with MySQL", sqliteDB, inbox.MySQL, []string{"dialect is mysql (Config.Dialect", "is SQLite (version 3.", "inbox.SQLite", `"sqlite"`}},
+		{"sqlite with PostgreSQL", sqliteDB, inbox.PostgreSQL, []string{"dialect is postgres (Config.Dialect", "is SQLite", "inbox.SQLite"}},
+		{"sqlite with PostgreSQLPartitioned", sqliteDB, inbox.PostgreSQLPartitioned, []string{"dialect is postgres-partitioned", "is SQLite"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -345,9 +345,9 @@ func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 func TestSchemaVerifyRefusesADialectForAnotherServer(t *testing.T) {
 	c := dsns(t)
 	for _, tc := range []struct{ dsn, dialect, server string }{
-		{c["postgres"].dsn, "mysql", "but DB is PostgreSQL"},
-		{c["mysql"].dsn, "postgres", "but DB is MySQL/MariaDB"},
-		{c["sqlite"].dsn, "postgres-partitioned", "but DB is SQLite"},
+		{c["postgres"].dsn, "mysql", "is PostgreSQL"},
+		{c["mysql"].dsn, "postgres", "is MySQL/MariaDB"},
+		{c["sqlite"].dsn, "postgres-partitioned", "is SQLite"},
 	} {
 		args := []string{"-db", tc.dsn, "-dialect", tc.dialect, "-verify"}
 		if err := schemaCmd(context.Background(), args, io.Discard, io.Discard); !errors.Is(err, inbox.ErrDialectMismatch) ||
