@@ -270,12 +270,12 @@ func checkKey(s string, kind, empty, tooLong error) error {
 	switch {
 	case s == "":
 		if empty != nil {
-			return fmt.Errorf("%w: %w", kind, empty)
+			return &wrapped{msg: kind.Error(), also: kind, err: empty}
 		}
 		return fmt.Errorf("%w: empty", kind)
 	case len(s) > MaxKeyLength:
 		if tooLong != nil {
-			return fmt.Errorf("%w: %w: %d bytes, at most %d", kind, tooLong, len(s), MaxKeyLength)
+			return &wrapped{msg: kind.Error(), also: kind, err: fmt.Errorf("%w: %d bytes, at most %d", tooLong, len(s), MaxKeyLength)}
 		}
 		return fmt.Errorf("%w: %d bytes, at most %d", kind, len(s), MaxKeyLength)
 	case !utf8.ValidString(s):
