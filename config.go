@@ -29,7 +29,9 @@ type Config struct {
 
 	// Dialect is the SQL dialect of DB: PostgreSQL, PostgreSQLPartitioned,
 	// MySQL (also MariaDB) or SQLite. PostgreSQLPartitioned is never
-	// inferred: set it for a table partitioned by day. With a nil Dialect,
+	// inferred: set it for a table range-partitioned on processed_at (by
+	// week for a new table, DefaultPartitionInterval, or by day; see
+	// PartitionInterval). With a nil Dialect,
 	// a driver name other than the ones below is ErrUnknownDialect.
 	// Default: inferred from DB.DriverName(): "postgres", "pgx", "pgx/v4",
 	// "pgx/v5" give PostgreSQL, "mysql" gives MySQL, "sqlite" and "sqlite3"
@@ -238,7 +240,7 @@ func (c Config) Validate() error {
 	errs := validateTarget("Config", c.DB, c.Dialect, c.Table)
 	if c.Consumer != "" {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
-			errs = append(errs, fmt.Errorf("Config.Consumer: %w", err))
+			errs = append(errs, &wrapped{msg: "inbox: Config.Consumer", err: err})
 		}
 	}
 	if c.CommitTimeout < 0 {
@@ -268,12 +270,12 @@ func checkKey(s string, kind, empty, tooLong error) error {
 	switch {
 	case s == "":
 		if empty != nil {
-			return fmt.Errorf("%w: %w", kind, empty)
+			return &wrapped{msg: kind.Error(), also: kind, err: empty}
 		}
 		return fmt.Errorf("%w: empty", kind)
 	case len(s) > MaxKeyLength:
 		if tooLong != nil {
-			return fmt.Errorf("%w: %w: %d bytes, at most %d", kind, tooLong, len(s), MaxKeyLength)
+			return &wrapped{msg: kind.Error(), also: kind, err: fmt.Errorf("%w: %d bytes, at most %d", tooLong, len(s), MaxKeyLength)}
 		}
 		return fmt.Errorf("%w: %d bytes, at most %d", kind, len(s), MaxKeyLength)
 	case !utf8.ValidString(s):

@@ -35,13 +35,42 @@ type txKey struct{}
 // handler returns.
 //
 // With package pgxinbox the transaction is a pgx.Tx: this returns nil and
-// false there, and pgxinbox.TxFromContext returns it.
+// false there, and pgxinbox.TxFromContext returns it. When it returns
+// false, return MissingTxError(ctx) from the handler: it says which of these
+// cases it is.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 	s := stateFromContext(ctx)
 	if s == nil || s.tx == nil {
 		return nil, false
 	}
 	return s.tx, true
+}
+
+// MissingTxError returns the error a handler should return when
+// TxFromContext(ctx) reports false, and nil when it reports true. The error
+// wraps ErrNoTx and says why there is no *sqlx.Tx: the message was claimed
+// by a pgxinbox.Inbox, whose transaction pgxinbox.TxFromContext returns; or
+// ctx carries no inbox transaction at all, because no Inbox's Middleware
+// runs around the handler (add it with router.AddMiddleware, or to the
+// handler) or ctx is not msg.Context(). The router nacks the message; the
+// error is not transient (IsTransient): every redelivery meets the same
+// setup. It is safe for concurrent use.
+//
+//	tx, ok := inbox.TxFromContext(msg.Context())
+//	if !ok {
+//		return inbox.MissingTxError(msg.Context())
+//	}
+func MissingTxError(ctx context.Context) error {
+	s := stateFromContext(ctx)
+	switch {
+	case s != nil && s.tx != nil:
+		return nil
+	case s != nil && s.handle != nil:
+		return fmt.Errorf("%w: the message was claimed by a pgxinbox.Inbox, whose transaction is a pgx.Tx: "+
+			"call pgxinbox.TxFromContext, or make the Inbox with inbox.New for a *sqlx.Tx", ErrNoTx)
+	}
+	return fmt.Errorf("%w: no Inbox.Middleware runs around this handler (add it with router.AddMiddleware(ib.Middleware) "+
+		"or to the handler), or the context is not msg.Context()", ErrNoTx)
 }
 
 // txState is what the middleware keeps in a claimed message's context.

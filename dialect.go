@@ -19,6 +19,9 @@ import (
 type Dialect interface {
 	// String returns the dialect's name: "postgres", "mysql" or "sqlite".
 	String() string
+	// server is the database server the dialect's SQL is for (see
+	// checkServer).
+	server() serverKind
 
 	// quote quotes one identifier that has already passed the table name
 	// pattern, so it cannot contain a quote character.

@@ -21,6 +21,8 @@ type mysqlDialect struct{}
 
 func (mysqlDialect) String() string { return "mysql" }
 
+func (mysqlDialect) server() serverKind { return serverMySQL }
+
 func (mysqlDialect) quote(ident string) string { return "`" + ident + "`" }
 
 func (d mysqlDialect) claimSQL(t qualifiedName) string {

@@ -22,6 +22,8 @@ type postgresDialect struct{}
 
 func (postgresDialect) String() string { return "postgres" }
 
+func (postgresDialect) server() serverKind { return serverPostgreSQL }
+
 func (postgresDialect) quote(ident string) string { return `"` + ident + `"` }
 
 func (d postgresDialect) claimSQL(t qualifiedName) string {

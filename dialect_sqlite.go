@@ -17,6 +17,8 @@ type sqliteDialect struct{}
 
 func (sqliteDialect) String() string { return "sqlite" }
 
+func (sqliteDialect) server() serverKind { return serverSQLite }
+
 func (sqliteDialect) quote(ident string) string { return `"` + ident + `"` }
 
 func (d sqliteDialect) claimSQL(t qualifiedName) string {

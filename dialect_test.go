@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -128,6 +129,40 @@ func TestValidateReportsAllProblems(t *testing.T) {
 	}
 	if err := (inbox.Config{DB: sqliteDB(t)}).Validate(); err != nil {
 		t.Errorf("minimal config: %v", err)
+	}
+}
+
+// The errors of New, Purge and NewPurger for an invalid configuration name
+// the package once ("inbox: invalid config: ..."), one problem per line,
+// and still match ErrInvalidConfig and each problem's sentinel.
+func TestInvalidConfigErrorNamesThePackageOnce(t *testing.T) {
+	t.Parallel()
+	db := sqliteDB(t)
+	_, newErr := inbox.New(inbox.Config{DB: db, Table: "bad name", Consumer: "\xff"})
+	_, purgeErr := inbox.Purge(context.Background(), inbox.PurgeConfig{})
+	_, purgerErr := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, OlderThan: time.Hour}, Interval: -1})
+	for _, tc := range []struct {
+		err  error
+		want string
+		is   []error
+	}{
+		{newErr, "inbox: invalid config: invalid table name: \"bad name\" must match ^[A-Za-z_][A-Za-z0-9_]{0,62}(\\.[A-Za-z_][A-Za-z0-9_]{0,62})?$\n" +
+			"Config.Consumer: invalid consumer: \"\\xff\" is not valid UTF-8",
+			[]error{inbox.ErrInvalidConfig, inbox.ErrInvalidTableName, inbox.ErrInvalidConsumer}},
+		{purgeErr, "inbox: invalid config: PurgeConfig.DB is required\n" +
+			"PurgeConfig.OlderThan must be at least 1µs (or 0 with a Window), got 0s",
+			[]error{inbox.ErrInvalidConfig}},
+		{purgerErr, "inbox: invalid config: PurgerConfig.Interval must be positive, got -1ns",
+			[]error{inbox.ErrInvalidConfig}},
+	} {
+		if tc.err == nil || tc.err.Error() != tc.want {
+			t.Errorf("error text\n%v\nwant\n%s", tc.err, tc.want)
+		}
+		for _, target := range tc.is {
+			if !errors.Is(tc.err, target) {
+				t.Errorf("%v does not match %v", tc.err, target)
+			}
+		}
 	}
 }
 

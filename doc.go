@@ -28,7 +28,7 @@
 //	func handle(msg *message.Message) error {
 //		tx, ok := inbox.TxFromContext(msg.Context())
 //		if !ok {
-//			return errors.New("no inbox transaction")
+//			return inbox.MissingTxError(msg.Context()) // wraps ErrNoTx, says what is missing
 //		}
 //		_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO invoices (order_id) VALUES (?)"), id)
 //		return err
@@ -70,10 +70,13 @@
 //     ErrInvalidConsumer (ErrEmptyConsumer) or ErrInvalidMessageID
 //     (ErrEmptyMessageID, ErrMessageIDTooLong). A refused message is not
 //     handled and nothing is written.
-//  2. Begin. Before its first claim the inbox checks the table once, as
-//     Inbox.Verify does: a missing or incompatible table fails every message
-//     with an error wrapping ErrTableNotFound or ErrIncompatibleTable until
-//     a check passes (Inbox.RouterPlugin makes router.Run fail instead).
+//  2. Begin. Before its first claim the inbox checks once, as Inbox.Verify
+//     does, that the dialect is for the server DB reaches (ErrDialectMismatch:
+//     a PostgreSQL database opened under the driver name "mysql", say) and
+//     that the table is usable: a mismatch, a missing or an incompatible
+//     table fails every message with an error wrapping ErrDialectMismatch,
+//     ErrTableNotFound or ErrIncompatibleTable until a check passes
+//     (Inbox.RouterPlugin makes router.Run fail instead).
 //     Then it begins a transaction on Config.DB with Config.TxOptions, under
 //     the message's context. On MySQL/MariaDB a BEGIN whose connection was
 //     lost after START TRANSACTION was sent is retried once (logged at Debug,
@@ -216,7 +219,9 @@
 // would report 1 with it, the same as a new row); the duplicate's
 // transaction rolls back, so the change is never kept. INSERT IGNORE is not
 // used: it also silences unrelated errors. PostgreSQLPartitioned
-// (PostgreSQL 14+, never inferred) partitions the table by UTC day so that
+// (PostgreSQL 14+, never inferred) range-partitions the table on
+// processed_at, by ISO week (Monday 00:00 UTC) for a new table
+// (DefaultPartitionInterval) or by UTC day (PartitionInterval), so that
 // the purge drops partitions (DropPartitions) instead of deleting rows.
 //
 // # Purge

@@ -1,6 +1,9 @@
 package inbox
 
-import "errors"
+import (
+	"errors"
+	"strings"
+)
 
 // MaxKeyLength is the longest consumer name or message id, in bytes, that the
 // inbox stores. It matches the width of the consumer and message_id columns
@@ -116,6 +119,16 @@ var (
 	ErrIncompatibleTable = errors.New("inbox: inbox table incompatible")
 )
 
+// ErrDialectMismatch means the dialect (Config.Dialect, or the one inferred
+// from DB's driver name) is for another database server than the one DB
+// reaches: a PostgreSQL database opened under the driver name "mysql", or
+// Config.Dialect MySQL on SQLite. Its statements would fail there with
+// syntax errors. The error names the dialect, the server found and the
+// configuration that fixes it. Inbox.Verify, Inbox.RouterPlugin,
+// InitializeSchema and the middleware's first message check it (once per
+// Inbox). It is not transient (IsTransient): no redelivery can succeed.
+var ErrDialectMismatch = errors.New("inbox: dialect does not match the database server")
+
 // ErrCommitTimeout means that what runs after the handler returned nil (the
 // outbox publish, the pre-commit check, COMMIT) did not finish within
 // Config.CommitTimeout. Whether the transaction committed is unknown (in
@@ -147,8 +160,51 @@ var ErrTransactionEnded = errors.New("inbox: the handler ended the inbox transac
 	"(COMMIT, ROLLBACK, tx.Commit, tx.Rollback, or a statement that commits implicitly, such as DDL on MySQL): " +
 	"return nil to commit or an error to roll back, and leave the transaction to the inbox")
 
+// ErrNoTx is wrapped by the error MissingTxError (and pgxinbox.MissingTxError)
+// returns when a handler finds no inbox transaction of the kind it asks for
+// in the message context: the inbox middleware is not around the handler,
+// the handler did not use msg.Context(), or the message was claimed by the
+// other backend (package pgxinbox gives a pgx.Tx, this package a *sqlx.Tx).
+// IsTransient reports false: a redelivery meets the same setup.
+var ErrNoTx = errors.New("inbox: no inbox transaction in the message context")
+
 // ErrNoOutbox means that ContextOutbox was asked to publish a message whose
 // context carries no inbox transaction with an outbox: it was published
 // outside a claimed message's handler (or after it returned), or the inbox
 // has no Config.Outbox. Nothing was published. IsTransient reports false.
 var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")
+
+// prefix starts the text of every error of this package.
+const prefix = "inbox: "
+
+// wrapped is the error "<msg>: <err>" without a second "inbox: ": err's
+// own prefix is dropped, on each of its lines (errors.Join puts one problem
+// per line). It wraps also (a sentinel; may be nil) and err, so errors.Is
+// and errors.As reach both.
+type wrapped struct {
+	msg  string
+	also error
+	err  error
+}
+
+func (e *wrapped) Error() string {
+	lines := strings.Split(e.err.Error(), "\n")
+	for i, l := range lines {
+		lines[i] = strings.TrimPrefix(l, prefix)
+	}
+	return e.msg + ": " + strings.Join(lines, "\n")
+}
+
+func (e *wrapped) Unwrap() []error {
+	if e.also == nil {
+		return []error{e.err}
+	}
+	return []error{e.also, e.err}
+}
+
+// invalidConfig is the error of New, Purge and NewPurger for the problems
+// Validate found: "inbox: invalid config: <problem>", one problem per line,
+// wrapping ErrInvalidConfig and every problem (and so its sentinel).
+func invalidConfig(problems error) error {
+	return &wrapped{msg: ErrInvalidConfig.Error(), also: ErrInvalidConfig, err: problems}
+}

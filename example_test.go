@@ -73,9 +73,22 @@ func ExampleTxFromContext() {
 	_ = func(msg *message.Message) error {
 		tx, ok := inbox.TxFromContext(msg.Context())
 		if !ok {
-			return fmt.Errorf("no inbox transaction: is the inbox middleware installed?")
+			return inbox.MissingTxError(msg.Context())
 		}
 		_, err := tx.ExecContext(msg.Context(), `INSERT INTO invoices (order_id) VALUES (?)`, msg.Metadata.Get("order_id"))
 		return err
 	}
+}
+
+// A handler run without the inbox middleware finds no transaction, and
+// MissingTxError says why (under a pgxinbox.Inbox it names
+// pgxinbox.TxFromContext instead).
+func ExampleMissingTxError() {
+	msg := message.NewMessage(watermill.NewUUID(), nil) // not claimed by any inbox
+	_, ok := inbox.TxFromContext(msg.Context())
+	fmt.Println(ok)
+	fmt.Println(inbox.MissingTxError(msg.Context()))
+	// Output:
+	// false
+	// inbox: no inbox transaction in the message context: no Inbox.Middleware runs around this handler (add it with router.AddMiddleware(ib.Middleware) or to the handler), or the context is not msg.Context()
 }

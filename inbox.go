@@ -64,6 +64,8 @@ type Inbox struct {
 	// (claimFunctionRecheck; tests shorten it).
 	recheckKeyLocking time.Duration
 	verified          atomic.Bool // the table passed verifySchema; checked before the first claim
+	server            serverCheck // the dialect matches DB's server; checked before verifySchema
+	dialectInferred   bool        // Config.Dialect was nil: inferred from DB.DriverName()
 
 	hooks *hooks // test seams; nil outside tests
 }
@@ -137,6 +139,9 @@ func (ib *Inbox) verifyOnce(ctx context.Context) error {
 	defer ib.claimMu.Unlock()
 	if ib.verified.Load() {
 		return nil
+	}
+	if err := ib.server.check(ctx, ib); err != nil {
+		return err
 	}
 	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
@@ -235,9 +240,10 @@ func (ib *Inbox) Close() error {
 // invalid cfg gives an error that wraps ErrInvalidConfig and each problem's
 // own sentinel (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer).
 func New(cfg Config) (*Inbox, error) {
+	inferred := cfg.Dialect == nil
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return nil, invalidConfig(err)
 	}
 	table, _ := parseTableName(cfg.Table) // checked by Validate
 	ib := &Inbox{
@@ -256,6 +262,7 @@ func New(cfg Config) (*Inbox, error) {
 		claimSQL:      cfg.Dialect.claimSQL(table),
 
 		recheckKeyLocking: claimFunctionRecheck,
+		dialectInferred:   inferred,
 	}
 	ib.backend = sqlBackend{ib}
 	ib.hasOutbox = cfg.Outbox != nil
@@ -288,13 +295,18 @@ func New(cfg Config) (*Inbox, error) {
 // schema or MySQL database named in Table. Then it checks the table as
 // Verify does, so that a table a migration or a DBA made differently, or a
 // concurrent starter's, is refused (ErrIncompatibleTable) before any
-// message is claimed in it. Errors wrap the driver's error. It works behind
-// a transaction-mode connection pooler.
+// message is claimed in it. Before any of it, it checks that the dialect is
+// for the server DB reaches, as Verify does (ErrDialectMismatch). Errors
+// wrap the driver's error. It works behind a transaction-mode connection
+// pooler.
 //
 // For PostgreSQLPartitioned it also creates the partitions, at the table's
 // PartitionInterval (weekly for a new table), that cover yesterday to
 // DefaultPartitionsAhead days after today (CreatePartitions).
 func (ib *Inbox) InitializeSchema(ctx context.Context) error {
+	if err := ib.server.check(ctx, ib); err != nil {
+		return err
+	}
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
 	}
@@ -362,7 +374,7 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
 			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
 		}
-		return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+		return lock, &wrapped{msg: fmt.Sprintf("inbox: %q/%q", d.consumer, d.id), err: poolerHint(err)}
 	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {

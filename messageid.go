@@ -49,7 +49,8 @@ func MessageIDFromMetadata(keys ...string) func(*message.Message) (string, error
 				return v, nil
 			}
 		}
-		return "", fmt.Errorf("%w: %w: no metadata %s", ErrInvalidMessageID, ErrEmptyMessageID, quotedList(keys))
+		return "", &wrapped{msg: ErrInvalidMessageID.Error(), also: ErrInvalidMessageID,
+			err: fmt.Errorf("%w: no metadata %s", ErrEmptyMessageID, quotedList(keys))}
 	}
 }
 

@@ -87,3 +87,51 @@ func TestMessageIDFromMetadata_DeduplicatesOnTheHeader(t *testing.T) {
 		})
 	}
 }
+
+// A refused message id's error names the package once and still matches
+// both of its sentinels: "inbox: invalid message id: empty message id ...",
+// not "inbox: invalid message id: inbox: empty message id".
+func TestRefusedMessageIDErrorNamesThePackageOnce(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, sqliteDB(t))
+	fromMetadata := f.newInbox(inbox.Config{MessageID: inbox.MessageIDFromMetadata("event-id")})
+	byUUID := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	metadataFeed, uuidFeed := newFeed(), newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware)
+		r.AddConsumerHandler("metadata", "orders", metadataFeed, func(*message.Message) error { return nil }).
+			AddMiddleware(fromMetadata.Middleware)
+		r.AddConsumerHandler("uuid", "orders", uuidFeed, func(*message.Message) error { return nil }).
+			AddMiddleware(byUUID.Middleware)
+	})
+	for _, tc := range []struct {
+		feed *feed
+		msg  *message.Message
+		want string
+		is   []error
+	}{
+		{uuidFeed, message.NewMessage("", nil),
+			`inbox: invalid message id: empty message id (message "", consumer "uuid")`,
+			[]error{inbox.ErrInvalidMessageID, inbox.ErrEmptyMessageID}},
+		{uuidFeed, message.NewMessage(strings.Repeat("x", 256), nil),
+			`inbox: invalid message id: message id too long: 256 bytes, at most 255 (message "` + strings.Repeat("x", 256) + `", consumer "uuid")`,
+			[]error{inbox.ErrInvalidMessageID, inbox.ErrMessageIDTooLong}},
+		{metadataFeed, message.NewMessage("m-1", nil),
+			`inbox: message id of message "m-1": invalid message id: empty message id: no metadata "event-id"`,
+			[]error{inbox.ErrInvalidMessageID, inbox.ErrEmptyMessageID}},
+	} {
+		if tc.feed.deliver(t, tc.msg) {
+			t.Fatalf("message %q acked", tc.msg.UUID)
+		}
+		err := rec.last()
+		if err == nil || err.Error() != tc.want {
+			t.Errorf("error text\n%v\nwant\n%s", err, tc.want)
+		}
+		for _, target := range tc.is {
+			if !errors.Is(err, target) {
+				t.Errorf("%v does not match %v", err, target)
+			}
+		}
+	}
+}

@@ -204,7 +204,7 @@ func (d *delivery) validate() error {
 	}
 	id, err := ib.messageID(msg)
 	if err != nil {
-		return fmt.Errorf("inbox: message id of message %q: %w", msg.UUID, err)
+		return &wrapped{msg: fmt.Sprintf("inbox: message id of message %q", msg.UUID), err: err}
 	}
 	if err := checkKey(id, ErrInvalidMessageID, ErrEmptyMessageID, ErrMessageIDTooLong); err != nil {
 		return fmt.Errorf("%w (message %q, consumer %q)", err, msg.UUID, d.consumer)

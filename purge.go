@@ -54,8 +54,12 @@ type PurgeConfig struct {
 	Table string
 
 	// OlderThan is the window: rows whose processed_at is more than
-	// OlderThan before the database's current time are deleted. Required,
-	// > 0, whole microseconds count. Choose it longer than the broker can
+	// OlderThan before the database's current time are deleted, counted in
+	// whole microseconds (a remainder below 1µs is dropped). Required: at
+	// least 1µs, unless Window is set, where 0 means "use the safe window"
+	// that Window reports, and a positive OlderThan shorter than that is
+	// refused (ErrWindowTooShort). Negative, below 1µs, or 0 without a
+	// Window: ErrInvalidConfig. Choose it longer than the broker can
 	// still redeliver a message (for Kafka: the topic's retention.ms, plus
 	// the time a segment may outlive it, plus a margin): a message
 	// redelivered after its row was purged is processed again.
@@ -233,7 +237,7 @@ func (c PurgeConfig) Validate() error {
 	}
 	if c.Consumer != "" {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
-			errs = append(errs, fmt.Errorf("PurgeConfig.Consumer: %w", err))
+			errs = append(errs, &wrapped{msg: "inbox: PurgeConfig.Consumer", err: err})
 		}
 	}
 	return errors.Join(errs...)
@@ -246,8 +250,8 @@ func (c PurgeConfig) Validate() error {
 // It deletes in batches of at most cfg.BatchSize rows, oldest first, each one
 // DELETE in its own transaction that uses the processed_at index, until a
 // batch comes back short or ctx ends. Between two batches it pauses as
-// cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 4 times the
-// shortest of the last 8 batches, longer when they all slow down); no transaction,
+// cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 9 times the
+// shortest of the last 8 batches, at most 1 s, longer when they all slow down); no transaction,
 // row lock or connection of the purge is held while it pauses. On PostgreSQL a batch is one
 // DELETE that commits asynchronously (a crash may lose its last batches,
 // which the next purge deletes again) and locks no row before deleting it:
@@ -257,11 +261,11 @@ func (c PurgeConfig) Validate() error {
 // to go on. On MySQL/MariaDB and SQLite a batch holds its locks only for
 // its own short statement. The cutoff is recomputed for every batch.
 //
-// With a cfg.Window, the window is checked (or chosen) first; a window
-// shorter than the safe one gives ErrWindowTooShort, a safe window out of
-// range (below 1µs, above MaxSafeWindow) ErrWindowOutOfRange, and the
-// source's own error (such as kafkaretention.ErrNoSafeWindow) is returned
-// wrapped: each deletes nothing.
+// With a cfg.Window, the window is checked first: a cfg.OlderThan of 0
+// takes the safe window; one shorter than the safe window gives
+// ErrWindowTooShort, a safe window out of range (below 1µs, above
+// MaxSafeWindow) ErrWindowOutOfRange, and the source's own error (such as
+// kafkaretention.ErrNoSafeWindow) is returned wrapped: each deletes nothing.
 //
 // A batch that fails because it lost a race with other transactions (a
 // deadlock, a lock wait timeout, a serialization failure, SQLITE_BUSY; told
@@ -277,7 +281,7 @@ func (c PurgeConfig) Validate() error {
 func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return 0, invalidConfig(err)
 	}
 	return purge(ctx, cfg.DB, cfg)
 }

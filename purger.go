@@ -116,7 +116,7 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 		errs = append(errs, fmt.Errorf("inbox: PurgerConfig.Interval must be positive, got %v", cfg.Interval))
 	}
 	if err := errors.Join(errs...); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return nil, invalidConfig(err)
 	}
 	table, _ := parseTableName(cfg.Purge.Table)
 	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect}

@@ -60,7 +60,7 @@ func initializeSchema(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedNa
 	// A table someone else made (a migration, a DBA, a concurrent starter)
 	// is used only once it is known not to merge or truncate ids.
 	if err := verifySchema(ctx, db, d, t); err != nil {
-		return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)
+		return &wrapped{msg: fmt.Sprintf("inbox: initialize schema of %s", t), err: err}
 	}
 	return nil
 }

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -21,14 +23,23 @@ import (
 // for a table that could merge, truncate or reject message ids (see
 // ErrIncompatibleTable). Other errors are the database's, wrapped.
 //
+// First it checks that the dialect matches the database server behind DB
+// (one query, once per Inbox): a dialect for another server (a PostgreSQL
+// database opened under the driver name "mysql", Config.Dialect MySQL on
+// SQLite) gives an error wrapping ErrDialectMismatch that names both and
+// the fix, instead of the syntax errors the first statement would give.
+//
 // Call it at startup when your migrations own the table, before the router
 // consumes (or add Inbox.RouterPlugin to the router), so that a missing or
 // wrong table stops the process instead of nacking every message. The
-// middleware runs the same check once before its first claim, and
-// InitializeSchema runs it on a table that already exists. It is safe for
+// middleware runs the same checks once before its first claim, and
+// InitializeSchema runs them too. It is safe for
 // concurrent use and works behind a transaction-mode connection pooler (on
 // PostgreSQL it reads in one short transaction).
 func (ib *Inbox) Verify(ctx context.Context) error {
+	if err := ib.server.check(ctx, ib); err != nil {
+		return err
+	}
 	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
 		return err
 	}
@@ -41,8 +52,8 @@ const VerifyTimeout = 30 * time.Second
 
 // RouterPlugin is a Watermill router plugin that runs Verify before the
 // router subscribes to anything: add it with router.AddPlugin(ib.RouterPlugin),
-// and router.Run returns Verify's error (errors.Is matches ErrTableNotFound
-// and ErrIncompatibleTable through the router's wrapping) instead of
+// and router.Run returns Verify's error (errors.Is matches ErrTableNotFound,
+// ErrIncompatibleTable and ErrDialectMismatch through the router's wrapping) instead of
 // starting handlers that would nack every message. The check is bounded by
 // VerifyTimeout. Router plugins run once, in router.Run, before its
 // handlers start (a Watermill convention).
@@ -50,6 +61,104 @@ func (ib *Inbox) RouterPlugin(*message.Router) error {
 	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
 	defer cancel()
 	return ib.Verify(ctx)
+}
+
+// serverKind is a database server family, as a message names it.
+type serverKind string
+
+const (
+	serverPostgreSQL serverKind = "PostgreSQL"
+	serverMySQL      serverKind = "MySQL/MariaDB"
+	serverSQLite     serverKind = "SQLite"
+)
+
+// serverFix is what a mismatch message tells the user to configure for a
+// server family: the dialects and the driver names that infer one.
+var serverFix = map[serverKind]string{
+	serverPostgreSQL: `Config.Dialect to inbox.PostgreSQL (or inbox.PostgreSQLPartitioned), or leave it nil and use the driver name "pgx" or "postgres" (sqlx.NewDb(db, "pgx"))`,
+	serverMySQL:      `Config.Dialect to inbox.MySQL, or leave it nil and use the driver name "mysql" (sqlx.NewDb(db, "mysql"))`,
+	serverSQLite:     `Config.Dialect to inbox.SQLite, or leave it nil and use the driver name "sqlite" or "sqlite3" (sqlx.NewDb(db, "sqlite"))`,
+}
+
+// Probes of the server: each is valid SQL on some servers only, and a
+// probe that fails is itself an answer. version() exists on PostgreSQL
+// ("PostgreSQL 15.5 on ...") and MySQL/MariaDB ("8.0.36", "10.11.6-MariaDB-..."),
+// not on SQLite; sqlite_version() only on SQLite.
+const (
+	versionProbe = "SELECT version()"
+	sqliteProbe  = "SELECT sqlite_version()"
+)
+
+// mysqlVersion matches the start of MySQL's and MariaDB's version().
+var mysqlVersion = regexp.MustCompile(`^[0-9]+\.[0-9]+`)
+
+// identifyServer returns the server family behind db and its version as
+// the server reports it ("15.5", "10.11.6-MariaDB-...", "3.46.0"), or
+// "" when no probe identifies it (a server of another kind, or one that
+// cannot be reached: the statements after it report that). It runs the
+// probe that succeeds on the server want first: one query when the dialect
+// matches. Each probe is one statement outside any transaction.
+func identifyServer(ctx context.Context, db *sqlx.DB, want serverKind) (serverKind, string) {
+	probes := []string{versionProbe, sqliteProbe}
+	if want == serverSQLite {
+		probes = []string{sqliteProbe, versionProbe}
+	}
+	for _, probe := range probes {
+		var v string
+		if err := db.QueryRowContext(ctx, probe).Scan(&v); err != nil {
+			continue
+		}
+		switch {
+		case probe == sqliteProbe:
+			return serverSQLite, v
+		case strings.HasPrefix(v, "PostgreSQL "):
+			// "PostgreSQL 15.5 (Debian 15.5-0+deb12u1) on x86_64-pc-linux-gnu, compiled by ..."
+			return serverPostgreSQL, strings.Fields(v)[1]
+		case mysqlVersion.MatchString(v):
+			return serverMySQL, v
+		}
+		return "", v
+	}
+	return "", ""
+}
+
+// serverCheck is an Inbox's check that its dialect matches the server
+// behind DB: run on first use (Verify, InitializeSchema, the middleware's
+// first message) and remembered once the server is identified, so that
+// later calls cost nothing. It is safe for concurrent use.
+type serverCheck struct {
+	mu   sync.Mutex
+	done bool  // the server was identified
+	err  error // the mismatch found, or nil
+}
+
+// check returns nil when ib's dialect is for the server behind ib's DB (or
+// the server cannot be identified), and otherwise an error wrapping
+// ErrDialectMismatch that names both, DB's driver type, and the
+// configuration that fixes it. The server's own answer decides, not the
+// driver's type, which a wrapping driver (an instrumented database/sql
+// driver) hides.
+func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.done {
+		return c.err
+	}
+	want := ib.dialect.server()
+	found, version := identifyServer(ctx, ib.db, want)
+	if found == "" {
+		return nil // not remembered: the next use asks again
+	}
+	c.done = true
+	if found != want {
+		how := "Config.Dialect"
+		if ib.dialectInferred {
+			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
+		}
+		c.err = fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s",
+			ErrDialectMismatch, ib.dialect, how, want, ib.db.Driver(), found, version, serverFix[found])
+	}
+	return c.err
 }
 
 // verifySchema runs verifyTable in a read-only unit of work.

@@ -710,3 +710,143 @@ func TestVerify_refusesObjectsThatChangeTheClaimOrThePurge(t *testing.T) {
 		}
 	})
 }
+
+// A dialect for another database server than the one DB reaches passes New,
+// and is then refused with ErrDialectMismatch, naming the dialect, the
+// server found and the fix, by Verify, by RouterPlugin (router.Run fails),
+// by InitializeSchema and by the middleware's first message (the handler is
+// not called, nothing is written), instead of a syntax error per message.
+func TestDialect_mismatchWithServerIsRefused(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		open    func(t *testing.T) *sqlx.DB
+		dialect inbox.Dialect // nil: inferred from the driver name open gives
+		want    []string      // in the error's text
+	}{
+		{"postgres opened as mysql", func(t *testing.T) *sqlx.DB {
+			return sqlx.NewDb(testdb.OpenPostgres(t, "").DB, "mysql")
+		}, nil, []string{`dialect is mysql (inferred from DB's driver name "mysql"), which is for MySQL/MariaDB`, "is PostgreSQL (version ", "inbox.PostgreSQL", `"pgx"`}},
+		{"postgres opened as sqlite3", func(t *testing.T) *sqlx.DB {
+			return sqlx.NewDb(testdb.OpenPostgres(t, "").DB, "sqlite3")
+		}, nil, []string{`dialect is sqlite (inferred from DB's driver name "sqlite3"`, "is PostgreSQL", "inbox.PostgreSQL"}},
+		{"mysql with PostgreSQL", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
+			inbox.PostgreSQL, []string{"dialect is postgres (Config.Dialect", "is MySQL/MariaDB (version ", "inbox.MySQL", `"mysql"`}},
+		{"mysql with SQLite", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
+			inbox.SQLite, []string{"dialect is sqlite (Config.Dialect", "is MySQL/MariaDB (version ", "inbox.MySQL"}},
+		{"sqlite with MySQL", sqliteDB, inbox.MySQL, []string{"dialect is mysql (Config.Dialect", "is SQLite (version 3.", "inbox.SQLite", `"sqlite"`}},
+		{"sqlite with PostgreSQL", sqliteDB, inbox.PostgreSQL, []string{"dialect is postgres (Config.Dialect", "is SQLite", "inbox.SQLite"}},
+		{"sqlite with PostgreSQLPartitioned", sqliteDB, inbox.PostgreSQLPartitioned, []string{"dialect is postgres-partitioned", "is SQLite"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := tc.open(t)
+			table := "inbox_" + randomSuffix()
+			ib, err := inbox.New(inbox.Config{DB: db, Dialect: tc.dialect, Table: table})
+			if err != nil {
+				t.Fatalf("New: %v", err) // New does not touch the database
+			}
+			ctx := context.Background()
+			check := func(what string, err error) {
+				t.Helper()
+				if !errors.Is(err, inbox.ErrDialectMismatch) {
+					t.Fatalf("%s: got %v, want ErrDialectMismatch", what, err)
+				}
+				for _, w := range tc.want {
+					if !strings.Contains(err.Error(), w) {
+						t.Errorf("%s: %q does not say %q", what, err, w)
+					}
+				}
+				if inbox.IsTransient(err) {
+					t.Errorf("%s: IsTransient(%v) = true; no redelivery can succeed", what, err)
+				}
+			}
+
+			var called atomic.Int32
+			rec := &recorder{}
+			f := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(rec.Middleware, ib.Middleware)
+				r.AddConsumerHandler("h", "topic", f, func(*message.Message) error {
+					called.Add(1)
+					return nil
+				})
+			})
+			if f.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatal("the message was acked")
+			}
+			check("middleware", rec.last())
+			if n := called.Load(); n != 0 {
+				t.Fatalf("handler called %d times", n)
+			}
+
+			check("Verify", ib.Verify(ctx))
+			check("InitializeSchema", ib.InitializeSchema(ctx))
+
+			r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.AddPlugin(ib.RouterPlugin)
+			check("router.Run with RouterPlugin", r.Run(ctx))
+		})
+	}
+}
+
+// The middleware checks the dialect against the server once per Inbox: a
+// matching server costs one query on the first message and none after.
+func TestDialect_serverCheckedOncePerInbox(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inbox.db")
+	plain := testdb.OpenSQLite(t, path)
+	log := &statementLog{}
+	db := openRecording(t, plain.Driver(), "file:"+path+"?"+testdb.SQLiteParams, "sqlite", log)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	feed := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib.Middleware)
+		r.AddConsumerHandler("h", "topic", feed, func(msg *message.Message) error { return f.writeBusinessRow(msg) })
+	})
+	log.take() // InitializeSchema's
+	probes := func() (n int) {
+		for _, q := range log.take() {
+			if strings.Contains(q, "version()") {
+				n++
+			}
+		}
+		return n
+	}
+	for i := range 3 {
+		if !feed.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatalf("message %d nacked: %v", i, rec.last())
+		}
+		if n := probes(); n != 0 {
+			t.Fatalf("message %d: %d server probes; the check of InitializeSchema must be kept", i, n)
+		}
+	}
+
+	// A new Inbox on the same pool checks once, on its first message.
+	ib2, err := inbox.New(inbox.Config{DB: db, Table: f.inbox, Consumer: "other"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	feed2 := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib2.Middleware)
+		r.AddConsumerHandler("h2", "topic", feed2, func(*message.Message) error { return nil })
+	})
+	for i := range 3 {
+		if !feed2.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatalf("message %d nacked: %v", i, rec.last())
+		}
+		want := 0
+		if i == 0 {
+			want = 1
+		}
+		if n := probes(); n != want {
+			t.Fatalf("message %d: %d server probes, want %d", i, n, want)
+		}
+	}
+}

@@ -12,7 +12,10 @@
 //	router.AddMiddleware(ib.Middleware)
 //
 //	func handle(msg *message.Message) error {
-//		tx, _ := pgxinbox.TxFromContext(msg.Context())
+//		tx, ok := pgxinbox.TxFromContext(msg.Context())
+//		if !ok {
+//			return pgxinbox.MissingTxError(msg.Context()) // wraps inbox.ErrNoTx, says what is missing
+//		}
 //		_, err := tx.Exec(msg.Context(), "INSERT INTO invoices …", …)
 //		return err
 //	}
@@ -40,6 +43,7 @@
 //
 // inbox.OutboxFromContext, inbox.AfterCommit and inbox.IsTransient work on
 // this package's messages and errors (IsTransient knows pgx's errors). The
-// purge, the Purger, the stats and the CLI take a *sqlx.DB: pass Inbox.DB,
-// or DB(pool) for a pool without an Inbox.
+// purge, the Purger and the stats take a *sqlx.DB: pass the Inbox's DB()
+// (ib.DB()), or DB(pool) for a pool without an Inbox. The CLI (cmd/inbox)
+// takes the pool's DSN (-db).
 package pgxinbox

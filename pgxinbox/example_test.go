@@ -14,8 +14,9 @@ import (
 )
 
 // The inbox on a pgx pool, with its outbox on watermill-sql v4's queue
-// schema (a forwarded row is deleted once the forwarder acked it). The
-// README shows this code.
+// schema (a forwarded row is deleted once the forwarder acked it).
+// docs/outbox.md quotes its outbox factory and the forwarder's subscriber,
+// and the README's outbox section links here.
 func Example() {
 	ctx := context.Background()
 	logger := watermill.NewStdLogger(false, false)
@@ -46,7 +47,10 @@ func Example() {
 	}
 	router.AddMiddleware(ib.Middleware)
 	router.AddHandler("billing", "orders", subscriber, "invoices", publisher, func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := pgxinbox.TxFromContext(msg.Context())
+		tx, ok := pgxinbox.TxFromContext(msg.Context())
+		if !ok {
+			return nil, pgxinbox.MissingTxError(msg.Context())
+		}
 		if _, err := tx.Exec(msg.Context(), "INSERT INTO invoices (order_id) VALUES ($1)", msg.UUID); err != nil {
 			return nil, err
 		}

@@ -206,6 +206,9 @@ func DB(pool *pgxpool.Pool) *sqlx.DB {
 // connection stays with the message until the middleware commits or rolls
 // back, even after the handler's own Commit or Rollback. Like every pgx.Tx it is not safe for concurrent use.
 // inbox.OutboxFromContext and inbox.AfterCommit work on the same context.
+// When it returns false, return MissingTxError(ctx) from the handler: it
+// says why (a message claimed by an inbox.Inbox, whose transaction
+// inbox.TxFromContext returns, or no inbox middleware at all).
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	h, ok := backend.HandleFromContext(ctx)
 	if !ok {
@@ -213,4 +216,29 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	}
 	tx, ok := h.(pgx.Tx)
 	return tx, ok
+}
+
+// MissingTxError returns the error a handler should return when
+// TxFromContext(ctx) reports false, and nil when it reports true. The error
+// wraps inbox.ErrNoTx and says why there is no pgx.Tx: the message was
+// claimed by an inbox.Inbox (database/sql), whose transaction
+// inbox.TxFromContext returns; or ctx carries no inbox transaction at all,
+// because no Inbox's Middleware runs around the handler or ctx is not
+// msg.Context(). The router nacks the message; the error is not transient
+// (inbox.IsTransient). It is safe for concurrent use.
+//
+//	tx, ok := pgxinbox.TxFromContext(msg.Context())
+//	if !ok {
+//		return pgxinbox.MissingTxError(msg.Context())
+//	}
+func MissingTxError(ctx context.Context) error {
+	if _, ok := TxFromContext(ctx); ok {
+		return nil
+	}
+	if _, ok := inbox.TxFromContext(ctx); ok {
+		return fmt.Errorf("%w: the message was claimed by an inbox.Inbox (database/sql), whose transaction is a *sqlx.Tx: "+
+			"call inbox.TxFromContext, or make the Inbox with pgxinbox.New for a pgx.Tx", inbox.ErrNoTx)
+	}
+	return fmt.Errorf("%w: no pgxinbox Inbox.Middleware runs around this handler (add it with router.AddMiddleware(ib.Middleware) "+
+		"or to the handler), or the context is not msg.Context()", inbox.ErrNoTx)
 }

@@ -39,7 +39,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"log"
@@ -201,14 +200,14 @@ func (d *database) execInTx(ctx context.Context, query string, args ...any) erro
 	if d.pool != nil {
 		tx, ok := pgxinbox.TxFromContext(ctx)
 		if !ok {
-			return errors.New("no pgxinbox transaction in the message context")
+			return pgxinbox.MissingTxError(ctx)
 		}
 		_, err := tx.Exec(ctx, sqlx.Rebind(sqlx.DOLLAR, query), args...)
 		return err
 	}
 	tx, ok := inbox.TxFromContext(ctx)
 	if !ok {
-		return errors.New("no inbox transaction in the message context")
+		return inbox.MissingTxError(ctx)
 	}
 	_, err := tx.ExecContext(ctx, tx.Rebind(query), args...)
 	return err

@@ -170,7 +170,7 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 		insertInvoice = func(ctx context.Context, orderID string) error {
 			tx, ok := inbox.TxFromContext(ctx)
 			if !ok {
-				return errors.New("no inbox transaction in the CQRS handler's context")
+				return inbox.MissingTxError(ctx)
 			}
 			_, err := tx.ExecContext(ctx, "INSERT INTO "+invoices+" (order_id) VALUES ($1)", orderID)
 			return err
@@ -193,7 +193,7 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 		insertInvoice = func(ctx context.Context, orderID string) error {
 			tx, ok := pgxinbox.TxFromContext(ctx)
 			if !ok {
-				return errors.New("no inbox transaction in the CQRS handler's context")
+				return pgxinbox.MissingTxError(ctx)
 			}
 			_, err := tx.Exec(ctx, "INSERT INTO "+invoices+" (order_id) VALUES ($1)", orderID)
 			return err

@@ -90,7 +90,7 @@ func run() error {
 		// inbox row, or not at all.
 		tx, ok := inbox.TxFromContext(msg.Context())
 		if !ok {
-			return fmt.Errorf("no inbox transaction: is ib.Middleware installed?")
+			return inbox.MissingTxError(msg.Context()) // says which middleware or package is missing
 		}
 		orderID := msg.Metadata.Get("order_id")
 		if _, err := tx.ExecContext(msg.Context(),

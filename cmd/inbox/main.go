@@ -354,7 +354,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlags("purge", stderr, &c, true)
-	olderThan := fs.Duration("older-than", 0, "required: delete rows processed longer ago than this (e.g. 360h)")
+	olderThan := fs.Duration("older-than", 0, "delete rows processed longer ago than this (e.g. 360h); required unless -brokers/-topics or -nats-url/-nats-stream give the safe window, which it then defaults to")
 	consumer := fs.String("consumer", "", "only this consumer's rows (default: all)")
 	batch := fs.Int("batch", inbox.DefaultPurgeBatchSize, "rows per DELETE, each its own transaction")
 	duty := fs.Float64("duty-cycle", inbox.DefaultPurgeDutyCycle, "share of the purge's time spent in batches, above 0 and at most 1: after a batch of d it pauses d*(1-duty)/duty, longer when batches slow down; 1 runs them back to back")

@@ -359,6 +359,26 @@ func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 	}
 }
 
+// schema -verify with a -dialect for another server than the DSN's exits 1
+// with ErrDialectMismatch on stderr, naming the server it found.
+func TestSchemaVerifyRefusesADialectForAnotherServer(t *testing.T) {
+	c := dsns(t)
+	for _, tc := range []struct{ dsn, dialect, server string }{
+		{c["postgres"].dsn, "mysql", "is PostgreSQL"},
+		{c["mysql"].dsn, "postgres", "is MySQL/MariaDB"},
+		{c["sqlite"].dsn, "postgres-partitioned", "is SQLite"},
+	} {
+		args := []string{"-db", tc.dsn, "-dialect", tc.dialect, "-verify"}
+		if err := schemaCmd(context.Background(), args, io.Discard, io.Discard); !errors.Is(err, inbox.ErrDialectMismatch) ||
+			!strings.Contains(err.Error(), tc.server) {
+			t.Errorf("schema -dialect %s -verify: %v, want ErrDialectMismatch saying %q", tc.dialect, err, tc.server)
+		}
+		if code, out, errOut := cli(t, append([]string{"schema"}, args...)...); code != 1 || out != "" || !strings.Contains(errOut, tc.server) {
+			t.Errorf("schema -dialect %s -verify: exit %d, stdout %q, stderr %q; want 1 and the mismatch on stderr", tc.dialect, code, out, errOut)
+		}
+	}
+}
+
 // verifyFails runs schema -verify on table and, when the command reports a
 // problem, checks that it wraps want and that the CLI prints it on stderr
 // alone and exits 1. Verify (verify.go) accepts every table until its

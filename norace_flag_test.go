@@ -1,0 +1,6 @@
+//go:build !race
+
+package inbox_test
+
+// raceEnabled reports whether the tests are built with -race.
+const raceEnabled = false
