@@ -60,3 +60,8 @@ func WithAfterPurgeSelect(cfg PurgeConfig, f func()) PurgeConfig {
 
 // PurgeRetryable is purgeRetryable, for the external tests.
 var PurgeRetryable = purgeRetryable
+
+// SetTableBackoffHook makes ib call f with the wait of each delivery that
+// met a missing or incompatible table, before the wait. Call it before ib
+// handles messages.
+func SetTableBackoffHook(ib *Inbox, f func(wait time.Duration)) { ib.hooks = &hooks{onTableBackoff: f} }

@@ -62,7 +62,10 @@ type Inbox struct {
 	// function holds before the next delivery looks for it again
 	// (claimFunctionRecheck; tests shorten it).
 	recheckKeyLocking time.Duration
-	verified          atomic.Bool // the table passed verifySchema; checked before the first claim
+	verified          atomic.Bool     // the table passed verifySchema; checked before the first claim
+	outboxTables      []qualifiedName // Config.OutboxTables: checked with the inbox table
+	tableFailures     atomic.Int32    // consecutive deliveries that met a table error (waitAfterTableError)
+	poolExhausted     func() bool     // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
 }
@@ -137,7 +140,7 @@ func (ib *Inbox) verifyOnce(ctx context.Context) error {
 	if ib.verified.Load() {
 		return nil
 	}
-	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+	if err := ib.verifyTables(ctx); err != nil {
 		return err
 	}
 	ib.verified.Store(true)
@@ -258,6 +261,11 @@ func New(cfg Config) (*Inbox, error) {
 	}
 	ib.backend = sqlBackend{ib}
 	ib.hasOutbox = cfg.Outbox != nil
+	ib.poolExhausted = func() bool { return sqlPoolExhausted(ib.db) }
+	for _, name := range cfg.OutboxTables {
+		t, _ := parseTableName(name) // checked by Validate
+		ib.outboxTables = append(ib.outboxTables, t)
+	}
 	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
 	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
@@ -295,11 +303,13 @@ func New(cfg Config) (*Inbox, error) {
 // DefaultPartitionsAhead days after today (CreatePartitions).
 func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
-		return err
+		return poolerHint(err)
 	}
-	ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
-	ib.forgetKeyLocking()   // it may have added the claim function
-	return ib.dialect.maintainSchema(ctx, ib.db, ib.table)
+	if len(ib.outboxTables) == 0 {
+		ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
+	}
+	ib.forgetKeyLocking() // it may have added the claim function
+	return poolerHint(ib.dialect.maintainSchema(ctx, ib.db, ib.table))
 }
 
 // keyLockHash is the advisory lock key of one inbox key: a 64-bit FNV-1a
@@ -355,9 +365,16 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
 		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
-			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
+			// Nothing about the message is wrong: wait, so that the
+			// broker's redeliveries do not spin, and nack it (transient).
+			ib.waitAfterTableError(d.sctx)
+			return lock, &misconfiguredError{fmt.Errorf("inbox: %q/%q: %w (Inbox.Verify reports the fix; "+
+				"add Inbox.RouterPlugin to the router to fail at startup instead)", d.consumer, d.id, firstLine{err})}
 		}
 		return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+	}
+	if ib.tableFailures.Load() != 0 {
+		ib.tableFailures.Store(0)
 	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {

@@ -105,11 +105,21 @@ import (
 //     and transient by the rules above.
 //   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
 //     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
+//   - The middleware's error for a message that met a missing or
+//     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
+//     those of Config.OutboxTables) at message time: nothing about the
+//     message is wrong, so a poison filter built on IsTransient keeps the
+//     topic's messages (a redelivery succeeds once the table is fixed)
+//     instead of draining it. The middleware waits before it returns that
+//     error, 100 ms doubling to 5 s over consecutive such deliveries, so
+//     that a broker's immediate redelivery does not spin. The same
+//     sentinels from Verify, InitializeSchema or RouterPlugin stay not
+//     transient: they stop the process at startup.
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
-// claimed), ErrTableNotFound and ErrIncompatibleTable (a misconfiguration:
-// no redelivery succeeds until the table is fixed) and constraint
+// claimed), ErrTableNotFound and ErrIncompatibleTable from Verify,
+// InitializeSchema and RouterPlugin (see above) and constraint
 // violations. IsTransient(nil) is false. It is safe
 // for concurrent use.
 func IsTransient(err error) bool {
@@ -126,7 +136,8 @@ func IsTransient(err error) bool {
 		return true
 	}
 	var lcErr *lostConnError
-	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) {
+	var mcErr *misconfiguredError
+	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
