@@ -27,6 +27,7 @@ import (
 // transaction: its writes are rolled back, and only the successful
 // attempt's row commits, with one inbox row; the message is acked.
 func TestMiddlewares_RetryRunsEachAttemptInItsOwnTransaction(t *testing.T) {
+	t.Parallel()
 	forEachDB(t, func(t *testing.T, _ testDB, db *sqlx.DB) {
 		f := newFixture(t, db)
 		ib := f.newInbox(inbox.Config{})
@@ -65,6 +66,7 @@ func TestMiddlewares_RetryRunsEachAttemptInItsOwnTransaction(t *testing.T) {
 // with a live context: middleware.Timeout leaves its ended context on the
 // message, and the retry must not start from it.
 func TestMiddlewares_RetryAfterTimeoutGetsALiveContext(t *testing.T) {
+	t.Parallel()
 	db := sqliteDB(t)
 	f := newFixture(t, db)
 	ib := f.newInbox(inbox.Config{})
@@ -100,6 +102,7 @@ func TestMiddlewares_RetryAfterTimeoutGetsALiveContext(t *testing.T) {
 // committed); a missing table is only nacked, so that a misconfiguration
 // does not drain the topic.
 func TestMiddlewares_PoisonQueueTakesBadMessagesNotMisconfiguration(t *testing.T) {
+	t.Parallel()
 	db := sqliteDB(t)
 	f := newFixture(t, db)
 	ib := f.newInbox(inbox.Config{})
@@ -168,6 +171,7 @@ func TestMiddlewares_PoisonQueueTakesBadMessagesNotMisconfiguration(t *testing.T
 // with each such delivery, so that a broker's immediate redelivery does not
 // spin; once the table exists, the next delivery is processed.
 func TestMiddleware_MissingTableBacksOffAndIsNotPoisoned(t *testing.T) {
+	t.Parallel()
 	db := sqliteDB(t)
 	f := newFixture(t, db)
 	ib, err := inbox.New(inbox.Config{DB: db, Table: f.inbox})
@@ -220,6 +224,7 @@ func TestMiddleware_MissingTableBacksOffAndIsNotPoisoned(t *testing.T) {
 // middleware nacks before the claim instead of failing every message at
 // its outbox publish; once the table exists, messages are processed.
 func TestRouterPlugin_MissingOutboxTableStopsTheRouter(t *testing.T) {
+	t.Parallel()
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		f := newFixture(t, db)
 		outbox := "watermill_outbox_" + randomSuffix()
@@ -280,6 +285,7 @@ func TestRouterPlugin_MissingOutboxTableStopsTheRouter(t *testing.T) {
 // SQLSTATE 25P02: the error that reaches the router says why and names the
 // fix, and still matches the driver's error; nothing commits.
 func TestMiddleware_FailedTransactionNamesRetryInsideTheInbox(t *testing.T) {
+	t.Parallel()
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		if !isPostgres(tdb.Dialect) {
 			t.Skip("only PostgreSQL aborts a transaction after a failed statement (25P02)")
@@ -324,6 +330,7 @@ func TestMiddleware_FailedTransactionNamesRetryInsideTheInbox(t *testing.T) {
 // context.DeadlineExceeded and says that the handler probably writes
 // through db; nothing commits.
 func TestMiddleware_DeadlineOnAnExhaustedPoolNamesPoolWrites(t *testing.T) {
+	t.Parallel()
 	forEachDB(t, func(t *testing.T, _ testDB, db *sqlx.DB) {
 		db.SetMaxOpenConns(1)
 		f := newFixture(t, db)
@@ -362,5 +369,23 @@ func runUntilRunning(r *message.Router) error {
 	case <-r.Running():
 		r.Close()
 		return nil
+	}
+}
+
+// Inbox.Middlewares refuses a poison topic or filter without a poison
+// queue publisher, which would otherwise be ignored in silence.
+func TestMiddlewares_PoisonSettingsWithoutAPublisherAreInvalid(t *testing.T) {
+	t.Parallel()
+	ib, err := inbox.New(inbox.Config{DB: sqliteDB(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cfg := range []inbox.MiddlewaresConfig{
+		{PoisonTopic: "orders.poison"},
+		{ShouldPoison: func(error) bool { return true }},
+	} {
+		if _, err := ib.Middlewares(cfg); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("Middlewares(%+v) = %v, want ErrInvalidConfig", cfg, err)
+		}
 	}
 }
