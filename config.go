@@ -155,6 +155,20 @@ type Config struct {
 	// Default: nil, returned messages go to the router.
 	Outbox func(tx *sqlx.Tx) (message.Publisher, error)
 
+	// OutboxTables names the tables the Outbox publisher writes (with
+	// package pgxinbox, its Config.Outbox's), so that Verify, RouterPlugin,
+	// "inbox schema -verify" and the middleware's check before its first
+	// claim refuse a missing one with ErrTableNotFound, instead of every
+	// message failing at its outbox publish. watermill-sql names a topic's
+	// table "watermill_" + topic: with Watermill's forwarder and
+	// ForwarderTopic "outbox", []string{"watermill_outbox"}; the v3 offsets
+	// schemas also write "watermill_offsets_" + topic, which only the
+	// relay's subscriber needs. Each name follows the rules of Table
+	// (ErrInvalidTableName otherwise). The inbox cannot read these names
+	// from the Outbox function itself.
+	// Default: nil, no outbox table is checked.
+	OutboxTables []string
+
 	// CommitTimeout bounds what runs after the handler returned nil: the
 	// outbox publish, the pre-commit check (MySQL/MariaDB) and COMMIT. From
 	// the moment the handler returns nil, the message's context no longer
@@ -241,6 +255,11 @@ func (c Config) Validate() error {
 	if c.Consumer != "" {
 		if err := checkKey(c.Consumer, ErrInvalidConsumer, nil, nil); err != nil {
 			errs = append(errs, &wrapped{msg: "inbox: Config.Consumer", err: err})
+		}
+	}
+	for _, name := range c.OutboxTables {
+		if _, err := parseTableName(name); err != nil {
+			errs = append(errs, fmt.Errorf("Config.OutboxTables: %w", err))
 		}
 	}
 	if c.CommitTimeout < 0 {

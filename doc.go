@@ -19,11 +19,9 @@
 //	if err != nil { ... }
 //	if err := ib.InitializeSchema(ctx); err != nil { ... }
 //	router.AddPlugin(ib.RouterPlugin) // router.Run fails if the table is missing or unsafe
-//	router.AddMiddleware(
-//		middleware.Recoverer,
-//		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond}.Middleware,
-//		ib.Middleware, // last
-//	)
+//	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{}) // Retry, Timeout, Recoverer, the inbox last
+//	if err != nil { ... }
+//	router.AddMiddleware(mws...)
 //
 //	func handle(msg *message.Message) error {
 //		tx, ok := inbox.TxFromContext(msg.Context())
@@ -44,7 +42,7 @@
 //     (kept when the handler fails, repeated by the redelivery), and a
 //     handler that asks the pool for a connection while the messages in
 //     flight hold them all waits forever: put middleware.Timeout outside
-//     the inbox.
+//     the inbox (Inbox.Middlewares does), whose error then says so.
 //   - Return the errors of your statements: a deadlock or serialization
 //     failure ends the whole transaction, and on MySQL/MariaDB the
 //     statements after it run outside any transaction and are kept.
@@ -71,12 +69,14 @@
 //     (ErrEmptyMessageID, ErrMessageIDTooLong). A refused message is not
 //     handled and nothing is written.
 //  2. Begin. Before its first claim the inbox checks once, as Inbox.Verify
-//     does, that the dialect is for the server DB reaches (ErrDialectMismatch:
-//     a PostgreSQL database opened under the driver name "mysql", say) and
-//     that the table is usable: a mismatch, a missing or an incompatible
-//     table fails every message with an error wrapping ErrDialectMismatch,
-//     ErrTableNotFound or ErrIncompatibleTable until a check passes
-//     (Inbox.RouterPlugin makes router.Run fail instead).
+//     does (with Config.OutboxTables), that the dialect is for the server DB
+//     reaches (ErrDialectMismatch: a PostgreSQL database opened under the
+//     driver name "mysql", say) and that the tables are usable: a mismatch,
+//     a missing or an incompatible table fails every message with a
+//     transient error wrapping ErrDialectMismatch, ErrTableNotFound or
+//     ErrIncompatibleTable, after a wait that grows from 100 ms to 5 s,
+//     until a check passes (Inbox.RouterPlugin makes router.Run fail
+//     instead).
 //     Then it begins a transaction on Config.DB with Config.TxOptions, under
 //     the message's context. On MySQL/MariaDB a BEGIN whose connection was
 //     lost after START TRANSACTION was sent is retried once (logged at Debug,
@@ -188,14 +188,17 @@
 //
 // # Order of middlewares
 //
-// Put the inbox inside (after) Recoverer, PoisonQueue, Retry and Timeout in
-// router.AddMiddleware (middlewares added first run outermost). Each retry
+// Inbox.Middlewares returns the poison queue, Retry, Timeout, Recoverer
+// and the inbox in this order. By hand, put the inbox inside (after)
+// Recoverer, PoisonQueue, Retry and Timeout in router.AddMiddleware
+// (middlewares added first run outermost). Each retry
 // then runs in a fresh transaction, a message sent to the poison queue is
 // not marked processed (so replaying it processes it), and the deadline
 // covers the handler. The reverse order cannot be detected and is wrong:
 // Retry inside the inbox runs every attempt in one transaction, so a failed
 // attempt's writes commit with the last one (and on PostgreSQL a failed
-// statement aborts the transaction for every later attempt), and
+// statement aborts the transaction for every later attempt: their SQLSTATE
+// 25P02 comes back with a hint that names this mistake), and
 // PoisonQueue inside commits a poisoned message's inbox row.
 //
 // # Keys

@@ -64,3 +64,8 @@ var PurgeRetryable = purgeRetryable
 // DriverTxEnded is the pre-commit check's read of a driver connection's
 // transaction status (dc from database/sql's Conn.Raw).
 func DriverTxEnded(dc any) bool { return driverTxEnded(dc) }
+
+// SetTableBackoffHook makes ib call f with the wait of each delivery that
+// met a missing or incompatible table, before the wait. Call it before ib
+// handles messages.
+func SetTableBackoffHook(ib *Inbox, f func(wait time.Duration)) { ib.hooks = &hooks{onTableBackoff: f} }

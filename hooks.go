@@ -19,6 +19,9 @@ type hooks struct {
 	// onPurgePause runs after each full purge batch with the batch's
 	// duration and the pause the pacing chose (0: none), before the pause.
 	onPurgePause func(batch, pause time.Duration)
+	// onTableBackoff runs when a delivery that met a missing or
+	// incompatible table starts its wait, with the wait.
+	onTableBackoff func(wait time.Duration)
 }
 
 // begun runs afterBegin, if set.
@@ -46,5 +49,12 @@ func (h *hooks) purgeBatchStarting() {
 func (h *hooks) purgePausing(batch, pause time.Duration) {
 	if h != nil && h.onPurgePause != nil {
 		h.onPurgePause(batch, pause)
+	}
+}
+
+// tableBackoff runs onTableBackoff, if set.
+func (h *hooks) tableBackoff(wait time.Duration) {
+	if h != nil && h.onTableBackoff != nil {
+		h.onTableBackoff(wait)
 	}
 }

@@ -63,9 +63,12 @@ type Inbox struct {
 	// function holds before the next delivery looks for it again
 	// (claimFunctionRecheck; tests shorten it).
 	recheckKeyLocking time.Duration
-	verified          atomic.Bool // the table passed verifySchema; checked before the first claim
-	server            serverCheck // the dialect matches DB's server; checked before verifySchema
-	dialectInferred   bool        // Config.Dialect was nil: inferred from DB.DriverName()
+	verified          atomic.Bool     // the table passed verifySchema; checked before the first claim
+	server            serverCheck     // the dialect matches DB's server; checked before the tables
+	dialectInferred   bool            // Config.Dialect was nil: inferred from DB.DriverName()
+	outboxTables      []qualifiedName // Config.OutboxTables: checked with the inbox table
+	tableFailures     atomic.Int32    // consecutive deliveries that met a table error (waitAfterTableError)
+	poolExhausted     func() bool     // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
 }
@@ -143,7 +146,7 @@ func (ib *Inbox) verifyOnce(ctx context.Context) error {
 	if err := ib.server.check(ctx, ib); err != nil {
 		return err
 	}
-	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+	if err := ib.verifyTables(ctx); err != nil {
 		return err
 	}
 	ib.verified.Store(true)
@@ -266,6 +269,11 @@ func New(cfg Config) (*Inbox, error) {
 	}
 	ib.backend = sqlBackend{ib}
 	ib.hasOutbox = cfg.Outbox != nil
+	ib.poolExhausted = func() bool { return sqlPoolExhausted(ib.db) }
+	for _, name := range cfg.OutboxTables {
+		t, _ := parseTableName(name) // checked by Validate
+		ib.outboxTables = append(ib.outboxTables, t)
+	}
 	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
 	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
@@ -308,11 +316,13 @@ func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 		return err
 	}
 	if err := initializeSchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
-		return err
+		return poolerHint(err)
 	}
-	ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
-	ib.forgetKeyLocking()   // it may have added the claim function
-	return ib.dialect.maintainSchema(ctx, ib.db, ib.table)
+	if len(ib.outboxTables) == 0 {
+		ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
+	}
+	ib.forgetKeyLocking() // it may have added the claim function
+	return poolerHint(ib.dialect.maintainSchema(ctx, ib.db, ib.table))
 }
 
 // keyLockHash is the advisory lock key of one inbox key: a 64-bit FNV-1a
@@ -371,10 +381,17 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 	if err := ib.verifyOnce(d.sctx); err != nil {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
-		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) {
-			err = fmt.Errorf("%w (Inbox.Verify reports the fix)", firstLine{err})
+		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) || errors.Is(err, ErrDialectMismatch) {
+			// Nothing about the message is wrong: wait, so that the
+			// broker's redeliveries do not spin, and nack it (transient).
+			ib.waitAfterTableError(d.sctx)
+			return lock, &misconfiguredError{fmt.Errorf("inbox: %q/%q: %w (Inbox.Verify reports the fix; "+
+				"add Inbox.RouterPlugin to the router to fail at startup instead)", d.consumer, d.id, firstLine{err})}
 		}
 		return lock, &wrapped{msg: fmt.Sprintf("inbox: %q/%q", d.consumer, d.id), err: poolerHint(err)}
+	}
+	if ib.tableFailures.Load() != 0 {
+		ib.tableFailures.Store(0)
 	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -31,14 +32,21 @@ import (
 //
 // Errors: a duplicate returns nil, nil. Every error below can be matched
 // with errors.Is or errors.As:
-//   - h's own error, returned unchanged after the rollback;
+//   - h's own error, returned after the rollback: as it is, or wrapped with
+//     a hint when it is the symptom of a known mistake (SQLSTATE 25P02, an
+//     earlier failed statement, as with Retry inside the inbox; a deadline
+//     while every connection of the pool is in use, as with a handler
+//     writing through DB instead of the transaction);
 //   - ErrNestedInbox, ErrInvalidConsumer (with ErrEmptyConsumer) and
 //     ErrInvalidMessageID (with ErrEmptyMessageID or ErrMessageIDTooLong):
 //     refused before anything is written; an error from Config.MessageID
 //     comes back wrapped;
 //   - ErrTableNotFound, ErrIncompatibleTable: the table check before the
-//     first claim failed (not transient; add RouterPlugin to the router to
-//     fail at startup instead);
+//     first claim failed, for the inbox table or one of
+//     Config.OutboxTables, or the dialect is for another server
+//     (ErrDialectMismatch) (transient, after a wait that grows from 100 ms
+//     to 5 s over consecutive such deliveries; add RouterPlugin to the
+//     router to fail at startup instead);
 //   - ErrTransactionEnded (h committed or rolled back the transaction
 //     itself and returned nil: a bug in h; the message is nacked, never
 //     acked), ErrTxRolledBack (MySQL/MariaDB had already rolled the
@@ -100,6 +108,10 @@ type delivery struct {
 	txCtx         context.Context
 	cancelTx      context.CancelCauseFunc
 	followMessage func() bool // stops txCtx from following sctx; false if sctx had already ended
+	// poolFullAtEnd records, when sctx ends before the handler returned,
+	// whether every connection of the pool was in use then, before the
+	// transaction's end releases its own (handlerErrorHint).
+	poolFullAtEnd atomic.Bool
 	commitBound   *time.Timer
 
 	tx claimedTx // nil before BEGIN
@@ -165,7 +177,9 @@ func (d *delivery) run() ([]*message.Message, error) {
 
 	produced, err := d.runHandler()
 	if err != nil {
-		return nil, err // the handler's error as it is, so that errors.Is/As match it
+		// The handler's error, so that errors.Is/As match it, with a hint
+		// when it is the symptom of a known mistake.
+		return nil, d.handlerErrorHint(err)
 	}
 	if err := d.detach(); err != nil {
 		return nil, err
@@ -232,7 +246,10 @@ func (d *delivery) startSpan() {
 // begin sets up the transaction's context (see delivery.txCtx).
 func (d *delivery) begin() {
 	d.txCtx, d.cancelTx = context.WithCancelCause(context.WithoutCancel(d.sctx))
-	d.followMessage = context.AfterFunc(d.sctx, func() { d.cancelTx(context.Cause(d.sctx)) })
+	d.followMessage = context.AfterFunc(d.sctx, func() {
+		d.poolFullAtEnd.Store(d.ib.poolExhausted())
+		d.cancelTx(context.Cause(d.sctx))
+	})
 }
 
 // runHandler calls the Outbox factory and then the handler, with the

@@ -52,6 +52,9 @@ func newNativeInbox(cfg Config, opts backend.Options) (*Inbox, error) {
 	}
 	ib.backend = nativeBackend{ib: ib, b: b}
 	ib.hasOutbox = opts.Outbox
+	if opts.PoolExhausted != nil {
+		ib.poolExhausted = opts.PoolExhausted
+	}
 	ib.prepare = false // the backend decides how its statements are sent
 	return ib, nil
 }

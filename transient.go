@@ -115,6 +115,17 @@ import (
 //     closed", matched by identity with the value database/sql returns,
 //     never by text), sql.ErrConnDone, and the message context that the
 //     router's Close ended (context.Canceled, above).
+//   - The middleware's error for a message that met a missing or
+//     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
+//     those of Config.OutboxTables), or a dialect for another server
+//     (ErrDialectMismatch), at message time: nothing about the
+//     message is wrong, so a poison filter built on IsTransient keeps the
+//     topic's messages (a redelivery succeeds once the table is fixed)
+//     instead of draining it. The middleware waits before it returns that
+//     error, 100 ms doubling to 5 s over consecutive such deliveries, so
+//     that a broker's immediate redelivery does not spin. The same
+//     sentinels from Verify, InitializeSchema or RouterPlugin stay not
+//     transient: they stop the process at startup.
 //
 // Never transient, whatever else the chain holds (a failed ROLLBACK after
 // them): bugs of the handler that a redelivery repeats. The inbox's
@@ -127,8 +138,8 @@ import (
 //
 // Everything else is not transient, including the inbox's own
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
-// claimed), ErrTableNotFound and ErrIncompatibleTable (a misconfiguration:
-// no redelivery succeeds until the table is fixed) and constraint
+// claimed), ErrTableNotFound and ErrIncompatibleTable from Verify,
+// InitializeSchema and RouterPlugin (see above) and constraint
 // violations. IsTransient(nil) is false. It is safe
 // for concurrent use.
 func IsTransient(err error) bool {
@@ -153,7 +164,8 @@ func IsTransient(err error) bool {
 		return true
 	}
 	var lcErr *lostConnError
-	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) {
+	var mcErr *misconfiguredError
+	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })

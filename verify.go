@@ -36,15 +36,33 @@ import (
 // InitializeSchema runs them too. It is safe for
 // concurrent use and works behind a transaction-mode connection pooler (on
 // PostgreSQL it reads in one short transaction).
+//
+// With Config.OutboxTables it also checks that each of those tables exists
+// (an error wrapping ErrTableNotFound that names the outbox table). A
+// prepared-statement error that a transaction-mode pooler causes (SQLSTATE
+// 42P05 or 26000, pgx's default statement cache behind PgBouncer) comes
+// back with the fix.
 func (ib *Inbox) Verify(ctx context.Context) error {
 	if err := ib.server.check(ctx, ib); err != nil {
 		return err
 	}
-	if err := verifySchema(ctx, ib.db, ib.dialect, ib.table); err != nil {
+	if err := ib.verifyTables(ctx); err != nil {
 		return err
 	}
 	ib.verified.Store(true) // the middleware need not check again
 	return nil
+}
+
+// verifyTables checks the inbox table and Config.OutboxTables, in one
+// read-only unit of work.
+func (ib *Inbox) verifyTables(ctx context.Context) error {
+	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
+		if err := verifyTable(ctx, q, ib.dialect, ib.table); err != nil {
+			return err
+		}
+		return verifyOutboxTables(ctx, q, ib.dialect, ib.outboxTables)
+	})
+	return poolerHint(err)
 }
 
 // VerifyTimeout bounds the check that Inbox.RouterPlugin runs.
@@ -53,7 +71,8 @@ const VerifyTimeout = 30 * time.Second
 // RouterPlugin is a Watermill router plugin that runs Verify before the
 // router subscribes to anything: add it with router.AddPlugin(ib.RouterPlugin),
 // and router.Run returns Verify's error (errors.Is matches ErrTableNotFound,
-// ErrIncompatibleTable and ErrDialectMismatch through the router's wrapping) instead of
+// ErrIncompatibleTable and ErrDialectMismatch through the router's wrapping;
+// the outbox tables of Config.OutboxTables are checked too) instead of
 // starting handlers that would nack every message. The check is bounded by
 // VerifyTimeout. Router plugins run once, in router.Run, before its
 // handlers start (a Watermill convention).

@@ -74,6 +74,12 @@ type Config struct {
 	// Default: nil, returned messages go to the router.
 	Outbox func(tx pgx.Tx) (message.Publisher, error)
 
+	// OutboxTables is inbox.Config's: the tables Outbox writes, checked by
+	// Verify, RouterPlugin and before the first claim (ErrTableNotFound for
+	// a missing one).
+	// Default: nil, no outbox table is checked.
+	OutboxTables []string
+
 	// CommitTimeout is inbox.Config's: it bounds the outbox publish and
 	// COMMIT once the handler returned nil (pgx cancels a COMMIT whose
 	// context ends, and closes its connection: the COMMIT is then in doubt,
@@ -133,6 +139,7 @@ func New(cfg Config) (*Inbox, error) {
 		OnFailed:       cfg.OnFailed,
 		TracerProvider: cfg.TracerProvider,
 		CommitTimeout:  cfg.CommitTimeout,
+		OutboxTables:   cfg.OutboxTables,
 	}, backend.Options{
 		New: func(st backend.Statements) (backend.Backend, error) {
 			return &pgxBackend{
@@ -144,6 +151,10 @@ func New(cfg Config) (*Inbox, error) {
 			}, nil
 		},
 		Outbox: cfg.Outbox != nil,
+		PoolExhausted: func() bool {
+			s := cfg.Pool.Stat()
+			return s.AcquiredConns() >= s.MaxConns()
+		},
 	})
 	if err != nil {
 		db.Close()

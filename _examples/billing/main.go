@@ -239,7 +239,9 @@ func tables(d *database, run string) error {
 
 // middleware is the inbox middleware of one worker: package inbox on
 // database/sql, or package pgxinbox on the pgx pool.
-func (d *database) middleware(name, run string, hooks func(string) func(inbox.Event), logger watermill.LoggerAdapter) (message.HandlerMiddleware, error) {
+func (d *database) newInbox(name, run string, hooks func(string) func(inbox.Event), logger watermill.LoggerAdapter) (*inbox.Inbox, error) {
+	// The forwarder's table, checked by RouterPlugin before the router runs.
+	outboxTables := []string{"watermill_" + outboxTopic + "_" + run}
 	outbox := func(tx wsql.ContextExecutor) (message.Publisher, error) {
 		pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: d.publish}, logger)
 		if err != nil {
@@ -251,22 +253,24 @@ func (d *database) middleware(name, run string, hooks func(string) func(inbox.Ev
 		ib, err := pgxinbox.New(pgxinbox.Config{
 			Pool: d.pool, Table: "inbox_" + run, Consumer: name,
 			OnProcessed: hooks("processed"), OnDuplicate: hooks("duplicate"),
-			Outbox: func(tx pgx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromPgx(tx)) },
+			Outbox:       func(tx pgx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromPgx(tx)) },
+			OutboxTables: outboxTables,
 		})
 		if err != nil {
 			return nil, err
 		}
-		return ib.Middleware, nil
+		return ib.Inbox, nil
 	}
 	ib, err := inbox.New(inbox.Config{
 		DB: d.db, Dialect: d.dialect, Table: "inbox_" + run, Consumer: name,
 		OnProcessed: hooks("processed"), OnDuplicate: hooks("duplicate"),
-		Outbox: func(tx *sqlx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromStdSQL(tx.Tx)) },
+		Outbox:       func(tx *sqlx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromStdSQL(tx.Tx)) },
+		OutboxTables: outboxTables,
 	})
 	if err != nil {
 		return nil, err
 	}
-	return ib.Middleware, nil
+	return ib, nil
 }
 
 // work runs one Billing or Mailer worker process until SIGTERM.
@@ -288,7 +292,15 @@ func work(name string) error {
 			}
 		}
 	}
-	ib, err := d.middleware(name, run, record, logger)
+	ib, err := d.newInbox(name, run, record, logger)
+	if err != nil {
+		return err
+	}
+	// Retry, a Timeout per attempt and Recoverer around the inbox, in the
+	// order that gives each attempt a fresh transaction.
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{
+		Retry: middleware.Retry{MaxRetries: 5, InitialInterval: 50 * time.Millisecond},
+	})
 	if err != nil {
 		return err
 	}
@@ -304,7 +316,8 @@ func work(name string) error {
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(middleware.Recoverer, middleware.Retry{MaxRetries: 5, InitialInterval: 50 * time.Millisecond}.Middleware, ib)
+	router.AddMiddleware(mws...)
+	router.AddPlugin(ib.RouterPlugin) // a missing inbox or outbox table stops router.Run
 	commits := 0
 	if name == "billing" {
 		router.AddHandler("billing", ordersTopic, sub, invoicesTopic, unusedPublisher{}, func(msg *message.Message) ([]*message.Message, error) {

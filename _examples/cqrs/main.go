@@ -38,6 +38,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -150,23 +151,24 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	onProcessed := func(inbox.Event) { processed.Add(1) }
 	onDuplicate := func(inbox.Event) { duplicates.Add(1) }
 
-	var middleware message.HandlerMiddleware
+	var ib *inbox.Inbox // pgxinbox's embeds one
 	var insertInvoice func(ctx context.Context, orderID string) error
 	switch kind {
 	case "database/sql":
-		ib, err := inbox.New(inbox.Config{
+		sqlInbox, err := inbox.New(inbox.Config{
 			DB: db, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
 			Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
 				return wsql.NewPublisher(wsql.TxFromStdSQL(tx.Tx), wsql.PublisherConfig{SchemaAdapter: outboxSchema}, logger)
 			},
+			OutboxTables: []string{"watermill_" + topic}, // checked by RouterPlugin
 		})
 		if err != nil {
 			return r, err
 		}
-		if err := ib.InitializeSchema(ctx); err != nil {
+		if err := sqlInbox.InitializeSchema(ctx); err != nil {
 			return r, err
 		}
-		middleware = ib.Middleware
+		ib = sqlInbox
 		insertInvoice = func(ctx context.Context, orderID string) error {
 			tx, ok := inbox.TxFromContext(ctx)
 			if !ok {
@@ -176,20 +178,21 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 			return err
 		}
 	case "pgx":
-		ib, err := pgxinbox.New(pgxinbox.Config{
+		pgxInbox, err := pgxinbox.New(pgxinbox.Config{
 			Pool: pool, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
 			Outbox: func(tx pgx.Tx) (message.Publisher, error) {
 				return wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{SchemaAdapter: outboxSchema}, logger)
 			},
+			OutboxTables: []string{"watermill_" + topic}, // checked by RouterPlugin
 		})
 		if err != nil {
 			return r, err
 		}
-		defer ib.Close()
-		if err := ib.InitializeSchema(ctx); err != nil {
+		defer pgxInbox.Close()
+		if err := pgxInbox.InitializeSchema(ctx); err != nil {
 			return r, err
 		}
-		middleware = ib.Middleware
+		ib = pgxInbox.Inbox
 		insertInvoice = func(ctx context.Context, orderID string) error {
 			tx, ok := pgxinbox.TxFromContext(ctx)
 			if !ok {
@@ -207,7 +210,14 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	if err != nil {
 		return r, err
 	}
-	router.AddMiddleware(middleware)
+	// Retry, a Timeout per attempt and Recoverer around the inbox, the
+	// inbox last: a failed attempt is retried in a fresh transaction.
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{Retry: middleware.Retry{InitialInterval: 10 * time.Millisecond}})
+	if err != nil {
+		return r, err
+	}
+	router.AddMiddleware(mws...)
+	router.AddPlugin(ib.RouterPlugin) // a missing inbox or outbox table stops router.Run
 	marshaler := cqrs.JSONMarshaler{}
 	// Events the handler publishes go to the outbox of its transaction.
 	outboxBus, err := cqrs.NewEventBusWithConfig(inbox.ContextOutbox{}, cqrs.EventBusConfig{

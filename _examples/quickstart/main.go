@@ -77,13 +77,15 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	// Recoverer and Retry go outside (before) the inbox: each retry gets a
-	// fresh transaction.
-	router.AddMiddleware(
-		middleware.Recoverer,
-		middleware.Retry{MaxRetries: 3, InitialInterval: 10 * time.Millisecond}.Middleware,
-		ib.Middleware,
-	)
+	// Retry, a Timeout per attempt and Recoverer, in the order that gives
+	// each retry a fresh transaction, the inbox last.
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{
+		Retry: middleware.Retry{InitialInterval: 10 * time.Millisecond},
+	})
+	if err != nil {
+		return err
+	}
+	router.AddMiddleware(mws...)
 
 	router.AddConsumerHandler("billing", "orders.confirmed", pubSub, func(msg *message.Message) error {
 		// The inbox transaction: the invoice commits together with the

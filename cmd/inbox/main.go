@@ -11,7 +11,9 @@
 // "inbox schema -verify" checks a table that your migrations made with
 // (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
 // with the problems and the DDL that fixes them when the table is missing or
-// could merge, truncate or reject message ids.
+// could merge, truncate or reject message ids; with -outbox-table (repeated
+// for several) it also checks that the outbox tables the service writes
+// exist (inbox.Config.OutboxTables).
 //
 // Only "inbox schema -apply" creates anything: every other command refuses a
 // SQLite database file that does not exist (a mistyped path would otherwise
@@ -52,7 +54,7 @@ Usage:
   inbox schema -dialect D [-table T]            print the DDL (or -db DSN instead of -dialect)
   inbox schema -db DSN [-dialect D] [-table T] -apply
                                                 create the table (and partitions) if missing
-  inbox schema -db DSN [-dialect D] [-table T] -verify
+  inbox schema -db DSN [-dialect D] [-table T] -verify [-outbox-table O ...]
                                                 check that the existing table is one the inbox
                                                 can use (exit 1 with the problems if not)
   inbox purge  -db DSN -older-than DURATION [-table T] [-consumer C] [-batch N] [-dry-run]
@@ -296,11 +298,19 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs := newFlags("schema", stderr, &c, true)
 	apply := fs.Bool("apply", false, "create the table (and, partitioned, the partitions) in -db if missing, instead of printing")
 	verify := fs.Bool("verify", false, "check that the table in -db exists and is one the inbox can use, instead of printing")
+	var outboxTables []string
+	fs.Func("outbox-table", "with -verify, also check that this outbox table exists (Config.OutboxTables; repeat for several)", func(v string) error {
+		outboxTables = append(outboxTables, v)
+		return nil
+	})
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if *apply && *verify {
 		return fmt.Errorf("%w: -apply and -verify exclude each other", errUsage)
+	}
+	if len(outboxTables) > 0 && !*verify {
+		return fmt.Errorf("%w: -outbox-table needs -verify", errUsage)
 	}
 	if !*apply && !*verify {
 		d, err := c.dialectOrNil()
@@ -332,7 +342,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer db.Close()
-	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table})
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table, OutboxTables: outboxTables})
 	if err != nil {
 		return err
 	}
@@ -342,6 +352,9 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			return err
 		}
 		fmt.Fprintf(stdout, "inbox table %s is verified\n", c.table)
+		for _, t := range outboxTables {
+			fmt.Fprintf(stdout, "outbox table %s exists\n", t)
+		}
 		return nil
 	}
 	if err := ib.InitializeSchema(ctx); err != nil {

@@ -103,6 +103,10 @@ type Options struct {
 	// publisher: the handler's returned messages go there, as with
 	// inbox.Config.Outbox.
 	Outbox bool
+	// PoolExhausted, when set, reports whether every connection of the
+	// backend's pool is in use (for the hint on a handler's deadline);
+	// without it the inbox reads its Config.DB's statistics.
+	PoolExhausted func() bool
 }
 
 // NewInbox is package inbox's constructor for an inbox over a Backend, set

@@ -1,0 +1,152 @@
+package inbox
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+)
+
+// MiddlewaresConfig configures Inbox.Middlewares: which of Watermill's
+// middlewares go around the inbox, and their settings. The zero value is a
+// complete configuration: Retry, a Timeout per attempt and Recoverer, and no
+// poison queue.
+type MiddlewaresConfig struct {
+	// PoisonQueue, when set, receives the messages that failed for good
+	// (after Retry) and ShouldPoison accepts, through Watermill's
+	// middleware.PoisonQueueWithFilter, on PoisonTopic; such a message is
+	// then acked. Its inbox transaction was rolled back, so replaying it
+	// from the poison topic processes it.
+	// Default: nil, no poison queue: every failure is nacked.
+	PoisonQueue message.Publisher
+
+	// PoisonTopic is the topic PoisonQueue publishes to. Setting it without
+	// PoisonQueue is an error (ErrInvalidConfig).
+	// Default: "poison" when PoisonQueue is set.
+	PoisonTopic string
+
+	// ShouldPoison decides which failures go to the poison queue. It sees
+	// the error as the router would (the handler's, the inbox's, or
+	// middleware.RecoveredPanicError for a panic).
+	// Default: !IsTransient(err): the handler's own errors, panics and
+	// invalid message ids are poisoned; deadlocks, timeouts, lost
+	// connections and a missing or incompatible table at message time are
+	// only nacked, so that a misconfiguration does not drain the topic.
+	ShouldPoison func(err error) bool
+
+	// Retry retries a failed attempt in place, each attempt in a new
+	// inbox transaction. Its zero fields take these defaults: MaxRetries 3
+	// (negative: no Retry at all), InitialInterval 100 ms, MaxInterval 10 s,
+	// Multiplier 2, and ShouldRetry retries every error except those a
+	// retry in place cannot fix: ErrInvalidMessageID, ErrInvalidConsumer,
+	// ErrNestedInbox, and a missing or incompatible table (the inbox has
+	// already waited before returning it; the broker redelivers).
+	// MaxElapsedTime, RandomizationFactor, OnRetryHook and Logger are used
+	// as they are. The message's context is restored after each attempt,
+	// so ResetContextOnRetry is not needed.
+	// Default: the values above.
+	Retry middleware.Retry
+
+	// Timeout is the deadline of each attempt (middleware.Timeout): it ends
+	// a handler stuck on the database, a pool write among them, with
+	// context.DeadlineExceeded. Negative: no Timeout.
+	// Default: 30 s.
+	Timeout time.Duration
+}
+
+// Default settings of MiddlewaresConfig.
+const (
+	DefaultPoisonTopic  = "poison"
+	DefaultRetries      = 3
+	DefaultRetryInitial = 100 * time.Millisecond
+	DefaultRetryMax     = 10 * time.Second
+	DefaultTimeout      = 30 * time.Second
+)
+
+// Middlewares returns the router middlewares of a consumer in the order they
+// must run, the inbox last: add them with router.AddMiddleware(mws...), or
+// to one handler with handler.AddMiddleware(mws...). From the outside in:
+//
+//  1. the poison queue (with cfg.PoisonQueue): a message that failed for
+//     good goes to the poison topic after its transaction rolled back, so
+//     it is not marked processed;
+//  2. Retry: each attempt gets a fresh transaction, so a failed attempt's
+//     writes never commit with a later one's;
+//  3. Timeout: a deadline per attempt;
+//  4. Recoverer: a panic, after the inbox rolled back, becomes an error
+//     that Retry retries and the poison queue can take;
+//  5. ib.Middleware: the transaction wraps only the handler.
+//
+// Middlewares of your own that must see every attempt go before these;
+// ones that must run inside the transaction, after them. It returns an
+// error wrapping ErrInvalidConfig for an invalid cfg. It is safe for
+// concurrent use, and so are the middlewares it returns.
+func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware, error) {
+	var mws []message.HandlerMiddleware
+	switch {
+	case cfg.PoisonQueue != nil:
+		topic, filter := cfg.PoisonTopic, cfg.ShouldPoison
+		if topic == "" {
+			topic = DefaultPoisonTopic
+		}
+		if filter == nil {
+			filter = func(err error) bool { return !IsTransient(err) }
+		}
+		poison, err := middleware.PoisonQueueWithFilter(cfg.PoisonQueue, topic, filter)
+		if err != nil {
+			return nil, fmt.Errorf("%w: MiddlewaresConfig: %w", ErrInvalidConfig, err)
+		}
+		mws = append(mws, poison)
+	case cfg.PoisonTopic != "" || cfg.ShouldPoison != nil:
+		return nil, fmt.Errorf("%w: MiddlewaresConfig.PoisonTopic and ShouldPoison need a PoisonQueue publisher", ErrInvalidConfig)
+	}
+	if r := cfg.Retry; r.MaxRetries >= 0 {
+		if r.MaxRetries == 0 {
+			r.MaxRetries = DefaultRetries
+		}
+		if r.InitialInterval == 0 {
+			r.InitialInterval = DefaultRetryInitial
+		}
+		if r.MaxInterval == 0 {
+			r.MaxInterval = DefaultRetryMax
+		}
+		if r.Multiplier == 0 {
+			r.Multiplier = 2
+		}
+		if r.ShouldRetry == nil {
+			r.ShouldRetry = func(p middleware.RetryParams) bool { return retryableInPlace(p.Err) }
+		}
+		mws = append(mws, r.Middleware)
+	}
+	mws = append(mws, restoreContext)
+	if t := cfg.Timeout; t >= 0 {
+		if t == 0 {
+			t = DefaultTimeout
+		}
+		mws = append(mws, middleware.Timeout(t))
+	}
+	return append(mws, middleware.Recoverer, ib.Middleware), nil
+}
+
+// retryableInPlace reports whether Retry should run a failed attempt again
+// at once: not for a message the inbox refuses (its id or consumer), a
+// nested inbox, or a table error (see MiddlewaresConfig.Retry).
+func retryableInPlace(err error) bool {
+	var mcErr *misconfiguredError
+	return !errors.Is(err, ErrInvalidMessageID) && !errors.Is(err, ErrInvalidConsumer) &&
+		!errors.Is(err, ErrNestedInbox) && !errors.As(err, &mcErr)
+}
+
+// restoreContext gives the message the context it came in with once the
+// middlewares inside have returned: middleware.Timeout leaves its ended
+// context on the message, and without this a retried attempt, or the
+// poison queue's publish, would start with a context already done.
+func restoreContext(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		defer msg.SetContext(ctx)
+		return h(msg)
+	}
+}
