@@ -260,7 +260,7 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 	}
 	d.state = &d.stateValue
 	if p, ok := d.state.publisher.(txBoundPublisher); ok {
-		p.bindContext(d.txCtx)
+		p.bindTx(d.txCtx, d.tx.ended)
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)

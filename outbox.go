@@ -270,7 +270,7 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 // txBoundPublisher is an outbox publisher of this package (outboxWriter)
 // that the middleware tells of its transaction's context and commit.
 type txBoundPublisher interface {
-	bindContext(ctx context.Context)
+	bindTx(ctx context.Context, ended func() bool)
 	committed()
 }
 
@@ -280,15 +280,18 @@ var _ txBoundPublisher = (*outboxWriter)(nil)
 type outboxWriter struct {
 	o     *Outbox
 	tx    *sqlx.Tx
-	ctx   context.Context // the transaction's (bindContext)
+	ctx   context.Context // the transaction's (bindTx)
+	ended func() bool     // the server has ended the transaction (bindTx); nil: unknown
 	wrote atomic.Bool
 }
 
-// bindContext makes the writer's statements run under ctx, the inbox
+// bindTx makes the writer's statements run under ctx, the inbox
 // transaction's context (cancelled by the message's context until the
-// handler returns, then by Config.CommitTimeout). The middleware calls it
-// right after the Outbox factory.
-func (w *outboxWriter) bindContext(ctx context.Context) { w.ctx = ctx }
+// handler returns, then by Config.CommitTimeout), and has it ask ended,
+// before every write, whether the transaction is still open on the server
+// (from the status of the connection's last response: no round trip). The
+// middleware calls it right after the Outbox factory.
+func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool) { w.ctx, w.ended = ctx, ended }
 
 // committed tells the relay of this process that rows were committed.
 func (w *outboxWriter) committed() {
@@ -301,6 +304,13 @@ func (w *outboxWriter) committed() {
 func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 	if topic == "" || len(topic) > maxOutboxTopic || !utf8.ValidString(topic) || containsNUL(topic) {
 		return fmt.Errorf("%w: topic %q must be 1 to %d bytes of UTF-8 without NUL", ErrOutboxMessage, topic, maxOutboxTopic)
+	}
+	if w.ended != nil && w.ended() {
+		// The statement would run outside any transaction and commit on
+		// its own: sent although the message is not processed, and sent
+		// again by the redelivery under the handler's new UUIDs.
+		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
+			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
 	}
 	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
 	for start := 0; start < len(msgs); start += outboxInsertChunk {

@@ -366,3 +366,45 @@ func relayTable(t *testing.T, ob *inbox.Outbox) string {
 	}
 	return name
 }
+
+// A handler that ends the transaction itself (a ROLLBACK statement) and then
+// publishes: nothing is written to the outbox (the insert would commit on
+// its own, outside any transaction), the message is nacked and nothing is
+// sent.
+func TestOutboxWritesNothingOnceTheTransactionEnded(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("modernc.org/sqlite does not say whether a transaction is open (docs/outbox.md)")
+		}
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+		var publishErr error
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				tx, _ := inbox.TxFromContext(msg.Context())
+				if _, err := tx.ExecContext(msg.Context(), "ROLLBACK"); err != nil {
+					return err
+				}
+				pub, _ := inbox.OutboxFromContext(msg.Context())
+				publishErr = pub.Publish("mails", message.NewMessage(watermill.NewUUID(), nil))
+				return nil // a handler that ignores the publish error
+			})
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if acked, err := in.send(ctx, message.NewMessage(watermill.NewUUID(), nil)); err != nil || acked {
+			t.Fatalf("delivery: acked %v (%v), want a nack", acked, err)
+		}
+		if !errors.Is(publishErr, inbox.ErrTxRolledBack) {
+			t.Errorf("publish after ROLLBACK: %v, want ErrTxRolledBack", publishErr)
+		}
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("mails"); len(got) != 0 {
+			t.Errorf("sent %v, want nothing", got)
+		}
+	})
+}
