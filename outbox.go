@@ -264,7 +264,30 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("inbox: outbox publisher: no transaction")
 	}
-	return &outboxWriter{o: o, tx: tx, ctx: context.Background()}, nil
+	exec := func(ctx context.Context, query string, args ...any) error {
+		_, err := tx.ExecContext(ctx, tx.Rebind(query), args...)
+		return err
+	}
+	return &outboxWriter{o: o, exec: exec, ctx: context.Background()}, nil
+}
+
+// OutboxExec runs one statement in the caller's transaction, with its bind
+// parameters, and returns the driver's error: what PublisherOn writes
+// through.
+type OutboxExec func(ctx context.Context, query string, args ...any) error
+
+// PublisherOn returns an outbox publisher, as Publisher does, that writes
+// through exec: for a transaction of another driver than database/sql
+// (pgxinbox.OutboxPublisher passes a pgx.Tx's Exec). Statements carry the
+// placeholders of OutboxConfig.DB's driver ($1 for "pgx" and "postgres", ?
+// for "mysql" and "sqlite"); payloads and metadata are []byte, stored as
+// bytea/blob in every pgx query mode. It is bound to the transaction exec
+// runs in, and safe for concurrent use while that is open.
+func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
+	bind := sqlx.BindType(o.cfg.DB.DriverName())
+	return &outboxWriter{o: o, ctx: context.Background(), exec: func(ctx context.Context, query string, args ...any) error {
+		return exec(ctx, sqlx.Rebind(bind, query), args...)
+	}}
 }
 
 // txBoundPublisher is an outbox publisher of this package (outboxWriter)
@@ -279,7 +302,7 @@ var _ txBoundPublisher = (*outboxWriter)(nil)
 // outboxWriter is the outbox publisher of one inbox transaction.
 type outboxWriter struct {
 	o     *Outbox
-	tx    *sqlx.Tx
+	exec  OutboxExec      // runs a statement ("?" placeholders) in the transaction
 	ctx   context.Context // the transaction's (bindTx)
 	ended func() bool     // the server has ended the transaction (bindTx); nil: unknown
 	wrote atomic.Bool
@@ -331,7 +354,7 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 			args = append(args, topic, m.UUID, payload, meta)
 		}
 		query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", len(chunk)), ", ")
-		if _, err := w.tx.ExecContext(w.ctx, w.tx.Rebind(query), args...); err != nil {
+		if err := w.exec(w.ctx, query, args...); err != nil {
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
 		w.wrote.Store(true)

@@ -757,8 +757,11 @@ func TestDialect_mismatchWithServerIsRefused(t *testing.T) {
 						t.Errorf("%s: %q does not say %q", what, err, w)
 					}
 				}
-				if inbox.IsTransient(err) {
-					t.Errorf("%s: IsTransient(%v) = true; no redelivery can succeed", what, err)
+				// At startup it stops the process; per message it is, like a
+				// missing table, nothing about the message: transient, so a
+				// poison filter keeps the topic until the setup is fixed.
+				if transient := what == "middleware"; inbox.IsTransient(err) != transient {
+					t.Errorf("%s: IsTransient(%v) = %v, want %v", what, err, !transient, transient)
 				}
 			}
 

@@ -1,0 +1,31 @@
+package pgxinbox
+
+import (
+	"context"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// OutboxPublisher returns the Config.Outbox of an inbox whose outputs go
+// through ob, the outbox relay: the messages a handler returns or publishes
+// through inbox.OutboxFromContext are written in the message's pgx
+// transaction and sent by ob's relay once it commits.
+//
+//	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: kafkaPublisher}) // db: the pool's *sqlx.DB
+//	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Outbox: pgxinbox.OutboxPublisher(ob)})
+//	router.AddPlugin(ob.RouterPlugin)
+//
+// Its writes pass payloads and metadata as bytea, so they work in every pgx
+// query mode, the exec and simple_protocol modes that PgBouncer needs
+// included. The returned function is safe for concurrent use.
+func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error) {
+	return func(tx pgx.Tx) (message.Publisher, error) {
+		return ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {
+			_, err := tx.Exec(ctx, query, args...)
+			return err
+		}), nil
+	}
+}
