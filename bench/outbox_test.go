@@ -1,0 +1,174 @@
+package bench
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// countingPublisher is a broker that only counts what it is given.
+type countingPublisher struct{ n atomic.Int64 }
+
+func (p *countingPublisher) Publish(_ string, msgs ...*message.Message) error {
+	p.n.Add(int64(len(msgs)))
+	return nil
+}
+
+func (p *countingPublisher) Close() error { return nil }
+
+// outboxBacklog is how many messages BenchmarkOutboxRelay relays per
+// iteration (2,000 with -short).
+func outboxBacklog() int {
+	if testing.Short() {
+		return 2000
+	}
+	return 20000
+}
+
+// fillOutbox writes n messages through publisher factory pub, in
+// transactions of 100, as handlers that emit one message each would, 100
+// at a time.
+func fillOutbox(b *testing.B, db *sqlx.DB, pub func(*sqlx.Tx) (message.Publisher, error), topic string, n int) {
+	b.Helper()
+	for start := 0; start < n; start += 100 {
+		tx, err := db.Beginx()
+		if err != nil {
+			b.Fatal(err)
+		}
+		p, err := pub(tx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i := start; i < min(n, start+100); i++ {
+			m := message.NewMessage(watermill.NewUUID(), []byte(`{"order":"o-1","amount":100}`))
+			m.Metadata.Set("order_id", "o-1")
+			if err := p.Publish(topic, m); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := tx.Commit(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkOutboxRelay relays a backlog of outbox messages to a publisher
+// that only counts and reports msgs/s: this project's relay (inbox.Outbox,
+// default batch) and watermill-sql v4's forwarder with the queue schema and
+// delete-on-ack at SubscribeBatchSize 1 (the setup it replaces; PostgreSQL
+// and MariaDB, which v4 supports).
+func BenchmarkOutboxRelay(b *testing.B) {
+	for _, tdb := range databases() {
+		if tdb.Name == "postgres-partitioned" {
+			continue // the outbox does not depend on the inbox table's partitioning
+		}
+		b.Run(tdb.Name+"/relay", func(b *testing.B) {
+			db := tdb.Open(b)
+			broker := &countingPublisher{}
+			table := "bench_outbox_" + testdb.RandomSuffix()
+			testdb.DropLater(b, db, table)
+			testdb.DropLater(b, db, table+"_dead")
+			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Table: table, Publisher: broker})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := ob.InitializeSchema(context.Background()); err != nil {
+				b.Fatal(err)
+			}
+			n := outboxBacklog()
+			var elapsed time.Duration
+			b.ResetTimer()
+			for range b.N {
+				b.StopTimer()
+				fillOutbox(b, db, ob.Publisher, "orders", n)
+				b.StartTimer()
+				start := time.Now()
+				for {
+					round := ob.RelayOnce(context.Background())
+					if round.Err != nil {
+						b.Fatal(round.Err)
+					}
+					if round.Relayed == 0 {
+						break
+					}
+				}
+				elapsed += time.Since(start)
+			}
+			b.ReportMetric(float64(n*b.N)/elapsed.Seconds(), "msgs/s")
+		})
+		if tdb.Dialect == inbox.SQLite {
+			continue
+		}
+		b.Run(tdb.Name+"/wsql-queue-batch1", func(b *testing.B) {
+			db := tdb.Open(b)
+			broker := &countingPublisher{}
+			var schema wsql.SchemaAdapter = wsql.MySQLQueueSchema{SubscribeBatchSize: 1}
+			var offsets wsql.OffsetsAdapter = wsql.MySQLQueueOffsetsAdapter{DeleteOnAck: true}
+			if tdb.Dialect != inbox.MySQL {
+				schema, offsets = wsql.PostgreSQLQueueSchema{SubscribeBatchSize: 1}, wsql.PostgreSQLQueueOffsetsAdapter{DeleteOnAck: true}
+			}
+			topic := "bench_fwd_" + testdb.RandomSuffix()
+			testdb.DropLater(b, db, "watermill_"+topic)
+			logger := watermill.NopLogger{}
+			newSubscriber := func() message.Subscriber {
+				sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db.DB), wsql.SubscriberConfig{
+					SchemaAdapter: schema, OffsetsAdapter: offsets, InitializeSchema: true, PollInterval: 10 * time.Millisecond,
+				}, logger)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := sub.SubscribeInitialize(topic); err != nil {
+					b.Fatal(err)
+				}
+				return sub
+			}
+			newSubscriber().Close() // creates the table
+			pub := func(tx *sqlx.Tx) (message.Publisher, error) {
+				p, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx.Tx), wsql.PublisherConfig{SchemaAdapter: schema}, logger)
+				if err != nil {
+					return nil, err
+				}
+				return forwarder.NewPublisher(p, forwarder.PublisherConfig{ForwarderTopic: topic}), nil
+			}
+			n := outboxBacklog()
+			var elapsed time.Duration
+			b.ResetTimer()
+			for range b.N {
+				b.StopTimer()
+				fillOutbox(b, db, pub, "orders", n)
+				before := broker.n.Load()
+				fwd, err := forwarder.NewForwarder(newSubscriber(), broker, logger, forwarder.Config{ForwarderTopic: topic})
+				if err != nil {
+					b.Fatal(err)
+				}
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan error, 1)
+				b.StartTimer()
+				start := time.Now()
+				go func() { done <- fwd.Run(ctx) }()
+				for broker.n.Load()-before < int64(n) {
+					time.Sleep(time.Millisecond)
+				}
+				elapsed += time.Since(start)
+				b.StopTimer()
+				cancel()
+				if err := fwd.Close(); err != nil {
+					b.Fatal(err)
+				}
+				<-done
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(n*b.N)/elapsed.Seconds(), "msgs/s")
+		})
+	}
+}
