@@ -165,6 +165,7 @@ type Outbox struct {
 	cfg     OutboxConfig
 	dialect Dialect
 	table   qualifiedName
+	dead    qualifiedName // table's dead letters
 	sql     outboxSQL
 	wake    chan struct{}
 	logger  watermill.LoggerAdapter
@@ -231,6 +232,7 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 		cfg:     cfg,
 		dialect: cfg.Dialect,
 		table:   t,
+		dead:    dead,
 		sql:     cfg.Dialect.outbox(t, dead),
 		wake:    make(chan struct{}, 1),
 		logger:  cfg.Logger.With(watermill.LogFields{"outbox_table": t.String()}),

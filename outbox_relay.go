@@ -58,13 +58,43 @@ func (o *Outbox) Run(ctx context.Context) error {
 	}
 }
 
-// RouterPlugin runs the relay (Run) for as long as the router runs: add it
-// with router.AddPlugin(ob.RouterPlugin). It starts once the router is
-// running and stops within a second of the router closing, cancelling a
-// round in progress (whose messages are sent again later).
+// RouterPlugin checks the outbox tables (Verify, bounded by VerifyTimeout)
+// and then runs the relay (Run) for as long as the router runs: add it with
+// router.AddPlugin(ob.RouterPlugin), and router.Run returns Verify's error
+// (errors.Is matches ErrTableNotFound) instead of starting handlers whose
+// every output would fail. The relay starts once the router is running and
+// stops within a second of the router closing, cancelling a round in
+// progress (whose messages are sent again later). Router plugins run once,
+// in router.Run, before its handlers start (a Watermill convention).
 func (o *Outbox) RouterPlugin(r *message.Router) error {
+	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
+	defer cancel()
+	if err := o.Verify(ctx); err != nil {
+		return err
+	}
 	runWhileRouterRuns(r, o.logger, "Inbox outbox relay", func(ctx context.Context) { _ = o.Run(ctx) })
 	return nil
+}
+
+// Verify checks that the outbox table and its dead-letter table exist and
+// that the relay can read the outbox: an error wrapping ErrTableNotFound
+// (run InitializeSchema, or apply SchemaSQL) or the driver's error. It
+// reads the catalog and no row, in one short transaction.
+func (o *Outbox) Verify(ctx context.Context) error {
+	err := withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
+		for _, t := range []qualifiedName{o.table, o.dead} {
+			if _, err := o.dialect.checkTable(ctx, q, t); errors.Is(err, ErrTableNotFound) {
+				return fmt.Errorf("%w: outbox table %q does not exist: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL"+
+					" with your migrations", ErrTableNotFound, t.String())
+			}
+		}
+		rows, err := q.QueryxContext(ctx, o.sql.probe)
+		if err != nil {
+			return fmt.Errorf("inbox: outbox table %q cannot be read by the relay (compare with Outbox.SchemaSQL): %w", o.table, err)
+		}
+		return rows.Close()
+	})
+	return poolerHint(err)
 }
 
 // outboxRow is one message read by the relay.

@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -405,6 +406,38 @@ func TestOutboxWritesNothingOnceTheTransactionEnded(t *testing.T) {
 		relayUntilEmpty(t, ob)
 		if got := broker.uuids("mails"); len(got) != 0 {
 			t.Errorf("sent %v, want nothing", got)
+		}
+	})
+}
+
+// A router whose outbox tables are missing does not start: RouterPlugin
+// fails with ErrTableNotFound naming the table and the fix.
+func TestOutboxRouterPluginRefusesMissingTables(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		table := "outbox_" + randomSuffix()
+		ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Table: table, Publisher: newBrokerStub()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddPlugin(ob.RouterPlugin)
+		r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err = r.Run(ctx)
+		if !errors.Is(err, inbox.ErrTableNotFound) || !strings.Contains(err.Error(), table) || !strings.Contains(err.Error(), "InitializeSchema") {
+			t.Errorf("router.Run: %v, want ErrTableNotFound naming %s and the fix", err, table)
+		}
+		dropLater(t, db, table)
+		dropLater(t, db, table+"_dead")
+		if err := ob.InitializeSchema(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Verify(ctx); err != nil {
+			t.Errorf("Verify after InitializeSchema: %v", err)
 		}
 	})
 }

@@ -42,6 +42,8 @@ type outboxSQL struct {
 	// bury copies a row to the dead-letter table: bind parameters last
 	// error, id.
 	bury string
+	// probe reads no row of every column the relay reads (Outbox.Verify).
+	probe string
 	// stats returns the number of rows, the age of the oldest one in
 	// microseconds (NULL when empty) and the number of dead letters.
 	stats string
@@ -75,6 +77,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 			return "SELECT " + cols + ", attempts FROM " + q + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
 		},
 		locks: lock != "",
+		probe: "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
 		deleteIDs: func(ids []int64) string {
 			return "DELETE FROM " + q + " WHERE id IN (" + idList(ids) + ")"
 		},
