@@ -1,0 +1,219 @@
+package bench
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// batchKafkaPublisher publishes all the messages of one Publish call with
+// one SendMessages (watermill-kafka's publisher sends them one by one, each
+// waiting for its ack), and records when each was acked.
+type batchKafkaPublisher struct {
+	producer sarama.SyncProducer
+	acked    func(uuid string, at time.Time)
+}
+
+func (p *batchKafkaPublisher) Publish(topic string, msgs ...*message.Message) error {
+	batch := make([]*sarama.ProducerMessage, len(msgs))
+	for i, m := range msgs {
+		headers := []sarama.RecordHeader{{Key: []byte("_watermill_message_uuid"), Value: []byte(m.UUID)}}
+		for k, v := range m.Metadata {
+			headers = append(headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+		}
+		batch[i] = &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(m.UUID), Value: sarama.ByteEncoder(m.Payload), Headers: headers}
+	}
+	if err := p.producer.SendMessages(batch); err != nil {
+		return err
+	}
+	now := time.Now()
+	for _, m := range msgs {
+		p.acked(m.UUID, now)
+	}
+	return nil
+}
+
+func (p *batchKafkaPublisher) Close() error { return p.producer.Close() }
+
+// BenchmarkOutboxEndToEnd/<db>/<variant>: kfake with 8 partitions → a
+// Watermill router → the inbox → a handler that writes one row and, in the
+// "outbox" variant, emits one message through the outbox → the outbox relay
+// (inbox.Outbox, woken by the commits) → a kfake topic. b.N messages at
+// full speed. Reports msgs/s (for "outbox": delivered to the downstream
+// topic, from the first message handled to the last relayed),
+// outbox-max-rows (largest outbox depth, sampled every 10 ms) and
+// relay-p99-ms (commit to broker ack). "no-output" is the same pipeline
+// whose handler emits nothing: the outbox's msgs/s against it is the cost
+// of the outbox.
+func BenchmarkOutboxEndToEnd(b *testing.B) {
+	for _, tdb := range databases() {
+		if tdb.Name == "postgres-partitioned" {
+			continue
+		}
+		for _, v := range []string{"no-output", "outbox"} {
+			b.Run(tdb.Name+"/"+v, func(b *testing.B) { runOutboxEndToEnd(b, tdb, v == "outbox") })
+		}
+	}
+}
+
+func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, emit bool) {
+	db := tdb.Open(b)
+	db.SetMaxOpenConns(kafkaPartitions + 4)
+	db.SetMaxIdleConns(kafkaPartitions + 4)
+	business := businessTable(b, db)
+	query := insertSQL(db, business)
+
+	topic, downstream := "orders_"+testdb.RandomSuffix(), "invoices_"+testdb.RandomSuffix()
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(kafkaPartitions, topic, downstream))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cluster.Close()
+	brokers := cluster.ListenAddrs()
+	logger := watermill.NopLogger{}
+	produce(b, brokers, topic, b.N)
+
+	// Commit and ack times per output, for relay-p99-ms.
+	var mu sync.Mutex
+	committed := make(map[string]time.Time, b.N)
+	var latencies []time.Duration
+	var relayed, handled atomic.Int64
+	var first, last atomic.Int64
+	done := make(chan struct{})
+	var once sync.Once
+	finish := func(n int64) {
+		if n == int64(b.N) {
+			last.Store(time.Now().UnixNano())
+			once.Do(func() { close(done) })
+		}
+	}
+
+	pcfg := sarama.NewConfig()
+	pcfg.Version = sarama.V2_8_0_0
+	pcfg.Producer.Return.Successes = true
+	pcfg.Producer.RequiredAcks = sarama.WaitForAll
+	producer, err := sarama.NewSyncProducer(brokers, pcfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	broker := &batchKafkaPublisher{producer: producer, acked: func(uuid string, at time.Time) {
+		mu.Lock()
+		if c, ok := committed[uuid]; ok {
+			latencies = append(latencies, at.Sub(c))
+		}
+		mu.Unlock()
+		finish(relayed.Add(1))
+	}}
+	defer broker.Close()
+
+	table := "bench_outbox_" + testdb.RandomSuffix()
+	testdb.DropLater(b, db, table)
+	testdb.DropLater(b, db, table+"_dead")
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Table: table, Publisher: broker})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	cfg := inbox.Config{DB: db, Dialect: tdb.Dialect}
+	if emit {
+		cfg.Outbox = ob.Publisher
+	}
+	ib, _ := newInboxWith(b, cfg)
+
+	saramaCfg := kafka.DefaultSaramaSubscriberConfig()
+	saramaCfg.Version = sarama.V2_8_0_0
+	saramaCfg.Consumer.Offsets.Initial = sarama.OffsetOldest
+	saramaCfg.Consumer.MaxWaitTime = 10 * time.Millisecond
+	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
+		Brokers: brokers, Unmarshaler: kafka.DefaultMarshaler{}, OverwriteSaramaConfig: saramaCfg, ConsumerGroup: "billing",
+	}, logger)
+	if err != nil {
+		b.Fatal(err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if emit {
+		router.AddPlugin(ob.RouterPlugin)
+	}
+	router.AddMiddleware(ib.Middleware)
+	router.AddConsumerHandler("billing", topic, sub, func(msg *message.Message) error {
+		first.CompareAndSwap(0, time.Now().UnixNano())
+		tx, _ := inbox.TxFromContext(msg.Context())
+		if _, err := tx.ExecContext(msg.Context(), query, msg.UUID, 100); err != nil {
+			return err
+		}
+		if emit {
+			out := message.NewMessage(msg.UUID+"-invoice", msg.Payload)
+			pub, _ := inbox.OutboxFromContext(msg.Context())
+			if err := pub.Publish(downstream, out); err != nil {
+				return err
+			}
+			inbox.AfterCommit(msg.Context(), func() {
+				mu.Lock()
+				committed[out.UUID] = time.Now()
+				mu.Unlock()
+			})
+			return nil
+		}
+		inbox.AfterCommit(msg.Context(), func() { finish(handled.Add(1)) })
+		return nil
+	})
+
+	var maxRows atomic.Int64
+	stopSampling := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-stopSampling:
+				return
+			case <-tick.C:
+				if s, err := ob.Stats(context.Background()); err == nil && s.Pending > maxRows.Load() {
+					maxRows.Store(s.Pending)
+				}
+			}
+		}
+	}()
+	b.ResetTimer()
+	go func() { _ = router.Run(context.Background()) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Minute):
+		b.Fatalf("handled %d, relayed %d of %d messages in 10 minutes", handled.Load(), relayed.Load(), b.N)
+	}
+	b.StopTimer()
+	close(stopSampling)
+	<-sampled
+	router.Close()
+	if elapsed := time.Duration(last.Load() - first.Load()); b.N > 1 && elapsed > 0 {
+		b.ReportMetric(float64(b.N-1)/elapsed.Seconds(), "msgs/s")
+	}
+	if emit {
+		b.ReportMetric(float64(maxRows.Load()), "outbox-max-rows")
+		mu.Lock()
+		slices.Sort(latencies)
+		if len(latencies) > 0 {
+			b.ReportMetric(float64(latencies[len(latencies)*99/100].Microseconds())/1000, "relay-p99-ms")
+		}
+		mu.Unlock()
+	}
+}
