@@ -65,6 +65,7 @@ func TestNewLockRejectsInvalidConfig(t *testing.T) {
 		{LockTable: "lock`; DROP TABLE x"},
 		{LockTable: "a.b.c"},
 		{Slots: -1},
+		{Slots: 2},
 	} {
 		_, err := mysqloutbox.NewLock(cfg)
 		if !errors.Is(err, inbox.ErrInvalidConfig) {
@@ -91,7 +92,7 @@ func TestInitializeSchemaAndMissingRows(t *testing.T) {
 	db := testdb.OpenMySQL(t, "").DB
 	table := "outbox_lock_" + testdb.RandomSuffix()
 	dropLater(t, db, table)
-	lock, err := mysqloutbox.NewLock(mysqloutbox.Config{LockTable: table, Slots: 4})
+	lock, err := mysqloutbox.NewLock(mysqloutbox.Config{LockTable: table})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,8 +109,8 @@ func TestInitializeSchemaAndMissingRows(t *testing.T) {
 	if err := db.QueryRow("SELECT COUNT(*) FROM `" + table + "`").Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
-	if rows != 4 {
-		t.Fatalf("lock rows = %d, want 4", rows)
+	if rows != 1 {
+		t.Fatalf("lock rows = %d, want 1", rows)
 	}
 
 	if _, err := db.Exec("DELETE FROM `" + table + "`"); err != nil {
@@ -127,51 +128,26 @@ func TestInitializeSchemaAndMissingRows(t *testing.T) {
 	}
 }
 
-// A second transaction publishing to the same topic waits for the first
-// one's end, commit or rollback; one publishing to a topic of another slot
-// does not wait.
+// A second transaction publishing waits for the first one's end, commit or
+// rollback.
 func TestPublishWaitsForEarlierPublisherToEnd(t *testing.T) {
 	t.Parallel()
 	db := testdb.OpenMySQL(t, "").DB
 	table := "outbox_lock_" + testdb.RandomSuffix()
 	dropLater(t, db, table)
-	lock, err := mysqloutbox.NewLock(mysqloutbox.Config{LockTable: table, Slots: 64})
+	lock, err := mysqloutbox.NewLock(mysqloutbox.Config{LockTable: table})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := lock.InitializeSchema(context.Background(), db); err != nil {
 		t.Fatal(err)
 	}
-	// Two topics in different slots, found by trying: the lock rows must
-	// differ for the last step.
-	other := ""
-	for _, c := range []string{"b", "c", "d", "e", "f", "g", "h"} {
-		if mysqloutbox.SlotOf(lock, c) != mysqloutbox.SlotOf(lock, "a") {
-			other = c
-			break
-		}
-	}
-	if other == "" {
-		t.Fatal("no topic found in another slot")
-	}
-
 	for _, end := range []string{"commit", "rollback"} {
 		first, err := db.Begin()
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := lock.Publisher(first, &countingPublisher{}).Publish("a"); err != nil {
-			t.Fatal(err)
-		}
-
-		unrelated, err := db.Begin()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := lock.Publisher(unrelated, &countingPublisher{}).Publish(other); err != nil {
-			t.Fatalf("%s: a topic in another slot waited: %v", end, err)
-		}
-		if err := unrelated.Rollback(); err != nil {
 			t.Fatal(err)
 		}
 
