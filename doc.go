@@ -109,7 +109,11 @@
 //     published through it, to the handler's publish topic, in the
 //     transaction; none are returned to the router, so they are sent if and
 //     only if the transaction commits. Without it the router publishes them
-//     after the commit.
+//     after the commit. With the library's own relay (Config{Outbox:
+//     ob.Publisher}, ob an Outbox), they are rows of the outbox table that
+//     the relay sends once the transaction commits (woken by the commit, at
+//     step 9) and then deletes; its writes are refused once the server has
+//     ended the transaction (they would commit on their own).
 //  7. Pre-commit check. The transaction must still be open: a handler that
 //     committed or rolled it back itself (see the rules above) is nacked
 //     with ErrTransactionEnded, because PostgreSQL and MySQL accept a COMMIT
