@@ -351,6 +351,10 @@ func TestOutboxIDsDoNotRunOutAt32Bits(t *testing.T) {
 			exec(t, db, "ALTER TABLE "+table+" ALTER COLUMN id RESTART WITH 2147483640")
 		}
 		ids := writeOutbox(t, db, ob, "orders", 20)
+		var maxID int64
+		if err := db.Get(&maxID, "SELECT MAX(id) FROM "+table); err != nil || maxID < 1<<31 {
+			t.Fatalf("largest id %d (%v), want past 2^31", maxID, err)
+		}
 		relayUntilEmpty(t, ob)
 		if got := broker.uuids("orders"); fmt.Sprint(got) != fmt.Sprint(ids) {
 			t.Errorf("sent %v, want the 20 messages written past id 2^31", got)
@@ -358,14 +362,14 @@ func TestOutboxIDsDoNotRunOutAt32Bits(t *testing.T) {
 	})
 }
 
-// relayTable returns the name of ob's table (from its DDL).
+// relayTable returns the name of ob's table (from its DDL), unquoted.
 func relayTable(t *testing.T, ob *inbox.Outbox) string {
 	t.Helper()
 	var name string
 	if _, err := fmt.Sscanf(ob.SchemaSQL(), "CREATE TABLE IF NOT EXISTS %s", &name); err != nil {
 		t.Fatal(err)
 	}
-	return name
+	return strings.Trim(name, "`\"")
 }
 
 // A handler that ends the transaction itself (a ROLLBACK statement) and then
@@ -438,6 +442,51 @@ func TestOutboxRouterPluginRefusesMissingTables(t *testing.T) {
 		}
 		if err := ob.Verify(ctx); err != nil {
 			t.Errorf("Verify after InitializeSchema: %v", err)
+		}
+	})
+}
+
+// A slow outbox insert (a trigger that sleeps 3 s) of a returned message is
+// bounded by Config.CommitTimeout (300 ms): the delivery is nacked with
+// ErrCommitTimeout, nothing is committed and nothing is sent.
+func TestOutboxInsertIsBoundedByCommitTimeout(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+		table := relayTable(t, ob)
+		switch tdb.Dialect {
+		case inbox.SQLite:
+			t.Skip("SQLite has no sleep to put in a trigger")
+		case inbox.MySQL:
+			exec(t, db, "CREATE TRIGGER "+table+"_slow BEFORE INSERT ON "+table+" FOR EACH ROW SET @slept = SLEEP(3)")
+		default:
+			fn := table + "_slow"
+			exec(t, db, "CREATE FUNCTION "+fn+"() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN PERFORM pg_sleep(3); RETURN NEW; END$$")
+			t.Cleanup(func() { db.Exec("DROP FUNCTION IF EXISTS " + fn + "() CASCADE") })
+			exec(t, db, "CREATE TRIGGER "+fn+" BEFORE INSERT ON "+table+" FOR EACH ROW EXECUTE FUNCTION "+fn+"()")
+		}
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Outbox: ob.Publisher, CommitTimeout: 300 * time.Millisecond})
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
+				if err := f.writeBusinessRow(msg); err != nil {
+					return nil, err
+				}
+				return []*message.Message{message.NewMessage(watermill.NewUUID(), nil)}, nil
+			})
+		})
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatal("acked although the outbox insert outlived CommitTimeout")
+		}
+		if err := rec.last(); !errors.Is(err, inbox.ErrCommitTimeout) {
+			t.Errorf("error %v, want ErrCommitTimeout", err)
+		}
+		relayUntilEmpty(t, ob)
+		if b, i, sent := f.businessRows(), f.inboxRows(), broker.uuids("invoices"); b != 0 || i != 0 || len(sent) != 0 {
+			t.Errorf("business rows %d, inbox rows %d, sent %v; want nothing", b, i, sent)
 		}
 	})
 }
