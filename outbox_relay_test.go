@@ -446,9 +446,11 @@ func TestOutboxRouterPluginRefusesMissingTables(t *testing.T) {
 	})
 }
 
-// A slow outbox insert (a trigger that sleeps 3 s) of a returned message is
+// A slow outbox insert (a trigger that sleeps) of a returned message is
 // bounded by Config.CommitTimeout (300 ms): the delivery is nacked with
-// ErrCommitTimeout, nothing is committed and nothing is sent.
+// ErrCommitTimeout, nothing is committed and nothing is sent, and on
+// PostgreSQL the insert itself is cancelled on the server (its trigger
+// would sleep a minute).
 func TestOutboxInsertIsBoundedByCommitTimeout(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		broker := newBrokerStub()
@@ -461,7 +463,7 @@ func TestOutboxInsertIsBoundedByCommitTimeout(t *testing.T) {
 			exec(t, db, "CREATE TRIGGER "+table+"_slow BEFORE INSERT ON "+table+" FOR EACH ROW SET @slept = SLEEP(3)")
 		default:
 			fn := table + "_slow"
-			exec(t, db, "CREATE FUNCTION "+fn+"() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN PERFORM pg_sleep(3); RETURN NEW; END$$")
+			exec(t, db, "CREATE FUNCTION "+fn+"() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN PERFORM pg_sleep(60); RETURN NEW; END$$")
 			t.Cleanup(func() { db.Exec("DROP FUNCTION IF EXISTS " + fn + "() CASCADE") })
 			exec(t, db, "CREATE TRIGGER "+fn+" BEFORE INSERT ON "+table+" FOR EACH ROW EXECUTE FUNCTION "+fn+"()")
 		}
@@ -483,6 +485,13 @@ func TestOutboxInsertIsBoundedByCommitTimeout(t *testing.T) {
 		}
 		if err := rec.last(); !errors.Is(err, inbox.ErrCommitTimeout) {
 			t.Errorf("error %v, want ErrCommitTimeout", err)
+		}
+		if tdb.Dialect != inbox.MySQL {
+			waitFor(t, func() bool { // the insert cancelled, not left sleeping
+				var running int
+				err := db.Get(&running, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE $1", "%INSERT INTO%"+table+"%")
+				return err == nil && running == 0
+			})
 		}
 		relayUntilEmpty(t, ob)
 		if b, i, sent := f.businessRows(), f.inboxRows(), broker.uuids("invoices"); b != 0 || i != 0 || len(sent) != 0 {
