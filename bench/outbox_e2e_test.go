@@ -118,16 +118,7 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, emit bool) {
 	}}
 	defer broker.Close()
 
-	table := "bench_outbox_" + testdb.RandomSuffix()
-	testdb.DropLater(b, db, table)
-	testdb.DropLater(b, db, table+"_dead")
-	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Table: table, Publisher: broker})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := ob.InitializeSchema(context.Background()); err != nil {
-		b.Fatal(err)
-	}
+	ob := newBenchOutbox(b, db, tdb.Dialect, broker)
 	cfg := inbox.Config{DB: db, Dialect: tdb.Dialect}
 	if emit {
 		cfg.Outbox = ob.Publisher

@@ -26,6 +26,23 @@ func (p *countingPublisher) Publish(_ string, msgs ...*message.Message) error {
 
 func (p *countingPublisher) Close() error { return nil }
 
+// newBenchOutbox returns an Outbox relaying to broker on a table of its
+// own, created, and dropped when b ends.
+func newBenchOutbox(b *testing.B, db *sqlx.DB, d inbox.Dialect, broker message.Publisher) *inbox.Outbox {
+	b.Helper()
+	table := "bench_outbox_" + testdb.RandomSuffix()
+	testdb.DropLater(b, db, table)
+	testdb.DropLater(b, db, table+"_dead")
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: d, Table: table, Publisher: broker})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	return ob
+}
+
 // outboxBacklog is how many messages BenchmarkOutboxRelay relays per
 // iteration (2,000 with -short).
 func outboxBacklog() int {
@@ -75,16 +92,7 @@ func BenchmarkOutboxRelay(b *testing.B) {
 		b.Run(tdb.Name+"/relay", func(b *testing.B) {
 			db := tdb.Open(b)
 			broker := &countingPublisher{}
-			table := "bench_outbox_" + testdb.RandomSuffix()
-			testdb.DropLater(b, db, table)
-			testdb.DropLater(b, db, table+"_dead")
-			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Table: table, Publisher: broker})
-			if err != nil {
-				b.Fatal(err)
-			}
-			if err := ob.InitializeSchema(context.Background()); err != nil {
-				b.Fatal(err)
-			}
+			ob := newBenchOutbox(b, db, tdb.Dialect, broker)
 			n := outboxBacklog()
 			var elapsed time.Duration
 			b.ResetTimer()
