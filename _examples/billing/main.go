@@ -1,9 +1,10 @@
 // Command billing runs the inbox's main job end to end, on a real Kafka
 // protocol, while every cause of redelivery happens: Orders publishes
-// orders.confirmed events; Billing creates exactly one invoice per order and
-// emits invoices.to_send through an outbox in the same transaction;
-// Watermill's forwarder relays the outbox to Kafka; Mailer "sends" one email
-// per invoice. Both consumers share one inbox table.
+// orders.confirmed events; Billing creates one invoice per order and emits
+// invoices.to_send through the inbox's outbox (inbox.Outbox) in the same
+// transaction; the outbox relay, running in each Billing process, sends it to
+// Kafka; Mailer "sends" one email per invoice. Both consumers share one
+// inbox table.
 //
 //	go run .                       # kfake broker in process + SQLite in a temporary folder
 //	go run . -db 'postgres://postgres@127.0.0.1:5432/test?sslmode=disable'
@@ -11,30 +12,34 @@
 //	go run . -db 'mysql://root@tcp(127.0.0.1:3306)/test?parseTime=true'
 //	go run . -brokers kafka:9092   # an external Kafka
 //
-// The outbox is watermill-sql v4's bounded one on every database: a queue
-// schema whose rows the forwarder deletes once it has published them to Kafka
-// (PostgreSQLQueueSchema, MySQLQueueSchema, and this repository's
-// sqliteoutboxv4.QueueSchema, each with its queue offsets adapter and
-// DeleteOnAck). The queue schemas select every row not yet acked rather than
-// the rows above an offset, so MySQL/MariaDB needs no commit-order lock
-// (package mysqloutbox; see docs/outbox.md).
+// The outbox is the library's own relay on every database, set up as the
+// README shows: inbox.NewOutbox with the database and the Kafka publisher,
+// Config{Outbox: ob.Publisher} (pgxinbox.OutboxPublisher(ob) with -inbox
+// pgx), router.AddPlugin(ob.RouterPlugin). Its table holds only what has
+// not been sent yet. SQLite has no row locks, so there one relay runs per
+// database: billing-3, which overlaps billing-2, runs none.
 //
 // With -inbox pgx (PostgreSQL only) Billing and Mailer run package pgxinbox
 // over a pgxpool instead of package inbox over database/sql: handlers get a
-// pgx.Tx, the outbox writes through wsql.TxFromPgx, and the forwarder reads
-// through wsql.BeginnerFromPgx.
+// pgx.Tx, and the outbox rows are written in it.
 //
-// Injected, by default: the producer re-sends 5 % of the events (an outbox
-// relay retry); a Billing worker process is SIGKILLed right after a commit,
-// before its ack; a second Billing instance joins and leaves the consumer
-// group (rebalance); the group's offsets are deleted and everything is
-// replayed (operator rewind). It ends with
+// Injected, by default: the Orders producer re-sends 5 % of the events; a
+// Billing worker process is SIGKILLed once it has committed an order and its
+// relay has had Kafka accept a batch of invoice events: the order is not
+// acked yet and the batch's outbox rows are not deleted yet, so the order is
+// delivered again and the batch is relayed again; a second Billing instance
+// joins and leaves the consumer group (rebalance); the group's offsets are
+// deleted and everything is replayed (operator rewind). It ends with
 //
-//	effectively-once: orders=N invoices=N emails=N deliveries=D duplicates_skipped=S
-//	outbox_rows=0
+//	outputs relayed twice: N (Kafka holds R invoice events for I invoices), skipped by the mailer's inbox: N, second effects: 0
+//	effectively-once: orders=O invoices=O emails=O deliveries=D duplicates_skipped=S
+//	outbox: pending=0 dead_lettered=0
 //
-// and exits non-zero if invoices or emails differ from orders, or if the
-// outbox still holds rows once everything was forwarded.
+// and exits non-zero if invoices, emails or distinct invoice events differ
+// from orders, if an order got a second invoice or email, if an invoice
+// event Kafka holds twice was not skipped by the mailer's inbox, if the
+// injected relay crash sent nothing twice, or if the outbox still holds
+// rows once everything was relayed.
 package main
 
 import (
@@ -45,18 +50,16 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	_ "github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/jmoiron/sqlx"
@@ -64,13 +67,11 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/pgxinbox"
-	"github.com/watermill-inbox/inbox/sqliteoutboxv4"
 )
 
 const (
 	ordersTopic   = "orders.confirmed"
 	invoicesTopic = "invoices.to_send"
-	outboxTopic   = "outbox"
 	partitions    = 3
 )
 
@@ -81,7 +82,8 @@ var (
 	inboxImpl = flag.String("inbox", "database/sql", "database/sql (package inbox over sqlx) or pgx (package pgxinbox over a pgxpool; PostgreSQL only)")
 	orders    = flag.Int("orders", 1000, "orders to publish")
 	resend    = flag.Float64("resend", 0.05, "share of events the producer publishes twice")
-	killAfter = flag.Int("kill-after", 0, "internal: SIGKILL this worker right after its Nth commit")
+	killAfter = flag.Int("kill-after", 0, "internal: SIGKILL this worker once it has committed N orders and its relay has then had Kafka accept a batch")
+	relay     = flag.Bool("relay", true, "internal: run the outbox relay in this Billing worker")
 	instance  = flag.String("instance", "", "internal: worker name for logs")
 )
 
@@ -101,16 +103,11 @@ func main() {
 	}
 }
 
-// database is the opened -db with its dialect and bounded-outbox adapters.
+// database is the opened -db with its dialect.
 type database struct {
 	db      *sqlx.DB
 	pool    *pgxpool.Pool // -inbox pgx only: db then borrows its connections
 	dialect inbox.Dialect
-	// publish is the outbox schema of the publishing side (the inbox
-	// transaction), subscribe the forwarder's: the same table, with the
-	// forwarder's batch size.
-	publish, subscribe wsql.SchemaAdapter
-	offsets            wsql.OffsetsAdapter
 }
 
 // checkInbox refuses an -inbox the -db cannot run.
@@ -130,43 +127,26 @@ func openDB(ctx context.Context, dsn, impl string) (*database, error) {
 	}
 	switch {
 	case strings.HasPrefix(dsn, "postgres://"):
-		// SubscribeBatchSize 1: watermill-sql v4.1.2's subscriber, closed
-		// in the middle of a batch, deletes the rows of that batch it never
-		// delivered (docs/outbox.md). With one row per batch the only row
-		// read is the one in flight, which is kept and sent again.
-		d := &database{dialect: inbox.PostgreSQL, publish: wsql.PostgreSQLQueueSchema{},
-			subscribe: wsql.PostgreSQLQueueSchema{SubscribeBatchSize: 1},
-			offsets:   wsql.PostgreSQLQueueOffsetsAdapter{DeleteOnAck: true}}
+		d := &database{dialect: inbox.PostgreSQL}
 		if impl == "pgx" {
 			pool, err := pgxpool.New(ctx, dsn)
 			if err != nil {
 				return nil, err
 			}
-			d.pool, d.db = pool, pgxinbox.DB(pool)
+			d.pool, d.db = pool, pgxinbox.DB(pool) // the outbox relay reads through it
 			return d, nil
 		}
 		db, err := sqlx.Open("pgx", dsn)
 		d.db = db
 		return d, err
 	case strings.HasPrefix(dsn, "mysql://"):
-		// The same batch size as on PostgreSQL, for the same reason. The
-		// queue schema needs no mysqloutbox.Lock: it does not read by offset.
 		db, err := sqlx.Open("mysql", strings.TrimPrefix(dsn, "mysql://"))
-		return &database{db: db, dialect: inbox.MySQL, publish: wsql.MySQLQueueSchema{},
-			subscribe: wsql.MySQLQueueSchema{SubscribeBatchSize: 1},
-			offsets:   wsql.MySQLQueueOffsetsAdapter{DeleteOnAck: true}}, err
+		return &database{db: db, dialect: inbox.MySQL}, err
 	case strings.HasPrefix(dsn, "sqlite:"):
 		path := strings.TrimPrefix(dsn, "sqlite:")
 		params := "_journal_mode=WAL&_busy_timeout=30000&_synchronous=NORMAL"
 		db, err := sqlx.Open("sqlite", "file:"+path+"?"+params+"&_txlock=immediate")
-		// The forwarder's subscriber holds the write lock while it forwards
-		// a small batch (_txlock=immediate; see sqliteoutboxv4): exactly
-		// once, no livelock. A batch of 10 as sqliteoutboxv4 recommends:
-		// its QueueOffsetsAdapter deletes only the rows up to the last acked
-		// one, so a batch cut by a closing forwarder loses nothing.
-		return &database{db: db, dialect: inbox.SQLite, publish: sqliteoutboxv4.QueueSchema{},
-			subscribe: sqliteoutboxv4.QueueSchema{SubscribeBatchSize: 10},
-			offsets:   sqliteoutboxv4.QueueOffsetsAdapter{DeleteOnAck: true}}, err
+		return &database{db: db, dialect: inbox.SQLite}, err
 	}
 	return nil, fmt.Errorf("-db %q: want postgres://… or mysql://…", dsn)
 }
@@ -178,20 +158,9 @@ func (d *database) Close() {
 	}
 }
 
-// beginner is the forwarder subscriber's handle on the database.
-func (d *database) beginner() wsql.Beginner {
-	if d.pool != nil {
-		return wsql.BeginnerFromPgx(d.pool)
-	}
-	return wsql.BeginnerFromStdSQL(d.db.DB)
-}
-
-// outboxTable is the outbox table of the run, quoted (watermill-sql's name).
-func (d *database) outboxTable(run string) string {
-	if d.dialect == inbox.MySQL {
-		return "`watermill_" + outboxTopic + "_" + run + "`"
-	}
-	return `"watermill_` + outboxTopic + "_" + run + `"`
+// newOutbox is the run's outbox, relaying to pub.
+func (d *database) newOutbox(run string, pub message.Publisher, logger watermill.LoggerAdapter) (*inbox.Outbox, error) {
+	return inbox.NewOutbox(inbox.OutboxConfig{DB: d.db, Dialect: d.dialect, Table: "outbox_" + run, Publisher: pub, Logger: logger})
 }
 
 // execInTx runs a statement (with ? placeholders) in the message's inbox
@@ -223,11 +192,13 @@ func saramaConfig() *sarama.Config {
 }
 
 // tables creates the business tables and the stats table the example reads.
+// The business tables have no unique key on order_id, on purpose: the inbox
+// alone keeps a second effect out, and one would show as a second row.
 func tables(d *database, run string) error {
 	stmts := []string{
-		"CREATE TABLE IF NOT EXISTS invoices_" + run + " (order_id VARCHAR(64) NOT NULL PRIMARY KEY, amount INTEGER NOT NULL)",
-		"CREATE TABLE IF NOT EXISTS emails_sent_" + run + " (order_id VARCHAR(64) NOT NULL PRIMARY KEY)",
-		"CREATE TABLE IF NOT EXISTS deliveries_" + run + " (consumer VARCHAR(32) NOT NULL, outcome VARCHAR(16) NOT NULL)",
+		"CREATE TABLE IF NOT EXISTS invoices_" + run + " (order_id VARCHAR(64) NOT NULL, amount INTEGER NOT NULL)",
+		"CREATE TABLE IF NOT EXISTS emails_sent_" + run + " (order_id VARCHAR(64) NOT NULL)",
+		"CREATE TABLE IF NOT EXISTS deliveries_" + run + " (consumer VARCHAR(32) NOT NULL, outcome VARCHAR(16) NOT NULL, message_id VARCHAR(255) NOT NULL)",
 	}
 	for _, s := range stmts {
 		if _, err := d.db.Exec(s); err != nil {
@@ -237,40 +208,32 @@ func tables(d *database, run string) error {
 	return nil
 }
 
-// middleware is the inbox middleware of one worker: package inbox on
-// database/sql, or package pgxinbox on the pgx pool.
-func (d *database) newInbox(name, run string, hooks func(string) func(inbox.Event), logger watermill.LoggerAdapter) (*inbox.Inbox, error) {
-	// The forwarder's table, checked by RouterPlugin before the router runs.
-	outboxTables := []string{"watermill_" + outboxTopic + "_" + run}
-	outbox := func(tx wsql.ContextExecutor) (message.Publisher, error) {
-		pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: d.publish}, logger)
-		if err != nil {
-			return nil, err
-		}
-		return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: outboxTopic + "_" + run}), nil
-	}
+// newInbox is the inbox of one worker: package inbox on database/sql, or
+// package pgxinbox on the pgx pool. With ob, the messages its handlers
+// return are written to ob's outbox in the message's transaction.
+func (d *database) newInbox(name, run string, hooks func(string) func(inbox.Event), ob *inbox.Outbox) (*inbox.Inbox, error) {
 	if d.pool != nil {
-		ib, err := pgxinbox.New(pgxinbox.Config{
+		cfg := pgxinbox.Config{
 			Pool: d.pool, Table: "inbox_" + run, Consumer: name,
 			OnProcessed: hooks("processed"), OnDuplicate: hooks("duplicate"),
-			Outbox:       func(tx pgx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromPgx(tx)) },
-			OutboxTables: outboxTables,
-		})
+		}
+		if ob != nil {
+			cfg.Outbox = pgxinbox.OutboxPublisher(ob)
+		}
+		ib, err := pgxinbox.New(cfg)
 		if err != nil {
 			return nil, err
 		}
 		return ib.Inbox, nil
 	}
-	ib, err := inbox.New(inbox.Config{
+	cfg := inbox.Config{
 		DB: d.db, Dialect: d.dialect, Table: "inbox_" + run, Consumer: name,
 		OnProcessed: hooks("processed"), OnDuplicate: hooks("duplicate"),
-		Outbox:       func(tx *sqlx.Tx) (message.Publisher, error) { return outbox(wsql.TxFromStdSQL(tx.Tx)) },
-		OutboxTables: outboxTables,
-	})
-	if err != nil {
-		return nil, err
 	}
-	return ib, nil
+	if ob != nil {
+		cfg.Outbox = ob.Publisher
+	}
+	return inbox.New(cfg)
 }
 
 // work runs one Billing or Mailer worker process until SIGTERM.
@@ -285,14 +248,36 @@ func work(name string) error {
 	defer d.Close()
 	logger := watermill.NopLogger{}
 	record := func(outcome string) func(inbox.Event) {
-		return func(inbox.Event) {
+		return func(e inbox.Event) {
 			// Outside the inbox transaction, before the ack: survives a SIGKILL.
-			if _, err := d.db.Exec(d.db.Rebind("INSERT INTO deliveries_"+run+" (consumer, outcome) VALUES (?, ?)"), name, outcome); err != nil {
+			if _, err := d.db.Exec(d.db.Rebind("INSERT INTO deliveries_"+run+" (consumer, outcome, message_id) VALUES (?, ?, ?)"),
+				name, outcome, e.MessageID); err != nil {
 				log.Printf("%s: record delivery: %v", *instance, err)
 			}
 		}
 	}
-	ib, err := d.newInbox(name, run, record, logger)
+	// The router logs handler errors (nacks) and the relay's failed rounds
+	// to stderr; nothing else.
+	errLog := errorLogger{*instance}
+	var ob *inbox.Outbox
+	crash := &crashAfterPublish{name: *instance}
+	if name == "billing" {
+		// The outbox relay's Kafka publisher, keyed by order as Orders'.
+		kafkaPub, err := kafka.NewPublisher(kafka.PublisherConfig{
+			Brokers: strings.Split(*brokers, ","), Marshaler: kafka.NewWithPartitioningMarshaler(orderKey),
+			OverwriteSaramaConfig: publisherConfig(),
+		}, logger)
+		if err != nil {
+			return err
+		}
+		defer kafkaPub.Close()
+		crash.Publisher = kafkaPub
+		// The orchestrator created the table (ob.InitializeSchema).
+		if ob, err = d.newOutbox(run, crash, errLog); err != nil {
+			return err
+		}
+	}
+	ib, err := d.newInbox(name, run, record, ob)
 	if err != nil {
 		return err
 	}
@@ -311,31 +296,39 @@ func work(name string) error {
 	if err != nil {
 		return err
 	}
-	// The router logs handler errors (nacks) to stderr; nothing else.
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, errorLogger{*instance})
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, errLog)
 	if err != nil {
 		return err
 	}
 	router.AddMiddleware(mws...)
-	router.AddPlugin(ib.RouterPlugin) // a missing inbox or outbox table stops router.Run
-	commits := 0
+	router.AddPlugin(ib.RouterPlugin) // a missing inbox table stops router.Run
+	if ob != nil && *relay {
+		router.AddPlugin(ob.RouterPlugin) // the relay runs while the router runs
+	}
+	var committed atomic.Int64
 	if name == "billing" {
 		router.AddHandler("billing", ordersTopic, sub, invoicesTopic, unusedPublisher{}, func(msg *message.Message) ([]*message.Message, error) {
 			orderID := msg.Metadata.Get("order_id")
 			if err := d.execInTx(msg.Context(), "INSERT INTO invoices_"+run+" (order_id, amount) VALUES (?, ?)", orderID, 100); err != nil {
 				return nil, err
 			}
-			commits++
-			if *killAfter > 0 && commits == *killAfter {
+			if *killAfter > 0 {
 				inbox.AfterCommit(msg.Context(), func() {
-					log.Printf("%s: SIGKILL after committing order %s, before its ack", *instance, orderID)
+					if committed.Add(1) != int64(*killAfter) {
+						return
+					}
+					// Hold this order's ack; the relay's next accepted
+					// batch kills the process before it deletes the rows.
+					log.Printf("%s: committed order %s; SIGKILL before its ack, once the relay has had Kafka accept a batch", *instance, orderID)
+					crash.armed.Store(true)
+					time.Sleep(30 * time.Second)
+					log.Printf("%s: the relay published nothing within 30 s; SIGKILL anyway", *instance)
 					syscall.Kill(os.Getpid(), syscall.SIGKILL)
 				})
 			}
-			// A JSON payload: the queue schemas' payload column is JSON.
 			invoice := message.NewMessage(watermill.NewUUID(), []byte(`{"amount":100}`))
 			invoice.Metadata.Set("order_id", orderID)
-			return []*message.Message{invoice}, nil // through the outbox, in this transaction
+			return []*message.Message{invoice}, nil // to the outbox, in this transaction
 		})
 	} else {
 		router.AddConsumerHandler("mailer", invoicesTopic, sub, func(msg *message.Message) error {
@@ -343,6 +336,25 @@ func work(name string) error {
 		})
 	}
 	return router.Run(ctx)
+}
+
+// crashAfterPublish is the relay's Kafka publisher; once armed, it SIGKILLs
+// the process as soon as Kafka has accepted a batch, before the relay can
+// delete the batch's outbox rows: the next relay sends the batch again.
+type crashAfterPublish struct {
+	message.Publisher
+	name  string
+	armed atomic.Bool
+}
+
+func (p *crashAfterPublish) Publish(topic string, msgs ...*message.Message) error {
+	err := p.Publisher.Publish(topic, msgs...)
+	if err == nil && p.armed.Load() {
+		log.Printf("%s: SIGKILL: Kafka accepted %d invoice events, their outbox rows are not deleted yet", p.name, len(msgs))
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	}
+	return err
 }
 
 // unusedPublisher is the router's publisher for Billing: with an outbox,

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -14,8 +15,6 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kfake"
 
@@ -53,7 +52,7 @@ func orchestrate() error {
 		return err
 	}
 	defer d.Close()
-	fmt.Printf("inbox: %s; outbox: watermill-sql v4 queue schema, delete on ack\n", *inboxImpl)
+	fmt.Printf("inbox: %s; outbox: inbox.Outbox, its relay in each Billing worker\n", *inboxImpl)
 	if err := tables(d, run); err != nil {
 		return err
 	}
@@ -67,20 +66,7 @@ func orchestrate() error {
 	}
 	defer dropTables(d, run)
 
-	// The forwarder: outbox table -> Kafka. Its subscriber creates the
-	// outbox table (watermill-sql cannot on a transaction). No consumer
-	// group: queue schemas have none, the forwarder is their one reader.
 	logger := watermill.NopLogger{}
-	outboxSub, err := wsql.NewSubscriber(d.beginner(), wsql.SubscriberConfig{
-		SchemaAdapter: d.subscribe, OffsetsAdapter: d.offsets, InitializeSchema: true,
-		PollInterval: 20 * time.Millisecond,
-	}, logger)
-	if err != nil {
-		return err
-	}
-	if err := outboxSub.SubscribeInitialize(outboxTopic + "_" + run); err != nil {
-		return err
-	}
 	kafkaPub, err := kafka.NewPublisher(kafka.PublisherConfig{
 		Brokers: strings.Split(*brokers, ","), Marshaler: kafka.NewWithPartitioningMarshaler(orderKey),
 		OverwriteSaramaConfig: publisherConfig(),
@@ -89,14 +75,17 @@ func orchestrate() error {
 		return err
 	}
 	defer kafkaPub.Close()
-	fwd, err := forwarder.NewForwarder(outboxSub, kafkaPub, logger, forwarder.Config{ForwarderTopic: outboxTopic + "_" + run})
+	// The outbox the Billing workers write and relay; here it only creates
+	// the tables and reads Stats (its relay does not run in this process).
+	ob, err := d.newOutbox(run, kafkaPub, logger)
 	if err != nil {
 		return err
 	}
-	go fwd.Run(ctx)
-	defer fwd.Close()
+	if err := ob.InitializeSchema(ctx); err != nil {
+		return err
+	}
 
-	// Orders: N events, 5 % published twice (a relay retry): same UUID.
+	// Orders: N events, 5 % published twice (a producer retry): same UUID.
 	published := 0
 	for i := 1; i <= *orders; i++ {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"amount":100}`))
@@ -114,14 +103,14 @@ func orchestrate() error {
 	}
 	fmt.Printf("orders: %d published as %d events (%d producer re-sends)\n", *orders, published, published-*orders)
 
-	s := &stats{d: d, run: run}
+	s := &stats{d: d, ob: ob, run: run}
 	mailer := start("mailer", "mailer-1", 0)
 	defer mailer.stop()
 	// billing-1 runs alone until its SIGKILL, so that it owns every
 	// partition and surely reaches its kill-after commit (with a second
 	// member from the start, the partitions it got could hold fewer
 	// orders, and it would never die).
-	fmt.Println("billing-1: starts alone, will be SIGKILLed after a commit and before its ack")
+	fmt.Println("billing-1: starts alone, will be SIGKILLed after a commit before its ack, and after a relay publish before its delete")
 	b1 := start("billing", "billing-1", max(1, *orders/4))
 	if !b1.waitFor(3 * time.Minute) {
 		b1.stop()
@@ -132,12 +121,14 @@ func orchestrate() error {
 	s.progress("billing-1 died; billing-2 joins and gets its partitions once billing-1's session times out")
 
 	fmt.Println("billing-3: joins the group (rebalance)")
-	b3 := start("billing", "billing-3", 0)
+	// SQLite has no row locks: one relay per database, so billing-3, which
+	// overlaps billing-2, runs none there.
+	b3 := start("billing", "billing-3", 0, "-relay="+fmt.Sprint(d.dialect != inbox.SQLite))
 	s.waitFor(func(c counts) bool { return c.invoices >= *orders/2 }, 2*time.Minute)
 	b3.stop()
 	s.progress("billing-3 left the group (rebalance)")
 
-	if !s.waitFor(func(c counts) bool { return c.invoices == *orders && c.emails == *orders }, 5*time.Minute) {
+	if !s.waitFor(func(c counts) bool { return c.invoiceOrders == *orders && c.emailOrders == *orders }, 5*time.Minute) {
 		return fmt.Errorf("timed out before every order was invoiced and mailed")
 	}
 	before := s.read()
@@ -151,38 +142,67 @@ func orchestrate() error {
 	if !s.waitFor(func(c counts) bool { return c.billingDeliveries >= before.billingDeliveries+published }, 5*time.Minute) {
 		return fmt.Errorf("timed out replaying the topic")
 	}
-	time.Sleep(2 * time.Second) // let the mailer see anything the replay could (wrongly) have emitted
+	// Every invoice event Kafka holds, counted by message UUID: the relay
+	// sent a batch again after billing-1's SIGKILL.
+	inKafka, records, err := countByUUID(*brokers, invoicesTopic)
+	if err != nil {
+		return err
+	}
+	// Wait until the mailer has had every record delivered (its inbox
+	// records each delivery, processed or skipped), and the relay has
+	// deleted the last rows: by now every invoice transaction has committed
+	// (invoices == orders, and the replay only met duplicates, which write
+	// no outbox row).
+	if !s.waitFor(func(c counts) bool { return c.mailerDeliveries >= records && c.outboxPending == 0 }, time.Minute) {
+		return fmt.Errorf("timed out waiting for the mailer to receive the %d invoice events in Kafka and the outbox to empty", records)
+	}
 	c := s.read()
 	fmt.Printf("billing: deliveries=%d processed=%d duplicates_skipped=%d\n", c.billingDeliveries, c.billingProcessed, c.billingDuplicates)
 	fmt.Printf("mailer:  deliveries=%d processed=%d duplicates_skipped=%d\n", c.mailerDeliveries, c.mailerProcessed, c.mailerDuplicates)
+	seen, err := s.mailerOutcomes()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	relayedTwice, skipped := 0, 0
+	for uuid, n := range inKafka {
+		if n < 2 {
+			continue
+		}
+		relayedTwice++
+		o := seen[uuid]
+		if o.processed != 1 || o.duplicates < n-1 {
+			errs = append(errs, fmt.Errorf("invoice event %s: in Kafka %d times, processed by the mailer %d times, skipped %d times; want once, and every repeat skipped",
+				uuid, n, o.processed, o.duplicates))
+			continue
+		}
+		skipped++
+	}
+	secondEffects := (c.invoices - c.invoiceOrders) + (c.emails - c.emailOrders)
+	fmt.Printf("outputs relayed twice: %d (Kafka holds %d invoice events for %d invoices), skipped by the mailer's inbox: %d, second effects: %d\n",
+		relayedTwice, records, len(inKafka), skipped, secondEffects)
 	fmt.Printf("effectively-once: orders=%d invoices=%d emails=%d deliveries=%d duplicates_skipped=%d\n",
 		*orders, c.invoices, c.emails, c.billingDeliveries, c.billingDuplicates)
-	if c.invoices != *orders || c.emails != *orders {
-		return fmt.Errorf("invoices or emails differ from orders")
+	st, err := ob.Stats(ctx)
+	if err != nil {
+		return err
 	}
+	fmt.Printf("outbox: pending=%d dead_lettered=%d (most pending seen while running: %d)\n", st.Pending, st.DeadLettered, s.maxOutbox)
 
-	// The bound: 0 rows. By now every invoice transaction has committed
-	// (invoices == orders, and the replay only met duplicates, which write
-	// no outbox row) and every invoice event reached the mailer, so nothing
-	// is left to forward and nothing is in flight. The forwarder deletes a
-	// row in its subscriber's transaction after Kafka acked the publish, a
-	// moment after the mailer may already have seen the event: wait for the
-	// last delete, then demand an empty table. A default (append-only)
-	// schema would hold one row per invoice here.
-	rows := -1
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		if rows, err = s.outboxRows(); err != nil {
-			return err
-		}
-		if rows == 0 || time.Now().After(deadline) {
-			break
-		}
+	if c.invoices != *orders || c.emails != *orders || len(inKafka) != *orders {
+		errs = append(errs, fmt.Errorf("invoices (%d), emails (%d) or distinct invoice events in Kafka (%d) differ from orders (%d)",
+			c.invoices, c.emails, len(inKafka), *orders))
 	}
-	fmt.Printf("outbox_rows=%d (most seen while running: %d)\n", rows, s.maxOutbox)
-	if rows != 0 {
-		return fmt.Errorf("the outbox holds %d rows after everything was forwarded: not bounded", rows)
+	if secondEffects != 0 {
+		errs = append(errs, fmt.Errorf("%d orders got a second invoice or email", secondEffects))
 	}
-	return nil
+	if relayedTwice == 0 {
+		errs = append(errs, errors.New("no invoice event was relayed twice: the injected relay crash did not happen"))
+	}
+	if st.Pending != 0 || st.DeadLettered != 0 {
+		errs = append(errs, fmt.Errorf("the outbox holds %d rows and %d dead letters after everything was relayed", st.Pending, st.DeadLettered))
+	}
+	return errors.Join(errs...)
 }
 
 func orderKey(_ string, msg *message.Message) (string, error) {
@@ -210,6 +230,60 @@ func deleteGroup(brokers, group string) error {
 	}
 }
 
+// countByUUID reads every record of topic and counts them by Watermill
+// message UUID; it returns the counts and the number of records.
+func countByUUID(brokers, topic string) (map[string]int, int, error) {
+	client, err := sarama.NewClient(strings.Split(brokers, ","), saramaConfig())
+	if err != nil {
+		return nil, 0, err
+	}
+	defer client.Close()
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer consumer.Close()
+	partitions, err := client.Partitions(topic)
+	if err != nil {
+		return nil, 0, err
+	}
+	counts, records := map[string]int{}, 0
+	for _, p := range partitions {
+		oldest, err := client.GetOffset(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return nil, 0, err
+		}
+		next, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, 0, err
+		}
+		if oldest >= next {
+			continue
+		}
+		pc, err := consumer.ConsumePartition(topic, p, oldest)
+		if err != nil {
+			return nil, 0, err
+		}
+		for done := false; !done; {
+			select {
+			case m := <-pc.Messages():
+				for _, h := range m.Headers {
+					if string(h.Key) == kafka.UUIDHeaderKey {
+						counts[string(h.Value)]++
+					}
+				}
+				records++
+				done = m.Offset >= next-1
+			case <-time.After(30 * time.Second):
+				pc.Close()
+				return nil, 0, fmt.Errorf("reading %s partition %d: nothing for 30 s before offset %d", topic, p, next)
+			}
+		}
+		pc.Close()
+	}
+	return counts, records, nil
+}
+
 // worker is a child process of this program.
 type worker struct {
 	name string
@@ -217,9 +291,9 @@ type worker struct {
 	done chan struct{}
 }
 
-func start(role, name string, killAfter int) *worker {
-	cmd := exec.Command(os.Args[0], "-role", role, "-instance", name, "-brokers", *brokers, "-db", *dsn,
-		"-kill-after", fmt.Sprint(killAfter), "-inbox", *inboxImpl)
+func start(role, name string, killAfter int, args ...string) *worker {
+	cmd := exec.Command(os.Args[0], append([]string{"-role", role, "-instance", name, "-brokers", *brokers, "-db", *dsn,
+		"-kill-after", fmt.Sprint(killAfter), "-inbox", *inboxImpl}, args...)...)
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	w := &worker{name: name, cmd: cmd, done: make(chan struct{})}
 	if err := cmd.Start(); err != nil {
@@ -256,27 +330,28 @@ func (w *worker) stop() {
 
 type counts struct {
 	invoices, emails                                       int
+	invoiceOrders, emailOrders                             int // distinct order ids
 	billingDeliveries, billingProcessed, billingDuplicates int
 	mailerDeliveries, mailerProcessed, mailerDuplicates    int
+	outboxPending                                          int
 }
 
 type stats struct {
 	d         *database
+	ob        *inbox.Outbox
 	run       string
 	maxOutbox int // the most outbox rows a progress line saw
 }
 
-// outboxRows counts the rows of the run's outbox table.
-func (s *stats) outboxRows() (int, error) {
-	var n int
-	err := s.d.db.Get(&n, "SELECT COUNT(*) FROM "+s.d.outboxTable(s.run))
-	return n, err
-}
-
 func (s *stats) read() counts {
-	var c counts
+	c := counts{outboxPending: -1}
 	s.d.db.Get(&c.invoices, "SELECT COUNT(*) FROM invoices_"+s.run)
+	s.d.db.Get(&c.invoiceOrders, "SELECT COUNT(DISTINCT order_id) FROM invoices_"+s.run)
 	s.d.db.Get(&c.emails, "SELECT COUNT(*) FROM emails_sent_"+s.run)
+	s.d.db.Get(&c.emailOrders, "SELECT COUNT(DISTINCT order_id) FROM emails_sent_"+s.run)
+	if st, err := s.ob.Stats(context.Background()); err == nil {
+		c.outboxPending = int(st.Pending)
+	}
 	rows, err := s.d.db.Query("SELECT consumer, outcome, COUNT(*) FROM deliveries_" + s.run + " GROUP BY consumer, outcome")
 	if err != nil {
 		return c
@@ -302,15 +377,39 @@ func (s *stats) read() counts {
 	return c
 }
 
+// outcomes is what the mailer's inbox did with one invoice event.
+type outcomes struct{ processed, duplicates int }
+
+// mailerOutcomes reads the mailer's deliveries by message UUID.
+func (s *stats) mailerOutcomes() (map[string]outcomes, error) {
+	rows, err := s.d.db.Query("SELECT message_id, outcome, COUNT(*) FROM deliveries_" + s.run + " WHERE consumer = 'mailer' GROUP BY message_id, outcome")
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	m := map[string]outcomes{}
+	for rows.Next() {
+		var id, outcome string
+		var n int
+		if err := rows.Scan(&id, &outcome, &n); err != nil {
+			return nil, err
+		}
+		o := m[id]
+		if outcome == "processed" {
+			o.processed += n
+		} else {
+			o.duplicates += n
+		}
+		m[id] = o
+	}
+	return m, rows.Err()
+}
+
 func (s *stats) progress(event string) {
 	c := s.read()
-	rows, err := s.outboxRows()
-	if err != nil {
-		rows = -1
-	}
-	s.maxOutbox = max(s.maxOutbox, rows)
-	fmt.Printf("  %-60s invoices=%d emails=%d billing deliveries=%d (dup %d) mailer deliveries=%d (dup %d) outbox_rows=%d\n",
-		event, c.invoices, c.emails, c.billingDeliveries, c.billingDuplicates, c.mailerDeliveries, c.mailerDuplicates, rows)
+	s.maxOutbox = max(s.maxOutbox, c.outboxPending)
+	fmt.Printf("  %-60s invoices=%d emails=%d billing deliveries=%d (dup %d) mailer deliveries=%d (dup %d) outbox pending=%d\n",
+		event, c.invoices, c.emails, c.billingDeliveries, c.billingDuplicates, c.mailerDeliveries, c.mailerDuplicates, c.outboxPending)
 }
 
 // waitFor prints progress every 2 s until cond holds or timeout passes.
@@ -330,8 +429,7 @@ func (s *stats) waitFor(cond func(counts) bool, timeout time.Duration) bool {
 }
 
 func dropTables(d *database, run string) {
-	for _, t := range []string{"invoices_", "emails_sent_", "deliveries_", "inbox_"} {
-		d.db.Exec("DROP TABLE IF EXISTS " + t + run)
+	for _, t := range []string{"invoices_" + run, "emails_sent_" + run, "deliveries_" + run, "inbox_" + run, "outbox_" + run, "outbox_" + run + "_dead"} {
+		d.db.Exec("DROP TABLE IF EXISTS " + t)
 	}
-	d.db.Exec("DROP TABLE IF EXISTS " + d.outboxTable(run)) // queue schemas have no offsets table
 }

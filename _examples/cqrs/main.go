@@ -1,8 +1,9 @@
 // Command cqrs shows the inbox under Watermill's CQRS component: an event
 // handler that issues one invoice per placed order, with the inbox of
 // package inbox (database/sql) or of package pgxinbox (pgx), on PostgreSQL,
-// and the InvoiceIssued events it publishes written to a watermill-sql v4
-// outbox in the same transaction. Run it from this folder:
+// and the InvoiceIssued events it publishes written to the inbox's outbox
+// (inbox.Outbox) in the same transaction, from which the outbox relay sends
+// them to the broker (a GoChannel here). Run it from this folder:
 //
 //	go run . [-inbox database/sql|pgx] [-db postgres://…]
 //
@@ -18,7 +19,9 @@
 //     Config.MessageID reads the business id (the order id) and the second
 //     OrderPlaced of an order is skipped;
 //   - a handler that fails after publishing leaves no outbox row: only the
-//     retry that commits writes its InvoiceIssued.
+//     retry that commits writes its InvoiceIssued;
+//   - the relay sends each InvoiceIssued once and deletes its row: the
+//     broker's subscriber gets one per order, and the outbox ends empty.
 package main
 
 import (
@@ -28,21 +31,20 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"maps"
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/pgxinbox"
@@ -70,8 +72,10 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Printf("%s inbox: %d orders placed (one twice), handler called %d times (one failure), %d processed, %d duplicate skipped, %d invoices, %d InvoiceIssued in the outbox, consumer %q\n",
-		*kind, r.Published, r.Calls, r.Processed, r.Duplicates, r.Invoices, r.OutboxRows, r.Consumer)
+	fmt.Printf("%s inbox: %d orders placed (one twice), handler called %d times (one failure), %d processed, %d duplicate skipped, %d invoices, consumer %q\n",
+		*kind, r.Published, r.Calls, r.Processed, r.Duplicates, r.Invoices, r.Consumer)
+	fmt.Printf("outbox relay: %d InvoiceIssued relayed, received %v, outbox pending=%d dead_lettered=%d\n",
+		r.Relayed, r.Received, r.OutboxPending, r.DeadLettered)
 	if err := r.Check(); err != nil {
 		log.Fatal(err)
 	}
@@ -79,8 +83,15 @@ func main() {
 
 // Result is what one run did.
 type Result struct {
-	Published, Calls, Processed, Duplicates, Invoices, OutboxRows int
-	Consumer                                                      string
+	Published, Calls, Processed, Duplicates, Invoices int
+	Consumer                                          string
+	// Relayed is the number of messages the outbox relay reported sent
+	// (OutboxConfig.OnRound); Received counts the InvoiceIssued events the
+	// broker's subscriber got, by order id.
+	Relayed  int
+	Received map[string]int
+	// OutboxPending and DeadLettered are the outbox's Stats at the end.
+	OutboxPending, DeadLettered int
 }
 
 // Check reports what is not exactly once.
@@ -95,7 +106,13 @@ func (r Result) Check() error {
 	want("duplicates", r.Duplicates, 1)
 	want("handler calls", r.Calls, 3)
 	want("invoices", r.Invoices, 2)
-	want("outbox rows", r.OutboxRows, 2)
+	want("InvoiceIssued relayed", r.Relayed, 2)
+	want("outbox rows pending", r.OutboxPending, 0)
+	want("outbox dead letters", r.DeadLettered, 0)
+	want("InvoiceIssued received, orders", len(r.Received), 2)
+	for _, id := range []string{"o-1", "o-2"} {
+		want("InvoiceIssued received for "+id, r.Received[id], 1)
+	}
 	if r.Consumer != handlerName {
 		errs = append(errs, fmt.Errorf("consumer = %q, want %q", r.Consumer, handlerName))
 	}
@@ -117,24 +134,49 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 
 	sfx := strings.ToLower(watermill.NewShortUUID()) // unquoted names below fold to lower case
 	inboxTable, invoices, topic := "cqrs_inbox_"+sfx, "cqrs_invoices_"+sfx, "cqrs_invoices_"+sfx
-	outboxTable := `"watermill_` + topic + `"`
+	outboxTable := "cqrs_outbox_" + sfx
 	defer func() {
-		for _, t := range []string{inboxTable, invoices, outboxTable, `"watermill_offsets_` + topic + `"`} {
+		for _, t := range []string{inboxTable, invoices, outboxTable, outboxTable + "_dead"} {
 			db.ExecContext(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS "+t)
 		}
 	}()
 	if _, err := db.ExecContext(ctx, "CREATE TABLE "+invoices+" (order_id text PRIMARY KEY)"); err != nil {
 		return r, err
 	}
-	// The outbox table: a transaction's publisher cannot create it.
-	outboxSchema := wsql.DefaultPostgreSQLSchema{}
-	outboxSub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(pool), wsql.SubscriberConfig{
-		SchemaAdapter: outboxSchema, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
-	}, logger)
+
+	// The broker the outbox relay sends InvoiceIssued to, and a subscriber
+	// of it. BlockPublishUntilSubscriberAck: the relay's publish returns
+	// once the subscriber has acked, so an empty outbox means every event
+	// has arrived.
+	broker := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, logger)
+	defer broker.Close()
+	issued, err := broker.Subscribe(ctx, topic)
 	if err != nil {
 		return r, err
 	}
-	if err := outboxSub.SubscribeInitialize(topic); err != nil {
+	var mu sync.Mutex
+	received := map[string]int{} // InvoiceIssued by order id
+	go func() {
+		for msg := range issued {
+			var e InvoiceIssued
+			if err := json.Unmarshal(msg.Payload, &e); err != nil {
+				e.OrderID = "unreadable: " + err.Error()
+			}
+			mu.Lock()
+			received[e.OrderID]++
+			mu.Unlock()
+			msg.Ack()
+		}
+	}()
+	var relayed atomic.Int32
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{
+		DB: db, Table: outboxTable, Publisher: broker,
+		OnRound: func(round inbox.OutboxRound) { relayed.Add(int32(round.Relayed)) },
+	})
+	if err != nil {
+		return r, err
+	}
+	if err := ob.InitializeSchema(ctx); err != nil {
 		return r, err
 	}
 
@@ -157,10 +199,7 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	case "database/sql":
 		sqlInbox, err := inbox.New(inbox.Config{
 			DB: db, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
-			Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
-				return wsql.NewPublisher(wsql.TxFromStdSQL(tx.Tx), wsql.PublisherConfig{SchemaAdapter: outboxSchema}, logger)
-			},
-			OutboxTables: []string{"watermill_" + topic}, // checked by RouterPlugin
+			Outbox: ob.Publisher, // events published in the handler go to the outbox, in its transaction
 		})
 		if err != nil {
 			return r, err
@@ -180,10 +219,7 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	case "pgx":
 		pgxInbox, err := pgxinbox.New(pgxinbox.Config{
 			Pool: pool, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
-			Outbox: func(tx pgx.Tx) (message.Publisher, error) {
-				return wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{SchemaAdapter: outboxSchema}, logger)
-			},
-			OutboxTables: []string{"watermill_" + topic}, // checked by RouterPlugin
+			Outbox: pgxinbox.OutboxPublisher(ob), // the same, in the pgx transaction
 		})
 		if err != nil {
 			return r, err
@@ -217,7 +253,8 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 		return r, err
 	}
 	router.AddMiddleware(mws...)
-	router.AddPlugin(ib.RouterPlugin) // a missing inbox or outbox table stops router.Run
+	router.AddPlugin(ib.RouterPlugin) // a missing inbox table stops router.Run
+	router.AddPlugin(ob.RouterPlugin) // the outbox relay runs while the router runs
 	marshaler := cqrs.JSONMarshaler{}
 	// Events the handler publishes go to the outbox of its transaction.
 	outboxBus, err := cqrs.NewEventBusWithConfig(inbox.ContextOutbox{}, cqrs.EventBusConfig{
@@ -277,16 +314,30 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	for processed.Load()+duplicates.Load() < 3 && ctx.Err() == nil {
 		time.Sleep(10 * time.Millisecond)
 	}
+	// Every transaction has committed; the relay empties the outbox.
+	for pending := int64(-1); pending != 0; time.Sleep(10 * time.Millisecond) {
+		st, err := ob.Stats(ctx)
+		if err != nil {
+			stop()
+			return r, fmt.Errorf("waiting for the outbox relay to send the InvoiceIssued events (%d pending when last read): %w", pending, err)
+		}
+		pending = st.Pending
+	}
 	stop()
 	if err := <-done; err != nil {
 		return r, err
 	}
+	st, err := ob.Stats(ctx)
+	if err != nil {
+		return r, err
+	}
+	r.OutboxPending, r.DeadLettered, r.Relayed = int(st.Pending), int(st.DeadLettered), int(relayed.Load())
+	mu.Lock()
+	r.Received = maps.Clone(received)
+	mu.Unlock()
 	r.Calls, r.Processed, r.Duplicates = int(calls.Load()), int(processed.Load()), int(duplicates.Load())
 	r.Consumer, _ = consumer.Load().(string)
 	if err := db.GetContext(ctx, &r.Invoices, "SELECT count(*) FROM "+invoices); err != nil {
-		return r, err
-	}
-	if err := db.GetContext(ctx, &r.OutboxRows, "SELECT count(*) FROM "+outboxTable); err != nil {
 		return r, err
 	}
 	var inboxConsumer string
