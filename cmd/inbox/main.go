@@ -7,6 +7,7 @@
 //	inbox schema -db "$DATABASE_URL" -verify
 //	inbox purge -db "$DATABASE_URL" -older-than 360h -dry-run
 //	inbox stats -db "$DATABASE_URL"
+//	inbox stats -db "$DATABASE_URL" -outbox-table billing_outbox
 //
 // "inbox schema -verify" checks a table that your migrations made with
 // (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
@@ -14,6 +15,10 @@
 // could merge, truncate or reject message ids; with -outbox-table (repeated
 // for several) it also checks that the outbox tables the service writes
 // exist (inbox.Config.OutboxTables).
+//
+// "inbox stats" also shows the outbox of inbox.Outbox (messages pending, the
+// age of the oldest, dead letters): of the table -outbox-table names, which
+// must exist, or without it of the default outbox table when that exists.
 //
 // Only "inbox schema -apply" creates anything: every other command refuses a
 // SQLite database file that does not exist (a mistyped path would otherwise
@@ -67,7 +72,11 @@ Usage:
   inbox purge  -db DSN -nats-url URL -nats-stream S [-nats-stream S2] [-margin D] [-older-than DURATION] ...
                                                 the same, from the JetStream streams' MaxAge (and their
                                                 consumers' AckWait x MaxDeliver when longer)
-  inbox stats  -db DSN [-table T]               rows per consumer, oldest and newest row, size
+  inbox stats  -db DSN [-table T] [-outbox-table O]
+                                                rows per consumer, oldest and newest row, size; and
+                                                the outbox: messages pending, the oldest's age, dead
+                                                letters (of O, or of ` + inbox.DefaultOutboxTable + ` when
+                                                it exists)
   inbox partitions -db DSN [-table T] [-interval day|week [-migrate]]
                                                 postgres-partitioned: list the partitions and their
                                                 interval; -interval gives a new table that interval,
@@ -455,6 +464,8 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlags("stats", stderr, &c, true)
+	outboxTable := fs.String("outbox-table", "", "also show this outbox table: messages pending, the oldest's age, dead letters; it must exist"+
+		" (default: "+inbox.DefaultOutboxTable+", shown when it exists)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -484,6 +495,29 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	for _, name := range consumers {
 		fmt.Fprintf(stdout, "consumer: %s %d\n", name, st.Consumers[name])
 	}
+	return outboxStats(ctx, stdout, db, d, *outboxTable)
+}
+
+// outboxStats prints the state of the outbox table: the one named (which
+// must exist), or with table "" the default one if it exists.
+func outboxStats(ctx context.Context, stdout io.Writer, db *sqlx.DB, d inbox.Dialect, table string) error {
+	named := table != ""
+	if !named {
+		table = inbox.DefaultOutboxTable
+	}
+	st, err := inbox.ReadOutboxStats(ctx, db, d, table)
+	if errors.Is(err, inbox.ErrTableNotFound) && !named {
+		return nil // no outbox, or one under another name (-outbox-table)
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "outbox:   %s\n", table)
+	fmt.Fprintf(stdout, "pending:  %s", count(st.Pending, "message"))
+	if st.Pending > 0 {
+		fmt.Fprintf(stdout, ", the oldest written %s ago", st.OldestAge.Round(time.Second))
+	}
+	fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(st.DeadLettered, "message"))
 	return nil
 }
 
