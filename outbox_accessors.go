@@ -3,7 +3,6 @@ package inbox
 import (
 	"context"
 	"errors"
-	"fmt"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -47,9 +46,20 @@ func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 			_, missing = d.checkTable(ctx, q, name)
 			return nil
 		}); cerr == nil && errors.Is(missing, ErrTableNotFound) {
-			return OutboxStats{}, fmt.Errorf("%w: outbox table %q does not exist (create it with Outbox.InitializeSchema,"+
-				" or apply Outbox.SchemaSQL with your migrations)", ErrTableNotFound, name.String())
+			return OutboxStats{}, outboxTableNotFound{name.String()}
 		}
 	}
 	return st, err
 }
+
+// outboxTableNotFound is ReadOutboxStats' error for a missing outbox or
+// dead-letter table: it says which and how to create it, and matches
+// ErrTableNotFound.
+type outboxTableNotFound struct{ table string }
+
+func (e outboxTableNotFound) Error() string {
+	return "inbox: outbox table \"" + e.table + "\" does not exist (create it with Outbox.InitializeSchema," +
+		" or apply Outbox.SchemaSQL with your migrations)"
+}
+
+func (outboxTableNotFound) Unwrap() error { return ErrTableNotFound }

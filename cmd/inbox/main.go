@@ -478,6 +478,12 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	// Read before printing anything: a failed command prints nothing on
+	// stdout, where a script must not see success.
+	ob, err := readOutbox(ctx, db, d, *outboxTable)
+	if err != nil {
+		return err
+	}
 	fmt.Fprintf(stdout, "table:    %s\n", c.table)
 	fmt.Fprintf(stdout, "rows:     %d\n", st.Rows)
 	if st.Rows > 0 {
@@ -495,30 +501,38 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	for _, name := range consumers {
 		fmt.Fprintf(stdout, "consumer: %s %d\n", name, st.Consumers[name])
 	}
-	return outboxStats(ctx, stdout, db, d, *outboxTable)
+	if ob != nil {
+		fmt.Fprintf(stdout, "outbox:   %s\n", ob.table)
+		fmt.Fprintf(stdout, "pending:  %s", count(ob.Pending, "message"))
+		if ob.Pending > 0 {
+			fmt.Fprintf(stdout, ", the oldest written %s ago", ob.OldestAge.Round(time.Second))
+		}
+		fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(ob.DeadLettered, "message"))
+	}
+	return nil
 }
 
-// outboxStats prints the state of the outbox table: the one named (which
-// must exist), or with table "" the default one if it exists.
-func outboxStats(ctx context.Context, stdout io.Writer, db *sqlx.DB, d inbox.Dialect, table string) error {
+// outboxState is what "inbox stats" shows of an outbox table.
+type outboxState struct {
+	table string
+	inbox.OutboxStats
+}
+
+// readOutbox reads the outbox table named, which must exist, or with table
+// "" the default one; nil when that does not exist.
+func readOutbox(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table string) (*outboxState, error) {
 	named := table != ""
 	if !named {
 		table = inbox.DefaultOutboxTable
 	}
 	st, err := inbox.ReadOutboxStats(ctx, db, d, table)
-	if errors.Is(err, inbox.ErrTableNotFound) && !named {
-		return nil // no outbox, or one under another name (-outbox-table)
+	switch {
+	case errors.Is(err, inbox.ErrTableNotFound) && !named:
+		return nil, nil // no outbox, or one under another name (-outbox-table)
+	case err != nil:
+		return nil, err
 	}
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "outbox:   %s\n", table)
-	fmt.Fprintf(stdout, "pending:  %s", count(st.Pending, "message"))
-	if st.Pending > 0 {
-		fmt.Fprintf(stdout, ", the oldest written %s ago", st.OldestAge.Round(time.Second))
-	}
-	fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(st.DeadLettered, "message"))
-	return nil
+	return &outboxState{table: table, OutboxStats: st}, nil
 }
 
 // count returns n and the noun, in the plural unless n is 1: "1 row", "2 rows".

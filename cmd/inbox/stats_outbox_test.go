@@ -19,7 +19,7 @@ import (
 // "inbox stats -outbox-table O" shows the outbox O after the inbox table:
 // the messages pending, that the oldest was written moments ago, and the
 // dead letters; an outbox table that does not exist fails the command
-// (exit 1, ErrTableNotFound, naming it).
+// (exit 1, ErrTableNotFound, naming it) and prints nothing on stdout.
 func TestStatsShowsTheOutboxTableNamed(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
@@ -50,8 +50,8 @@ func TestStatsShowsTheOutboxTableNamed(t *testing.T) {
 				!strings.Contains(err.Error(), missing) {
 				t.Errorf("stats of a missing outbox table: %v, want ErrTableNotFound naming %s", err, missing)
 			}
-			if code, _, errOut := cli(t, append([]string{"stats"}, args...)...); code != 1 || !strings.Contains(errOut, missing) {
-				t.Errorf("stats of a missing outbox table: exit %d, stderr %q; want 1 and the table named", code, errOut)
+			if code, out, errOut := cli(t, append([]string{"stats"}, args...)...); code != 1 || out != "" || !strings.Contains(errOut, missing) {
+				t.Errorf("stats of a missing outbox table: exit %d, stdout %q, stderr %q; want 1, nothing on stdout and the table named", code, out, errOut)
 			}
 		})
 	}
