@@ -317,3 +317,36 @@ func relayUntilEmpty(t *testing.T, ob *inbox.Outbox) int {
 	t.Fatal("the relay did not empty the outbox in 100 rounds")
 	return 0
 }
+
+// A relay round cut short by the relay's own stop (its context cancelled,
+// as when the router closes) is timed but not counted as a failed round:
+// a deploy does not look like a relay error.
+func TestOutboxRelayStoppedMidRoundIsNotAnError(t *testing.T) {
+	for _, tdb := range outboxDBs() {
+		t.Run(tdb.Name, func(t *testing.T) {
+			t.Parallel()
+			db := tdb.Open(t)
+			reg := prometheus.NewRegistry()
+			m, err := metrics.New(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var reported []inbox.OutboxRound
+			ob := newOutbox(t, db, tdb.Dialect, m.InstrumentOutbox(inbox.OutboxConfig{
+				Table: "outbox_" + testdb.RandomSuffix(), Publisher: &refusingBroker{},
+				OnRound: func(r inbox.OutboxRound) { reported = append(reported, r) }}))
+			writeOutbox(t, db, ob, 1)
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			if r := ob.RelayOnce(ctx); !errors.Is(r.Err, context.Canceled) || len(reported) != 1 {
+				t.Fatalf("round on a cancelled context: %+v, %d reported; want one reported, wrapping context.Canceled", r, len(reported))
+			}
+			if n, ok := scraped(t, reg, "inbox_outbox_relay_errors_total", ob.Table()); !ok || n != 0 {
+				t.Errorf("relay errors after a stopped round: %v (present %v), want 0", n, ok)
+			}
+			if n, ok := scraped(t, reg, "inbox_outbox_relay_round_seconds", ob.Table()); !ok || n != 1 {
+				t.Errorf("rounds timed: %v (present %v), want 1", n, ok)
+			}
+		})
+	}
+}
