@@ -49,6 +49,10 @@ func TestOutboxMetricsCountWhatTheRelayDid(t *testing.T) {
 			if err := m.WatchOutbox(ob); err != nil {
 				t.Fatal(err)
 			}
+			var already prometheus.AlreadyRegisteredError
+			if err := m.WatchOutbox(ob); !errors.As(err, &already) {
+				t.Errorf("WatchOutbox of the same table twice: %v, want AlreadyRegisteredError", err)
+			}
 			inboxTable := "inbox_" + testdb.RandomSuffix()
 			testdb.DropLater(t, db, inboxTable)
 			ib, err := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, Table: inboxTable, Outbox: ob.Publisher})
