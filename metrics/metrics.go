@@ -1,13 +1,20 @@
 // Package metrics exports the inbox's outcomes to Prometheus, wired from the
 // inbox's hooks: messages processed, skipped as duplicates and failed, the
 // inbox transaction's duration, rows purged, the age of the oldest row and an
-// estimate of the table's size. It is a module of its own so that the inbox
-// core does not depend on the Prometheus client.
+// estimate of the table's size; and the outbox relay's: messages relayed,
+// refused and set aside, failed rounds, the round's duration, and the
+// outbox's depth, oldest unsent message and dead letters. It is a module of
+// its own so that the inbox core does not depend on the Prometheus client.
 //
 //	m, err := metrics.New(prometheus.DefaultRegisterer)
-//	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
+//	ob, err := inbox.NewOutbox(m.InstrumentOutbox(inbox.OutboxConfig{DB: db, Publisher: broker}))
+//	err = m.WatchOutbox(ob) // outbox depth, oldest unsent, dead letters, read at each scrape
+//	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db, Outbox: ob.Publisher}))
 //	purger, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{...}))
 //	err = m.WatchTable(db, nil, "") // inbox_rows, estimated at each scrape
+//
+// Series of an outbox are labelled with its table; InstrumentOutbox reads
+// OutboxConfig.Table, so set it before (inside) the call.
 //
 // Names follow Prometheus conventions (base units, _total for counters) and
 // the label of Watermill's own metrics (handler_name).
@@ -45,6 +52,7 @@ type Metrics struct {
 	pausedSecs   *prometheus.CounterVec
 	backOffs     *prometheus.CounterVec
 	dutyCycle    *prometheus.GaugeVec
+	outbox       outboxMetrics
 }
 
 // New creates the collectors and registers them with reg (for example
@@ -91,8 +99,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Effective duty cycle of the last purge round that ran batches: time in batches / (time in batches + time paused).",
 		}, []string{"table"}),
 	}
-	for _, c := range []prometheus.Collector{m.messages, m.txSeconds, m.purgeDeleted, m.oldestAge,
-		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle} {
+	m.outbox = newOutboxMetrics()
+	for _, c := range append([]prometheus.Collector{m.messages, m.txSeconds, m.purgeDeleted, m.oldestAge,
+		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle}, m.outbox.collectors()...) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

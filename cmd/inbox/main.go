@@ -7,6 +7,7 @@
 //	inbox schema -db "$DATABASE_URL" -verify
 //	inbox purge -db "$DATABASE_URL" -older-than 360h -dry-run
 //	inbox stats -db "$DATABASE_URL"
+//	inbox stats -db "$DATABASE_URL" -outbox-table billing_outbox
 //
 // "inbox schema -verify" checks a table that your migrations made with
 // (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
@@ -14,6 +15,10 @@
 // could merge, truncate or reject message ids; with -outbox-table (repeated
 // for several) it also checks that the outbox tables the service writes
 // exist (inbox.Config.OutboxTables).
+//
+// "inbox stats" also shows the outbox of inbox.Outbox (messages pending, the
+// age of the oldest, dead letters): of the table -outbox-table names, which
+// must exist, or without it of the default outbox table when that exists.
 //
 // Only "inbox schema -apply" creates anything: every other command refuses a
 // SQLite database file that does not exist (a mistyped path would otherwise
@@ -67,7 +72,11 @@ Usage:
   inbox purge  -db DSN -nats-url URL -nats-stream S [-nats-stream S2] [-margin D] [-older-than DURATION] ...
                                                 the same, from the JetStream streams' MaxAge (and their
                                                 consumers' AckWait x MaxDeliver when longer)
-  inbox stats  -db DSN [-table T]               rows per consumer, oldest and newest row, size
+  inbox stats  -db DSN [-table T] [-outbox-table O]
+                                                rows per consumer, oldest and newest row, size; and
+                                                the outbox: messages pending, the oldest's age, dead
+                                                letters (of O, or of ` + inbox.DefaultOutboxTable + ` when
+                                                it exists)
   inbox partitions -db DSN [-table T] [-interval day|week [-migrate]]
                                                 postgres-partitioned: list the partitions and their
                                                 interval; -interval gives a new table that interval,
@@ -455,6 +464,8 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlags("stats", stderr, &c, true)
+	outboxTable := fs.String("outbox-table", "", "also show this outbox table: messages pending, the oldest's age, dead letters; it must exist"+
+		" (default: "+inbox.DefaultOutboxTable+", shown when it exists)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -464,6 +475,12 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer db.Close()
 	st, err := inbox.Stats(ctx, db, d, c.table)
+	if err != nil {
+		return err
+	}
+	// Read before printing anything: a failed command prints nothing on
+	// stdout, where a script must not see success.
+	ob, err := readOutbox(ctx, db, d, *outboxTable)
 	if err != nil {
 		return err
 	}
@@ -484,7 +501,38 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	for _, name := range consumers {
 		fmt.Fprintf(stdout, "consumer: %s %d\n", name, st.Consumers[name])
 	}
+	if ob != nil {
+		fmt.Fprintf(stdout, "outbox:   %s\n", ob.table)
+		fmt.Fprintf(stdout, "pending:  %s", count(ob.Pending, "message"))
+		if ob.Pending > 0 {
+			fmt.Fprintf(stdout, ", the oldest written %s ago", ob.OldestAge.Round(time.Second))
+		}
+		fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(ob.DeadLettered, "message"))
+	}
 	return nil
+}
+
+// outboxState is what "inbox stats" shows of an outbox table.
+type outboxState struct {
+	table string
+	inbox.OutboxStats
+}
+
+// readOutbox reads the outbox table named, which must exist, or with table
+// "" the default one; nil when that does not exist.
+func readOutbox(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table string) (*outboxState, error) {
+	named := table != ""
+	if !named {
+		table = inbox.DefaultOutboxTable
+	}
+	st, err := inbox.ReadOutboxStats(ctx, db, d, table)
+	switch {
+	case errors.Is(err, inbox.ErrTableNotFound) && !named:
+		return nil, nil // no outbox, or one under another name (-outbox-table)
+	case err != nil:
+		return nil, err
+	}
+	return &outboxState{table: table, OutboxStats: st}, nil
 }
 
 // count returns n and the noun, in the plural unless n is 1: "1 row", "2 rows".

@@ -1,0 +1,137 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// "inbox stats -outbox-table O" shows the outbox O after the inbox table:
+// the messages pending, that the oldest was written moments ago, and the
+// dead letters; an outbox table that does not exist fails the command
+// (exit 1, ErrTableNotFound, naming it) and prints nothing on stdout.
+func TestStatsShowsTheOutboxTableNamed(t *testing.T) {
+	for name, c := range dsns(t) {
+		t.Run(name, func(t *testing.T) {
+			table, outbox := "cli_"+testdb.RandomSuffix(), "cli_outbox_"+testdb.RandomSuffix()
+			testdb.DropLater(t, c.db, table)
+			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
+				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
+			}
+			// Four messages, the first refused for good: one relay round
+			// (MaxAttempts 1) sets it aside and sends the second.
+			relayWithADeadLetter(t, c.db, outbox, 4)
+
+			code, out, errOut := cli(t, "stats", "-db", c.dsn, "-table", table, "-outbox-table", outbox)
+			for _, want := range []string{
+				"rows:     0\n",
+				"outbox:   " + outbox + "\n",
+				"pending:  2 messages, the oldest written ",
+				"dead:     1 message in the dead-letter table\n",
+			} {
+				if code != 0 || !strings.Contains(out, want) {
+					t.Errorf("stats -outbox-table: exit %d, stderr %q, stdout without %q:\n%s", code, errOut, want, out)
+				}
+			}
+
+			missing := "cli_no_outbox_" + testdb.RandomSuffix()
+			args := []string{"-db", c.dsn, "-table", table, "-outbox-table", missing}
+			if err := statsCmd(context.Background(), args, &strings.Builder{}, &strings.Builder{}); !errors.Is(err, inbox.ErrTableNotFound) ||
+				!strings.Contains(err.Error(), missing) {
+				t.Errorf("stats of a missing outbox table: %v, want ErrTableNotFound naming %s", err, missing)
+			}
+			if code, out, errOut := cli(t, append([]string{"stats"}, args...)...); code != 1 || out != "" || !strings.Contains(errOut, missing) {
+				t.Errorf("stats of a missing outbox table: exit %d, stdout %q, stderr %q; want 1, nothing on stdout and the table named", code, out, errOut)
+			}
+		})
+	}
+}
+
+// Without -outbox-table, "inbox stats" shows the default outbox table when
+// it exists, and nothing of an outbox when it does not. On SQLite alone: the
+// default name is shared by every test of a PostgreSQL or MariaDB database.
+func TestStatsShowsTheDefaultOutboxWhenItExists(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	db := testdb.OpenSQLite(t, path)
+	dsn := "sqlite://" + path + "?" + testdb.SQLiteParams
+	if code, _, errOut := cli(t, "schema", "-db", dsn, "-apply"); code != 0 {
+		t.Fatal(errOut)
+	}
+	code, out, errOut := cli(t, "stats", "-db", dsn)
+	if code != 0 || !strings.Contains(out, "rows:     0\n") || strings.Contains(out, "outbox:") {
+		t.Errorf("stats without an outbox table: exit %d, stderr %q, stdout:\n%s\nwant the inbox's stats and no outbox", code, errOut, out)
+	}
+	relayWithADeadLetter(t, db, "", 3)
+	code, out, errOut = cli(t, "stats", "-db", dsn)
+	want := "outbox:   " + inbox.DefaultOutboxTable + "\npending:  1 message, the oldest written "
+	if code != 0 || !strings.Contains(out, want) || !strings.Contains(out, "dead:     1 message in the dead-letter table\n") {
+		t.Errorf("stats with the default outbox table: exit %d, stderr %q, stdout:\n%s\nwant %q and 1 dead letter", code, errOut, out, want)
+	}
+}
+
+// relayWithADeadLetter creates the outbox table (its default name for ""),
+// dropped when t ends, commits n messages to it and runs one relay round
+// (MaxAttempts 1) whose broker refuses the first: it is set aside, the
+// second is sent, and n-2 stay pending.
+func relayWithADeadLetter(t *testing.T, db *sqlx.DB, table string, n int) {
+	t.Helper()
+	broker := &refuseFirst{}
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: broker, MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testdb.DropLater(t, db, ob.Table()+"_dead")
+	testdb.DropLater(t, db, ob.Table())
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	pub, err := ob.Publisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		if i == 0 {
+			broker.uuid = m.UUID
+		}
+		if err := pub.Publish("invoices", m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if r := ob.RelayOnce(context.Background()); r.DeadLettered != 1 || r.Relayed != 1 {
+		t.Fatalf("relay round %+v, want 1 message set aside and 1 sent", r)
+	}
+}
+
+// refuseFirst is a broker that refuses every Publish carrying the message
+// uuid, and accepts the others.
+type refuseFirst struct{ uuid string }
+
+func (b *refuseFirst) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if m.UUID == b.uuid {
+			return fmt.Errorf("message %s too large", m.UUID)
+		}
+	}
+	return nil
+}
+
+func (b *refuseFirst) Close() error { return nil }

@@ -1,0 +1,206 @@
+package metrics
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// OutboxStatsTimeout bounds the Outbox.Stats query that a scrape of the
+// WatchOutbox gauges runs: a database that has not answered by then leaves
+// the gauges out of that scrape, which still returns at once with every
+// other series.
+const OutboxStatsTimeout = 2 * time.Second
+
+// outboxMetrics are the series of the outbox relay's rounds (OnRound).
+type outboxMetrics struct {
+	relayed      *prometheus.CounterVec
+	refused      *prometheus.CounterVec
+	deadLettered *prometheus.CounterVec
+	roundErrors  *prometheus.CounterVec
+	roundSeconds *prometheus.HistogramVec
+}
+
+func newOutboxMetrics() outboxMetrics {
+	return outboxMetrics{
+		relayed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_outbox_messages_relayed_total",
+			Help: "Outbox messages the broker accepted and whose rows the relay deleted.",
+		}, []string{"table"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_outbox_publish_failures_total",
+			Help: "Attempts to publish an outbox message that the broker refused (each counts one of the message's OutboxConfig.MaxAttempts).",
+		}, []string{"table"}),
+		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_outbox_messages_dead_lettered_total",
+			Help: "Outbox messages set aside in the dead-letter table after their last attempt.",
+		}, []string{"table"}),
+		roundErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_outbox_relay_errors_total",
+			Help: "Outbox relay rounds that failed: the broker refused a message, or a database statement failed.",
+		}, []string{"table"}),
+		roundSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "inbox_outbox_relay_round_seconds",
+			Help:    "Duration of the outbox relay rounds that found messages or failed: read, publish, delete and commit.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 15), // 1 ms to ~16 s
+		}, []string{"table"}),
+	}
+}
+
+func (o outboxMetrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{o.relayed, o.refused, o.deadLettered, o.roundErrors, o.roundSeconds}
+}
+
+// InstrumentOutbox returns cfg with its OnRound hook recording each relay
+// round, labelled with the outbox table (cfg.Table, DefaultOutboxTable when
+// empty): messages relayed (inbox_outbox_messages_relayed_total), publishes
+// the broker refused (inbox_outbox_publish_failures_total), messages set
+// aside in the dead-letter table
+// (inbox_outbox_messages_dead_lettered_total), failed rounds
+// (inbox_outbox_relay_errors_total) and the round's duration
+// (inbox_outbox_relay_round_seconds). The relay reports only rounds that
+// found messages or failed, so idle polls add nothing to the histogram. A
+// round cut short by the relay's own stop (an error wrapping
+// context.Canceled, as at router shutdown) is not counted as failed. The
+// table's counters start at 0 here, so that rate() and increase() see the
+// first event. A hook already set still runs, first.
+func (m *Metrics) InstrumentOutbox(cfg inbox.OutboxConfig) inbox.OutboxConfig {
+	next := cfg.OnRound
+	table := cfg.Table
+	if table == "" {
+		table = inbox.DefaultOutboxTable
+	}
+	o := m.outbox
+	relayed, refused := o.relayed.WithLabelValues(table), o.refused.WithLabelValues(table)
+	deadLettered, roundErrors := o.deadLettered.WithLabelValues(table), o.roundErrors.WithLabelValues(table)
+	roundSeconds := o.roundSeconds.WithLabelValues(table)
+	cfg.OnRound = func(r inbox.OutboxRound) {
+		if next != nil {
+			next(r)
+		}
+		relayed.Add(float64(r.Relayed))
+		refused.Add(float64(r.Failed))
+		deadLettered.Add(float64(r.DeadLettered))
+		if r.Err != nil && !errors.Is(r.Err, context.Canceled) {
+			roundErrors.Inc()
+		}
+		roundSeconds.Observe(r.Duration.Seconds())
+	}
+	return cfg
+}
+
+// WatchOutbox registers gauges of ob's table, read with ob.Stats at each
+// scrape and labelled with the table (ob.Table()):
+// inbox_outbox_pending_messages (messages not yet relayed: the outbox's
+// depth), inbox_outbox_oldest_pending_age_seconds (how long ago the oldest
+// of them was written, by the database clock; 0 when none is pending) and
+// inbox_outbox_dead_letters (rows in the dead-letter table); and the counter
+// inbox_outbox_stats_errors_total of the reads that failed.
+//
+// The values are read when Prometheus scrapes, as Prometheus asks of
+// collectors that mirror state kept elsewhere, so they are as fresh as the
+// scrape and cost nothing between scrapes. A read is bounded by
+// OutboxStatsTimeout; one that fails or has not answered by then (a
+// database that is down, slow or out of connections) leaves the three gauges
+// out of that scrape and adds 1 to inbox_outbox_stats_errors_total, and the
+// scrape carries on with every other series, so that a database outage does
+// not also hide the relay's counters that explain it (an invalid metric, as
+// WatchTable reports, would fail the whole scrape under promhttp's default
+// HTTPErrorOnError). Concurrent scrapes share the read in flight, so at most
+// one query per outbox runs at a time, however many Prometheus servers
+// scrape. Registering the same table twice with one registry fails with
+// prometheus.AlreadyRegisteredError.
+func (m *Metrics) WatchOutbox(ob *inbox.Outbox) error {
+	if ob == nil {
+		return errors.New("metrics: WatchOutbox needs an Outbox")
+	}
+	labels := prometheus.Labels{"table": ob.Table()}
+	return m.reg.Register(&outboxCollector{
+		stats:   ob.Stats,
+		timeout: OutboxStatsTimeout,
+		pending: prometheus.NewDesc("inbox_outbox_pending_messages",
+			"Outbox messages not yet relayed (the outbox's depth), read at scrape time.", nil, labels),
+		oldest: prometheus.NewDesc("inbox_outbox_oldest_pending_age_seconds",
+			"Age of the oldest outbox message not yet relayed, by the database clock, read at scrape time; 0 when none is pending.", nil, labels),
+		dead: prometheus.NewDesc("inbox_outbox_dead_letters",
+			"Messages in the outbox's dead-letter table, read at scrape time.", nil, labels),
+		errs: prometheus.NewDesc("inbox_outbox_stats_errors_total",
+			"Scrape-time reads of the outbox's stats that failed or did not answer within the timeout; the outbox gauges are absent from those scrapes.", nil, labels),
+	})
+}
+
+// outboxCollector reads an outbox's stats at scrape time.
+type outboxCollector struct {
+	stats                       func(context.Context) (inbox.OutboxStats, error)
+	timeout                     time.Duration
+	pending, oldest, dead, errs *prometheus.Desc
+	failures                    atomic.Uint64
+
+	mu   sync.Mutex
+	call *statsCall // the read in flight, shared by the scrapes meanwhile; nil when none
+}
+
+// statsCall is one read of the outbox's stats; done closes when it ends.
+type statsCall struct {
+	done chan struct{}
+	st   inbox.OutboxStats
+	err  error
+}
+
+func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.pending
+	ch <- c.oldest
+	ch <- c.dead
+	ch <- c.errs
+}
+
+func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
+	if st, ok := c.read(); ok {
+		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(st.Pending))
+		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, st.OldestAge.Seconds())
+		ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLettered))
+	} else {
+		c.failures.Add(1)
+	}
+	ch <- prometheus.MustNewConstMetric(c.errs, prometheus.CounterValue, float64(c.failures.Load()))
+}
+
+// read returns the outbox's stats, or false when the read failed or did not
+// answer within the timeout. The query runs on a goroutine of its own under
+// the same timeout, so that a driver that does not honour its context still
+// cannot hold the scrape; a scrape that arrives while a read is in flight
+// waits for that one instead of starting another.
+func (c *outboxCollector) read() (inbox.OutboxStats, bool) {
+	c.mu.Lock()
+	call := c.call
+	if call == nil {
+		call = &statsCall{done: make(chan struct{})}
+		c.call = call
+		go c.run(call)
+	}
+	c.mu.Unlock()
+	timer := time.NewTimer(c.timeout)
+	defer timer.Stop()
+	select {
+	case <-call.done:
+		return call.st, call.err == nil
+	case <-timer.C:
+		return inbox.OutboxStats{}, false
+	}
+}
+
+func (c *outboxCollector) run(call *statsCall) {
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	call.st, call.err = c.stats(ctx)
+	c.mu.Lock()
+	c.call = nil
+	c.mu.Unlock()
+	close(call.done)
+}

@@ -1,0 +1,65 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+
+	"github.com/jmoiron/sqlx"
+)
+
+// Table returns the outbox table's name as configured: OutboxConfig.Table,
+// or DefaultOutboxTable when that was empty. The metrics module labels the
+// outbox's series with it. Safe for concurrent use.
+func (o *Outbox) Table() string { return o.cfg.Table }
+
+// ReadOutboxStats reads the OutboxStats of the outbox table and its
+// dead-letter table ("<table>_dead") on db, as Outbox.Stats does, without an
+// Outbox (which needs a Publisher): for tools that watch an outbox they do
+// not relay, such as the inbox command. d nil: inferred from db's driver
+// name; table "": DefaultOutboxTable. When the outbox or its dead-letter
+// table does not exist, the error wraps ErrTableNotFound and names it
+// (create both with Outbox.InitializeSchema or Outbox.SchemaSQL); an
+// invalid table name wraps ErrInvalidTableName; other errors wrap the
+// driver's. It runs one read-only statement (and, only after an error,
+// reads the catalog to tell a missing table); safe for concurrent use.
+func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (OutboxStats, error) {
+	if db == nil {
+		return OutboxStats{}, errors.New("inbox: ReadOutboxStats needs a DB")
+	}
+	if table == "" {
+		table = DefaultOutboxTable
+	}
+	d, t, err := resolveTarget(db, d, table)
+	if err != nil {
+		return OutboxStats{}, err
+	}
+	dead := qualifiedName{schema: t.schema, name: t.derivedName("_dead")}
+	o := &Outbox{cfg: OutboxConfig{DB: db, Dialect: d, Table: table}, dialect: d, table: t, sql: d.outbox(t, dead)}
+	st, err := o.Stats(ctx)
+	if err == nil {
+		return st, nil
+	}
+	// Tell a missing table from the catalog, never from the error's text.
+	for _, name := range []qualifiedName{t, dead} {
+		var missing error
+		if cerr := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+			_, missing = d.checkTable(ctx, q, name)
+			return nil
+		}); cerr == nil && errors.Is(missing, ErrTableNotFound) {
+			return OutboxStats{}, outboxTableNotFound{name.String()}
+		}
+	}
+	return st, err
+}
+
+// outboxTableNotFound is ReadOutboxStats' error for a missing outbox or
+// dead-letter table: it says which and how to create it, and matches
+// ErrTableNotFound.
+type outboxTableNotFound struct{ table string }
+
+func (e outboxTableNotFound) Error() string {
+	return "inbox: outbox table \"" + e.table + "\" does not exist (create it with Outbox.InitializeSchema," +
+		" or apply Outbox.SchemaSQL with your migrations)"
+}
+
+func (outboxTableNotFound) Unwrap() error { return ErrTableNotFound }
