@@ -34,7 +34,7 @@ func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 		return OutboxStats{}, err
 	}
 	dead := qualifiedName{schema: t.schema, name: t.derivedName("_dead")}
-	o := &Outbox{cfg: OutboxConfig{DB: db, Dialect: d, Table: table}, dialect: d, table: t, sql: d.outbox(t, dead)}
+	o := &Outbox{cfg: OutboxConfig{DB: db, Dialect: d, Table: table}, dialect: d, table: t, dead: dead, sql: d.outbox(t, dead)}
 	st, err := o.Stats(ctx)
 	if err == nil {
 		return st, nil
