@@ -465,12 +465,13 @@ func TestOutboxTwoRelaysWhileWritersCommit(t *testing.T) {
 				}
 				return got
 			}
-			waitFor(t, func() bool {
+			waitFor(t, func() bool { // every message sent, and its row deleted
 				distinct := map[string]bool{}
 				for _, l := range arrived() {
 					distinct[l.UUID] = true
 				}
-				return len(distinct) >= ledger.committed()
+				stats, err := ob.Stats(ctx)
+				return err == nil && stats.Pending == 0 && len(distinct) >= ledger.committed()
 			})
 			cancel()
 			relays.Wait()
