@@ -439,10 +439,3 @@ type outboxMessage struct {
 func (m outboxMessage) String() string {
 	return fmt.Sprintf("topic %q payload %q metadata %v", m.topic, m.payload, m.metadata)
 }
-
-// messages returns the messages b accepted on topic, in order.
-func (b *brokerStub) messages(topic string) []*message.Message {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return append([]*message.Message(nil), b.accepted[topic]...)
-}

@@ -44,25 +44,6 @@ func crashDBs(t *testing.T, names ...string) []testDB {
 	return dbs
 }
 
-// newNamedTestOutbox returns an Outbox on a table of its own, created, with
-// cfg's other fields, and the table's name (unquoted, for another Outbox or
-// process on the same table).
-func newNamedTestOutbox(t *testing.T, db *sqlx.DB, d inbox.Dialect, cfg inbox.OutboxConfig) (*inbox.Outbox, string) {
-	t.Helper()
-	table := "outbox_" + randomSuffix()
-	dropLater(t, db, table)
-	dropLater(t, db, table+"_dead")
-	cfg.DB, cfg.Dialect, cfg.Table = db, d, table
-	ob, err := inbox.NewOutbox(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	return ob, table
-}
-
 // outboxLedger commits messages to an outbox and remembers what it
 // committed.
 type outboxLedger struct {
@@ -171,19 +152,6 @@ func (l *outboxLedger) committed() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.sent)
-}
-
-// assertOutboxEmpty fails the test unless ob's table and its dead-letter
-// table are empty.
-func assertOutboxEmpty(t *testing.T, ob *inbox.Outbox) {
-	t.Helper()
-	stats, err := ob.Stats(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if stats.Pending != 0 || stats.DeadLettered != 0 {
-		t.Errorf("outbox after the relay: %d messages pending, %d set aside; want none", stats.Pending, stats.DeadLettered)
-	}
 }
 
 // A relay process SIGKILLed again and again, at every point of a round
