@@ -50,3 +50,16 @@ func (b *brokerStub) messages(topic string) []*message.Message {
 	defer b.mu.Unlock()
 	return append([]*message.Message(nil), b.accepted[topic]...)
 }
+
+// relayUntilNothingPending runs relay rounds of ob until its table is empty,
+// for up to 30 s: unlike relayUntilEmpty it does not stop at a round that
+// found nothing, which rows still locked by a relay being stopped (its
+// rollback in flight) give.
+func relayUntilNothingPending(t *testing.T, ob *inbox.Outbox) {
+	t.Helper()
+	waitFor(t, func() bool {
+		ob.RelayOnce(context.Background())
+		stats, err := ob.Stats(context.Background())
+		return err == nil && stats.Pending == 0
+	})
+}
