@@ -13,6 +13,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	mrand "math/rand/v2"
 	"net/url"
@@ -254,12 +255,14 @@ func TestOutboxRelayLosesNothingWhenItsProcessIsKilled(t *testing.T) {
 	}
 }
 
-// blockingBroker holds every Publish until released, then accepts it: the
-// broker has the batch while the relay that sent it is being stopped.
+// blockingBroker holds every Publish until released, then accepts it (the
+// broker has the batch while the relay that sent it is being stopped), or,
+// with refuse set, fails it as a publisher closed on shutdown does.
 type blockingBroker struct {
 	*brokerStub
 	entered chan struct{} // receives once per Publish call that blocks
 	release chan struct{} // closed: Publish proceeds
+	refuse  error
 }
 
 func (b *blockingBroker) Publish(topic string, msgs ...*message.Message) error {
@@ -268,6 +271,9 @@ func (b *blockingBroker) Publish(topic string, msgs ...*message.Message) error {
 	default:
 	}
 	<-b.release
+	if b.refuse != nil {
+		return b.refuse
+	}
 	return b.brokerStub.Publish(topic, msgs...)
 }
 
@@ -291,14 +297,22 @@ func relayStopping(t *testing.T, db *sqlx.DB, d inbox.Dialect, ob *inbox.Outbox)
 }
 
 // A relay stopped while the broker publish is in flight (its Run context
-// cancelled, or its router closed) loses nothing: the broker may have
-// taken the batch, but the rows stay, and the next relay sends them again,
-// with the same UUIDs, payloads and metadata; the table ends empty.
+// cancelled, or its router closed) loses nothing, whether the broker then
+// takes the batch or fails it (a publisher closed on shutdown): the next
+// relay sends every message not deleted, with the same UUIDs, payloads and
+// metadata; none is set aside, and the table ends empty.
 func TestOutboxRelayStoppedMidPublishLosesNothing(t *testing.T) {
-	for _, how := range []string{"context cancelled", "router closed"} {
-		t.Run(how, func(t *testing.T) {
+	for _, c := range []struct{ how, broker string }{
+		{"context cancelled", "takes the batch"}, {"context cancelled", "fails"},
+		{"router closed", "takes the batch"}, {"router closed", "fails"},
+	} {
+		how := c.how
+		t.Run(c.how+"/broker "+c.broker, func(t *testing.T) {
 			forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 				blocked := &blockingBroker{brokerStub: newBrokerStub(), entered: make(chan struct{}, 1), release: make(chan struct{})}
+				if c.broker == "fails" {
+					blocked.refuse = errors.New("publisher closed")
+				}
 				rounds := make(chan inbox.OutboxRound, 16)
 				ob, table := newNamedTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{
 					Publisher: blocked, PollInterval: 10 * time.Millisecond,
