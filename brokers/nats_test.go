@@ -141,7 +141,7 @@ func TestNATSJetStream_effectsExactlyOnce(t *testing.T) {
 	} else if m, err := js.GetMsg(poisonStream, si.State.FirstSeq); err != nil {
 		t.Error(err)
 	} else if reason := m.Header.Get(middleware.ReasonForPoisonedKey); string(m.Data) != noIDBody ||
-		!strings.Contains(reason, inbox.ErrInvalidMessageID.Error()) {
+		!strings.Contains(reason, strings.TrimPrefix(inbox.ErrInvalidMessageID.Error(), "inbox: ")) {
 		t.Errorf("poisoned: body %q, reason %q; want body %q and the reason %q", m.Data, reason, noIDBody, inbox.ErrInvalidMessageID)
 	}
 	// JetStream dropped each foreign copy repeated at once, and stored the

@@ -119,7 +119,7 @@ func TestRabbitMQ_effectsExactlyOnce(t *testing.T) {
 	}
 	for _, d := range poisoned {
 		reason, _ := d.Headers[middleware.ReasonForPoisonedKey].(string)
-		if string(d.Body) != noIDBody || !strings.Contains(reason, inbox.ErrInvalidMessageID.Error()) {
+		if string(d.Body) != noIDBody || !strings.Contains(reason, strings.TrimPrefix(inbox.ErrInvalidMessageID.Error(), "inbox: ")) {
 			t.Errorf("poisoned: body %q, reason %q; want body %q and the reason %q", d.Body, reason, noIDBody, inbox.ErrInvalidMessageID)
 		}
 	}
