@@ -27,6 +27,8 @@ const (
 	DefaultOutboxPollInterval = time.Second
 	// DefaultOutboxMaxAttempts is OutboxConfig.MaxAttempts when it is zero.
 	DefaultOutboxMaxAttempts = 10
+	// DefaultOutboxLinger is OutboxConfig.Linger when it is zero.
+	DefaultOutboxLinger = 5 * time.Millisecond
 	// DefaultOutboxMaxBackoff is OutboxConfig.MaxBackoff when it is zero.
 	DefaultOutboxMaxBackoff = 5 * time.Second
 )
@@ -83,6 +85,15 @@ type OutboxConfig struct {
 	// latest after PollInterval. Must not be negative.
 	// Default: DefaultOutboxPollInterval (1 s).
 	PollInterval time.Duration
+
+	// Linger is how long the relay waits, once a commit of this process
+	// woke it, before it reads: the commits of that moment then go out in
+	// one round instead of one round each, which spares the database a
+	// transaction per message while the handlers are busy. It adds up to
+	// Linger to the time from commit to broker when the relay was idle.
+	// Must not be negative; 0 reads at once.
+	// Default: DefaultOutboxLinger (5 ms).
+	Linger time.Duration
 
 	// MaxAttempts is how many times the relay tries to publish a message
 	// the broker refuses before it sets the message aside in the
@@ -187,6 +198,9 @@ func (c *OutboxConfig) setDefaults() {
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = DefaultOutboxMaxAttempts
 	}
+	if c.Linger == 0 {
+		c.Linger = DefaultOutboxLinger
+	}
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = DefaultOutboxMaxBackoff
 	}
@@ -211,6 +225,9 @@ func (c OutboxConfig) Validate() error {
 	}
 	if c.MaxAttempts < 0 {
 		errs = append(errs, fmt.Errorf("OutboxConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts))
+	}
+	if c.Linger < 0 {
+		errs = append(errs, fmt.Errorf("OutboxConfig.Linger must not be negative, got %v", c.Linger))
 	}
 	if c.MaxBackoff < 0 {
 		errs = append(errs, fmt.Errorf("OutboxConfig.MaxBackoff must not be negative, got %v", c.MaxBackoff))

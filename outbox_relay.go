@@ -53,6 +53,17 @@ func (o *Outbox) Run(ctx context.Context) error {
 			if !timer.Stop() {
 				<-timer.C
 			}
+			// Gather the commits of the next moment into this round: one
+			// round per commit would cost the database a transaction for
+			// every message, beside the handlers'.
+			if o.cfg.Linger > 0 {
+				timer.Reset(o.cfg.Linger)
+				select {
+				case <-ctx.Done():
+					return nil
+				case <-timer.C:
+				}
+			}
 		case <-timer.C:
 		}
 	}
