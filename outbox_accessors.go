@@ -39,27 +39,10 @@ func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 	if err == nil {
 		return st, nil
 	}
-	// Tell a missing table from the catalog, never from the error's text.
-	for _, name := range []qualifiedName{t, dead} {
-		var missing error
-		if cerr := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
-			_, missing = d.checkTable(ctx, q, name)
-			return nil
-		}); cerr == nil && errors.Is(missing, ErrTableNotFound) {
-			return OutboxStats{}, outboxTableNotFound{name.String()}
-		}
+	// Tell a missing table from the catalog (Outbox.Verify), never from
+	// the error's text.
+	if verr := o.Verify(ctx); errors.Is(verr, ErrTableNotFound) {
+		return OutboxStats{}, verr
 	}
 	return st, err
 }
-
-// outboxTableNotFound is ReadOutboxStats' error for a missing outbox or
-// dead-letter table: it says which and how to create it, and matches
-// ErrTableNotFound.
-type outboxTableNotFound struct{ table string }
-
-func (e outboxTableNotFound) Error() string {
-	return "inbox: outbox table \"" + e.table + "\" does not exist (create it with Outbox.InitializeSchema," +
-		" or apply Outbox.SchemaSQL with your migrations)"
-}
-
-func (outboxTableNotFound) Unwrap() error { return ErrTableNotFound }
