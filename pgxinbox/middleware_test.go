@@ -29,7 +29,17 @@ func runGoChannel(t *testing.T, ib *pgxinbox.Inbox, h message.HandlerFunc, acked
 	if err != nil {
 		t.Fatal(err)
 	}
-	router.AddMiddleware(ib.Middleware)
+	// Deliveries still in the router: closing it cancels their message
+	// contexts (GoChannel's), which rolls back a transaction not yet
+	// committed, so the router is closed only once none is in flight.
+	var inFlight atomic.Int32
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			inFlight.Add(1)
+			defer inFlight.Add(-1)
+			return h(msg)
+		}
+	}, ib.Middleware)
 	router.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
 		_, err := h(msg)
 		return err
@@ -42,7 +52,7 @@ func runGoChannel(t *testing.T, ib *pgxinbox.Inbox, h message.HandlerFunc, acked
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(30 * time.Second)
-	for !acked() {
+	for !acked() || inFlight.Load() != 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("messages not handled in 30 s")
 		}
