@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"database/sql"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -69,3 +70,8 @@ func DriverTxEnded(dc any) bool { return driverTxEnded(dc) }
 // met a missing or incompatible table, before the wait. Call it before ib
 // handles messages.
 func SetTableBackoffHook(ib *Inbox, f func(wait time.Duration)) { ib.hooks = &hooks{onTableBackoff: f} }
+
+// SQLiteWritersQueued returns how many of this process's SQLite write
+// transactions on db hold or wait for their place in its writerQueue (at
+// most 1 while none waits).
+func SQLiteWritersQueued(db *sql.DB) int { return len(sqliteWriterQueue(db)) }

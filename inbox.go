@@ -217,6 +217,16 @@ func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
 	return ib.claimStmt, ib.heldStmt
 }
 
+// preparesOn returns the database the inbox prepares its statements on,
+// or nil when it does not prepare them (see Config.PrepareStatements) or
+// runs on another driver than database/sql.
+func (ib *Inbox) preparesOn() *sql.DB {
+	if !ib.prepare || ib.db == nil {
+		return nil
+	}
+	return ib.db.DB
+}
+
 // Close releases the prepared statements on every connection of DB (the
 // claim on MySQL/MariaDB and SQLite, and on PostgreSQL with
 // Config.PrepareStatements; nothing otherwise). It does not close DB. Call it when the Inbox is no longer used, after the
@@ -411,15 +421,15 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if lock.lockedClaim == "" {
 		stmt, heldStmt = ib.preparedClaim(d.sctx)
 	}
-	conn, tx, err := ib.beginOnConn(d.txCtx)
+	conn, tx, place, err := ib.beginOnConn(d.txCtx)
 	if err != nil && ib.maybeLostConn(d.txCtx, err) {
-		conn, tx, err = ib.retryBegin(d, err)
+		conn, tx, place, err = ib.retryBegin(d, err)
 	}
 	if err != nil {
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
-	*t = sqlTx{ib: ib, conn: conn, tx: tx, ctx: d.txCtx, heldStmt: heldStmt}
+	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt}
 	ib.hooks.begun()
 	var n int64
 	if lock.lockedClaim != "" {
@@ -452,19 +462,31 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 // transaction status (Conn.Raw) without a round trip. As DB.BeginTx does,
 // it tries again, at most twice, when the connection turns out dead
 // (driver.ErrBadConn).
-func (ib *Inbox) beginOnConn(ctx context.Context) (*sqlx.Conn, *sqlx.Tx, error) {
+//
+// On SQLite it first takes its place in the database's writerQueue, which
+// the returned queuedWrite holds until the transaction ends.
+func (ib *Inbox) beginOnConn(ctx context.Context) (*sqlx.Conn, *sqlx.Tx, queuedWrite, error) {
+	var place queuedWrite
+	if ib.dialect.server() == serverSQLite {
+		var err error
+		if place, err = sqliteWriterQueue(ib.db.DB).enter(ctx); err != nil {
+			return nil, nil, place, err
+		}
+	}
 	for try := 0; ; try++ {
 		conn, err := ib.db.Connx(ctx)
 		if err != nil {
-			return nil, nil, err
+			place.leave()
+			return nil, nil, place, err
 		}
 		tx, err := conn.BeginTxx(ctx, ib.txOptions)
 		if err == nil {
-			return conn, tx, nil
+			return conn, tx, place, nil
 		}
 		conn.Close()
 		if try == 2 || !errors.Is(err, driver.ErrBadConn) {
-			return nil, nil, err
+			place.leave()
+			return nil, nil, place, err
 		}
 	}
 }
@@ -474,6 +496,7 @@ type sqlTx struct {
 	ib       *Inbox
 	conn     *sqlx.Conn // the connection tx runs on; closed (back to the pool) when tx ends
 	tx       *sqlx.Tx
+	place    queuedWrite     // SQLite: the transaction's place in the writerQueue, left when it ends
 	ctx      context.Context // the transaction's context (delivery.txCtx)
 	heldStmt *sqlx.Stmt      // the pre-commit check, prepared; nil when not prepared
 	// endedEarly is set when ended found the transaction already ended:
@@ -518,6 +541,7 @@ func (t *sqlTx) ended() bool {
 func (t *sqlTx) commit() error {
 	err := t.tx.Commit()
 	t.conn.Close()
+	t.place.leave()
 	if err != nil && (commitFoundNoTx(err) || (errors.Is(err, sql.ErrTxDone) && t.ctx.Err() == nil)) {
 		t.endedEarly = true
 		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
@@ -531,6 +555,7 @@ func (t *sqlTx) commit() error {
 func (t *sqlTx) rollback() error {
 	err := t.tx.Rollback()
 	t.conn.Close()
+	t.place.leave()
 	if err != nil && !errors.Is(err, sql.ErrTxDone) && !t.endedEarly {
 		return err
 	}
@@ -555,7 +580,7 @@ func (ib *Inbox) maybeLostConn(ctx context.Context, err error) bool {
 // succeeds, or fails with a transient error (connection refused), the
 // error is a lostConnError, which IsTransient accepts; otherwise it stays
 // as it is. The retry is logged at Debug and recorded on the span.
-func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Conn, *sqlx.Tx, error) {
+func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Conn, *sqlx.Tx, queuedWrite, error) {
 	if !ib.nopLogger {
 		fields := d.fields()
 		fields["error"] = firstErr.Error()
@@ -563,13 +588,13 @@ func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Conn, *sqlx.Tx, 
 	}
 	d.span.AddEvent("inbox.begin_retried", trace.WithAttributes(attribute.String("error", firstErr.Error())))
 	ctx := d.txCtx
-	conn, tx, err := ib.beginOnConn(ctx)
+	conn, tx, place, err := ib.beginOnConn(ctx)
 	if err != nil && ib.maybeLostConn(ctx, err) {
 		if pingErr := ib.db.PingContext(ctx); pingErr == nil || IsTransient(pingErr) {
 			err = &lostConnError{err}
 		}
 	}
-	return conn, tx, err
+	return conn, tx, place, err
 }
 
 // withCause returns err, from a call on ctx, joined with ctx's cause when ctx

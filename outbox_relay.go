@@ -30,6 +30,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
+		o.prepareInsertOne(ctx)
 		round := o.RelayOnce(ctx)
 		if ctx.Err() != nil {
 			return nil
@@ -179,7 +180,13 @@ func (o *Outbox) relay(ctx context.Context) (round OutboxRound) {
 	b := o.publish(rows)
 	round.Failed = len(b.failed) + len(b.bury)
 	if tx == nil {
-		var err error
+		// SQLite: queued behind this process's other writers (see
+		// writerQueue), not polling for the write lock against them.
+		place, err := sqliteWriterQueue(db.DB).enter(ctx)
+		if err != nil {
+			return OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}
+		}
+		defer place.leave()
 		if tx, err = db.BeginTxx(ctx, nil); err != nil {
 			return OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}
 		}
