@@ -260,7 +260,7 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 	}
 	d.state = &d.stateValue
 	if p, ok := d.state.publisher.(txBoundPublisher); ok {
-		p.bindTx(d.txCtx, d.tx.ended)
+		p.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn())
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)

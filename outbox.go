@@ -180,6 +180,10 @@ type Outbox struct {
 	sql     outboxSQL
 	wake    chan struct{}
 	logger  watermill.LoggerAdapter
+
+	// insertOne is one message's INSERT prepared on cfg.DB by the relay
+	// (prepareInsertOne); nil until then.
+	insertOne atomic.Pointer[sqlx.Stmt]
 }
 
 func (c *OutboxConfig) setDefaults() {
@@ -287,7 +291,26 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 		_, err := tx.ExecContext(ctx, tx.Rebind(query), args...)
 		return err
 	}
-	return &outboxWriter{o: o, exec: exec, ctx: context.Background()}, nil
+	return &outboxWriter{o: o, exec: exec, tx: tx, ctx: context.Background()}, nil
+}
+
+// prepareInsertOne prepares the INSERT of one message on cfg.DB for the
+// writers (database/sql then keeps it prepared on each connection it has
+// run on), on MySQL/MariaDB and SQLite, where the inbox prepares its claim
+// too. The relay calls it outside any transaction, so that a writer never
+// waits for a second connection of a full pool while it holds one; until
+// it succeeds writers run the statement unprepared.
+func (o *Outbox) prepareInsertOne(ctx context.Context) {
+	if o.insertOne.Load() != nil || !o.dialect.preparesByDefault() {
+		return
+	}
+	stmt, err := o.cfg.DB.PreparexContext(ctx, o.cfg.DB.Rebind(o.sql.insertPrefix+o.sql.insertRow))
+	if err != nil {
+		return // the table may not exist yet: the next round tries again
+	}
+	if !o.insertOne.CompareAndSwap(nil, stmt) {
+		stmt.Close()
+	}
 }
 
 // OutboxExec runs one statement in the caller's transaction, with its bind
@@ -312,7 +335,7 @@ func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 // txBoundPublisher is an outbox publisher of this package (outboxWriter)
 // that the middleware tells of its transaction's context and commit.
 type txBoundPublisher interface {
-	bindTx(ctx context.Context, ended func() bool)
+	bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB)
 	committed()
 }
 
@@ -322,9 +345,14 @@ var _ txBoundPublisher = (*outboxWriter)(nil)
 type outboxWriter struct {
 	o     *Outbox
 	exec  OutboxExec      // runs a statement ("?" placeholders) in the transaction
+	tx    *sqlx.Tx        // the transaction, when it is database/sql's (Publisher); nil for PublisherOn
 	ctx   context.Context // the transaction's (bindTx)
 	ended func() bool     // the server has ended the transaction (bindTx); nil: unknown
-	wrote atomic.Bool
+	// prepared: one message's INSERT runs as the Outbox's prepared
+	// statement (bindTx: the inbox prepares its own statements, on the
+	// Outbox's database).
+	prepared bool
+	wrote    atomic.Bool
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -332,8 +360,28 @@ type outboxWriter struct {
 // handler returns, then by Config.CommitTimeout), and has it ask ended,
 // before every write, whether the transaction is still open on the server
 // (from the status of the connection's last response: no round trip). The
-// middleware calls it right after the Outbox factory.
-func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool) { w.ctx, w.ended = ctx, ended }
+// middleware calls it right after the Outbox factory. prepareOn is the
+// inbox's database when the inbox prepares its statements (MySQL/MariaDB
+// and SQLite, PostgreSQL with Config.PrepareStatements), nil otherwise:
+// when it is the Outbox's database too, a message written alone runs as a
+// prepared statement (on MySQL/MariaDB one round trip instead of
+// go-sql-driver/mysql's prepare, execute and close; on SQLite no parse).
+func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB) {
+	w.ctx, w.ended = ctx, ended
+	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
+}
+
+// insert runs the INSERT of the messages whose values are args.
+func (w *outboxWriter) insert(n int, args []any) error {
+	if n == 1 && w.prepared {
+		if stmt := w.o.insertOne.Load(); stmt != nil {
+			_, err := w.tx.StmtxContext(w.ctx, stmt).ExecContext(w.ctx, args...)
+			return err
+		}
+	}
+	query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", n), ", ")
+	return w.exec(w.ctx, query, args...)
+}
 
 // committed tells the relay of this process that rows were committed.
 func (w *outboxWriter) committed() {
@@ -372,8 +420,7 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 			}
 			args = append(args, topic, m.UUID, payload, meta)
 		}
-		query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", len(chunk)), ", ")
-		if err := w.exec(w.ctx, query, args...); err != nil {
+		if err := w.insert(len(chunk), args); err != nil {
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
 		w.wrote.Store(true)
