@@ -499,3 +499,34 @@ func TestOutboxInsertIsBoundedByCommitTimeout(t *testing.T) {
 		}
 	})
 }
+
+// The relay's rounds commit without waiting for the WAL flush on
+// PostgreSQL (synchronous_commit off for their own transaction); the
+// pooled connection keeps the session's setting for whatever runs on it
+// next, such as a handler's transaction that must be durable.
+func TestOutboxRelayLeavesSynchronousCommitAsItWas(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if !isPostgres(tdb.Dialect) {
+			t.Skip("a PostgreSQL setting")
+		}
+		db.SetMaxOpenConns(1)
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		sent := writeOutbox(t, db, ob, "invoices", 3)
+		var before string
+		if err := db.Get(&before, "SHOW synchronous_commit"); err != nil {
+			t.Fatal(err)
+		}
+		if round := ob.RelayOnce(context.Background()); round.Err != nil || round.Relayed != len(sent) {
+			t.Fatalf("relay round: %+v, want %d relayed", round, len(sent))
+		}
+		var after string
+		if err := db.Get(&after, "SHOW synchronous_commit"); err != nil {
+			t.Fatal(err)
+		}
+		if after != before {
+			t.Errorf("synchronous_commit after a relay round = %q, want %q as before", after, before)
+		}
+		assertOutboxEmpty(t, ob)
+	})
+}
