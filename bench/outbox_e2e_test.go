@@ -12,10 +12,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jmoiron/sqlx"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
 // batchKafkaPublisher publishes all the messages of one Publish call with
@@ -57,8 +60,20 @@ func (p *batchKafkaPublisher) Close() error { return p.producer.Close() }
 // relay-p99-ms (commit to broker ack). "no-output" is the same pipeline
 // whose handler emits nothing: the outbox's msgs/s against it is the cost
 // of the outbox.
+//
+// "postgres-pgx" is the pgx-native inbox (pgxinbox, its outputs through
+// pgxinbox.OutboxPublisher) with the relay on the pool's *sqlx.DB.
 func BenchmarkOutboxEndToEnd(b *testing.B) {
-	for _, tdb := range databases() {
+	dbs := databases()
+	for i, tdb := range dbs {
+		if tdb.Name == "postgres" {
+			pgx := tdb
+			pgx.Name = "postgres-pgx"
+			dbs = slices.Insert(dbs, i+1, pgx)
+			break
+		}
+	}
+	for _, tdb := range dbs {
 		if tdb.Name == "postgres-partitioned" {
 			continue
 		}
@@ -68,12 +83,61 @@ func BenchmarkOutboxEndToEnd(b *testing.B) {
 	}
 }
 
+// e2eInbox is the inbox of BenchmarkOutboxEndToEnd on one backend: its
+// middleware, and the handler's insert of its business row through the
+// message's inbox transaction.
+type e2eInbox struct {
+	middleware message.HandlerMiddleware
+	insert     func(msg *message.Message) error
+}
+
+// newE2EInbox returns the inbox of tdb (database/sql, or pgxinbox for
+// "postgres-pgx") on db, writing its outputs to ob when emit.
+func newE2EInbox(b *testing.B, tdb testdb.DB, db *sqlx.DB, pool *pgxpool.Pool, ob *inbox.Outbox, emit bool) e2eInbox {
+	query := insertSQL(db, businessTable(b, db))
+	if pool != nil {
+		cfg := pgxinbox.Config{Pool: pool, Table: "bench_inbox_" + testdb.RandomSuffix()}
+		testdb.DropLater(b, db, cfg.Table)
+		if emit {
+			cfg.Outbox = pgxinbox.OutboxPublisher(ob)
+		}
+		ib, err := pgxinbox.New(cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { ib.Close() })
+		if err := ib.InitializeSchema(context.Background()); err != nil {
+			b.Fatal(err)
+		}
+		return e2eInbox{middleware: ib.Middleware, insert: func(msg *message.Message) error {
+			tx, _ := pgxinbox.TxFromContext(msg.Context())
+			_, err := tx.Exec(msg.Context(), query, msg.UUID, 100)
+			return err
+		}}
+	}
+	cfg := inbox.Config{DB: db, Dialect: tdb.Dialect}
+	if emit {
+		cfg.Outbox = ob.Publisher
+	}
+	ib, _ := newInboxWith(b, cfg)
+	return e2eInbox{middleware: ib.Middleware, insert: func(msg *message.Message) error {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		_, err := tx.ExecContext(msg.Context(), query, msg.UUID, 100)
+		return err
+	}}
+}
+
 func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, emit bool) {
-	db := tdb.Open(b)
+	var db *sqlx.DB
+	var pool *pgxpool.Pool
+	if tdb.Name == "postgres-pgx" {
+		p := openPgxPool(b, kafkaPartitions+4, nil)
+		db, pool = p.db, p.pool
+	} else {
+		db = tdb.Open(b)
+	}
 	db.SetMaxOpenConns(kafkaPartitions + 4)
 	db.SetMaxIdleConns(kafkaPartitions + 4)
-	business := businessTable(b, db)
-	query := insertSQL(db, business)
 
 	topic, downstream := "orders_"+testdb.RandomSuffix(), "invoices_"+testdb.RandomSuffix()
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(kafkaPartitions, topic, downstream))
@@ -119,11 +183,7 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, emit bool) {
 	defer broker.Close()
 
 	ob := newBenchOutbox(b, db, tdb.Dialect, broker)
-	cfg := inbox.Config{DB: db, Dialect: tdb.Dialect}
-	if emit {
-		cfg.Outbox = ob.Publisher
-	}
-	ib, _ := newInboxWith(b, cfg)
+	ib := newE2EInbox(b, tdb, db, pool, ob, emit)
 
 	saramaCfg := kafka.DefaultSaramaSubscriberConfig()
 	saramaCfg.Version = sarama.V2_8_0_0
@@ -142,11 +202,10 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, emit bool) {
 	if emit {
 		router.AddPlugin(ob.RouterPlugin)
 	}
-	router.AddMiddleware(ib.Middleware)
+	router.AddMiddleware(ib.middleware)
 	router.AddConsumerHandler("billing", topic, sub, func(msg *message.Message) error {
 		first.CompareAndSwap(0, time.Now().UnixNano())
-		tx, _ := inbox.TxFromContext(msg.Context())
-		if _, err := tx.ExecContext(msg.Context(), query, msg.UUID, 100); err != nil {
+		if err := ib.insert(msg); err != nil {
 			return err
 		}
 		if emit {
