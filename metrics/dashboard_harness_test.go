@@ -6,9 +6,11 @@ package metrics_test
 // query) against that set.
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -326,14 +328,7 @@ func (c *seriesChecker) inputSeries(where, series string) {
 	})
 }
 
-func mapKeys(m map[string]bool) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	return keys
-}
+func mapKeys(m map[string]bool) []string { return slices.Sorted(maps.Keys(m)) }
 
 // dashboard is the part of a Grafana dashboard's JSON model the checks
 // read; panels are walked as raw JSON so that a query anywhere (a row's
@@ -425,7 +420,7 @@ func dashboardQueries(t *testing.T) (vars map[string]string, varQueries, exprs m
 		case "query":
 			varQueries[v.Name] = v.query()
 			if v.IncludeAll {
-				vars[v.Name] = cmpOr(v.AllValue, ".*")
+				vars[v.Name] = cmp.Or(v.AllValue, ".*")
 			}
 		default: // textbox, constant, custom
 			vars[v.Name] = v.query()
@@ -484,13 +479,6 @@ func dashboardQueries(t *testing.T) (vars map[string]string, varQueries, exprs m
 		t.Fatalf("%s: no panel queries found", dashboardFile)
 	}
 	return vars, varQueries, exprs
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
 
 var labelValuesQuery = regexp.MustCompile(`^\s*label_values\((?:(.*),)?\s*(\w+)\s*\)\s*$`)

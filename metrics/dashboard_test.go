@@ -16,7 +16,8 @@ import (
 // PromQL and selects series that a scrape of the instrumented components
 // has, by labels and label values those series carry; and every series
 // family the module exports is on the dashboard.
-func TestDashboardQueriesOnlyExportedSeries(t *testing.T) {
+func TestDashboardAsksOnlyForExportedSeries(t *testing.T) {
+	t.Parallel()
 	set := scrapeEverySeries(t)
 	vars, varQueries, exprs := dashboardQueries(t)
 	vc := newSeriesChecker(set)
@@ -41,6 +42,7 @@ func TestDashboardQueriesOnlyExportedSeries(t *testing.T) {
 // such series, so that they test the rules against what Prometheus will
 // scrape.
 func TestAlertRulesUseOnlyExportedSeries(t *testing.T) {
+	t.Parallel()
 	set := scrapeEverySeries(t)
 	rules, recorded := alertRules(t)
 	c := newSeriesChecker(set)
@@ -72,6 +74,7 @@ func TestAlertRulesUseOnlyExportedSeries(t *testing.T) {
 // nothing below carries; and accepts a histogram's buckets, sum and count,
 // the target's labels and Grafana's variables.
 func TestSeriesCheckerRejectsWhatTheModuleDoesNotExport(t *testing.T) {
+	t.Parallel()
 	set := scrapeEverySeries(t)
 	vars := map[string]string{"consumer": ".*", "window_hours": "360"}
 	for _, tc := range []struct {
@@ -95,6 +98,7 @@ func TestSeriesCheckerRejectsWhatTheModuleDoesNotExport(t *testing.T) {
 		{"unknown variable", `inbox_rows{table=~"$tables"}`, "unknown variables"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
 			c := newSeriesChecker(set)
 			if e, err := substitute(vars, tc.expr); err != nil {
 				c.problem("expr", "%v", err)
