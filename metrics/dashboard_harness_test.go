@@ -237,6 +237,8 @@ func (c *seriesChecker) expr(where, expr string) {
 	})
 }
 
+// selector checks one vector selector: see expr. It records the family
+// of the series it selects in c.used.
 func (c *seriesChecker) selector(where string, vs *parser.VectorSelector) {
 	name := vs.Name
 	if name == "" {
@@ -279,8 +281,9 @@ func (c *seriesChecker) selector(where string, vs *parser.VectorSelector) {
 	}
 }
 
-// labelsBelow checks that each of labels is carried by a series selected
-// under n (or is job, instance, or le below a histogram's buckets).
+// labelsBelow checks that each of names is carried by a series selected
+// under n (le by a histogram's buckets), or is the target's job or
+// instance. Labels dropped by an aggregation under n still count.
 func (c *seriesChecker) labelsBelow(where string, n parser.Node, names []string, clause string) {
 	carried := map[string]bool{}
 	for _, l := range targetLabels {
