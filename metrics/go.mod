@@ -7,16 +7,21 @@ replace github.com/watermill-inbox/inbox => ../
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/jmoiron/sqlx v1.4.0
+	github.com/prometheus/prometheus v0.315.1
 	github.com/watermill-inbox/inbox v0.0.0-00010101000000-000000000000
 	go.uber.org/goleak v1.3.0
+	go.yaml.in/yaml/v3 v3.0.5
 )
 
 require (
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
+	github.com/dennwc/varint v1.0.0 // indirect
+	github.com/grafana/regexp v0.0.0-20250905093917-f7b3be9d1853 // indirect
 	github.com/lib/pq v1.12.3 // indirect
 	github.com/sony/gobreaker v1.0.0 // indirect
 	go.opentelemetry.io/otel v1.47.0 // indirect
 	go.opentelemetry.io/otel/trace v1.47.0 // indirect
+	go.uber.org/atomic v1.11.0 // indirect
 )
 
 require (

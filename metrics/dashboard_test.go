@@ -1,0 +1,117 @@
+package metrics_test
+
+// The Grafana dashboard (grafana/inbox-dashboard.json) and the Prometheus
+// alert rules (prometheus/inbox-alerts.yml, with their promtool tests) ask
+// only for series the module exports, so that they cannot drift from the
+// code. The rules' behaviour is tested by promtool (`promtool test rules
+// prometheus/inbox-alerts_test.yml`, run by .ci/run).
+
+import (
+	"slices"
+	"strings"
+	"testing"
+)
+
+// Every query of every panel and variable of the dashboard parses as
+// PromQL and selects series that a scrape of the instrumented components
+// has, by labels and label values those series carry; and every series
+// family the module exports is on the dashboard.
+func TestDashboardAsksOnlyForExportedSeries(t *testing.T) {
+	t.Parallel()
+	set := scrapeEverySeries(t)
+	vars, varQueries, exprs := dashboardQueries(t)
+	vc := newSeriesChecker(set)
+	for where, q := range varQueries {
+		vc.variableQuery("variable "+where, q, vars)
+	}
+	vc.report(t, dashboardFile)
+	c := newSeriesChecker(set)
+	for where, e := range exprs {
+		c.expr(where, e)
+	}
+	c.report(t, dashboardFile)
+	for _, f := range set.families {
+		if !c.used[f] {
+			t.Errorf("%s: no panel shows %s, which the metrics module exports", dashboardFile, f)
+		}
+	}
+}
+
+// Every alert rule's expression parses and selects series the module
+// exports, by labels and values they carry; the promtool tests feed only
+// such series, so that they test the rules against what Prometheus will
+// scrape.
+func TestAlertRulesUseOnlyExportedSeries(t *testing.T) {
+	t.Parallel()
+	set := scrapeEverySeries(t)
+	rules, recorded := alertRules(t)
+	c := newSeriesChecker(set)
+	for _, r := range recorded {
+		c.recorded[r] = true
+	}
+	for where, e := range rules {
+		c.expr(where, e)
+	}
+	c.report(t, alertsFile)
+
+	series, exprs := alertTests(t)
+	tc := newSeriesChecker(set)
+	for _, r := range recorded {
+		tc.recorded[r] = true
+	}
+	for where, s := range series {
+		tc.inputSeries(where, s)
+	}
+	for where, e := range exprs {
+		tc.expr(where, e)
+	}
+	tc.report(t, alertsTestFile)
+}
+
+// The checker reports what a dashboard or a rule must not ask for: a name
+// the module does not export, a histogram by its bare name, a label the
+// series does not carry, a value no series has, a grouping by a label
+// nothing below carries; and accepts a histogram's buckets, sum and count,
+// the target's labels and Grafana's variables.
+func TestSeriesCheckerRejectsWhatTheModuleDoesNotExport(t *testing.T) {
+	t.Parallel()
+	set := scrapeEverySeries(t)
+	vars := map[string]string{"consumer": ".*", "window_hours": "360"}
+	for _, tc := range []struct {
+		name, expr string
+		problem    string // "" when the expression is accepted
+	}{
+		{"exported counter", `sum by (consumer) (rate(inbox_messages_total{consumer=~"$consumer",outcome="failed"}[$__rate_interval]))`, ""},
+		{"histogram buckets", `histogram_quantile(0.99, sum by (le) (rate(inbox_transaction_seconds_bucket[5m])))`, ""},
+		{"histogram sum over count", `rate(inbox_outbox_relay_round_seconds_sum[5m]) / rate(inbox_outbox_relay_round_seconds_count[5m])`, ""},
+		{"target labels", `inbox_rows{job="billing",instance=~".+"}`, ""},
+		{"scalar arithmetic on a variable", `$window_hours * 3600 - max by (table) (inbox_oldest_row_age_seconds)`, ""},
+		{"name not exported", `rate(inbox_messages_reused_total[5m])`, "inbox_messages_reused_total is not exported"},
+		{"histogram by its bare name", `inbox_transaction_seconds`, "inbox_transaction_seconds is not exported"},
+		{"buckets of a counter", `inbox_messages_total_bucket`, "is not exported"},
+		{"label the series does not carry", `inbox_outbox_pending_messages{consumer="billing"}`, `has no label "consumer"`},
+		{"value no series has", `inbox_messages_total{outcome="reused"}`, "no series has"},
+		{"grouping by a label not below", `sum by (consumer) (inbox_outbox_pending_messages)`, "names a label no series under it carries: consumer"},
+		{"matching on a label not on one side", `inbox_rows and on (consumer) inbox_messages_total`, "names a label no series under it carries: consumer"},
+		{"selector without a name", `{table="watermill_inbox"}`, "selects no series by name"},
+		{"not PromQL", `rate(inbox_rows[5m]`, "does not parse"},
+		{"unknown variable", `inbox_rows{table=~"$tables"}`, "unknown variables"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := newSeriesChecker(set)
+			if e, err := substitute(vars, tc.expr); err != nil {
+				c.problem("expr", "%v", err)
+			} else {
+				c.expr("expr", e)
+			}
+			got := strings.Join(c.problems, "; ")
+			switch {
+			case tc.problem == "" && got != "":
+				t.Errorf("%s: %s, want it accepted", tc.expr, got)
+			case tc.problem != "" && !slices.ContainsFunc(c.problems, func(p string) bool { return strings.Contains(p, tc.problem) }):
+				t.Errorf("%s: problems %q, want one saying %q", tc.expr, got, tc.problem)
+			}
+		})
+	}
+}
