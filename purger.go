@@ -56,11 +56,11 @@ type PurgeRound struct {
 	// (a source such as kafkaretention asks the broker at every round, so
 	// it changes when the topics' retention does). Set once the round has
 	// checked its window, so also on a round that failed or was cancelled
-	// afterwards; 0 for a skipped round and for one that failed before (the
-	// purge lock, the window source's error, ErrWindowTooShort,
-	// ErrWindowOutOfRange). For PostgreSQLPartitioned, a partition is
-	// dropped once all of it is older than Window, so the oldest row may be
-	// up to one partition interval older than Window.
+	// afterwards; 0 for a skipped round and for one that failed before
+	// (the purge lock, the table's checks, the window source's error,
+	// ErrWindowTooShort, ErrWindowOutOfRange). For PostgreSQLPartitioned, a
+	// partition is dropped once all of it is older than Window, so the
+	// oldest row may be up to one partition interval older than Window.
 	Window time.Duration
 	// OldestAge is the age of the oldest row left in the table (all
 	// consumers), by the database clock; 0 when the table is empty. For

@@ -96,8 +96,8 @@ func useWindow(ctx context.Context, stdout io.Writer, cfg *inbox.PurgeConfig, sr
 }
 
 // purgeWindow is the window a purge with the flags uses, and where it comes
-// from: "-older-than", "Kafka (orders)", "-older-than, above the safe window
-// 1h30m0s from Kafka (orders)".
+// from: "-older-than", "Kafka (orders)", "-older-than (the safe window from
+// Kafka (orders): 1h30m0s)".
 type purgeWindow struct {
 	window time.Duration
 	from   string
@@ -106,8 +106,9 @@ type purgeWindow struct {
 // resolve asks the flags' source, if any, for its safe window and returns
 // the window a purge would use, as the purge decides it: -older-than when
 // given, which must not be shorter than the safe window
-// (inbox.ErrWindowTooShort), otherwise the safe window. The source's error
-// is returned as is.
+// (inbox.ErrWindowTooShort), otherwise the safe window; a safe window out
+// of range is inbox.ErrWindowOutOfRange. The source's error is returned as
+// is.
 func (w *windowFlags) resolve(ctx context.Context) (purgeWindow, error) {
 	src, from, closeSource, err := w.source()
 	if err != nil {
@@ -122,13 +123,16 @@ func (w *windowFlags) resolve(ctx context.Context) (purgeWindow, error) {
 		return purgeWindow{}, err
 	}
 	switch {
+	case safe < time.Microsecond || safe > inbox.MaxSafeWindow:
+		return purgeWindow{}, fmt.Errorf("%w: the safe window from %s is %v, outside 1µs to %v: inbox purge refuses it",
+			inbox.ErrWindowOutOfRange, from, safe, inbox.MaxSafeWindow)
 	case w.olderThan == 0:
 		return purgeWindow{window: safe, from: from}, nil
 	case w.olderThan < safe:
 		return purgeWindow{}, fmt.Errorf("%w: -older-than %v is shorter than the safe window %v from %s: inbox purge refuses it",
 			inbox.ErrWindowTooShort, w.olderThan, safe, from)
 	}
-	return purgeWindow{window: w.olderThan, from: fmt.Sprintf("-older-than, above the safe window %v from %s", safe, from)}, nil
+	return purgeWindow{window: w.olderThan, from: fmt.Sprintf("-older-than (the safe window from %s: %v)", from, safe)}, nil
 }
 
 // defaultPurgeLag is the default of "inbox stats -purge-lag": three purge
