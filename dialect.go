@@ -387,9 +387,17 @@ func runStatements(ctx context.Context, db *sqlx.DB, t qualifiedName, stmts []st
 	return nil
 }
 
-// purgeRows is a Purger round of the dialects that delete rows: Purge, then
-// the age of the oldest row left.
+// purgeRows is a Purger round of the dialects that delete rows: the window
+// checked (and reported in the round), Purge, then the age of the oldest
+// row left.
 func purgeRows(ctx context.Context, d Dialect, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
+	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
+	if err != nil {
+		round.Err = fmt.Errorf("inbox: purge %s: %w", t, err)
+		return round
+	}
+	round.Window = olderThan
+	cfg.OlderThan, cfg.Window = olderThan, nil // checked once: purge does not ask the source again
 	if round.Deleted, round.Err = purge(ctx, db, cfg); round.Err != nil {
 		return round
 	}

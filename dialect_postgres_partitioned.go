@@ -270,6 +270,7 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 		round.Err = fmt.Errorf("inbox: purge %s: %w", t, err)
 		return round
 	}
+	round.Window = olderThan
 	if round.Err = d.maintainSchema(ctx, db, t); round.Err != nil {
 		return round
 	}

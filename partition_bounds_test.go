@@ -211,6 +211,9 @@ func TestConsumerPurgerKeepsPartitionsHoldingOtherConsumersRows(t *testing.T) {
 	if round.Err != nil {
 		t.Fatal(round.Err)
 	}
+	if round.Window != 3*day {
+		t.Errorf("window = %v, want OlderThan (3 days)", round.Window)
+	}
 	if n := count(t, db, table, "consumer = 'slow'"); n != 1 {
 		t.Errorf("slow's 5-day-old row: %d left, want 1", n)
 	}

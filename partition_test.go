@@ -171,8 +171,8 @@ func TestDropPartitions(t *testing.T) {
 		t.Fatal(err)
 	}
 	round := p.RunOnce(ctx)
-	if round.Err != nil || len(round.DroppedPartitions) != 2 || round.Deleted != 2 {
-		t.Errorf("purger round = %+v, want days -3 and -2 dropped", round)
+	if round.Err != nil || len(round.DroppedPartitions) != 2 || round.Deleted != 2 || round.Window != 24*time.Hour {
+		t.Errorf("purger round = %+v, want days -3 and -2 dropped under a 24h window", round)
 	}
 	// Oldest row left: yesterday noon, in yesterday's partition.
 	if round.OldestAge < 24*time.Hour || round.OldestAge > 48*time.Hour {

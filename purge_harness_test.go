@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -26,6 +27,26 @@ import (
 type fixedWindow time.Duration
 
 func (w fixedWindow) SafeWindow(context.Context) (time.Duration, error) { return time.Duration(w), nil }
+
+// settableWindow is a WindowSource whose safe window (or error) the test
+// sets between purges, as a broker's retention changes.
+type settableWindow struct {
+	mu     sync.Mutex
+	window time.Duration
+	err    error
+}
+
+func (w *settableWindow) set(window time.Duration, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.window, w.err = window, err
+}
+
+func (w *settableWindow) SafeWindow(context.Context) (time.Duration, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.window, w.err
+}
 
 // agoSQL returns an SQL expression for "the database's now minus d", in the
 // representation of processed_at.

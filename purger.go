@@ -26,10 +26,11 @@ type PurgerConfig struct {
 	// the first round runs at once. Default: 1 hour (DefaultPurgeInterval).
 	Interval time.Duration
 
-	// Logger receives one Info line per round (rows deleted, duration, age
-	// of the oldest remaining row, batches, time paused, back-offs and the
-	// effective duty cycle, or that another instance had the lock)
-	// and an Error line for a failed round. Default: watermill.NopLogger.
+	// Logger receives one Info line per round (rows deleted, duration, the
+	// window purged by, age of the oldest remaining row, batches, time
+	// paused, back-offs and the effective duty cycle, or that another
+	// instance had the lock) and an Error line for a failed round.
+	// Default: watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every round with its outcome, for
@@ -49,6 +50,18 @@ type PurgeRound struct {
 	DroppedPartitions []string
 	// Duration is how long the round took.
 	Duration time.Duration
+	// Window is the window the round purged by: rows processed longer ago
+	// were expired. It is PurgeConfig.OlderThan, or, when OlderThan is 0,
+	// the safe window that PurgeConfig.Window reported for this round
+	// (a source such as kafkaretention asks the broker at every round, so
+	// it changes when the topics' retention does). Set once the round has
+	// checked its window, so also on a round that failed or was cancelled
+	// afterwards; 0 for a skipped round and for one that failed before
+	// (the purge lock, the table's checks, the window source's error,
+	// ErrWindowTooShort, ErrWindowOutOfRange). For PostgreSQLPartitioned, a
+	// partition is dropped once all of it is older than Window, so the
+	// oldest row may be up to one partition interval older than Window.
+	Window time.Duration
 	// OldestAge is the age of the oldest row left in the table (all
 	// consumers), by the database clock; 0 when the table is empty. For
 	// PostgreSQLPartitioned it is the age of the start of the oldest
@@ -212,8 +225,9 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 	round := p.round(ctx)
 	round.Duration = time.Since(start)
 	fields := watermill.LogFields{
-		"deleted": round.Deleted, "duration": round.Duration.String(), "oldest_age": round.OldestAge.String(),
-		"batches": round.Pacing.Batches, "paused": round.Pacing.Paused.String(),
+		"deleted": round.Deleted, "duration": round.Duration.String(), "window": round.Window.String(),
+		"oldest_age": round.OldestAge.String(),
+		"batches":    round.Pacing.Batches, "paused": round.Pacing.Paused.String(),
 		"back_offs": round.Pacing.BackOffs, "duty_cycle": round.Pacing.DutyCycle,
 	}
 	switch {

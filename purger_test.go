@@ -42,6 +42,9 @@ func TestPurgerRound(t *testing.T) {
 		if round.OldestAge < 29*time.Minute || round.OldestAge > 31*time.Minute {
 			t.Errorf("oldest age = %v, want about 30m", round.OldestAge)
 		}
+		if round.Window != time.Hour {
+			t.Errorf("window = %v, want OlderThan (1h)", round.Window)
+		}
 		if f.inboxRows() != 10 {
 			t.Errorf("rows left = %d, want 10", f.inboxRows())
 		}
@@ -53,6 +56,57 @@ func TestPurgerRound(t *testing.T) {
 		}
 		if infos != 1 {
 			t.Errorf("log lines %v, want one Info line with deleted=1200", *logger.lines)
+		}
+	})
+}
+
+// Every round reports the window it purged by: OlderThan when set (also
+// above the source's safe window), otherwise the safe window the source
+// reports for that round, which follows a change of the broker's retention
+// from one round to the next; with a Consumer too. A round whose window
+// source fails reports no window.
+func TestPurgerRoundReportsItsWindow(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{})
+		insertRows(t, db, tdb.Dialect, f.inbox, "billing", "old", 10, 4*time.Hour)
+		retention := &settableWindow{}
+		round := func(cfg inbox.PurgeConfig) inbox.PurgeRound {
+			t.Helper()
+			cfg.DB, cfg.Table = db, f.inbox
+			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: cfg})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p.RunOnce(context.Background())
+		}
+		for _, tc := range []struct {
+			name      string
+			cfg       inbox.PurgeConfig
+			retention time.Duration
+			want      time.Duration
+		}{
+			{"OlderThan alone", inbox.PurgeConfig{OlderThan: 6 * time.Hour}, 0, 6 * time.Hour},
+			{"safe window from the source", inbox.PurgeConfig{Window: retention}, 5 * time.Hour, 5 * time.Hour},
+			{"the source's window changed since the last round", inbox.PurgeConfig{Window: retention}, 7 * time.Hour, 7 * time.Hour},
+			{"OlderThan above the safe window", inbox.PurgeConfig{OlderThan: 8 * time.Hour, Window: retention}, 5 * time.Hour, 8 * time.Hour},
+			{"one consumer", inbox.PurgeConfig{Consumer: "billing", Window: retention}, 9 * time.Hour, 9 * time.Hour},
+		} {
+			retention.set(tc.retention, nil)
+			if r := round(tc.cfg); r.Err != nil || r.Window != tc.want {
+				t.Errorf("%s: round %+v, want window %v", tc.name, r, tc.want)
+			}
+		}
+		if tdb.Dialect != inbox.PostgreSQLPartitioned { // rows 4h old are in a partition not yet past any window
+			retention.set(3*time.Hour, nil)
+			if r := round(inbox.PurgeConfig{Window: retention}); r.Err != nil || r.Window != 3*time.Hour || r.Deleted != 10 {
+				t.Errorf("3h safe window: round %+v, want the 10 rows of 4h ago deleted under a 3h window", r)
+			}
+		}
+		broken := errors.New("retention unreadable")
+		retention.set(0, broken)
+		if r := round(inbox.PurgeConfig{Window: retention}); !errors.Is(r.Err, broken) || r.Window != 0 {
+			t.Errorf("failing window source: round %+v, want its error and no window", r)
 		}
 	})
 }
@@ -83,7 +137,7 @@ func TestPurgerInstancesDoNotFight(t *testing.T) {
 			if !got || err != nil {
 				t.Fatalf("lock: %v %v", got, err)
 			}
-			if round := b.RunOnce(ctx); !round.Skipped || round.Deleted != 0 || round.Err != nil {
+			if round := b.RunOnce(ctx); !round.Skipped || round.Deleted != 0 || round.Window != 0 || round.Err != nil {
 				t.Errorf("round while another instance holds the lock = %+v, want skipped", round)
 			}
 			if err := release(); err != nil {

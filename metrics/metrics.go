@@ -1,7 +1,8 @@
 // Package metrics exports the inbox's outcomes to Prometheus, wired from the
 // inbox's hooks: messages processed, skipped as duplicates and failed, the
-// inbox transaction's duration, rows purged, the age of the oldest row and an
-// estimate of the table's size; and the outbox relay's: messages relayed,
+// inbox transaction's duration, purge rounds (by outcome, the last
+// successful one's time, the window they purge by, rows purged, pacing), the
+// age of the oldest row and an estimate of the table's size; and the outbox relay's: messages relayed,
 // refused and set aside, failed rounds, the round's duration, and the
 // outbox's depth, oldest unsent message and dead letters. It is a module of
 // its own so that the inbox core does not depend on the Prometheus client.
@@ -39,6 +40,18 @@ const (
 	OutcomeFailed    = "failed"
 )
 
+// Outcome label values of inbox_purge_rounds_total.
+const (
+	// RoundOK is a purge round that ended without error.
+	RoundOK = "ok"
+	// RoundFailed is a purge round that ended with an error (its Error
+	// log line says which), a stop of the purger aside.
+	RoundFailed = OutcomeFailed
+	// RoundSkipped is a purge round that did nothing because another
+	// instance held the purge lock.
+	RoundSkipped = "skipped"
+)
+
 // Metrics holds the inbox's collectors. Create it with New; it is safe for
 // concurrent use, and one Metrics may instrument any number of inboxes.
 type Metrics struct {
@@ -52,6 +65,9 @@ type Metrics struct {
 	pausedSecs   *prometheus.CounterVec
 	backOffs     *prometheus.CounterVec
 	dutyCycle    *prometheus.GaugeVec
+	rounds       *prometheus.CounterVec
+	lastSuccess  *prometheus.GaugeVec
+	window       *prometheus.GaugeVec
 	outbox       outboxMetrics
 }
 
@@ -98,10 +114,23 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "inbox_purge_duty_cycle",
 			Help: "Effective duty cycle of the last purge round that ran batches: time in batches / (time in batches + time paused).",
 		}, []string{"table"}),
+		rounds: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_purge_rounds_total",
+			Help: "Purge rounds by outcome: ok (ended without error), failed, or skipped (another instance held the purge lock).",
+		}, []string{"table", "outcome"}),
+		lastSuccess: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "inbox_purge_last_success_timestamp_seconds",
+			Help: "Unix time at which the last purge round that ended without error ended; 0 when none has since the process started.",
+		}, []string{"table"}),
+		window: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "inbox_purge_window_seconds",
+			Help: "Window the last purge round purged by (PurgeConfig.OlderThan, or the safe window its source reported): rows processed longer ago are expired.",
+		}, []string{"table"}),
 	}
 	m.outbox = newOutboxMetrics()
 	for _, c := range append([]prometheus.Collector{m.messages, m.txSeconds, m.purgeDeleted, m.oldestAge,
-		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle}, m.outbox.collectors()...) {
+		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle, m.rounds, m.lastSuccess, m.window},
+		m.outbox.collectors()...) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -135,24 +164,44 @@ func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event)
 }
 
 // InstrumentPurger returns cfg with its OnRound hook recording, labelled with
-// the purged table: rows deleted and the oldest row's age (successful rounds
-// only), and the pacing of every round that ran batches, failed and
-// cancelled ones included (batches, time in batches, time paused,
-// back-offs: PurgeRound.Pacing), with the effective duty cycle of the last
-// such round. A hook already set still runs, first. Skipped rounds change
-// nothing.
+// the purged table (cfg.Purge.Table, DefaultTable when empty):
+//   - every round by outcome (inbox_purge_rounds_total: ok, failed or
+//     skipped); a round cut short by the purger's own stop (an error
+//     wrapping context.Canceled, as at router shutdown) is not counted;
+//   - the time a round last ended without error
+//     (inbox_purge_last_success_timestamp_seconds), rows deleted
+//     (inbox_purge_rows_deleted_total) and the oldest row's age
+//     (inbox_oldest_row_age_seconds), of such rounds only;
+//   - the window the last round purged by (inbox_purge_window_seconds,
+//     PurgeRound.Window), also when it failed after checking its window;
+//   - the pacing of every round that ran batches, failed and cancelled
+//     ones included (batches, time in batches, time paused, back-offs:
+//     PurgeRound.Pacing), with the effective duty cycle of the last such
+//     round.
+//
+// The round counters and the last-success time start at 0 here, so that
+// rate() and increase() see the first round and an alert sees a purger that
+// never succeeds. A skipped round changes nothing but its counter. A hook
+// already set still runs, first.
 func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 	next := cfg.OnRound
 	table := cfg.Purge.Table
 	if table == "" {
 		table = inbox.DefaultTable
 	}
+	ok, failed := m.rounds.WithLabelValues(table, RoundOK), m.rounds.WithLabelValues(table, RoundFailed)
+	skipped := m.rounds.WithLabelValues(table, RoundSkipped)
+	lastSuccess := m.lastSuccess.WithLabelValues(table)
 	cfg.OnRound = func(r inbox.PurgeRound) {
 		if next != nil {
 			next(r)
 		}
 		if r.Skipped {
+			skipped.Inc()
 			return
+		}
+		if r.Window > 0 {
+			m.window.WithLabelValues(table).Set(r.Window.Seconds())
 		}
 		if pc := r.Pacing; pc.Batches > 0 {
 			m.batches.WithLabelValues(table).Add(float64(pc.Batches))
@@ -162,8 +211,13 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 			m.dutyCycle.WithLabelValues(table).Set(pc.DutyCycle)
 		}
 		if r.Err != nil {
+			if !errors.Is(r.Err, context.Canceled) {
+				failed.Inc()
+			}
 			return
 		}
+		ok.Inc()
+		lastSuccess.SetToCurrentTime()
 		m.purgeDeleted.WithLabelValues(table).Add(float64(r.Deleted))
 		m.oldestAge.WithLabelValues(table).Set(r.OldestAge.Seconds())
 	}

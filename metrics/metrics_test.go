@@ -240,3 +240,169 @@ func gathered(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Fatalf("no single series of %s", name)
 	return 0
 }
+
+// Purge rounds are counted by outcome from the moment the purger is
+// instrumented (every counter and the last-success time at 0 before any
+// round); a successful round sets the last-success time and the window it
+// purged by, which follows the window source from one round to the next; a
+// failed round counts as failed and leaves the last-success time alone, and
+// still reports its window when it had checked it; a round stopped by the
+// purger's own cancellation is not a failure.
+func TestMetricsPurgeRounds(t *testing.T) {
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	retention := &settableWindow{}
+	p, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Window: retention}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rounds := func(outcome string) float64 {
+		t.Helper()
+		return roundsCounted(t, reg, inbox.DefaultTable, outcome)
+	}
+	type state struct{ ok, failed, skipped, lastSuccess, window float64 }
+	now := func() state {
+		t.Helper()
+		s := state{rounds(metrics.RoundOK), rounds(metrics.RoundFailed), rounds(metrics.RoundSkipped),
+			gathered(t, reg, "inbox_purge_last_success_timestamp_seconds"), -1}
+		if testutil.CollectAndCount(reg, "inbox_purge_window_seconds") > 0 {
+			s.window = gathered(t, reg, "inbox_purge_window_seconds")
+		}
+		return s
+	}
+	if got := now(); got != (state{0, 0, 0, 0, -1}) {
+		t.Errorf("before any round: %+v, want every counter and the last-success time at 0, no window", got)
+	}
+
+	retention.set(5*time.Hour, nil)
+	before := float64(time.Now().UnixNano()) / 1e9
+	if r := p.RunOnce(context.Background()); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	first := now()
+	if first.ok != 1 || first.failed != 0 || first.lastSuccess < before || first.lastSuccess > before+60 || first.window != 5*3600 {
+		t.Errorf("after a successful round under a 5h window: %+v, want ok 1, last success about now (%v), window 18000", first, before)
+	}
+
+	retention.set(7*time.Hour, nil)
+	if r := p.RunOnce(context.Background()); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if got := now(); got.ok != 2 || got.lastSuccess < first.lastSuccess || got.window != 7*3600 {
+		t.Errorf("after the retention grew to 7h: %+v, want ok 2 and window 25200", got)
+	}
+	second := now()
+
+	retention.set(0, errors.New("retention unreadable"))
+	if r := p.RunOnce(context.Background()); r.Err == nil {
+		t.Fatal("round with an unreadable window succeeded")
+	}
+	if got := now(); got.ok != 2 || got.failed != 1 || got.lastSuccess != second.lastSuccess || got.window != 7*3600 {
+		t.Errorf("after a round whose window source failed: %+v, want failed 1, last success and window unchanged", got)
+	}
+
+	retention.set(5*time.Hour, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if r := p.RunOnce(ctx); !errors.Is(r.Err, context.Canceled) {
+		t.Fatalf("round under a cancelled context: %v, want context.Canceled", r.Err)
+	}
+	if got := now(); got.ok != 2 || got.failed != 1 || got.lastSuccess != second.lastSuccess {
+		t.Errorf("after a round stopped by the purger's cancellation: %+v, want no round counted", got)
+	}
+
+	if _, err := db.Exec("DROP TABLE watermill_inbox"); err != nil {
+		t.Fatal(err)
+	}
+	if r := p.RunOnce(context.Background()); r.Err == nil || r.Window != 5*time.Hour {
+		t.Fatalf("round on a dropped table: %+v, want an error after the 5h window was checked", r)
+	}
+	if got := now(); got.failed != 2 || got.lastSuccess != second.lastSuccess || got.window != 5*3600 {
+		t.Errorf("after a round that failed past its window check: %+v, want failed 2 and window 18000", got)
+	}
+}
+
+// A round that finds the purge lock held by another instance counts as
+// skipped and changes nothing else (PostgreSQL: SQLite takes no lock).
+func TestMetricsPurgeRoundSkipped(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := "metrics_skip_" + testdb.RandomSuffix()
+	testdb.DropLater(t, db, table)
+	ib, err := inbox.New(inbox.Config{DB: db, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holding := newHeldWindow(time.Hour)
+	holder, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, Window: holding}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: time.Hour}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan inbox.PurgeRound)
+	go func() { held <- holder.RunOnce(context.Background()) }()
+	<-holding.asked // the holder's round has the lock
+	r := p.RunOnce(context.Background())
+	close(holding.release)
+	if hr := <-held; hr.Err != nil {
+		t.Fatal(hr.Err)
+	}
+	if !r.Skipped {
+		t.Fatalf("round while another instance holds the lock: %+v, want skipped", r)
+	}
+	for outcome, want := range map[string]float64{metrics.RoundSkipped: 1, metrics.RoundOK: 0, metrics.RoundFailed: 0} {
+		if got := roundsCounted(t, reg, table, outcome); got != want {
+			t.Errorf("inbox_purge_rounds_total{outcome=%q} = %v, want %v", outcome, got, want)
+		}
+	}
+	if n := testutil.CollectAndCount(reg, "inbox_purge_window_seconds", "inbox_oldest_row_age_seconds"); n != 0 {
+		t.Errorf("%d window or oldest-age series after a skipped round, want none", n)
+	}
+}
+
+// roundsCounted returns the value of inbox_purge_rounds_total{table,
+// outcome}, found by gathering.
+func roundsCounted(t *testing.T, reg *prometheus.Registry, table, outcome string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "inbox_purge_rounds_total" {
+			continue
+		}
+		for _, mt := range mf.Metric {
+			labels := map[string]string{}
+			for _, l := range mt.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["table"] == table && labels["outcome"] == outcome {
+				return mt.GetCounter().GetValue()
+			}
+		}
+	}
+	t.Fatalf("no inbox_purge_rounds_total{table=%q,outcome=%q}", table, outcome)
+	return 0
+}

@@ -1,16 +1,13 @@
 package main
 
 import (
-	"context"
 	"flag"
 	"fmt"
-	"io"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/jetstreamretention"
 )
 
@@ -51,21 +48,6 @@ func (f *jetStreamFlags) source(margin time.Duration) (*jetstreamretention.Sourc
 		URL: f.url, Streams: f.streams, Margin: margin,
 		Options: []nats.Option{nats.Name("inbox purge"), nats.Timeout(10 * time.Second), nats.NoReconnect()},
 	})
-}
-
-// useWindow asks src for the safe window, prints it, and makes it cfg's
-// Window (and its OlderThan when none was given), as the Kafka flags do.
-func useWindow(ctx context.Context, stdout io.Writer, cfg *inbox.PurgeConfig, src inbox.WindowSource, from string) error {
-	safe, err := src.SafeWindow(ctx)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "safe window from %s: %s\n", from, safe)
-	if cfg.OlderThan == 0 {
-		cfg.OlderThan = safe
-	}
-	cfg.Window = src
-	return nil
 }
 
 // splitList splits a comma-separated flag value into its items, each

@@ -8,6 +8,7 @@
 //	inbox purge -db "$DATABASE_URL" -older-than 360h -dry-run
 //	inbox stats -db "$DATABASE_URL"
 //	inbox stats -db "$DATABASE_URL" -outbox-table billing_outbox
+//	inbox stats -db "$DATABASE_URL" -older-than 360h
 //
 // "inbox schema -verify" checks a table that your migrations made with
 // (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
@@ -15,6 +16,11 @@
 // could merge, truncate or reject message ids; with -outbox-table (repeated
 // for several) it also checks that the outbox tables the service writes
 // exist (inbox.Config.OutboxTables).
+//
+// "inbox stats" with the purge window (-older-than, or the Kafka or JetStream
+// flags of "inbox purge") shows the headroom: the oldest row's age against
+// the window, with a warning when the oldest row is past it by more than
+// -purge-lag (3h), the purge then falling behind or not running.
 //
 // "inbox stats" also shows the outbox of inbox.Outbox (messages pending, the
 // age of the oldest, dead letters): of the table -outbox-table names, which
@@ -48,7 +54,6 @@ import (
 	_ "modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
-	"github.com/watermill-inbox/inbox/kafkaretention"
 )
 
 // usage is the command's help. The defaults it states come from the
@@ -72,11 +77,16 @@ Usage:
   inbox purge  -db DSN -nats-url URL -nats-stream S [-nats-stream S2] [-margin D] [-older-than DURATION] ...
                                                 the same, from the JetStream streams' MaxAge (and their
                                                 consumers' AckWait x MaxDeliver when longer)
-  inbox stats  -db DSN [-table T] [-outbox-table O]
-                                                rows per consumer, oldest and newest row, size; and
-                                                the outbox: messages pending, the oldest's age, dead
-                                                letters (of O, or of ` + inbox.DefaultOutboxTable + ` when
-                                                it exists)
+  inbox stats  -db DSN [-table T] [-outbox-table O] [-older-than DURATION] [-purge-lag D]
+                                                rows per consumer, oldest and newest row, size; the
+                                                headroom: the oldest row's age against the purge window,
+                                                with a warning past the window + D (3h); and the outbox:
+                                                messages pending, the oldest's age, dead letters (of O,
+                                                or of ` + inbox.DefaultOutboxTable + ` when it exists)
+  inbox stats  -db DSN -brokers B -topics T [-margin D] [-older-than DURATION] ...
+  inbox stats  -db DSN -nats-url URL -nats-stream S [-margin D] [-older-than DURATION] ...
+                                                the same, with the window the purge takes from Kafka
+                                                or JetStream
   inbox partitions -db DSN [-table T] [-interval day|week [-migrate]]
                                                 postgres-partitioned: list the partitions and their
                                                 interval; -interval gives a new table that interval,
@@ -376,26 +386,17 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common
 	fs := newFlags("purge", stderr, &c, true)
-	olderThan := fs.Duration("older-than", 0, "delete rows processed longer ago than this (e.g. 360h); required unless -brokers/-topics or -nats-url/-nats-stream give the safe window, which it then defaults to")
+	win := addWindowFlags(fs, "delete rows processed longer ago than this (e.g. 360h); required unless -brokers/-topics or -nats-url/-nats-stream give the safe window, which it then defaults to")
 	consumer := fs.String("consumer", "", "only this consumer's rows (default: all)")
 	batch := fs.Int("batch", inbox.DefaultPurgeBatchSize, "rows per DELETE, each its own transaction")
 	duty := fs.Float64("duty-cycle", inbox.DefaultPurgeDutyCycle, "share of the purge's time spent in batches, above 0 and at most 1: after a batch of d it pauses d*(1-duty)/duty, longer when batches slow down; 1 runs them back to back")
 	maxPause := fs.Duration("max-pause", inbox.DefaultPurgeMaxPause, "longest pacing pause between two batches")
 	pause := fs.Duration("pause", 0, "fixed sleep between batches, added to the pacing pause (-duty-cycle 1 -pause D: a fixed pause alone)")
 	dryRun := fs.Bool("dry-run", false, "count the rows that would go; delete nothing")
-	brokers := fs.String("brokers", "", "Kafka bootstrap addresses, comma-separated: derive the safe window from -topics")
-	topics := fs.String("topics", "", "the Kafka topics the consumer reads, comma-separated (with -brokers)")
-	margin := fs.Duration("margin", kafkaretention.DefaultMargin, "added to the topics' retention.ms + segment.ms (with -brokers) or the streams' window (with -nats-url)")
-	js := addJetStreamFlags(fs)
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	brokerList, topicList := splitList(*brokers), splitList(*topics)
-	if (len(brokerList) == 0) != (len(topicList) == 0) {
-		return fmt.Errorf("%w: -brokers and -topics go together, each a comma-separated list of at least one name", errUsage)
-	}
-	kafka := len(brokerList) > 0
-	if err := js.check(kafka); err != nil {
+	if err := win.check(true); err != nil {
 		return err
 	}
 	// 0 would mean "the default" to PurgeConfig; here the default is
@@ -406,39 +407,20 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *maxPause <= 0 {
 		return fmt.Errorf("%w: -max-pause must be positive, got %v", errUsage, *maxPause)
 	}
-	if *olderThan < 0 || (*olderThan == 0 && !kafka && !js.set()) {
-		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics (or -nats-url and -nats-stream) give the window", errUsage)
-	}
 	db, d, err := c.open(ctx, false)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
-	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: *olderThan, BatchSize: *batch,
+	cfg := inbox.PurgeConfig{DB: db, Dialect: d, Table: c.table, OlderThan: win.olderThan, BatchSize: *batch,
 		DutyCycle: *duty, MaxPause: *maxPause, Pause: *pause, Consumer: *consumer}
-	if kafka {
-		src, err := kafkaretention.New(kafkaretention.Config{Brokers: brokerList, Topics: topicList, Margin: *margin})
-		if err != nil {
-			return err
-		}
-		defer src.Close()
-		safe, err := src.SafeWindow(ctx)
-		if err != nil {
-			return err
-		}
-		fmt.Fprintf(stdout, "safe window from Kafka (%s): %s\n", strings.Join(topicList, ","), safe)
-		if cfg.OlderThan == 0 {
-			cfg.OlderThan = safe
-		}
-		cfg.Window = src
+	src, from, closeSource, err := win.source()
+	if err != nil {
+		return err
 	}
-	if js.set() {
-		src, err := js.source(*margin)
-		if err != nil {
-			return err
-		}
-		defer src.Close()
-		if err := useWindow(ctx, stdout, &cfg, src, "JetStream ("+js.streams.String()+")"); err != nil {
+	defer closeSource()
+	if src != nil {
+		if err := useWindow(ctx, stdout, &cfg, src, from); err != nil {
 			return err
 		}
 	}
@@ -466,8 +448,18 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs := newFlags("stats", stderr, &c, true)
 	outboxTable := fs.String("outbox-table", "", "also show this outbox table: messages pending, the oldest's age, dead letters; it must exist"+
 		" (default: "+inbox.DefaultOutboxTable+", shown when it exists)")
+	win := addWindowFlags(fs, "the window the purge uses (e.g. 360h): show the oldest row's age against it (the headroom);"+
+		" with -brokers/-topics or -nats-url/-nats-stream, checked against the safe window (or, without it, taken from it) as inbox purge does")
+	lag := fs.Duration("purge-lag", defaultPurgeLag, "how far past the window the oldest row may be before stats warns that the purge is falling behind"+
+		" (a partitioned table's partition interval is added)")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if err := win.check(false); err != nil {
+		return err
+	}
+	if *lag < 0 {
+		return fmt.Errorf("%w: -purge-lag must not be negative, got %v", errUsage, *lag)
 	}
 	db, d, err := c.open(ctx, false)
 	if err != nil {
@@ -483,6 +475,15 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	ob, err := readOutbox(ctx, db, d, *outboxTable)
 	if err != nil {
 		return err
+	}
+	var room *headroom
+	if win.given() {
+		w, err := win.resolve(ctx)
+		if err != nil {
+			return err
+		}
+		h := readHeadroom(ctx, db, c.table, st, w, *lag)
+		room = &h
 	}
 	fmt.Fprintf(stdout, "table:    %s\n", c.table)
 	fmt.Fprintf(stdout, "rows:     %d\n", st.Rows)
@@ -500,6 +501,11 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sort.Strings(consumers)
 	for _, name := range consumers {
 		fmt.Fprintf(stdout, "consumer: %s %d\n", name, st.Consumers[name])
+	}
+	if room != nil {
+		room.print(stdout)
+	} else {
+		fmt.Fprintln(stdout, "window:   not given (-older-than, -brokers/-topics or -nats-url/-nats-stream show the headroom)")
 	}
 	if ob != nil {
 		fmt.Fprintf(stdout, "outbox:   %s\n", ob.table)

@@ -1,0 +1,57 @@
+package main
+
+// Rows of a chosen age in a table of one of the test databases, and a Kafka
+// cluster (kfake) holding a topic of a chosen retention.
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jmoiron/sqlx"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// insertAged adds n rows of consumer billing to table, processed ago before
+// the database's now, on the database db of dsns(t)[name].
+func insertAged(t *testing.T, db *sqlx.DB, name, table string, n int, ago time.Duration) {
+	t.Helper()
+	us := ago.Microseconds()
+	expr := map[string]string{
+		"sqlite":   fmt.Sprintf("CAST(unixepoch('subsec') * 1000000 AS INTEGER) - %d", us),
+		"postgres": fmt.Sprintf("now() - interval '%d microseconds'", us),
+		"mysql":    fmt.Sprintf("UTC_TIMESTAMP(6) - INTERVAL %d MICROSECOND", us),
+	}[name]
+	for i := range n {
+		if _, err := db.Exec(db.Rebind("INSERT INTO "+table+" VALUES (?, ?, "+expr+")"), "billing", fmt.Sprintf("%s-%d", ago, i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// kafkaTopic starts a kfake cluster, stopped when t ends, with the topic
+// orders of the given retention.ms and segment.ms, and returns its
+// bootstrap addresses, comma-separated.
+func kafkaTopic(t *testing.T, retention, segment time.Duration) string {
+	t.Helper()
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cluster.Close)
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_8_0_0
+	admin, err := sarama.NewClusterAdmin(cluster.ListenAddrs(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close()
+	r, s := fmt.Sprint(retention.Milliseconds()), fmt.Sprint(segment.Milliseconds())
+	if err := admin.CreateTopic("orders", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"retention.ms": &r, "segment.ms": &s}}, false); err != nil {
+		t.Fatal(err)
+	}
+	return strings.Join(cluster.ListenAddrs(), ",")
+}
