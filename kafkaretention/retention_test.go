@@ -142,6 +142,24 @@ func TestPurgeWithRetentionSource(t *testing.T) {
 	}
 }
 
+// A topic the cluster does not have gives the broker's error, naming the
+// topic, never a window from the broker's defaults, even beside a topic
+// that has one.
+func TestSafeWindow_UnknownTopicIsAnError(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	createTopic(t, admin, "one_day", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"})
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"one_day", "no_such_topic"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := src.SafeWindow(context.Background())
+	var describeErr *sarama.DescribeConfigError
+	if !errors.As(err, &describeErr) || !strings.Contains(err.Error(), "no_such_topic") || got != 0 {
+		t.Errorf("SafeWindow = %v, %v; want a *sarama.DescribeConfigError naming no_such_topic", got, err)
+	}
+}
+
 // years is n years of 365 days in milliseconds, as a topic config value.
 func years(n int64) string { return strconv.FormatInt(n*365*24*3600*1000, 10) }
 
