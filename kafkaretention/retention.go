@@ -30,6 +30,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -242,9 +243,11 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 // returns its results by topic name. DescribeConfigs takes no context, so it
 // runs in a goroutine and a cancelled ctx still returns at once.
 func (s *Source) describe(ctx context.Context) (map[string]*sarama.ConfigResourceResult, error) {
-	resources := make([]*sarama.ConfigResource, len(s.topics))
+	var resources []*sarama.ConfigResource
 	for i, topic := range s.topics {
-		resources[i] = &sarama.ConfigResource{Type: sarama.TopicResource, Name: topic}
+		if !slices.Contains(s.topics[:i], topic) { // each topic once in the request
+			resources = append(resources, &sarama.ConfigResource{Type: sarama.TopicResource, Name: topic})
+		}
 	}
 	type result struct {
 		results []*sarama.ConfigResourceResult

@@ -63,6 +63,7 @@ func TestSafeWindow(t *testing.T) {
 		{topics: []string{"one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
 		{topics: []string{"defaults"}, want: 7*24*time.Hour + 7*24*time.Hour + kafkaretention.DefaultMargin},
 		{topics: []string{"one_day", "defaults"}, margin: time.Minute, want: 14*24*time.Hour + time.Minute},
+		{topics: []string{"one_day", "one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
 		{topics: []string{"one_day", "forever"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compacted"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compact_delete"}, err: kafkaretention.ErrNoSafeWindow},
