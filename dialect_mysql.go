@@ -164,38 +164,82 @@ const myIndexesSQL = `SELECT INDEX_NAME AS index_name, NON_UNIQUE = 0 AS is_uniq
 	COLUMN_NAME AS column_name, SUB_PART AS sub_part
 FROM information_schema.STATISTICS WHERE `
 
+// checkTable reports what makes t unfit for the claim and the purge: a view
+// or a storage engine without transactions, wrong columns, wrong keys and
+// indexes, and the objects checkObjects finds; each problem in that order.
 func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error) {
 	where, args := mysqlTableWhere(t)
-	tq := t.quoted(d)
+	var ps problems
+	isTable, err := d.checkTableKind(ctx, q, t, where, args, &ps)
+	if err != nil {
+		return nil, err
+	}
+	if !isTable {
+		return ps, nil
+	}
+	if err := d.checkColumns(ctx, q, t, where, args, &ps); err != nil {
+		return nil, err
+	}
+	if err := d.checkIndexes(ctx, q, t, where, args, &ps); err != nil {
+		return nil, err
+	}
+	if err := d.checkObjects(ctx, q, t, &ps); err != nil {
+		return nil, err
+	}
+	return ps, nil
+}
+
+// checkTableKind reads t's type and storage engine (where and args select t
+// in information_schema): it reports false, with a problem, for a view,
+// which no other check applies to, and a problem for an engine other than
+// InnoDB. A missing t is tableNotFound's error.
+func (d mysqlDialect) checkTableKind(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, where string, args []any, ps *problems) (bool, error) {
 	var table struct {
 		Type   string         `db:"table_type"`
 		Engine sql.NullString `db:"engine"`
 	}
 	err := sqlx.GetContext(ctx, q, &table, "SELECT TABLE_TYPE AS table_type, ENGINE AS engine FROM information_schema.TABLES WHERE "+where, args...)
 	if errors.Is(err, sql.ErrNoRows) {
-		return nil, tableNotFound(t)
+		return false, tableNotFound(t)
 	}
 	if err != nil {
-		return nil, err
+		return false, err
 	}
-	var ps problems
 	if strings.Contains(table.Type, "VIEW") {
 		ps.add("replace it with the table of the canonical DDL below", "%q is a %q, not a table", t.String(), table.Type)
-		return ps, nil
+		return false, nil
 	}
 	if !strings.EqualFold(table.Engine.String, "InnoDB") {
-		ps.add("ALTER TABLE "+tq+" ENGINE=InnoDB", "the table uses the storage engine %q, not InnoDB: the claim relies on"+
+		ps.add("ALTER TABLE "+t.quoted(d)+" ENGINE=InnoDB", "the table uses the storage engine %q, not InnoDB: the claim relies on"+
 			" InnoDB's transactions and row locks (on MyISAM a claim survives its handler's failure)", table.Engine.String)
 	}
+	return true, nil
+}
 
+// checkColumns reports the key columns' and processed_at's problems, then
+// any other column a claim cannot leave out.
+func (d mysqlDialect) checkColumns(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, where string, args []any, ps *problems) error {
 	var cols []myColumn
 	if err := sqlx.SelectContext(ctx, q, &cols, myColumnsSQL+where+" ORDER BY ORDINAL_POSITION", args...); err != nil {
-		return nil, err
+		return err
 	}
 	byName := map[string]myColumn{}
 	for _, c := range cols {
 		byName[strings.ToLower(c.Name)] = c
 	}
+	tq := t.quoted(d)
+	if err := d.checkKeyColumns(ctx, q, tq, byName, ps); err != nil {
+		return err
+	}
+	myCheckProcessedAt(tq, byName, ps)
+	myCheckOtherColumns(tq, cols, ps)
+	return nil
+}
+
+// checkKeyColumns reports a key column (consumer, message_id) of the table
+// tq (quoted) that is missing, nullable, or of a type or collation
+// keyColumnProblem refuses.
+func (d mysqlDialect) checkKeyColumns(ctx context.Context, q sqlx.QueryerContext, tq string, byName map[string]myColumn, ps *problems) error {
 	for _, name := range keyColumns {
 		fix := "ALTER TABLE " + tq + " MODIFY " + name + " varbinary(255) NOT NULL"
 		c, ok := byName[name]
@@ -205,7 +249,7 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 		}
 		what, err := d.keyColumnProblem(ctx, q, c)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if what == "" && c.Nullable != "NO" {
 			what = fmt.Sprintf("column %q is nullable", c.Name)
@@ -214,6 +258,12 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 			ps.add(fix, "%s", what)
 		}
 	}
+	return nil
+}
+
+// myCheckProcessedAt reports a processed_at column of the table tq (quoted)
+// that is missing or is not a datetime(6).
+func myCheckProcessedAt(tq string, byName map[string]myColumn, ps *problems) {
 	fix := "ALTER TABLE " + tq + " MODIFY " + processedAt + " datetime(6) NOT NULL"
 	switch c, ok := byName[processedAt]; {
 	case !ok:
@@ -227,6 +277,12 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 		ps.add(fix, "column %q has type %q, with fewer than 6 fractional digits: the claim of a duplicate adds"+
 			" 1 microsecond to it and must change the row", c.Name, c.Type)
 	}
+}
+
+// myCheckOtherColumns reports every column of the table tq (quoted) besides
+// the inbox's own that is NOT NULL without a default or a generated value:
+// the claim, which sets only the inbox's columns, would fail.
+func myCheckOtherColumns(tq string, cols []myColumn, ps *problems) {
 	for _, c := range cols {
 		name := strings.ToLower(c.Name)
 		if name == processedAt || slices.Contains(keyColumns, name) {
@@ -243,41 +299,26 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 				"column %q is NOT NULL without a default, so every claim (which sets only consumer, message_id and processed_at) fails", c.Name)
 		}
 	}
+}
 
+// checkIndexes reports a missing or wrong primary key, any other unique
+// index (ON DUPLICATE KEY UPDATE fires on it too), and a missing index led
+// by processed_at.
+func (d mysqlDialect) checkIndexes(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, where string, args []any, ps *problems) error {
 	var keys []myIndexColumn
 	if err := sqlx.SelectContext(ctx, q, &keys, myIndexesSQL+where+" ORDER BY INDEX_NAME, SEQ_IN_INDEX", args...); err != nil {
-		return nil, err
+		return err
 	}
 	indexes := map[string][]myIndexColumn{}
-	var names []string
+	var names []string // in the order of the query
 	for _, k := range keys {
 		if _, ok := indexes[k.Index]; !ok {
 			names = append(names, k.Index)
 		}
 		indexes[k.Index] = append(indexes[k.Index], k)
 	}
-	want := strings.Join(keyColumns, ", ")
-	standIn := "" // a unique index on the key columns that the primary key's fix replaces
-	if pk, ok := indexes["PRIMARY"]; !ok {
-		fix := "ALTER TABLE " + tq + " ADD PRIMARY KEY (" + want + ")"
-		for _, name := range names {
-			if idx := indexes[name]; idx[0].Unique && myIndexIsKey(idx) {
-				standIn = name
-				fix = "ALTER TABLE " + tq + " DROP INDEX " + myQuote(name) + ", ADD PRIMARY KEY (" + want + ")"
-			}
-		}
-		ps.add(fix, "the table has no primary key; the claim needs the primary key %s"+
-			" (a UNIQUE index does not do: InnoDB takes gap locks on it that block neighbouring claims)", nameList(keyColumns))
-	} else if !myIndexIsKey(pk) {
-		why := ""
-		for _, k := range pk {
-			if k.SubPart.Valid {
-				why = ": it indexes a prefix of a key column, so ids that share the prefix merge"
-			}
-		}
-		ps.add("ALTER TABLE "+tq+" DROP PRIMARY KEY, ADD PRIMARY KEY ("+want+")",
-			"the primary key is (%s), not %s%s", myIndexColumns(pk), nameList(keyColumns), why)
-	}
+	tq := t.quoted(d)
+	standIn := myCheckPrimaryKey(tq, indexes, names, ps)
 	for _, name := range names {
 		// ON DUPLICATE KEY UPDATE fires on any unique key, so a key this
 		// index shares (another consumer's message id) is taken for a
@@ -297,10 +338,40 @@ func (d mysqlDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t q
 		ps.add("CREATE INDEX "+d.quote(t.indexName())+" ON "+tq+" ("+processedAt+")",
 			"no index is led by %q, so every purge scans the whole table", processedAt)
 	}
-	if err := d.checkObjects(ctx, q, t, &ps); err != nil {
-		return nil, err
+	return nil
+}
+
+// myCheckPrimaryKey reports a primary key of the table tq (quoted) that is
+// missing or is not exactly the key columns. Without one, it returns the
+// name of a unique index on the key columns that the fix replaces by the
+// primary key (the last of them, if several), which checkIndexes must not
+// report again; otherwise "".
+func myCheckPrimaryKey(tq string, indexes map[string][]myIndexColumn, names []string, ps *problems) (standIn string) {
+	want := strings.Join(keyColumns, ", ")
+	pk, ok := indexes["PRIMARY"]
+	if !ok {
+		fix := "ALTER TABLE " + tq + " ADD PRIMARY KEY (" + want + ")"
+		for _, name := range names {
+			if idx := indexes[name]; idx[0].Unique && myIndexIsKey(idx) {
+				standIn = name
+				fix = "ALTER TABLE " + tq + " DROP INDEX " + myQuote(name) + ", ADD PRIMARY KEY (" + want + ")"
+			}
+		}
+		ps.add(fix, "the table has no primary key; the claim needs the primary key %s"+
+			" (a UNIQUE index does not do: InnoDB takes gap locks on it that block neighbouring claims)", nameList(keyColumns))
+		return standIn
 	}
-	return ps, nil
+	if !myIndexIsKey(pk) {
+		why := ""
+		for _, k := range pk {
+			if k.SubPart.Valid {
+				why = ": it indexes a prefix of a key column, so ids that share the prefix merge"
+			}
+		}
+		ps.add("ALTER TABLE "+tq+" DROP PRIMARY KEY, ADD PRIMARY KEY ("+want+")",
+			"the primary key is (%s), not %s%s", myIndexColumns(pk), nameList(keyColumns), why)
+	}
+	return ""
 }
 
 // myObjectsSQL lists, as (what, fix), what besides columns and indexes can

@@ -15,7 +15,8 @@ import (
 // The messages a handler returns go to the outbox inside the inbox
 // transaction, to the handler's publish topic, not to the router; a rolled
 // back message leaves no outbox row; a failed outbox publish is a nack that
-// the redelivery repairs.
+// the redelivery repairs, and a duplicate after it is acked without a
+// second outbox row.
 func TestReturnedMessagesGoThroughOutbox(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		f := newFixture(t, db)
@@ -65,13 +66,21 @@ func TestReturnedMessagesGoThroughOutbox(t *testing.T) {
 			t.Fatalf("failed outbox publish left inbox rows %d, business rows %d", f.inboxRows(), f.businessRows())
 		}
 		failPublish.Store(false)
-		if !in.deliver(t, msg) || !in.deliver(t, msg) {
+		wantRows := func(after string) {
+			t.Helper()
+			if outboxRows("invoices") != 2 || outboxRows("audit") != 1 || f.businessRows() != 1 || f.inboxRows() != 1 {
+				t.Errorf("after the %s: outbox invoices %d, audit %d, business %d, inbox %d; want 2, 1, 1, 1",
+					after, outboxRows("invoices"), outboxRows("audit"), f.businessRows(), f.inboxRows())
+			}
+		}
+		if !in.deliver(t, msg) {
 			t.Fatal("redelivery nacked")
 		}
-		if outboxRows("invoices") != 2 || outboxRows("audit") != 1 || f.businessRows() != 1 || f.inboxRows() != 1 {
-			t.Errorf("outbox invoices %d, audit %d, business %d, inbox %d; want 2, 1, 1, 1",
-				outboxRows("invoices"), outboxRows("audit"), f.businessRows(), f.inboxRows())
+		wantRows("redelivery")
+		if !in.deliver(t, msg) {
+			t.Fatal("duplicate nacked")
 		}
+		wantRows("duplicate")
 		if routerPub.published != 0 {
 			t.Errorf("router published %d messages, want 0", routerPub.published)
 		}

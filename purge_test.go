@@ -135,7 +135,7 @@ func TestPurgeIgnoresSessionTimeZone(t *testing.T) {
 		}
 		t.Run(tdb.Name, func(t *testing.T) {
 			t.Parallel()
-			plus14, minus12 := tdb.Open(t), tdb.Open(t)
+			var plus14, minus12 *sqlx.DB
 			if params, ok := sessions[tdb.Name]; ok {
 				open := testdb.OpenPostgres
 				if tdb.Dialect == inbox.MySQL {
@@ -144,6 +144,7 @@ func TestPurgeIgnoresSessionTimeZone(t *testing.T) {
 				plus14, minus12 = open(t, params[0]), open(t, params[1])
 				checkSessionOffsets(t, tdb.Dialect, plus14, minus12)
 			} else {
+				plus14 = tdb.Open(t)
 				minus12 = plus14 // SQLite has no session time zone; its clock is UTC by definition
 			}
 			f := newFixture(t, plus14)

@@ -6,6 +6,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"fmt"
 	"io"
 	"sync"
 	"testing"
@@ -77,18 +78,19 @@ func (c *recConn) PrepareContext(ctx context.Context, query string) (driver.Stmt
 	return &recStmt{Stmt: s, conn: c, query: query}, nil
 }
 
-func (c *recConn) Begin() (driver.Tx, error) { //nolint:staticcheck // driver.Conn requires it
+// Begin is there for driver.Conn; database/sql calls BeginTx.
+func (c *recConn) Begin() (driver.Tx, error) {
 	return c.BeginTx(context.Background(), driver.TxOptions{})
 }
 
+// BeginTx needs the wrapped driver's BeginTx, as every driver these tests
+// record has (pgx, go-sql-driver/mysql, modernc sqlite).
 func (c *recConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
-	var tx driver.Tx
-	var err error
-	if b, ok := c.Conn.(driver.ConnBeginTx); ok {
-		tx, err = b.BeginTx(ctx, opts)
-	} else {
-		tx, err = c.Conn.Begin() //nolint:staticcheck // fallback of database/sql itself
+	b, ok := c.Conn.(driver.ConnBeginTx)
+	if !ok {
+		return nil, fmt.Errorf("recording pool: %T does not implement driver.ConnBeginTx", c.Conn)
 	}
+	tx, err := b.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -217,30 +219,25 @@ type recStmt struct {
 	query string
 }
 
+// ExecContext needs the wrapped statement's ExecContext, as every driver
+// these tests record has.
 func (s *recStmt) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
-	var res driver.Result
-	var err error
-	if e, ok := s.Stmt.(driver.StmtExecContext); ok {
-		res, err = e.ExecContext(ctx, args)
-	} else {
-		values := make([]driver.Value, len(args))
-		for i, a := range args {
-			values[i] = a.Value
-		}
-		res, err = s.Stmt.Exec(values) //nolint:staticcheck // fallback of database/sql itself
+	e, ok := s.Stmt.(driver.StmtExecContext)
+	if !ok {
+		return nil, fmt.Errorf("recording pool: %T does not implement driver.StmtExecContext", s.Stmt)
 	}
+	res, err := e.ExecContext(ctx, args)
 	return s.conn.observeResult(s.query, res, err)
 }
 
+// QueryContext needs the wrapped statement's QueryContext, as every driver
+// these tests record has.
 func (s *recStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
-	if q, ok := s.Stmt.(driver.StmtQueryContext); ok {
-		return q.QueryContext(ctx, args)
+	q, ok := s.Stmt.(driver.StmtQueryContext)
+	if !ok {
+		return nil, fmt.Errorf("recording pool: %T does not implement driver.StmtQueryContext", s.Stmt)
 	}
-	values := make([]driver.Value, len(args))
-	for i, a := range args {
-		values[i] = a.Value
-	}
-	return s.Stmt.Query(values) //nolint:staticcheck // fallback of database/sql itself
+	return q.QueryContext(ctx, args)
 }
 
 // statementLog is an sqlObserver that keeps every statement text a pool

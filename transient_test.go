@@ -279,6 +279,7 @@ func TestIsTransient(t *testing.T) {
 	// redelivery for ever. Real network failures are transient.
 	t.Run("errors of the message content", func(t *testing.T) {
 		t.Parallel()
+		//lint:ignore SA1007 the invalid URL is this case's input: the *url.Error it gives is what IsTransient must refuse
 		_, urlErr := url.Parse("http://[::1")
 		_, _, cidrErr := net.ParseCIDR("10.0.0.0/99")
 		_, _, addrErr := net.SplitHostPort("billing.example")

@@ -30,6 +30,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -155,15 +156,20 @@ type TopicWindow struct {
 // saturates at the longest time.Duration instead of wrapping.
 func (w TopicWindow) Window() time.Duration { return duration.Add(w.Retention, w.Segment) }
 
-// Describe reads the topics' retention settings. A topic that keeps
-// messages forever or compacts them, or whose Window is longer than
-// inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow (see the
+// Describe reads the topics' retention settings, all in one request. A topic
+// that keeps messages forever or compacts them, or whose Window is longer
+// than inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow (see the
 // package documentation); a segment.ms that Kafka would refuse (0 or
-// negative) or a value that is not a number gives another error.
+// negative) or a value that is not a number gives another error, and a topic
+// the cluster does not have an error wrapping *sarama.DescribeConfigError.
 func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
+	described, err := s.describe(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var out []TopicWindow
 	for _, topic := range s.topics {
-		entries, err := s.describe(ctx, topic)
+		entries, err := topicEntries(described, topic)
 		if err != nil {
 			return nil, err
 		}
@@ -233,25 +239,53 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	return safe, nil
 }
 
-// describe runs sarama's DescribeConfig, which takes no context, so that a
-// cancelled ctx still returns at once.
-func (s *Source) describe(ctx context.Context, topic string) ([]sarama.ConfigEntry, error) {
+// describe runs sarama's DescribeConfigs for every topic in one request and
+// returns its results by topic name. DescribeConfigs takes no context, so it
+// runs in a goroutine and a cancelled ctx still returns at once.
+func (s *Source) describe(ctx context.Context) (map[string]*sarama.ConfigResourceResult, error) {
+	var resources []*sarama.ConfigResource
+	for i, topic := range s.topics {
+		if !slices.Contains(s.topics[:i], topic) { // each topic once in the request
+			resources = append(resources, &sarama.ConfigResource{Type: sarama.TopicResource, Name: topic})
+		}
+	}
 	type result struct {
-		entries []sarama.ConfigEntry
+		results []*sarama.ConfigResourceResult
 		err     error
 	}
 	done := make(chan result, 1)
 	go func() {
-		entries, err := s.admin.DescribeConfig(sarama.ConfigResource{Type: sarama.TopicResource, Name: topic})
-		done <- result{entries, err}
+		results, err := s.admin.DescribeConfigs(resources, sarama.DescribeConfigsOptions{})
+		done <- result{results, err}
 	}()
 	select {
 	case r := <-done:
 		if r.err != nil {
-			return nil, fmt.Errorf("kafkaretention: describe topic %s: %w", topic, r.err)
+			return nil, fmt.Errorf("kafkaretention: describe topics %s: %w", strings.Join(s.topics, ", "), r.err)
 		}
-		return r.entries, nil
+		byTopic := make(map[string]*sarama.ConfigResourceResult, len(r.results))
+		for _, res := range r.results {
+			if res.Type == sarama.TopicResource {
+				byTopic[res.Name] = res
+			}
+		}
+		return byTopic, nil
 	case <-ctx.Done():
-		return nil, fmt.Errorf("kafkaretention: describe topic %s: %w", topic, ctx.Err())
+		return nil, fmt.Errorf("kafkaretention: describe topics %s: %w", strings.Join(s.topics, ", "), ctx.Err())
 	}
+}
+
+// topicEntries returns the configuration entries described for topic. The
+// broker's error for that topic (an unknown topic, missing authorization)
+// comes back as a *sarama.DescribeConfigError; a topic the response does not
+// mention is an error too, never a topic with the broker's defaults.
+func topicEntries(described map[string]*sarama.ConfigResourceResult, topic string) ([]sarama.ConfigEntry, error) {
+	res, ok := described[topic]
+	if !ok {
+		return nil, fmt.Errorf("kafkaretention: describe topic %s: %w", topic, sarama.ErrIncompleteResponse)
+	}
+	if !errors.Is(res.ErrorCode, sarama.ErrNoError) {
+		return nil, fmt.Errorf("kafkaretention: describe topic %s: %w", topic, &sarama.DescribeConfigError{Err: res.ErrorCode, ErrMsg: res.ErrorMsg})
+	}
+	return res.Configs, nil
 }

@@ -63,6 +63,7 @@ func TestSafeWindow(t *testing.T) {
 		{topics: []string{"one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
 		{topics: []string{"defaults"}, want: 7*24*time.Hour + 7*24*time.Hour + kafkaretention.DefaultMargin},
 		{topics: []string{"one_day", "defaults"}, margin: time.Minute, want: 14*24*time.Hour + time.Minute},
+		{topics: []string{"one_day", "one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
 		{topics: []string{"one_day", "forever"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compacted"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compact_delete"}, err: kafkaretention.ErrNoSafeWindow},
@@ -139,6 +140,24 @@ func TestPurgeWithRetentionSource(t *testing.T) {
 	compacted, _ := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"orders", "ledger"}})
 	if _, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, OlderThan: 1000 * time.Hour, Window: compacted}); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
 		t.Errorf("compacted topic: err = %v, want ErrNoSafeWindow", err)
+	}
+}
+
+// A topic the cluster does not have gives the broker's error, naming the
+// topic, never a window from the broker's defaults, even beside a topic
+// that has one.
+func TestSafeWindow_UnknownTopicIsAnError(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	createTopic(t, admin, "one_day", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"})
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"one_day", "no_such_topic"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := src.SafeWindow(context.Background())
+	var describeErr *sarama.DescribeConfigError
+	if !errors.As(err, &describeErr) || !strings.Contains(err.Error(), "no_such_topic") || got != 0 {
+		t.Errorf("SafeWindow = %v, %v; want a *sarama.DescribeConfigError naming no_such_topic", got, err)
 	}
 }
 

@@ -135,7 +135,7 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("%w: LockTable %q must match %s", inbox.ErrInvalidTableName, c.LockTable, tableNamePattern))
 	}
 	if c.Slots != 1 {
-		errs = append(errs, fmt.Errorf("Slots must be 1, got %d: more slots lose messages behind a forwarder"+
+		errs = append(errs, fmt.Errorf("mysqloutbox: Config.Slots must be 1, got %d: more slots lose messages behind a forwarder"+
 			" (its one table takes offsets of every slot out of commit order); use inbox.Outbox for parallel outbox writes", c.Slots))
 	}
 	return errors.Join(errs...)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -21,6 +22,10 @@ import (
 	"github.com/watermill-inbox/inbox"
 )
 
+// orchestrate runs the whole demonstration: it starts a broker and a
+// database unless given, publishes the orders, runs the workers through a
+// SIGKILL, a rebalance and a replay, and checks that every order got
+// exactly one invoice and one email.
 func orchestrate() error {
 	ctx := context.Background()
 	run := fmt.Sprintf("%d", time.Now().UnixNano()%1_000_000_000)
@@ -53,15 +58,7 @@ func orchestrate() error {
 	}
 	defer d.Close()
 	fmt.Printf("inbox: %s; outbox: inbox.Outbox, its relay in each Billing worker\n", *inboxImpl)
-	if err := tables(d, run); err != nil {
-		return err
-	}
-	// The table is the same for both inboxes (pgxinbox's is package inbox's).
-	ib, err := inbox.New(inbox.Config{DB: d.db, Dialect: d.dialect, Table: "inbox_" + run})
-	if err != nil {
-		return err
-	}
-	if err := ib.InitializeSchema(ctx); err != nil {
+	if err := createTables(ctx, d, run); err != nil {
 		return err
 	}
 	defer dropTables(d, run)
@@ -85,7 +82,35 @@ func orchestrate() error {
 		return err
 	}
 
-	// Orders: N events, 5 % published twice (a producer retry): same UUID.
+	published, err := publishOrders(kafkaPub)
+	if err != nil {
+		return err
+	}
+	s := &stats{d: d, ob: ob, run: run}
+	var workers crew
+	defer workers.stop() // the last ones run until the checks are done
+	if err := runWorkers(s, &workers, run, published); err != nil {
+		return err
+	}
+	return checkEffectivelyOnce(ctx, s)
+}
+
+// createTables creates the business tables and the inbox table of run.
+func createTables(ctx context.Context, d *database, run string) error {
+	if err := tables(d, run); err != nil {
+		return err
+	}
+	// The table is the same for both inboxes (pgxinbox's is package inbox's).
+	ib, err := inbox.New(inbox.Config{DB: d.db, Dialect: d.dialect, Table: "inbox_" + run})
+	if err != nil {
+		return err
+	}
+	return ib.InitializeSchema(ctx)
+}
+
+// publishOrders publishes the orders, a share of them twice (a producer
+// retry: the same UUID), and returns how many events it published.
+func publishOrders(pub message.Publisher) (int, error) {
 	published := 0
 	for i := 1; i <= *orders; i++ {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"amount":100}`))
@@ -95,35 +120,40 @@ func orchestrate() error {
 			copies = 2
 		}
 		for range copies {
-			if err := kafkaPub.Publish(ordersTopic, msg.Copy()); err != nil {
-				return err
+			if err := pub.Publish(ordersTopic, msg.Copy()); err != nil {
+				return published, err
 			}
 			published++
 		}
 	}
 	fmt.Printf("orders: %d published as %d events (%d producer re-sends)\n", *orders, published, published-*orders)
+	return published, nil
+}
 
-	s := &stats{d: d, ob: ob, run: run}
-	mailer := start("mailer", "mailer-1", 0)
-	defer mailer.stop()
+// runWorkers starts the mailer and the Billing workers: billing-1 is
+// SIGKILLed, billing-3 joins and leaves (two rebalances), then the topic
+// is replayed from the start to billing-4. It returns once billing-4 has
+// had all published events again; the mailer and billing-4 keep running,
+// in workers.
+func runWorkers(s *stats, workers *crew, run string, published int) error {
+	workers.start("mailer", "mailer-1", 0)
 	// billing-1 runs alone until its SIGKILL, so that it owns every
 	// partition and surely reaches its kill-after commit (with a second
 	// member from the start, the partitions it got could hold fewer
 	// orders, and it would never die).
 	fmt.Println("billing-1: starts alone, will be SIGKILLed after a commit before its ack, and after a relay publish before its delete")
-	b1 := start("billing", "billing-1", max(1, *orders/4))
+	b1 := workers.start("billing", "billing-1", max(1, *orders/4))
 	if !b1.waitFor(3 * time.Minute) {
 		b1.stop()
 		return fmt.Errorf("billing-1 did not reach its SIGKILL within 3 minutes")
 	}
-	b2 := start("billing", "billing-2", 0)
-	defer b2.stop()
+	b2 := workers.start("billing", "billing-2", 0)
 	s.progress("billing-1 died; billing-2 joins and gets its partitions once billing-1's session times out")
 
 	fmt.Println("billing-3: joins the group (rebalance)")
 	// SQLite has no row locks: one relay per database, so billing-3, which
 	// overlaps billing-2, runs none there.
-	b3 := start("billing", "billing-3", 0, "-relay="+fmt.Sprint(d.dialect != inbox.SQLite))
+	b3 := workers.start("billing", "billing-3", 0, "-relay="+fmt.Sprint(s.d.dialect != inbox.SQLite))
 	s.waitFor(func(c counts) bool { return c.invoices >= *orders/2 }, 2*time.Minute)
 	b3.stop()
 	s.progress("billing-3 left the group (rebalance)")
@@ -137,11 +167,19 @@ func orchestrate() error {
 	if err := deleteGroup(*brokers, "billing_"+run); err != nil {
 		return err
 	}
-	b4 := start("billing", "billing-4", 0)
-	defer b4.stop()
+	workers.start("billing", "billing-4", 0)
 	if !s.waitFor(func(c counts) bool { return c.billingDeliveries >= before.billingDeliveries+published }, 5*time.Minute) {
 		return fmt.Errorf("timed out replaying the topic")
 	}
+	return nil
+}
+
+// checkEffectivelyOnce waits until the mailer has had every invoice event
+// Kafka holds and the outbox is empty, prints the counts, and reports every
+// order without exactly one invoice and one email, an invoice event the
+// mailer's inbox did not skip when it came again, and a run in which no
+// event was relayed twice (the relay crash it shows did not happen).
+func checkEffectivelyOnce(ctx context.Context, s *stats) error {
 	// Every invoice event Kafka holds, counted by message UUID: the relay
 	// sent a batch again after billing-1's SIGKILL.
 	inKafka, records, err := countByUUID(*brokers, invoicesTopic)
@@ -163,27 +201,13 @@ func orchestrate() error {
 	if err != nil {
 		return err
 	}
-	var errs []error
-	relayedTwice, skipped := 0, 0
-	for uuid, n := range inKafka {
-		if n < 2 {
-			continue
-		}
-		relayedTwice++
-		o := seen[uuid]
-		if o.processed != 1 || o.duplicates < n-1 {
-			errs = append(errs, fmt.Errorf("invoice event %s: in Kafka %d times, processed by the mailer %d times, skipped %d times; want once, and every repeat skipped",
-				uuid, n, o.processed, o.duplicates))
-			continue
-		}
-		skipped++
-	}
+	relayedTwice, skipped, errs := checkRepeatsSkipped(inKafka, seen)
 	secondEffects := (c.invoices - c.invoiceOrders) + (c.emails - c.emailOrders)
 	fmt.Printf("outputs relayed twice: %d (Kafka holds %d invoice events for %d invoices), skipped by the mailer's inbox: %d, second effects: %d\n",
 		relayedTwice, records, len(inKafka), skipped, secondEffects)
 	fmt.Printf("effectively-once: orders=%d invoices=%d emails=%d deliveries=%d duplicates_skipped=%d\n",
 		*orders, c.invoices, c.emails, c.billingDeliveries, c.billingDuplicates)
-	st, err := ob.Stats(ctx)
+	st, err := s.ob.Stats(ctx)
 	if err != nil {
 		return err
 	}
@@ -203,6 +227,28 @@ func orchestrate() error {
 		errs = append(errs, fmt.Errorf("the outbox holds %d rows and %d dead letters after everything was relayed", st.Pending, st.DeadLettered))
 	}
 	return errors.Join(errs...)
+}
+
+// checkRepeatsSkipped compares the invoice events Kafka holds more than once
+// (inKafka, counts by UUID) with what the mailer's inbox did with them
+// (seen): each must have been processed once and skipped every other time.
+// It returns how many were relayed twice, how many of those were skipped as
+// they must be, and an error for each that was not.
+func checkRepeatsSkipped(inKafka map[string]int, seen map[string]outcomes) (relayedTwice, skipped int, errs []error) {
+	for uuid, n := range inKafka {
+		if n < 2 {
+			continue
+		}
+		relayedTwice++
+		o := seen[uuid]
+		if o.processed != 1 || o.duplicates < n-1 {
+			errs = append(errs, fmt.Errorf("invoice event %s: in Kafka %d times, processed by the mailer %d times, skipped %d times; want once, and every repeat skipped",
+				uuid, n, o.processed, o.duplicates))
+			continue
+		}
+		skipped++
+	}
+	return relayedTwice, skipped, errs
 }
 
 func orderKey(_ string, msg *message.Message) (string, error) {
@@ -282,6 +328,25 @@ func countByUUID(brokers, topic string) (map[string]int, int, error) {
 		pc.Close()
 	}
 	return counts, records, nil
+}
+
+// crew is the workers started so far, stopped together.
+type crew []*worker
+
+// start starts a worker (see start) and keeps it in c.
+func (c *crew) start(role, name string, killAfter int, args ...string) *worker {
+	w := start(role, name, killAfter, args...)
+	*c = append(*c, w)
+	return w
+}
+
+// stop stops every worker still running, the last started first. Its
+// pointer receiver lets a deferred call see the workers started after the
+// defer.
+func (c *crew) stop() {
+	for _, w := range slices.Backward(*c) {
+		w.stop()
+	}
 }
 
 // worker is a child process of this program.

@@ -45,6 +45,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/pgxinbox"
@@ -133,14 +134,14 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	defer db.Close()
 
 	sfx := strings.ToLower(watermill.NewShortUUID()) // unquoted names below fold to lower case
-	inboxTable, invoices, topic := "cqrs_inbox_"+sfx, "cqrs_invoices_"+sfx, "cqrs_invoices_"+sfx
-	outboxTable := "cqrs_outbox_" + sfx
+	names := tables{inbox: "cqrs_inbox_" + sfx, invoices: "cqrs_invoices_" + sfx, outbox: "cqrs_outbox_" + sfx}
+	topic := "cqrs_invoices_" + sfx
 	defer func() {
-		for _, t := range []string{inboxTable, invoices, outboxTable, outboxTable + "_dead"} {
+		for _, t := range []string{names.inbox, names.invoices, names.outbox, names.outbox + "_dead"} {
 			db.ExecContext(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS "+t)
 		}
 	}()
-	if _, err := db.ExecContext(ctx, "CREATE TABLE "+invoices+" (order_id text PRIMARY KEY)"); err != nil {
+	if _, err := db.ExecContext(ctx, "CREATE TABLE "+names.invoices+" (order_id text PRIMARY KEY)"); err != nil {
 		return r, err
 	}
 
@@ -150,27 +151,13 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 	// has arrived.
 	broker := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, logger)
 	defer broker.Close()
-	issued, err := broker.Subscribe(ctx, topic)
+	received, err := receiveInvoices(ctx, broker, topic)
 	if err != nil {
 		return r, err
 	}
-	var mu sync.Mutex
-	received := map[string]int{} // InvoiceIssued by order id
-	go func() {
-		for msg := range issued {
-			var e InvoiceIssued
-			if err := json.Unmarshal(msg.Payload, &e); err != nil {
-				e.OrderID = "unreadable: " + err.Error()
-			}
-			mu.Lock()
-			received[e.OrderID]++
-			mu.Unlock()
-			msg.Ack()
-		}
-	}()
 	var relayed atomic.Int32
 	ob, err := inbox.NewOutbox(inbox.OutboxConfig{
-		DB: db, Table: outboxTable, Publisher: broker,
+		DB: db, Table: names.outbox, Publisher: broker,
 		OnRound: func(round inbox.OutboxRound) { relayed.Add(int32(round.Relayed)) },
 	})
 	if err != nil {
@@ -180,8 +167,96 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 		return r, err
 	}
 
-	var processed, duplicates, calls, failed atomic.Int32
-	var consumer atomic.Value
+	var c counters
+	ib, insertInvoice, closeInbox, err := newInbox(ctx, kind, db, pool, ob, names, &c)
+	if err != nil {
+		return r, err
+	}
+	defer closeInbox()
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
+	router, err := newRouter(logger, pubsub, ib, ob, topic, invoiceHandler(&c, insertInvoice))
+	if err != nil {
+		return r, err
+	}
+	if r.Published, err = placeOrders(ctx, router, pubsub, ob, &c); err != nil {
+		return r, err
+	}
+
+	st, err := ob.Stats(ctx)
+	if err != nil {
+		return r, err
+	}
+	r.OutboxPending, r.DeadLettered, r.Relayed = int(st.Pending), int(st.DeadLettered), int(relayed.Load())
+	r.Received = received.counts()
+	r.Calls, r.Processed, r.Duplicates = int(c.calls.Load()), int(c.processed.Load()), int(c.duplicates.Load())
+	r.Consumer, _ = c.consumer.Load().(string)
+	if err := db.GetContext(ctx, &r.Invoices, "SELECT count(*) FROM "+names.invoices); err != nil {
+		return r, err
+	}
+	var inboxConsumer string
+	if err := db.GetContext(ctx, &inboxConsumer, "SELECT DISTINCT consumer FROM "+names.inbox); err != nil {
+		return r, err
+	}
+	if inboxConsumer != r.Consumer {
+		return r, fmt.Errorf("inbox rows' consumer %q, handler's name %q", inboxConsumer, r.Consumer)
+	}
+	return r, nil
+}
+
+// tables are the names of one run's tables.
+type tables struct{ inbox, invoices, outbox string }
+
+// counters is what the inbox's hooks and the handler count.
+type counters struct {
+	processed, duplicates, calls, failed atomic.Int32
+	consumer                             atomic.Value // the handler's name, as the handler's ctx carries it
+}
+
+// tally counts the InvoiceIssued events the broker's subscriber got, by
+// order id.
+type tally struct {
+	mu       sync.Mutex
+	received map[string]int
+}
+
+// counts returns a copy of the counts so far.
+func (t *tally) counts() map[string]int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return maps.Clone(t.received)
+}
+
+// receiveInvoices subscribes to topic on broker and counts, until ctx ends,
+// the InvoiceIssued events that arrive.
+func receiveInvoices(ctx context.Context, broker message.Subscriber, topic string) (*tally, error) {
+	issued, err := broker.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	t := &tally{received: map[string]int{}}
+	go func() {
+		for msg := range issued {
+			var e InvoiceIssued
+			if err := json.Unmarshal(msg.Payload, &e); err != nil {
+				e.OrderID = "unreadable: " + err.Error()
+			}
+			t.mu.Lock()
+			t.received[e.OrderID]++
+			t.mu.Unlock()
+			msg.Ack()
+		}
+	}()
+	return t, nil
+}
+
+// newInbox makes the inbox of kind (database/sql or pgx) on the table
+// names.inbox, its schema included, with the outbox ob and hooks that count
+// into c. It returns the inbox the router's middleware comes from, the
+// handler's insert of an invoice in the inbox's transaction, and what
+// closes the inbox.
+func newInbox(ctx context.Context, kind string, db *sqlx.DB, pool *pgxpool.Pool, ob *inbox.Outbox, names tables, c *counters) (
+	ib *inbox.Inbox, insertInvoice func(ctx context.Context, orderID string) error, closeInbox func(), err error,
+) {
 	// An EventBus re-publish has a new UUID: deduplicate by the order id.
 	orderID := func(msg *message.Message) (string, error) {
 		var e OrderPlaced
@@ -190,164 +265,162 @@ func run(ctx context.Context, kind, dsn string) (Result, error) {
 		}
 		return "order-placed/" + e.OrderID, nil
 	}
-	onProcessed := func(inbox.Event) { processed.Add(1) }
-	onDuplicate := func(inbox.Event) { duplicates.Add(1) }
-
-	var ib *inbox.Inbox // pgxinbox's embeds one
-	var insertInvoice func(ctx context.Context, orderID string) error
+	onProcessed := func(inbox.Event) { c.processed.Add(1) }
+	onDuplicate := func(inbox.Event) { c.duplicates.Add(1) }
+	insert := "INSERT INTO " + names.invoices + " (order_id) VALUES ($1)"
 	switch kind {
 	case "database/sql":
 		sqlInbox, err := inbox.New(inbox.Config{
-			DB: db, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
+			DB: db, Table: names.inbox, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
 			Outbox: ob.Publisher, // events published in the handler go to the outbox, in its transaction
 		})
 		if err != nil {
-			return r, err
+			return nil, nil, nil, err
 		}
 		if err := sqlInbox.InitializeSchema(ctx); err != nil {
-			return r, err
+			return nil, nil, nil, err
 		}
-		ib = sqlInbox
-		insertInvoice = func(ctx context.Context, orderID string) error {
+		return sqlInbox, func(ctx context.Context, orderID string) error {
 			tx, ok := inbox.TxFromContext(ctx)
 			if !ok {
 				return inbox.MissingTxError(ctx)
 			}
-			_, err := tx.ExecContext(ctx, "INSERT INTO "+invoices+" (order_id) VALUES ($1)", orderID)
+			_, err := tx.ExecContext(ctx, insert, orderID)
 			return err
-		}
+		}, func() {}, nil
 	case "pgx":
 		pgxInbox, err := pgxinbox.New(pgxinbox.Config{
-			Pool: pool, Table: inboxTable, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
+			Pool: pool, Table: names.inbox, MessageID: orderID, OnProcessed: onProcessed, OnDuplicate: onDuplicate,
 			Outbox: pgxinbox.OutboxPublisher(ob), // the same, in the pgx transaction
 		})
 		if err != nil {
-			return r, err
+			return nil, nil, nil, err
 		}
-		defer pgxInbox.Close()
 		if err := pgxInbox.InitializeSchema(ctx); err != nil {
-			return r, err
+			pgxInbox.Close()
+			return nil, nil, nil, err
 		}
-		ib = pgxInbox.Inbox
-		insertInvoice = func(ctx context.Context, orderID string) error {
+		return pgxInbox.Inbox, func(ctx context.Context, orderID string) error {
 			tx, ok := pgxinbox.TxFromContext(ctx)
 			if !ok {
 				return pgxinbox.MissingTxError(ctx)
 			}
-			_, err := tx.Exec(ctx, "INSERT INTO "+invoices+" (order_id) VALUES ($1)", orderID)
+			_, err := tx.Exec(ctx, insert, orderID)
 			return err
-		}
+		}, func() { pgxInbox.Close() }, nil
 	default:
-		return r, fmt.Errorf("-inbox %q: want database/sql or pgx", kind)
+		return nil, nil, nil, fmt.Errorf("-inbox %q: want database/sql or pgx", kind)
 	}
+}
 
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
+// invoiceHandler is the CQRS event handler: it inserts the order's invoice
+// in the inbox's transaction and publishes InvoiceIssued through bus (the
+// outbox of that transaction); o-2's first try fails after both, which
+// rolls them back.
+func invoiceHandler(c *counters, insertInvoice func(ctx context.Context, orderID string) error) func(bus *cqrs.EventBus) cqrs.EventHandler {
+	return func(bus *cqrs.EventBus) cqrs.EventHandler {
+		return cqrs.NewEventHandler(handlerName, func(ctx context.Context, e *OrderPlaced) error {
+			c.calls.Add(1)
+			c.consumer.Store(message.HandlerNameFromCtx(ctx))
+			if err := insertInvoice(ctx, e.OrderID); err != nil {
+				return err
+			}
+			if err := bus.Publish(ctx, &InvoiceIssued{OrderID: e.OrderID}); err != nil {
+				return err
+			}
+			if e.OrderID == "o-2" && c.failed.Add(1) == 1 {
+				return errors.New("fails once after publishing") // rolls the invoice and the outbox row back
+			}
+			return nil
+		})
+	}
+}
+
+// newRouter makes the router that runs the handler on the "orders" topic of
+// pubsub: the inbox's middlewares around it, the inbox's and the outbox's
+// plugins, and an EventBus that publishes to topic through the outbox of
+// the handled message's transaction, which handler receives.
+func newRouter(logger watermill.LoggerAdapter, pubsub message.Subscriber, ib *inbox.Inbox, ob *inbox.Outbox, topic string,
+	handler func(bus *cqrs.EventBus) cqrs.EventHandler,
+) (*message.Router, error) {
 	router, err := message.NewRouter(message.RouterConfig{}, logger)
 	if err != nil {
-		return r, err
+		return nil, err
 	}
 	// Retry, a Timeout per attempt and Recoverer around the inbox, the
 	// inbox last: a failed attempt is retried in a fresh transaction.
 	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{Retry: middleware.Retry{InitialInterval: 10 * time.Millisecond}})
 	if err != nil {
-		return r, err
+		return nil, err
 	}
 	router.AddMiddleware(mws...)
 	router.AddPlugin(ib.RouterPlugin) // a missing inbox table stops router.Run
 	router.AddPlugin(ob.RouterPlugin) // the outbox relay runs while the router runs
-	marshaler := cqrs.JSONMarshaler{}
 	// Events the handler publishes go to the outbox of its transaction.
 	outboxBus, err := cqrs.NewEventBusWithConfig(inbox.ContextOutbox{}, cqrs.EventBusConfig{
 		GeneratePublishTopic: func(cqrs.GenerateEventPublishTopicParams) (string, error) { return topic, nil },
-		Marshaler:            marshaler,
+		Marshaler:            cqrs.JSONMarshaler{},
 	})
 	if err != nil {
-		return r, err
+		return nil, err
 	}
 	processor, err := cqrs.NewEventProcessorWithConfig(router, cqrs.EventProcessorConfig{
 		GenerateSubscribeTopic: func(cqrs.EventProcessorGenerateSubscribeTopicParams) (string, error) { return "orders", nil },
 		SubscriberConstructor: func(cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
 			return pubsub, nil
 		},
-		Marshaler: marshaler,
+		Marshaler: cqrs.JSONMarshaler{},
 	})
 	if err != nil {
-		return r, err
+		return nil, err
 	}
-	err = processor.AddHandlers(cqrs.NewEventHandler(handlerName, func(ctx context.Context, e *OrderPlaced) error {
-		calls.Add(1)
-		consumer.Store(message.HandlerNameFromCtx(ctx))
-		if err := insertInvoice(ctx, e.OrderID); err != nil {
-			return err
-		}
-		if err := outboxBus.Publish(ctx, &InvoiceIssued{OrderID: e.OrderID}); err != nil {
-			return err
-		}
-		if e.OrderID == "o-2" && failed.Add(1) == 1 {
-			return errors.New("fails once after publishing") // rolls the invoice and the outbox row back
-		}
-		return nil
-	}))
-	if err != nil {
-		return r, err
+	if err := processor.AddHandlers(handler(outboxBus)); err != nil {
+		return nil, err
 	}
+	return router, nil
+}
+
+// placeOrders runs router, publishes o-1, o-1 again and o-2 to pubsub's
+// "orders" topic, waits until the inbox has processed or skipped all three
+// and the relay has emptied the outbox ob, and stops the router. It returns
+// how many orders it published.
+func placeOrders(ctx context.Context, router *message.Router, pubsub message.Publisher, ob *inbox.Outbox, c *counters) (published int, err error) {
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- router.Run(runCtx) }()
 	<-router.Running()
+	defer func() {
+		stop()
+		if runErr := <-done; err == nil {
+			err = runErr
+		}
+	}()
 
 	orderBus, err := cqrs.NewEventBusWithConfig(pubsub, cqrs.EventBusConfig{
 		GeneratePublishTopic: func(cqrs.GenerateEventPublishTopicParams) (string, error) { return "orders", nil },
-		Marshaler:            marshaler,
+		Marshaler:            cqrs.JSONMarshaler{},
 	})
 	if err != nil {
-		stop()
-		return r, err
+		return published, err
 	}
 	for _, id := range []string{"o-1", "o-1", "o-2"} {
 		if err := orderBus.Publish(ctx, &OrderPlaced{OrderID: id}); err != nil {
-			stop()
-			return r, err
+			return published, err
 		}
-		r.Published++
+		published++
 	}
-	for processed.Load()+duplicates.Load() < 3 && ctx.Err() == nil {
+	for c.processed.Load()+c.duplicates.Load() < 3 && ctx.Err() == nil {
 		time.Sleep(10 * time.Millisecond)
 	}
 	// Every transaction has committed; the relay empties the outbox.
 	for pending := int64(-1); pending != 0; time.Sleep(10 * time.Millisecond) {
 		st, err := ob.Stats(ctx)
 		if err != nil {
-			stop()
-			return r, fmt.Errorf("waiting for the outbox relay to send the InvoiceIssued events (%d pending when last read): %w", pending, err)
+			return published, fmt.Errorf("waiting for the outbox relay to send the InvoiceIssued events (%d pending when last read): %w", pending, err)
 		}
 		pending = st.Pending
 	}
-	stop()
-	if err := <-done; err != nil {
-		return r, err
-	}
-	st, err := ob.Stats(ctx)
-	if err != nil {
-		return r, err
-	}
-	r.OutboxPending, r.DeadLettered, r.Relayed = int(st.Pending), int(st.DeadLettered), int(relayed.Load())
-	mu.Lock()
-	r.Received = maps.Clone(received)
-	mu.Unlock()
-	r.Calls, r.Processed, r.Duplicates = int(calls.Load()), int(processed.Load()), int(duplicates.Load())
-	r.Consumer, _ = consumer.Load().(string)
-	if err := db.GetContext(ctx, &r.Invoices, "SELECT count(*) FROM "+invoices); err != nil {
-		return r, err
-	}
-	var inboxConsumer string
-	if err := db.GetContext(ctx, &inboxConsumer, "SELECT DISTINCT consumer FROM "+inboxTable); err != nil {
-		return r, err
-	}
-	if inboxConsumer != r.Consumer {
-		return r, fmt.Errorf("inbox rows' consumer %q, handler's name %q", inboxConsumer, r.Consumer)
-	}
-	return r, nil
+	return published, nil
 }
 
 func envOr(name, def string) string {
