@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strings"
 	"sync"
 	"testing"
@@ -25,15 +26,19 @@ import (
 type claimOption struct {
 	name  string
 	alter func(table, index string) []string
+	// lockedClaim: claim as the partitioned dialect does, through a
+	// function (created by alter) that takes the key's advisory lock and
+	// inserts WHERE NOT EXISTS, instead of INSERT ... ON CONFLICT.
+	lockedClaim bool
 }
 
 var claimOptions = []claimOption{
 	// The library's table: primary key (consumer, message_id) and a B-tree
 	// on processed_at.
-	{"btree", nil},
+	{name: "btree"},
 	// The same B-tree packed full: its rightmost leaf, where every claim
 	// lands, splits at 100 % instead of 90 %.
-	{"btree-fillfactor-100", func(table, index string) []string {
+	{name: "btree-fillfactor-100", alter: func(table, index string) []string {
 		return []string{"DROP INDEX " + index, "CREATE INDEX " + index + " ON " + table + " (processed_at) WITH (fillfactor = 100)"}
 	}},
 	// A BRIN index on processed_at (one summary per 128 heap pages) as it
@@ -42,21 +47,31 @@ var claimOptions = []claimOption{
 	// insert into an unsummarised range writes nothing to the index. CREATE
 	// INDEX summarises the first range even on an empty table, so it is
 	// desummarised here.
-	{"brin", func(table, index string) []string {
+	{name: "brin", alter: func(table, index string) []string {
 		return []string{"DROP INDEX " + index, "CREATE INDEX " + index + " ON " + table + " USING brin (processed_at)",
 			"SELECT brin_desummarize_range('" + index + "', 0)"}
 	}},
 	// The same BRIN index while the range being filled is summarised (as
 	// CREATE INDEX leaves it, or brin_summarize_range): every claim's
 	// processed_at is the newest, so each insert widens the summary.
-	{"brin-summarized", func(table, index string) []string {
+	{name: "brin-summarized", alter: func(table, index string) []string {
 		return []string{"DROP INDEX " + index, "CREATE INDEX " + index + " ON " + table + " USING brin (processed_at)"}
 	}},
 	// No purge index at all, for reference: what the index costs.
-	{"no-purge-index", func(_, index string) []string { return []string{"DROP INDEX " + index} }},
+	{name: "no-purge-index", alter: func(_, index string) []string { return []string{"DROP INDEX " + index} }},
+	// The claim without ON CONFLICT: its speculative insertion writes a
+	// HEAP_CONFIRM record after the row. The partitioned dialect's claim
+	// function (the key's advisory lock, then INSERT ... WHERE NOT EXISTS,
+	// one round trip), created on the library's plain table.
+	{name: "locked-not-exists", lockedClaim: true, alter: func(table, _ string) []string {
+		return []string{"CREATE FUNCTION " + table + "_claim(text, text, bigint) RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$" +
+			"BEGIN PERFORM pg_advisory_xact_lock($3); INSERT INTO " + table + " (consumer, message_id, processed_at)" +
+			" SELECT $1, $2, now() WHERE NOT EXISTS (SELECT 1 FROM " + table + " WHERE consumer = $1 AND message_id = $2);" +
+			" RETURN FOUND; END$$"}
+	}},
 	// A narrower key: message_id as uuid (16 bytes) instead of text (37
 	// for a UUID), which only ids that are UUIDs could use.
-	{"uuid-key", func(table, _ string) []string {
+	{name: "uuid-key", alter: func(table, _ string) []string {
 		return []string{"ALTER TABLE " + table + " ALTER COLUMN message_id TYPE uuid USING message_id::uuid"}
 	}},
 }
@@ -84,7 +99,10 @@ func benchmarkClaimOptions(b *testing.B) {
 					}
 				}
 				business := businessTable(b, db)
-				measureCost(b, c, claimByHand(db, table, business), []string{business, table}, path)
+				if o.lockedClaim {
+					b.Cleanup(func() { db.Exec("DROP FUNCTION IF EXISTS " + table + "_claim(text, text, bigint)") })
+				}
+				measureCost(b, c, claimByHand(db, table, business, o.lockedClaim), []string{business, table}, path)
 			})
 		}
 	}
@@ -92,9 +110,20 @@ func benchmarkClaimOptions(b *testing.B) {
 
 // claimByHand is what the inbox middleware sends on PostgreSQL (consumer
 // "bench"), with the handler's insert into business, and no middleware.
-func claimByHand(db *sqlx.DB, table, business string) message.HandlerFunc {
+// locked: the claim calls table's claim function (claimOption.lockedClaim)
+// with the key's lock hash, as the partitioned dialect's claim does.
+func claimByHand(db *sqlx.DB, table, business string, locked bool) message.HandlerFunc {
 	claim := "INSERT INTO " + table + " (consumer, message_id, processed_at) VALUES ($1, $2, now())" +
 		" ON CONFLICT (consumer, message_id) DO NOTHING"
+	args := func(id string) []any { return []any{"bench", id} }
+	if locked {
+		claim = "SELECT FROM " + table + "_claim($1, $2, $3) AS claimed WHERE claimed"
+		args = func(id string) []any {
+			h := fnv.New64a()
+			h.Write([]byte("bench\x00" + id))
+			return []any{"bench", id, int64(h.Sum64())}
+		}
+	}
 	query := insertSQL(db, business)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
@@ -103,7 +132,7 @@ func claimByHand(db *sqlx.DB, table, business string) message.HandlerFunc {
 			return nil, err
 		}
 		defer tx.Rollback() //nolint:errcheck // after Commit, ErrTxDone
-		res, err := tx.ExecContext(ctx, claim, "bench", msg.UUID)
+		res, err := tx.ExecContext(ctx, claim, args(msg.UUID)...)
 		if err != nil {
 			return nil, err
 		}
