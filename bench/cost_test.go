@@ -11,6 +11,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
@@ -40,7 +41,8 @@ import (
 //   - PostgreSQL: wal-bytes/msg, wal-records/msg and index-wal-bytes/msg,
 //     the WAL records of the benchmark's own transactions (pg_walinspect:
 //     every record of a transaction that touched the benchmark's tables or
-//     their indexes), without full-page images, which fpi-bytes/msg counts
+//     their indexes; a temporary replication slot keeps that WAL until it
+//     is read), without full-page images, which fpi-bytes/msg counts
 //     apart (they depend on when the last checkpoint was); wal-lsn-bytes/msg
 //     is the advance of the WAL insert position, which includes whatever
 //     other sessions wrote meanwhile;
@@ -290,11 +292,30 @@ func (p pgCounts) start(b *testing.B, tables []string) func(b *testing.B) map[st
 		return s.Rows, s.Entries
 	}
 	rows0, entries0 := stats()
+	// A checkpoint may remove WAL segments before pg_walinspect reads
+	// them (other sessions share the server and write a lot): a temporary
+	// replication slot keeps the WAL from here until it is dropped, or the
+	// one connection that holds it closes.
+	slot := ""
+	if p.walinspect {
+		slot = "bench_cost_" + testdb.RandomSuffix()
+		if _, err := p.db.Exec("SELECT pg_create_physical_replication_slot($1, true, true)", slot); err != nil {
+			b.Logf("no replication slot (%v): a checkpoint during the run may remove the WAL to read", err)
+			slot = ""
+		}
+	}
 	var lsn0 string
 	if err := p.db.Get(&lsn0, "SELECT pg_current_wal_insert_lsn()::text"); err != nil {
 		b.Fatal(err)
 	}
 	return func(b *testing.B) map[string]int64 {
+		if slot != "" {
+			defer func() {
+				if _, err := p.db.Exec("SELECT pg_drop_replication_slot($1)", slot); err != nil {
+					b.Error(err)
+				}
+			}()
+		}
 		var end struct {
 			LSNBytes int64  `db:"lsn_bytes"`
 			Flushed  int64  `db:"flushed"` // WAL flushed since lsn0
