@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
-	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
 // BenchmarkClaimCost/<backend>/<variant>/<path> counts, rather than times,
@@ -123,14 +121,7 @@ var costBackends = []costBackend{
 					return pgxBaselineOn(p, query), []string{business}
 				}
 				ib, table := newPgxInbox(b, p)
-				return ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-					tx, ok := pgxinbox.TxFromContext(msg.Context())
-					if !ok {
-						return nil, errors.New("no pgx transaction in the message context")
-					}
-					_, err := tx.Exec(msg.Context(), query, msg.UUID, 100)
-					return nil, err
-				}), []string{business, table}
+				return pgxInboxOn(ib, query), []string{business, table}
 			},
 			wire:  m.load,
 			start: newPgCounts(b, p.db).start,
@@ -163,22 +154,6 @@ func sqlCostCounter(db *sqlx.DB, d inbox.Dialect, wire func() (int64, int64, int
 		},
 		wire:  wire,
 		start: start,
-	}
-}
-
-// pgxBaselineOn is pgxBaseline writing query (an insert of the message's
-// id and an amount).
-func pgxBaselineOn(p pgxPool, query string) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		tx, err := p.pool.Begin(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if _, err := tx.Exec(ctx, query, msg.UUID, 100); err != nil {
-			return nil, errors.Join(err, tx.Rollback(ctx))
-		}
-		return nil, tx.Commit(ctx)
 	}
 }
 
