@@ -104,7 +104,11 @@ func openPgxPool(b *testing.B, maxConns int32, tracer pgx.QueryTracer) pgxPool {
 // pgxBaseline is the handler in a bare pgx transaction from the pool
 // (pool.Begin, the insert, Commit), with no deduplication.
 func pgxBaseline(b *testing.B, p pgxPool) message.HandlerFunc {
-	query := insertSQL(p.db, businessTable(b, p.db))
+	return pgxBaselineOn(p, insertSQL(p.db, businessTable(b, p.db)))
+}
+
+// pgxBaselineOn is pgxBaseline writing with query (insertSQL's insert).
+func pgxBaselineOn(p pgxPool, query string) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, err := p.pool.Begin(ctx)
@@ -122,7 +126,11 @@ func pgxBaseline(b *testing.B, p pgxPool) message.HandlerFunc {
 // inbox table of its own (consumer "bench"), dropped when b ends.
 func pgxInbox(b *testing.B, p pgxPool) message.HandlerFunc {
 	ib, _ := newPgxInbox(b, p)
-	query := insertSQL(p.db, businessTable(b, p.db))
+	return pgxInboxOn(ib, insertSQL(p.db, businessTable(b, p.db)))
+}
+
+// pgxInboxOn is the write query (insertSQL's insert) behind ib's middleware.
+func pgxInboxOn(ib *pgxinbox.Inbox, query string) message.HandlerFunc {
 	return ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		tx, ok := pgxinbox.TxFromContext(msg.Context())
 		if !ok {
