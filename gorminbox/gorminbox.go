@@ -44,7 +44,8 @@ var ErrTxOwnedByInbox = errors.New("gorminbox: the session runs in the inbox tra
 // the application's *gorm.DB as db. The session keeps db's dialector, config,
 // logger, callbacks and plugins, runs with ctx as its context, and starts
 // with no conditions (it is made with gorm.Session{NewDB: true}); db itself
-// is left as it was.
+// is left as it was. A PrepareStmt statement cache of db is not used on the
+// session: its statements are prepared by the driver, as on any *sql.Tx.
 //
 // On the session, GORM behaves as it does inside db.Transaction:
 //   - Create, Save, Update, Delete, raw Exec and queries run in the inbox
@@ -98,8 +99,8 @@ func DB(ctx context.Context, db *gorm.DB) (*gorm.DB, error) {
 // inboxTx is the inbox transaction as GORM's connection pool. It is a
 // gorm.TxCommitter, so GORM treats the session as one inside a transaction
 // (nested Transaction calls become savepoints, default transactions are not
-// begun), and a gorm.Tx (StmtContext), so a PrepareStmt session works on it.
-// Its Commit and Rollback refuse: the inbox middleware ends the transaction.
+// begun), and has every other method of *sql.Tx (a gorm.Tx). Its Commit and
+// Rollback refuse: the inbox middleware ends the transaction.
 // It is a pointer because GORM's Commit calls reflect.Value.IsNil on it.
 type inboxTx struct {
 	*sql.Tx
