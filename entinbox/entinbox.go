@@ -1,0 +1,189 @@
+// Package entinbox binds ent (entgo.io/ent) to the inbox transaction of the
+// message being handled, so that what a handler writes through an ent
+// client commits or rolls back together with the inbox row.
+//
+// In a handler behind the inbox middleware (package
+// github.com/watermill-inbox/inbox; the flow is described in its doc.go),
+// with the application's generated package ent:
+//
+//	func IssueInvoice(msg *message.Message) error {
+//		drv, err := entinbox.Driver(msg.Context(), dialect.Postgres)
+//		if err != nil {
+//			return err // no inbox transaction: wraps inbox.ErrNoTx
+//		}
+//		client := ent.NewClient(ent.Driver(drv))
+//		return client.Invoice.Create().SetOrderID(msg.Metadata.Get("order_id")).Exec(msg.Context())
+//	}
+//
+// It is a module of its own, so that the inbox's core module does not pull
+// in ent. PostgreSQL, MySQL/MariaDB and SQLite (modernc.org/sqlite) are
+// tested.
+package entinbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"entgo.io/ent/dialect"
+	entsql "entgo.io/ent/dialect/sql"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// Driver returns an ent driver whose every statement runs in the inbox
+// transaction of the message being handled: pass msg.Context() as ctx and
+// the ent dialect of the inbox's database (dialect.Postgres, dialect.MySQL
+// or dialect.SQLite from entgo.io/ent/dialect). Build the generated client
+// on it for this message:
+//
+//	client := ent.NewClient(ent.Driver(drv))
+//
+// Creates, updates, deletes, queries, edges and hooks of that client then
+// run in the inbox transaction, and commit or roll back with the inbox row.
+// Making the client per message is cheap (no connection, no schema work);
+// pass msg.Context() to its calls.
+//
+// The driver never ends the inbox transaction. A transaction started on it
+// is a savepoint in the inbox transaction: client.Tx (and client.BeginTx
+// without options) runs SAVEPOINT; the ent Tx's Commit releases it, and its
+// Rollback rolls back to it, undoing only what was written through that Tx.
+// Whatever the savepoints hold commits or rolls back with the inbox row in
+// the end. ent's own builders start such a transaction for statements that
+// span several statements (UpdateOne, Update, a Create with edges stored in
+// other tables), so that a failure undoes all of them: that costs two round
+// trips (SAVEPOINT, RELEASE) more than on the pool. BeginTx with an
+// isolation level or read-only mode fails: a savepoint has neither (the
+// inbox's Config.TxOptions sets them for the whole transaction). Close
+// (client.Close) does nothing, leaving the transaction and the pool to the
+// inbox. Do not run migrations through it (on MySQL/MariaDB, DDL commits the
+// inbox transaction).
+//
+// Do not use the application's own client (on the pool) in a handler: its
+// writes commit at once on another connection, stay when the handler fails,
+// and happen again on the redelivery (on SQLite they wait for the inbox
+// transaction's write lock until busy_timeout); and a client.Tx of its own
+// commits apart from the inbox row just the same.
+//
+// When ctx carries no inbox transaction (no inbox middleware around the
+// handler, a context other than msg.Context(), or a message claimed by
+// pgxinbox), Driver returns nil and inbox.MissingTxError(ctx), which wraps
+// inbox.ErrNoTx and says which case it is. Another dialect name is an error.
+//
+// The driver is valid until the handler returns, like the transaction. It
+// may be used from goroutines the handler starts and waits for (a *sql.Tx
+// runs their statements one at a time), but a savepoint spans the whole
+// transaction: do not open transactions on it from several goroutines at
+// once.
+func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
+	switch dialectName {
+	case dialect.Postgres, dialect.MySQL, dialect.SQLite:
+	default:
+		return nil, fmt.Errorf("entinbox: dialect %q: want dialect.Postgres, dialect.MySQL or dialect.SQLite", dialectName)
+	}
+	tx, ok := inbox.TxFromContext(ctx)
+	if !ok {
+		return nil, inbox.MissingTxError(ctx)
+	}
+	return &txDriver{Conn: entsql.Conn{ExecQuerier: tx.Tx}, tx: tx.Tx, dialect: dialectName}, nil
+}
+
+// txDriver is an ent driver on the inbox transaction. entsql.NewDriver
+// over the same Conn would run statements there too, but its Tx asserts
+// that its connection is a *sql.DB and panics, and its Close would close
+// whatever it holds.
+type txDriver struct {
+	entsql.Conn // Exec and Query, on tx
+	tx          *sql.Tx
+	dialect     string
+}
+
+// Dialect returns the dialect name given to Driver.
+func (d *txDriver) Dialect() string { return d.dialect }
+
+// savepoints numbers the savepoints of every driver in the process: MySQL
+// replaces a savepoint of the same name instead of nesting it, so two
+// drivers on one message's transaction must never share a name.
+var savepoints atomic.Uint64
+
+// Tx starts a savepoint in the inbox transaction. ctx is used until the
+// returned Tx is committed (released) or rolled back.
+func (d *txDriver) Tx(ctx context.Context) (dialect.Tx, error) {
+	sp := &savepoint{Conn: d.Conn, tx: d.tx, ctx: ctx, name: fmt.Sprintf("entinbox_%d", savepoints.Add(1))}
+	if _, err := d.tx.ExecContext(ctx, "SAVEPOINT "+sp.name); err != nil {
+		return nil, fmt.Errorf("entinbox: savepoint: %w", err)
+	}
+	return sp, nil
+}
+
+// BeginTx starts a savepoint as Tx does when opts is nil or zero, and fails
+// otherwise. The generated client's BeginTx asserts that its driver has this
+// method.
+func (d *txDriver) BeginTx(ctx context.Context, opts *sql.TxOptions) (dialect.Tx, error) {
+	if opts != nil && *opts != (sql.TxOptions{}) {
+		return nil, fmt.Errorf("entinbox: BeginTx with options %+v: a transaction inside the inbox transaction is a savepoint, "+
+			"which has no isolation level or read-only mode (set them for the inbox transaction with its Config.TxOptions)", *opts)
+	}
+	return d.Tx(ctx)
+}
+
+// Close does nothing: the inbox middleware ends the transaction and the
+// application closes the pool.
+func (d *txDriver) Close() error { return nil }
+
+// savepoint is a transaction that ent started on a txDriver.
+type savepoint struct {
+	entsql.Conn // Exec and Query, on tx
+	tx          *sql.Tx
+	ctx         context.Context
+	name        string
+
+	mu   sync.Mutex
+	done bool
+}
+
+// Commit releases the savepoint: what was written since it stays in the
+// inbox transaction. After Commit or Rollback it returns sql.ErrTxDone and
+// runs nothing (a failed statement would abort the whole transaction on
+// PostgreSQL).
+func (s *savepoint) Commit() error {
+	if !s.end() {
+		return sql.ErrTxDone
+	}
+	if _, err := s.tx.ExecContext(s.ctx, "RELEASE SAVEPOINT "+s.name); err != nil {
+		return fmt.Errorf("entinbox: release savepoint: %w", err)
+	}
+	return nil
+}
+
+// Rollback rolls back to the savepoint and releases it: what was written
+// since it is undone, and the inbox transaction goes on. After Commit or
+// Rollback it returns sql.ErrTxDone and runs nothing.
+func (s *savepoint) Rollback() error {
+	if !s.end() {
+		return sql.ErrTxDone
+	}
+	if _, err := s.tx.ExecContext(s.ctx, "ROLLBACK TO SAVEPOINT "+s.name); err != nil {
+		return fmt.Errorf("entinbox: rollback to savepoint: %w", err)
+	}
+	if _, err := s.tx.ExecContext(s.ctx, "RELEASE SAVEPOINT "+s.name); err != nil {
+		return fmt.Errorf("entinbox: release savepoint after rollback: %w", err)
+	}
+	return nil
+}
+
+// end marks the savepoint ended and reports whether it was still open.
+func (s *savepoint) end() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	open := !s.done
+	s.done = true
+	return open
+}
+
+var (
+	_ dialect.Driver = (*txDriver)(nil)
+	_ dialect.Tx     = (*savepoint)(nil)
+)

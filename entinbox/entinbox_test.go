@@ -1,0 +1,253 @@
+package entinbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+
+	"entgo.io/ent/dialect"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/entinbox"
+	"github.com/watermill-inbox/inbox/entinbox/internal/invoiceent"
+	"github.com/watermill-inbox/inbox/internal/testrouter"
+)
+
+var errHandler = errors.New("handler failed after its ent writes")
+
+// forEachDB runs f as a parallel subtest on every database, each with a
+// fixture of its own.
+func forEachDB(t *testing.T, f func(t *testing.T, fx *fixture)) {
+	t.Helper()
+	for _, d := range databases() {
+		t.Run(d.Name, func(t *testing.T) {
+			t.Parallel()
+			f(t, newFixture(t, d))
+		})
+	}
+}
+
+// clientFor returns the ent client on the inbox transaction of msg.
+func (f *fixture) clientFor(msg *message.Message) (*invoiceent.Client, error) {
+	drv, err := entinbox.Driver(msg.Context(), f.dialect)
+	if err != nil {
+		return nil, err
+	}
+	return invoiceent.NewClient(invoiceent.Driver(drv)), nil
+}
+
+// issue writes, through client, the invoice of orderID with two lines and
+// then raises its amount from 100 to 101: the lines' foreign key is in their
+// own table, so the create, and the update as always, run in a transaction
+// ent starts on the driver.
+func issue(ctx context.Context, client *invoiceent.Client, orderID string) error {
+	lines, err := client.Line.CreateBulk(
+		client.Line.Create().SetSku(orderID+"/a"),
+		client.Line.Create().SetSku(orderID+"/b"),
+	).Save(ctx)
+	if err != nil {
+		return err
+	}
+	inv, err := client.Invoice.Create().SetOrderID(orderID).SetAmount(100).AddLines(lines...).Save(ctx)
+	if err != nil {
+		return err
+	}
+	return client.Invoice.UpdateOne(inv).AddAmount(1).Exec(ctx)
+}
+
+// A message is processed once: the invoice, its lines and the update commit
+// with the inbox row; the duplicate is acked without calling the handler.
+func TestDriver_commits_ent_writes_with_the_inbox_row_once(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		var calls atomic.Int32
+		in, out := fx.router(true, func(msg *message.Message) error {
+			calls.Add(1)
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			return issue(msg.Context(), client, msg.Metadata.Get("order_id"))
+		})
+		msg := testrouter.Order(fx.orderID)
+
+		if !in.Deliver(t, msg) {
+			t.Fatalf("first delivery nacked: %v", out.Last())
+		}
+		if !in.Deliver(t, msg) {
+			t.Fatalf("duplicate nacked: %v", out.Last())
+		}
+
+		if n := calls.Load(); n != 1 {
+			t.Errorf("handler calls: %d, want 1 (the duplicate is skipped)", n)
+		}
+		if amount, lines, ok := fx.invoice(fx.orderID); !ok || amount != 101 || lines != 2 {
+			t.Errorf("invoice: found %t, amount %d, lines %d; want true, 101, 2", ok, amount, lines)
+		}
+		if n := fx.inboxRows(); n != 1 {
+			t.Errorf("inbox rows: %d, want 1", n)
+		}
+	})
+}
+
+// A handler error after ent writes rolls them back with the inbox row; the
+// redelivery processes the message.
+func TestDriver_handler_error_rolls_back_ent_writes_with_the_inbox_row(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		var calls atomic.Int32
+		in, out := fx.router(true, func(msg *message.Message) error {
+			attempt := calls.Add(1)
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			if err := issue(msg.Context(), client, msg.Metadata.Get("order_id")); err != nil {
+				return err
+			}
+			if attempt == 1 {
+				return errHandler
+			}
+			return nil
+		})
+		msg := testrouter.Order(fx.orderID)
+
+		if in.Deliver(t, msg) {
+			t.Fatal("the failing delivery was acked")
+		}
+		if err := out.Last(); !errors.Is(err, errHandler) {
+			t.Fatalf("router got %v, want the handler's error", err)
+		}
+		if _, _, ok := fx.invoice(fx.orderID); ok {
+			t.Error("the invoice survived the failed delivery")
+		}
+		if n := fx.lines(fx.orderID); n != 0 {
+			t.Errorf("lines after the failure: %d, want 0", n)
+		}
+		if n := fx.inboxRows(); n != 0 {
+			t.Errorf("inbox rows after the failure: %d, want 0", n)
+		}
+
+		if !in.Deliver(t, msg) {
+			t.Fatalf("redelivery nacked: %v", out.Last())
+		}
+		if amount, lines, ok := fx.invoice(fx.orderID); !ok || amount != 101 || lines != 2 {
+			t.Errorf("invoice after the redelivery: found %t, amount %d, lines %d; want true, 101, 2", ok, amount, lines)
+		}
+		if n := fx.inboxRows(); n != 1 {
+			t.Errorf("inbox rows after the redelivery: %d, want 1", n)
+		}
+	})
+}
+
+// client.Tx inside the handler is a savepoint in the inbox transaction: its
+// Rollback undoes only its own writes (also after a duplicate key, which on
+// PostgreSQL aborts the transaction until the rollback to the savepoint),
+// its Commit keeps them for the inbox's commit, and a second end is
+// sql.ErrTxDone. BeginTx with an isolation level is refused.
+func TestDriver_client_Tx_is_a_savepoint(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		in, out := fx.router(true, func(msg *message.Message) error {
+			ctx := msg.Context()
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			id := msg.Metadata.Get("order_id")
+			if err := issue(ctx, client, id); err != nil {
+				return err
+			}
+
+			tx, err := client.Tx(ctx)
+			if err != nil {
+				return fmt.Errorf("client.Tx: %w", err)
+			}
+			if err := issue(ctx, tx.Client(), id+"-rolled-back"); err != nil {
+				return err
+			}
+			if err := tx.Invoice.Create().SetOrderID(id).SetAmount(1).Exec(ctx); err == nil {
+				return errors.New("a duplicate order id was created")
+			}
+			if err := tx.Rollback(); err != nil {
+				return fmt.Errorf("rollback: %w", err)
+			}
+			if err := tx.Rollback(); !errors.Is(err, sql.ErrTxDone) {
+				return fmt.Errorf("second rollback: %v, want sql.ErrTxDone", err)
+			}
+
+			tx, err = client.Tx(ctx)
+			if err != nil {
+				return fmt.Errorf("client.Tx: %w", err)
+			}
+			if err := issue(ctx, tx.Client(), id+"-committed"); err != nil {
+				return err
+			}
+			if err := tx.Commit(); err != nil {
+				return fmt.Errorf("commit: %w", err)
+			}
+
+			if _, err := client.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelSerializable}); err == nil {
+				return errors.New("BeginTx with an isolation level succeeded")
+			}
+			return issue(ctx, client, id+"-after")
+		})
+
+		if !in.Deliver(t, testrouter.Order(fx.orderID)) {
+			t.Fatalf("nacked: %v", out.Last())
+		}
+		want := map[string]bool{fx.orderID: true, fx.orderID + "-rolled-back": false, fx.orderID + "-committed": true, fx.orderID + "-after": true}
+		for oid, present := range want {
+			amount, lines, ok := fx.invoice(oid)
+			if ok != present || present && (amount != 101 || lines != 2) {
+				t.Errorf("%s: found %t, amount %d, lines %d; want found %t, 101, 2", oid, ok, amount, lines, present)
+			}
+		}
+		if n := fx.lines(fx.orderID + "-rolled-back"); n != 0 {
+			t.Errorf("lines of the rolled-back savepoint: %d, want 0", n)
+		}
+		if n := fx.inboxRows(); n != 1 {
+			t.Errorf("inbox rows: %d, want 1", n)
+		}
+	})
+}
+
+// Without the inbox middleware Driver refuses with an error wrapping
+// inbox.ErrNoTx, and the handler writes nothing through the pool.
+func TestDriver_refuses_without_the_inbox_middleware(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		in, out := fx.router(false, func(msg *message.Message) error {
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			return issue(msg.Context(), client, msg.Metadata.Get("order_id"))
+		})
+
+		if in.Deliver(t, testrouter.Order(fx.orderID)) {
+			t.Fatal("acked without the inbox middleware")
+		}
+		if err := out.Last(); !errors.Is(err, inbox.ErrNoTx) {
+			t.Errorf("router got %v, want an error wrapping inbox.ErrNoTx", err)
+		}
+		if _, _, ok := fx.invoice(fx.orderID); ok {
+			t.Error("an invoice was written")
+		}
+		if n := fx.lines(fx.orderID); n != 0 {
+			t.Errorf("lines: %d, want 0", n)
+		}
+	})
+}
+
+// Driver refuses a context that is not a message's, and a dialect other
+// than ent's three SQL dialects.
+func TestDriver_refuses_a_context_without_inbox_transaction_and_an_unknown_dialect(t *testing.T) {
+	t.Parallel()
+	if drv, err := entinbox.Driver(context.Background(), dialect.Postgres); !errors.Is(err, inbox.ErrNoTx) || drv != nil {
+		t.Errorf("Driver(context.Background()) = %v, %v; want nil and an error wrapping inbox.ErrNoTx", drv, err)
+	}
+	if drv, err := entinbox.Driver(context.Background(), "pgx"); err == nil || drv != nil {
+		t.Errorf(`Driver(ctx, "pgx") = %v, %v; want nil and an error`, drv, err)
+	}
+}

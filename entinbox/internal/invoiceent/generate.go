@@ -1,0 +1,6 @@
+// Package invoiceent is the ent client the entinbox tests use, generated
+// from ./schema by ent v0.14.5 (run `go generate ./...` in entinbox after
+// changing the schema, and commit the result).
+package invoiceent
+
+//go:generate go run entgo.io/ent/cmd/ent@v0.14.5 generate ./schema
