@@ -110,8 +110,7 @@ func TestBunRefusesNestedTx(t *testing.T) {
 		})
 		return nil, errors.Join(begin, run)
 	})
-	feed := harness.NewFeed()
-	harness.RunRouter(t, "billing", feed, h)
+	feed := harness.RunRouter(t, h)
 	if feed.Deliver(t, harness.NewMessage(1250)) {
 		t.Fatal("acked")
 	}
@@ -133,8 +132,7 @@ func TestBunQueryHooksSeeTheBuilders(t *testing.T) {
 	d, plain := openBun(t, harness.SQLite)
 	hook := &queryLog{}
 	db := plain.WithQueryHook(hook)
-	feed := harness.NewFeed()
-	harness.RunRouter(t, "billing", feed, d.Inbox(t)(func(msg *message.Message) ([]*message.Message, error) {
+	feed := harness.RunRouter(t, d.Inbox(t)(func(msg *message.Message) ([]*message.Message, error) {
 		return nil, writeInvoice(db)(msg)
 	}))
 	msg := harness.NewMessage(1250)
@@ -155,8 +153,7 @@ func TestBunRefusesPgxInbox(t *testing.T) {
 	t.Parallel()
 	d, db := openBun(t, harness.PostgreSQL)
 	var got error
-	feed := harness.NewFeed()
-	harness.RunRouter(t, "billing", feed, harness.PgxInbox(t, d.PgxPool(t))(func(msg *message.Message) ([]*message.Message, error) {
+	feed := harness.RunRouter(t, harness.PgxInbox(t, d.PgxPool(t))(func(msg *message.Message) ([]*message.Message, error) {
 		got = writeInvoice(db)(msg)
 		return nil, got
 	}))

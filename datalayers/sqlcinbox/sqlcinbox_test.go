@@ -92,8 +92,7 @@ func TestQueriesRefusesTheOtherDriversCode(t *testing.T) {
 				got = c.write(msg)
 				return nil, got
 			})
-			feed := harness.NewFeed()
-			harness.RunRouter(t, "billing", feed, h)
+			feed := harness.RunRouter(t, h)
 			if feed.Deliver(t, harness.NewMessage(1250)) {
 				t.Fatal("acked")
 			}

@@ -1,6 +1,6 @@
 // Package testrouter runs one Watermill handler on a real message.Router for
 // the tests of the modules that bind data layers to the inbox transaction
-// (gorminbox, entinbox): a feed that delivers exactly the messages a test
+// (gorminbox, entinbox, datalayers): a feed that delivers exactly the messages a test
 // hands it, and a record of what the router got back from each delivery.
 package testrouter
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/datalayers/internal/invoices"
+	"github.com/watermill-inbox/inbox/internal/testrouter"
 )
 
 // Env is what the contract's cases run on: a fresh database with the
@@ -32,9 +33,6 @@ type Env struct {
 	// Count returns the number of rows in table, read outside any handler.
 	Count func(t testing.TB, table string) int
 }
-
-// handlerName is the Watermill handler, hence the inbox consumer.
-const handlerName = "billing"
 
 // errPaymentDown is what a failing handler returns after its write.
 var errPaymentDown = errors.New("payment service down")
@@ -141,7 +139,7 @@ func refusesWithoutInbox(t *testing.T, env Env) {
 
 // running is a router whose handler runs Env.Write.
 type running struct {
-	feed  *Feed
+	feed  *testrouter.Feed
 	calls atomic.Int32
 
 	mu       sync.Mutex
@@ -153,7 +151,7 @@ type running struct {
 // errPaymentDown. With withInbox the inbox middleware is around it.
 func start(t *testing.T, env Env, withInbox bool, fail func(call int32) bool) *running {
 	t.Helper()
-	r := &running{feed: NewFeed()}
+	r := &running{}
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		call := r.calls.Add(1)
 		if err := env.Write(msg); err != nil {
@@ -167,7 +165,7 @@ func start(t *testing.T, env Env, withInbox bool, fail func(call int32) bool) *r
 	if withInbox {
 		h = env.Inbox(h)
 	}
-	RunRouter(t, handlerName, r.feed, func(msg *message.Message) ([]*message.Message, error) {
+	r.feed = RunRouter(t, func(msg *message.Message) ([]*message.Message, error) {
 		msgs, err := h(msg)
 		if err != nil {
 			r.mu.Lock()
