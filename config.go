@@ -4,6 +4,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 	"unicode/utf8"
 
@@ -114,6 +115,41 @@ type Config struct {
 	OnDuplicate func(Event)
 	OnFailed    func(Event)
 
+	// OnReusedID reports a delivery whose message id was already processed
+	// with other content (see ReusedIDs), after its transaction rolled back:
+	// with ReusedIDsRefuse before OnFailed (Event.Err wraps
+	// ErrMessageIDReused), with ReusedIDsWarn before OnDuplicate. It runs as
+	// the other hooks do: synchronously, and concurrently with them.
+	// Default: nil, not called.
+	OnReusedID func(Event)
+
+	// ReusedIDs says what a delivery whose message id was already processed
+	// with other content does: a producer that reuses an id (a fixed UUID in
+	// a retry loop, a counter that restarted, an id copied from the consumed
+	// message) would otherwise have a real event skipped as a duplicate.
+	// The claim stores a fingerprint of the content (Config.Fingerprint) in
+	// the table's fingerprint column, with no statement of its own; a
+	// duplicate reads the stored one (one more statement, on the duplicate
+	// path only) and compares. A row written without a fingerprint (before
+	// the column existed) matches every content. A table without the column
+	// (made before this version, or by hand) keeps working with the check
+	// off: the first check of the table (Verify, InitializeSchema or the
+	// first claim) logs, at Info, the ALTER TABLE that adds it; the inbox
+	// uses the column from its next start. Semantics 15 of the design
+	// contract.
+	// Default: ReusedIDsRefuse.
+	ReusedIDs ReusedIDCheck
+
+	// Fingerprint returns the part of a message that identifies its event,
+	// for ReusedIDs: leave out what a producer changes when it sends the
+	// same event again (a timestamp or trace id in the payload). The inbox
+	// stores the first 16 bytes of its SHA-256. It is called once per
+	// delivery, before the transaction begins, from every handler goroutine
+	// at once: it must be safe for concurrent use and must not modify msg.
+	// Default: msg.Payload (metadata is not compared: brokers and
+	// middlewares add to it).
+	Fingerprint func(msg *message.Message) []byte
+
 	// TracerProvider makes the middleware start one span per message,
 	// "inbox" (OpenTelemetry API; attributes inbox.consumer,
 	// inbox.message_id, messaging.message.id, db.system), as a child of the
@@ -204,6 +240,37 @@ type Config struct {
 	PrepareStatements bool
 }
 
+// ReusedIDCheck is what the inbox does with a delivery whose message id was
+// already processed with other content (Config.ReusedIDs).
+type ReusedIDCheck int
+
+const (
+	// ReusedIDsRefuse fails the delivery with an error wrapping
+	// ErrMessageIDReused and calls OnReusedID and OnFailed: the message is
+	// nacked, not acked as a duplicate.
+	ReusedIDsRefuse ReusedIDCheck = iota
+	// ReusedIDsWarn logs the reuse at Info ("Inbox: message id reused for
+	// other content; skipped as a duplicate"), calls OnReusedID and then
+	// skips the delivery as a duplicate (acked, OnDuplicate).
+	ReusedIDsWarn
+	// ReusedIDsOff stores no fingerprint and compares none: every delivery
+	// of a processed id is a duplicate, as in versions before the check.
+	ReusedIDsOff
+)
+
+// String returns "refuse", "warn" or "off".
+func (c ReusedIDCheck) String() string {
+	switch c {
+	case ReusedIDsRefuse:
+		return "refuse"
+	case ReusedIDsWarn:
+		return "warn"
+	case ReusedIDsOff:
+		return "off"
+	}
+	return "ReusedIDCheck(" + strconv.Itoa(int(c)) + ")"
+}
+
 // DefaultCommitTimeout is Config.CommitTimeout when it is zero.
 const DefaultCommitTimeout = 10 * time.Second
 
@@ -264,6 +331,9 @@ func (c Config) Validate() error {
 	}
 	if c.CommitTimeout < 0 {
 		errs = append(errs, fmt.Errorf("inbox: Config.CommitTimeout must not be negative, got %v", c.CommitTimeout))
+	}
+	if c.ReusedIDs < ReusedIDsRefuse || c.ReusedIDs > ReusedIDsOff {
+		errs = append(errs, fmt.Errorf("inbox: Config.ReusedIDs must be ReusedIDsRefuse, ReusedIDsWarn or ReusedIDsOff, got %v", c.ReusedIDs))
 	}
 	if c.TxOptions != nil && c.TxOptions.ReadOnly {
 		errs = append(errs, errors.New("inbox: Config.TxOptions.ReadOnly must be false: the claim writes"))

@@ -29,6 +29,19 @@ type Dialect interface {
 	// claimSQL returns the insert-if-absent statement for table. Its two bind
 	// parameters are the consumer and the message id.
 	claimSQL(table qualifiedName) string
+	// claimFingerprintSQL returns claimSQL that also stores the content's
+	// fingerprint in a new row (bind parameter 3; Config.ReusedIDs).
+	claimFingerprintSQL(table qualifiedName) string
+	// storedFingerprintSQL returns the query of the fingerprint stored with
+	// a key (bind parameters: consumer, message id), NULL when the row was
+	// written without one.
+	storedFingerprintSQL(table qualifiedName) string
+	// fingerprintColumnSQL returns a catalog query for whether table has
+	// the fingerprint column (a count, 0 or 1).
+	fingerprintColumnSQL(table qualifiedName) (string, []any)
+	// fingerprintColumn returns the column definition that holds a
+	// fingerprint: 16 bytes, NULL for rows written without one.
+	fingerprintColumn() string
 	// claimed maps the claim's rows affected to claimed (a new row) or not (a
 	// duplicate); ok is false for a count the statement cannot produce.
 	claimed(rowsAffected int64) (claimed, ok bool)
@@ -43,12 +56,13 @@ type Dialect interface {
 	// before the claim, and true; false when the primary key alone decides.
 	keyLock() (stmt string, ok bool)
 	// lockedClaim returns one statement that takes the key lock and claims
-	// (bind parameters: consumer, message id, the key lock's hash; its rows
-	// affected are the claim's), when the dialect has a key lock and the
+	// (bind parameters: consumer, message id, the key lock's hash, and with
+	// fingerprint the content's fingerprint; its rows affected are the
+	// claim's), when the dialect has a key lock and the
 	// database holds the function that statement calls for table exactly as
 	// this package creates it (read through q); "" otherwise, and the key
 	// lock and the claim then run as two statements.
-	lockedClaim(ctx context.Context, q sqlx.QueryerContext, table qualifiedName) (string, error)
+	lockedClaim(ctx context.Context, q sqlx.QueryerContext, table qualifiedName, fingerprint bool) (string, error)
 	// preCommitCheck returns a query, run in the transaction right before
 	// COMMIT, that counts the claim's row (bind parameters: consumer,
 	// message id), 0 meaning the database has already rolled the

@@ -35,6 +35,29 @@ func (d mysqlDialect) claimSQL(t qualifiedName) string {
 		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
 }
 
+func (d mysqlDialect) claimFingerprintSQL(t qualifiedName) string {
+	// As claimSQL; a duplicate leaves the stored fingerprint as it is.
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint) VALUES (?, ?, UTC_TIMESTAMP(6), ?)" +
+		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
+}
+
+func (d mysqlDialect) storedFingerprintSQL(t qualifiedName) string {
+	// The claim's ON DUPLICATE KEY UPDATE has locked and changed the row in
+	// this transaction, so even at REPEATABLE READ this read sees it.
+	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ?"
+}
+
+func (mysqlDialect) fingerprintColumn() string { return "fingerprint  varbinary(16)  NULL" }
+
+func (mysqlDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
+	schema, args := "DATABASE()", []any{t.name}
+	if t.schema != "" {
+		schema, args = "?", []any{t.schema, t.name}
+	}
+	return "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = " + schema +
+		" AND table_name = ? AND column_name = 'fingerprint'", args
+}
+
 func (mysqlDialect) claimed(n int64) (bool, bool) { return n == 1, n == 1 || n == 2 }
 
 func (d mysqlDialect) createSQL(t qualifiedName) []string {
@@ -46,6 +69,7 @@ func (d mysqlDialect) createSQL(t qualifiedName) []string {
 			"    consumer     varbinary(255) NOT NULL,\n" +
 			"    message_id   varbinary(255) NOT NULL,\n" +
 			"    processed_at datetime(6)    NOT NULL,\n" +
+			"    " + d.fingerprintColumn() + ",\n" +
 			"    PRIMARY KEY (consumer, message_id),\n" +
 			"    INDEX " + d.quote(t.indexName()) + " (processed_at)\n" +
 			") ENGINE=InnoDB",
@@ -64,7 +88,7 @@ func (mysqlDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (mysqlDialect) keyLock() (string, bool) { return "", false }
 
-func (mysqlDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+func (mysqlDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName, bool) (string, error) {
 	return "", nil
 }
 
@@ -547,6 +571,7 @@ func (mysqlDialect) nativeBegin(*sql.TxOptions) (string, bool) { return "", fals
 
 func (mysqlDialect) schemaNotes(qualifiedName) string {
 	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		fingerprintNote +
 		"-- varbinary, not varchar: MySQL and MariaDB collations fold case or trailing spaces\n" +
 		"-- (PAD SPACE, even utf8mb4_bin), and message ids must compare byte for byte.\n" +
 		"-- processed_at: UTC_TIMESTAMP(6), UTC whatever the session time zone.\n"

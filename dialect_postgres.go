@@ -31,6 +31,22 @@ func (d postgresDialect) claimSQL(t qualifiedName) string {
 		" ON CONFLICT (consumer, message_id) DO NOTHING"
 }
 
+func (d postgresDialect) claimFingerprintSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint) VALUES ($1, $2, now(), $3)" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
+}
+
+func (d postgresDialect) storedFingerprintSQL(t qualifiedName) string {
+	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = $1 AND message_id = $2"
+}
+
+func (postgresDialect) fingerprintColumn() string { return "fingerprint  bytea" }
+
+func (d postgresDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
+	return "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped",
+		[]any{t.quoted(d)}
+}
+
 func (postgresDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
 
 func (d postgresDialect) createSQL(t qualifiedName) []string {
@@ -39,6 +55,7 @@ func (d postgresDialect) createSQL(t qualifiedName) []string {
 			"    consumer     text        NOT NULL,\n" +
 			"    message_id   text        NOT NULL,\n" +
 			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
+			"    " + d.fingerprintColumn() + ",\n" +
 			"    PRIMARY KEY (consumer, message_id)\n" +
 			")",
 		"CREATE INDEX IF NOT EXISTS " + d.quote(t.indexName()) + " ON " + t.quoted(d) + " (processed_at)",
@@ -57,7 +74,7 @@ func (d postgresDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (postgresDialect) keyLock() (string, bool) { return "", false }
 
-func (postgresDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+func (postgresDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName, bool) (string, error) {
 	return "", nil
 }
 
@@ -579,6 +596,7 @@ func (postgresDialect) nativeBegin(opts *sql.TxOptions) (string, bool) {
 
 func (postgresDialect) schemaNotes(qualifiedName) string {
 	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		fingerprintNote +
 		"-- processed_at: the database clock (now()), an absolute instant.\n"
 }
 

@@ -22,7 +22,15 @@ type postgresPartitionedDialect struct{ postgresDialect }
 
 func (postgresPartitionedDialect) String() string { return "postgres-partitioned" }
 
-func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
+func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string { return d.claimInsert(t, "") }
+
+func (d postgresPartitionedDialect) claimFingerprintSQL(t qualifiedName) string {
+	return d.claimInsert(t, "$3")
+}
+
+// claimInsert is the claim's INSERT, storing the fingerprint given as the
+// parameter fingerprint ("$3", "$4"), or none when it is "".
+func (d postgresPartitionedDialect) claimInsert(t qualifiedName, fingerprint string) string {
 	q := t.quoted(d)
 	// Under the key lock (keyLockSQL), so the NOT EXISTS sees a concurrent
 	// claim of the key once it committed, in whatever partition, and no
@@ -33,7 +41,11 @@ func (d postgresPartitionedDialect) claimSQL(t qualifiedName) string {
 	// the claim 13-16 % slower (pgbench, 8 clients, 4 weekly partitions); a
 	// conflict from a row written without the lock fails the claim
 	// (SQLSTATE 23505, a nack) instead of passing as a duplicate.
-	return "INSERT INTO " + q + " (consumer, message_id, processed_at) SELECT $1, $2, now()" +
+	columns, values := "consumer, message_id, processed_at", "$1, $2, now()"
+	if fingerprint != "" {
+		columns, values = columns+", fingerprint", values+", "+fingerprint
+	}
+	return "INSERT INTO " + q + " (" + columns + ") SELECT " + values +
 		" WHERE NOT EXISTS (SELECT 1 FROM " + q + " WHERE consumer = $1 AND message_id = $2)"
 }
 
@@ -61,16 +73,30 @@ func (d postgresPartitionedDialect) claimFunction(t qualifiedName) qualifiedName
 }
 
 // claimFunctionBody is the function's source: the key lock, then claimSQL,
-// whose $1 and $2 are the function's first two arguments. One line, so that
-// a migration tool that splits a script at line-ending semicolons keeps the
-// function whole.
-func (d postgresPartitionedDialect) claimFunctionBody(t qualifiedName) string {
-	return "BEGIN PERFORM pg_advisory_xact_lock($3); " + d.claimSQL(t) + "; RETURN FOUND; END"
+// whose $1 and $2 are the function's first two arguments, and with
+// fingerprint the claim that stores its fourth (Config.ReusedIDs). One
+// line, so that a migration tool that splits a script at line-ending
+// semicolons keeps the function whole.
+func (d postgresPartitionedDialect) claimFunctionBody(t qualifiedName, fingerprint bool) string {
+	claim := d.claimSQL(t)
+	if fingerprint {
+		claim = d.claimInsert(t, "$4")
+	}
+	return "BEGIN PERFORM pg_advisory_xact_lock($3); " + claim + "; RETURN FOUND; END"
 }
 
-func (d postgresPartitionedDialect) createClaimFunctionSQL(t qualifiedName) string {
-	return "CREATE OR REPLACE FUNCTION " + d.claimFunction(t).quoted(d) + "(text, text, bigint) RETURNS boolean\n" +
-		"    LANGUAGE plpgsql VOLATILE AS $$" + d.claimFunctionBody(t) + "$$"
+// claimFunctionArgs are the argument types of the claim function, with the
+// fingerprint's or without: two overloads of one name.
+func claimFunctionArgs(fingerprint bool) string {
+	if fingerprint {
+		return "(text, text, bigint, bytea)"
+	}
+	return "(text, text, bigint)"
+}
+
+func (d postgresPartitionedDialect) createClaimFunctionSQL(t qualifiedName, fingerprint bool) string {
+	return "CREATE OR REPLACE FUNCTION " + d.claimFunction(t).quoted(d) + claimFunctionArgs(fingerprint) + " RETURNS boolean\n" +
+		"    LANGUAGE plpgsql VOLATILE AS $$" + d.claimFunctionBody(t, fingerprint) + "$$"
 }
 
 // Only a function exactly as createClaimFunctionSQL makes it: the same
@@ -79,15 +105,18 @@ func (d postgresPartitionedDialect) createClaimFunctionSQL(t qualifiedName) stri
 // elsewhere) and not SECURITY DEFINER.
 // A zero-column row when the claim inserted the key, none when it was
 // there: rows affected 1 or 0, as claimSQL's.
-func (d postgresPartitionedDialect) lockedClaim(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) (string, error) {
+func (d postgresPartitionedDialect) lockedClaim(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, fingerprint bool) (string, error) {
 	fn := d.claimFunction(t).quoted(d)
 	var n int
 	err := sqlx.GetContext(ctx, q, &n, `SELECT count(*) FROM pg_proc WHERE oid = to_regprocedure($1) AND prosrc = $2
 		AND provolatile = 'v' AND prorettype = 'boolean'::regtype AND proconfig IS NULL AND NOT prosecdef
 		AND prolang = (SELECT oid FROM pg_language WHERE lanname = 'plpgsql')`,
-		fn+"(text, text, bigint)", d.claimFunctionBody(t))
+		fn+claimFunctionArgs(fingerprint), d.claimFunctionBody(t, fingerprint))
 	if err != nil || n == 0 {
 		return "", err
+	}
+	if fingerprint {
+		return "SELECT FROM " + fn + "($1, $2, $3, $4) AS claimed WHERE claimed", nil
 	}
 	return "SELECT FROM " + fn + "($1, $2, $3) AS claimed WHERE claimed", nil
 }
@@ -114,18 +143,22 @@ func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
 			"    consumer     text        NOT NULL,\n" +
 			"    message_id   text        NOT NULL,\n" +
 			"    processed_at timestamptz NOT NULL DEFAULT now(),\n" +
+			"    " + d.fingerprintColumn() + ",\n" +
 			"    PRIMARY KEY (consumer, message_id, processed_at)\n" +
 			") PARTITION BY RANGE (processed_at)",
-		d.createClaimFunctionSQL(t),
+		d.createClaimFunctionSQL(t, false),
+		d.createClaimFunctionSQL(t, true),
 	}
 }
 
 func (d postgresPartitionedDialect) existsSQL(t qualifiedName) (string, []any) {
-	// The table and its claim function, whatever the function's body (one
-	// made otherwise is left alone and not called: lockedClaim); the
-	// partitions are managed by CreatePartitions.
-	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regprocedure($2) IS NOT NULL)::int",
-		[]any{t.quoted(d), d.claimFunction(t).quoted(d) + "(text, text, bigint)"}
+	// The table and its claim functions (2: the table and both overloads),
+	// whatever the functions' bodies (one made otherwise is left alone and
+	// not called: lockedClaim); the partitions are managed by
+	// CreatePartitions.
+	fn := d.claimFunction(t).quoted(d)
+	return "SELECT (to_regclass($1) IS NOT NULL)::int + (to_regprocedure($2) IS NOT NULL AND to_regprocedure($3) IS NOT NULL)::int",
+		[]any{t.quoted(d), fn + claimFunctionArgs(false), fn + claimFunctionArgs(true)}
 }
 
 func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]tableProblem, error) {
@@ -172,17 +205,19 @@ func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.Query
 	// A claim function with settings of its own (ALTER FUNCTION ... SET
 	// search_path) could resolve the table's name to another table; the
 	// inbox does not call it (lockedClaim), but nothing else should either.
-	var settings sql.NullString
-	err = sqlx.GetContext(ctx, q, &settings, "SELECT array_to_string(proconfig, ', ') FROM pg_proc WHERE oid = to_regprocedure($1)",
-		d.claimFunction(t).quoted(d)+"(text, text, bigint)")
-	if err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return nil, err
-	}
-	if settings.Valid && settings.String != "" {
-		fn := d.claimFunction(t).quoted(d) + "(text, text, bigint)"
-		ps.add("ALTER FUNCTION "+fn+" RESET ALL",
-			"the claim function %s has settings of its own (%s), under which its statements may reach another table;"+
-				" the inbox claims in two statements instead of calling it", fn, settings.String)
+	// Both overloads: with the fingerprint and without (Config.ReusedIDs).
+	for _, fingerprint := range []bool{false, true} {
+		fn := d.claimFunction(t).quoted(d) + claimFunctionArgs(fingerprint)
+		var settings sql.NullString
+		err = sqlx.GetContext(ctx, q, &settings, "SELECT array_to_string(proconfig, ', ') FROM pg_proc WHERE oid = to_regprocedure($1)", fn)
+		if err != nil && !errors.Is(err, sql.ErrNoRows) {
+			return nil, err
+		}
+		if settings.Valid && settings.String != "" {
+			ps.add("ALTER FUNCTION "+fn+" RESET ALL",
+				"the claim function %s has settings of its own (%s), under which its statements may reach another table;"+
+					" the inbox claims in two statements instead of calling it", fn, settings.String)
+		}
 	}
 	return ps, nil
 }

@@ -29,6 +29,26 @@ func (d sqliteDialect) claimSQL(t qualifiedName) string {
 		" ON CONFLICT (consumer, message_id) DO NOTHING"
 }
 
+func (d sqliteDialect) claimFingerprintSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint)" +
+		" VALUES (?, ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER), ?)" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
+}
+
+func (d sqliteDialect) storedFingerprintSQL(t qualifiedName) string {
+	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ?"
+}
+
+func (sqliteDialect) fingerprintColumn() string { return "fingerprint  BLOB" }
+
+func (sqliteDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
+	schema := t.schema
+	if schema == "" {
+		schema = "main"
+	}
+	return "SELECT COUNT(*) FROM pragma_table_info(?, ?) WHERE name = 'fingerprint'", []any{t.name, schema}
+}
+
 func (sqliteDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
 
 func (d sqliteDialect) createSQL(t qualifiedName) []string {
@@ -43,6 +63,7 @@ func (d sqliteDialect) createSQL(t qualifiedName) []string {
 			"    consumer     TEXT    NOT NULL,\n" +
 			"    message_id   TEXT    NOT NULL,\n" +
 			"    processed_at INTEGER NOT NULL,\n" +
+			"    " + d.fingerprintColumn() + ",\n" +
 			"    PRIMARY KEY (consumer, message_id)\n" +
 			") WITHOUT ROWID",
 		"CREATE INDEX IF NOT EXISTS " + index + " ON " + d.quote(t.name) + " (processed_at)",
@@ -60,7 +81,7 @@ func (d sqliteDialect) existsSQL(t qualifiedName) (string, []any) {
 
 func (sqliteDialect) keyLock() (string, bool) { return "", false }
 
-func (sqliteDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName) (string, error) {
+func (sqliteDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedName, bool) (string, error) {
 	return "", nil
 }
 
@@ -334,6 +355,7 @@ func (sqliteDialect) nativeBegin(*sql.TxOptions) (string, bool) { return "", fal
 
 func (sqliteDialect) schemaNotes(qualifiedName) string {
 	return "-- Primary key (consumer, message_id): the claim. Index on processed_at: the purge.\n" +
+		fingerprintNote +
 		"-- processed_at: Unix microseconds, UTC, from the database clock.\n"
 }
 

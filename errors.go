@@ -46,6 +46,17 @@ var (
 	// the message id is longer than MaxKeyLength bytes.
 	ErrMessageIDTooLong = errors.New("inbox: message id too long")
 
+	// ErrMessageIDReused is wrapped by the error of a delivery whose message
+	// id was already processed with other content (a producer that reuses
+	// an id for a different event): the stored fingerprint of the content
+	// (Config.Fingerprint) differs from the delivery's. The handler was not
+	// called and nothing was written; the router nacks, and IsTransient
+	// reports false, so a poison queue filter (middleware.PoisonQueueWithFilter
+	// with errors.Is) can take the message instead of retrying it forever.
+	// With Config.ReusedIDs set to ReusedIDsWarn the delivery is skipped as
+	// a duplicate instead, and nothing wraps this error.
+	ErrMessageIDReused = errors.New("inbox: message id reused for other content")
+
 	// ErrInvalidConsumer is wrapped by every error about a consumer name the
 	// inbox refuses: empty, longer than MaxKeyLength bytes, not valid UTF-8 or
 	// containing a NUL byte. A configured Config.Consumer is checked in New;

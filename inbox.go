@@ -33,7 +33,15 @@ type Inbox struct {
 	onProcessed func(Event)
 	onDuplicate func(Event)
 	onFailed    func(Event)
+	onReusedID  func(Event)
 	outbox      func(*sqlx.Tx) (message.Publisher, error)
+
+	reusedIDs     ReusedIDCheck
+	fingerprintOf func(*message.Message) []byte // Config.Fingerprint
+	// fingerprints is fingerprintsUnresolved until the first check of the
+	// table before a claim (resolveFingerprints) finds whether it has the
+	// fingerprint column, then fingerprintsOn or fingerprintsOff for good.
+	fingerprints atomic.Int32
 	tracer      trace.Tracer // nil without Config.TracerProvider
 
 	commitTimeout time.Duration
@@ -43,8 +51,10 @@ type Inbox struct {
 	hasOutbox bool      // Config.Outbox, or the native backend's own outbox
 
 	// Built once in New.
-	claimSQL   string
-	keyLockSQL string // with locksKeys: the dialect's key lock, taken before the claim
+	claimSQL            string
+	claimFingerprintSQL string // claimSQL storing the fingerprint (bind parameter 3)
+	storedFingerprint   string // the query of a key's stored fingerprint
+	keyLockSQL          string // with locksKeys: the dialect's key lock, taken before the claim
 	heldSQL    string // with checksHeld: the dialect's pre-commit check
 	locksKeys  bool
 	checksHeld bool
@@ -110,7 +120,7 @@ func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
 			return err
 		}
 		// As the table is spelled: the function resolves as the table does.
-		if k.lockedClaim, err = ib.dialect.lockedClaim(ctx, q, ib.table); err != nil {
+		if k.lockedClaim, err = ib.dialect.lockedClaim(ctx, q, ib.table, ib.fingerprintsOn()); err != nil {
 			return fmt.Errorf("find claim function: %w", err)
 		}
 		return nil
@@ -169,18 +179,23 @@ func (ib *Inbox) held(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consume
 }
 
 // claim runs the claim statement in tx and returns its rows affected. stmt
-// is the prepared claim, or nil when preparing failed.
-func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string) (int64, error) {
+// is the prepared claim, or nil when preparing failed; fingerprint is the
+// content's, nil when the fingerprints are off.
+func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string, fingerprint []byte) (int64, error) {
 	var res sql.Result
 	var err error
+	args := []any{consumer, id}
+	if fingerprint != nil {
+		args = append(args, fingerprint)
+	}
 	if stmt == nil {
 		// Not preparable (a missing table, a connection error): run it
 		// unprepared so the error comes from the statement itself, and try
 		// preparing again next time.
-		res, err = tx.ExecContext(ctx, ib.claimSQL, consumer, id)
+		res, err = tx.ExecContext(ctx, ib.claimQuery(), args...)
 	} else {
 		txStmt := tx.Tx.StmtContext(ctx, stmt.Stmt)
-		res, err = txStmt.ExecContext(ctx, consumer, id)
+		res, err = txStmt.ExecContext(ctx, args...)
 		// Closing a transaction's statement keeps the underlying
 		// prepared statement for the next transaction on this connection.
 		txStmt.Close()
@@ -209,7 +224,8 @@ func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
 	if ib.claimStmt == nil {
-		ib.claimStmt, _ = ib.db.PreparexContext(ctx, ib.claimSQL)
+		// The fingerprints are resolved before the first claim, for good.
+		ib.claimStmt, _ = ib.db.PreparexContext(ctx, ib.claimQuery())
 	}
 	if ib.checksHeld && ib.heldStmt == nil && ib.claimStmt != nil {
 		ib.heldStmt, _ = ib.db.PreparexContext(ctx, ib.heldSQL)
@@ -269,13 +285,25 @@ func New(cfg Config) (*Inbox, error) {
 		onProcessed:   cfg.OnProcessed,
 		onDuplicate:   cfg.OnDuplicate,
 		onFailed:      cfg.OnFailed,
+		onReusedID:    cfg.OnReusedID,
 		outbox:        cfg.Outbox,
+		reusedIDs:     cfg.ReusedIDs,
+		fingerprintOf: cfg.Fingerprint,
 		commitTimeout: cfg.CommitTimeout,
 		prepare:       cfg.PrepareStatements || cfg.Dialect.preparesByDefault(),
 		claimSQL:      cfg.Dialect.claimSQL(table),
 
+		claimFingerprintSQL: cfg.Dialect.claimFingerprintSQL(table),
+		storedFingerprint:   cfg.Dialect.storedFingerprintSQL(table),
+
 		recheckKeyLocking: claimFunctionRecheck,
 		dialectInferred:   inferred,
+	}
+	if ib.fingerprintOf == nil {
+		ib.fingerprintOf = payloadOf
+	}
+	if ib.reusedIDs == ReusedIDsOff {
+		ib.fingerprints.Store(fingerprintsOff)
 	}
 	ib.backend = sqlBackend{ib}
 	ib.hasOutbox = cfg.Outbox != nil
@@ -332,6 +360,9 @@ func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 		ib.verified.Store(true) // checked by initializeSchema: the middleware need not check again
 	}
 	ib.forgetKeyLocking() // it may have added the claim function
+	if err := ib.resolveFingerprints(ctx); err != nil {
+		return poolerHint(err)
+	}
 	return poolerHint(ib.dialect.maintainSchema(ctx, ib.db, ib.table))
 }
 
@@ -371,6 +402,10 @@ type claimedTx interface {
 	// stillClaimed runs the dialect's pre-commit check (true where the
 	// dialect has none).
 	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
+	// storedFingerprint reads the fingerprint stored with a key the claim
+	// found processed: nil when the row has none (written before the
+	// column existed) or is gone.
+	storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error)
 	// ended reports, without a round trip, whether the transaction has
 	// already ended on the server: the handler committed or rolled it back
 	// itself. False when the driver cannot tell.
@@ -403,6 +438,9 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 	if ib.tableFailures.Load() != 0 {
 		ib.tableFailures.Store(0)
 	}
+	if err := ib.resolveFingerprints(d.sctx); err != nil {
+		return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {
 			return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
@@ -432,9 +470,14 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt}
 	ib.hooks.begun()
 	var n int64
+	d.fingerprint = ib.contentFingerprint(d.msg)
 	if lock.lockedClaim != "" {
 		// The key lock and the claim in one statement: one round trip.
-		n, err = execRowsAffected(tx.ExecContext(d.sctx, lock.lockedClaim, d.consumer, d.id, keyLockHash(lock.table, d.consumer, d.id)))
+		args := []any{d.consumer, d.id, keyLockHash(lock.table, d.consumer, d.id)}
+		if d.fingerprint != nil {
+			args = append(args, d.fingerprint)
+		}
+		n, err = execRowsAffected(tx.ExecContext(d.sctx, lock.lockedClaim, args...))
 		if err != nil {
 			ib.forgetKeyLocking() // in case its function was dropped or replaced
 		}
@@ -444,7 +487,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 				return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
 			}
 		}
-		n, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id)
+		n, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
 	}
 	if err != nil {
 		// Name the table: a missing one is the most common first error.
@@ -525,6 +568,15 @@ func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, er
 
 // ended asks the driver connection, through Conn.Raw, what the server last
 // said about its transaction (see driverTxEnded).
+func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
+	var fp []byte
+	err := t.tx.QueryRowxContext(ctx, t.ib.storedFingerprint, consumer, id).Scan(&fp)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	return fp, err
+}
+
 func (t *sqlTx) ended() bool {
 	_ = t.conn.Raw(func(dc any) error {
 		t.endedEarly = driverTxEnded(dc)

@@ -123,6 +123,8 @@ type delivery struct {
 	stateValue  txState
 	state       *txState // what the handler's context carries; nil until claimed
 	duplicate   bool
+	reused      bool   // processed before with other content (checkReusedID)
+	fingerprint []byte // the content's, stored by the claim; nil with the fingerprints off
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -169,6 +171,9 @@ func (d *delivery) run() ([]*message.Message, error) {
 		return nil, err
 	}
 	if !claimed {
+		if err := d.checkReusedID(); err != nil {
+			return nil, err
+		}
 		d.span.AddEvent("inbox.duplicate")
 		d.duplicate = true
 		return nil, nil // already processed: end rolls back, the router acks
@@ -382,6 +387,9 @@ func (d *delivery) end() error {
 // duplicate, or processed.
 func (d *delivery) report(err error, panicked bool) {
 	ib := d.ib
+	if d.reused && ib.onReusedID != nil {
+		ib.onReusedID(d.event(err))
+	}
 	switch {
 	case err != nil:
 		if panicked {

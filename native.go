@@ -39,7 +39,8 @@ func newNativeInbox(cfg Config, opts backend.Options) (*Inbox, error) {
 	if !ok {
 		return nil, fmt.Errorf("%w: dialect %s is not supported by this backend", ErrInvalidConfig, ib.dialect)
 	}
-	st := backend.Statements{Begin: begin, Claim: ib.claimSQL}
+	st := backend.Statements{Begin: begin, Claim: ib.claimSQL, ClaimFingerprint: ib.claimFingerprintSQL,
+		StoredFingerprint: ib.storedFingerprint}
 	if ib.locksKeys {
 		st.KeyLock = ib.keyLockSQL
 	}
@@ -72,7 +73,8 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return nil, false, err
 	}
 	c := &d.nativeClaim
-	*c = backend.Claim{TxCtx: d.txCtx, Consumer: d.consumer, ID: d.id}
+	d.fingerprint = ib.contentFingerprint(d.msg)
+	*c = backend.Claim{TxCtx: d.txCtx, Consumer: d.consumer, ID: d.id, Fingerprint: d.fingerprint}
 	if ib.locksKeys {
 		// The backend sends the key lock and the claim in one batch
 		// with BEGIN, so it has no use for lock.lockedClaim.
@@ -123,6 +125,10 @@ func (t *nativeTx) newState(_ *Inbox, s *txState) error {
 
 func (t *nativeTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {
 	return t.tx.StillClaimed(ctx, consumer, id)
+}
+
+func (t *nativeTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
+	return t.tx.StoredFingerprint(ctx, consumer, id)
 }
 
 func (t *nativeTx) ended() bool     { return t.tx.Ended() }

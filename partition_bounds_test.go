@@ -278,7 +278,7 @@ func TestClaimFunctionWithSettingsOfItsOwnIsRefused(t *testing.T) {
 	newPartitionedInboxEvery(t, db, table, nil, inbox.PartitionWeek)
 	exec(t, db, "CREATE SCHEMA "+other)
 	exec(t, db, "CREATE TABLE "+other+"."+table+" (LIKE public."+table+")")
-	exec(t, db, "ALTER FUNCTION "+table+"_claim(text, text, bigint) SET search_path = "+other)
+	exec(t, db, "ALTER FUNCTION "+table+"_claim(text, text, bigint, bytea) SET search_path = "+other)
 
 	deliver := func() (acked bool, calls int32) {
 		t.Helper()
@@ -317,7 +317,7 @@ func TestClaimFunctionWithSettingsOfItsOwnIsRefused(t *testing.T) {
 	if n, decoy := count(t, db, table, ""), count(t, db, other+"."+table, ""); n != 0 || decoy != 0 {
 		t.Errorf("claims: %d in the inbox table, %d in %s.%s; want none", n, decoy, other, table)
 	}
-	exec(t, db, "ALTER FUNCTION "+table+"_claim(text, text, bigint) RESET ALL")
+	exec(t, db, "ALTER FUNCTION "+table+"_claim(text, text, bigint, bytea) RESET ALL")
 	if acked, calls := deliver(); !acked || calls != 1 {
 		t.Errorf("delivery after RESET ALL: acked %v, handler calls %d; want an ack after one call", acked, calls)
 	}

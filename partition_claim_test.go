@@ -31,6 +31,7 @@ func recordedPartitionedTable(t *testing.T, log *statementLog) (plain, recorded 
 	t.Cleanup(func() {
 		plain.Exec("DROP TABLE IF EXISTS " + table + " CASCADE")
 		plain.Exec("DROP FUNCTION IF EXISTS " + claimFunction(table) + "(text, text, bigint)")
+		plain.Exec("DROP FUNCTION IF EXISTS " + claimFunction(table) + claimFunctionArgs)
 	})
 	newPartitionedInboxEvery(t, recorded, table, nil, inbox.PartitionWeek)
 	return plain, recorded, table
@@ -39,6 +40,11 @@ func recordedPartitionedTable(t *testing.T, log *statementLog) (plain, recorded 
 // claimFunction is the name of table's claim function (for names short
 // enough not to be shortened).
 func claimFunction(table string) string { return table + "_claim" }
+
+// claimFunctionArgs are the argument types of the claim function an inbox
+// with the default Config.ReusedIDs calls: the overload that stores the
+// content's fingerprint.
+const claimFunctionArgs = "(text, text, bigint, bytea)"
 
 // countingHandler returns a middleware-wrapped handler of ib that counts
 // its calls.
@@ -88,9 +94,18 @@ func TestPartitioned_LocksTheKeyAndClaimsInOneStatement(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	stmts := log.take()
-	if len(stmts) != 3 || !strings.Contains(stmts[0], `"`+claimFunction(table)+`"($1, $2, $3)`) || stmts[1] != stmts[0] || stmts[2] != stmts[0] {
-		t.Errorf("three deliveries sent %q; want one call of the claim function each (BEGIN and COMMIT aside)", stmts)
+	// The two duplicates also read the stored fingerprint (Config.ReusedIDs).
+	var stmts []string
+	reads := 0
+	for _, q := range log.take() {
+		if strings.HasPrefix(q, "SELECT fingerprint FROM") {
+			reads++
+			continue
+		}
+		stmts = append(stmts, q)
+	}
+	if len(stmts) != 3 || !strings.Contains(stmts[0], `"`+claimFunction(table)+`"($1, $2, $3, $4)`) || stmts[1] != stmts[0] || stmts[2] != stmts[0] || reads != 2 {
+		t.Errorf("three deliveries sent %q and %d fingerprint reads; want one call of the claim function each (BEGIN and COMMIT aside) and a read per duplicate", stmts, reads)
 	}
 	if n := calls.Load(); n != 2 {
 		t.Errorf("handler ran %d times for 2 messages delivered 4 times", n)
@@ -109,7 +124,7 @@ func TestPartitioned_ClaimsWithoutTheClaimFunction(t *testing.T) {
 	t.Parallel()
 	var log statementLog
 	plain, db, table := recordedPartitionedTable(t, &log)
-	exec(t, plain, "DROP FUNCTION "+claimFunction(table)+"(text, text, bigint)")
+	exec(t, plain, "DROP FUNCTION "+claimFunction(table)+claimFunctionArgs)
 	log.take()
 	initializer, migrated := newPartitioned(t, db, table), newPartitioned(t, db, table)
 	inbox.SetClaimFunctionRecheck(migrated, time.Millisecond)
@@ -147,7 +162,7 @@ func TestPartitioned_IgnoresAClaimFunctionItDidNotWrite(t *testing.T) {
 	var log statementLog
 	plain, db, table := recordedPartitionedTable(t, &log)
 	exec(t, plain, "CREATE OR REPLACE FUNCTION "+claimFunction(table)+
-		"(text, text, bigint) RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$BEGIN RETURN true; END$$")
+		claimFunctionArgs+" RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$BEGIN RETURN true; END$$")
 	var calls atomic.Int32
 	h := countingHandler(newPartitioned(t, db, table), &calls)
 	msg := message.NewMessage(watermill.NewUUID(), nil)
@@ -176,7 +191,7 @@ func TestPartitioned_ClaimFunctionDroppedWhileInUse(t *testing.T) {
 	if _, err := h(message.NewMessage(watermill.NewUUID(), nil)); err != nil {
 		t.Fatal(err)
 	}
-	exec(t, plain, "DROP FUNCTION "+claimFunction(table)+"(text, text, bigint)")
+	exec(t, plain, "DROP FUNCTION "+claimFunction(table)+claimFunctionArgs)
 	msg := message.NewMessage(watermill.NewUUID(), nil)
 	if _, err := h(msg); err == nil {
 		t.Fatal("a delivery whose claim function was dropped returned no error")

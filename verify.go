@@ -37,6 +37,11 @@ import (
 // concurrent use and works behind a transaction-mode connection pooler (on
 // PostgreSQL it reads in one short transaction).
 //
+// It also finds whether the table has the fingerprint column that detects
+// reused message ids (Config.ReusedIDs): without it the check is off and
+// Verify logs, once, at Info, the ALTER TABLE that adds it
+// (AddFingerprintColumnSQL); a missing column is not an error.
+//
 // With Config.OutboxTables it also checks that each of those tables exists
 // (an error wrapping ErrTableNotFound that names the outbox table). A
 // prepared-statement error that a transaction-mode pooler causes (SQLSTATE
@@ -50,7 +55,7 @@ func (ib *Inbox) Verify(ctx context.Context) error {
 		return err
 	}
 	ib.verified.Store(true) // the middleware need not check again
-	return nil
+	return ib.resolveFingerprints(ctx)
 }
 
 // verifyTables checks the inbox table and Config.OutboxTables, in one

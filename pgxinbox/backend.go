@@ -45,8 +45,12 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 		t.lock = pgx.QueuedQuery{SQL: b.st.KeyLock, Arguments: t.lockArgs[:]}
 		batch.QueuedQueries = append(batch.QueuedQueries, &t.lock)
 	}
-	t.claimArgs = [2]any{c.Consumer, c.ID}
-	t.claim = pgx.QueuedQuery{SQL: b.st.Claim, Arguments: t.claimArgs[:]}
+	t.claimArgs = [3]any{c.Consumer, c.ID, c.Fingerprint}
+	if c.Fingerprint != nil {
+		t.claim = pgx.QueuedQuery{SQL: b.st.ClaimFingerprint, Arguments: t.claimArgs[:]}
+	} else {
+		t.claim = pgx.QueuedQuery{SQL: b.st.Claim, Arguments: t.claimArgs[:2]}
+	}
 	batch.QueuedQueries = append(batch.QueuedQueries, &t.claim)
 	br := conn.SendBatch(c.TxCtx, batch)
 	// Tx is never nil for a batch that began one; when the batch fails
@@ -88,7 +92,7 @@ type pgxTx struct {
 	queued      [3]*pgx.QueuedQuery
 	lock, claim pgx.QueuedQuery
 	lockArgs    [1]any
-	claimArgs   [2]any
+	claimArgs   [3]any
 }
 
 func (t *pgxTx) Handle() any { return t.tx }
@@ -107,6 +111,15 @@ func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, er
 	var n int
 	err := t.tx.QueryRow(ctx, t.b.st.Held, consumer, id).Scan(&n)
 	return n > 0, err
+}
+
+func (t *pgxTx) StoredFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
+	var fp []byte
+	err := t.tx.QueryRow(ctx, t.b.st.StoredFingerprint, consumer, id).Scan(&fp)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	return fp, err
 }
 
 // Ended reports whether the server said, in its last ReadyForQuery, that no

@@ -64,6 +64,16 @@ type Config struct {
 	OnFailed       func(inbox.Event)
 	TracerProvider trace.TracerProvider
 
+	// ReusedIDs, Fingerprint and OnReusedID are inbox.Config's: a message id
+	// already processed with other content is refused (an error wrapping
+	// inbox.ErrMessageIDReused), or with inbox.ReusedIDsWarn logged and
+	// skipped. The claim stores the fingerprint in the batch that begins the
+	// transaction (no round trip added); a duplicate reads the stored one.
+	// Default: inbox.ReusedIDsRefuse; the payload; nil.
+	ReusedIDs   inbox.ReusedIDCheck
+	Fingerprint func(msg *message.Message) []byte
+	OnReusedID  func(inbox.Event)
+
 	// Outbox returns a publisher that writes to an outbox in the given
 	// transaction, as inbox.Config.Outbox does for database/sql: with
 	// watermill-sql v4, wsql.NewPublisher(wsql.TxFromPgx(tx), …). The
@@ -138,6 +148,9 @@ func New(cfg Config) (*Inbox, error) {
 		OnDuplicate:    cfg.OnDuplicate,
 		OnFailed:       cfg.OnFailed,
 		TracerProvider: cfg.TracerProvider,
+		ReusedIDs:      cfg.ReusedIDs,
+		Fingerprint:    cfg.Fingerprint,
+		OnReusedID:     cfg.OnReusedID,
 		CommitTimeout:  cfg.CommitTimeout,
 		OutboxTables:   cfg.OutboxTables,
 	}, backend.Options{

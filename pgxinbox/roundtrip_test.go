@@ -57,8 +57,8 @@ func (r *sqlTracer) take() []string {
 
 // BEGIN, the key lock (partitioned dialect) and the claim go to the server
 // in one batch, with no BEGIN of their own: a processed message costs that
-// batch, the handler's statements and COMMIT; a duplicate costs the batch
-// and the ROLLBACK.
+// batch, the handler's statements and COMMIT; a duplicate costs the batch,
+// the read of its stored fingerprint (Config.ReusedIDs) and the ROLLBACK.
 func TestRoundTrip_ClaimGoesOutWithBegin(t *testing.T) {
 	forEachDialect(t, func(t *testing.T, d inbox.Dialect) {
 		tracer := &sqlTracer{}
@@ -83,7 +83,7 @@ func TestRoundTrip_ClaimGoesOutWithBegin(t *testing.T) {
 			after []string // what follows the batch
 		}{
 			{"Processed", []string{"query: insert into " + f.effect, "query: commit"}},
-			{"Duplicate", []string{"query: rollback"}},
+			{"Duplicate", []string{"query: select fingerprint from", "query: rollback"}},
 		} {
 			tracer.take()
 			if !in.deliver(t, msg) {

@@ -13,8 +13,12 @@ CREATE TABLE IF NOT EXISTS "watermill_inbox" (
     consumer     text        NOT NULL,
     message_id   text        NOT NULL,
     processed_at timestamptz NOT NULL DEFAULT now(),
+    fingerprint  bytea,
     PRIMARY KEY (consumer, message_id, processed_at)
 ) PARTITION BY RANGE (processed_at);
 
 CREATE OR REPLACE FUNCTION "watermill_inbox_claim"(text, text, bigint) RETURNS boolean
     LANGUAGE plpgsql VOLATILE AS $$BEGIN PERFORM pg_advisory_xact_lock($3); INSERT INTO "watermill_inbox" (consumer, message_id, processed_at) SELECT $1, $2, now() WHERE NOT EXISTS (SELECT 1 FROM "watermill_inbox" WHERE consumer = $1 AND message_id = $2); RETURN FOUND; END$$;
+
+CREATE OR REPLACE FUNCTION "watermill_inbox_claim"(text, text, bigint, bytea) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE AS $$BEGIN PERFORM pg_advisory_xact_lock($3); INSERT INTO "watermill_inbox" (consumer, message_id, processed_at, fingerprint) SELECT $1, $2, now(), $4 WHERE NOT EXISTS (SELECT 1 FROM "watermill_inbox" WHERE consumer = $1 AND message_id = $2); RETURN FOUND; END$$;

@@ -371,6 +371,13 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			return err
 		}
 		fmt.Fprintf(stdout, "inbox table %s is verified\n", c.table)
+		if !ib.ReusedIDsDetected() {
+			if d == nil {
+				d = dialects[map[string]string{"pgx": "postgres", "mysql": "mysql", "sqlite": "sqlite"}[db.DriverName()]]
+			}
+			fmt.Fprintf(stdout, "it has no fingerprint column, so a message id reused for other content is skipped as a duplicate;"+
+				" add the column to detect it (Config.ReusedIDs):\n    %s;\n", inbox.AddFingerprintColumnSQL(d, c.table))
+		}
 		for _, t := range outboxTables {
 			fmt.Fprintf(stdout, "outbox table %s exists\n", t)
 		}

@@ -63,7 +63,7 @@ func TestSchemaApplyPurgeStats(t *testing.T) {
 				"mysql":    "UTC_TIMESTAMP(6) - INTERVAL 2 HOUR",
 			}[name]
 			for i := range 5 {
-				if _, err := c.db.Exec(c.db.Rebind("INSERT INTO "+table+" VALUES (?, ?, "+ago+")"), "billing", fmt.Sprint(i)); err != nil {
+				if _, err := c.db.Exec(c.db.Rebind("INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES (?, ?, "+ago+")"), "billing", fmt.Sprint(i)); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -191,7 +191,7 @@ func TestPurgeWindowFromKafka(t *testing.T) {
 		t.Fatal(errOut)
 	}
 	for i, ago := range []int64{3 * 3600, 2 * 3600, 80 * 60} {
-		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
 			fmt.Sprint(i), ago*1_000_000); err != nil {
 			t.Fatal(err)
 		}
@@ -307,7 +307,7 @@ func TestCountsInSingularAndPlural(t *testing.T) {
 	if code, _, errOut := cli(t, "schema", "-db", dsn, "-apply"); code != 0 {
 		t.Fatal(errOut)
 	}
-	if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', 'm1', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000)"); err != nil {
+	if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', 'm1', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000)"); err != nil {
 		t.Fatal(err)
 	}
 	code, out, _ := cli(t, "purge", "-db", dsn, "-older-than", "1h", "-dry-run")
@@ -337,6 +337,16 @@ func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 			code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-verify")
 			if want := "inbox table " + table + " is verified\n"; code != 0 || out != want || errOut != "" {
 				t.Errorf("verify a table schema -apply made: exit %d, stdout %q, stderr %q; want 0 and %q", code, out, errOut, want)
+			}
+
+			// A table made before the fingerprint column: verified, with the
+			// statement that adds the column.
+			if _, err := c.db.Exec("ALTER TABLE " + table + " DROP COLUMN fingerprint"); err != nil {
+				t.Fatal(err)
+			}
+			code, out, errOut = cli(t, "schema", "-db", c.dsn, "-table", table, "-verify")
+			if code != 0 || !strings.Contains(out, "no fingerprint column") || !strings.Contains(out, "ALTER TABLE") {
+				t.Errorf("verify a table without the fingerprint column: exit %d, stdout %q, stderr %q; want 0 and the ALTER TABLE", code, out, errOut)
 			}
 
 			// A missing table wraps ErrTableNotFound.
@@ -464,7 +474,7 @@ func TestPurgeWindowFromJetStream(t *testing.T) {
 		t.Fatal(errOut)
 	}
 	for i, ago := range []time.Duration{3 * time.Hour, 2 * time.Hour, 70 * time.Minute} {
-		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
 			fmt.Sprint(i), ago.Microseconds()); err != nil {
 			t.Fatal(err)
 		}

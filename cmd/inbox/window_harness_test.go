@@ -25,7 +25,7 @@ func insertAged(t *testing.T, db *sqlx.DB, name, table string, n int, ago time.D
 		"mysql":    fmt.Sprintf("UTC_TIMESTAMP(6) - INTERVAL %d MICROSECOND", us),
 	}[name]
 	for i := range n {
-		if _, err := db.Exec(db.Rebind("INSERT INTO "+table+" VALUES (?, ?, "+expr+")"), "billing", fmt.Sprintf("%s-%d", ago, i)); err != nil {
+		if _, err := db.Exec(db.Rebind("INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES (?, ?, "+expr+")"), "billing", fmt.Sprintf("%s-%d", ago, i)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -23,6 +23,12 @@ type Statements struct {
 	// Claim inserts the key if absent ($1 consumer, $2 message id); its rows
 	// affected tell a claim (1) from a duplicate (0).
 	Claim string
+	// ClaimFingerprint is Claim that also stores the content's fingerprint
+	// ($3, bytea), run when Claim.Fingerprint is set.
+	ClaimFingerprint string
+	// StoredFingerprint reads the fingerprint stored with a key ($1, $2),
+	// NULL for a row written without one.
+	StoredFingerprint string
 	// Held, when not empty, is the pre-commit check ($1, $2): a count of the
 	// claim's row.
 	Held string
@@ -39,6 +45,9 @@ type Claim struct {
 	Consumer, ID string
 	// LockKey is the argument of Statements.KeyLock.
 	LockKey int64
+	// Fingerprint, when not nil, is the content's fingerprint: the claim
+	// runs Statements.ClaimFingerprint with it.
+	Fingerprint []byte
 }
 
 // Backend begins transactions and claims keys in them.
@@ -61,6 +70,9 @@ type Tx interface {
 	Publisher() (message.Publisher, error)
 	// StillClaimed runs Statements.Held (true when it is empty).
 	StillClaimed(ctx context.Context, consumer, id string) (bool, error)
+	// StoredFingerprint runs Statements.StoredFingerprint: nil for NULL
+	// and for no row.
+	StoredFingerprint(ctx context.Context, consumer, id string) ([]byte, error)
 	// Ended reports, without a round trip, whether the transaction has
 	// already ended on the server before Commit (the handler committed or
 	// rolled it back itself); false when unknown.

@@ -1,0 +1,147 @@
+package inbox
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// The states of Inbox.fingerprints.
+const (
+	fingerprintsUnresolved int32 = iota
+	fingerprintsOff
+	fingerprintsOn
+)
+
+// fingerprintSize is how many bytes of the content's SHA-256 the claim
+// stores: 128 bits, so that two different contents of one id match by
+// chance with a probability of about 2^-128.
+const fingerprintSize = 16
+
+// fingerprintNote is the line SchemaSQL prints about the fingerprint column.
+const fingerprintNote = "-- fingerprint: first 16 bytes of the SHA-256 of the content (Config.ReusedIDs), NULL matching any.\n"
+
+// payloadOf is Config.Fingerprint's default: the payload.
+func payloadOf(msg *message.Message) []byte { return msg.Payload }
+
+// fingerprintsOn reports whether claims store and duplicates compare
+// fingerprints. Resolved before the first claim (resolveFingerprints).
+func (ib *Inbox) fingerprintsOn() bool { return ib.fingerprints.Load() == fingerprintsOn }
+
+// ReusedIDsDetected reports whether the inbox detects reused message ids
+// (Config.ReusedIDs): true once a check of the table (Verify,
+// InitializeSchema, RouterPlugin or the first claim) found its fingerprint
+// column and ReusedIDs is not ReusedIDsOff; false before that check, and
+// for good (until the process starts again) when the column is missing. It
+// is safe for concurrent use.
+func (ib *Inbox) ReusedIDsDetected() bool { return ib.fingerprintsOn() }
+
+// claimQuery returns the claim statement: with the fingerprint once the
+// fingerprints are on.
+func (ib *Inbox) claimQuery() string {
+	if ib.fingerprintsOn() {
+		return ib.claimFingerprintSQL
+	}
+	return ib.claimSQL
+}
+
+// contentFingerprint returns the fingerprint the claim of msg stores, or
+// nil when the fingerprints are off.
+func (ib *Inbox) contentFingerprint(msg *message.Message) []byte {
+	if !ib.fingerprintsOn() {
+		return nil
+	}
+	sum := sha256.Sum256(ib.fingerprintOf(msg))
+	return sum[:fingerprintSize]
+}
+
+// resolveFingerprints decides, once, before the inbox's first claim and
+// after the table check, whether the table has the fingerprint column:
+// with it the fingerprints are on for good; without it they are off for
+// good (until the process starts again) and the inbox logs, once, the
+// statement that adds the column. With ReusedIDsOff it does nothing. It
+// reads the catalog only, outside any transaction.
+func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
+	if ib.fingerprints.Load() != fingerprintsUnresolved {
+		return nil
+	}
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.fingerprints.Load() != fingerprintsUnresolved {
+		return nil
+	}
+	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
+	var n int
+	if err := ib.db.GetContext(ctx, &n, ib.db.Rebind(query), args...); err != nil {
+		return fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err)
+	}
+	if n > 0 {
+		ib.fingerprints.Store(fingerprintsOn)
+		return nil
+	}
+	ib.fingerprints.Store(fingerprintsOff)
+	ib.logger.Info("Inbox: the table has no fingerprint column, so a message id reused for other content is skipped as a duplicate"+
+		" (Config.ReusedIDs); add the column, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
+		watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})
+	return nil
+}
+
+// AddFingerprintColumnSQL returns the statement that adds the fingerprint
+// column (Config.ReusedIDs) to an inbox table made before it existed, for
+// dialect d and table (as in Config.Table; not checked here). On every
+// supported database it changes the catalog only and rewrites no row:
+// PostgreSQL 11+ adds a column without a default without a rewrite, but
+// waits for an ACCESS EXCLUSIVE lock, which queues behind every running
+// transaction on the table and holds back every claim until granted (run
+// it with a lock_timeout and retry); MariaDB 10.3+ and MySQL 8.0.12+ add a
+// last nullable column in place (ALGORITHM=INSTANT); SQLite's ADD COLUMN
+// edits the schema only. Rows written before it hold NULL and match any
+// content.
+func AddFingerprintColumnSQL(d Dialect, table string) string {
+	t, err := parseTableName(table)
+	if err != nil || d == nil {
+		return ""
+	}
+	stmt := "ALTER TABLE " + t.quoted(d) + " ADD COLUMN " + d.fingerprintColumn()
+	if d.server() == serverMySQL {
+		stmt += ", ALGORITHM=INSTANT"
+	}
+	return stmt
+}
+
+// errReusedID is the error of a delivery refused under ReusedIDsRefuse.
+func (d *delivery) errReusedID(stored []byte) error {
+	return fmt.Errorf("inbox: %q/%q: %w: processed before with content of fingerprint %x, this delivery's is %x"+
+		" (a producer reused the message id; Config.ReusedIDs)", d.consumer, d.id, ErrMessageIDReused, stored, d.fingerprint)
+}
+
+// checkReusedID runs when the claim found the key processed: it reads the
+// stored fingerprint and compares it with the delivery's. A match, a row
+// without a fingerprint, or fingerprints off: a duplicate (nil). Otherwise
+// d.reused is set, and under ReusedIDsRefuse the error wraps
+// ErrMessageIDReused; under ReusedIDsWarn the reuse is logged and the
+// delivery stays a duplicate.
+func (d *delivery) checkReusedID() error {
+	if d.fingerprint == nil {
+		return nil
+	}
+	stored, err := d.tx.storedFingerprint(d.sctx, d.consumer, d.id)
+	if err != nil {
+		return fmt.Errorf("inbox: %q/%q: read the stored fingerprint: %w", d.consumer, d.id, d.commitTimedOut(err))
+	}
+	if stored == nil || bytes.Equal(stored, d.fingerprint) {
+		return nil
+	}
+	d.reused = true
+	if d.ib.reusedIDs == ReusedIDsRefuse {
+		return d.errReusedID(stored)
+	}
+	f := d.fields()
+	f["stored_fingerprint"], f["fingerprint"] = fmt.Sprintf("%x", stored), fmt.Sprintf("%x", d.fingerprint)
+	d.ib.logger.Info("Inbox: message id reused for other content; skipped as a duplicate (Config.ReusedIDs is ReusedIDsWarn)", f)
+	return nil
+}
