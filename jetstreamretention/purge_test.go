@@ -111,7 +111,7 @@ func TestPurgeKeepsRowsOfMessagesTheStreamCanReplay(t *testing.T) {
 	subject := stream.CachedInfo().Config.Subjects[0]
 	db, ib := sqliteInbox(t)
 	for i := range 3 { // processed 2h ago: past the safe window
-		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
 			fmt.Sprint("expired-", i), (2 * time.Hour).Microseconds()); err != nil {
 			t.Fatal(err)
 		}
@@ -179,7 +179,7 @@ func TestStreamWithoutMaxAgeStopsThePurge(t *testing.T) {
 	withAge := createStream(t, js, jetstream.StreamConfig{MaxAge: time.Hour})
 	forever := createStream(t, js, jetstream.StreamConfig{MaxMsgs: 1_000_000})
 	db, _ := sqliteInbox(t)
-	if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', 'old', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+	if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', 'old', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
 		(1000 * 24 * time.Hour).Microseconds()); err != nil {
 		t.Fatal(err)
 	}

@@ -120,7 +120,7 @@ func TestPurgeWithRetentionSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, ago := range []time.Duration{3 * time.Hour, 2 * time.Hour, 80 * time.Minute, time.Hour} {
-		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
 			i, ago.Microseconds()); err != nil {
 			t.Fatal(err)
 		}
@@ -244,7 +244,7 @@ func TestPurge_TopicKeptForeverDeletesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, ago := range []time.Duration{400 * 24 * time.Hour, 30 * 24 * time.Hour, 10 * 24 * time.Hour, 3 * 24 * time.Hour} {
-		if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
 			i, ago.Microseconds()); err != nil {
 			t.Fatal(err)
 		}

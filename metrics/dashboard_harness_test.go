@@ -159,9 +159,13 @@ func scrapeEverySeries(t *testing.T) seriesSet {
 	if deliver(message.NewMessage(watermill.NewUUID(), []byte("fail"))) {
 		t.Fatal("a failing handler's message was acked")
 	}
+	reused := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+	if !deliver(reused) || deliver(message.NewMessage(reused.UUID, []byte("order 2"))) {
+		t.Fatal("a message id reused for other content was not refused")
+	}
 	relayUntilEmpty(t, ob)
 
-	if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('old', 'x', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000)"); err != nil {
+	if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('old', 'x', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000)"); err != nil {
 		t.Fatal(err)
 	}
 	p, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, OlderThan: time.Hour}}))

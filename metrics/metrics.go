@@ -1,5 +1,6 @@
 // Package metrics exports the inbox's outcomes to Prometheus, wired from the
-// inbox's hooks: messages processed, skipped as duplicates and failed, the
+// inbox's hooks: messages processed, skipped as duplicates and failed, reused
+// message ids, the
 // inbox transaction's duration, purge rounds (by outcome, the last
 // successful one's time, the window they purge by, rows purged, pacing), the
 // age of the oldest row and an estimate of the table's size; and the outbox relay's: messages relayed,
@@ -40,6 +41,16 @@ const (
 	OutcomeFailed    = "failed"
 )
 
+// Action label values of inbox_reused_ids_total: what the inbox did with a
+// delivery whose message id was processed before with other content
+// (inbox.Config.ReusedIDs).
+const (
+	// ReusedIDRefused: nacked with inbox.ErrMessageIDReused (ReusedIDsRefuse).
+	ReusedIDRefused = "refused"
+	// ReusedIDSkipped: logged and skipped as a duplicate (ReusedIDsWarn).
+	ReusedIDSkipped = "skipped"
+)
+
 // Outcome label values of inbox_purge_rounds_total.
 const (
 	// RoundOK is a purge round that ended without error.
@@ -57,6 +68,7 @@ const (
 type Metrics struct {
 	reg          prometheus.Registerer
 	messages     *prometheus.CounterVec
+	reusedIDs    *prometheus.CounterVec
 	txSeconds    *prometheus.HistogramVec
 	purgeDeleted *prometheus.CounterVec
 	oldestAge    *prometheus.GaugeVec
@@ -81,6 +93,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "inbox_messages_total",
 			Help: "Messages seen by the inbox middleware, by outcome: processed (committed), duplicate (skipped and acked) or failed (nacked).",
 		}, []string{"handler_name", "consumer", "outcome"}),
+		reusedIDs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "inbox_reused_ids_total",
+			Help: "Deliveries whose message id was processed before with other content (a producer reusing ids), by action: refused (nacked) or skipped (acked as a duplicate under ReusedIDsWarn).",
+		}, []string{"handler_name", "consumer", "action"}),
 		txSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "inbox_transaction_seconds",
 			Help:    "Time from BEGIN to the end of COMMIT or ROLLBACK of the inbox transaction, handler included.",
@@ -128,7 +144,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"table"}),
 	}
 	m.outbox = newOutboxMetrics()
-	for _, c := range append([]prometheus.Collector{m.messages, m.txSeconds, m.purgeDeleted, m.oldestAge,
+	for _, c := range append([]prometheus.Collector{m.messages, m.reusedIDs, m.txSeconds, m.purgeDeleted, m.oldestAge,
 		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle, m.rounds, m.lastSuccess, m.window},
 		m.outbox.collectors()...) {
 		if err := reg.Register(c); err != nil {
@@ -138,13 +154,34 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	return m, nil
 }
 
-// Instrument returns cfg with its OnProcessed, OnDuplicate and OnFailed hooks
-// recording to m. Hooks already set in cfg still run, first.
+// Instrument returns cfg with its OnProcessed, OnDuplicate, OnFailed and
+// OnReusedID hooks recording to m (a reused id also counts as failed or
+// duplicate in inbox_messages_total, by what the inbox did with it). Hooks
+// already set in cfg still run, first.
 func (m *Metrics) Instrument(cfg inbox.Config) inbox.Config {
 	cfg.OnProcessed = m.hook(cfg.OnProcessed, OutcomeProcessed)
 	cfg.OnDuplicate = m.hook(cfg.OnDuplicate, OutcomeDuplicate)
 	cfg.OnFailed = m.hook(cfg.OnFailed, OutcomeFailed)
+	next := cfg.OnReusedID
+	cfg.OnReusedID = func(e inbox.Event) {
+		if next != nil {
+			next(e)
+		}
+		action := ReusedIDSkipped
+		if e.Err != nil {
+			action = ReusedIDRefused
+		}
+		m.reusedIDs.WithLabelValues(handlerName(e), e.Consumer, action).Inc()
+	}
 	return cfg
+}
+
+// handlerName is the Watermill handler name of e's message, "" without one.
+func handlerName(e inbox.Event) string {
+	if e.Message == nil {
+		return ""
+	}
+	return message.HandlerNameFromCtx(e.Message.Context())
 }
 
 func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event) {
@@ -152,10 +189,7 @@ func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event)
 		if next != nil {
 			next(e)
 		}
-		handler := ""
-		if e.Message != nil {
-			handler = message.HandlerNameFromCtx(e.Message.Context())
-		}
+		handler := handlerName(e)
 		m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
 		if e.Duration > 0 {
 			m.txSeconds.WithLabelValues(handler, e.Consumer, outcome).Observe(e.Duration.Seconds())

@@ -71,7 +71,7 @@ func TestMetricsScrape(t *testing.T) {
 	deliver(a)
 	deliver(message.NewMessage(watermill.NewUUID(), []byte("fail")))
 
-	if _, err := db.Exec("INSERT INTO watermill_inbox VALUES ('old', 'x', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000)"); err != nil {
+	if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('old', 'x', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000)"); err != nil {
 		t.Fatal(err)
 	}
 	p, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, OlderThan: time.Hour}}))
@@ -174,7 +174,7 @@ func TestMetricsPurgePacing(t *testing.T) {
 	expire := func(n int) {
 		t.Helper()
 		if _, err := db.Exec(`WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < ?)
-			INSERT INTO watermill_inbox SELECT 'old', lower(hex(randomblob(16))), CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000 FROM s`, n); err != nil {
+			INSERT INTO watermill_inbox (consumer, message_id, processed_at) SELECT 'old', lower(hex(randomblob(16))), CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 7200000000 FROM s`, n); err != nil {
 			t.Fatal(err)
 		}
 	}

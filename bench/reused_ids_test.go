@@ -1,0 +1,103 @@
+package bench
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/pgxinbox"
+)
+
+// reusedIDRounds is how many turns each side of BenchmarkReusedIDCheck
+// takes: the sides alternate, so that a slower moment of the machine falls
+// on both.
+const reusedIDRounds = 10
+
+// BenchmarkReusedIDCheck/<db>/dup=<pct>: what detecting reused message ids
+// (Config.ReusedIDs) costs. Three handlers that insert one business row
+// take turns, reusedIDRounds rounds of b.N/reusedIDRounds messages each, 8
+// in flight, dup percent of them redeliveries: the bare transaction
+// (baseline), the inbox with the check (checked: the default,
+// ReusedIDsRefuse, which stores a fingerprint with each claim and reads it
+// back on each duplicate) and the inbox without it (unchecked:
+// ReusedIDsOff, the inbox as it was before the check). Reports each side's
+// msgs/s (median of its rounds) and the ratios checked/baseline,
+// unchecked/baseline and checked/unchecked.
+func BenchmarkReusedIDCheck(b *testing.B) {
+	for _, dup := range []int{0, 50} {
+		b.Run(fmt.Sprintf("postgres-pgx/dup=%d", dup), func(b *testing.B) {
+			p := openPgxPool(b, 16, nil)
+			sides := map[string]message.HandlerFunc{"baseline": pgxBaseline(b, p)}
+			for name, check := range map[string]inbox.ReusedIDCheck{"checked": inbox.ReusedIDsRefuse, "unchecked": inbox.ReusedIDsOff} {
+				table := "bench_inbox_" + testdb.RandomSuffix()
+				testdb.DropLater(b, p.db, table)
+				ib, err := pgxinbox.New(pgxinbox.Config{Pool: p.pool, Table: table, Consumer: "bench", ReusedIDs: check})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { ib.Close() })
+				if err := ib.InitializeSchema(b.Context()); err != nil {
+					b.Fatal(err)
+				}
+				sides[name] = pgxInboxOn(ib, insertSQL(p.db, businessTable(b, p.db)))
+			}
+			runReusedIDSides(b, sides, dup)
+		})
+	}
+	for _, d := range databases() {
+		for _, dup := range []int{0, 50} {
+			b.Run(fmt.Sprintf("%s/dup=%d", d.Name, dup), func(b *testing.B) {
+				db := d.Open(b)
+				db.SetMaxOpenConns(16)
+				db.SetMaxIdleConns(16)
+				sides := map[string]message.HandlerFunc{"baseline": baseline(b, db, d.Dialect, businessTable(b, db))}
+				for name, check := range map[string]inbox.ReusedIDCheck{"checked": inbox.ReusedIDsRefuse, "unchecked": inbox.ReusedIDsOff} {
+					ib, _ := newInboxWith(b, inbox.Config{DB: db, Dialect: d.Dialect, Consumer: "bench", ReusedIDs: check})
+					if check == inbox.ReusedIDsRefuse && !ib.ReusedIDsDetected() {
+						b.Fatal("the checked side does not detect reused ids")
+					}
+					sides[name] = inboxHandler(ib, insertSQL(db, businessTable(b, db)))
+				}
+				runReusedIDSides(b, sides, dup)
+			})
+		}
+	}
+}
+
+// runReusedIDSides runs the sides of BenchmarkReusedIDCheck in turns and
+// reports them.
+func runReusedIDSides(b *testing.B, sides map[string]message.HandlerFunc, dup int) {
+	order := []string{"baseline", "checked", "unchecked"}
+	per := max(b.N/reusedIDRounds, 1)
+	rates := map[string][]float64{}
+	b.ResetTimer()
+	for round := range reusedIDRounds {
+		for i := range order {
+			name := order[(i+round)%len(order)] // each side goes first in turn
+			msgs := messages(per, dup)
+			elapsed, err := feed(sides[name], msgs, 8, make([]time.Duration, len(msgs)))
+			if err != nil {
+				b.Fatalf("%s: %v", name, err)
+			}
+			rates[name] = append(rates[name], float64(per)/elapsed.Seconds())
+		}
+	}
+	b.StopTimer()
+	median := func(xs []float64) float64 {
+		s := slices.Clone(xs)
+		slices.Sort(s)
+		return s[len(s)/2]
+	}
+	base, checked, unchecked := median(rates["baseline"]), median(rates["checked"]), median(rates["unchecked"])
+	b.ReportMetric(base, "baseline-msgs/s")
+	b.ReportMetric(checked, "checked-msgs/s")
+	b.ReportMetric(unchecked, "unchecked-msgs/s")
+	b.ReportMetric(checked/base, "checked/baseline")
+	b.ReportMetric(unchecked/base, "unchecked/baseline")
+	b.ReportMetric(checked/unchecked, "checked/unchecked")
+}
