@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 )
 
 // The states of Inbox.fingerprints.
@@ -64,7 +65,7 @@ func (ib *Inbox) contentFingerprint(msg *message.Message) []byte {
 // with it the fingerprints are on for good; without it they are off for
 // good (until the process starts again) and the inbox logs, once, the
 // statement that adds the column. With ReusedIDsOff it does nothing. It
-// reads the catalog only, outside any transaction.
+// reads the catalog only, in a short read-only transaction of its own.
 func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 	if ib.fingerprints.Load() != fingerprintsUnresolved {
 		return nil
@@ -76,7 +77,13 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 	}
 	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
 	var n int
-	if err := ib.db.GetContext(ctx, &n, ib.db.Rebind(query), args...); err != nil {
+	// In a transaction, as every catalog read of the inbox: lib/pq's
+	// unnamed statement outside one can lose its server connection behind
+	// a transaction-mode pooler between Parse and Bind.
+	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
+		return sqlx.GetContext(ctx, q, &n, ib.db.Rebind(query), args...)
+	})
+	if err != nil {
 		return fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err)
 	}
 	if n > 0 {

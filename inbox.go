@@ -42,7 +42,7 @@ type Inbox struct {
 	// table before a claim (resolveFingerprints) finds whether it has the
 	// fingerprint column, then fingerprintsOn or fingerprintsOff for good.
 	fingerprints atomic.Int32
-	tracer      trace.Tracer // nil without Config.TracerProvider
+	tracer       trace.Tracer // nil without Config.TracerProvider
 
 	commitTimeout time.Duration
 	prepare       bool // prepare the claim and heldSQL on DB (Config.PrepareStatements, or the dialect's default)
@@ -55,10 +55,10 @@ type Inbox struct {
 	claimFingerprintSQL string // claimSQL storing the fingerprint (bind parameter 3)
 	storedFingerprint   string // the query of a key's stored fingerprint
 	keyLockSQL          string // with locksKeys: the dialect's key lock, taken before the claim
-	heldSQL    string // with checksHeld: the dialect's pre-commit check
-	locksKeys  bool
-	checksHeld bool
-	nopLogger  bool // Logger is watermill.NopLogger: skip building log fields
+	heldSQL             string // with checksHeld: the dialect's pre-commit check
+	locksKeys           bool
+	checksHeld          bool
+	nopLogger           bool // Logger is watermill.NopLogger: skip building log fields
 
 	// claimStmt is claimSQL prepared on DB, on first use (the table may not
 	// exist when New runs). database/sql re-prepares it once per pooled
@@ -68,6 +68,7 @@ type Inbox struct {
 	claimMu    sync.Mutex
 	claimStmt  *sqlx.Stmt
 	heldStmt   *sqlx.Stmt  // heldSQL prepared, the same way
+	fpStmt     *sqlx.Stmt  // storedFingerprint prepared, the same way, once the fingerprints are on
 	keyLocking *keyLocking // with locksKeys: resolved on first use, and again after a failed locked claim
 	// recheckKeyLocking is how long a resolution without the claim
 	// function holds before the next delivery looks for it again
@@ -217,9 +218,9 @@ func execRowsAffected(res sql.Result, err error) (int64, error) {
 // could not be prepared. It must run before the message's transaction
 // begins: preparing takes a connection from the pool, and the transaction
 // may hold the last one.
-func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
+func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held, fingerprint *sqlx.Stmt) {
 	if !ib.prepare {
-		return nil, nil
+		return nil, nil, nil
 	}
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
@@ -230,7 +231,10 @@ func (ib *Inbox) preparedClaim(ctx context.Context) (claim, held *sqlx.Stmt) {
 	if ib.checksHeld && ib.heldStmt == nil && ib.claimStmt != nil {
 		ib.heldStmt, _ = ib.db.PreparexContext(ctx, ib.heldSQL)
 	}
-	return ib.claimStmt, ib.heldStmt
+	if ib.fingerprintsOn() && ib.fpStmt == nil && ib.claimStmt != nil {
+		ib.fpStmt, _ = ib.db.PreparexContext(ctx, ib.storedFingerprint)
+	}
+	return ib.claimStmt, ib.heldStmt, ib.fpStmt
 }
 
 // preparesOn returns the database the inbox prepares its statements on,
@@ -254,7 +258,7 @@ func (ib *Inbox) Close() error {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
 	var errs []error
-	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.heldStmt} {
+	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.heldStmt, &ib.fpStmt} {
 		if *stmt != nil {
 			errs = append(errs, (*stmt).Close())
 			*stmt = nil
@@ -455,9 +459,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if err != nil {
 		return nil, false, err
 	}
-	var stmt, heldStmt *sqlx.Stmt // nil: run unprepared
+	var stmt, heldStmt, fpStmt *sqlx.Stmt // nil: run unprepared
 	if lock.lockedClaim == "" {
-		stmt, heldStmt = ib.preparedClaim(d.sctx)
+		stmt, heldStmt, fpStmt = ib.preparedClaim(d.sctx)
 	}
 	conn, tx, place, err := ib.beginOnConn(d.txCtx)
 	if err != nil && ib.maybeLostConn(d.txCtx, err) {
@@ -467,7 +471,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
-	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt}
+	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt}
 	ib.hooks.begun()
 	var n int64
 	d.fingerprint = ib.contentFingerprint(d.msg)
@@ -542,6 +546,7 @@ type sqlTx struct {
 	place    queuedWrite     // SQLite: the transaction's place in the writerQueue, left when it ends
 	ctx      context.Context // the transaction's context (delivery.txCtx)
 	heldStmt *sqlx.Stmt      // the pre-commit check, prepared; nil when not prepared
+	fpStmt   *sqlx.Stmt      // the stored fingerprint's read, prepared; nil when not prepared
 	// endedEarly is set when ended found the transaction already ended:
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
 	// transaction) without meaning anything.
@@ -570,7 +575,14 @@ func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, er
 // said about its transaction (see driverTxEnded).
 func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
 	var fp []byte
-	err := t.tx.QueryRowxContext(ctx, t.ib.storedFingerprint, consumer, id).Scan(&fp)
+	var err error
+	if t.fpStmt == nil {
+		err = t.tx.QueryRowxContext(ctx, t.ib.storedFingerprint, consumer, id).Scan(&fp)
+	} else {
+		txStmt := t.tx.Tx.StmtContext(ctx, t.fpStmt.Stmt)
+		err = txStmt.QueryRowContext(ctx, consumer, id).Scan(&fp)
+		txStmt.Close()
+	}
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, nil
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // reusedIDCounts counts the hooks of a reused-id test.
@@ -254,4 +255,23 @@ func TestReusedIDsOutOfRangeRefused(t *testing.T) {
 	if !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "ReusedIDCheck(7)") {
 		t.Errorf("New with ReusedIDs 7: %v, want ErrInvalidConfig naming it", err)
 	}
+}
+
+// Behind PgBouncer in transaction mode, with every driver and query mode
+// the pooler supports: the fingerprint is stored and a reused id refused.
+func TestReusedIDBehindAPooler(t *testing.T) {
+	forEachPooledDriver(t, func(t *testing.T, _ testdb.PgBouncerDriver, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var counts reusedIDCounts
+		ib := f.newInbox(counts.config(inbox.Config{Dialect: inbox.PostgreSQL}))
+		in, _, rec := reusedIDRouter(t, f, ib)
+		id := watermill.NewUUID()
+		if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) || !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+			t.Fatalf("first delivery or its duplicate nacked: %v", rec.last())
+		}
+		if in.deliver(t, message.NewMessage(id, []byte("order 2"))) || !errors.Is(rec.last(), inbox.ErrMessageIDReused) {
+			t.Fatalf("reused id: %v, want refused with ErrMessageIDReused", rec.last())
+		}
+		counts.expect(t, 1, 1, 1, 1)
+	})
 }
