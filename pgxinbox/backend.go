@@ -52,15 +52,6 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 		t.claim = pgx.QueuedQuery{SQL: b.st.Claim, Arguments: t.claimArgs[:2]}
 	}
 	batch.QueuedQueries = append(batch.QueuedQueries, &t.claim)
-	if c.Fingerprint != nil {
-		// The stored fingerprint, read in the same round trip: at READ
-		// COMMITTED this statement's snapshot is taken after the claim
-		// waited for a concurrent claim of the key, so it sees that one's
-		// row once committed (for a new key, the row just inserted). A
-		// duplicate needs no round trip of its own to compare.
-		t.fpRead = pgx.QueuedQuery{SQL: b.st.StoredFingerprint, Arguments: t.claimArgs[:2]}
-		batch.QueuedQueries = append(batch.QueuedQueries, &t.fpRead)
-	}
 	br := conn.SendBatch(c.TxCtx, batch)
 	// Tx is never nil for a batch that began one; when the batch fails
 	// before BEGIN it is closed, and Rollback releases the connection.
@@ -76,12 +67,6 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 		}
 	}
 	tag, err := br.Exec()
-	if err == nil && c.Fingerprint != nil {
-		if err = br.QueryRow().Scan(&t.stored); errors.Is(err, pgx.ErrNoRows) {
-			err = nil
-		}
-		t.storedRead = err == nil
-	}
 	if err == nil {
 		err = br.Close()
 	} else {
@@ -104,11 +89,8 @@ type pgxTx struct {
 	ctx  context.Context // backend.Claim.TxCtx
 
 	batch       pgx.Batch
-	queued      [4]*pgx.QueuedQuery
+	queued      [3]*pgx.QueuedQuery
 	lock, claim pgx.QueuedQuery
-	fpRead      pgx.QueuedQuery // the stored fingerprint's read, with a fingerprint
-	stored      []byte          // what fpRead read: the key's stored fingerprint
-	storedRead  bool
 	lockArgs    [1]any
 	claimArgs   [3]any
 }
@@ -132,9 +114,6 @@ func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, er
 }
 
 func (t *pgxTx) StoredFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
-	if t.storedRead {
-		return t.stored, nil
-	}
 	var fp []byte
 	err := t.tx.QueryRow(ctx, t.b.st.StoredFingerprint, consumer, id).Scan(&fp)
 	if errors.Is(err, pgx.ErrNoRows) {
