@@ -1,0 +1,397 @@
+// Package conformance is the inbox's contract (the design contract's
+// Semantics) written once, as test cases that every backend runs: package
+// inbox on database/sql for each dialect (PostgreSQL, PostgreSQL
+// partitioned, MySQL/MariaDB, SQLite) and package pgxinbox on PostgreSQL and
+// PostgreSQL partitioned. Each case runs a real Watermill router
+// (internal/testrouter) against the real database and asserts what a user
+// cares about: handler calls, business rows, inbox rows, acks, hooks.
+//
+// A new capability adds its cases here once; a backend opts in by
+// describing itself with a Backend and calling Run.
+package conformance
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/internal/testrouter"
+)
+
+// Backend is what the suite needs of one backend.
+type Backend struct {
+	// DB reaches the backend's database, for the suite's own reads and DDL
+	// (its Rebind gives the driver's placeholders).
+	DB *sqlx.DB
+	// Dialect is the inbox's dialect on DB.
+	Dialect inbox.Dialect
+	// New returns the middleware of a new inbox on table with opts, whose
+	// table it creates (InitializeSchema) unless opts.NoSchema; it closes
+	// the inbox when t ends.
+	New func(t *testing.T, table string, opts Options) message.HandlerMiddleware
+	// Write inserts msg.UUID into the one-column (id) table business
+	// through the message's inbox transaction, as a handler does.
+	Write func(msg *message.Message, business string) error
+}
+
+// Options are the inbox settings a case chooses; the backend maps them to
+// its own Config.
+type Options struct {
+	OnProcessed, OnDuplicate, OnFailed, OnReusedID func(inbox.Event)
+	ReusedIDs                                      inbox.ReusedIDCheck
+	Fingerprint                                    func(*message.Message) []byte
+	Logger                                         watermill.LoggerAdapter
+	// NoSchema leaves the table as it is: the case made it.
+	NoSchema bool
+}
+
+// cases are the suite, by name.
+var cases = []struct {
+	name string
+	run  func(t *testing.T, b Backend)
+}{
+	{"ProcessedOnceAndDuplicatesSkipped", processedOnce},
+	{"HandlerErrorRollsBackAndTheRedeliveryProcesses", handlerError},
+	{"ReusedIDWithOtherContentIsRefused", reusedIDRefused},
+	{"ReusedIDWarningSkipsTheDelivery", reusedIDWarning},
+	{"ReusedIDFingerprintOfYourChoice", reusedIDFingerprint},
+	{"ReusedIDTableWithoutTheColumn", reusedIDWithoutColumn},
+	{"ReusedIDCheckOff", reusedIDOff},
+}
+
+// Run runs every case of the suite on b, each as a parallel subtest.
+func Run(t *testing.T, b Backend) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			c.run(t, b)
+		})
+	}
+}
+
+// fixture is one case's inbox table, business table and router.
+type fixture struct {
+	t               *testing.T
+	b               Backend
+	inbox, business string
+	feed            *testrouter.Feed
+	outcomes        *testrouter.Outcomes
+	calls           sync.Map // message UUID → *atomic.Int32
+	hooks           hookCounts
+	handlerFails    atomic.Bool
+}
+
+// newFixture names the tables (dropped when t ends) and creates the
+// business table.
+func newFixture(t *testing.T, b Backend) *fixture {
+	t.Helper()
+	s := testdb.RandomSuffix()
+	f := &fixture{t: t, b: b, inbox: "conf_inbox_" + s, business: "conf_effect_" + s}
+	testdb.DropLater(t, b.DB, f.inbox)
+	testdb.DropLater(t, b.DB, f.business)
+	f.exec("CREATE TABLE " + f.business + " (id VARCHAR(255) NOT NULL)")
+	return f
+}
+
+func (f *fixture) exec(query string) {
+	f.t.Helper()
+	if _, err := f.b.DB.Exec(query); err != nil {
+		f.t.Fatalf("%s: %v", query, err)
+	}
+}
+
+func (f *fixture) count(table, where string, args ...any) int {
+	f.t.Helper()
+	q := "SELECT COUNT(*) FROM " + table
+	if where != "" {
+		q += " WHERE " + where
+	}
+	var n int
+	if err := f.b.DB.Get(&n, f.b.DB.Rebind(q), args...); err != nil {
+		f.t.Fatal(err)
+	}
+	return n
+}
+
+// start runs the handler "billing" behind a new inbox with opts (its hooks
+// counted in f.hooks): it counts its calls, fails while f.handlerFails, and
+// writes one business row otherwise.
+func (f *fixture) start(opts Options) {
+	f.t.Helper()
+	opts = f.hooks.wrap(opts)
+	mw := f.b.New(f.t, f.inbox, opts)
+	f.feed, f.outcomes = testrouter.Run(f.t, func(msg *message.Message) error {
+		n, _ := f.calls.LoadOrStore(msg.UUID, new(atomic.Int32))
+		n.(*atomic.Int32).Add(1)
+		if f.handlerFails.Load() {
+			return errPaymentDown
+		}
+		return f.b.Write(msg, f.business)
+	}, mw)
+}
+
+var errPaymentDown = errors.New("payment service down")
+
+func (f *fixture) handlerCalls(id string) int32 {
+	n, ok := f.calls.Load(id)
+	if !ok {
+		return 0
+	}
+	return n.(*atomic.Int32).Load()
+}
+
+func (f *fixture) deliver(msg *message.Message) bool { return f.feed.Deliver(f.t, msg) }
+
+// expect checks the handler calls for id, the business rows and the inbox
+// rows.
+func (f *fixture) expect(id string, calls int32, effects, inboxRows int) {
+	f.t.Helper()
+	if c, e, i := f.handlerCalls(id), f.count(f.business, ""), f.count(f.inbox, ""); c != calls || e != effects || i != inboxRows {
+		f.t.Errorf("handler calls %d, business rows %d, inbox rows %d; want %d, %d and %d", c, e, i, calls, effects, inboxRows)
+	}
+}
+
+// hookCounts counts the inbox's hooks.
+type hookCounts struct{ processed, duplicates, failed, reused atomic.Int32 }
+
+func (h *hookCounts) wrap(opts Options) Options {
+	opts.OnProcessed = count(&h.processed, opts.OnProcessed)
+	opts.OnDuplicate = count(&h.duplicates, opts.OnDuplicate)
+	opts.OnFailed = count(&h.failed, opts.OnFailed)
+	opts.OnReusedID = count(&h.reused, opts.OnReusedID)
+	return opts
+}
+
+func count(n *atomic.Int32, next func(inbox.Event)) func(inbox.Event) {
+	return func(e inbox.Event) {
+		n.Add(1)
+		if next != nil {
+			next(e)
+		}
+	}
+}
+
+func (h *hookCounts) expect(t *testing.T, processed, duplicates, failed, reused int32) {
+	t.Helper()
+	if h.processed.Load() != processed || h.duplicates.Load() != duplicates || h.failed.Load() != failed || h.reused.Load() != reused {
+		t.Errorf("hooks: processed %d, duplicate %d, failed %d, reused id %d; want %d, %d, %d and %d",
+			h.processed.Load(), h.duplicates.Load(), h.failed.Load(), h.reused.Load(), processed, duplicates, failed, reused)
+	}
+}
+
+// Semantics 1 and 2: a message delivered three times is processed once; the
+// two duplicates are acked without a handler call.
+func processedOnce(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":1}`))
+	for i := range 3 {
+		if !f.deliver(msg) {
+			t.Fatalf("delivery %d nacked: %v", i+1, f.outcomes.Last())
+		}
+	}
+	f.expect(msg.UUID, 1, 1, 1)
+	f.hooks.expect(t, 1, 2, 0, 0)
+}
+
+// Semantics 3: a handler error rolls back its writes with the claim and
+// reaches the router as it is (errors.Is matches); the redelivery
+// processes the message.
+func handlerError(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":2}`))
+	f.handlerFails.Store(true)
+	if f.deliver(msg) {
+		t.Fatal("a failing handler's message was acked")
+	}
+	if err := f.outcomes.Last(); !errors.Is(err, errPaymentDown) {
+		t.Errorf("router got %v, want the handler's error", err)
+	}
+	f.expect(msg.UUID, 1, 0, 0)
+	f.handlerFails.Store(false)
+	if !f.deliver(msg) {
+		t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
+	}
+	f.expect(msg.UUID, 2, 1, 1)
+	f.hooks.expect(t, 1, 0, 1, 0)
+}
+
+func sha256Prefix(b []byte) []byte {
+	sum := sha256.Sum256(b)
+	return sum[:16]
+}
+
+// storedFingerprint returns the fingerprint column of the key billing/id.
+func (f *fixture) storedFingerprint(id string) []byte {
+	f.t.Helper()
+	var fp []byte
+	if err := f.b.DB.Get(&fp, f.b.DB.Rebind("SELECT fingerprint FROM "+f.inbox+" WHERE consumer = 'billing' AND message_id = ?"), id); err != nil {
+		f.t.Fatal(err)
+	}
+	return fp
+}
+
+// Semantics 15: a processed id comes again with the same payload (a
+// duplicate) and with another (a producer reused the id): the latter is
+// nacked with ErrMessageIDReused, which IsTransient calls permanent,
+// reported to OnReusedID and OnFailed, and writes nothing; its redelivery is
+// refused again.
+func reusedIDRefused(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	id := watermill.NewUUID()
+	first := message.NewMessage(id, []byte(`{"invoice":1,"amount":100}`))
+	if !f.deliver(first) || !f.deliver(first) {
+		t.Fatalf("first delivery or its duplicate nacked: %v", f.outcomes.Last())
+	}
+	if got := f.storedFingerprint(id); string(got) != string(sha256Prefix(first.Payload)) {
+		t.Errorf("stored fingerprint %x, want the first 16 bytes of the payload's SHA-256 %x", got, sha256Prefix(first.Payload))
+	}
+	other := message.NewMessage(id, []byte(`{"invoice":2,"amount":250}`))
+	for i := range 2 {
+		if f.deliver(other) {
+			t.Fatalf("delivery %d of another payload under a processed id acked, want refused", i+1)
+		}
+		err := f.outcomes.Last()
+		if !errors.Is(err, inbox.ErrMessageIDReused) || inbox.IsTransient(err) {
+			t.Fatalf("error %v (transient %v), want a permanent one wrapping ErrMessageIDReused", err, inbox.IsTransient(err))
+		}
+	}
+	f.expect(id, 1, 1, 1)
+	if got := f.storedFingerprint(id); string(got) != string(sha256Prefix(first.Payload)) {
+		t.Errorf("stored fingerprint changed to %x by a refused delivery", got)
+	}
+	f.hooks.expect(t, 1, 1, 2, 2)
+}
+
+// infoLog keeps the Info lines it is given.
+type infoLog struct {
+	watermill.NopLogger
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *infoLog) Info(msg string, fields watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, msg+" "+fmt.Sprint(fields))
+}
+
+func (l *infoLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *infoLog) matching(parts ...string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range l.lines {
+		all := true
+		for _, p := range parts {
+			all = all && strings.Contains(line, p)
+		}
+		if all {
+			n++
+		}
+	}
+	return n
+}
+
+// With ReusedIDsWarn a reused id is logged at Info with both fingerprints,
+// reported to OnReusedID, and skipped as a duplicate (acked, OnDuplicate).
+func reusedIDWarning(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	logs := &infoLog{}
+	f.start(Options{ReusedIDs: inbox.ReusedIDsWarn, Logger: logs})
+	id := watermill.NewUUID()
+	if !f.deliver(message.NewMessage(id, []byte("order 1"))) || !f.deliver(message.NewMessage(id, []byte("order 2"))) {
+		t.Fatalf("a delivery nacked under ReusedIDsWarn: %v", f.outcomes.Last())
+	}
+	f.expect(id, 1, 1, 1)
+	f.hooks.expect(t, 1, 1, 0, 1)
+	if n := logs.matching("message id reused for other content", id, "stored_fingerprint:"); n != 1 {
+		t.Errorf("%d Info lines about the reused id with its fingerprints, want 1; logged %q", n, logs.lines)
+	}
+}
+
+// Config.Fingerprint chooses what identifies the event: the same event sent
+// again with a new timestamp is a duplicate when the fingerprint leaves the
+// timestamp out; another amount under the same id is refused.
+func reusedIDFingerprint(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{Fingerprint: func(msg *message.Message) []byte { return []byte(msg.Metadata.Get("amount")) }})
+	id := watermill.NewUUID()
+	send := func(payload, amount string) bool {
+		msg := message.NewMessage(id, []byte(payload))
+		msg.Metadata.Set("amount", amount)
+		return f.deliver(msg)
+	}
+	if !send(`{"at":"10:00"}`, "100") || !send(`{"at":"10:05"}`, "100") {
+		t.Fatalf("the same event sent again with another timestamp nacked: %v", f.outcomes.Last())
+	}
+	if send(`{"at":"10:00"}`, "250") {
+		t.Fatal("another amount under the same id acked, want refused")
+	}
+	f.hooks.expect(t, 1, 1, 1, 1)
+}
+
+// A table made before the fingerprint column keeps working with the check
+// off (a reused id is a duplicate) and the inbox logs the ALTER TABLE that
+// adds it; once added, an inbox started again matches the rows written
+// without a fingerprint to any content and refuses reused ids of new rows.
+func reusedIDWithoutColumn(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	b.New(t, f.inbox, Options{}) // creates the table
+	f.exec("ALTER TABLE " + f.inbox + " DROP COLUMN fingerprint")
+	logs := &infoLog{}
+	f.start(Options{Logger: logs, NoSchema: true})
+	id := watermill.NewUUID()
+	if !f.deliver(message.NewMessage(id, []byte("order 1"))) || !f.deliver(message.NewMessage(id, []byte("order 2"))) {
+		t.Fatalf("a delivery nacked on a table without the column: %v", f.outcomes.Last())
+	}
+	f.hooks.expect(t, 1, 1, 0, 0)
+	fix := inbox.AddFingerprintColumnSQL(b.Dialect, f.inbox)
+	if logs.matching(fix) != 1 {
+		t.Errorf("no Info line names the fix %q; logged %q", fix, logs.lines)
+	}
+
+	f.exec(fix)
+	f.start(Options{NoSchema: true}) // the service starts again
+	if !f.deliver(message.NewMessage(id, []byte("order 3"))) {
+		t.Fatalf("a row written without a fingerprint did not match: %v", f.outcomes.Last())
+	}
+	fresh := watermill.NewUUID()
+	if !f.deliver(message.NewMessage(fresh, []byte("order 4"))) {
+		t.Fatalf("new message nacked: %v", f.outcomes.Last())
+	}
+	if f.deliver(message.NewMessage(fresh, []byte("order 5"))) {
+		t.Error("reused id acked once the column was added, want refused")
+	}
+	if f.handlerCalls(id) != 1 || f.handlerCalls(fresh) != 1 {
+		t.Errorf("handler calls: %d for the old id, %d for the new one, want 1 each", f.handlerCalls(id), f.handlerCalls(fresh))
+	}
+}
+
+// With ReusedIDsOff no fingerprint is stored and none is compared: a reused
+// id is a duplicate.
+func reusedIDOff(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{ReusedIDs: inbox.ReusedIDsOff})
+	id := watermill.NewUUID()
+	if !f.deliver(message.NewMessage(id, []byte("order 1"))) || !f.deliver(message.NewMessage(id, []byte("order 2"))) {
+		t.Fatalf("nacked with ReusedIDsOff: %v", f.outcomes.Last())
+	}
+	if fp := f.storedFingerprint(id); fp != nil {
+		t.Errorf("stored fingerprint %x with ReusedIDsOff, want NULL", fp)
+	}
+	f.hooks.expect(t, 1, 1, 0, 0)
+}
