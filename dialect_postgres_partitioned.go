@@ -255,7 +255,8 @@ func (postgresPartitionedDialect) txOptions(user *sql.TxOptions) *sql.TxOptions 
 func (d postgresPartitionedDialect) schemaNotes(t qualifiedName) string {
 	start := time.Date(2026, 11, 30, 0, 0, 0, 0, time.UTC) // a Monday
 	p, _ := partitionName(t, PartitionWeek, start)
-	return "-- Range-partitioned on processed_at, by ISO week (Monday 00:00 UTC) unless the table's partitions\n" +
+	return fingerprintNote +
+		"-- Range-partitioned on processed_at, by ISO week (Monday 00:00 UTC) unless the table's partitions\n" +
 		"-- say otherwise (see PartitionInterval); partitions are created ahead by InitializeSchema /\n" +
 		"-- CreatePartitions (or a Purger) and dropped by DropPartitions.\n" +
 		"-- The primary key must include the partition key, so it guards one partition only:\n" +

@@ -93,8 +93,15 @@
 //     inserts only if no partition holds the key, at READ COMMITTED, both in
 //     one call of the table's claim function ("<table>_claim"). A
 //     duplicate is never detected from error text or codes, only from the
-//     rows the claim affected.
+//     rows the claim affected. The new row also stores a fingerprint of the
+//     content (Config.ReusedIDs, Config.Fingerprint; the first 16 bytes of
+//     the payload's SHA-256 by default), in the same statement.
 //  4. Duplicate? No new row: this consumer already processed the message.
+//     First the stored fingerprint is read and compared: another content
+//     under the same id (a producer reusing ids) fails the delivery with
+//     ErrMessageIDReused, or with ReusedIDsWarn is logged at Info and goes
+//     on as a duplicate; either way Config.OnReusedID is called. A row
+//     without a fingerprint, or a table without the column, matches.
 //     The transaction rolls back, the handler is not called, and the
 //     middleware returns nil, nil (the router acks), logs at Debug
 //     (message_uuid, handler_name, consumer, message_id) and calls

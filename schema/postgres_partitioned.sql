@@ -1,4 +1,5 @@
 -- Inbox table for github.com/watermill-inbox/inbox (postgres-partitioned).
+-- fingerprint: first 16 bytes of the SHA-256 of the content (Config.ReusedIDs), NULL matching any.
 -- Range-partitioned on processed_at, by ISO week (Monday 00:00 UTC) unless the table's partitions
 -- say otherwise (see PartitionInterval); partitions are created ahead by InitializeSchema /
 -- CreatePartitions (or a Purger) and dropped by DropPartitions.
