@@ -21,6 +21,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -62,6 +63,8 @@ var cases = []struct {
 }{
 	{"ProcessedOnceAndDuplicatesSkipped", processedOnce},
 	{"HandlerErrorRollsBackAndTheRedeliveryProcesses", handlerError},
+	{"HandlerPanicRollsBack", handlerPanic},
+	{"EmptyMessageIDRefusedBeforeAnyWrite", emptyMessageID},
 	{"ReusedIDWithOtherContentIsRefused", reusedIDRefused},
 	{"ReusedIDWarningSkipsTheDelivery", reusedIDWarning},
 	{"ReusedIDFingerprintOfYourChoice", reusedIDFingerprint},
@@ -89,6 +92,7 @@ type fixture struct {
 	calls           sync.Map // message UUID → *atomic.Int32
 	hooks           hookCounts
 	handlerFails    atomic.Bool
+	handlerPanics   atomic.Bool
 }
 
 // newFixture names the tables (dropped when t ends) and creates the
@@ -130,14 +134,22 @@ func (f *fixture) start(opts Options) {
 	f.t.Helper()
 	opts = f.hooks.wrap(opts)
 	mw := f.b.New(f.t, f.inbox, opts)
+	// Recoverer outside the inbox, as Inbox.Middlewares puts it: a panic
+	// becomes the router's error after the inbox rolled back.
 	f.feed, f.outcomes = testrouter.Run(f.t, func(msg *message.Message) error {
 		n, _ := f.calls.LoadOrStore(msg.UUID, new(atomic.Int32))
 		n.(*atomic.Int32).Add(1)
 		if f.handlerFails.Load() {
 			return errPaymentDown
 		}
-		return f.b.Write(msg, f.business)
-	}, mw)
+		if err := f.b.Write(msg, f.business); err != nil {
+			return err
+		}
+		if f.handlerPanics.Load() {
+			panic("handler bug after its write")
+		}
+		return nil
+	}, middleware.Recoverer, mw)
 }
 
 var errPaymentDown = errors.New("payment service down")
@@ -225,6 +237,42 @@ func handlerError(t *testing.T, b Backend) {
 	}
 	f.expect(msg.UUID, 2, 1, 1)
 	f.hooks.expect(t, 1, 0, 1, 0)
+}
+
+// Semantics 4: a handler that panics after its write leaves nothing (the
+// write and the claim roll back), the router nacks, OnFailed is called, and
+// the redelivery processes the message.
+func handlerPanic(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":3}`))
+	f.handlerPanics.Store(true)
+	if f.deliver(msg) {
+		t.Fatal("a panicking handler's message was acked")
+	}
+	f.expect(msg.UUID, 1, 0, 0)
+	f.handlerPanics.Store(false)
+	if !f.deliver(msg) {
+		t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
+	}
+	f.expect(msg.UUID, 2, 1, 1)
+	f.hooks.expect(t, 1, 0, 1, 0)
+}
+
+// Semantics 7: a message without an id (another producer's message, no
+// Watermill UUID) is refused with ErrInvalidMessageID and ErrEmptyMessageID
+// before anything is written; the handler is not called.
+func emptyMessageID(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	if f.deliver(message.NewMessage("", []byte(`{"order":4}`))) {
+		t.Fatal("a message without an id was acked")
+	}
+	if err := f.outcomes.Last(); !errors.Is(err, inbox.ErrInvalidMessageID) || !errors.Is(err, inbox.ErrEmptyMessageID) || inbox.IsTransient(err) {
+		t.Errorf("router got %v, want a permanent error wrapping ErrInvalidMessageID and ErrEmptyMessageID", err)
+	}
+	f.expect("", 0, 0, 0)
+	f.hooks.expect(t, 0, 0, 1, 0)
 }
 
 func sha256Prefix(b []byte) []byte {
