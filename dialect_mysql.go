@@ -41,6 +41,8 @@ func (d mysqlDialect) claimFingerprintSQL(t qualifiedName) string {
 		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
 }
 
+func (mysqlDialect) claimReturnsFingerprint() bool { return false }
+
 func (d mysqlDialect) storedFingerprintSQL(t qualifiedName) string {
 	// The claim's ON DUPLICATE KEY UPDATE has locked and changed the row in
 	// this transaction, so even at REPEATABLE READ this read sees it.

@@ -28,6 +28,10 @@ func (d postgresPartitionedDialect) claimFingerprintSQL(t qualifiedName) string 
 	return d.claimInsert(t, "$3")
 }
 
+// No ON CONFLICT clause to return the stored fingerprint from: a duplicate
+// reads it (storedFingerprintSQL).
+func (postgresPartitionedDialect) claimReturnsFingerprint() bool { return false }
+
 // claimInsert is the claim's INSERT, storing the fingerprint given as the
 // parameter fingerprint ("$3", "$4"), or none when it is "".
 func (d postgresPartitionedDialect) claimInsert(t qualifiedName, fingerprint string) string {

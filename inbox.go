@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
@@ -181,13 +182,18 @@ func (ib *Inbox) held(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consume
 
 // claim runs the claim statement in tx and returns its rows affected. stmt
 // is the prepared claim, or nil when preparing failed; fingerprint is the
-// content's, nil when the fingerprints are off.
-func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string, fingerprint []byte) (int64, error) {
+// content's, nil when the fingerprints are off. Where the claim returns the
+// stored fingerprint (Dialect.claimReturnsFingerprint), the count is 1 for
+// a new row and 0 for a processed key, and stored holds what the key was
+// stored with.
+func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string, fingerprint []byte) (n int64, stored claimedFingerprint, err error) {
 	var res sql.Result
-	var err error
 	args := []any{consumer, id}
 	if fingerprint != nil {
 		args = append(args, fingerprint)
+		if ib.dialect.claimReturnsFingerprint() {
+			return ib.claimReturning(ctx, tx, stmt, fingerprint, args)
+		}
 	}
 	if stmt == nil {
 		// Not preparable (a missing table, a connection error): run it
@@ -201,7 +207,41 @@ func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consum
 		// prepared statement for the next transaction on this connection.
 		txStmt.Close()
 	}
-	return execRowsAffected(res, err)
+	n, err = execRowsAffected(res, err)
+	return n, stored, err
+}
+
+// claimedFingerprint is what the claim learnt of a processed key's stored
+// fingerprint: known, it needs no read (nil value: none, or the same).
+type claimedFingerprint struct {
+	known bool
+	value []byte
+}
+
+// claimReturning runs a claim that returns the stored fingerprint
+// (Dialect.claimReturnsFingerprint): a row with the given fingerprint is
+// the new row (1); no row is a processed key stored with the same
+// fingerprint or none, and a row with another is one stored with that (0).
+func (ib *Inbox) claimReturning(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, fingerprint []byte, args []any) (int64, claimedFingerprint, error) {
+	var row *sql.Row
+	if stmt == nil {
+		row = tx.QueryRowContext(ctx, ib.claimQuery(), args...)
+	} else {
+		txStmt := tx.Tx.StmtContext(ctx, stmt.Stmt)
+		defer txStmt.Close()
+		row = txStmt.QueryRowContext(ctx, args...)
+	}
+	var got []byte
+	switch err := row.Scan(&got); {
+	case errors.Is(err, sql.ErrNoRows):
+		return 0, claimedFingerprint{known: true}, nil
+	case err != nil:
+		return 0, claimedFingerprint{}, err
+	case bytes.Equal(got, fingerprint):
+		return 1, claimedFingerprint{}, nil
+	default:
+		return 0, claimedFingerprint{known: true, value: got}, nil
+	}
 }
 
 // execRowsAffected returns the rows affected of an Exec's result, or its
@@ -406,9 +446,10 @@ type claimedTx interface {
 	// stillClaimed runs the dialect's pre-commit check (true where the
 	// dialect has none).
 	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
-	// storedFingerprint reads the fingerprint stored with a key the claim
-	// found processed: nil when the row has none (written before the
-	// column existed) or is gone.
+	// storedFingerprint returns the fingerprint stored with a key the claim
+	// found processed, from the claim where it returned it, or read: nil
+	// when the row has none (written before the column existed), has the
+	// same one (known from the claim), or is gone.
 	storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error)
 	// ended reports, without a round trip, whether the transaction has
 	// already ended on the server: the handler committed or rolled it back
@@ -491,7 +532,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 				return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
 			}
 		}
-		n, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
+		n, t.stored, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
 	}
 	if err != nil {
 		// Name the table: a missing one is the most common first error.
@@ -543,10 +584,11 @@ type sqlTx struct {
 	ib       *Inbox
 	conn     *sqlx.Conn // the connection tx runs on; closed (back to the pool) when tx ends
 	tx       *sqlx.Tx
-	place    queuedWrite     // SQLite: the transaction's place in the writerQueue, left when it ends
-	ctx      context.Context // the transaction's context (delivery.txCtx)
-	heldStmt *sqlx.Stmt      // the pre-commit check, prepared; nil when not prepared
-	fpStmt   *sqlx.Stmt      // the stored fingerprint's read, prepared; nil when not prepared
+	place    queuedWrite        // SQLite: the transaction's place in the writerQueue, left when it ends
+	ctx      context.Context    // the transaction's context (delivery.txCtx)
+	heldStmt *sqlx.Stmt         // the pre-commit check, prepared; nil when not prepared
+	fpStmt   *sqlx.Stmt         // the stored fingerprint's read, prepared; nil when not prepared
+	stored   claimedFingerprint // what the claim returned of a processed key's fingerprint
 	// endedEarly is set when ended found the transaction already ended:
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
 	// transaction) without meaning anything.
@@ -574,6 +616,9 @@ func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, er
 // ended asks the driver connection, through Conn.Raw, what the server last
 // said about its transaction (see driverTxEnded).
 func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
+	if t.stored.known {
+		return t.stored.value, nil
+	}
 	var fp []byte
 	var err error
 	if t.fpStmt == nil {

@@ -66,6 +66,7 @@ var cases = []struct {
 	{"HandlerPanicRollsBack", handlerPanic},
 	{"EmptyMessageIDRefusedBeforeAnyWrite", emptyMessageID},
 	{"ReusedIDWithOtherContentIsRefused", reusedIDRefused},
+	{"ReusedIDWhileTheFirstIsInFlight", reusedIDInFlight},
 	{"ReusedIDWarningSkipsTheDelivery", reusedIDWarning},
 	{"ReusedIDFingerprintOfYourChoice", reusedIDFingerprint},
 	{"ReusedIDTableWithoutTheColumn", reusedIDWithoutColumn},
@@ -93,6 +94,10 @@ type fixture struct {
 	hooks           hookCounts
 	handlerFails    atomic.Bool
 	handlerPanics   atomic.Bool
+	// hold, when set, blocks the handler of a message with that payload
+	// until it is closed, after sending on entered.
+	hold    chan struct{}
+	entered chan struct{}
 }
 
 // newFixture names the tables (dropped when t ends) and creates the
@@ -141,6 +146,10 @@ func (f *fixture) start(opts Options) {
 		n.(*atomic.Int32).Add(1)
 		if f.handlerFails.Load() {
 			return errPaymentDown
+		}
+		if f.hold != nil && string(msg.Payload) == "held" {
+			f.entered <- struct{}{}
+			<-f.hold
 		}
 		if err := f.b.Write(msg, f.business); err != nil {
 			return err
@@ -323,6 +332,32 @@ func reusedIDRefused(t *testing.T, b Backend) {
 		t.Errorf("stored fingerprint changed to %x by a refused delivery", got)
 	}
 	f.hooks.expect(t, 1, 1, 2, 2)
+}
+
+// A reused id whose first delivery is still in flight: the second waits on
+// the key until the first commits, then compares with the committed row's
+// fingerprint and is refused; the first is processed.
+func reusedIDInFlight(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.hold, f.entered = make(chan struct{}), make(chan struct{}, 1)
+	f.start(Options{})
+	id := watermill.NewUUID()
+	first := make(chan bool, 1)
+	go func() { first <- f.feed.Deliver(t, message.NewMessage(id, []byte("held"))) }()
+	<-f.entered
+	second := make(chan bool, 1)
+	go func() { second <- f.feed.Deliver(t, message.NewMessage(id, []byte("other content"))) }()
+	// The second claim now waits for the first transaction (or, on SQLite,
+	// for the write lock); either way it runs after the first commits.
+	close(f.hold)
+	if !<-first {
+		t.Fatal("the first delivery was nacked")
+	}
+	if <-second {
+		t.Fatal("the reused id was acked while the first delivery committed it")
+	}
+	f.expect(id, 1, 1, 1)
+	f.hooks.expect(t, 1, 0, 1, 1)
 }
 
 // infoLog keeps the Info lines it is given.
