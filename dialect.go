@@ -30,15 +30,13 @@ type Dialect interface {
 	// parameters are the consumer and the message id.
 	claimSQL(table qualifiedName) string
 	// claimFingerprintSQL returns claimSQL that also stores the content's
-	// fingerprint in a new row (bind parameter 3; Config.ReusedIDs). When
-	// claimReturnsFingerprint, it is a query instead: one row with the
-	// fingerprint given for a new row, one row with the stored fingerprint
-	// for a processed key stored with another one, and no row for a
-	// processed key stored with the same fingerprint or none.
+	// fingerprint in a new row (bind parameter 3; Config.ReusedIDs).
 	claimFingerprintSQL(table qualifiedName) string
-	// claimReturnsFingerprint reports whether claimFingerprintSQL is such a
-	// query, so that a duplicate needs no read of its own.
-	claimReturnsFingerprint() bool
+	// claimFlagsOtherFingerprint reports whether claimFingerprintSQL's
+	// result carries, as its last insert id, 1 for a processed key stored
+	// with another fingerprint and 0 otherwise, so that a duplicate of the
+	// same content needs no read (MySQL/MariaDB).
+	claimFlagsOtherFingerprint() bool
 	// storedFingerprintSQL returns the query of the fingerprint stored with
 	// a key (bind parameters: consumer, message id), NULL when the row was
 	// written without one.

@@ -35,13 +35,21 @@ func (d mysqlDialect) claimSQL(t qualifiedName) string {
 		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
 }
 
+// As claimSQL, and a duplicate leaves the stored fingerprint as it is, but
+// says through LAST_INSERT_ID(expr) whether it differs from the given one
+// (not NULL and another): the statement's OK packet then carries 1 as its
+// last insert id, 0 otherwise (the table has no AUTO_INCREMENT column, and
+// MySQL and MariaDB report the expr of LAST_INSERT_ID(expr) set by the
+// statement itself). A duplicate of the same content then needs no read.
+// VALUES(col) is the value the INSERT gave (deprecated from MySQL 8.0.20 in
+// favour of a row alias, which MariaDB lacks).
 func (d mysqlDialect) claimFingerprintSQL(t qualifiedName) string {
-	// As claimSQL; a duplicate leaves the stored fingerprint as it is.
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint) VALUES (?, ?, UTC_TIMESTAMP(6), ?)" +
-		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND"
+		" ON DUPLICATE KEY UPDATE processed_at = processed_at + INTERVAL 1 MICROSECOND," +
+		" fingerprint = IF(LAST_INSERT_ID(fingerprint IS NOT NULL AND fingerprint <> VALUES(fingerprint)), fingerprint, fingerprint)"
 }
 
-func (mysqlDialect) claimReturnsFingerprint() bool { return false }
+func (mysqlDialect) claimFlagsOtherFingerprint() bool { return true }
 
 func (d mysqlDialect) storedFingerprintSQL(t qualifiedName) string {
 	// The claim's ON DUPLICATE KEY UPDATE has locked and changed the row in

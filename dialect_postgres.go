@@ -31,21 +31,12 @@ func (d postgresDialect) claimSQL(t qualifiedName) string {
 		" ON CONFLICT (consumer, message_id) DO NOTHING"
 }
 
-// The conflict's update runs only when the stored fingerprint differs from
-// the given one (and is not NULL), sets nothing new, and makes RETURNING
-// report the stored fingerprint; otherwise the conflicting row is only
-// locked (PostgreSQL locks every conflicting row of ON CONFLICT DO UPDATE)
-// and nothing is returned. ON CONFLICT waits for a concurrent claim of the
-// key and then evaluates the condition on its committed row, as DO NOTHING
-// does. The duplicate's transaction rolls back either way.
 func (d postgresDialect) claimFingerprintSQL(t qualifiedName) string {
-	q := t.quoted(d)
-	return "INSERT INTO " + q + " AS stored (consumer, message_id, processed_at, fingerprint) VALUES ($1, $2, now(), $3)" +
-		" ON CONFLICT (consumer, message_id) DO UPDATE SET fingerprint = stored.fingerprint" +
-		" WHERE stored.fingerprint IS NOT NULL AND stored.fingerprint <> EXCLUDED.fingerprint RETURNING stored.fingerprint"
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint) VALUES ($1, $2, now(), $3)" +
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
 }
 
-func (postgresDialect) claimReturnsFingerprint() bool { return true }
+func (postgresDialect) claimFlagsOtherFingerprint() bool { return false }
 
 func (d postgresDialect) storedFingerprintSQL(t qualifiedName) string {
 	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = $1 AND message_id = $2"

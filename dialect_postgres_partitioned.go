@@ -28,9 +28,7 @@ func (d postgresPartitionedDialect) claimFingerprintSQL(t qualifiedName) string 
 	return d.claimInsert(t, "$3")
 }
 
-// No ON CONFLICT clause to return the stored fingerprint from: a duplicate
-// reads it (storedFingerprintSQL).
-func (postgresPartitionedDialect) claimReturnsFingerprint() bool { return false }
+func (postgresPartitionedDialect) claimFlagsOtherFingerprint() bool { return false }
 
 // claimInsert is the claim's INSERT, storing the fingerprint given as the
 // parameter fingerprint ("$3", "$4"), or none when it is "".

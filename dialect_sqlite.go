@@ -29,17 +29,13 @@ func (d sqliteDialect) claimSQL(t qualifiedName) string {
 		" ON CONFLICT (consumer, message_id) DO NOTHING"
 }
 
-// As on PostgreSQL: the conflict's update runs only for another stored
-// fingerprint, changes nothing, and returns it (SQLite 3.35+ upsert with
-// RETURNING, which reports no row for an update whose WHERE is false).
 func (d sqliteDialect) claimFingerprintSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint)" +
 		" VALUES (?, ?, CAST(unixepoch('subsec') * 1000000 AS INTEGER), ?)" +
-		" ON CONFLICT (consumer, message_id) DO UPDATE SET fingerprint = fingerprint" +
-		" WHERE fingerprint IS NOT NULL AND fingerprint <> excluded.fingerprint RETURNING fingerprint"
+		" ON CONFLICT (consumer, message_id) DO NOTHING"
 }
 
-func (sqliteDialect) claimReturnsFingerprint() bool { return true }
+func (sqliteDialect) claimFlagsOtherFingerprint() bool { return false }
 
 func (d sqliteDialect) storedFingerprintSQL(t qualifiedName) string {
 	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ?"

@@ -95,14 +95,10 @@
 //     duplicate is never detected from error text or codes, only from the
 //     rows the claim affected. The new row also stores a fingerprint of the
 //     content (Config.ReusedIDs, Config.Fingerprint; the first 16 bytes of
-//     the payload's SHA-256 by default), in the same statement. On
-//     PostgreSQL and SQLite that statement is then INSERT ... ON CONFLICT
-//     (consumer, message_id) DO UPDATE SET fingerprint = fingerprint WHERE
-//     the stored fingerprint is another, RETURNING it: a row with ours is
-//     a new row, no row or another fingerprint a processed key.
+//     the payload's SHA-256 by default), in the same statement.
 //  4. Duplicate? No new row: this consumer already processed the message.
-//     First the stored fingerprint (returned by the claim, or read on
-//     MySQL/MariaDB and PostgreSQLPartitioned) is compared: another content
+//     First the stored fingerprint is read and compared (on MySQL/MariaDB
+//     the claim's reply already says whether it differs): another content
 //     under the same id (a producer reusing ids) fails the delivery with
 //     ErrMessageIDReused, or with ReusedIDsWarn is logged at Info and goes
 //     on as a duplicate; either way Config.OnReusedID is called. A row

@@ -1,7 +1,6 @@
 package inbox
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
@@ -182,18 +181,14 @@ func (ib *Inbox) held(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consume
 
 // claim runs the claim statement in tx and returns its rows affected. stmt
 // is the prepared claim, or nil when preparing failed; fingerprint is the
-// content's, nil when the fingerprints are off. Where the claim returns the
-// stored fingerprint (Dialect.claimReturnsFingerprint), the count is 1 for
-// a new row and 0 for a processed key, and stored holds what the key was
-// stored with.
-func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string, fingerprint []byte) (n int64, stored claimedFingerprint, err error) {
+// content's, nil when the fingerprints are off. sameFingerprint reports a
+// processed key that the claim found stored with the same fingerprint, or
+// none (Dialect.claimFlagsOtherFingerprint): a duplicate that needs no read.
+func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consumer, id string, fingerprint []byte) (n int64, sameFingerprint bool, err error) {
 	var res sql.Result
 	args := []any{consumer, id}
 	if fingerprint != nil {
 		args = append(args, fingerprint)
-		if ib.dialect.claimReturnsFingerprint() {
-			return ib.claimReturning(ctx, tx, stmt, fingerprint, args)
-		}
 	}
 	if stmt == nil {
 		// Not preparable (a missing table, a connection error): run it
@@ -207,41 +202,14 @@ func (ib *Inbox) claim(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, consum
 		// prepared statement for the next transaction on this connection.
 		txStmt.Close()
 	}
-	n, err = execRowsAffected(res, err)
-	return n, stored, err
-}
-
-// claimedFingerprint is what the claim learnt of a processed key's stored
-// fingerprint: known, it needs no read (nil value: none, or the same).
-type claimedFingerprint struct {
-	known bool
-	value []byte
-}
-
-// claimReturning runs a claim that returns the stored fingerprint
-// (Dialect.claimReturnsFingerprint): a row with the given fingerprint is
-// the new row (1); no row is a processed key stored with the same
-// fingerprint or none, and a row with another is one stored with that (0).
-func (ib *Inbox) claimReturning(ctx context.Context, tx *sqlx.Tx, stmt *sqlx.Stmt, fingerprint []byte, args []any) (int64, claimedFingerprint, error) {
-	var row *sql.Row
-	if stmt == nil {
-		row = tx.QueryRowContext(ctx, ib.claimQuery(), args...)
-	} else {
-		txStmt := tx.Tx.StmtContext(ctx, stmt.Stmt)
-		defer txStmt.Close()
-		row = txStmt.QueryRowContext(ctx, args...)
+	if n, err = execRowsAffected(res, err); err != nil || fingerprint == nil || !ib.dialect.claimFlagsOtherFingerprint() {
+		return n, false, err
 	}
-	var got []byte
-	switch err := row.Scan(&got); {
-	case errors.Is(err, sql.ErrNoRows):
-		return 0, claimedFingerprint{known: true}, nil
-	case err != nil:
-		return 0, claimedFingerprint{}, err
-	case bytes.Equal(got, fingerprint):
-		return 1, claimedFingerprint{}, nil
-	default:
-		return 0, claimedFingerprint{known: true, value: got}, nil
+	if claimed, _ := ib.dialect.claimed(n); !claimed {
+		other, idErr := res.LastInsertId()
+		sameFingerprint = idErr == nil && other == 0
 	}
+	return n, sameFingerprint, nil
 }
 
 // execRowsAffected returns the rows affected of an Exec's result, or its
@@ -446,10 +414,9 @@ type claimedTx interface {
 	// stillClaimed runs the dialect's pre-commit check (true where the
 	// dialect has none).
 	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
-	// storedFingerprint returns the fingerprint stored with a key the claim
-	// found processed, from the claim where it returned it, or read: nil
-	// when the row has none (written before the column existed), has the
-	// same one (known from the claim), or is gone.
+	// storedFingerprint reads the fingerprint stored with a key the claim
+	// found processed: nil when the row has none (written before the
+	// column existed) or is gone.
 	storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error)
 	// ended reports, without a round trip, whether the transaction has
 	// already ended on the server: the handler committed or rolled it back
@@ -532,7 +499,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 				return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
 			}
 		}
-		n, t.stored, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
+		n, t.sameFingerprint, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
 	}
 	if err != nil {
 		// Name the table: a missing one is the most common first error.
@@ -584,11 +551,13 @@ type sqlTx struct {
 	ib       *Inbox
 	conn     *sqlx.Conn // the connection tx runs on; closed (back to the pool) when tx ends
 	tx       *sqlx.Tx
-	place    queuedWrite        // SQLite: the transaction's place in the writerQueue, left when it ends
-	ctx      context.Context    // the transaction's context (delivery.txCtx)
-	heldStmt *sqlx.Stmt         // the pre-commit check, prepared; nil when not prepared
-	fpStmt   *sqlx.Stmt         // the stored fingerprint's read, prepared; nil when not prepared
-	stored   claimedFingerprint // what the claim returned of a processed key's fingerprint
+	place    queuedWrite     // SQLite: the transaction's place in the writerQueue, left when it ends
+	ctx      context.Context // the transaction's context (delivery.txCtx)
+	heldStmt *sqlx.Stmt      // the pre-commit check, prepared; nil when not prepared
+	fpStmt   *sqlx.Stmt      // the stored fingerprint's read, prepared; nil when not prepared
+	// sameFingerprint: the claim found the key stored with the same
+	// fingerprint or none (MySQL/MariaDB), so storedFingerprint need not read.
+	sameFingerprint bool
 	// endedEarly is set when ended found the transaction already ended:
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
 	// transaction) without meaning anything.
@@ -616,8 +585,8 @@ func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, er
 // ended asks the driver connection, through Conn.Raw, what the server last
 // said about its transaction (see driverTxEnded).
 func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
-	if t.stored.known {
-		return t.stored.value, nil
+	if t.sameFingerprint {
+		return nil, nil // matches: the claim said so
 	}
 	var fp []byte
 	var err error

@@ -40,7 +40,7 @@ func newNativeInbox(cfg Config, opts backend.Options) (*Inbox, error) {
 		return nil, fmt.Errorf("%w: dialect %s is not supported by this backend", ErrInvalidConfig, ib.dialect)
 	}
 	st := backend.Statements{Begin: begin, Claim: ib.claimSQL, ClaimFingerprint: ib.claimFingerprintSQL,
-		ClaimReturnsFingerprint: ib.dialect.claimReturnsFingerprint(), StoredFingerprint: ib.storedFingerprint}
+		StoredFingerprint: ib.storedFingerprint}
 	if ib.locksKeys {
 		st.KeyLock = ib.keyLockSQL
 	}

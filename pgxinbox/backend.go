@@ -1,14 +1,12 @@
 package pgxinbox
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/watermill-inbox/inbox/internal/backend"
 )
@@ -68,14 +66,7 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 			return t, 0, &backend.StepError{Step: backend.StepKeyLock, Err: err}
 		}
 	}
-	var rows int64
-	if c.Fingerprint != nil && b.st.ClaimReturnsFingerprint {
-		rows, err = t.claimReturning(br, c.Fingerprint)
-	} else {
-		var tag pgconn.CommandTag
-		tag, err = br.Exec()
-		rows = tag.RowsAffected()
-	}
+	tag, err := br.Exec()
 	if err == nil {
 		err = br.Close()
 	} else {
@@ -84,27 +75,7 @@ func (b *pgxBackend) BeginClaim(c *backend.Claim) (backend.Tx, int64, error) {
 	if err != nil {
 		return t, 0, &backend.StepError{Step: backend.StepClaim, Err: err}
 	}
-	return t, rows, nil
-}
-
-// claimReturning reads the row of a claim that returns the stored
-// fingerprint (backend.Statements.ClaimReturnsFingerprint): 1 for the new
-// row; 0 for a processed key, whose stored fingerprint t then keeps (nil:
-// the same, or none), so that a duplicate needs no read of its own.
-func (t *pgxTx) claimReturning(br pgx.BatchResults, fingerprint []byte) (int64, error) {
-	var got []byte
-	switch err := br.QueryRow().Scan(&got); {
-	case errors.Is(err, pgx.ErrNoRows):
-		t.storedRead = true
-		return 0, nil
-	case err != nil:
-		return 0, err
-	case bytes.Equal(got, fingerprint):
-		return 1, nil
-	default:
-		t.stored, t.storedRead = got, true
-		return 0, nil
-	}
+	return t, tag.RowsAffected(), nil
 }
 
 // pgxTx is one message's transaction, with the batch that began it.
@@ -120,8 +91,6 @@ type pgxTx struct {
 	batch       pgx.Batch
 	queued      [3]*pgx.QueuedQuery
 	lock, claim pgx.QueuedQuery
-	stored      []byte // a processed key's stored fingerprint, from the claim (storedRead)
-	storedRead  bool
 	lockArgs    [1]any
 	claimArgs   [3]any
 }
@@ -145,9 +114,6 @@ func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, er
 }
 
 func (t *pgxTx) StoredFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
-	if t.storedRead {
-		return t.stored, nil
-	}
 	var fp []byte
 	err := t.tx.QueryRow(ctx, t.b.st.StoredFingerprint, consumer, id).Scan(&fp)
 	if errors.Is(err, pgx.ErrNoRows) {

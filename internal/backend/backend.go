@@ -26,11 +26,6 @@ type Statements struct {
 	// ClaimFingerprint is Claim that also stores the content's fingerprint
 	// ($3, bytea), run when Claim.Fingerprint is set.
 	ClaimFingerprint string
-	// ClaimReturnsFingerprint reports that ClaimFingerprint is a query
-	// whose row tells the outcome: the given fingerprint for a new row, the
-	// stored one for a processed key stored with another; no row for a
-	// processed key stored with the same or none.
-	ClaimReturnsFingerprint bool
 	// StoredFingerprint reads the fingerprint stored with a key ($1, $2),
 	// NULL for a row written without one.
 	StoredFingerprint string
