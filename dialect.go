@@ -41,9 +41,13 @@ type Dialect interface {
 	// a key (bind parameters: consumer, message id), NULL when the row was
 	// written without one.
 	storedFingerprintSQL(table qualifiedName) string
-	// fingerprintColumnSQL returns a catalog query for whether table has
-	// the fingerprint column (a count, 0 or 1).
+	// fingerprintColumnSQL returns a catalog query for the type of table's
+	// fingerprint column as the catalog spells it: no row without one.
 	fingerprintColumnSQL(table qualifiedName) (string, []any)
+	// fingerprintColumnFits reports whether a fingerprint column of type
+	// typ (as fingerprintColumnSQL reads it) stores 16 bytes exactly as
+	// given, and otherwise returns the statement that makes it so.
+	fingerprintColumnFits(table qualifiedName, typ string) (fix string, ok bool)
 	// fingerprintColumn returns the column definition that holds a
 	// fingerprint: 16 bytes, NULL for rows written without one.
 	fingerprintColumn() string

@@ -64,8 +64,25 @@ func (mysqlDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
 	if t.schema != "" {
 		schema, args = "?", []any{t.schema, t.name}
 	}
-	return "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = " + schema +
+	return "SELECT LOWER(column_type) FROM information_schema.columns WHERE table_schema = " + schema +
 		" AND table_name = ? AND column_name = 'fingerprint'", args
+}
+
+// A binary string that keeps 16 bytes as they are: varbinary of 16 or
+// more, binary(16) exactly (a longer binary pads with zero bytes, so the
+// stored value would never match), or a blob. A character column would
+// pass the bytes through a character set and a collation.
+func (d mysqlDialect) fingerprintColumnFits(t qualifiedName, typ string) (string, bool) {
+	fix := "ALTER TABLE " + t.quoted(d) + " MODIFY fingerprint varbinary(16) NULL"
+	var n int
+	switch {
+	case typ == "binary(16)", typ == "tinyblob", typ == "blob", typ == "mediumblob", typ == "longblob":
+		return fix, true
+	case strings.HasPrefix(typ, "varbinary("):
+		_, err := fmt.Sscanf(typ, "varbinary(%d)", &n)
+		return fix, err == nil && n >= fingerprintSize
+	}
+	return fix, false
 }
 
 func (mysqlDialect) claimed(n int64) (bool, bool) { return n == 1, n == 1 || n == 2 }

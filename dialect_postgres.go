@@ -45,8 +45,14 @@ func (d postgresDialect) storedFingerprintSQL(t qualifiedName) string {
 func (postgresDialect) fingerprintColumn() string { return "fingerprint  bytea" }
 
 func (d postgresDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
-	return "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped",
-		[]any{t.quoted(d)}
+	return "SELECT format_type(atttypid, atttypmod) FROM pg_attribute" +
+		" WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped", []any{t.quoted(d)}
+}
+
+// bytea only: text would refuse the bytes (or, with another encoding,
+// change them), uuid and other types refuse them.
+func (d postgresDialect) fingerprintColumnFits(t qualifiedName, typ string) (string, bool) {
+	return "ALTER TABLE " + t.quoted(d) + " ALTER COLUMN fingerprint TYPE bytea USING NULL", typ == "bytea"
 }
 
 func (postgresDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }

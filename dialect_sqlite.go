@@ -48,8 +48,12 @@ func (sqliteDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
 	if schema == "" {
 		schema = "main"
 	}
-	return "SELECT COUNT(*) FROM pragma_table_info(?, ?) WHERE name = 'fingerprint'", []any{t.name, schema}
+	return "SELECT type FROM pragma_table_info(?, ?) WHERE name = 'fingerprint'", []any{t.name, schema}
 }
+
+// Any declared type: SQLite stores a BLOB value as it is whatever the
+// column's affinity (https://sqlite.org/datatype3.html, 3.1).
+func (sqliteDialect) fingerprintColumnFits(qualifiedName, string) (string, bool) { return "", true }
 
 func (sqliteDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
 

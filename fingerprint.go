@@ -76,17 +76,22 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 		return nil
 	}
 	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
-	var n int
+	var types []string
 	// In a transaction, as every catalog read of the inbox: lib/pq's
 	// unnamed statement outside one can lose its server connection behind
 	// a transaction-mode pooler between Parse and Bind.
 	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
-		return sqlx.GetContext(ctx, q, &n, ib.db.Rebind(query), args...)
+		return sqlx.SelectContext(ctx, q, &types, ib.db.Rebind(query), args...)
 	})
 	if err != nil {
 		return fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err)
 	}
-	if n > 0 {
+	if len(types) > 0 {
+		if fix, ok := ib.dialect.fingerprintColumnFits(ib.table, types[0]); !ok {
+			// Not resolved: every check until it is fixed says so.
+			return fmt.Errorf("%w: %s.fingerprint is %s, which does not store a 16-byte fingerprint as it is given;"+
+				" fix it with: %s; or set Config.ReusedIDs to ReusedIDsOff", ErrIncompatibleTable, ib.table, types[0], fix)
+		}
 		ib.fingerprints.Store(fingerprintsOn)
 		return nil
 	}

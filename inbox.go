@@ -435,7 +435,11 @@ type sqlBackend struct{ ib *Inbox }
 // with the dialect's key lock, resolving how it is taken (both take a
 // connection, and the transaction may hold the last one).
 func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
-	if err := ib.verifyOnce(d.sctx); err != nil {
+	err = ib.verifyOnce(d.sctx)
+	if err == nil {
+		err = ib.resolveFingerprints(d.sctx)
+	}
+	if err != nil {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
 		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) || errors.Is(err, ErrDialectMismatch) {
@@ -449,9 +453,6 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 	}
 	if ib.tableFailures.Load() != 0 {
 		ib.tableFailures.Store(0)
-	}
-	if err := ib.resolveFingerprints(d.sctx); err != nil {
-		return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {

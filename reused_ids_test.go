@@ -78,3 +78,50 @@ func TestReusedIDBehindAPooler(t *testing.T) {
 		counts.expect(t, 1, 1, 1, 1)
 	})
 }
+
+// A fingerprint column that cannot hold a fingerprint as given (PostgreSQL
+// text; MySQL binary(32), which pads it) is refused with
+// ErrIncompatibleTable and its fix, by Verify and before any claim (a
+// transient nack, nothing written); once fixed, messages are processed.
+func TestReusedIDWrongFingerprintColumnTypeRefused(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite stores a BLOB as it is in a column of any type")
+		}
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{}) // creates the table
+		if tdb.Dialect == inbox.MySQL {
+			exec(t, db, "ALTER TABLE "+f.inbox+" MODIFY fingerprint binary(32) NULL")
+		} else {
+			exec(t, db, "ALTER TABLE "+f.inbox+" ALTER COLUMN fingerprint TYPE text")
+		}
+		cfg := inbox.Config{DB: db, Table: f.inbox, Dialect: tdb.Dialect}
+		ib, err := inbox.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = ib.Verify(t.Context())
+		if !errors.Is(err, inbox.ErrIncompatibleTable) || !strings.Contains(err.Error(), "fingerprint") {
+			t.Fatalf("Verify: %v, want ErrIncompatibleTable naming the fingerprint column", err)
+		}
+		in, c, rec := reusedIDRouter(t, f, ib)
+		msg := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+		if in.deliver(t, msg) {
+			t.Fatal("a delivery was acked while the fingerprint column is wrong")
+		}
+		if err := rec.last(); !errors.Is(err, inbox.ErrIncompatibleTable) || !inbox.IsTransient(err) {
+			t.Errorf("delivery error %v, want a transient one wrapping ErrIncompatibleTable", err)
+		}
+		if c.get(msg.UUID) != 0 || f.inboxRows() != 0 {
+			t.Errorf("handler calls %d, inbox rows %d, want none", c.get(msg.UUID), f.inboxRows())
+		}
+		fix := err.Error()[strings.Index(err.Error(), "fix it with: ")+len("fix it with: "):]
+		exec(t, db, fix[:strings.Index(fix, ";")])
+		if !in.deliver(t, msg) {
+			t.Fatalf("delivery after the fix nacked: %v", rec.last())
+		}
+		if !ib.ReusedIDsDetected() {
+			t.Error("reused ids not detected once the column was fixed")
+		}
+	})
+}
