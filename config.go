@@ -92,7 +92,10 @@ type Config struct {
 	TxOptions *sql.TxOptions
 
 	// Logger receives a Debug line for each duplicate skipped, with the
-	// fields message_uuid, handler_name, consumer and message_id. Nothing is
+	// fields message_uuid, handler_name, consumer and message_id; at Info,
+	// each id reused for other content under ReusedIDsWarn, and once the
+	// ALTER TABLE that adds a missing fingerprint column (so set one: with
+	// the default both go nowhere, and only OnReusedID reports a reuse). Nothing is
 	// logged per processed message (the router logs its ack at Trace), and
 	// errors are returned to the router, which logs them, not logged here.
 	// It must be safe for concurrent use.
@@ -284,7 +287,9 @@ type Event struct {
 	// Duration is the time from the start of BEGIN to the end of the
 	// transaction's COMMIT or ROLLBACK, handler included.
 	Duration time.Duration
-	// Err is the error returned to the router, for OnFailed only.
+	// Err is the error returned to the router: set for OnFailed, and for
+	// OnReusedID under ReusedIDsRefuse (it wraps ErrMessageIDReused); nil
+	// otherwise.
 	Err error
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
+	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -118,7 +119,7 @@ func AddFingerprintColumnSQL(d Dialect, table string) string {
 	if err != nil || d == nil {
 		return ""
 	}
-	stmt := "ALTER TABLE " + t.quoted(d) + " ADD COLUMN " + d.fingerprintColumn()
+	stmt := "ALTER TABLE " + t.quoted(d) + " ADD COLUMN " + strings.Join(strings.Fields(d.fingerprintColumn()), " ")
 	if d.server() == serverMySQL {
 		stmt += ", ALGORITHM=INSTANT"
 	}

@@ -125,3 +125,32 @@ func TestReusedIDWrongFingerprintColumnTypeRefused(t *testing.T) {
 		}
 	})
 }
+
+// Through Inbox.Middlewares with a poison queue: a reused id is poisoned at
+// its first attempt (Retry does not run it again in place: it cannot
+// succeed), reported once, and acked.
+func TestReusedIDPoisonedAtOnceByTheMiddlewareStack(t *testing.T) {
+	t.Parallel()
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	var counts reusedIDCounts
+	ib := f.newInbox(counts.config(inbox.Config{}))
+	sink := &poisonSink{}
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: sink})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(mws...)
+		r.AddConsumerHandler("billing", "orders", in, f.writeBusinessRow)
+	})
+	id := watermill.NewUUID()
+	if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) || !in.deliver(t, message.NewMessage(id, []byte("order 2"))) {
+		t.Fatal("a delivery was nacked; want the reused id poisoned and acked")
+	}
+	if got := sink.poisoned(); len(got) != 1 || string(got[0].Payload) != "order 2" {
+		t.Errorf("poisoned %d messages, want the reused id's", len(got))
+	}
+	counts.expect(t, 1, 0, 1, 1)
+}

@@ -41,7 +41,8 @@ type MiddlewaresConfig struct {
 	// (negative: no Retry at all), InitialInterval 100 ms, MaxInterval 10 s,
 	// Multiplier 2, and ShouldRetry retries every error except those a
 	// retry in place cannot fix: ErrInvalidMessageID, ErrInvalidConsumer,
-	// ErrNestedInbox, and a missing or incompatible table (the inbox has
+	// ErrMessageIDReused, ErrNestedInbox, and a missing or incompatible
+	// table (the inbox has
 	// already waited before returning it; the broker redelivers).
 	// MaxElapsedTime, RandomizationFactor, OnRetryHook and Logger are used
 	// as they are. The message's context is restored after each attempt,
@@ -131,11 +132,12 @@ func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware
 }
 
 // retryableInPlace reports whether Retry should run a failed attempt again
-// at once: not for a message the inbox refuses (its id or consumer), a
-// nested inbox, or a table error (see MiddlewaresConfig.Retry).
+// at once: not for a message the inbox refuses (its id or consumer, an id
+// reused for other content), a nested inbox, or a table error (see
+// MiddlewaresConfig.Retry).
 func retryableInPlace(err error) bool {
 	var mcErr *misconfiguredError
-	return !errors.Is(err, ErrInvalidMessageID) && !errors.Is(err, ErrInvalidConsumer) &&
+	return !errors.Is(err, ErrInvalidMessageID) && !errors.Is(err, ErrInvalidConsumer) && !errors.Is(err, ErrMessageIDReused) &&
 		!errors.Is(err, ErrNestedInbox) && !errors.As(err, &mcErr)
 }
 

@@ -376,7 +376,9 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 				d = dialects[map[string]string{"pgx": "postgres", "mysql": "mysql", "sqlite": "sqlite"}[db.DriverName()]]
 			}
 			fmt.Fprintf(stdout, "it has no fingerprint column, so a message id reused for other content is skipped as a duplicate;"+
-				" add the column to detect it (Config.ReusedIDs):\n    %s;\n", inbox.AddFingerprintColumnSQL(d, c.table))
+				" add the column to detect it (Config.ReusedIDs; on PostgreSQL run it with SET lock_timeout = '2s' and retry,"+
+				" as it waits for every running transaction on the table and holds the claims back meanwhile):\n    %s;\n",
+				inbox.AddFingerprintColumnSQL(d, c.table))
 		}
 		for _, t := range outboxTables {
 			fmt.Fprintf(stdout, "outbox table %s exists\n", t)
