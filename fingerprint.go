@@ -134,7 +134,8 @@ func (d *delivery) errReusedID(stored []byte) error {
 
 // checkReusedID runs when the claim found the key processed: it reads the
 // stored fingerprint and compares it with the delivery's. A match, a row
-// without a fingerprint, or fingerprints off: a duplicate (nil). Otherwise
+// without a fingerprint (or with a value no claim writes), or fingerprints
+// off: a duplicate (nil). Otherwise
 // d.reused is set, and under ReusedIDsRefuse the error wraps
 // ErrMessageIDReused; under ReusedIDsWarn the reuse is logged and the
 // delivery stays a duplicate.
@@ -146,7 +147,9 @@ func (d *delivery) checkReusedID() error {
 	if err != nil {
 		return fmt.Errorf("inbox: %q/%q: read the stored fingerprint: %w", d.consumer, d.id, d.commitTimedOut(err))
 	}
-	if stored == nil || bytes.Equal(stored, d.fingerprint) {
+	// A value that is not 16 bytes was not written by a claim (NULL, or a
+	// hand-made column's default such as ''): it matches, as none does.
+	if len(stored) != fingerprintSize || bytes.Equal(stored, d.fingerprint) {
 		return nil
 	}
 	d.reused = true

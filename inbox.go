@@ -468,6 +468,10 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if err != nil {
 		return nil, false, err
 	}
+	// Before BEGIN: Config.Fingerprint is user code, and a panic in it must
+	// not leave a transaction (a pooled connection, SQLite's write lock)
+	// that nothing rolls back.
+	d.fingerprint = ib.contentFingerprint(d.msg)
 	var stmt, heldStmt, fpStmt *sqlx.Stmt // nil: run unprepared
 	if lock.lockedClaim == "" {
 		stmt, heldStmt, fpStmt = ib.preparedClaim(d.sctx)
@@ -483,7 +487,6 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt}
 	ib.hooks.begun()
 	var n int64
-	d.fingerprint = ib.contentFingerprint(d.msg)
 	if lock.lockedClaim != "" {
 		// The key lock and the claim in one statement: one round trip.
 		args := []any{d.consumer, d.id, keyLockHash(lock.table, d.consumer, d.id)}

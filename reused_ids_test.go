@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -153,4 +154,86 @@ func TestReusedIDPoisonedAtOnceByTheMiddlewareStack(t *testing.T) {
 		t.Errorf("poisoned %d messages, want the reused id's", len(got))
 	}
 	counts.expect(t, 1, 0, 1, 1)
+}
+
+// A Config.Fingerprint that panics (user code) fails the delivery before
+// its transaction begins: Recoverer turns the panic into a nack, nothing is
+// written, no connection stays in use and no SQLite writer keeps its
+// place, and the next messages are processed.
+func TestReusedIDFingerprintPanicLeavesNothingHeld(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		db.SetMaxOpenConns(2)
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Fingerprint: func(msg *message.Message) []byte {
+			if string(msg.Payload) == "boom" {
+				panic("bug in the fingerprint")
+			}
+			return msg.Payload
+		}})
+		var c calls
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(middleware.Recoverer, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				c.inc(msg.UUID)
+				return f.writeBusinessRow(msg)
+			})
+		})
+		for i := range 4 { // twice the pool
+			if in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("boom"))) {
+				t.Fatalf("delivery %d whose fingerprint panicked was acked", i+1)
+			}
+		}
+		if n := db.Stats().InUse; n != 0 {
+			t.Errorf("%d connections in use after the panics, want 0", n)
+		}
+		if tdb.Dialect == inbox.SQLite {
+			if n := inbox.SQLiteWritersQueued(db.DB); n != 0 {
+				t.Errorf("%d SQLite writers hold or wait for their place after the panics, want 0", n)
+			}
+		}
+		ok := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+		if !in.deliver(t, ok) || c.get(ok.UUID) != 1 || f.businessRows() != 1 || f.inboxRows() != 1 {
+			t.Errorf("after the panics: handler calls %d, business rows %d, inbox rows %d, want 1 each",
+				c.get(ok.UUID), f.businessRows(), f.inboxRows())
+		}
+	})
+}
+
+// A hand-made fingerprint column with a default ('' rather than NULL) is
+// read as no fingerprint: rows written with the check off match any
+// content once it is on, as NULL ones do.
+func TestReusedIDColumnDefaultMatchesAsNoFingerprint(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{}) // creates the table
+		exec(t, db, "ALTER TABLE "+f.inbox+" DROP COLUMN fingerprint")
+		column := "fingerprint bytea NOT NULL DEFAULT ''"
+		switch tdb.Dialect {
+		case inbox.MySQL:
+			column = "fingerprint varbinary(16) NOT NULL DEFAULT ''"
+		case inbox.SQLite:
+			column = "fingerprint BLOB NOT NULL DEFAULT x''"
+		}
+		exec(t, db, "ALTER TABLE "+f.inbox+" ADD COLUMN "+column)
+		off, err := inbox.New(inbox.Config{DB: db, Table: f.inbox, Dialect: tdb.Dialect, ReusedIDs: inbox.ReusedIDsOff})
+		if err != nil {
+			t.Fatal(err)
+		}
+		in, _, rec := reusedIDRouter(t, f, off)
+		id := watermill.NewUUID()
+		if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+			t.Fatalf("nacked with the check off: %v", rec.last())
+		}
+		var counts reusedIDCounts
+		on, err := inbox.New(counts.config(inbox.Config{DB: db, Table: f.inbox, Dialect: tdb.Dialect}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		in2, _, rec2 := reusedIDRouter(t, f, on)
+		if !in2.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+			t.Fatalf("a row stored with the column's default did not match: %v", rec2.last())
+		}
+		counts.expect(t, 0, 1, 0, 0)
+	})
 }
