@@ -148,7 +148,7 @@ func (d *delivery) checkReusedID() error {
 		return fmt.Errorf("inbox: %q/%q: read the stored fingerprint: %w", d.consumer, d.id, d.commitTimedOut(err))
 	}
 	// A value that is not 16 bytes was not written by a claim (NULL, or a
-	// hand-made column's default such as ''): it matches, as none does.
+	// hand-made column's default, an empty string): it matches, as none does.
 	if len(stored) != fingerprintSize || bytes.Equal(stored, d.fingerprint) {
 		return nil
 	}

@@ -200,7 +200,7 @@ func TestReusedIDFingerprintPanicLeavesNothingHeld(t *testing.T) {
 	})
 }
 
-// A hand-made fingerprint column with a default (” rather than NULL) is
+// A hand-made fingerprint column whose default is an empty string, not NULL, is
 // read as no fingerprint: rows written with the check off match any
 // content once it is on, as NULL ones do.
 func TestReusedIDColumnDefaultMatchesAsNoFingerprint(t *testing.T) {
