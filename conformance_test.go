@@ -34,6 +34,7 @@ func TestConformance(t *testing.T) {
 				}
 				return ib.Middleware
 			},
+			ConnsInUse: func() int { return db.Stats().InUse },
 			Write: func(msg *message.Message, business string) error {
 				tx, ok := inbox.TxFromContext(msg.Context())
 				if !ok {

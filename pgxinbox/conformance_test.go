@@ -37,6 +37,7 @@ func TestConformance(t *testing.T) {
 				}
 				return ib.Middleware
 			},
+			ConnsInUse: func() int { return int(pool.Stat().AcquiredConns()) },
 			Write: func(msg *message.Message, business string) error {
 				tx, ok := pgxinbox.TxFromContext(msg.Context())
 				if !ok {

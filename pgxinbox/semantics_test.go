@@ -8,39 +8,11 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
-
-// A redelivery of a processed message is acked without calling the
-// handler, and the duplicate hook reports it; the effect stays once.
-func TestSemantics_DuplicateIsSkipped(t *testing.T) {
-	forEachDialect(t, func(t *testing.T, d inbox.Dialect) {
-		pool := testdb.OpenPgxPool(t, "")
-		f := newFixture(t, pool)
-		var hooks hookCounts
-		ib := f.newInbox(hooks.config(pgxinbox.Config{Dialect: d}))
-		var c calls
-		in := consume(t, ib, func(msg *message.Message) error { c.inc(msg); return f.writeEffect(msg) })
-		msg := message.NewMessage(watermill.NewUUID(), nil)
-		for i := range 3 {
-			if !in.deliver(t, msg) {
-				t.Fatalf("delivery %d nacked", i+1)
-			}
-		}
-		if n := c.get(""); n != 1 {
-			t.Errorf("handler calls %d, want 1", n)
-		}
-		if got := hooks.get(); got != [3]int32{1, 2, 0} {
-			t.Errorf("hooks processed/duplicate/failed %v, want [1 2 0]", got)
-		}
-		f.expectRows(1, 1)
-		expectNoConnHeld(t, pool)
-	})
-}
 
 // Two consumers (handlers) that receive the same message id each process it
 // once, in the same inbox table.
@@ -151,88 +123,6 @@ func TestSemantics_ConcurrentDeliveryWaitsForTheFirst(t *testing.T) {
 				expectNoConnHeld(t, pool)
 			})
 		}
-	})
-}
-
-// A handler error rolls everything back and reaches the router unchanged
-// (errors.Is matches it); the redelivery processes the message.
-func TestSemantics_HandlerErrorRollsBack(t *testing.T) {
-	forEachDialect(t, func(t *testing.T, d inbox.Dialect) {
-		pool := testdb.OpenPgxPool(t, "")
-		f := newFixture(t, pool)
-		var hooks hookCounts
-		ib := f.newInbox(hooks.config(pgxinbox.Config{Dialect: d}))
-		errBusiness := errors.New("business rule violated")
-		rec := &recorder{}
-		var c calls
-		in := consume(t, ib, func(msg *message.Message) error {
-			c.inc(msg)
-			if err := f.writeEffect(msg); err != nil {
-				return err
-			}
-			if c.get("") == 1 {
-				return errBusiness
-			}
-			return nil
-		}, rec.Middleware)
-		msg := message.NewMessage(watermill.NewUUID(), nil)
-		if in.deliver(t, msg) {
-			t.Fatal("acked a message whose handler failed")
-		}
-		if err := rec.last(); !errors.Is(err, errBusiness) {
-			t.Errorf("router got %v, want the handler's error", err)
-		}
-		f.expectRows(0, 0)
-		expectNoConnHeld(t, pool)
-		if !in.deliver(t, msg) {
-			t.Fatalf("redelivery nacked: %v", rec.last())
-		}
-		f.expectRows(1, 1)
-		if got := hooks.get(); got != [3]int32{1, 0, 1} {
-			t.Errorf("hooks processed/duplicate/failed %v, want [1 0 1]", got)
-		}
-		expectNoConnHeld(t, pool)
-	})
-}
-
-// A handler panic rolls back and goes on to Recoverer, which nacks; no
-// connection stays checked out, and the redelivery processes the message.
-func TestSemantics_HandlerPanicRollsBackAndPropagates(t *testing.T) {
-	forEachDialect(t, func(t *testing.T, d inbox.Dialect) {
-		pool := testdb.OpenPgxPool(t, "")
-		f := newFixture(t, pool)
-		var hooks hookCounts
-		ib := f.newInbox(hooks.config(pgxinbox.Config{Dialect: d}))
-		rec := &recorder{}
-		var c calls
-		in := consume(t, ib, func(msg *message.Message) error {
-			c.inc(msg)
-			if err := f.writeEffect(msg); err != nil {
-				return err
-			}
-			if c.get("") == 1 {
-				panic("handler bug")
-			}
-			return nil
-		}, rec.Middleware, middleware.Recoverer)
-		msg := message.NewMessage(watermill.NewUUID(), nil)
-		if in.deliver(t, msg) {
-			t.Fatal("acked a message whose handler panicked")
-		}
-		var panicErr middleware.RecoveredPanicError
-		if err := rec.last(); !errors.As(err, &panicErr) || panicErr.V != "handler bug" {
-			t.Errorf("router got %v, want Recoverer's error for the panic", err)
-		}
-		f.expectRows(0, 0)
-		expectNoConnHeld(t, pool)
-		if hooks.failed.Load() != 1 {
-			t.Errorf("failed hook calls %d, want 1", hooks.failed.Load())
-		}
-		if !in.deliver(t, msg) {
-			t.Fatalf("redelivery nacked: %v", rec.last())
-		}
-		f.expectRows(1, 1)
-		expectNoConnHeld(t, pool)
 	})
 }
 
