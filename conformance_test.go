@@ -22,7 +22,7 @@ func TestConformance(t *testing.T) {
 				t.Helper()
 				ib, err := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, Table: table, Logger: o.Logger,
 					OnProcessed: o.OnProcessed, OnDuplicate: o.OnDuplicate, OnFailed: o.OnFailed, OnReusedID: o.OnReusedID,
-					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint})
+					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -56,6 +56,7 @@ type Options struct {
 	OnProcessed, OnDuplicate, OnFailed, OnReusedID func(inbox.Event)
 	ReusedIDs                                      inbox.ReusedIDCheck
 	Fingerprint                                    func(*message.Message) []byte
+	MessageID                                      func(*message.Message) (string, error)
 	Logger                                         watermill.LoggerAdapter
 	// NoSchema leaves the table as it is: the case made it.
 	NoSchema bool
@@ -70,6 +71,10 @@ var cases = []struct {
 	{"HandlerErrorRollsBackAndTheRedeliveryProcesses", handlerError},
 	{"HandlerPanicRollsBack", handlerPanic},
 	{"EmptyMessageIDRefusedBeforeAnyWrite", emptyMessageID},
+	{"InvalidKeysRefusedBeforeAnyWrite", invalidKeys},
+	{"LongestMessageIDStoredAsItIs", longestMessageID},
+	{"SecondDeliveryWaitsForTheFirstThatCommits", secondWaitsForCommit},
+	{"SecondDeliveryClaimsAfterTheFirstRollsBack", secondClaimsAfterRollback},
 	{"ReusedIDWithOtherContentIsRefused", reusedIDRefused},
 	{"ReusedIDWhileTheFirstIsInFlight", reusedIDInFlight},
 	{"ReusedIDWarningSkipsTheDelivery", reusedIDWarning},
@@ -100,8 +105,10 @@ type fixture struct {
 	handlerPanics   atomic.Bool
 	// hold, when set, blocks the handler of a message with that payload
 	// until it is closed, after sending on entered.
-	hold    chan struct{}
-	entered chan struct{}
+	hold     chan struct{}
+	entered  chan struct{}
+	heldOnce atomic.Bool // the held copy has run: later copies do not block
+	failHeld atomic.Bool // the held copy's handler fails after its write
 }
 
 // newFixture names the tables (dropped when t ends) and creates the
@@ -148,12 +155,16 @@ func (f *fixture) start(opts Options) {
 	f.feed, f.outcomes = testrouter.Run(f.t, func(msg *message.Message) error {
 		n, _ := f.calls.LoadOrStore(msg.UUID, new(atomic.Int32))
 		n.(*atomic.Int32).Add(1)
-		if f.hold != nil && string(msg.Payload) == "held" {
+		held := f.hold != nil && string(msg.Payload) == "held" && !f.heldOnce.Load()
+		if held {
 			f.entered <- struct{}{}
 			<-f.hold
 		}
 		if err := f.b.Write(msg, f.business); err != nil {
 			return err
+		}
+		if held && f.failHeld.Load() {
+			return errPaymentDown
 		}
 		if f.handlerFails.Load() {
 			return errPaymentDown // after its write, which must roll back
@@ -313,6 +324,121 @@ func emptyMessageID(t *testing.T, b Backend) {
 	}
 	f.expect("", 0, 0, 0)
 	f.hooks.expect(t, 0, 0, 1, 0)
+}
+
+// Semantics 7 and 8: a message id over 255 bytes, one that is not valid
+// UTF-8 and one with a NUL byte are refused with the exported sentinels,
+// and so is an empty consumer (the middleware called outside a router,
+// without Config.Consumer); nothing is written, the handler is not
+// called, and IsTransient says no redelivery can succeed.
+func invalidKeys(t *testing.T, b Backend) {
+	for _, tc := range []struct {
+		name   string
+		id     string
+		router bool
+		want   []error
+	}{
+		{"IDOver255Bytes", strings.Repeat("é", 128), true, []error{inbox.ErrInvalidMessageID, inbox.ErrMessageIDTooLong}},
+		{"IDInvalidUTF8", "order-\xff", true, []error{inbox.ErrInvalidMessageID}},
+		{"IDWithNUL", "order\x001", true, []error{inbox.ErrInvalidMessageID}},
+		{"EmptyConsumer", "order-1", false, []error{inbox.ErrInvalidConsumer, inbox.ErrEmptyConsumer}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, b)
+			opts := Options{MessageID: func(*message.Message) (string, error) { return tc.id, nil }}
+			msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":5}`))
+			var err error
+			if tc.router {
+				f.start(opts)
+				if f.deliver(msg) {
+					t.Fatal("a message with an invalid key was acked")
+				}
+				err = f.outcomes.Last()
+			} else {
+				mw := f.b.New(t, f.inbox, opts)
+				_, err = mw(func(msg *message.Message) ([]*message.Message, error) {
+					t.Error("handler called without a consumer")
+					return nil, nil
+				})(msg)
+			}
+			for _, want := range tc.want {
+				if !errors.Is(err, want) {
+					t.Errorf("error %v does not wrap %v", err, want)
+				}
+			}
+			if inbox.IsTransient(err) {
+				t.Errorf("IsTransient(%v) = true: no redelivery can succeed", err)
+			}
+			f.expect(msg.UUID, 0, 0, 0)
+			f.expectNoConnHeld()
+		})
+	}
+}
+
+// Semantics 7: a 255-byte message id (127 two-byte runes and one byte) is
+// valid and stored byte for byte.
+func longestMessageID(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	id := strings.Repeat("é", 127) + "x"
+	f.start(Options{MessageID: func(*message.Message) (string, error) { return id, nil }})
+	if !f.deliver(message.NewMessage(watermill.NewUUID(), []byte(`{"order":6}`))) {
+		t.Fatalf("a 255-byte id was nacked: %v", f.outcomes.Last())
+	}
+	var got string
+	if err := f.b.DB.Get(&got, "SELECT message_id FROM "+f.inbox); err != nil {
+		t.Fatal(err)
+	}
+	if got != id {
+		t.Errorf("stored id %q, want %q", got, id)
+	}
+}
+
+// Semantics 1: a second delivery of a key whose first is in flight does
+// not run the handler beside it: when the first commits, the second is a
+// duplicate (acked, handler not called). Whether the second's claim waited
+// on the first's row or began after its commit, the outcome is the same.
+func secondWaitsForCommit(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.hold, f.entered = make(chan struct{}), make(chan struct{}, 1)
+	f.start(Options{})
+	id := watermill.NewUUID()
+	first, second := f.deliverWhileHeld(id, "held")
+	if !first || !second {
+		t.Fatalf("first acked %v, second acked %v, want both: %v", first, second, f.outcomes.Last())
+	}
+	f.expect(id, 1, 1, 1)
+	f.hooks.expect(t, 1, 1, 0, 0)
+	f.expectNoConnHeld()
+}
+
+// Semantics 1: when the in-flight first delivery rolls back (its handler
+// fails), the second claims the key and runs the handler.
+func secondClaimsAfterRollback(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.hold, f.entered = make(chan struct{}), make(chan struct{}, 1)
+	f.start(Options{})
+	f.failHeld.Store(true)
+	id := watermill.NewUUID()
+	first, second := f.deliverWhileHeld(id, "held")
+	if first || !second {
+		t.Fatalf("first acked %v, second acked %v, want the first nacked and the second acked: %v", first, second, f.outcomes.Last())
+	}
+	f.expect(id, 2, 1, 1)
+	f.hooks.expect(t, 1, 0, 1, 0)
+	f.expectNoConnHeld()
+}
+
+// deliverWhileHeld delivers id with payload held (its handler blocks on
+// f.hold), then, once that handler runs, a second copy with the same
+// payload, and releases the first; it returns whether each was acked.
+func (f *fixture) deliverWhileHeld(id, payload string) (first, second bool) {
+	firstc, secondc := make(chan bool, 1), make(chan bool, 1)
+	go func() { firstc <- f.feed.Deliver(f.t, message.NewMessage(id, []byte(payload))) }()
+	<-f.entered
+	f.heldOnce.Store(true) // only the first copy blocks
+	go func() { secondc <- f.feed.Deliver(f.t, message.NewMessage(id, []byte(payload))) }()
+	close(f.hold)
+	return <-firstc, <-secondc
 }
 
 func sha256Prefix(b []byte) []byte {
