@@ -19,47 +19,6 @@ import (
 	"github.com/watermill-inbox/inbox"
 )
 
-// Rule 1 and 2: the first delivery is processed, every later delivery of the
-// same UUID is skipped and acked; the handler runs once.
-func TestDuplicateDeliverySkipped(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		var processed, duplicates atomic.Int32
-		ib := f.newInbox(inbox.Config{
-			OnProcessed: func(e inbox.Event) { processed.Add(1) },
-			OnDuplicate: func(e inbox.Event) { duplicates.Add(1) },
-		})
-		var c calls
-		in := newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(ib.Middleware)
-			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-				c.inc(msg.UUID)
-				return f.writeBusinessRow(msg)
-			})
-		})
-
-		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":1}`))
-		for i := range 3 {
-			if !in.deliver(t, msg) {
-				t.Fatalf("delivery %d nacked", i+1)
-			}
-		}
-		if got := c.get(msg.UUID); got != 1 {
-			t.Errorf("handler calls = %d, want 1", got)
-		}
-		if got := f.businessRows(); got != 1 {
-			t.Errorf("business rows = %d, want 1", got)
-		}
-		if got := count(t, db, f.inbox, "consumer = ? AND message_id = ?", "billing", msg.UUID); got != 1 {
-			t.Errorf("inbox rows for billing/%s = %d, want 1", msg.UUID, got)
-		}
-		if processed.Load() != 1 || duplicates.Load() != 2 {
-			t.Errorf("hooks: processed=%d duplicates=%d, want 1 and 2", processed.Load(), duplicates.Load())
-		}
-	})
-}
-
 // The same through Watermill's GoChannel pub/sub: the message is published
 // three times, as an outbox relay retry would.
 func TestDuplicatePublishGoChannel(t *testing.T) {
@@ -167,65 +126,6 @@ func TestConcurrentDeliveryTwoWorkers(t *testing.T) {
 			})
 		})
 	}
-}
-
-// businessError is a handler error type, to check errors.As through the inbox.
-type businessError struct{ order int }
-
-func (e *businessError) Error() string { return fmt.Sprintf("order %d: card declined", e.order) }
-
-// Rule 3: a handler error rolls back the business write and the inbox row,
-// reaches the router unchanged (nack), and the redelivery is processed.
-func TestHandlerErrorRollsBack(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		var failedHook atomic.Int32
-		ib := f.newInbox(inbox.Config{OnFailed: func(e inbox.Event) { failedHook.Add(1) }})
-		handlerErr := &businessError{order: 7}
-		var fail atomic.Bool
-		fail.Store(true)
-		var c calls
-		rec := &recorder{}
-		in := newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(rec.Middleware, ib.Middleware)
-			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-				c.inc(msg.UUID)
-				if err := f.writeBusinessRow(msg); err != nil {
-					return err
-				}
-				if fail.Load() {
-					return fmt.Errorf("charge: %w", handlerErr)
-				}
-				return nil
-			})
-		})
-
-		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-		if in.deliver(t, msg) {
-			t.Fatal("failed delivery was acked")
-		}
-		err := rec.last()
-		var be *businessError
-		if !errors.As(err, &be) || be != handlerErr || err.Error() != "charge: order 7: card declined" {
-			t.Errorf("router got %v, want the handler's error unchanged", err)
-		}
-		if f.businessRows() != 0 || f.inboxRows() != 0 {
-			t.Errorf("after failure: business rows %d, inbox rows %d, want 0 and 0", f.businessRows(), f.inboxRows())
-		}
-		if failedHook.Load() != 1 {
-			t.Errorf("OnFailed calls = %d, want 1", failedHook.Load())
-		}
-
-		fail.Store(false)
-		if !in.deliver(t, msg) {
-			t.Fatalf("redelivery nacked: %v", rec.last())
-		}
-		if c.get(msg.UUID) != 2 || f.businessRows() != 1 || f.inboxRows() != 1 {
-			t.Errorf("after redelivery: calls %d, business rows %d, inbox rows %d, want 2, 1, 1",
-				c.get(msg.UUID), f.businessRows(), f.inboxRows())
-		}
-	})
 }
 
 // Rule 4: a panicking handler is rolled back and leaves no connection checked

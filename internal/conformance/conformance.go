@@ -68,7 +68,7 @@ var cases = []struct {
 	run  func(t *testing.T, b Backend)
 }{
 	{"ProcessedOnceAndDuplicatesSkipped", processedOnce},
-	{"HandlerErrorRollsBackAndTheRedeliveryProcesses", handlerError},
+	{"HandlerErrorRollsBackAndTheRedeliveryProcesses", handlerErrorRollsBack},
 	{"HandlerPanicRollsBack", handlerPanic},
 	{"EmptyMessageIDRefusedBeforeAnyWrite", emptyMessageID},
 	{"InvalidKeysRefusedBeforeAnyWrite", invalidKeys},
@@ -164,10 +164,10 @@ func (f *fixture) start(opts Options) {
 			return err
 		}
 		if held && f.failHeld.Load() {
-			return errPaymentDown
+			return handlerError()
 		}
 		if f.handlerFails.Load() {
-			return errPaymentDown // after its write, which must roll back
+			return handlerError() // after its write, which must roll back
 		}
 		if f.handlerPanics.Load() {
 			panic("handler bug after its write")
@@ -176,7 +176,18 @@ func (f *fixture) start(opts Options) {
 	}, middleware.Recoverer, mw)
 }
 
-var errPaymentDown = errors.New("payment service down")
+// declinedError is the handler's error type, so that errors.As is checked
+// through the inbox.
+type declinedError struct{ order int }
+
+func (e *declinedError) Error() string { return fmt.Sprintf("order %d: card declined", e.order) }
+
+// errDeclined is what a failing handler's error wraps: the router must get
+// the handler's error as it is.
+var errDeclined = &declinedError{order: 7}
+
+// handlerError is the error a failing handler returns.
+func handlerError() error { return fmt.Errorf("charge: %w", errDeclined) }
 
 func (f *fixture) handlerCalls(id string) int32 {
 	n, ok := f.calls.Load(id)
@@ -262,7 +273,7 @@ func processedOnce(t *testing.T, b Backend) {
 // Semantics 3: a handler error rolls back its writes with the claim and
 // reaches the router as it is (errors.Is matches); the redelivery
 // processes the message.
-func handlerError(t *testing.T, b Backend) {
+func handlerErrorRollsBack(t *testing.T, b Backend) {
 	f := newFixture(t, b)
 	f.start(Options{})
 	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":2}`))
@@ -270,7 +281,8 @@ func handlerError(t *testing.T, b Backend) {
 	if f.deliver(msg) {
 		t.Fatal("a failing handler's message was acked")
 	}
-	if err := f.outcomes.Last(); !errors.Is(err, errPaymentDown) || err.Error() != errPaymentDown.Error() {
+	var declined *declinedError
+	if err := f.outcomes.Last(); !errors.As(err, &declined) || declined != errDeclined || err.Error() != handlerError().Error() {
 		t.Errorf("router got %v, want the handler's error as it is", err)
 	}
 	f.expect(msg.UUID, 1, 0, 0)
