@@ -3,7 +3,6 @@ package inbox_test
 import (
 	"errors"
 	"strings"
-	"sync/atomic"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -14,25 +13,6 @@ import (
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
-
-// reusedIDCounts counts the hooks of a reused-id test.
-type reusedIDCounts struct{ processed, duplicates, failed, reused atomic.Int32 }
-
-func (c *reusedIDCounts) config(cfg inbox.Config) inbox.Config {
-	cfg.OnProcessed = func(inbox.Event) { c.processed.Add(1) }
-	cfg.OnDuplicate = func(inbox.Event) { c.duplicates.Add(1) }
-	cfg.OnFailed = func(inbox.Event) { c.failed.Add(1) }
-	cfg.OnReusedID = func(inbox.Event) { c.reused.Add(1) }
-	return cfg
-}
-
-func (c *reusedIDCounts) expect(t *testing.T, processed, duplicates, failed, reused int32) {
-	t.Helper()
-	if c.processed.Load() != processed || c.duplicates.Load() != duplicates || c.failed.Load() != failed || c.reused.Load() != reused {
-		t.Errorf("hooks: processed=%d duplicate=%d failed=%d reused=%d, want %d, %d, %d and %d",
-			c.processed.Load(), c.duplicates.Load(), c.failed.Load(), c.reused.Load(), processed, duplicates, failed, reused)
-	}
-}
 
 // reusedIDRouter runs ib in a router whose handler writes the business row
 // and counts its calls; rec records what the router got back.
@@ -64,7 +44,7 @@ func TestReusedIDsOutOfRangeRefused(t *testing.T) {
 func TestReusedIDBehindAPooler(t *testing.T) {
 	forEachPooledDriver(t, func(t *testing.T, _ testdb.PgBouncerDriver, db *sqlx.DB) {
 		f := newFixture(t, db)
-		var counts reusedIDCounts
+		var counts hookCounts
 		ib := f.newInbox(counts.config(inbox.Config{Dialect: inbox.PostgreSQL}))
 		in, _, rec := reusedIDRouter(t, f, ib)
 		id := watermill.NewUUID()
@@ -134,7 +114,7 @@ func TestReusedIDPoisonedAtOnceByTheMiddlewareStack(t *testing.T) {
 	t.Parallel()
 	db := sqliteDB(t)
 	f := newFixture(t, db)
-	var counts reusedIDCounts
+	var counts hookCounts
 	ib := f.newInbox(counts.config(inbox.Config{}))
 	sink := &poisonSink{}
 	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: sink})
@@ -225,7 +205,7 @@ func TestReusedIDColumnDefaultMatchesAsNoFingerprint(t *testing.T) {
 		if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
 			t.Fatalf("nacked with the check off: %v", rec.last())
 		}
-		var counts reusedIDCounts
+		var counts hookCounts
 		on, err := inbox.New(counts.config(inbox.Config{DB: db, Table: f.inbox, Dialect: tdb.Dialect}))
 		if err != nil {
 			t.Fatal(err)

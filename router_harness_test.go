@@ -239,13 +239,23 @@ func (o *outcomes) failures() []error {
 }
 
 // hookCounts counts the inbox's outcome hooks.
-type hookCounts struct{ processed, duplicates, failed atomic.Int32 }
+type hookCounts struct{ processed, duplicates, failed, reused atomic.Int32 }
 
 func (c *hookCounts) config(cfg inbox.Config) inbox.Config {
 	cfg.OnProcessed = func(inbox.Event) { c.processed.Add(1) }
 	cfg.OnDuplicate = func(inbox.Event) { c.duplicates.Add(1) }
 	cfg.OnFailed = func(inbox.Event) { c.failed.Add(1) }
+	cfg.OnReusedID = func(inbox.Event) { c.reused.Add(1) }
 	return cfg
+}
+
+// expect fails the test unless the hooks were called so many times.
+func (c *hookCounts) expect(t *testing.T, processed, duplicates, failed, reused int32) {
+	t.Helper()
+	if c.processed.Load() != processed || c.duplicates.Load() != duplicates || c.failed.Load() != failed || c.reused.Load() != reused {
+		t.Errorf("hooks: processed=%d duplicate=%d failed=%d reused=%d, want %d, %d, %d and %d",
+			c.processed.Load(), c.duplicates.Load(), c.failed.Load(), c.reused.Load(), processed, duplicates, failed, reused)
+	}
 }
 
 // calls counts handler calls per message UUID.

@@ -277,22 +277,33 @@ func handlerErrorRollsBack(t *testing.T, b Backend) {
 	f := newFixture(t, b)
 	f.start(Options{})
 	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":2}`))
-	f.handlerFails.Store(true)
+	f.failThenProcess(msg, &f.handlerFails, func(err error) bool {
+		var declined *declinedError
+		return errors.As(err, &declined) && declined == errDeclined && err.Error() == handlerError().Error()
+	})
+}
+
+// failThenProcess delivers msg while fail is set (its handler writes, then
+// fails), checks that it was nacked with an error that wantErr accepts and
+// left nothing, then redelivers it with fail cleared and checks that it
+// was processed once; no connection stays checked out either time.
+func (f *fixture) failThenProcess(msg *message.Message, fail *atomic.Bool, wantErr func(error) bool) {
+	f.t.Helper()
+	fail.Store(true)
 	if f.deliver(msg) {
-		t.Fatal("a failing handler's message was acked")
+		f.t.Fatal("a failing handler's message was acked")
 	}
-	var declined *declinedError
-	if err := f.outcomes.Last(); !errors.As(err, &declined) || declined != errDeclined || err.Error() != handlerError().Error() {
-		t.Errorf("router got %v, want the handler's error as it is", err)
+	if err := f.outcomes.Last(); !wantErr(err) {
+		f.t.Errorf("router got %v", err)
 	}
 	f.expect(msg.UUID, 1, 0, 0)
 	f.expectNoConnHeld()
-	f.handlerFails.Store(false)
+	fail.Store(false)
 	if !f.deliver(msg) {
-		t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
+		f.t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
 	}
 	f.expect(msg.UUID, 2, 1, 1)
-	f.hooks.expect(t, 1, 0, 1, 0)
+	f.hooks.expect(f.t, 1, 0, 1, 0)
 	f.expectNoConnHeld()
 }
 
@@ -303,23 +314,10 @@ func handlerPanic(t *testing.T, b Backend) {
 	f := newFixture(t, b)
 	f.start(Options{})
 	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":3}`))
-	f.handlerPanics.Store(true)
-	if f.deliver(msg) {
-		t.Fatal("a panicking handler's message was acked")
-	}
-	var panicErr middleware.RecoveredPanicError
-	if err := f.outcomes.Last(); !errors.As(err, &panicErr) || panicErr.V != "handler bug after its write" {
-		t.Errorf("router got %v, want Recoverer's error for the panic", err)
-	}
-	f.expect(msg.UUID, 1, 0, 0)
-	f.expectNoConnHeld()
-	f.handlerPanics.Store(false)
-	if !f.deliver(msg) {
-		t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
-	}
-	f.expect(msg.UUID, 2, 1, 1)
-	f.hooks.expect(t, 1, 0, 1, 0)
-	f.expectNoConnHeld()
+	f.failThenProcess(msg, &f.handlerPanics, func(err error) bool {
+		var panicErr middleware.RecoveredPanicError
+		return errors.As(err, &panicErr) && panicErr.V == "handler bug after its write"
+	})
 }
 
 // Semantics 7: a message without an id (another producer's message, no
