@@ -85,7 +85,7 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 		return sqlx.SelectContext(ctx, q, &types, ib.db.Rebind(query), args...)
 	})
 	if err != nil {
-		return fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err)
+		return poolerHint(fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err))
 	}
 	if len(types) > 0 {
 		if fix, ok := ib.dialect.fingerprintColumnFits(ib.table, types[0]); !ok {

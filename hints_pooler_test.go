@@ -71,8 +71,8 @@ func TestPooler_StartupErrorsOfTheStatementCacheNameTheFix(t *testing.T) {
 						t.Fatalf("%s: %v, want nil or a prepared-statement error", name, err)
 					}
 					failed++
-					if !strings.Contains(err.Error(), "default_query_exec_mode=exec or simple_protocol") {
-						t.Errorf("%s: %v: without the pooler hint", name, err)
+					if n := strings.Count(err.Error(), "default_query_exec_mode=exec or simple_protocol"); n != 1 {
+						t.Errorf("%s: %v: the pooler hint %d times, want once", name, err, n)
 					}
 				}
 				db.Close()

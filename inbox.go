@@ -373,7 +373,7 @@ func (ib *Inbox) InitializeSchema(ctx context.Context) error {
 	}
 	ib.forgetKeyLocking() // it may have added the claim function
 	if err := ib.resolveFingerprints(ctx); err != nil {
-		return poolerHint(err)
+		return err // with poolerHint's hint
 	}
 	return poolerHint(ib.dialect.maintainSchema(ctx, ib.db, ib.table))
 }

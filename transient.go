@@ -447,11 +447,18 @@ func isNilPointer(err error) bool {
 // prepared statement was missing on the server connection or already there
 // (26000, 42P05): what pgx's default statement cache meets behind a
 // transaction-mode connection pooler.
+// An error that has the hint already is returned as it is.
 func poolerHint(err error) error {
-	if hasSQLState(err, "26000", "42P05") {
-		return fmt.Errorf("%w (a prepared statement missing or already there on the server connection: behind a "+
+	var hinted poolerHinted
+	if hasSQLState(err, "26000", "42P05") && !errors.As(err, &hinted) {
+		return poolerHinted{fmt.Errorf("%w (a prepared statement missing or already there on the server connection: behind a "+
 			"transaction-mode pooler such as PgBouncer use pgx with default_query_exec_mode=exec or simple_protocol, "+
-			"and leave Config.PrepareStatements false; see docs/poolers.md)", err)
+			"and leave Config.PrepareStatements false; see docs/poolers.md)", err)}
 	}
 	return err
 }
+
+// poolerHinted is an error with poolerHint's hint.
+type poolerHinted struct{ error }
+
+func (e poolerHinted) Unwrap() error { return e.error }
