@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -18,13 +19,17 @@ func TestConformance(t *testing.T) {
 		conformance.Run(t, conformance.Backend{
 			DB:      db,
 			Dialect: tdb.Dialect,
-			New: func(t *testing.T, table string, o conformance.Options) message.HandlerMiddleware {
+			New: func(t *testing.T, table string, o conformance.Options) (message.HandlerMiddleware, error) {
 				t.Helper()
-				ib, err := inbox.New(inbox.Config{DB: db, Dialect: tdb.Dialect, Table: table, Logger: o.Logger,
+				cfg := inbox.Config{DB: db, Dialect: tdb.Dialect, Table: table, Logger: o.Logger,
 					OnProcessed: o.OnProcessed, OnDuplicate: o.OnDuplicate, OnFailed: o.OnFailed, OnReusedID: o.OnReusedID,
-					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID})
+					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID, Consumer: o.Consumer}
+				if o.Outbox != nil {
+					cfg.Outbox = o.Outbox.Publisher
+				}
+				ib, err := inbox.New(cfg)
 				if err != nil {
-					t.Fatal(err)
+					return nil, err
 				}
 				t.Cleanup(func() { ib.Close() })
 				if !o.NoSchema {
@@ -32,7 +37,7 @@ func TestConformance(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				return ib.Middleware
+				return ib.Middleware, nil
 			},
 			ConnsInUse: func() int { return db.Stats().InUse },
 			Write: func(msg *message.Message, business string) error {
@@ -43,6 +48,15 @@ func TestConformance(t *testing.T) {
 				_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO "+business+" (id) VALUES (?)"), msg.UUID)
 				return err
 			},
+			Exec: func(msg *message.Message, query string) error {
+				tx, ok := inbox.TxFromContext(msg.Context())
+				if !ok {
+					return errors.New("no inbox transaction")
+				}
+				_, err := tx.ExecContext(msg.Context(), query)
+				return err
+			},
+			InTx: func(ctx context.Context) bool { _, ok := inbox.TxFromContext(ctx); return ok },
 		})
 	})
 }

@@ -1,7 +1,6 @@
 package inbox_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -285,45 +284,6 @@ func TestCommitFailureNacks(t *testing.T) {
 	})
 }
 
-// Rule 8: two consumers (two handlers) that receive the same message id each
-// process it once.
-func TestTwoConsumersSameMessage(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{})
-		var billing, shipping calls
-		billingIn, shippingIn := newFeed(), newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(ib.Middleware)
-			r.AddConsumerHandler("billing", "orders", billingIn, func(msg *message.Message) error {
-				billing.inc(msg.UUID)
-				return f.writeBusinessRow(msg)
-			})
-			r.AddConsumerHandler("shipping", "orders", shippingIn, func(msg *message.Message) error {
-				shipping.inc(msg.UUID)
-				return f.writeBusinessRow(msg)
-			})
-		})
-		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-		for range 2 {
-			if !billingIn.deliver(t, msg) || !shippingIn.deliver(t, msg) {
-				t.Fatal("nacked")
-			}
-		}
-		if billing.get(msg.UUID) != 1 || shipping.get(msg.UUID) != 1 {
-			t.Errorf("handler calls: billing %d, shipping %d, want 1 and 1", billing.get(msg.UUID), shipping.get(msg.UUID))
-		}
-		for _, consumer := range []string{"billing", "shipping"} {
-			if got := count(t, db, f.inbox, "consumer = ? AND message_id = ?", consumer, msg.UUID); got != 1 {
-				t.Errorf("inbox rows for %s = %d, want 1", consumer, got)
-			}
-		}
-		if got := f.businessRows(); got != 2 {
-			t.Errorf("business rows = %d, want 2", got)
-		}
-	})
-}
-
 // Rule 8: a configured Consumer overrides the handler name, so a renamed
 // handler keeps its key space; an empty consumer outside a router is an error.
 func TestConsumerName(t *testing.T) {
@@ -467,120 +427,6 @@ func TestMessageIDFuncError(t *testing.T) {
 	}
 }
 
-// Rule 11 and rule 6: Retry outside the inbox. Each attempt runs in a fresh
-// transaction (the failed ones are rolled back), the last attempt wins, and
-// between attempts the message context carries no finished transaction.
-func TestRetryOutsideInbox(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{})
-		var attempts atomic.Int32
-		var txs sync.Map
-		var leaked atomic.Bool
-		checkContext := func(h message.HandlerFunc) message.HandlerFunc {
-			return func(msg *message.Message) ([]*message.Message, error) {
-				msgs, err := h(msg)
-				if _, ok := inbox.TxFromContext(msg.Context()); ok {
-					leaked.Store(true)
-				}
-				return msgs, err
-			}
-		}
-		in := newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(
-				middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}.Middleware,
-				checkContext,
-				ib.Middleware,
-			)
-			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-				n := attempts.Add(1)
-				tx, _ := inbox.TxFromContext(msg.Context())
-				txs.Store(tx, n)
-				if err := f.writeBusinessRow(msg); err != nil {
-					return err
-				}
-				if n < 3 {
-					return fmt.Errorf("attempt %d: transient failure", n)
-				}
-				return nil
-			})
-		})
-		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-		if !in.deliver(t, msg) {
-			t.Fatal("nacked after retries")
-		}
-		distinct := 0
-		txs.Range(func(_, _ any) bool { distinct++; return true })
-		if attempts.Load() != 3 || distinct != 3 {
-			t.Errorf("attempts %d with %d distinct transactions, want 3 and 3", attempts.Load(), distinct)
-		}
-		if leaked.Load() {
-			t.Error("the message context still carried the inbox transaction after the middleware returned")
-		}
-		if f.businessRows() != 1 || f.inboxRows() != 1 {
-			t.Errorf("business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
-		}
-		if !in.deliver(t, msg) || attempts.Load() != 3 {
-			t.Errorf("redelivery: attempts %d, want 3 (skipped)", attempts.Load())
-		}
-	})
-}
-
-// PoisonQueue outside the inbox: a message the handler cannot process goes to
-// the poison topic and is not marked processed, so a replay processes it.
-func TestPoisonQueueOutsideInbox(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{})
-		pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
-		t.Cleanup(func() { pubsub.Close() })
-		poison, err := middleware.PoisonQueue(pubsub, "orders_poison")
-		if err != nil {
-			t.Fatal(err)
-		}
-		var fail atomic.Bool
-		fail.Store(true)
-		in := newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(poison, ib.Middleware)
-			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-				if err := f.writeBusinessRow(msg); err != nil {
-					return err
-				}
-				if fail.Load() {
-					return errors.New("cannot process")
-				}
-				return nil
-			})
-		})
-		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-		if !in.deliver(t, msg) {
-			t.Fatal("poisoned message was not acked")
-		}
-		poisoned, err := pubsub.Subscribe(context.Background(), "orders_poison")
-		if err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case p := <-poisoned:
-			p.Ack()
-			if p.UUID != msg.UUID {
-				t.Errorf("poison queue got %s, want %s", p.UUID, msg.UUID)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("nothing on the poison queue")
-		}
-		if f.businessRows() != 0 || f.inboxRows() != 0 {
-			t.Fatalf("poisoned message left business rows %d, inbox rows %d", f.businessRows(), f.inboxRows())
-		}
-		fail.Store(false)
-		if !in.deliver(t, msg) || f.businessRows() != 1 || f.inboxRows() != 1 {
-			t.Errorf("replay: business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
-		}
-	})
-}
-
 // A handler's returned messages reach the router only after the commit.
 func TestProducedMessagesReturnedAfterCommit(t *testing.T) {
 	db := openSQLite(t, t.TempDir()+"/x.db")
@@ -599,29 +445,6 @@ func TestProducedMessagesReturnedAfterCommit(t *testing.T) {
 	if err == nil || produced != nil {
 		t.Errorf("on handler error got %v, %v; want no messages and the error", produced, err)
 	}
-}
-
-// Statements run on the message context: a cancelled context fails the
-// claim, and nothing is written.
-func TestCancelledContext(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{Consumer: "billing"})
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		msg := message.NewMessage(watermill.NewUUID(), nil)
-		msg.SetContext(ctx)
-		_, err := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
-			t.Error("handler called with a cancelled context")
-			return nil, nil
-		})(msg)
-		if !errors.Is(err, context.Canceled) {
-			t.Errorf("err = %v, want context.Canceled", err)
-		}
-		if f.inboxRows() != 0 || db.Stats().InUse != 0 {
-			t.Errorf("inbox rows %d, connections in use %d, want 0 and 0", f.inboxRows(), db.Stats().InUse)
-		}
-	})
 }
 
 // The wrong order, documented: Retry inside the inbox runs every attempt in
@@ -684,33 +507,6 @@ func TestWrongOrderPoisonQueueInsideInbox(t *testing.T) {
 		t.Errorf("calls %d, inbox rows %d; the documented outcome of this wrong order is 1 and 1 (replay skipped)",
 			c.get(msg.UUID), f.inboxRows())
 	}
-}
-
-// The same inbox added to the router and to the handler: the inner one
-// refuses with ErrNestedInbox at once instead of waiting forever on the
-// outer transaction's row; nothing is committed and the connection is back.
-func TestNestedInboxRefused(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{})
-		rec := &recorder{}
-		in := newFeed()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(rec.Middleware, ib.Middleware)
-			h := r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return f.writeBusinessRow(msg) })
-			h.AddMiddleware(ib.Middleware)
-		})
-		if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-			t.Fatal("acked")
-		}
-		if err := rec.last(); !errors.Is(err, inbox.ErrNestedInbox) {
-			t.Errorf("err = %v, want ErrNestedInbox", err)
-		}
-		if f.inboxRows() != 0 || f.businessRows() != 0 || db.Stats().InUse != 0 {
-			t.Errorf("inbox rows %d, business rows %d, connections in use %d; want 0, 0, 0",
-				f.inboxRows(), f.businessRows(), db.Stats().InUse)
-		}
-	})
 }
 
 // OnFailed sees every failure the router nacks: a handler error, a panic,

@@ -2,6 +2,7 @@ package pgxinbox_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -21,13 +22,17 @@ func TestConformance(t *testing.T) {
 		conformance.Run(t, conformance.Backend{
 			DB:      db,
 			Dialect: d,
-			New: func(t *testing.T, table string, o conformance.Options) message.HandlerMiddleware {
+			New: func(t *testing.T, table string, o conformance.Options) (message.HandlerMiddleware, error) {
 				t.Helper()
-				ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Dialect: d, Table: table, Logger: o.Logger,
+				cfg := pgxinbox.Config{Pool: pool, Dialect: d, Table: table, Logger: o.Logger,
 					OnProcessed: o.OnProcessed, OnDuplicate: o.OnDuplicate, OnFailed: o.OnFailed, OnReusedID: o.OnReusedID,
-					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID})
+					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID, Consumer: o.Consumer}
+				if o.Outbox != nil {
+					cfg.Outbox = pgxinbox.OutboxPublisher(o.Outbox)
+				}
+				ib, err := pgxinbox.New(cfg)
 				if err != nil {
-					t.Fatal(err)
+					return nil, err
 				}
 				t.Cleanup(func() { ib.Close() })
 				if !o.NoSchema {
@@ -35,7 +40,7 @@ func TestConformance(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				return ib.Middleware
+				return ib.Middleware, nil
 			},
 			ConnsInUse: func() int { return int(pool.Stat().AcquiredConns()) },
 			Write: func(msg *message.Message, business string) error {
@@ -46,6 +51,15 @@ func TestConformance(t *testing.T) {
 				_, err := tx.Exec(msg.Context(), "INSERT INTO "+business+" (id) VALUES ($1)", msg.UUID)
 				return err
 			},
+			Exec: func(msg *message.Message, query string) error {
+				tx, ok := pgxinbox.TxFromContext(msg.Context())
+				if !ok {
+					return errors.New("no inbox transaction")
+				}
+				_, err := tx.Exec(msg.Context(), query)
+				return err
+			},
+			InTx: func(ctx context.Context) bool { _, ok := pgxinbox.TxFromContext(ctx); return ok },
 		})
 	})
 }

@@ -11,6 +11,7 @@
 package conformance
 
 import (
+	"context"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -38,12 +39,18 @@ type Backend struct {
 	// Dialect is the inbox's dialect on DB.
 	Dialect inbox.Dialect
 	// New returns the middleware of a new inbox on table with opts, whose
-	// table it creates (InitializeSchema) unless opts.NoSchema; it closes
-	// the inbox when t ends.
-	New func(t *testing.T, table string, opts Options) message.HandlerMiddleware
+	// table it creates (InitializeSchema) unless opts.NoSchema, or the
+	// constructor's error; it closes the inbox when t ends.
+	New func(t *testing.T, table string, opts Options) (message.HandlerMiddleware, error)
 	// Write inserts msg.UUID into the one-column (id) table business
 	// through the message's inbox transaction, as a handler does.
 	Write func(msg *message.Message, business string) error
+	// Exec runs query (no bind parameters) through the message's inbox
+	// transaction and returns its error.
+	Exec func(msg *message.Message, query string) error
+	// InTx reports whether ctx carries the backend's inbox transaction
+	// (its TxFromContext).
+	InTx func(ctx context.Context) bool
 	// ConnsInUse, when set, returns how many connections of the backend's
 	// pool are checked out; the cases that end a transaction every way
 	// check that none stays so.
@@ -57,9 +64,15 @@ type Options struct {
 	ReusedIDs                                      inbox.ReusedIDCheck
 	Fingerprint                                    func(*message.Message) []byte
 	MessageID                                      func(*message.Message) (string, error)
-	Logger                                         watermill.LoggerAdapter
+	// Consumer is Config.Consumer (default: the handler name).
+	Consumer string
+	Logger   watermill.LoggerAdapter
 	// NoSchema leaves the table as it is: the case made it.
 	NoSchema bool
+	// Outbox, when set, is where the handler's outputs go: the backend
+	// plugs it into its Config.Outbox (inbox.Outbox.Publisher, or
+	// pgxinbox.OutboxPublisher).
+	Outbox *inbox.Outbox
 }
 
 // cases are the suite, by name.
@@ -81,6 +94,16 @@ var cases = []struct {
 	{"ReusedIDFingerprintOfYourChoice", reusedIDFingerprint},
 	{"ReusedIDTableWithoutTheColumn", reusedIDWithoutColumn},
 	{"ReusedIDCheckOff", reusedIDOff},
+	{"TwoConsumersEachProcessOnce", twoConsumers},
+	{"ClaimRunsOnTheMessageContext", claimOnMessageContext},
+	{"MessageContextRestoredAfterTheMiddleware", contextRestored},
+	{"RetryOutsideRunsEachAttemptInItsOwnTransaction", retryOutside},
+	{"PoisonedMessageIsNotMarkedProcessed", poisonOutside},
+	{"NestedInboxIsRefused", nestedInbox},
+	{"HandlerEndingTheTransactionIsNotAcked", handlerEndsTransaction},
+	{"IgnoredStatementErrorAckedOnlyIfCommitted", ignoredStatementError},
+	{"InvalidTableNameRefused", invalidTableName},
+	{"OutputsLeaveIfAndOnlyIfCommitted", outputsIffCommitted},
 }
 
 // Run runs every case of the suite on b, one after the other (so that
@@ -109,7 +132,20 @@ type fixture struct {
 	entered  chan struct{}
 	heldOnce atomic.Bool // the held copy has run: later copies do not block
 	failHeld atomic.Bool // the held copy's handler fails after its write
+	// afterCommits counts the inbox.AfterCommit functions that ran; the
+	// handler registers one per call.
+	afterCommits atomic.Int32
+	// ignoredStatement, when set, is run by the handler after its write
+	// through Backend.Exec, its error ignored (a handler's mistake).
+	ignoredStatement atomic.Pointer[string]
+	// emit: the handler publishes one output (topic outputTopic, UUID
+	// msg.UUID+"-out", metadata "source") through inbox.OutboxFromContext
+	// after its write.
+	emit bool
 }
+
+// outputTopic is the topic of the handler's outputs.
+const outputTopic = "conf_invoices"
 
 // newFixture names the tables (dropped when t ends) and creates the
 // business table.
@@ -143,37 +179,71 @@ func (f *fixture) count(table, where string, args ...any) int {
 	return n
 }
 
-// start runs the handler "billing" behind a new inbox with opts (its hooks
-// counted in f.hooks): it counts its calls, fails while f.handlerFails, and
-// writes one business row otherwise.
-func (f *fixture) start(opts Options) {
+// newMiddleware returns the middleware of a new inbox on f.inbox with opts,
+// its hooks counted in f.hooks.
+func (f *fixture) newMiddleware(opts Options) message.HandlerMiddleware {
 	f.t.Helper()
-	opts = f.hooks.wrap(opts)
-	mw := f.b.New(f.t, f.inbox, opts)
-	// Recoverer outside the inbox, as Inbox.Middlewares puts it: a panic
-	// becomes the router's error after the inbox rolled back.
-	f.feed, f.outcomes = testrouter.Run(f.t, func(msg *message.Message) error {
-		n, _ := f.calls.LoadOrStore(msg.UUID, new(atomic.Int32))
-		n.(*atomic.Int32).Add(1)
-		held := f.hold != nil && string(msg.Payload) == "held" && !f.heldOnce.Load()
-		if held {
-			f.entered <- struct{}{}
-			<-f.hold
+	mw, err := f.b.New(f.t, f.inbox, f.hooks.wrap(opts))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return mw
+}
+
+// start runs the handler "billing" (f.handle) behind a new inbox with opts
+// (its hooks counted in f.hooks), and behind outer, outermost first.
+func (f *fixture) start(opts Options, outer ...message.HandlerMiddleware) {
+	f.t.Helper()
+	f.run("billing", f.newMiddleware(opts), outer...)
+}
+
+// run runs the handler name (f.handle) behind mw and outer, with
+// Recoverer between them, as Inbox.Middlewares puts it: a panic becomes
+// the router's error after the inbox rolled back.
+func (f *fixture) run(name string, mw message.HandlerMiddleware, outer ...message.HandlerMiddleware) {
+	f.t.Helper()
+	f.feed, f.outcomes = testrouter.RunHandler(f.t, name, f.handle, append(outer, middleware.Recoverer, mw)...)
+}
+
+// handle is the case's handler: it counts its calls, registers an
+// AfterCommit function, writes one business row (and emits one output when
+// f.emit), and then fails, panics or ends as the fixture says.
+func (f *fixture) handle(msg *message.Message) error {
+	n, _ := f.calls.LoadOrStore(msg.UUID, new(atomic.Int32))
+	n.(*atomic.Int32).Add(1)
+	inbox.AfterCommit(msg.Context(), func() { f.afterCommits.Add(1) })
+	held := f.hold != nil && string(msg.Payload) == "held" && !f.heldOnce.Load()
+	if held {
+		f.entered <- struct{}{}
+		<-f.hold
+	}
+	if err := f.b.Write(msg, f.business); err != nil {
+		return err
+	}
+	if f.emit {
+		pub, ok := inbox.OutboxFromContext(msg.Context())
+		if !ok {
+			return errors.New("no outbox publisher in the message context")
 		}
-		if err := f.b.Write(msg, f.business); err != nil {
+		out := message.NewMessage(msg.UUID+"-out", []byte("invoice for "+msg.UUID))
+		out.Metadata.Set("source", msg.UUID)
+		if err := pub.Publish(outputTopic, out); err != nil {
 			return err
 		}
-		if held && f.failHeld.Load() {
-			return handlerError()
-		}
-		if f.handlerFails.Load() {
-			return handlerError() // after its write, which must roll back
-		}
-		if f.handlerPanics.Load() {
-			panic("handler bug after its write")
-		}
-		return nil
-	}, middleware.Recoverer, mw)
+	}
+	if q := f.ignoredStatement.Load(); q != nil {
+		_ = f.b.Exec(msg, *q) // the mistake under test
+	}
+	if held && f.failHeld.Load() {
+		return handlerError()
+	}
+	if f.handlerFails.Load() {
+		return handlerError() // after its write, which must roll back
+	}
+	if f.handlerPanics.Load() {
+		panic("handler bug after its write")
+	}
+	return nil
 }
 
 // declinedError is the handler's error type, so that errors.As is checked
@@ -298,6 +368,9 @@ func (f *fixture) failThenProcess(msg *message.Message, fail *atomic.Bool, wantE
 	}
 	f.expect(msg.UUID, 1, 0, 0)
 	f.expectNoConnHeld()
+	if n := f.afterCommits.Load(); n != 0 {
+		f.t.Errorf("%d AfterCommit functions ran for a rolled-back delivery, want 0", n)
+	}
 	fail.Store(false)
 	if !f.deliver(msg) {
 		f.t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
@@ -305,6 +378,9 @@ func (f *fixture) failThenProcess(msg *message.Message, fail *atomic.Bool, wantE
 	f.expect(msg.UUID, 2, 1, 1)
 	f.hooks.expect(f.t, 1, 0, 1, 0)
 	f.expectNoConnHeld()
+	if n := f.afterCommits.Load(); n != 1 {
+		f.t.Errorf("%d AfterCommit functions ran, want 1 (the committed delivery's)", n)
+	}
 }
 
 // Semantics 4: a handler that panics after its write leaves nothing (the
@@ -365,8 +441,7 @@ func invalidKeys(t *testing.T, b Backend) {
 				}
 				err = f.outcomes.Last()
 			} else {
-				mw := f.b.New(t, f.inbox, opts)
-				_, err = mw(func(msg *message.Message) ([]*message.Message, error) {
+				_, err = f.newMiddleware(opts)(func(msg *message.Message) ([]*message.Message, error) {
 					t.Error("handler called without a consumer")
 					return nil, nil
 				})(msg)
@@ -602,7 +677,7 @@ func reusedIDFingerprint(t *testing.T, b Backend) {
 // without a fingerprint to any content and refuses reused ids of new rows.
 func reusedIDWithoutColumn(t *testing.T, b Backend) {
 	f := newFixture(t, b)
-	b.New(t, f.inbox, Options{}) // creates the table
+	f.newMiddleware(Options{}) // creates the table
 	f.exec("ALTER TABLE " + f.inbox + " DROP COLUMN fingerprint")
 	logs := &infoLog{}
 	f.start(Options{Logger: logs, NoSchema: true})

@@ -7,6 +7,7 @@ package testrouter
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -21,14 +22,21 @@ import (
 // its outcomes, which a middleware outside all the others keeps.
 func Run(tb testing.TB, h message.NoPublishHandlerFunc, middlewares ...message.HandlerMiddleware) (*Feed, *Outcomes) {
 	tb.Helper()
-	in, out := newFeed(), &Outcomes{}
+	return RunHandler(tb, "billing", h, middlewares...)
+}
+
+// RunHandler is Run with the handler named name (the inbox's default
+// consumer).
+func RunHandler(tb testing.TB, name string, h message.NoPublishHandlerFunc, middlewares ...message.HandlerMiddleware) (*Feed, *Outcomes) {
+	tb.Helper()
+	in, out := NewFeed(), &Outcomes{}
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	r.AddMiddleware(out.middleware)
 	r.AddMiddleware(middlewares...)
-	r.AddConsumerHandler("billing", "orders", in, h)
+	r.AddConsumerHandler(name, "orders", in, h)
 	errc := make(chan error, 1)
 	go func() { errc <- r.Run(context.Background()) }()
 	select {
@@ -61,7 +69,8 @@ type Feed struct {
 	closeOnce sync.Once
 }
 
-func newFeed() *Feed { return &Feed{ch: make(chan *message.Message), closed: make(chan struct{})} }
+// NewFeed returns a feed for one handler of a router.
+func NewFeed() *Feed { return &Feed{ch: make(chan *message.Message), closed: make(chan struct{})} }
 
 // Subscribe returns a channel that closes when ctx ends or the feed is
 // closed, as a broker subscriber's does.
@@ -95,24 +104,58 @@ func (f *Feed) Close() error {
 	return nil
 }
 
-// Deliver sends a fresh copy of msg (same UUID, payload and metadata, as a
-// broker's redelivery has) and reports whether the router acked it.
+// Deliver sends a fresh copy of msg (same UUID, payload and metadata, a new
+// context and ack channels, as a broker's redelivery has) and reports
+// whether the router acked it; it fails tb if the router neither takes nor
+// answers it within 30 s.
 func (f *Feed) Deliver(tb testing.TB, msg *message.Message) bool {
 	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), deliverTimeout)
+	defer cancel()
+	acked, err := f.Send(ctx, msg.Copy())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return acked
+}
+
+// deliverTimeout bounds Deliver's waits: a hang fails the test instead of
+// stalling the suite. It is a bound, never a measurement.
+const deliverTimeout = 30 * time.Second
+
+// DeliverAsync is Deliver in a goroutine: the channel yields whether the
+// router acked (false, with tb's error, when it did not answer in time).
+func (f *Feed) DeliverAsync(tb testing.TB, msg *message.Message) <-chan bool {
+	acked := make(chan bool, 1)
 	m := msg.Copy()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), deliverTimeout)
+		defer cancel()
+		ok, err := f.Send(ctx, m)
+		if err != nil {
+			tb.Error(err)
+		}
+		acked <- ok
+	}()
+	return acked
+}
+
+// Send hands msg itself to the router (the caller made the copy and set
+// its context and metadata) and waits, until ctx ends, for the ack (true)
+// or nack (false); it returns an error if ctx ends first.
+func (f *Feed) Send(ctx context.Context, msg *message.Message) (bool, error) {
 	select {
-	case f.ch <- m:
-	case <-time.After(30 * time.Second):
-		tb.Fatalf("message %s: router did not take it within 30s", msg.UUID)
+	case f.ch <- msg:
+	case <-ctx.Done():
+		return false, fmt.Errorf("message %s: the router did not take it: %w", msg.UUID, ctx.Err())
 	}
 	select {
-	case <-m.Acked():
-		return true
-	case <-m.Nacked():
-		return false
-	case <-time.After(30 * time.Second):
-		tb.Fatalf("message %s: neither acked nor nacked within 30s", msg.UUID)
-		return false
+	case <-msg.Acked():
+		return true, nil
+	case <-msg.Nacked():
+		return false, nil
+	case <-ctx.Done():
+		return false, fmt.Errorf("message %s: neither acked nor nacked: %w", msg.UUID, ctx.Err())
 	}
 }
 

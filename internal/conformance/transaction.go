@@ -1,0 +1,196 @@
+package conformance
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// The cases on how a delivery's transaction ends when the handler's
+// statements end it or break it, and on what leaves through the outbox
+// (Semantics 5 and 14).
+
+func (b Backend) isPostgres() bool {
+	return b.Dialect == inbox.PostgreSQL || b.Dialect == inbox.PostgreSQLPartitioned
+}
+
+// Semantics 5: a handler that ends the inbox transaction itself with a
+// statement and returns nil is nacked, never acked: after a ROLLBACK
+// nothing is written and the redelivery processes the message; after a
+// COMMIT what it committed (its row and the claim) stays, and the
+// redelivery is a duplicate. The error wraps ErrTransactionEnded and is
+// not transient; on MySQL/MariaDB a ROLLBACK cannot be told from a
+// deadlock the handler ignored, and wraps ErrTxRolledBack.
+func handlerEndsTransaction(t *testing.T, b Backend) {
+	for _, tc := range []struct {
+		statement string
+		committed bool
+	}{{"ROLLBACK", false}, {"COMMIT", true}} {
+		t.Run(tc.statement, func(t *testing.T) {
+			f := newFixture(t, b)
+			f.start(Options{})
+			f.ignoredStatement.Store(&tc.statement)
+			msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":15}`))
+			if f.deliver(msg) {
+				t.Fatalf("acked a message whose handler ran %s itself", tc.statement)
+			}
+			err := f.outcomes.Last()
+			switch {
+			case b.Dialect == inbox.MySQL && !tc.committed:
+				if !errors.Is(err, inbox.ErrTxRolledBack) {
+					t.Errorf("router got %v, want ErrTxRolledBack", err)
+				}
+			case !errors.Is(err, inbox.ErrTransactionEnded) || inbox.IsTransient(err):
+				t.Errorf("router got %v (transient %v), want ErrTransactionEnded, not transient", err, inbox.IsTransient(err))
+			}
+			rows := 0
+			if tc.committed {
+				rows = 1
+			}
+			f.expect(msg.UUID, 1, rows, rows)
+			f.expectNoConnHeld()
+			if n := f.afterCommits.Load(); n != 0 {
+				t.Errorf("%d AfterCommit functions ran, want 0: the inbox did not commit", n)
+			}
+			f.ignoredStatement.Store(nil)
+			if !f.deliver(msg) {
+				t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
+			}
+			calls := int32(2)
+			if tc.committed {
+				calls = 1 // a duplicate of what the handler committed
+			}
+			f.expect(msg.UUID, calls, 1, 1)
+			f.expectNoConnHeld()
+		})
+	}
+}
+
+// Semantics 5: a handler that ignores the error of a failed statement and
+// returns nil is acked only if its transaction committed. PostgreSQL
+// aborts the transaction at the failed statement and turns the COMMIT into
+// a ROLLBACK: the delivery is nacked with the driver's error (pgx's
+// ErrTxCommitRollback, through database/sql too), nothing is written, and the redelivery processes it. MySQL/MariaDB and SQLite keep
+// the transaction after a failed statement: the delivery commits (the
+// handler's row and the claim) and is acked.
+func ignoredStatementError(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	missing := "INSERT INTO conf_missing_" + testdb.RandomSuffix() + " (id) VALUES (1)"
+	f.ignoredStatement.Store(&missing)
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":16}`))
+	acked := f.deliver(msg)
+	if !b.isPostgres() {
+		if !acked {
+			t.Fatalf("nacked although the transaction could commit: %v", f.outcomes.Last())
+		}
+		f.expect(msg.UUID, 1, 1, 1)
+		f.expectNoConnHeld()
+		return
+	}
+	if acked {
+		t.Fatal("acked a message whose transaction PostgreSQL rolled back at COMMIT")
+	}
+	if err := f.outcomes.Last(); !errors.Is(err, pgx.ErrTxCommitRollback) {
+		t.Errorf("router got %v, want pgx.ErrTxCommitRollback", err)
+	}
+	f.expect(msg.UUID, 1, 0, 0)
+	f.expectNoConnHeld()
+	f.ignoredStatement.Store(nil)
+	if !f.deliver(msg) {
+		t.Fatalf("redelivery nacked: %v", f.outcomes.Last())
+	}
+	f.expect(msg.UUID, 2, 1, 1)
+}
+
+// recordingBroker is the broker of the outbox relay: it keeps what it is
+// given.
+type recordingBroker struct {
+	mu   sync.Mutex
+	msgs []*message.Message
+}
+
+func (r *recordingBroker) Publish(topic string, msgs ...*message.Message) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, m := range msgs {
+		if topic == outputTopic {
+			r.msgs = append(r.msgs, m)
+		}
+	}
+	return nil
+}
+
+func (r *recordingBroker) Close() error { return nil }
+
+func (r *recordingBroker) published() []*message.Message {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]*message.Message(nil), r.msgs...)
+}
+
+// Semantics 14: a handler's output, written to the outbox in the message's
+// transaction, reaches the broker through the relay if and only if that
+// transaction commits: nothing for a failed try, one message (UUID,
+// payload and metadata as written) for the processed one, nothing more
+// for a duplicate, and the outbox holds no row once it left.
+func outputsIffCommitted(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	broker := &recordingBroker{}
+	table := "conf_outbox_" + testdb.RandomSuffix()
+	testdb.DropLater(t, b.DB, table)
+	testdb.DropLater(t, b.DB, table+"_dead")
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: b.DB, Dialect: b.Dialect, Table: table, Publisher: broker})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := ob.InitializeSchema(ctx); err != nil {
+		t.Fatal(err)
+	}
+	relay := func() {
+		t.Helper()
+		if r := ob.RelayOnce(ctx); r.Err != nil {
+			t.Fatal(r.Err)
+		}
+	}
+	f.emit = true
+	f.start(Options{Outbox: ob})
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":17}`))
+
+	f.handlerFails.Store(true)
+	if f.deliver(msg) {
+		t.Fatal("a failing handler's message was acked")
+	}
+	relay()
+	if n := len(broker.published()); n != 0 {
+		t.Fatalf("%d outputs of a rolled-back delivery reached the broker, want 0", n)
+	}
+	f.handlerFails.Store(false)
+	for i := range 2 { // processed, then a duplicate
+		if !f.deliver(msg) {
+			t.Fatalf("delivery %d nacked: %v", i+1, f.outcomes.Last())
+		}
+		relay()
+	}
+	got := broker.published()
+	if len(got) != 1 {
+		t.Fatalf("%d outputs reached the broker, want 1", len(got))
+	}
+	if out := got[0]; out.UUID != msg.UUID+"-out" || string(out.Payload) != "invoice for "+msg.UUID || out.Metadata.Get("source") != msg.UUID {
+		t.Errorf("output %s %q %v, want the handler's message as written", out.UUID, out.Payload, out.Metadata)
+	}
+	if n := f.count(table, ""); n != 0 {
+		t.Errorf("%d outbox rows after the relay, want 0", n)
+	}
+	f.expect(msg.UUID, 2, 1, 1)
+	f.expectNoConnHeld()
+}
