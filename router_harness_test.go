@@ -6,7 +6,6 @@ package inbox_test
 
 import (
 	"context"
-	"fmt"
 	"runtime/pprof"
 	"strings"
 	"sync"
@@ -18,96 +17,30 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testrouter"
 )
 
 // caseTimeout bounds every wait of a case: a hang fails the test instead of
 // stalling the suite. It is a bound, never a measurement.
 const caseTimeout = 60 * time.Second
 
-// feed is a message.Subscriber for one handler that delivers exactly the
-// messages a test hands it and reports whether the router acked or nacked
-// each one. Unlike a broker it never redelivers by itself: a redelivery is a
-// test calling deliver again with the same message.
-type feed struct {
-	ch        chan *message.Message
-	closed    chan struct{}
-	closeOnce sync.Once
-}
+// feed is internal/testrouter's Feed, a message.Subscriber for one handler
+// that delivers exactly the messages a test hands it and reports whether
+// the router acked or nacked each one. Unlike a broker it never redelivers
+// by itself: a redelivery is a test calling deliver again with the same
+// message.
+type feed struct{ *testrouter.Feed }
 
-func newFeed() *feed { return &feed{ch: make(chan *message.Message), closed: make(chan struct{})} }
+func newFeed() *feed { return &feed{testrouter.NewFeed()} }
 
-// Subscribe returns a channel that, as every Watermill subscriber's does,
-// closes when ctx ends or the feed is closed: Watermill's router may stop a
-// handler through either (in v1.5.1 it does not always call Close).
-func (f *feed) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
-	out := make(chan *message.Message)
-	go func() {
-		defer close(out)
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-f.closed:
-				return
-			case m := <-f.ch:
-				select {
-				case out <- m:
-				case <-ctx.Done():
-					return
-				case <-f.closed:
-					return
-				}
-			}
-		}
-	}()
-	return out, nil
-}
-
-func (f *feed) Close() error {
-	f.closeOnce.Do(func() { close(f.closed) })
-	return nil
-}
-
-// deliver sends a fresh copy of msg (same UUID, payload and metadata, a new
-// context and ack channels, as a broker redelivery has) and waits for the
-// router's ack (true) or nack (false).
+// deliver is Feed.Deliver: a fresh copy of msg, and whether it was acked.
 func (f *feed) deliver(t testing.TB, msg *message.Message) bool {
 	t.Helper()
-	m := msg.Copy()
-	select {
-	case f.ch <- m:
-	case <-time.After(30 * time.Second):
-		t.Fatalf("message %s: router did not take it within 30s", msg.UUID)
-	}
-	select {
-	case <-m.Acked():
-		return true
-	case <-m.Nacked():
-		return false
-	case <-time.After(30 * time.Second):
-		t.Fatalf("message %s: neither acked nor nacked within 30s", msg.UUID)
-		return false
-	}
+	return f.Deliver(t, msg)
 }
 
-// send hands msg itself to the router (the caller made the copy and set its
-// context and metadata) and waits, until ctx ends, for the ack (true) or
-// nack (false).
-func (f *feed) send(ctx context.Context, msg *message.Message) (bool, error) {
-	select {
-	case f.ch <- msg:
-	case <-ctx.Done():
-		return false, fmt.Errorf("message %s: router did not take it: %w", msg.UUID, ctx.Err())
-	}
-	select {
-	case <-msg.Acked():
-		return true, nil
-	case <-msg.Nacked():
-		return false, nil
-	case <-ctx.Done():
-		return false, fmt.Errorf("message %s: neither acked nor nacked: %w", msg.UUID, ctx.Err())
-	}
-}
+// send is Feed.Send: msg itself, and whether it was acked before ctx ended.
+func (f *feed) send(ctx context.Context, msg *message.Message) (bool, error) { return f.Send(ctx, msg) }
 
 // delivery returns a redelivery of msg (a copy, as a broker makes) labelled
 // in its metadata, so that outcomes and handlers can tell deliveries apart.

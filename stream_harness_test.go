@@ -205,19 +205,11 @@ func (e *faultEnv) deliver(ctx context.Context, msg *message.Message, attempt in
 	m := msg.Copy()
 	m.Metadata.Set(attemptKey, strconv.Itoa(attempt))
 	m.Metadata.Set(deliveryKey, key)
-	select {
-	case e.in.ch <- m:
-	case <-ctx.Done():
-		return faultDelivery{}, fmt.Errorf("message %s attempt %d: router did not take it: %w", msg.UUID, attempt, ctx.Err())
+	acked, err := e.in.send(ctx, m)
+	if err != nil {
+		return faultDelivery{}, fmt.Errorf("attempt %d: %w", attempt, err)
 	}
-	d := faultDelivery{id: msg.UUID, attempt: attempt}
-	select {
-	case <-m.Acked():
-		d.acked = true
-	case <-m.Nacked():
-	case <-ctx.Done():
-		return faultDelivery{}, fmt.Errorf("message %s attempt %d: neither acked nor nacked: %w", msg.UUID, attempt, ctx.Err())
-	}
+	d := faultDelivery{id: msg.UUID, attempt: attempt, acked: acked}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	d.err = e.errs[key]

@@ -3,17 +3,14 @@
 package brokers
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"slices"
 	"sort"
 	"strings"
@@ -26,6 +23,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/workerproc"
 )
 
 const (
@@ -114,91 +112,51 @@ func (r *run) dropLater(table string) {
 
 // worker is one worker process.
 type worker struct {
-	name      string
-	killAfter int
-	cmd       *exec.Cmd
-	out       *tail
-	ready     chan struct{} // closed when it handles SIGTERM (evReady)
-	done      chan struct{} // closed when it exited and its events are read
-
-	// Set before done is closed.
-	killedSelf bool
-	inUse      int // -1: not reported
-	state      *os.ProcessState
+	*workerproc.Process
+	killAfter  int
+	killedSelf bool // set before Done is closed
 }
 
 // start starts a worker. While fewer than wantKills workers have killed
 // themselves, one worker at a time is doomed: it SIGKILLs itself right after
 // its killAfter-th commit.
 func (r *run) start() {
-	t := r.t
-	w := &worker{name: fmt.Sprintf("worker-%d", len(r.workers)+1), out: &tail{},
-		ready: make(chan struct{}), done: make(chan struct{}), inUse: -1}
+	w := &worker{}
 	doomed := slices.ContainsFunc(r.live, func(l *worker) bool { return l.killAfter > 0 })
 	if !doomed && r.kills < wantKills {
 		w.killAfter = 5 + mrand.IntN(20)
 	}
 	cfg := r.base
-	cfg.Name, cfg.KillAfter = w.name, w.killAfter
-	raw, err := json.Marshal(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rd, wr, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.cmd = exec.Command(os.Args[0], "-test.run=^TestBrokerWorker$", "-test.count=1",
-		"-test.timeout="+(runTimeout+time.Minute).String())
-	w.cmd.Env = append(os.Environ(), workerEnv+"="+string(raw))
-	w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
-	w.cmd.ExtraFiles = []*os.File{wr} // file descriptor 3: events
-	if err := w.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	wr.Close()
-	go func() {
-		r.readEvents(w, rd)
-		rd.Close()
-		w.cmd.Wait()
-		w.state = w.cmd.ProcessState
-		close(w.done)
-	}()
+	cfg.Name, cfg.KillAfter = fmt.Sprintf("worker-%d", len(r.workers)+1), w.killAfter
+	w.Process = workerproc.Start(r.t, cfg.Name, "TestBrokerWorker", workerEnv, cfg, runTimeout+time.Minute,
+		func(kind, detail string) { r.event(w, cfg.Name, kind, detail) })
 	r.workers = append(r.workers, w)
 	r.live = append(r.live, w)
 	if w.killAfter > 0 {
-		r.logf("%s starts; it SIGKILLs itself after its commit #%d", w.name, w.killAfter)
+		r.logf("%s starts; it SIGKILLs itself after its commit #%d", w.Name, w.killAfter)
 	} else {
-		r.logf("%s starts", w.name)
+		r.logf("%s starts", w.Name)
 	}
 }
 
-func (r *run) readEvents(w *worker, rd *os.File) {
-	sc := bufio.NewScanner(rd)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		kind, detail, _ := strings.Cut(sc.Text(), " ")
-		r.mu.Lock()
-		switch kind {
-		case evReady:
-			close(w.ready)
-		case evInUse:
-			fmt.Sscan(detail, &w.inUse)
-		case evProcessed:
-			r.processed[detail]++
-		case evDuplicate:
-			r.duplicates[detail]++
-		case evKill:
-			r.killed[detail]++
-			w.killedSelf = true
-		case evRefused:
-			r.refused++
-		case evFailed:
-			r.failures = append(r.failures, w.name+": "+detail)
-		default:
-			r.failures = append(r.failures, w.name+": unknown event: "+sc.Text())
-		}
-		r.mu.Unlock()
+// event counts one event of worker w (name).
+func (r *run) event(w *worker, name, kind, detail string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch kind {
+	case evProcessed:
+		r.processed[detail]++
+	case evDuplicate:
+		r.duplicates[detail]++
+	case evKill:
+		r.killed[detail]++
+		w.killedSelf = true
+	case evRefused:
+		r.refused++
+	case evFailed:
+		r.failures = append(r.failures, name+": "+detail)
+	default:
+		r.failures = append(r.failures, name+": unknown event: "+kind+" "+detail)
 	}
 }
 
@@ -215,16 +173,16 @@ func (r *run) supervise(done func() (bool, string)) {
 	for ; ; <-tick.C {
 		for _, w := range slices.Clone(r.live) {
 			select {
-			case <-w.done:
+			case <-w.Done:
 			default:
 				continue
 			}
 			r.remove(w)
 			if !w.killedSelf {
-				r.fail("%s exited on its own (%v):\n%s", w.name, w.state, w.out)
+				r.fail("%s exited on its own (%v):\n%s", w.Name, w.State, w.Out)
 			}
 			r.kills++
-			r.logf("%s SIGKILLed itself after commit #%d, before its ack", w.name, w.killAfter)
+			r.logf("%s SIGKILLed itself after commit #%d, before its ack", w.Name, w.killAfter)
 			r.start()
 		}
 		ok, progress := done()
@@ -251,28 +209,28 @@ func (r *run) remove(w *worker) {
 func (r *run) stopAll() {
 	for _, w := range r.live {
 		select {
-		case <-w.ready:
-		case <-w.done:
+		case <-w.Ready:
+		case <-w.Done:
 		case <-time.After(30 * time.Second):
-			r.fail("%s did not start within 30 s:\n%s", w.name, w.out)
+			r.fail("%s did not start within 30 s:\n%s", w.Name, w.Out)
 		}
-		w.cmd.Process.Signal(syscall.SIGTERM)
+		w.Cmd.Process.Signal(syscall.SIGTERM)
 	}
 	for _, w := range slices.Clone(r.live) {
 		select {
-		case <-w.done:
+		case <-w.Done:
 		case <-time.After(30 * time.Second): // its router's CloseTimeout is 15 s
-			r.fail("%s did not stop within 30 s of SIGTERM:\n%s", w.name, w.out)
+			r.fail("%s did not stop within 30 s of SIGTERM:\n%s", w.Name, w.Out)
 		}
 		r.remove(w)
 		switch {
 		case w.killedSelf:
 			r.kills++
-			r.logf("%s SIGKILLed itself after commit #%d, before its ack", w.name, w.killAfter)
-		case !w.state.Success():
-			r.t.Errorf("%s stopped with %v, want a clean exit:\n%s", w.name, w.state, w.out)
-		case w.inUse != 0:
-			r.t.Errorf("%s: %d database connections in use after its router stopped, want 0", w.name, w.inUse)
+			r.logf("%s SIGKILLed itself after commit #%d, before its ack", w.Name, w.killAfter)
+		case !w.State.Success():
+			r.t.Errorf("%s stopped with %v, want a clean exit:\n%s", w.Name, w.State, w.Out)
+		case w.InUse != 0:
+			r.t.Errorf("%s: %d database connections in use after its router stopped, want 0", w.Name, w.InUse)
 		}
 	}
 }
@@ -281,12 +239,12 @@ func (r *run) stopAll() {
 func (r *run) killAll() {
 	for _, w := range r.workers {
 		select {
-		case <-w.done:
+		case <-w.Done:
 			continue
 		default:
 		}
-		w.cmd.Process.Kill()
-		<-w.done
+		w.Cmd.Process.Kill()
+		<-w.Done
 	}
 }
 
@@ -392,8 +350,8 @@ func (r *run) check(copies map[string]int) {
 		t.Errorf("%d unexpected failures:\n%s", len(r.failures), strings.Join(r.failures, "\n"))
 	}
 	for _, w := range r.workers {
-		if strings.Contains(w.out.String(), "WARNING: DATA RACE") {
-			t.Errorf("%s: data race:\n%s", w.name, w.out)
+		if strings.Contains(w.Out.String(), "WARNING: DATA RACE") {
+			t.Errorf("%s: data race:\n%s", w.Name, w.Out)
 		}
 	}
 	r.checkSessions()
@@ -447,7 +405,7 @@ func (r *run) fail(format string, args ...any) {
 	}
 	r.mu.Unlock()
 	for _, w := range r.live {
-		fmt.Fprintf(&b, "\n--- %s (running), last output:\n%s", w.name, w.out)
+		fmt.Fprintf(&b, "\n--- %s (running), last output:\n%s", w.Name, w.Out)
 	}
 	r.t.Fatal(b.String())
 }
@@ -455,28 +413,6 @@ func (r *run) fail(format string, args ...any) {
 func (r *run) logf(format string, args ...any) {
 	r.t.Helper()
 	r.t.Logf("%6.2fs "+format, append([]any{time.Since(r.began).Seconds()}, args...)...)
-}
-
-// tail keeps the last 32 KiB written to it: a worker's output.
-type tail struct {
-	mu  sync.Mutex
-	buf []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if over := len(t.buf) - 32<<10; over > 0 {
-		t.buf = append(t.buf[:0], t.buf[over:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.buf)
 }
 
 // unreachable skips the test locally, and fails it when CI=true, for a

@@ -4,14 +4,12 @@ package brokers
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log"
 	"os"
 	"os/signal"
 	"regexp"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -27,6 +25,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/workerproc"
 )
 
 // workerEnv holds a worker's JSON workerConfig; set, the test binary runs
@@ -48,7 +47,8 @@ type workerConfig struct {
 	ParentPID int
 }
 
-// Events a worker reports, one line each on file descriptor 3:
+// Events a worker reports (besides workerproc's EvReady and EvInUse), one
+// line each on file descriptor 3:
 // "<kind> <message id>", or "<kind> <detail>".
 const (
 	evProcessed = "P" // committed, about to be acked
@@ -56,24 +56,7 @@ const (
 	evKill      = "K" // committed, and SIGKILLed before the ack
 	evRefused   = "I" // refused with ErrInvalidMessageID: "I <message uuid>"
 	evFailed    = "F" // any other failure: "F <error>"
-	evInUse     = "U" // connections in use after a graceful stop: "U <n>"
-	evReady     = "R" // SIGTERM now stops it gracefully: "R -"
 )
-
-// eventWriter writes whole lines with one write(2) each, unbuffered, so that
-// a SIGKILL loses nothing written before it.
-type eventWriter struct {
-	mu sync.Mutex
-	f  *os.File
-}
-
-func (w *eventWriter) send(kind, detail string) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if _, err := w.f.WriteString(kind + " " + detail + "\n"); err != nil {
-		os.Exit(3) // the parent is gone: nothing left to report to
-	}
-}
 
 // TestBrokerWorker is a worker process of the broker tests: a Watermill
 // router with a poison queue and the inbox middleware on PostgreSQL, and one
@@ -81,31 +64,19 @@ func (w *eventWriter) send(kind, detail string) {
 // SIGTERM, or until it SIGKILLs itself after its KillAfter-th commit. Run on
 // its own it skips.
 func TestBrokerWorker(t *testing.T) {
-	raw := os.Getenv(workerEnv)
-	if raw == "" {
+	var cfg workerConfig
+	if !workerproc.Config(t, workerEnv, &cfg) {
 		t.Skip("helper process of the broker tests; runs only when they start it")
 	}
-	var cfg workerConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		t.Fatal(err)
-	}
 	log.SetPrefix(cfg.Name + ": ")
-	ev := &eventWriter{f: os.NewFile(3, "events")}
+	ev := workerproc.OpenEvents()
 	// The test sends SIGTERM only after this, so the default action (exit
 	// by the signal) never cuts a graceful stop short.
 	sig, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
-	ev.send(evReady, "-")
+	ev.Send(workerproc.EvReady, "-")
 
-	// An orphan (the test died) stops by itself.
-	go func() {
-		for range time.Tick(500 * time.Millisecond) {
-			if os.Getppid() != cfg.ParentPID {
-				log.Print("parent gone, exiting")
-				os.Exit(2)
-			}
-		}
-	}()
+	workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)
 
 	db, err := sqlx.Open("pgx", cfg.DSN)
 	if err != nil {
@@ -139,14 +110,14 @@ func TestBrokerWorker(t *testing.T) {
 		// fingerprint leaves out, as a service does with a producer's
 		// volatile fields, so that a copy is a duplicate and not a reused id.
 		Fingerprint: func(msg *message.Message) []byte { return copyNumber.ReplaceAll(msg.Payload, nil) },
-		OnProcessed: func(e inbox.Event) { ev.send(evProcessed, e.MessageID) },
-		OnDuplicate: func(e inbox.Event) { ev.send(evDuplicate, e.MessageID) },
+		OnProcessed: func(e inbox.Event) { ev.Send(evProcessed, e.MessageID) },
+		OnDuplicate: func(e inbox.Event) { ev.Send(evDuplicate, e.MessageID) },
 		OnFailed: func(e inbox.Event) {
 			if errors.Is(e.Err, inbox.ErrInvalidMessageID) {
-				ev.send(evRefused, e.Message.UUID)
+				ev.Send(evRefused, e.Message.UUID)
 				return
 			}
-			ev.send(evFailed, fmt.Sprintf("%q: %q", e.MessageID, e.Err.Error()))
+			ev.Send(evFailed, fmt.Sprintf("%q: %q", e.MessageID, e.Err.Error()))
 		},
 	})
 	if err != nil {
@@ -192,7 +163,7 @@ func TestBrokerWorker(t *testing.T) {
 		if cfg.KillAfter > 0 {
 			inbox.AfterCommit(ctx, func() {
 				if commits.Add(1) == int64(cfg.KillAfter) {
-					ev.send(evKill, id)
+					ev.Send(evKill, id)
 					syscall.Kill(os.Getpid(), syscall.SIGKILL)
 					time.Sleep(time.Hour) // never return: no ack
 				}
@@ -223,7 +194,7 @@ func TestBrokerWorker(t *testing.T) {
 	for deadline := time.Now().Add(2 * time.Second); inUse != 0 && time.Now().Before(deadline); inUse = db.Stats().InUse {
 		time.Sleep(10 * time.Millisecond)
 	}
-	ev.send(evInUse, fmt.Sprint(inUse))
+	ev.Send(workerproc.EvInUse, fmt.Sprint(inUse))
 	if err := db.Close(); err != nil {
 		t.Errorf("close db: %v", err)
 	}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/internal/testrouter"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
@@ -254,95 +255,23 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// feed is a message.Subscriber that delivers exactly the messages a test
-// hands it and reports whether the router acked or nacked each. It never
-// redelivers by itself: a redelivery is the test delivering a copy again.
-type feed struct {
-	ch        chan *message.Message
-	closed    chan struct{}
-	closeOnce sync.Once
-}
+// feed is internal/testrouter's Feed, a message.Subscriber that delivers
+// exactly the messages a test hands it and reports whether the router acked
+// or nacked each. It never redelivers by itself: a redelivery is the test
+// delivering a copy again.
+type feed struct{ *testrouter.Feed }
 
-func newFeed() *feed { return &feed{ch: make(chan *message.Message), closed: make(chan struct{})} }
+func newFeed() *feed { return &feed{testrouter.NewFeed()} }
 
-func (f *feed) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
-	out := make(chan *message.Message)
-	go func() {
-		defer close(out)
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-f.closed:
-				return
-			case m := <-f.ch:
-				select {
-				case out <- m:
-				case <-ctx.Done():
-					return
-				case <-f.closed:
-					return
-				}
-			}
-		}
-	}()
-	return out, nil
-}
-
-func (f *feed) Close() error {
-	f.closeOnce.Do(func() { close(f.closed) })
-	return nil
-}
-
-// deliver sends a copy of msg (same UUID, payload and metadata, a fresh
-// context and ack channels, as a broker's redelivery) and returns whether
-// the router acked it.
+// deliver is Feed.Deliver: a fresh copy of msg, and whether it was acked.
 func (f *feed) deliver(t *testing.T, msg *message.Message) bool {
 	t.Helper()
-	m := msg.Copy()
-	timeout := time.After(caseTimeout)
-	select {
-	case f.ch <- m:
-	case <-timeout:
-		t.Fatalf("message %s: the router did not take it", msg.UUID)
-	}
-	select {
-	case <-m.Acked():
-		return true
-	case <-m.Nacked():
-		return false
-	case <-timeout:
-		t.Fatalf("message %s: neither acked nor nacked", msg.UUID)
-		return false
-	}
+	return f.Deliver(t, msg)
 }
 
-// deliverAsync delivers msg in a goroutine; the returned channel yields
-// whether it was acked.
-func (f *feed) deliverAsync(t *testing.T, msg *message.Message) <-chan bool {
-	acked := make(chan bool, 1)
-	go func() {
-		m := msg.Copy()
-		timeout := time.After(caseTimeout)
-		select {
-		case f.ch <- m:
-		case <-timeout:
-			t.Errorf("message %s: the router did not take it", msg.UUID)
-			acked <- false
-			return
-		}
-		select {
-		case <-m.Acked():
-			acked <- true
-		case <-m.Nacked():
-			acked <- false
-		case <-timeout:
-			t.Errorf("message %s: neither acked nor nacked", msg.UUID)
-			acked <- false
-		}
-	}()
-	return acked
-}
+// deliverAsync is Feed.DeliverAsync: a copy of msg delivered in a
+// goroutine; the channel yields whether it was acked.
+func (f *feed) deliverAsync(t *testing.T, msg *message.Message) <-chan bool { return f.DeliverAsync(t, msg) }
 
 // labelled returns a copy of msg with a delivery label in its metadata, so
 // that handlers and recorders tell deliveries apart.

@@ -3,18 +3,15 @@
 package soak
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	mrand "math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -33,6 +30,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/workerproc"
 )
 
 var (
@@ -277,7 +275,7 @@ func (s *soak) supervise() {
 				break
 			}
 			w := s.live[0]
-			s.logf("%s leaves the groups (graceful stop), a new worker joins", w.name)
+			s.logf("%s leaves the groups (graceful stop), a new worker joins", w.Name)
 			s.stop(w)
 			s.leaves++
 			s.start()
@@ -311,24 +309,14 @@ func (s *soak) reset() {
 
 // worker is one worker process.
 type worker struct {
-	name      string
-	killAfter int
-	cmd       *exec.Cmd
-	out       *tail
-	ready     chan struct{} // closed when it handles SIGTERM (evReady)
-	done      chan struct{} // closed when it exited and its events are read
-	sigterm   bool          // we asked it to stop
-
-	// Set before done is closed.
-	killedSelf bool
-	inUse      int // -1: not reported
-	state      *os.ProcessState
+	*workerproc.Process
+	killAfter  int
+	sigterm    bool // we asked it to stop
+	killedSelf bool // set before Done is closed
 }
 
 func (s *soak) start() *worker {
-	t := s.t
-	w := &worker{name: fmt.Sprintf("worker-%d", len(s.workers)+1), out: &tail{},
-		ready: make(chan struct{}), done: make(chan struct{}), inUse: -1}
+	w := &worker{}
 	pending := 0
 	for _, l := range s.live {
 		if l.killAfter > 0 {
@@ -339,81 +327,53 @@ func (s *soak) start() *worker {
 	if pending == 0 && s.kills < s.p.kills {
 		w.killAfter = s.p.killLo + mrand.IntN(s.p.killHi-s.p.killLo+1)
 	}
-	cfg, err := json.Marshal(workerConfig{
-		Name: w.name, Brokers: s.brokers, Topic: s.topic, Driver: s.driver, DSN: s.workerDSN,
+	name := fmt.Sprintf("worker-%d", len(s.workers)+1)
+	cfg := workerConfig{
+		Name: name, Brokers: s.brokers, Topic: s.topic, Driver: s.driver, DSN: s.workerDSN,
 		MaxConns: s.maxConns, Inbox: s.inbox, Business: s.business, Groups: s.groups,
 		KillAfter: w.killAfter, FailRate: failRate, ParentPID: os.Getpid(),
-	})
-	if err != nil {
-		t.Fatal(err)
 	}
-	r, wr, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.cmd = exec.Command(os.Args[0], "-test.run=^TestSoakWorker$", "-test.count=1",
-		"-test.timeout="+(s.p.timeout+2*time.Minute).String())
-	w.cmd.Env = append(os.Environ(), workerEnv+"="+string(cfg))
-	w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
-	w.cmd.ExtraFiles = []*os.File{wr} // file descriptor 3: events
-	if err := w.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	wr.Close()
-	go func() {
-		s.readEvents(w, r)
-		r.Close()
-		w.cmd.Wait()
-		w.state = w.cmd.ProcessState
-		close(w.done)
-	}()
+	w.Process = workerproc.Start(s.t, name, "TestSoakWorker", workerEnv, cfg, s.p.timeout+2*time.Minute,
+		func(kind, detail string) { s.event(w, name, kind, detail) })
 	s.workers = append(s.workers, w)
 	s.live = append(s.live, w)
 	s.maxLive = max(s.maxLive, len(s.live))
 	if w.killAfter > 0 {
-		s.logf("%s joins; it will SIGKILL itself after its commit #%d", w.name, w.killAfter)
+		s.logf("%s joins; it will SIGKILL itself after its commit #%d", w.Name, w.killAfter)
 	} else {
-		s.logf("%s joins", w.name)
+		s.logf("%s joins", w.Name)
 	}
 	return w
 }
 
-func (s *soak) readEvents(w *worker, r *os.File) {
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		kind, detail, _ := strings.Cut(sc.Text(), " ")
-		consumer, rest, _ := strings.Cut(detail, " ")
-		s.mu.Lock()
-		c := s.tally[consumer]
-		switch {
-		case kind == evReady:
-			close(w.ready)
-		case kind == evInUse:
-			fmt.Sscan(detail, &w.inUse)
-		case kind == evSession:
-			var id int64
-			fmt.Sscan(detail, &id)
-			s.workerSessions[id] = w.name
-		case c == nil:
-			s.failures["unknown event: "+sc.Text()]++
-		case kind == evProcessed:
-			c.processed++
-		case kind == evDuplicate:
-			c.duplicates++
-		case kind == evInjected:
-			c.injected++
-		case kind == evKill:
-			c.killed++
-			w.killedSelf = true
-		case kind == evTransient:
-			c.transient++
-			s.failures["transient "+consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
-		case kind == evFailed:
-			c.failed++
-			s.failures["NOT TRANSIENT "+consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
-		}
-		s.mu.Unlock()
+// event counts one event of worker w (name).
+func (s *soak) event(w *worker, name, kind, detail string) {
+	consumer, rest, _ := strings.Cut(detail, " ")
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.tally[consumer]
+	switch {
+	case kind == evSession:
+		var id int64
+		fmt.Sscan(detail, &id)
+		s.workerSessions[id] = name
+	case c == nil:
+		s.failures["unknown event: "+kind+" "+detail]++
+	case kind == evProcessed:
+		c.processed++
+	case kind == evDuplicate:
+		c.duplicates++
+	case kind == evInjected:
+		c.injected++
+	case kind == evKill:
+		c.killed++
+		w.killedSelf = true
+	case kind == evTransient:
+		c.transient++
+		s.failures["transient "+consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
+	case kind == evFailed:
+		c.failed++
+		s.failures["NOT TRANSIENT "+consumer+": "+uuidPattern.ReplaceAllString(rest, "<id>")]++
 	}
 }
 
@@ -422,16 +382,16 @@ func (s *soak) readEvents(w *worker, r *os.File) {
 func (s *soak) reap() {
 	for _, w := range slices.Clone(s.live) {
 		select {
-		case <-w.done:
+		case <-w.Done:
 		default:
 			continue
 		}
 		s.remove(w)
 		if !w.killedSelf {
-			s.fail("%s exited on its own (%v):\n%s", w.name, w.state, w.out)
+			s.fail("%s exited on its own (%v):\n%s", w.Name, w.State, w.Out)
 		}
 		s.kills++
-		s.logf("%s was SIGKILLed after commit #%d, before its ack", w.name, w.killAfter)
+		s.logf("%s was SIGKILLed after commit #%d, before its ack", w.Name, w.killAfter)
 		s.start()
 	}
 }
@@ -459,32 +419,32 @@ func (s *soak) stopAll() {
 // terminate sends SIGTERM once the worker handles it.
 func (s *soak) terminate(w *worker) {
 	select {
-	case <-w.ready:
-	case <-w.done:
+	case <-w.Ready:
+	case <-w.Done:
 	case <-time.After(time.Minute):
-		s.fail("%s did not start within a minute:\n%s", w.name, w.out)
+		s.fail("%s did not start within a minute:\n%s", w.Name, w.Out)
 	}
 	w.sigterm = true
-	w.cmd.Process.Signal(syscall.SIGTERM)
+	w.Cmd.Process.Signal(syscall.SIGTERM)
 }
 
 // await waits for a worker asked to stop, checks that it stopped cleanly
 // with no connection in use, and removes it from s.live.
 func (s *soak) await(w *worker) {
 	select {
-	case <-w.done:
+	case <-w.Done:
 	case <-time.After(time.Minute): // its router's CloseTimeout is 45 s
-		s.fail("%s did not stop within a minute of SIGTERM:\n%s", w.name, w.out)
+		s.fail("%s did not stop within a minute of SIGTERM:\n%s", w.Name, w.Out)
 	}
 	s.remove(w)
 	switch {
 	case w.killedSelf: // before or while it stopped
 		s.kills++
-		s.logf("%s was SIGKILLed after commit #%d, before its ack", w.name, w.killAfter)
-	case !w.state.Success():
-		s.t.Errorf("%s: stopped with %v, want a clean exit:\n%s", w.name, w.state, w.out)
-	case w.inUse != 0:
-		s.t.Errorf("%s: %d database connections in use after its router stopped, want 0", w.name, w.inUse)
+		s.logf("%s was SIGKILLed after commit #%d, before its ack", w.Name, w.killAfter)
+	case !w.State.Success():
+		s.t.Errorf("%s: stopped with %v, want a clean exit:\n%s", w.Name, w.State, w.Out)
+	case w.InUse != 0:
+		s.t.Errorf("%s: %d database connections in use after its router stopped, want 0", w.Name, w.InUse)
 	}
 }
 
@@ -492,12 +452,12 @@ func (s *soak) await(w *worker) {
 func (s *soak) killAll() {
 	for _, w := range s.workers {
 		select {
-		case <-w.done:
+		case <-w.Done:
 			continue
 		default:
 		}
-		w.cmd.Process.Kill()
-		<-w.done
+		w.Cmd.Process.Kill()
+		<-w.Done
 	}
 }
 
@@ -519,7 +479,7 @@ func (s *soak) fail(format string, args ...any) {
 	}
 	fmt.Fprintf(&b, "\n%s", s.counts())
 	for _, w := range s.live {
-		fmt.Fprintf(&b, "\n--- %s (running), last output:\n%s", w.name, w.out)
+		fmt.Fprintf(&b, "\n--- %s (running), last output:\n%s", w.Name, w.Out)
 	}
 	s.t.Fatal(b.String())
 }
@@ -731,8 +691,8 @@ func (s *soak) check() {
 		t.Errorf("%d inbox rows of other consumers, want 0", others)
 	}
 	for _, w := range s.workers {
-		if strings.Contains(w.out.String(), "WARNING: DATA RACE") {
-			t.Errorf("%s: data race:\n%s", w.name, w.out)
+		if strings.Contains(w.Out.String(), "WARNING: DATA RACE") {
+			t.Errorf("%s: data race:\n%s", w.Name, w.Out)
 		}
 	}
 	switch s.driver {
@@ -840,28 +800,6 @@ func (s *soak) report(elapsed time.Duration) {
 func (s *soak) logf(format string, args ...any) {
 	s.t.Helper()
 	s.t.Logf("%7.1fs "+format, append([]any{time.Since(s.began).Seconds()}, args...)...)
-}
-
-// tail keeps the last 32 KiB written to it: a worker's output.
-type tail struct {
-	mu  sync.Mutex
-	buf []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if over := len(t.buf) - 32<<10; over > 0 {
-		t.buf = append(t.buf[:0], t.buf[over:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.buf)
 }
 
 // openChecked opens the test's pool. A PostgreSQL or MariaDB server that

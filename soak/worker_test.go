@@ -4,7 +4,6 @@ package soak
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log"
@@ -12,7 +11,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -27,6 +25,7 @@ import (
 	_ "modernc.org/sqlite"             // registers "sqlite"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/workerproc"
 )
 
 // workerEnv holds a worker's JSON workerConfig; set, the test binary runs
@@ -52,7 +51,8 @@ type workerConfig struct {
 // errInjected is the injected handler failure.
 var errInjected = errors.New("soak: injected handler failure")
 
-// Events a worker reports to TestSoak, one line each on file descriptor 3:
+// Events a worker reports to TestSoak (besides workerproc's EvReady and
+// EvInUse), one line each on file descriptor 3:
 // "<kind> <consumer>" or "<kind> <detail>".
 const (
 	evProcessed = "P" // committed, about to be acked
@@ -61,59 +61,29 @@ const (
 	evTransient = "T" // a failure not injected that inbox.IsTransient reports as transient (rolled back, nacked): "T <consumer> <error>"
 	evFailed    = "F" // any other failure (rolled back, nacked): "F <consumer> <error>"
 	evKill      = "K" // committed, and SIGKILLed before the ack
-	evInUse     = "U" // connections in use after a graceful stop: "U <n>"
-	evReady     = "R" // SIGTERM now stops it gracefully: "R -"
 	evSession   = "S" // a new MariaDB connection: "S <CONNECTION_ID()>"
 )
-
-// eventWriter writes whole lines with one write(2) each, unbuffered, so that
-// a SIGKILL loses nothing written before it.
-type eventWriter struct {
-	mu sync.Mutex
-	f  *os.File
-}
-
-func (w *eventWriter) send(kind, detail string) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if _, err := w.f.WriteString(kind + " " + detail + "\n"); err != nil {
-		// The parent is gone: nothing left to report to.
-		os.Exit(3)
-	}
-}
 
 // TestSoakWorker is a worker process of TestSoak: a Watermill router with
 // the inbox middleware and two consumers, "billing" and "shipping", reading
 // the soak topic from Kafka. It runs until SIGTERM, or until it SIGKILLs
 // itself after its KillAfter-th commit. Run on its own it skips.
 func TestSoakWorker(t *testing.T) {
-	raw := os.Getenv(workerEnv)
-	if raw == "" {
+	var cfg workerConfig
+	if !workerproc.Config(t, workerEnv, &cfg) {
 		t.Skip("helper process of TestSoak; runs only when TestSoak starts it")
 	}
-	var cfg workerConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		t.Fatal(err)
-	}
 	log.SetPrefix(cfg.Name + ": ")
-	ev := &eventWriter{f: os.NewFile(3, "events")}
+	ev := workerproc.OpenEvents()
 	// TestSoak sends SIGTERM only after this, so the default action (exit
 	// by the signal) never cuts a graceful stop short.
 	sig, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
-	ev.send(evReady, "-")
+	ev.Send(workerproc.EvReady, "-")
 
-	// An orphan (TestSoak died) stops by itself.
-	go func() {
-		for range time.Tick(500 * time.Millisecond) {
-			if os.Getppid() != cfg.ParentPID {
-				log.Print("parent gone, exiting")
-				os.Exit(2)
-			}
-		}
-	}()
+	workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)
 
-	db, err := openDB(cfg.Driver, cfg.DSN, func(id int64) { ev.send(evSession, fmt.Sprint(id)) })
+	db, err := openDB(cfg.Driver, cfg.DSN, func(id int64) { ev.Send(evSession, fmt.Sprint(id)) })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,18 +93,18 @@ func TestSoakWorker(t *testing.T) {
 	ib, err := inbox.New(inbox.Config{
 		DB:          db,
 		Table:       cfg.Inbox,
-		OnProcessed: func(e inbox.Event) { ev.send(evProcessed, e.Consumer) },
-		OnDuplicate: func(e inbox.Event) { ev.send(evDuplicate, e.Consumer) },
+		OnProcessed: func(e inbox.Event) { ev.Send(evProcessed, e.Consumer) },
+		OnDuplicate: func(e inbox.Event) { ev.Send(evDuplicate, e.Consumer) },
 		OnFailed: func(e inbox.Event) {
 			switch {
 			case errors.Is(e.Err, errInjected):
-				ev.send(evInjected, e.Consumer)
+				ev.Send(evInjected, e.Consumer)
 			case inbox.IsTransient(e.Err):
 				// On MariaDB this includes the deadlock (1213) of three
 				// deliveries of one key whose first rolls back (NOTES).
-				ev.send(evTransient, fmt.Sprintf("%s %q", e.Consumer, e.Err.Error()))
+				ev.Send(evTransient, fmt.Sprintf("%s %q", e.Consumer, e.Err.Error()))
 			default:
-				ev.send(evFailed, fmt.Sprintf("%s %q", e.Consumer, e.Err.Error()))
+				ev.Send(evFailed, fmt.Sprintf("%s %q", e.Consumer, e.Err.Error()))
 			}
 		},
 	})
@@ -189,7 +159,7 @@ func TestSoakWorker(t *testing.T) {
 			if cfg.KillAfter > 0 {
 				inbox.AfterCommit(ctx, func() {
 					if commits.Add(1) == int64(cfg.KillAfter) {
-						ev.send(evKill, consumer)
+						ev.Send(evKill, consumer)
 						syscall.Kill(os.Getpid(), syscall.SIGKILL)
 						time.Sleep(time.Hour) // never return: no ack
 					}
@@ -228,7 +198,7 @@ func TestSoakWorker(t *testing.T) {
 	for deadline := time.Now().Add(2 * time.Second); inUse != 0 && time.Now().Before(deadline); inUse = db.Stats().InUse {
 		time.Sleep(10 * time.Millisecond)
 	}
-	ev.send(evInUse, fmt.Sprint(inUse))
+	ev.Send(workerproc.EvInUse, fmt.Sprint(inUse))
 	if inUse != 0 {
 		t.Errorf("%d database connections still in use after the router stopped", inUse)
 	}

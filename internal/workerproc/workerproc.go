@@ -1,0 +1,156 @@
+// Package workerproc is the harness of the tests that run their workers as
+// processes of their own, so that they can SIGKILL one between a commit and
+// its ack (the soak and the broker tests): the test's side starts a worker
+// (the test binary running one test), reads the events it reports and keeps
+// the tail of its output; the worker's side reads its configuration,
+// reports its events and exits when its test is gone.
+//
+// A worker reports events as lines "<kind> <detail>" on file descriptor 3,
+// each written with one write(2), unbuffered, so that a SIGKILL loses
+// nothing it wrote before.
+package workerproc
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The events this package handles itself; the others are the caller's.
+const (
+	EvReady = "R" // the worker handles SIGTERM from now on: "R -"
+	EvInUse = "U" // connections in use after a graceful stop: "U <n>"
+)
+
+// Process is one worker process.
+type Process struct {
+	Name  string
+	Cmd   *exec.Cmd
+	Out   *Tail         // the last 32 KiB of its output
+	Ready chan struct{} // closed on EvReady: SIGTERM then stops it gracefully
+	Done  chan struct{} // closed once it exited and its events were read
+
+	// Set before Done is closed.
+	InUse int // EvInUse's count; -1 when it reported none
+	State *os.ProcessState
+}
+
+// Start runs test (a test of the running test binary) as worker name, with
+// cfg as JSON in the environment variable env and a test timeout of
+// timeout. onEvent gets every event but EvReady and EvInUse, in order, from
+// the goroutine that reads them.
+func Start(tb testing.TB, name, test, env string, cfg any, timeout time.Duration, onEvent func(kind, detail string)) *Process {
+	tb.Helper()
+	raw, err := json.Marshal(cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	rd, wr, err := os.Pipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	p := &Process{Name: name, Out: &Tail{}, Ready: make(chan struct{}), Done: make(chan struct{}), InUse: -1}
+	p.Cmd = exec.Command(os.Args[0], "-test.run=^"+test+"$", "-test.count=1", "-test.timeout="+timeout.String())
+	p.Cmd.Env = append(os.Environ(), env+"="+string(raw))
+	p.Cmd.Stdout, p.Cmd.Stderr = p.Out, p.Out
+	p.Cmd.ExtraFiles = []*os.File{wr} // file descriptor 3: events
+	if err := p.Cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	wr.Close()
+	go func() {
+		sc := bufio.NewScanner(rd)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			kind, detail, _ := strings.Cut(sc.Text(), " ")
+			switch kind {
+			case EvReady:
+				close(p.Ready)
+			case EvInUse:
+				fmt.Sscan(detail, &p.InUse)
+			default:
+				onEvent(kind, detail)
+			}
+		}
+		rd.Close()
+		_ = p.Cmd.Wait()
+		p.State = p.Cmd.ProcessState
+		close(p.Done)
+	}()
+	return p
+}
+
+// Config reads the worker's configuration from the environment variable
+// env into cfg; false when env is not set (the test binary is not a
+// worker: the worker test skips).
+func Config(tb testing.TB, env string, cfg any) bool {
+	raw := os.Getenv(env)
+	if raw == "" {
+		return false
+	}
+	if err := json.Unmarshal([]byte(raw), cfg); err != nil {
+		tb.Fatal(err)
+	}
+	return true
+}
+
+// Events is the worker's side of the event lines.
+type Events struct {
+	mu sync.Mutex
+	f  *os.File
+}
+
+// OpenEvents returns the worker's events, on file descriptor 3.
+func OpenEvents() *Events { return &Events{f: os.NewFile(3, "events")} }
+
+// Send reports one event; a worker whose test is gone exits (status 3):
+// there is nothing left to report to.
+func (e *Events) Send(kind, detail string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, err := e.f.WriteString(kind + " " + detail + "\n"); err != nil {
+		os.Exit(3)
+	}
+}
+
+// ExitWhenOrphaned exits the worker (status 2) once its parent, the test
+// that started it, is gone: an orphan stops by itself.
+func ExitWhenOrphaned(parentPID int, logf func(format string, args ...any)) {
+	go func() {
+		for range time.Tick(500 * time.Millisecond) {
+			if os.Getppid() != parentPID {
+				logf("parent gone, exiting")
+				os.Exit(2)
+			}
+		}
+	}()
+}
+
+// Tail keeps the last 32 KiB written to it: a worker's output. It is safe
+// for concurrent use.
+type Tail struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (t *Tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.buf = append(t.buf, p...)
+	if over := len(t.buf) - 32<<10; over > 0 {
+		t.buf = append(t.buf[:0], t.buf[over:]...)
+	}
+	return len(p), nil
+}
+
+func (t *Tail) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.buf)
+}
