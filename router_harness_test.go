@@ -6,8 +6,6 @@ package inbox_test
 
 import (
 	"context"
-	"runtime/pprof"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -73,29 +71,11 @@ func sendToEach(ctx context.Context, t *testing.T, workers map[string]*feed, msg
 	return acked
 }
 
-// runRouter starts a router configured by setup and closes it when the test ends.
+// runRouter is testrouter.Start: a router configured by setup, running,
+// closed when the test ends.
 func runRouter(t testing.TB, setup func(r *message.Router)) *message.Router {
 	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	setup(r)
-	errc := make(chan error, 1)
-	go func() { errc <- r.Run(context.Background()) }()
-	select {
-	case <-r.Running():
-	case err := <-errc:
-		t.Fatalf("router stopped: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := r.Close(); err != nil {
-			var stacks strings.Builder
-			_ = pprof.Lookup("goroutine").WriteTo(&stacks, 1)
-			t.Errorf("close router: %v; goroutines:\n%s", err, stacks.String())
-		}
-	})
-	return r
+	return testrouter.Start(t, setup)
 }
 
 // recorder is a middleware placed outside the inbox that records what the

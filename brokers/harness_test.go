@@ -238,13 +238,7 @@ func (r *run) stopAll() {
 // killAll kills what is still running, at the end of a failed test.
 func (r *run) killAll() {
 	for _, w := range r.workers {
-		select {
-		case <-w.Done:
-			continue
-		default:
-		}
-		w.Cmd.Process.Kill()
-		<-w.Done
+		w.Kill()
 	}
 }
 

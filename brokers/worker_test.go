@@ -7,11 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log"
-	"os"
-	"os/signal"
 	"regexp"
-	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -70,11 +66,8 @@ func TestBrokerWorker(t *testing.T) {
 	}
 	log.SetPrefix(cfg.Name + ": ")
 	ev := workerproc.OpenEvents()
-	// The test sends SIGTERM only after this, so the default action (exit
-	// by the signal) never cuts a graceful stop short.
-	sig, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	sig, stop := ev.Ready()
 	defer stop()
-	ev.Send(workerproc.EvReady, "-")
 
 	workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)
 
@@ -146,7 +139,7 @@ func TestBrokerWorker(t *testing.T) {
 	)
 
 	insert := db.Rebind("INSERT INTO " + cfg.Business + " (message_id, worker) VALUES (?, ?)")
-	var commits atomic.Int64
+	kill := workerproc.NewSelfKill(cfg.KillAfter)
 	router.AddConsumerHandler(consumer, cfg.Topic, sub, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, ok := inbox.TxFromContext(ctx)
@@ -160,41 +153,18 @@ func TestBrokerWorker(t *testing.T) {
 		if _, err := tx.ExecContext(ctx, insert, id, cfg.Name); err != nil {
 			return err
 		}
-		if cfg.KillAfter > 0 {
-			inbox.AfterCommit(ctx, func() {
-				if commits.Add(1) == int64(cfg.KillAfter) {
-					ev.Send(evKill, id)
-					syscall.Kill(os.Getpid(), syscall.SIGKILL)
-					time.Sleep(time.Hour) // never return: no ack
-				}
-			})
-		}
+		kill.AfterCommit(ctx, func() { ev.Send(evKill, id) })
 		return nil
 	})
 
-	closed := make(chan error, 1)
-	go func() {
-		<-sig.Done()
-		<-router.Running() // a SIGTERM during setup: close once it runs
-		closed <- router.Close()
-	}()
-	if err := router.Run(context.Background()); err != nil {
-		t.Fatalf("router: %v", err)
-	}
-	if err := <-closed; err != nil {
-		t.Errorf("router close: %v", err)
-	}
+	workerproc.RunRouter(t, router, sig)
 	if err := sub.Close(); err != nil {
 		t.Errorf("close subscriber: %v", err)
 	}
 	if err := ib.Close(); err != nil {
 		t.Errorf("close inbox: %v", err)
 	}
-	inUse := db.Stats().InUse
-	for deadline := time.Now().Add(2 * time.Second); inUse != 0 && time.Now().Before(deadline); inUse = db.Stats().InUse {
-		time.Sleep(10 * time.Millisecond)
-	}
-	ev.Send(workerproc.EvInUse, fmt.Sprint(inUse))
+	ev.ReportInUse(db)
 	if err := db.Close(); err != nil {
 		t.Errorf("close db: %v", err)
 	}

@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -271,7 +270,9 @@ func (f *feed) deliver(t *testing.T, msg *message.Message) bool {
 
 // deliverAsync is Feed.DeliverAsync: a copy of msg delivered in a
 // goroutine; the channel yields whether it was acked.
-func (f *feed) deliverAsync(t *testing.T, msg *message.Message) <-chan bool { return f.DeliverAsync(t, msg) }
+func (f *feed) deliverAsync(t *testing.T, msg *message.Message) <-chan bool {
+	return f.DeliverAsync(t, msg)
+}
 
 // labelled returns a copy of msg with a delivery label in its metadata, so
 // that handlers and recorders tell deliveries apart.
@@ -281,28 +282,11 @@ func labelled(msg *message.Message, label string) *message.Message {
 	return m
 }
 
-// runRouter starts a router configured by setup and closes it when the
-// test ends.
+// runRouter is testrouter.Start: a router configured by setup, running,
+// closed when the test ends.
 func runRouter(t *testing.T, setup func(r *message.Router)) *message.Router {
 	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	setup(r)
-	errc := make(chan error, 1)
-	go func() { errc <- r.Run(context.Background()) }()
-	select {
-	case <-r.Running():
-	case err := <-errc:
-		t.Fatalf("router stopped: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := r.Close(); err != nil {
-			t.Errorf("close router: %v", err)
-		}
-	})
-	return r
+	return testrouter.Start(t, setup)
 }
 
 // consume runs h behind ib's middleware (and the middlewares before it,

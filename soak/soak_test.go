@@ -451,13 +451,7 @@ func (s *soak) await(w *worker) {
 // killAll kills what is still running, at the end of a failed test.
 func (s *soak) killAll() {
 	for _, w := range s.workers {
-		select {
-		case <-w.Done:
-			continue
-		default:
-		}
-		w.Cmd.Process.Kill()
-		<-w.Done
+		w.Kill()
 	}
 }
 

@@ -3,16 +3,10 @@
 package soak
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log"
 	"math/rand/v2"
-	"os"
-	"os/signal"
-	"runtime/pprof"
-	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -75,11 +69,8 @@ func TestSoakWorker(t *testing.T) {
 	}
 	log.SetPrefix(cfg.Name + ": ")
 	ev := workerproc.OpenEvents()
-	// TestSoak sends SIGTERM only after this, so the default action (exit
-	// by the signal) never cuts a graceful stop short.
-	sig, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	sig, stop := ev.Ready()
 	defer stop()
-	ev.Send(workerproc.EvReady, "-")
 
 	workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)
 
@@ -127,7 +118,7 @@ func TestSoakWorker(t *testing.T) {
 		middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond}.Middleware,
 		ib.Middleware,
 	)
-	var commits atomic.Int64
+	kill := workerproc.NewSelfKill(cfg.KillAfter)
 	var subs []*kafka.Subscriber
 	for _, consumer := range []string{"billing", "shipping"} {
 		// One subscriber, so one consumer group, per consumer: two handlers
@@ -156,33 +147,12 @@ func TestSoakWorker(t *testing.T) {
 			if rand.Float64() < cfg.FailRate {
 				return errInjected // after the write: only the rollback removes it
 			}
-			if cfg.KillAfter > 0 {
-				inbox.AfterCommit(ctx, func() {
-					if commits.Add(1) == int64(cfg.KillAfter) {
-						ev.Send(evKill, consumer)
-						syscall.Kill(os.Getpid(), syscall.SIGKILL)
-						time.Sleep(time.Hour) // never return: no ack
-					}
-				})
-			}
+			kill.AfterCommit(ctx, func() { ev.Send(evKill, consumer) })
 			return nil
 		})
 	}
 
-	closed := make(chan error, 1)
-	go func() {
-		<-sig.Done()
-		<-router.Running() // a SIGTERM during setup: close once it runs
-		closed <- router.Close()
-	}()
-	if err := router.Run(context.Background()); err != nil {
-		t.Fatalf("router: %v", err)
-	}
-	if err := <-closed; err != nil {
-		// What still runs, for the failure report.
-		_ = pprof.Lookup("goroutine").WriteTo(os.Stderr, 1)
-		t.Errorf("router close: %v", err)
-	}
+	workerproc.RunRouter(t, router, sig)
 	for _, sub := range subs {
 		if err := sub.Close(); err != nil {
 			t.Errorf("close subscriber: %v", err)
@@ -191,15 +161,7 @@ func TestSoakWorker(t *testing.T) {
 	if err := ib.Close(); err != nil {
 		t.Errorf("close inbox: %v", err)
 	}
-	// A transaction whose context ended is rolled back, and its connection
-	// returned, by database/sql's own goroutine a moment after Commit or
-	// Rollback returned the context's error: wait for that, boundedly.
-	inUse := db.Stats().InUse
-	for deadline := time.Now().Add(2 * time.Second); inUse != 0 && time.Now().Before(deadline); inUse = db.Stats().InUse {
-		time.Sleep(10 * time.Millisecond)
-	}
-	ev.Send(workerproc.EvInUse, fmt.Sprint(inUse))
-	if inUse != 0 {
+	if inUse := ev.ReportInUse(db); inUse != 0 {
 		t.Errorf("%d database connections still in use after the router stopped", inUse)
 	}
 	if err := db.Close(); err != nil {

@@ -8,6 +8,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/pprof"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -30,13 +32,24 @@ func Run(tb testing.TB, h message.NoPublishHandlerFunc, middlewares ...message.H
 func RunHandler(tb testing.TB, name string, h message.NoPublishHandlerFunc, middlewares ...message.HandlerMiddleware) (*Feed, *Outcomes) {
 	tb.Helper()
 	in, out := NewFeed(), &Outcomes{}
+	Start(tb, func(r *message.Router) {
+		r.AddMiddleware(out.middleware)
+		r.AddMiddleware(middlewares...)
+		r.AddConsumerHandler(name, "orders", in, h)
+	})
+	return in, out
+}
+
+// Start runs a router that setup configured, once it is running, and
+// closes it when tb ends; a router that does not close within its
+// CloseTimeout (10 s) fails tb with every goroutine's stack.
+func Start(tb testing.TB, setup func(r *message.Router)) *message.Router {
+	tb.Helper()
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
 		tb.Fatal(err)
 	}
-	r.AddMiddleware(out.middleware)
-	r.AddMiddleware(middlewares...)
-	r.AddConsumerHandler(name, "orders", in, h)
+	setup(r)
 	errc := make(chan error, 1)
 	go func() { errc <- r.Run(context.Background()) }()
 	select {
@@ -46,10 +59,12 @@ func RunHandler(tb testing.TB, name string, h message.NoPublishHandlerFunc, midd
 	}
 	tb.Cleanup(func() {
 		if err := r.Close(); err != nil {
-			tb.Errorf("close router: %v", err)
+			var stacks strings.Builder
+			_ = pprof.Lookup("goroutine").WriteTo(&stacks, 1)
+			tb.Errorf("close router: %v; goroutines:\n%s", err, stacks.String())
 		}
 	})
-	return in, out
+	return r
 }
 
 // Order returns a message for orderID (its payload, and metadata

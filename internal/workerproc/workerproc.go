@@ -12,14 +12,24 @@ package workerproc
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
+	"runtime/pprof"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
 )
 
 // The events this package handles itself; the others are the caller's.
@@ -86,6 +96,17 @@ func Start(tb testing.TB, name, test, env string, cfg any, timeout time.Duration
 	return p
 }
 
+// Kill SIGKILLs the worker if it still runs and waits until it exited.
+func (p *Process) Kill() {
+	select {
+	case <-p.Done:
+		return
+	default:
+	}
+	_ = p.Cmd.Process.Kill()
+	<-p.Done
+}
+
 // Config reads the worker's configuration from the environment variable
 // env into cfg; false when env is not set (the test binary is not a
 // worker: the worker test skips).
@@ -130,6 +151,77 @@ func ExitWhenOrphaned(parentPID int, logf func(format string, args ...any)) {
 			}
 		}
 	}()
+}
+
+// Ready reports EvReady and returns a context that ends at SIGTERM: the
+// test sends SIGTERM only after EvReady, so that the signal's default
+// action (exit) never cuts a graceful stop short.
+func (e *Events) Ready() (context.Context, context.CancelFunc) {
+	sig, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	e.Send(EvReady, "-")
+	return sig, stop
+}
+
+// SelfKill makes a worker SIGKILL itself right after its n-th commit,
+// before the ack: the redelivery a crash between COMMIT and ack causes.
+// It is safe for concurrent use.
+type SelfKill struct {
+	after   int64
+	commits atomic.Int64
+}
+
+// NewSelfKill returns the SelfKill of a worker that dies after its n-th
+// commit; 0: never.
+func NewSelfKill(n int) *SelfKill { return &SelfKill{after: int64(n)} }
+
+// AfterCommit registers, in the handler of a message with context ctx,
+// the count of its commit: at the n-th, report is called (it sends the
+// event that says so) and the process SIGKILLs itself, never returning to
+// ack.
+func (k *SelfKill) AfterCommit(ctx context.Context, report func()) {
+	if k.after <= 0 {
+		return
+	}
+	inbox.AfterCommit(ctx, func() {
+		if k.commits.Add(1) == k.after {
+			report()
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			time.Sleep(time.Hour) // never return: no ack
+		}
+	})
+}
+
+// RunRouter runs router until sig ends (SIGTERM: see Ready), then closes
+// it; a close that fails prints every goroutine's stack, for the failure
+// report, and fails tb.
+func RunRouter(tb testing.TB, router *message.Router, sig context.Context) {
+	closed := make(chan error, 1)
+	go func() {
+		<-sig.Done()
+		<-router.Running() // a SIGTERM during setup: close once it runs
+		closed <- router.Close()
+	}()
+	if err := router.Run(context.Background()); err != nil {
+		tb.Fatalf("router: %v", err)
+	}
+	if err := <-closed; err != nil {
+		_ = pprof.Lookup("goroutine").WriteTo(os.Stderr, 1)
+		tb.Errorf("router close: %v", err)
+	}
+}
+
+// ReportInUse reports (EvInUse) how many of db's connections are still in
+// use once the router stopped, and returns it. A transaction whose
+// context ended is rolled back, and its connection returned, by
+// database/sql's own goroutine a moment after Commit or Rollback returned
+// the context's error: it waits up to 2 s for that.
+func (e *Events) ReportInUse(db *sqlx.DB) int {
+	inUse := db.Stats().InUse
+	for deadline := time.Now().Add(2 * time.Second); inUse != 0 && time.Now().Before(deadline); inUse = db.Stats().InUse {
+		time.Sleep(10 * time.Millisecond)
+	}
+	e.Send(EvInUse, fmt.Sprint(inUse))
+	return inUse
 }
 
 // Tail keeps the last 32 KiB written to it: a worker's output. It is safe
