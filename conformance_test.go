@@ -24,6 +24,9 @@ func TestConformance(t *testing.T) {
 				cfg := inbox.Config{DB: db, Dialect: tdb.Dialect, Table: table, Logger: o.Logger,
 					OnProcessed: o.OnProcessed, OnDuplicate: o.OnDuplicate, OnFailed: o.OnFailed, OnReusedID: o.OnReusedID,
 					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID, Consumer: o.Consumer}
+				if o.OutboxPublisher != nil {
+					cfg.Outbox = func(*sqlx.Tx) (message.Publisher, error) { return o.OutboxPublisher, nil }
+				}
 				if o.Outbox != nil {
 					cfg.Outbox = o.Outbox.Publisher
 				}

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/conformance"
@@ -27,6 +28,9 @@ func TestConformance(t *testing.T) {
 				cfg := pgxinbox.Config{Pool: pool, Dialect: d, Table: table, Logger: o.Logger,
 					OnProcessed: o.OnProcessed, OnDuplicate: o.OnDuplicate, OnFailed: o.OnFailed, OnReusedID: o.OnReusedID,
 					ReusedIDs: o.ReusedIDs, Fingerprint: o.Fingerprint, MessageID: o.MessageID, Consumer: o.Consumer}
+				if o.OutboxPublisher != nil {
+					cfg.Outbox = func(pgx.Tx) (message.Publisher, error) { return o.OutboxPublisher, nil }
+				}
 				if o.Outbox != nil {
 					cfg.Outbox = pgxinbox.OutboxPublisher(o.Outbox)
 				}

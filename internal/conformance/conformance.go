@@ -73,6 +73,9 @@ type Options struct {
 	// plugs it into its Config.Outbox (inbox.Outbox.Publisher, or
 	// pgxinbox.OutboxPublisher).
 	Outbox *inbox.Outbox
+	// OutboxPublisher, when set (and Outbox is not), is the publisher the
+	// backend's Config.Outbox returns for every transaction.
+	OutboxPublisher message.Publisher
 }
 
 // cases are the suite, by name.
@@ -104,6 +107,8 @@ var cases = []struct {
 	{"IgnoredStatementErrorAckedOnlyIfCommitted", ignoredStatementError},
 	{"InvalidTableNameRefused", invalidTableName},
 	{"OutputsLeaveIfAndOnlyIfCommitted", outputsIffCommitted},
+	{"ContextEndingAfterTheHandlerReturnedStillCommits", contextEndsAfterHandler},
+	{"ProcessedAtAndPurgeCutoffAreTheDatabaseClock", databaseClock},
 }
 
 // Run runs every case of the suite on b, one after the other (so that

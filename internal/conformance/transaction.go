@@ -4,14 +4,19 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/internal/testrouter"
 )
 
 // The cases on how a delivery's transaction ends when the handler's
@@ -193,4 +198,104 @@ func outputsIffCommitted(t *testing.T, b Backend) {
 	}
 	f.expect(msg.UUID, 2, 1, 1)
 	f.expectNoConnHeld()
+}
+
+// publisherFunc is a message.Publisher that calls itself.
+type publisherFunc func(topic string, msgs ...*message.Message) error
+
+func (p publisherFunc) Publish(topic string, msgs ...*message.Message) error {
+	return p(topic, msgs...)
+}
+func (publisherFunc) Close() error { return nil }
+
+// Semantics 12: a message context that ends after the handler returned nil
+// (a Timeout middleware's deadline, a router closing), here while the
+// messages it returned are written to the outbox before the COMMIT, does
+// not roll the transaction back: the COMMIT runs under its own bound, the
+// message is acked and its AfterCommit functions run.
+func contextEndsAfterHandler(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	var cancel atomic.Pointer[context.CancelFunc]
+	var written atomic.Int32
+	mw := f.newMiddleware(Options{OutboxPublisher: publisherFunc(func(_ string, msgs ...*message.Message) error {
+		(*cancel.Load())() // the handler has returned: its context ends now
+		written.Add(int32(len(msgs)))
+		return nil
+	})})
+	cancelling := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			ctx, c := context.WithCancel(msg.Context())
+			defer c()
+			cancel.Store(&c)
+			msg.SetContext(ctx)
+			return h(msg)
+		}
+	}
+	in := testrouter.NewFeed()
+	testrouter.Start(t, func(r *message.Router) {
+		r.AddMiddleware(cancelling, middleware.Recoverer, mw)
+		r.AddHandler("billing", "orders", in, outputTopic, gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{}),
+			func(msg *message.Message) ([]*message.Message, error) {
+				inbox.AfterCommit(msg.Context(), func() { f.afterCommits.Add(1) })
+				if err := b.Write(msg, f.business); err != nil {
+					return nil, err
+				}
+				return []*message.Message{message.NewMessage(msg.UUID+"-out", nil)}, nil
+			})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":18}`))
+	if !in.Deliver(t, msg) {
+		t.Fatal("nacked a message whose context ended after its handler returned nil")
+	}
+	if n := written.Load(); n != 1 {
+		t.Errorf("%d returned messages written to the outbox, want 1", n)
+	}
+	if e, i := f.count(f.business, ""), f.count(f.inbox, ""); e != 1 || i != 1 {
+		t.Errorf("business rows %d, inbox rows %d; want 1 and 1 (committed)", e, i)
+	}
+	if n := f.afterCommits.Load(); n != 1 {
+		t.Errorf("%d AfterCommit functions ran, want 1", n)
+	}
+	f.expectNoConnHeld()
+}
+
+// Semantics 9: processed_at comes from the database's clock in UTC, and so
+// does the purge's cutoff, whatever the process's time zone (CI runs the
+// suite again under other TZ values): a row just processed reads as now,
+// a purge of rows older than an hour leaves it, and (one table: the
+// partitioned dialect drops whole partitions instead) a purge of rows older
+// than a microsecond takes it.
+func databaseClock(t *testing.T, b Backend) {
+	f := newFixture(t, b)
+	f.start(Options{})
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":19}`))
+	if !f.deliver(msg) {
+		t.Fatalf("nacked: %v", f.outcomes.Last())
+	}
+	ctx := context.Background()
+	st, err := inbox.Stats(ctx, b.DB, b.Dialect, f.inbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if off := time.Since(st.Newest); st.Newest.Location() != time.UTC || off < -time.Minute || off > time.Minute {
+		t.Errorf("processed_at reads %v, %v from now; want now, in UTC", st.Newest, off)
+	}
+	purge := func(olderThan time.Duration) int64 {
+		t.Helper()
+		n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: b.DB, Dialect: b.Dialect, Table: f.inbox, OlderThan: olderThan})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := purge(time.Hour); n != 0 || f.count(f.inbox, "") != 1 {
+		t.Errorf("a purge of rows older than an hour deleted %d, left %d; want 0 and 1", n, f.count(f.inbox, ""))
+	}
+	if b.Dialect == inbox.PostgreSQLPartitioned {
+		return
+	}
+	time.Sleep(10 * time.Millisecond) // the row is now older than 1 µs by any clock
+	if n := purge(time.Microsecond); n != 1 || f.count(f.inbox, "") != 0 {
+		t.Errorf("a purge of rows older than 1µs deleted %d, left %d; want 1 and 0", n, f.count(f.inbox, ""))
+	}
 }
