@@ -113,11 +113,27 @@ func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, er
 	return n > 0, err
 }
 
+// StoredFingerprint reads the stored fingerprint and rolls the transaction
+// back in one batch: one round trip, so that a duplicate costs what it did
+// before the fingerprints (BEGIN with the claim, then ROLLBACK). The flow
+// rolls a duplicate back whatever the read returns; Rollback then finds no
+// transaction open and only gives the connection back. The handler never
+// had this transaction, so nothing else can use it afterwards.
 func (t *pgxTx) StoredFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
+	var batch pgx.Batch
+	batch.Queue(t.b.st.StoredFingerprint, consumer, id)
+	batch.Queue("rollback")
+	br := t.tx.SendBatch(ctx, &batch)
 	var fp []byte
-	err := t.tx.QueryRow(ctx, t.b.st.StoredFingerprint, consumer, id).Scan(&fp)
+	err := br.QueryRow().Scan(&fp)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, nil
+		err = nil
+	}
+	if _, rbErr := br.Exec(); err == nil {
+		err = rbErr
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
 	}
 	return fp, err
 }
@@ -154,7 +170,10 @@ func (t *pgxTx) Rollback() error {
 		return nil
 	}
 	defer t.release()
-	if t.tx == nil || t.conn.Conn().IsClosed() {
+	if t.tx == nil || t.conn.Conn().IsClosed() || t.conn.Conn().PgConn().TxStatus() == 'I' {
+		// Never begun, a connection the server closed, or no transaction
+		// open on it any more (StoredFingerprint's batch rolled it back,
+		// or the handler ended it): nothing to roll back.
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), t.b.rollbackTimeout)

@@ -71,7 +71,10 @@ type Tx interface {
 	// StillClaimed runs Statements.Held (true when it is empty).
 	StillClaimed(ctx context.Context, consumer, id string) (bool, error)
 	// StoredFingerprint runs Statements.StoredFingerprint: nil for NULL
-	// and for no row.
+	// and for no row. The flow calls it on a duplicate only, and rolls the
+	// transaction back right after, whatever it returns: a backend may
+	// send the ROLLBACK with the read (Rollback then only gives the
+	// connection back).
 	StoredFingerprint(ctx context.Context, consumer, id string) ([]byte, error)
 	// Ended reports, without a round trip, whether the transaction has
 	// already ended on the server before Commit (the handler committed or
