@@ -32,7 +32,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	osexec "os/exec"
 	"strings"
 	"sync"
 	"syscall"
@@ -43,6 +42,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/workerproc"
 )
 
 // relayProcessEnv holds a relay process's JSON relayProcessConfig; set, the
@@ -73,39 +73,20 @@ type relayProcessConfig struct {
 
 // Events a relay process reports, one line each on file descriptor 3.
 const (
-	evRelayReady = "R" // the database is open; the relay starts
-	evRelayKill  = "K" // "K <point>": it SIGKILLs itself now
-	evRelayErr   = "E" // "E <error>": a relay round failed
+	evRelayReady = workerproc.EvReady // the database is open; the relay starts
+	evRelayKill  = "K"                // "K <point>": it SIGKILLs itself now
+	evRelayErr   = "E"                // "E <error>": a relay round failed
 )
 
 // TestOutboxRelayProcess is the relay process of the crash tests. Run on its
 // own it skips.
 func TestOutboxRelayProcess(t *testing.T) {
-	raw := os.Getenv(relayProcessEnv)
-	if raw == "" {
+	var cfg relayProcessConfig
+	if !workerproc.Config(t, relayProcessEnv, &cfg) {
 		t.Skip("helper process of the outbox crash tests; runs only when they start it")
 	}
-	var cfg relayProcessConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		t.Fatal(err)
-	}
-	events := &eventLines{f: os.NewFile(3, "events")}
-	stopWatch := make(chan struct{})
-	defer close(stopWatch)
-	go func() { // an orphan (the test died) stops by itself
-		tick := time.NewTicker(200 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			select {
-			case <-stopWatch:
-				return
-			case <-tick.C:
-				if os.Getppid() != cfg.ParentPID {
-					os.Exit(2)
-				}
-			}
-		}
-	}()
+	events := workerproc.OpenEvents()
+	defer workerproc.ExitWhenOrphaned(cfg.ParentPID, nil)()
 	k := &killSwitch{point: cfg.Kill, at: cfg.At, events: events}
 
 	probe, err := sql.Open(cfg.Driver, cfg.DSN)
@@ -128,7 +109,7 @@ func TestOutboxRelayProcess(t *testing.T) {
 		PollInterval: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
 		OnRound: func(r inbox.OutboxRound) {
 			if r.Err != nil {
-				events.send(evRelayErr, strings.ReplaceAll(r.Err.Error(), "\n", " "))
+				events.Send(evRelayErr, strings.ReplaceAll(r.Err.Error(), "\n", " "))
 			}
 		},
 	})
@@ -138,7 +119,7 @@ func TestOutboxRelayProcess(t *testing.T) {
 	if err := db.Ping(); err != nil {
 		t.Fatal(err)
 	}
-	events.send(evRelayReady, "-")
+	events.Send(evRelayReady, "-")
 	if cfg.Kill != killNever {
 		_ = ob.Run(context.Background()) // until it is killed
 		return
@@ -158,28 +139,13 @@ func TestOutboxRelayProcess(t *testing.T) {
 	}
 }
 
-// eventLines writes whole lines with one write(2) each, unbuffered, so that
-// a SIGKILL loses nothing written before it.
-type eventLines struct {
-	mu sync.Mutex
-	f  *os.File
-}
-
-func (w *eventLines) send(kind, detail string) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if _, err := w.f.WriteString(kind + " " + detail + "\n"); err != nil {
-		os.Exit(3) // the parent is gone
-	}
-}
-
 // killSwitch SIGKILLs the process at the at-th occurrence of its point.
 type killSwitch struct {
 	mu     sync.Mutex
 	point  string
 	at     int
 	seen   int
-	events *eventLines
+	events *workerproc.Events
 }
 
 // hit counts an occurrence of point (of a publish of n messages, 0 for a
@@ -192,7 +158,7 @@ func (k *killSwitch) hit(point string, n int) {
 	}
 	k.seen++
 	if k.seen == k.at {
-		k.events.send(evRelayKill, point)
+		k.events.Send(evRelayKill, point)
 		syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		time.Sleep(time.Hour) // never return
 	}
@@ -367,77 +333,29 @@ func (tx commitHookTx) Commit() error {
 
 // relayProcess is a relay process the test started.
 type relayProcess struct {
-	cmd    *osexec.Cmd
-	ready  chan struct{} // closed at evRelayReady
-	done   chan struct{} // closed once it exited and its events are read
-	out    strings.Builder
-	outMu  sync.Mutex
-	killed string   // the point it reported killing itself at (evRelayKill)
-	errs   []string // failed relay rounds (evRelayErr)
+	*workerproc.Process
+	killed string   // the point it reported killing itself at (evRelayKill); set before Done is closed
+	errs   []string // failed relay rounds (evRelayErr); set before Done is closed
 }
 
-func (p *relayProcess) Write(b []byte) (int, error) {
-	p.outMu.Lock()
-	defer p.outMu.Unlock()
-	return p.out.Write(b)
-}
+func (p *relayProcess) output() string { return p.Out.String() }
 
-func (p *relayProcess) output() string {
-	p.outMu.Lock()
-	defer p.outMu.Unlock()
-	return p.out.String()
-}
-
-// startRelayProcess starts a relay process with cfg.
+// startRelayProcess starts a relay process with cfg; it is killed when t
+// ends, if it still runs (a test that failed half-way leaves no process
+// behind).
 func startRelayProcess(t *testing.T, cfg relayProcessConfig) *relayProcess {
 	t.Helper()
 	cfg.ParentPID = os.Getpid()
-	raw, err := json.Marshal(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rd, wr, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &relayProcess{ready: make(chan struct{}), done: make(chan struct{})}
-	p.cmd = osexec.Command(os.Args[0], "-test.run=^TestOutboxRelayProcess$", "-test.count=1", "-test.timeout=3m")
-	p.cmd.Env = append(os.Environ(), relayProcessEnv+"="+string(raw))
-	p.cmd.Stdout, p.cmd.Stderr = p, p
-	p.cmd.ExtraFiles = []*os.File{wr} // file descriptor 3: events
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	wr.Close()
-	go func() {
-		defer close(p.done)
-		sc := bufio.NewScanner(rd)
-		readyClosed := false
-		for sc.Scan() {
-			kind, detail, _ := strings.Cut(sc.Text(), " ")
-			switch kind {
-			case evRelayReady:
-				if !readyClosed {
-					close(p.ready)
-					readyClosed = true
-				}
-			case evRelayKill:
-				p.killed = detail
-			case evRelayErr:
-				p.errs = append(p.errs, detail)
-			}
-		}
-		rd.Close()
-		p.cmd.Wait()
-	}()
-	t.Cleanup(func() { // a test that failed half-way leaves no process behind
-		select {
-		case <-p.done:
-		default:
-			p.cmd.Process.Kill()
-			<-p.done
+	p := &relayProcess{}
+	p.Process = workerproc.Start(t, "relay", "TestOutboxRelayProcess", relayProcessEnv, cfg, 3*time.Minute, func(kind, detail string) {
+		switch kind {
+		case evRelayKill:
+			p.killed = detail
+		case evRelayErr:
+			p.errs = append(p.errs, detail)
 		}
 	})
+	t.Cleanup(p.Kill)
 	return p
 }
 
@@ -445,11 +363,10 @@ func startRelayProcess(t *testing.T, cfg relayProcessConfig) *relayProcess {
 func (p *relayProcess) wait(t *testing.T, bound time.Duration) *os.ProcessState {
 	t.Helper()
 	select {
-	case <-p.done:
-		return p.cmd.ProcessState
+	case <-p.Done:
+		return p.State
 	case <-time.After(bound):
-		p.cmd.Process.Kill()
-		<-p.done
+		p.Kill()
 		t.Fatalf("relay process (kill point %q) still running after %v; its output:\n%s", p.killed, bound, p.output())
 		return nil
 	}

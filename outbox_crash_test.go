@@ -216,8 +216,8 @@ func TestOutboxRelayLosesNothingWhenItsProcessIsKilled(t *testing.T) {
 					BatchSize: r.batch, Kill: r.kill, At: r.at,
 				})
 				select {
-				case <-p.ready:
-				case <-p.done:
+				case <-p.Ready:
+				case <-p.Done:
 				case <-time.After(caseTimeout):
 					t.Fatalf("run %d: relay process not ready within %v:\n%s", i, caseTimeout, p.output())
 				}
@@ -227,7 +227,7 @@ func TestOutboxRelayLosesNothingWhenItsProcessIsKilled(t *testing.T) {
 					ledger.commitMany(topics, 20)
 					if r.kill == killByTest {
 						time.Sleep(time.Duration(mrand.IntN(200)) * time.Millisecond)
-						p.cmd.Process.Kill()
+						p.Cmd.Process.Kill()
 					}
 				}
 				state := p.wait(t, caseTimeout)

@@ -69,7 +69,7 @@ func TestBrokerWorker(t *testing.T) {
 	sig, stop := ev.Ready()
 	defer stop()
 
-	workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)
+	defer workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)()
 
 	db, err := sqlx.Open("pgx", cfg.DSN)
 	if err != nil {

@@ -72,7 +72,7 @@ func TestSoakWorker(t *testing.T) {
 	sig, stop := ev.Ready()
 	defer stop()
 
-	workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)
+	defer workerproc.ExitWhenOrphaned(cfg.ParentPID, log.Printf)()
 
 	db, err := openDB(cfg.Driver, cfg.DSN, func(id int64) { ev.Send(evSession, fmt.Sprint(id)) })
 	if err != nil {

@@ -74,6 +74,7 @@ func Start(tb testing.TB, name, test, env string, cfg any, timeout time.Duration
 		tb.Fatal(err)
 	}
 	wr.Close()
+	var ready sync.Once
 	go func() {
 		sc := bufio.NewScanner(rd)
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
@@ -81,7 +82,7 @@ func Start(tb testing.TB, name, test, env string, cfg any, timeout time.Duration
 			kind, detail, _ := strings.Cut(sc.Text(), " ")
 			switch kind {
 			case EvReady:
-				close(p.Ready)
+				ready.Do(func() { close(p.Ready) })
 			case EvInUse:
 				fmt.Sscan(detail, &p.InUse)
 			default:
@@ -141,16 +142,29 @@ func (e *Events) Send(kind, detail string) {
 }
 
 // ExitWhenOrphaned exits the worker (status 2) once its parent, the test
-// that started it, is gone: an orphan stops by itself.
-func ExitWhenOrphaned(parentPID int, logf func(format string, args ...any)) {
+// that started it, is gone: an orphan stops by itself. logf, when not nil,
+// says so first. The returned function stops the watch (defer it: a worker
+// that ends its test leaves no goroutine behind for goleak).
+func ExitWhenOrphaned(parentPID int, logf func(format string, args ...any)) (stop func()) {
+	done := make(chan struct{})
 	go func() {
-		for range time.Tick(500 * time.Millisecond) {
-			if os.Getppid() != parentPID {
-				logf("parent gone, exiting")
-				os.Exit(2)
+		tick := time.NewTicker(200 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+				if os.Getppid() != parentPID {
+					if logf != nil {
+						logf("parent gone, exiting")
+					}
+					os.Exit(2)
+				}
 			}
 		}
 	}()
+	return func() { close(done) }
 }
 
 // Ready reports EvReady and returns a context that ends at SIGTERM: the
