@@ -6,12 +6,14 @@
 // github.com/watermill-inbox/inbox; the flow is described in its doc.go),
 // with the application's generated package ent:
 //
+//	// Once, beside the generated package: how to build its client on a driver.
+//	func newClient(drv dialect.Driver) *ent.Client { return ent.NewClient(ent.Driver(drv)) }
+//
 //	func IssueInvoice(msg *message.Message) error {
-//		drv, err := entinbox.Driver(msg.Context(), dialect.Postgres)
+//		client, err := entinbox.Client(msg.Context(), dialect.Postgres, newClient)
 //		if err != nil {
 //			return err // no inbox transaction: wraps inbox.ErrNoTx
 //		}
-//		client := ent.NewClient(ent.Driver(drv))
 //		return client.Invoice.Create().SetOrderID(msg.Metadata.Get("order_id")).Exec(msg.Context())
 //	}
 //
@@ -88,6 +90,26 @@ func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
 		return nil, inbox.MissingTxError(ctx)
 	}
 	return &txDriver{Conn: entsql.Conn{ExecQuerier: tx.Tx}, tx: tx.Tx, dialect: dialectName}, nil
+}
+
+// Client returns the application's generated ent client on the inbox
+// transaction of the message being handled, in one call: Driver(ctx,
+// dialectName), then newClient on it. newClient builds the generated client
+// on a driver; ent generates a client type per application, so the
+// application writes it once:
+//
+//	func newClient(drv dialect.Driver) *ent.Client { return ent.NewClient(ent.Driver(drv)) }
+//
+// Everything Driver says holds for the client. Without an inbox
+// transaction in ctx it returns the zero client and Driver's error (which
+// wraps inbox.ErrNoTx), and newClient is not called.
+func Client[C any](ctx context.Context, dialectName string, newClient func(dialect.Driver) C) (C, error) {
+	drv, err := Driver(ctx, dialectName)
+	if err != nil {
+		var zero C
+		return zero, err
+	}
+	return newClient(drv), nil
 }
 
 // txDriver is an ent driver on the inbox transaction. entsql.NewDriver

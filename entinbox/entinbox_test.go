@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -14,7 +15,9 @@ import (
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/entinbox"
 	"github.com/watermill-inbox/inbox/entinbox/internal/invoiceent"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/internal/testrouter"
+	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
 var errHandler = errors.New("handler failed after its ent writes")
@@ -31,13 +34,15 @@ func forEachDB(t *testing.T, f func(t *testing.T, fx *fixture)) {
 	}
 }
 
+// newClient builds the generated client on a driver, as an application
+// writes it once for entinbox.Client.
+func newClient(drv dialect.Driver) *invoiceent.Client {
+	return invoiceent.NewClient(invoiceent.Driver(drv))
+}
+
 // clientFor returns the ent client on the inbox transaction of msg.
 func (f *fixture) clientFor(msg *message.Message) (*invoiceent.Client, error) {
-	drv, err := entinbox.Driver(msg.Context(), f.dialect)
-	if err != nil {
-		return nil, err
-	}
-	return invoiceent.NewClient(invoiceent.Driver(drv)), nil
+	return entinbox.Client(msg.Context(), f.dialect, newClient)
 }
 
 // issue writes, through client, the invoice of orderID with two lines and
@@ -249,5 +254,37 @@ func TestDriver_refuses_a_context_without_inbox_transaction_and_an_unknown_diale
 	}
 	if drv, err := entinbox.Driver(context.Background(), "pgx"); err == nil || drv != nil {
 		t.Errorf(`Driver(ctx, "pgx") = %v, %v; want nil and an error`, drv, err)
+	}
+}
+
+// A message claimed by pgxinbox carries a pgx.Tx, not a database/sql one:
+// Client refuses with an error wrapping inbox.ErrNoTx that names
+// pgxinbox, instead of writing through another connection.
+func TestClient_refuses_a_message_claimed_by_pgxinbox(t *testing.T) {
+	t.Parallel()
+	pool := testdb.OpenPgxPool(t, "")
+	table := "ent_pgx_inbox_" + testdb.RandomSuffix()
+	db := pgxinbox.DB(pool)
+	t.Cleanup(func() { db.Close() })
+	testdb.DropLater(t, db, table)
+	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ib.Close() })
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	called := false
+	in, out := testrouter.Run(t, func(msg *message.Message) error {
+		client, err := entinbox.Client(msg.Context(), dialect.Postgres, newClient)
+		called = client != nil
+		return err
+	}, ib.Middleware)
+	if in.Deliver(t, testrouter.Order("pgx-1")) {
+		t.Fatal("acked a message whose handler had no ent client")
+	}
+	if err := out.Last(); !errors.Is(err, inbox.ErrNoTx) || !strings.Contains(err.Error(), "pgxinbox") || called {
+		t.Errorf("router got %v (client built: %v), want an error wrapping inbox.ErrNoTx that names pgxinbox", err, called)
 	}
 }

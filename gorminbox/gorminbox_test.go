@@ -4,16 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/gorminbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/internal/testrouter"
+	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
 var errHandler = errors.New("handler failed after its GORM writes")
@@ -264,5 +267,42 @@ func TestDB_refuses_a_context_without_inbox_transaction_and_a_nil_db(t *testing.
 	}
 	if db, err := gorminbox.DB(context.Background(), nil); err == nil || db != nil {
 		t.Errorf("DB(nil) = %v, %v; want nil and an error", db, err)
+	}
+}
+
+// A message claimed by pgxinbox carries a pgx.Tx, not a database/sql one:
+// DB refuses with an error wrapping inbox.ErrNoTx that names pgxinbox,
+// instead of writing through another connection.
+func TestDB_refuses_a_message_claimed_by_pgxinbox(t *testing.T) {
+	t.Parallel()
+	pool := testdb.OpenPgxPool(t, "")
+	table := "gorm_pgx_inbox_" + testdb.RandomSuffix()
+	sqlDB := pgxinbox.DB(pool)
+	t.Cleanup(func() { sqlDB.Close() })
+	testdb.DropLater(t, sqlDB, table)
+	gdb, err := gorm.Open(postgres.New(postgres.Config{Conn: sqlDB.DB}), &gorm.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ib.Close() })
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	in, out := testrouter.Run(t, func(msg *message.Message) error {
+		db, err := gorminbox.DB(msg.Context(), gdb)
+		if db != nil {
+			t.Error("DB returned a session for a pgxinbox message")
+		}
+		return err
+	}, ib.Middleware)
+	if in.Deliver(t, testrouter.Order("pgx-1")) {
+		t.Fatal("acked a message whose handler had no GORM session")
+	}
+	if err := out.Last(); !errors.Is(err, inbox.ErrNoTx) || !strings.Contains(err.Error(), "pgxinbox") {
+		t.Errorf("router got %v, want an error wrapping inbox.ErrNoTx that names pgxinbox", err)
 	}
 }
