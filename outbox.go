@@ -6,9 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
@@ -16,8 +14,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
-
-	"github.com/watermill-inbox/inbox/internal/backend"
 )
 
 // Defaults of OutboxConfig.
@@ -331,7 +327,7 @@ type OutboxExec func(ctx context.Context, query string, args ...any) error
 // runs in, and safe for concurrent use while that is open.
 func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 	bind := sqlx.BindType(o.cfg.DB.DriverName())
-	return &outboxWriter{o: o, ctx: context.Background(), bind: bind, exec: func(ctx context.Context, query string, args ...any) error {
+	return &outboxWriter{o: o, ctx: context.Background(), exec: func(ctx context.Context, query string, args ...any) error {
 		return exec(ctx, sqlx.Rebind(bind, query), args...)
 	}}
 }
@@ -357,28 +353,6 @@ type outboxWriter struct {
 	// Outbox's database).
 	prepared bool
 	wrote    atomic.Bool
-	// deferred: Publish keeps its INSERTs in pending for the backend to
-	// send with its COMMIT (backend.DeferredWrites); bind is the
-	// placeholders' bind type then.
-	deferred bool
-	bind     int
-	mu       sync.Mutex
-	pending  []backend.Write
-}
-
-// DeferWrites makes Publish keep its INSERTs for TakeWrites instead of
-// running them (backend.DeferredWrites): pgxinbox sends them with its
-// COMMIT. Only a writer of PublisherOn defers; one of Publisher (a
-// database/sql transaction) keeps writing at once.
-func (w *outboxWriter) DeferWrites() { w.deferred = w.tx == nil }
-
-// TakeWrites returns the INSERTs Publish kept, and forgets them.
-func (w *outboxWriter) TakeWrites() []backend.Write {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	p := w.pending
-	w.pending = nil
-	return p
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -406,12 +380,6 @@ func (w *outboxWriter) insert(n int, args []any) error {
 		}
 	}
 	query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", n), ", ")
-	if w.deferred {
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		w.pending = append(w.pending, backend.Write{SQL: sqlx.Rebind(w.bind, query), Args: slices.Clone(args)})
-		return nil
-	}
 	return w.exec(w.ctx, query, args...)
 }
 

@@ -3,12 +3,10 @@ package pgxinbox
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/watermill-inbox/inbox/internal/backend"
 )
@@ -95,31 +93,15 @@ type pgxTx struct {
 	lock, claim pgx.QueuedQuery
 	lockArgs    [1]any
 	claimArgs   [3]any
-
-	handle   handlerTx              // what Handle returns
-	deferred backend.DeferredWrites // the outbox publisher whose INSERTs go with the COMMIT; nil: none
 }
 
-// Handle is the handler's pgx.Tx: pgx's own, closed once the inbox
-// committed it (see handlerTx).
-func (t *pgxTx) Handle() any {
-	t.handle.Tx = t.tx
-	return &t.handle
-}
+func (t *pgxTx) Handle() any { return t.tx }
 
-// Publisher returns the outbox factory's publisher; when it is package
-// inbox's (OutboxPublisher), its INSERTs are kept for the batch that
-// commits (backend.DeferredWrites).
 func (t *pgxTx) Publisher() (message.Publisher, error) {
 	if t.b.outbox == nil {
 		return nil, nil
 	}
-	p, err := t.b.outbox(t.tx)
-	if d, ok := p.(backend.DeferredWrites); ok && err == nil {
-		d.DeferWrites()
-		t.deferred = d
-	}
-	return p, err
+	return t.b.outbox(t.tx)
 }
 
 func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, error) {
@@ -168,58 +150,10 @@ func (t *pgxTx) Ended() bool {
 // Commit commits under the transaction's context, which the commit bound
 // ends, and releases the connection. pgx closes the connection when COMMIT
 // fails outside an idle state and reports pgx.ErrTxCommitRollback when
-// PostgreSQL turned the COMMIT into a ROLLBACK. The outbox INSERTs the
-// handler's messages were kept for (DeferredWrites) go in one batch with
-// the COMMIT: one round trip for both.
+// PostgreSQL turned the COMMIT into a ROLLBACK.
 func (t *pgxTx) Commit() error {
-	var writes []backend.Write
-	if t.deferred != nil {
-		writes = t.deferred.TakeWrites()
-	}
-	if len(writes) == 0 {
-		err := t.tx.Commit(t.ctx)
-		t.release()
-		return err
-	}
-	err := t.commitWith(writes)
-	t.handle.closed.Store(true)
-	if err != nil && t.conn.Conn().PgConn().TxStatus() != 'I' {
-		// An INSERT failed (the COMMIT never ran) or the batch broke
-		// off: roll back what is left, as Rollback does.
-		if rbErr := t.rollback(); rbErr != nil {
-			t.conn.Conn().Close(context.Background()) //nolint:errcheck // the pool then destroys it
-		}
-	}
+	err := t.tx.Commit(t.ctx)
 	t.release()
-	return err
-}
-
-// commitWith sends writes and COMMIT in one batch and reports the first
-// error: an INSERT's (wrapped), the COMMIT's, or pgx.ErrTxCommitRollback
-// when PostgreSQL turned the COMMIT into a ROLLBACK.
-func (t *pgxTx) commitWith(writes []backend.Write) error {
-	var batch pgx.Batch
-	for _, w := range writes {
-		batch.Queue(w.SQL, w.Args...)
-	}
-	batch.Queue("commit")
-	br := t.tx.SendBatch(t.ctx, &batch)
-	var err error
-	for range writes {
-		if _, err = br.Exec(); err != nil {
-			err = fmt.Errorf("inbox: outbox: insert: %w", err)
-			break
-		}
-	}
-	if err == nil {
-		var tag pgconn.CommandTag
-		if tag, err = br.Exec(); err == nil && tag.String() == "ROLLBACK" {
-			err = pgx.ErrTxCommitRollback
-		}
-	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
 	return err
 }
 
@@ -242,12 +176,6 @@ func (t *pgxTx) Rollback() error {
 		// or the handler ended it): nothing to roll back.
 		return nil
 	}
-	return t.rollback()
-}
-
-// rollback sends ROLLBACK under its own bound (see Rollback); a
-// transaction pgx already closed is not an error.
-func (t *pgxTx) rollback() error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), t.b.rollbackTimeout)
 	defer cancel()
 	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {

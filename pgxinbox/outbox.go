@@ -20,12 +20,7 @@ import (
 //
 // Its writes pass payloads and metadata as bytea, so they work in every pgx
 // query mode, the exec and simple_protocol modes that PgBouncer needs
-// included. The inbox keeps them until the handler returned and sends
-// them in one batch with the COMMIT: one round trip for the outputs and
-// the COMMIT together; an INSERT that fails there (the table dropped, say)
-// commits nothing and the delivery is nacked with the driver's error. The
-// handler therefore does not see its outputs' rows in its own transaction.
-// The returned function is safe for concurrent use.
+// included. The returned function is safe for concurrent use.
 func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error) {
 	return func(tx pgx.Tx) (message.Publisher, error) {
 		return ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {

@@ -133,21 +133,3 @@ var NewInbox any
 // HandleFromContext returns the Tx.Handle of the claimed delivery whose
 // message context ctx is, and true; set by package inbox's init.
 var HandleFromContext func(ctx context.Context) (any, bool)
-
-// Write is one statement an outbox publisher kept for the batch that
-// commits: its SQL, with the backend's placeholders, and its arguments.
-type Write struct {
-	SQL  string
-	Args []any
-}
-
-// DeferredWrites is an outbox publisher (package inbox's) that can keep
-// its INSERTs instead of running them at each Publish, so that a backend
-// that can pipeline sends them with its COMMIT, in one round trip. The
-// backend calls DeferWrites right after it got the publisher, before the
-// handler runs, and TakeWrites in Commit; a transaction that does not
-// commit drops them.
-type DeferredWrites interface {
-	DeferWrites()
-	TakeWrites() []Write
-}
