@@ -78,78 +78,22 @@ func runRouter(t testing.TB, setup func(r *message.Router)) *message.Router {
 	return testrouter.Start(t, setup)
 }
 
-// recorder is a middleware placed outside the inbox that records what the
-// router receives from it for each delivery.
-type recorder struct {
-	mu   sync.Mutex
-	errs []error
-}
+// recorder is internal/testrouter's Outcomes, a middleware placed outside
+// the inbox that records what the router receives from it for each
+// delivery, with this package's method names.
+type recorder struct{ testrouter.Outcomes }
 
-func (r *recorder) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		msgs, err := h(msg)
-		r.mu.Lock()
-		r.errs = append(r.errs, err)
-		r.mu.Unlock()
-		return msgs, err
-	}
-}
+// last returns the error of the last delivery; nil when there was none.
+func (r *recorder) last() error { return r.LastOr(nil) }
 
-func (r *recorder) last() error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if len(r.errs) == 0 {
-		return nil
-	}
-	return r.errs[len(r.errs)-1]
-}
-
-// outcomes is a middleware outside the inbox that records the error each
-// delivery returned, by its delivery label.
-type outcomes struct {
-	mu   sync.Mutex
-	errs map[string][]error
-}
-
-func (o *outcomes) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		msgs, err := h(msg)
-		o.mu.Lock()
-		if o.errs == nil {
-			o.errs = map[string][]error{}
-		}
-		label := msg.Metadata.Get("delivery")
-		o.errs[label] = append(o.errs[label], err)
-		o.mu.Unlock()
-		return msgs, err
-	}
-}
+// outcomes is a recorder read by delivery label.
+type outcomes struct{ testrouter.Outcomes }
 
 // last returns the error of the last delivery labelled label.
-func (o *outcomes) last(label string) error {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	errs := o.errs[label]
-	if len(errs) == 0 {
-		return nil
-	}
-	return errs[len(errs)-1]
-}
+func (o *outcomes) last(label string) error { return o.LastOf(label) }
 
 // failures returns every non-nil error recorded.
-func (o *outcomes) failures() []error {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	var all []error
-	for _, errs := range o.errs {
-		for _, err := range errs {
-			if err != nil {
-				all = append(all, err)
-			}
-		}
-	}
-	return all
-}
+func (o *outcomes) failures() []error { return o.Failures() }
 
 // hookCounts counts the inbox's outcome hooks.
 type hookCounts struct{ processed, duplicates, failed, reused atomic.Int32 }

@@ -104,13 +104,11 @@ func TestHandlerEndsTransactionThenFails_ConnectionNotTouchedAfterRelease(t *tes
 				t.Error("acked a message whose handler returned an error")
 			}
 		}
-		rec.mu.Lock()
-		for _, err := range rec.all {
+		for _, err := range rec.All() {
 			if !errors.Is(err, errHandler) {
 				t.Errorf("router got %v, want the handler's error", err)
 			}
 		}
-		rec.mu.Unlock()
 		expectNoConnHeld(t, pool)
 	})
 }

@@ -302,49 +302,16 @@ func consume(t *testing.T, ib *pgxinbox.Inbox, h message.NoPublishHandlerFunc, o
 	return in
 }
 
-// recorder is a middleware outside the inbox that records the error the
-// router receives for each delivery, by delivery label.
-type recorder struct {
-	mu   sync.Mutex
-	errs map[string][]error
-	all  []error
-}
+// recorder is internal/testrouter's Outcomes, a middleware outside the
+// inbox that records the error the router receives for each delivery, by
+// delivery label, with this package's method names.
+type recorder struct{ testrouter.Outcomes }
 
-func (r *recorder) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		msgs, err := h(msg)
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		if r.errs == nil {
-			r.errs = map[string][]error{}
-		}
-		label := msg.Metadata.Get("delivery")
-		r.errs[label] = append(r.errs[label], err)
-		r.all = append(r.all, err)
-		return msgs, err
-	}
-}
-
-// last returns the error of the last delivery.
-func (r *recorder) last() error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if len(r.all) == 0 {
-		return nil
-	}
-	return r.all[len(r.all)-1]
-}
+// last returns the error of the last delivery; nil when there was none.
+func (r *recorder) last() error { return r.LastOr(nil) }
 
 // lastOf returns the error of the last delivery labelled label.
-func (r *recorder) lastOf(label string) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	errs := r.errs[label]
-	if len(errs) == 0 {
-		return nil
-	}
-	return errs[len(errs)-1]
-}
+func (r *recorder) lastOf(label string) error { return r.LastOf(label) }
 
 // hookCounts counts the inbox's outcome hooks and keeps their events.
 type hookCounts struct {

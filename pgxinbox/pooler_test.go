@@ -133,11 +133,7 @@ func TestPooler_CachedStatementsBehindPgBouncerFailClearly(t *testing.T) {
 		if effects != rows || effects < len(acked[i]) {
 			t.Errorf("service %d: %d messages acked, %d business rows, %d inbox rows", i, len(acked[i]), effects, rows)
 		}
-		s.rec.mu.Lock()
-		for _, err := range s.rec.all {
-			if err == nil {
-				continue
-			}
+		for _, err := range s.rec.Failures() {
 			failures++
 			var pgErr *pgconn.PgError
 			if !errors.As(err, &pgErr) || (pgErr.Code != "42P05" && pgErr.Code != "26000") {
@@ -146,7 +142,6 @@ func TestPooler_CachedStatementsBehindPgBouncerFailClearly(t *testing.T) {
 				t.Errorf("service %d: claim error without the pooler hint: %v", i, err)
 			}
 		}
-		s.rec.mu.Unlock()
 	}
 	t.Logf("%d of %d deliveries failed with prepared-statement errors", failures, 4*len(msgs))
 }

@@ -33,7 +33,7 @@ func RunHandler(tb testing.TB, name string, h message.NoPublishHandlerFunc, midd
 	tb.Helper()
 	in, out := NewFeed(), &Outcomes{}
 	Start(tb, func(r *message.Router) {
-		r.AddMiddleware(out.middleware)
+		r.AddMiddleware(out.Middleware)
 		r.AddMiddleware(middlewares...)
 		r.AddConsumerHandler(name, "orders", in, h)
 	})
@@ -174,18 +174,28 @@ func (f *Feed) Send(ctx context.Context, msg *message.Message) (bool, error) {
 	}
 }
 
-// Outcomes records the error each delivery returned to the router.
+// Outcomes records the error each delivery returned to the router, in
+// order and by the delivery's label (its "delivery" metadata). Its
+// Middleware goes outside every other middleware.
 type Outcomes struct {
-	mu   sync.Mutex
-	errs []error
+	mu      sync.Mutex
+	errs    []error
+	byLabel map[string][]error
 }
 
-func (o *Outcomes) middleware(h message.HandlerFunc) message.HandlerFunc {
+// Middleware records what the router gets back from the handler and the
+// middlewares inside it.
+func (o *Outcomes) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		msgs, err := h(msg)
 		o.mu.Lock()
+		defer o.mu.Unlock()
+		if o.byLabel == nil {
+			o.byLabel = map[string][]error{}
+		}
+		label := msg.Metadata.Get("delivery")
 		o.errs = append(o.errs, err)
-		o.mu.Unlock()
+		o.byLabel[label] = append(o.byLabel[label], err)
 		return msgs, err
 	}
 }
@@ -199,4 +209,47 @@ func (o *Outcomes) Last() error {
 		return errors.New("no delivery recorded")
 	}
 	return o.errs[len(o.errs)-1]
+}
+
+// LastOr returns the error of the last delivery, or none when there was
+// none.
+func (o *Outcomes) LastOr(none error) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.errs) == 0 {
+		return none
+	}
+	return o.errs[len(o.errs)-1]
+}
+
+// LastOf returns the error of the last delivery labelled label; nil when
+// there was none.
+func (o *Outcomes) LastOf(label string) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	errs := o.byLabel[label]
+	if len(errs) == 0 {
+		return nil
+	}
+	return errs[len(errs)-1]
+}
+
+// All returns every error recorded, nil for an acked delivery, in order.
+func (o *Outcomes) All() []error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]error(nil), o.errs...)
+}
+
+// Failures returns every non-nil error recorded, in order.
+func (o *Outcomes) Failures() []error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var all []error
+	for _, err := range o.errs {
+		if err != nil {
+			all = append(all, err)
+		}
+	}
+	return all
 }
