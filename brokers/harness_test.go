@@ -15,7 +15,6 @@ import (
 	"sort"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -208,29 +207,20 @@ func (r *run) remove(w *worker) {
 // stops cleanly with no database connection in use.
 func (r *run) stopAll() {
 	for _, w := range r.live {
-		select {
-		case <-w.Ready:
-		case <-w.Done:
-		case <-time.After(30 * time.Second):
-			r.fail("%s did not start within 30 s:\n%s", w.Name, w.Out)
+		if err := w.Terminate(30 * time.Second); err != nil {
+			r.fail("%v", err)
 		}
-		w.Cmd.Process.Signal(syscall.SIGTERM)
 	}
 	for _, w := range slices.Clone(r.live) {
-		select {
-		case <-w.Done:
-		case <-time.After(30 * time.Second): // its router's CloseTimeout is 15 s
-			r.fail("%s did not stop within 30 s of SIGTERM:\n%s", w.Name, w.Out)
+		if err := w.Await(30 * time.Second); err != nil { // its router's CloseTimeout is 15 s
+			r.fail("%v", err)
 		}
 		r.remove(w)
-		switch {
-		case w.killedSelf:
+		if w.killedSelf {
 			r.kills++
 			r.logf("%s SIGKILLed itself after commit #%d, before its ack", w.Name, w.killAfter)
-		case !w.State.Success():
-			r.t.Errorf("%s stopped with %v, want a clean exit:\n%s", w.Name, w.State, w.Out)
-		case w.InUse != 0:
-			r.t.Errorf("%s: %d database connections in use after its router stopped, want 0", w.Name, w.InUse)
+		} else if err := w.CleanExit(); err != nil {
+			r.t.Error(err)
 		}
 	}
 }

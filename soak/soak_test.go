@@ -18,7 +18,6 @@ import (
 	"sort"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -311,7 +310,6 @@ func (s *soak) reset() {
 type worker struct {
 	*workerproc.Process
 	killAfter  int
-	sigterm    bool // we asked it to stop
 	killedSelf bool // set before Done is closed
 }
 
@@ -418,33 +416,23 @@ func (s *soak) stopAll() {
 
 // terminate sends SIGTERM once the worker handles it.
 func (s *soak) terminate(w *worker) {
-	select {
-	case <-w.Ready:
-	case <-w.Done:
-	case <-time.After(time.Minute):
-		s.fail("%s did not start within a minute:\n%s", w.Name, w.Out)
+	if err := w.Terminate(time.Minute); err != nil {
+		s.fail("%v", err)
 	}
-	w.sigterm = true
-	w.Cmd.Process.Signal(syscall.SIGTERM)
 }
 
 // await waits for a worker asked to stop, checks that it stopped cleanly
 // with no connection in use, and removes it from s.live.
 func (s *soak) await(w *worker) {
-	select {
-	case <-w.Done:
-	case <-time.After(time.Minute): // its router's CloseTimeout is 45 s
-		s.fail("%s did not stop within a minute of SIGTERM:\n%s", w.Name, w.Out)
+	if err := w.Await(time.Minute); err != nil { // its router's CloseTimeout is 45 s
+		s.fail("%v", err)
 	}
 	s.remove(w)
-	switch {
-	case w.killedSelf: // before or while it stopped
+	if w.killedSelf { // before or while it stopped
 		s.kills++
 		s.logf("%s was SIGKILLed after commit #%d, before its ack", w.Name, w.killAfter)
-	case !w.State.Success():
-		s.t.Errorf("%s: stopped with %v, want a clean exit:\n%s", w.Name, w.State, w.Out)
-	case w.InUse != 0:
-		s.t.Errorf("%s: %d database connections in use after its router stopped, want 0", w.Name, w.InUse)
+	} else if err := w.CleanExit(); err != nil {
+		s.t.Error(err)
 	}
 }
 

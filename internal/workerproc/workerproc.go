@@ -108,6 +108,44 @@ func (p *Process) Kill() {
 	<-p.Done
 }
 
+// Terminate sends SIGTERM once the worker handles it (EvReady), or does
+// nothing if it has exited; an error, with its output, when it did neither
+// within bound.
+func (p *Process) Terminate(bound time.Duration) error {
+	select {
+	case <-p.Ready:
+	case <-p.Done:
+		return nil
+	case <-time.After(bound):
+		return fmt.Errorf("%s did not start within %v:\n%s", p.Name, bound, p.Out)
+	}
+	_ = p.Cmd.Process.Signal(syscall.SIGTERM)
+	return nil
+}
+
+// Await waits up to bound for the worker to exit; an error, with its
+// output, when it still runs.
+func (p *Process) Await(bound time.Duration) error {
+	select {
+	case <-p.Done:
+		return nil
+	case <-time.After(bound):
+		return fmt.Errorf("%s did not stop within %v of SIGTERM:\n%s", p.Name, bound, p.Out)
+	}
+}
+
+// CleanExit returns an error unless the exited worker's status is 0 and it
+// reported no database connection in use (EvInUse).
+func (p *Process) CleanExit() error {
+	switch {
+	case !p.State.Success():
+		return fmt.Errorf("%s stopped with %v, want a clean exit:\n%s", p.Name, p.State, p.Out)
+	case p.InUse != 0:
+		return fmt.Errorf("%s: %d database connections in use after its router stopped, want 0", p.Name, p.InUse)
+	}
+	return nil
+}
+
 // Config reads the worker's configuration from the environment variable
 // env into cfg; false when env is not set (the test binary is not a
 // worker: the worker test skips).
