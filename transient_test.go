@@ -34,355 +34,369 @@ import (
 // poison queue. An error of the message's content is not transient (the
 // poison queue takes the message); a lost connection or an interrupted
 // statement is (the message is nacked and redelivered).
-func TestIsTransient(t *testing.T) {
+func TestIsTransient_Plain(t *testing.T) {
 	t.Parallel()
-	t.Run("plain", func(t *testing.T) {
-		t.Parallel()
-		for _, tc := range []struct {
-			err  error
-			want bool
-		}{
-			{nil, false},
-			{errors.New("boom"), false},
-			{inbox.ErrInvalidMessageID, false},
-			{fmt.Errorf("inbox: claim: %w", context.DeadlineExceeded), true},
-			{errors.Join(errors.New("x"), context.Canceled), true},
-			{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTxRolledBack), true},
-			// A handler bug stays one whatever joins it.
-			{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTransactionEnded), false},
-			{errors.Join(fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTransactionEnded), context.Canceled), false},
-			// Shutdown.
-			{fmt.Errorf("inbox: begin transaction for a/b: %w", puddle.ErrClosedPool), true},
-			{fmt.Errorf("inbox: begin transaction for a/b: %w", sql.ErrConnDone), true},
-		} {
-			if got := inbox.IsTransient(tc.err); got != tc.want {
-				t.Errorf("IsTransient(%v) = %v, want %v", tc.err, got, tc.want)
-			}
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{nil, false},
+		{errors.New("boom"), false},
+		{inbox.ErrInvalidMessageID, false},
+		{fmt.Errorf("inbox: claim: %w", context.DeadlineExceeded), true},
+		{errors.Join(errors.New("x"), context.Canceled), true},
+		{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTxRolledBack), true},
+		// A handler bug stays one whatever joins it.
+		{fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTransactionEnded), false},
+		{errors.Join(fmt.Errorf("inbox: commit a/b: %w", inbox.ErrTransactionEnded), context.Canceled), false},
+		// Shutdown.
+		{fmt.Errorf("inbox: begin transaction for a/b: %w", puddle.ErrClosedPool), true},
+		{fmt.Errorf("inbox: begin transaction for a/b: %w", sql.ErrConnDone), true},
+	} {
+		if got := inbox.IsTransient(tc.err); got != tc.want {
+			t.Errorf("IsTransient(%v) = %v, want %v", tc.err, got, tc.want)
 		}
+	}
+}
+
+// IsTransient on PostgreSQL errors made by the server: a terminated backend, a
+// statement timeout, a serialization failure, and what pgx reports after them.
+func TestIsTransient_PostgreSQL(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	table := "transient_" + testdb.RandomSuffix()
+	exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int)`)
+	testdb.DropLater(t, db, table)
+	exec(t, db, `INSERT INTO `+table+` VALUES (1, 0), (2, 0)`)
+
+	wantTransient(t, "serialization failure (40001)", serializationFailure(t, db, table), true)
+	wantTransient(t, "deadlock (40P01)", deadlock(t, db,
+		`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
+		`UPDATE `+table+` SET v = v + 1 WHERE id = 2`, `UPDATE `+table+` SET v = v + 1 WHERE id = 1`), true)
+
+	ctx := context.Background()
+	conn, err := db.Connx(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.ExecContext(ctx, `SET statement_timeout = '50ms'`); err != nil {
+		t.Fatal(err)
+	}
+	_, err = conn.ExecContext(ctx, `SELECT pg_sleep(2)`)
+	wantTransient(t, "statement timeout (57014)", err, true)
+	if _, err := conn.ExecContext(ctx, `RESET statement_timeout`); err != nil {
+		t.Fatal(err)
+	}
+
+	_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
+	wantTransient(t, "unique violation (23505)", err, false)
+	_, err = db.Exec(`SELEC 1`)
+	wantTransient(t, "syntax error", err, false)
+
+	// A transaction whose backend was terminated: the next statement
+	// gets 57P01 and pgx closes the connection; a COMMIT after that
+	// fails in pgx before anything is sent ("conn closed").
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	var pid int
+	if err := tx.Get(&pid, `SELECT pg_backend_pid()`); err != nil {
+		t.Fatal(err)
+	}
+	var killed bool
+	if err := db.Get(&killed, `SELECT pg_terminate_backend($1)`, pid); err != nil || !killed {
+		t.Fatalf("pg_terminate_backend(%d) = %v, %v", pid, killed, err)
+	}
+	waitFor(t, func() bool { // until the backend is gone
+		var n int
+		if err := db.Get(&n, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid); err != nil {
+			t.Fatal(err)
+		}
+		return n == 0
 	})
-	t.Run("postgres", func(t *testing.T) {
-		t.Parallel()
-		db := testdb.OpenPostgres(t, "")
-		table := "transient_" + testdb.RandomSuffix()
-		exec(t, db, `CREATE TABLE `+table+` (id int PRIMARY KEY, v int)`)
-		testdb.DropLater(t, db, table)
-		exec(t, db, `INSERT INTO `+table+` VALUES (1, 0), (2, 0)`)
+	_, err = tx.Exec(`SELECT 1`)
+	wantTransient(t, "terminated backend (57P01)", err, true)
+	wantTransient(t, "commit on the closed connection (conn closed)", tx.Commit(), true)
+}
 
-		wantTransient(t, "serialization failure (40001)", serializationFailure(t, db, table), true)
-		wantTransient(t, "deadlock (40P01)", deadlock(t, db,
-			`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
-			`UPDATE `+table+` SET v = v + 1 WHERE id = 2`, `UPDATE `+table+` SET v = v + 1 WHERE id = 1`), true)
+// IsTransient on MySQL/MariaDB errors made by the server: a lock wait timeout
+// (1205), a deadlock, a write-write conflict (1020).
+func TestIsTransient_MySQL(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenMySQL(t, "")
+	table := innodbTable(t, db, "transient_", `(1, 0), (2, 0)`)
 
-		ctx := context.Background()
-		conn, err := db.Connx(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		if _, err := conn.ExecContext(ctx, `SET statement_timeout = '50ms'`); err != nil {
-			t.Fatal(err)
-		}
-		_, err = conn.ExecContext(ctx, `SELECT pg_sleep(2)`)
-		wantTransient(t, "statement timeout (57014)", err, true)
-		if _, err := conn.ExecContext(ctx, `RESET statement_timeout`); err != nil {
-			t.Fatal(err)
-		}
+	wantTransient(t, "deadlock (1213)", deadlock(t, db,
+		`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
+		`UPDATE `+table+` SET v = v + 1 WHERE id = 2`, `UPDATE `+table+` SET v = v + 1 WHERE id = 1`), true)
 
-		_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
-		wantTransient(t, "unique violation (23505)", err, false)
-		_, err = db.Exec(`SELEC 1`)
-		wantTransient(t, "syntax error", err, false)
+	// Lock wait timeout (1205): hold a row lock, wait for it for 1 s.
+	ctx := context.Background()
+	holder := holdRowLock(ctx, t, db, table)
+	waiter := beginTx(ctx, t, db)
+	if _, err := waiter.Exec(`SET SESSION innodb_lock_wait_timeout = 1`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := waiter.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
+	wantTransient(t, "lock wait timeout (1205)", err, true)
+	_ = waiter.Rollback()
+	_ = holder.Rollback()
 
-		// A transaction whose backend was terminated: the next statement
-		// gets 57P01 and pgx closes the connection; a COMMIT after that
-		// fails in pgx before anything is sent ("conn closed").
-		tx, err := db.BeginTxx(ctx, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tx.Rollback()
-		var pid int
-		if err := tx.Get(&pid, `SELECT pg_backend_pid()`); err != nil {
-			t.Fatal(err)
-		}
-		var killed bool
-		if err := db.Get(&killed, `SELECT pg_terminate_backend($1)`, pid); err != nil || !killed {
-			t.Fatalf("pg_terminate_backend(%d) = %v, %v", pid, killed, err)
-		}
-		waitFor(t, func() bool { // until the backend is gone
+	_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
+	wantTransient(t, "duplicate key (1062)", err, false)
+
+	// MariaDB's write-write conflict at REPEATABLE READ (1020), with
+	// innodb_snapshot_isolation=ON, the default from MariaDB 11.6.
+	var snapshotIsolation int
+	if err := db.Get(&snapshotIsolation, `SELECT COUNT(*) FROM information_schema.SYSTEM_VARIABLES
+		WHERE VARIABLE_NAME = 'INNODB_SNAPSHOT_ISOLATION'`); err != nil || snapshotIsolation == 0 {
+		t.Logf("no innodb_snapshot_isolation (%v): 1020 not produced", err)
+		return
+	}
+	si := testdb.OpenMySQL(t, "innodb_snapshot_isolation=ON")
+	wantTransient(t, "record changed since last read (1020)", serializationFailure(t, si, table), true)
+}
+
+// IsTransient on MySQL errors this server cannot produce, built as the driver
+// builds them (Group Replication's rollback at COMMIT).
+func TestIsTransient_MySQLCodes(t *testing.T) {
+	t.Parallel()
+	// MySQL Group Replication rolls back, at COMMIT, a transaction that
+	// conflicts with one certified on another member; not producible
+	// here, so the driver's error value is built as the driver builds it.
+	wantTransient(t, "group replication conflict (3101)", &mysql.MySQLError{Number: 3101,
+		SQLState: [5]byte{'4', '0', '0', '0', '0'}, Message: "Plugin instructed the server to rollback the current transaction."}, true)
+}
+
+// IsTransient on SQLite's busy error, from a second pool without busy_timeout
+// while the first holds the write lock.
+func TestIsTransient_SQLite(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "busy.db")
+	db := testdb.OpenSQLite(t, path)
+	exec(t, db, `CREATE TABLE t (id INTEGER PRIMARY KEY)`)
+	// A second pool without busy_timeout gets SQLITE_BUSY at once
+	// while the first holds the write lock.
+	other, err := sqlx.Open("sqlite", "file:"+path+"?_txlock=immediate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	_, err = other.Beginx()
+	wantTransient(t, "SQLITE_BUSY", err, true)
+	_ = tx.Rollback()
+
+	exec(t, db, `INSERT INTO t VALUES (1)`)
+	_, err = db.Exec(`INSERT INTO t VALUES (1)`)
+	wantTransient(t, "SQLITE_CONSTRAINT", err, false)
+}
+
+// KILL QUERY (an operator, pt-kill, a proxy's query timeout) interrupts a
+// statement with MySQL error 1317 (ER_QUERY_INTERRUPTED). It is MySQL's
+// pg_cancel_backend, transient like PostgreSQL's 57014: nothing about the
+// message, the redelivery succeeds.
+func TestIsTransient_MySQLQueryKilled(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenMySQL(t, "")
+	table := innodbTable(t, db, "killquery_", `(1, 0)`)
+	ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+	defer cancel()
+
+	holdRowLock(ctx, t, db, table)
+	victim := beginTx(ctx, t, db)
+	var id int
+	if err := victim.Get(&id, `SELECT CONNECTION_ID()`); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for ctx.Err() == nil { // until the victim waits for the row lock
 			var n int
-			if err := db.Get(&n, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid); err != nil {
-				t.Fatal(err)
+			_ = db.GetContext(ctx, &n, `SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'UPDATE%'`, id)
+			if n == 1 {
+				break
 			}
-			return n == 0
-		})
-		_, err = tx.Exec(`SELECT 1`)
-		wantTransient(t, "terminated backend (57P01)", err, true)
-		wantTransient(t, "commit on the closed connection (conn closed)", tx.Commit(), true)
-	})
-	t.Run("mysql", func(t *testing.T) {
-		t.Parallel()
-		db := testdb.OpenMySQL(t, "")
-		table := innodbTable(t, db, "transient_", `(1, 0), (2, 0)`)
-
-		wantTransient(t, "deadlock (1213)", deadlock(t, db,
-			`UPDATE `+table+` SET v = v + 1 WHERE id = 1`, `UPDATE `+table+` SET v = v + 1 WHERE id = 2`,
-			`UPDATE `+table+` SET v = v + 1 WHERE id = 2`, `UPDATE `+table+` SET v = v + 1 WHERE id = 1`), true)
-
-		// Lock wait timeout (1205): hold a row lock, wait for it for 1 s.
-		ctx := context.Background()
-		holder := holdRowLock(ctx, t, db, table)
-		waiter := beginTx(ctx, t, db)
-		if _, err := waiter.Exec(`SET SESSION innodb_lock_wait_timeout = 1`); err != nil {
-			t.Fatal(err)
+			time.Sleep(5 * time.Millisecond)
 		}
-		_, err := waiter.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
-		wantTransient(t, "lock wait timeout (1205)", err, true)
-		_ = waiter.Rollback()
-		_ = holder.Rollback()
+		_, _ = db.ExecContext(ctx, `KILL QUERY `+fmt.Sprint(id))
+	}()
+	_, err := victim.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
+	wantTransient(t, "KILL QUERY (1317)", err, true)
+}
 
-		_, err = db.Exec(`INSERT INTO ` + table + ` VALUES (1, 0)`)
-		wantTransient(t, "duplicate key (1062)", err, false)
-
-		// MariaDB's write-write conflict at REPEATABLE READ (1020), with
-		// innodb_snapshot_isolation=ON, the default from MariaDB 11.6.
-		var snapshotIsolation int
-		if err := db.Get(&snapshotIsolation, `SELECT COUNT(*) FROM information_schema.SYSTEM_VARIABLES
-			WHERE VARIABLE_NAME = 'INNODB_SNAPSHOT_ISOLATION'`); err != nil || snapshotIsolation == 0 {
-			t.Logf("no innodb_snapshot_isolation (%v): 1020 not produced", err)
-			return
-		}
-		si := testdb.OpenMySQL(t, "innodb_snapshot_isolation=ON")
-		wantTransient(t, "record changed since last read (1020)", serializationFailure(t, si, table), true)
-	})
-	t.Run("mysql codes", func(t *testing.T) {
-		t.Parallel()
-		// MySQL Group Replication rolls back, at COMMIT, a transaction that
-		// conflicts with one certified on another member; not producible
-		// here, so the driver's error value is built as the driver builds it.
-		wantTransient(t, "group replication conflict (3101)", &mysql.MySQLError{Number: 3101,
-			SQLState: [5]byte{'4', '0', '0', '0', '0'}, Message: "Plugin instructed the server to rollback the current transaction."}, true)
-	})
-	t.Run("sqlite", func(t *testing.T) {
-		t.Parallel()
-		path := filepath.Join(t.TempDir(), "busy.db")
-		db := testdb.OpenSQLite(t, path)
-		exec(t, db, `CREATE TABLE t (id INTEGER PRIMARY KEY)`)
-		// A second pool without busy_timeout gets SQLITE_BUSY at once
-		// while the first holds the write lock.
-		other, err := sqlx.Open("sqlite", "file:"+path+"?_txlock=immediate")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer other.Close()
-		tx, err := db.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tx.Rollback()
-		_, err = other.Beginx()
-		wantTransient(t, "SQLITE_BUSY", err, true)
-		_ = tx.Rollback()
-
-		exec(t, db, `INSERT INTO t VALUES (1)`)
-		_, err = db.Exec(`INSERT INTO t VALUES (1)`)
-		wantTransient(t, "SQLITE_CONSTRAINT", err, false)
-	})
-	// KILL QUERY (an operator, pt-kill, a proxy's query timeout) interrupts a
-	// statement with MySQL error 1317 (ER_QUERY_INTERRUPTED). It is MySQL's
-	// pg_cancel_backend, transient like PostgreSQL's 57014: nothing about the
-	// message, the redelivery succeeds.
-	t.Run("mysql query killed", func(t *testing.T) {
-		t.Parallel()
-		db := testdb.OpenMySQL(t, "")
-		table := innodbTable(t, db, "killquery_", `(1, 0)`)
-		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
-		defer cancel()
-
-		holdRowLock(ctx, t, db, table)
-		victim := beginTx(ctx, t, db)
-		var id int
-		if err := victim.Get(&id, `SELECT CONNECTION_ID()`); err != nil {
-			t.Fatal(err)
-		}
-		go func() {
-			for ctx.Err() == nil { // until the victim waits for the row lock
-				var n int
-				_ = db.GetContext(ctx, &n, `SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ? AND INFO LIKE 'UPDATE%'`, id)
-				if n == 1 {
-					break
+// The MySQL server closes the handler's connection (a restart, a
+// failover, KILL, wait_timeout): the handler's next statement and the
+// inbox's ROLLBACK fail with go-sql-driver's plain "invalid connection"
+// (mysql.ErrInvalidConn). Nothing was committed, so the message is a
+// transient nack that the poison queue lets through, and the redelivery
+// succeeds.
+func TestIsTransient_MySQLConnectionKilledInTheHandler(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenMySQL(t, "")
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	poison, sink := poisonUnlessTransient(t)
+	out := &outcomes{}
+	in := newFeed()
+	defer in.Close()
+	var kill atomic.Bool
+	kill.Store(true)
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(poison, out.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			if kill.Load() {
+				tx, _ := inbox.TxFromContext(msg.Context())
+				var id int
+				if err := tx.GetContext(msg.Context(), &id, `SELECT CONNECTION_ID()`); err != nil {
+					return err
 				}
-				time.Sleep(5 * time.Millisecond)
-			}
-			_, _ = db.ExecContext(ctx, `KILL QUERY `+fmt.Sprint(id))
-		}()
-		_, err := victim.Exec(`UPDATE ` + table + ` SET v = v + 1 WHERE id = 1`)
-		wantTransient(t, "KILL QUERY (1317)", err, true)
-	})
-	// The MySQL server closes the handler's connection (a restart, a
-	// failover, KILL, wait_timeout): the handler's next statement and the
-	// inbox's ROLLBACK fail with go-sql-driver's plain "invalid connection"
-	// (mysql.ErrInvalidConn). Nothing was committed, so the message is a
-	// transient nack that the poison queue lets through, and the redelivery
-	// succeeds.
-	t.Run("mysql connection killed in the handler", func(t *testing.T) {
-		t.Parallel()
-		db := testdb.OpenMySQL(t, "")
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{})
-		poison, sink := poisonUnlessTransient(t)
-		out := &outcomes{}
-		in := newFeed()
-		defer in.Close()
-		var kill atomic.Bool
-		kill.Store(true)
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(poison, out.Middleware, ib.Middleware)
-			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-				if kill.Load() {
-					tx, _ := inbox.TxFromContext(msg.Context())
-					var id int
-					if err := tx.GetContext(msg.Context(), &id, `SELECT CONNECTION_ID()`); err != nil {
-						return err
-					}
-					if _, err := db.ExecContext(msg.Context(), `KILL `+fmt.Sprint(id)); err != nil {
-						return err
-					}
+				if _, err := db.ExecContext(msg.Context(), `KILL `+fmt.Sprint(id)); err != nil {
+					return err
 				}
-				return f.writeBusinessRow(msg)
-			})
+			}
+			return f.writeBusinessRow(msg)
 		})
-		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
-		defer cancel()
-		msg := message.NewMessage(watermill.NewUUID(), nil)
-		acked, err := in.send(ctx, delivery(msg, "first"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		first := out.last("first")
-		if acked || len(sink.poisoned()) != 0 || !inbox.IsTransient(first) {
-			t.Fatalf("connection killed: acked %v, poisoned %d, error %v (IsTransient %v); want a nack, nothing poisoned, a transient error",
-				acked, len(sink.poisoned()), first, inbox.IsTransient(first))
-		}
-		kill.Store(false)
-		if acked, err := in.send(ctx, delivery(msg, "redelivery")); err != nil || !acked {
-			t.Fatalf("redelivery: acked %v (%v), error %v", acked, err, out.last("redelivery"))
-		}
-		if f.businessRows() != 1 || f.inboxRows() != 1 {
-			t.Errorf("business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
-		}
 	})
-	// The net package's parse and address errors (url.Parse, net.ParseCIDR,
-	// net.SplitHostPort) implement net.Error, but they are errors of the
-	// message's content: a redelivery fails the same way. They are not
-	// transient, so the poison queue takes such a message instead of a
-	// redelivery for ever. Real network failures are transient.
-	t.Run("errors of the message content", func(t *testing.T) {
-		t.Parallel()
-		//lint:ignore SA1007 the invalid URL is this case's input: the *url.Error it gives is what IsTransient must refuse
-		_, urlErr := url.Parse("http://[::1")
-		_, _, cidrErr := net.ParseCIDR("10.0.0.0/99")
-		_, _, addrErr := net.SplitHostPort("billing.example")
-		_, ipErr := net.ResolveIPAddr("ip", "256.1.1.1:80")
-		for _, err := range []error{urlErr, cidrErr, addrErr, ipErr} {
-			if err == nil {
-				t.Fatal("no error produced")
-			}
-			if inbox.IsTransient(err) || inbox.IsTransient(fmt.Errorf("handler: %w", err)) {
-				t.Errorf("IsTransient(%T %v) = true, want false: the message's content is wrong", err, err)
-			}
-		}
+	ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+	defer cancel()
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	acked, err := in.send(ctx, delivery(msg, "first"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := out.last("first")
+	if acked || len(sink.poisoned()) != 0 || !inbox.IsTransient(first) {
+		t.Fatalf("connection killed: acked %v, poisoned %d, error %v (IsTransient %v); want a nack, nothing poisoned, a transient error",
+			acked, len(sink.poisoned()), first, inbox.IsTransient(first))
+	}
+	kill.Store(false)
+	if acked, err := in.send(ctx, delivery(msg, "redelivery")); err != nil || !acked {
+		t.Fatalf("redelivery: acked %v (%v), error %v", acked, err, out.last("redelivery"))
+	}
+	if f.businessRows() != 1 || f.inboxRows() != 1 {
+		t.Errorf("business rows %d, inbox rows %d, want 1 and 1", f.businessRows(), f.inboxRows())
+	}
+}
 
-		// Network failures are still transient.
-		_, dialErr := net.DialTimeout("tcp", "127.0.0.1:1", time.Second)
-		client := &http.Client{Timeout: time.Nanosecond}
-		_, httpErr := client.Get("http://127.0.0.1:1/")
-		for _, err := range []error{dialErr, httpErr} {
-			if err == nil {
-				t.Fatal("no error produced")
-			}
-			if !inbox.IsTransient(fmt.Errorf("handler: %w", err)) {
-				t.Errorf("IsTransient(%T %v) = false, want true", err, err)
-			}
+// The net package's parse and address errors (url.Parse, net.ParseCIDR,
+// net.SplitHostPort) implement net.Error, but they are errors of the
+// message's content: a redelivery fails the same way. They are not
+// transient, so the poison queue takes such a message instead of a
+// redelivery for ever. Real network failures are transient.
+func TestIsTransient_ErrorsOfTheMessageContent(t *testing.T) {
+	t.Parallel()
+	//lint:ignore SA1007 the invalid URL is this case's input: the *url.Error it gives is what IsTransient must refuse
+	_, urlErr := url.Parse("http://[::1")
+	_, _, cidrErr := net.ParseCIDR("10.0.0.0/99")
+	_, _, addrErr := net.SplitHostPort("billing.example")
+	_, ipErr := net.ResolveIPAddr("ip", "256.1.1.1:80")
+	for _, err := range []error{urlErr, cidrErr, addrErr, ipErr} {
+		if err == nil {
+			t.Fatal("no error produced")
 		}
+		if inbox.IsTransient(err) || inbox.IsTransient(fmt.Errorf("handler: %w", err)) {
+			t.Errorf("IsTransient(%T %v) = true, want false: the message's content is wrong", err, err)
+		}
+	}
 
-		// Through a router with the README's poison queue: the message with the
-		// bad URL goes to the poison topic (acked), not back to the broker.
-		db := openSQLite(t, "")
-		f := newFixture(t, db)
-		ib := f.newInbox(inbox.Config{})
-		poison, sink := poisonUnlessTransient(t)
-		in := newFeed()
-		defer in.Close()
-		runRouter(t, func(r *message.Router) {
-			r.AddMiddleware(poison, ib.Middleware)
-			r.AddConsumerHandler("webhooks", "events", in, func(msg *message.Message) error {
-				if _, err := url.Parse(string(msg.Payload)); err != nil {
-					return fmt.Errorf("webhook target: %w", err)
-				}
-				return f.writeBusinessRow(msg)
-			})
+	// Network failures are still transient.
+	_, dialErr := net.DialTimeout("tcp", "127.0.0.1:1", time.Second)
+	client := &http.Client{Timeout: time.Nanosecond}
+	_, httpErr := client.Get("http://127.0.0.1:1/")
+	for _, err := range []error{dialErr, httpErr} {
+		if err == nil {
+			t.Fatal("no error produced")
+		}
+		if !inbox.IsTransient(fmt.Errorf("handler: %w", err)) {
+			t.Errorf("IsTransient(%T %v) = false, want true", err, err)
+		}
+	}
+
+	// Through a router with the README's poison queue: the message with the
+	// bad URL goes to the poison topic (acked), not back to the broker.
+	db := openSQLite(t, "")
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	poison, sink := poisonUnlessTransient(t)
+	in := newFeed()
+	defer in.Close()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(poison, ib.Middleware)
+		r.AddConsumerHandler("webhooks", "events", in, func(msg *message.Message) error {
+			if _, err := url.Parse(string(msg.Payload)); err != nil {
+				return fmt.Errorf("webhook target: %w", err)
+			}
+			return f.writeBusinessRow(msg)
 		})
-		ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
-		defer cancel()
-		msg := message.NewMessage(watermill.NewUUID(), []byte("http://[::1"))
-		acked, err := in.send(ctx, delivery(msg, "first"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !acked || len(sink.poisoned()) != 1 {
-			t.Errorf("acked %v, poisoned %d: want the message in the poison queue, not redelivered forever", acked, len(sink.poisoned()))
-		}
 	})
-	// io.ErrUnexpectedEOF is what json.Decoder and binary.Read return for a
-	// truncated payload, an error of the message that no redelivery fixes:
-	// not transient, even as a bare value. (A connection lost in a message's
-	// transaction is transient by its failed ROLLBACK, driver.ErrBadConn or
-	// the driver's own error.)
-	t.Run("truncated payload", func(t *testing.T) {
-		t.Parallel()
-		var order map[string]any
-		jsonErr := json.NewDecoder(bytes.NewReader([]byte(`{"order": 4`))).Decode(&order)
-		var amount uint64
-		binErr := binary.Read(bytes.NewReader([]byte{0, 1, 2}), binary.BigEndian, &amount)
-		for _, err := range []error{jsonErr, binErr} {
-			if err == nil {
-				t.Fatal("no error produced")
-			}
-			if inbox.IsTransient(fmt.Errorf("decode order: %w", err)) {
-				t.Errorf("IsTransient(%T %v) = true, want false: the payload is truncated", err, err)
-			}
+	ctx, cancel := context.WithTimeout(context.Background(), caseTimeout)
+	defer cancel()
+	msg := message.NewMessage(watermill.NewUUID(), []byte("http://[::1"))
+	acked, err := in.send(ctx, delivery(msg, "first"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !acked || len(sink.poisoned()) != 1 {
+		t.Errorf("acked %v, poisoned %d: want the message in the poison queue, not redelivered forever", acked, len(sink.poisoned()))
+	}
+}
+
+// io.ErrUnexpectedEOF is what json.Decoder and binary.Read return for a
+// truncated payload, an error of the message that no redelivery fixes:
+// not transient, even as a bare value. (A connection lost in a message's
+// transaction is transient by its failed ROLLBACK, driver.ErrBadConn or
+// the driver's own error.)
+func TestIsTransient_TruncatedPayload(t *testing.T) {
+	t.Parallel()
+	var order map[string]any
+	jsonErr := json.NewDecoder(bytes.NewReader([]byte(`{"order": 4`))).Decode(&order)
+	var amount uint64
+	binErr := binary.Read(bytes.NewReader([]byte{0, 1, 2}), binary.BigEndian, &amount)
+	for _, err := range []error{jsonErr, binErr} {
+		if err == nil {
+			t.Fatal("no error produced")
 		}
-	})
-	// A typed nil pointer in the chain (the classic "var pe *pgconn.PgError;
-	// return pe") is not transient, and IsTransient does not panic on it: it
-	// runs inside the poison queue's filter, where a panic would turn every
-	// message into a panic.
-	t.Run("typed nil in the chain", func(t *testing.T) {
-		t.Parallel()
-		for _, err := range []error{
-			(*sqlStateError)(nil),
-			fmt.Errorf("claim: %w", (*sqlStateError)(nil)),
-			errors.Join(errors.New("x"), (*sqlStateError)(nil)),
-			(*retryError)(nil),
-			fmt.Errorf("commit: %w", (*retryError)(nil)),
-		} {
-			func() {
-				defer func() {
-					if r := recover(); r != nil {
-						t.Errorf("IsTransient(%#v) panicked: %v", err, r)
-					}
-				}()
-				if inbox.IsTransient(err) {
-					t.Errorf("IsTransient(%#v) = true, want false", err)
+		if inbox.IsTransient(fmt.Errorf("decode order: %w", err)) {
+			t.Errorf("IsTransient(%T %v) = true, want false: the payload is truncated", err, err)
+		}
+	}
+}
+
+// A typed nil pointer in the chain (the classic "var pe *pgconn.PgError;
+// return pe") is not transient, and IsTransient does not panic on it: it
+// runs inside the poison queue's filter, where a panic would turn every
+// message into a panic.
+func TestIsTransient_TypedNilInTheChain(t *testing.T) {
+	t.Parallel()
+	for _, err := range []error{
+		(*sqlStateError)(nil),
+		fmt.Errorf("claim: %w", (*sqlStateError)(nil)),
+		errors.Join(errors.New("x"), (*sqlStateError)(nil)),
+		(*retryError)(nil),
+		fmt.Errorf("commit: %w", (*retryError)(nil)),
+	} {
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Errorf("IsTransient(%#v) panicked: %v", err, r)
 				}
 			}()
-		}
-		// Non-nil values still count.
-		if !inbox.IsTransient(fmt.Errorf("x: %w", &sqlStateError{"40001"})) || !inbox.IsTransient(&retryError{true}) {
-			t.Error("non-nil transient errors not recognised")
-		}
-	})
+			if inbox.IsTransient(err) {
+				t.Errorf("IsTransient(%#v) = true, want false", err)
+			}
+		}()
+	}
+	// Non-nil values still count.
+	if !inbox.IsTransient(fmt.Errorf("x: %w", &sqlStateError{"40001"})) || !inbox.IsTransient(&retryError{true}) {
+		t.Error("non-nil transient errors not recognised")
+	}
 }
 
 func wantTransient(t *testing.T, what string, err error, want bool) {
