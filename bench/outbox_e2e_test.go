@@ -277,16 +277,40 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, db *sqlx.DB, pool *pgxpool.P
 		return nil
 	})
 
+	maxRows := sampleOutboxDepth(ob)
+	go func() { _ = router.Run(context.Background()) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Minute):
+		b.Fatalf("handled %d, relayed %d of %d messages in 10 minutes", handled.Load(), relayed.Load(), n)
+	}
+	deepest := maxRows()
+	router.Close()
+	var res e2eResult
+	if elapsed := time.Duration(last.Load() - first.Load()); n > 1 && elapsed > 0 {
+		res.rate = float64(n-1) / elapsed.Seconds()
+	}
+	if emit {
+		res.maxRows = deepest
+		mu.Lock()
+		res.latencies = latencies
+		mu.Unlock()
+	}
+	return res
+}
+
+// sampleOutboxDepth samples ob's depth every 10 ms until the returned
+// function is called, which returns the largest depth seen.
+func sampleOutboxDepth(ob *inbox.Outbox) func() int64 {
 	var maxRows atomic.Int64
-	stopSampling := make(chan struct{})
-	sampled := make(chan struct{})
+	stop, stopped := make(chan struct{}), make(chan struct{})
 	go func() {
-		defer close(sampled)
+		defer close(stopped)
 		tick := time.NewTicker(10 * time.Millisecond)
 		defer tick.Stop()
 		for {
 			select {
-			case <-stopSampling:
+			case <-stop:
 				return
 			case <-tick.C:
 				if s, err := ob.Stats(context.Background()); err == nil && s.Pending > maxRows.Load() {
@@ -295,24 +319,9 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, db *sqlx.DB, pool *pgxpool.P
 			}
 		}
 	}()
-	go func() { _ = router.Run(context.Background()) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Minute):
-		b.Fatalf("handled %d, relayed %d of %d messages in 10 minutes", handled.Load(), relayed.Load(), n)
+	return func() int64 {
+		close(stop)
+		<-stopped
+		return maxRows.Load()
 	}
-	close(stopSampling)
-	<-sampled
-	router.Close()
-	var res e2eResult
-	if elapsed := time.Duration(last.Load() - first.Load()); n > 1 && elapsed > 0 {
-		res.rate = float64(n-1) / elapsed.Seconds()
-	}
-	if emit {
-		res.maxRows = maxRows.Load()
-		mu.Lock()
-		res.latencies = latencies
-		mu.Unlock()
-	}
-	return res
 }
