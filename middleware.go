@@ -251,10 +251,17 @@ func (d *delivery) startSpan() {
 // begin sets up the transaction's context (see delivery.txCtx).
 func (d *delivery) begin() {
 	d.txCtx, d.cancelTx = context.WithCancelCause(context.WithoutCancel(d.sctx))
-	d.followMessage = context.AfterFunc(d.sctx, func() {
+	end := func() {
 		d.poolFullAtEnd.Store(d.ib.poolExhausted())
 		d.cancelTx(context.Cause(d.sctx))
-	})
+	}
+	if d.sctx.Err() != nil {
+		// Ended already: AfterFunc would end txCtx from a goroutine of its
+		// own, which BEGIN and the claim could outrun (a message whose
+		// context had ended was then claimed and handled).
+		end()
+	}
+	d.followMessage = context.AfterFunc(d.sctx, end)
 }
 
 // runHandler calls the Outbox factory and then the handler, with the
