@@ -145,7 +145,8 @@ func retryOutside(t *testing.T, b Backend) {
 
 // Semantics 13: PoisonQueue outside the inbox: a message the handler
 // cannot process goes to the poison topic (acked), its writes and claim
-// roll back, so that its replay from the poison topic is processed.
+// roll back, so that its replay from the poison topic (the poisoned copy,
+// with the poison queue's metadata) is processed.
 func poisonOutside(t *testing.T, b Backend) {
 	f := newFixture(t, b)
 	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
@@ -164,18 +165,19 @@ func poisonOutside(t *testing.T, b Backend) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var replay *message.Message
 	select {
-	case p := <-poisoned:
-		p.Ack()
-		if p.UUID != msg.UUID {
-			t.Errorf("poison topic got %s, want %s", p.UUID, msg.UUID)
+	case replay = <-poisoned:
+		replay.Ack()
+		if replay.UUID != msg.UUID {
+			t.Errorf("poison topic got %s, want %s", replay.UUID, msg.UUID)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("nothing on the poison topic")
 	}
 	f.expect(msg.UUID, 1, 0, 0)
 	f.handlerFails.Store(false)
-	if !f.deliver(msg) {
+	if !f.deliver(replay) { // the copy from the poison topic, with its poison metadata
 		t.Fatalf("the replay was nacked: %v", f.outcomes.Last())
 	}
 	f.expect(msg.UUID, 2, 1, 1)
