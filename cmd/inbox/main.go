@@ -194,6 +194,12 @@ var dialects = map[string]inbox.Dialect{
 	"mysql": inbox.MySQL, "sqlite": inbox.SQLite,
 }
 
+// driverDialect is the plain dialect of the database/sql driver this tool
+// opens (pgx, mysql, sqlite); nil for another.
+func driverDialect(driverName string) inbox.Dialect {
+	return map[string]inbox.Dialect{"pgx": inbox.PostgreSQL, "mysql": inbox.MySQL, "sqlite": inbox.SQLite}[driverName]
+}
+
 func (c common) dialectOrNil() (inbox.Dialect, error) {
 	if c.dialect == "" {
 		return nil, nil
@@ -346,7 +352,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			}
 			db.Close()
 			if d = dd; d == nil {
-				d, _ = dialects[map[string]string{"pgx": "postgres", "mysql": "mysql", "sqlite": "sqlite"}[db.DriverName()]]
+				d = driverDialect(db.DriverName())
 			}
 		}
 		ddl, err := inbox.SchemaSQL(d, c.table)
@@ -373,7 +379,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fmt.Fprintf(stdout, "inbox table %s is verified\n", c.table)
 		if !ib.ReusedIDsDetected() {
 			if d == nil {
-				d = dialects[map[string]string{"pgx": "postgres", "mysql": "mysql", "sqlite": "sqlite"}[db.DriverName()]]
+				d = driverDialect(db.DriverName())
 			}
 			fmt.Fprintf(stdout, "it has no fingerprint column, so a message id reused for other content is skipped as a duplicate;"+
 				" add the column to detect it (Config.ReusedIDs; on PostgreSQL run it with SET lock_timeout = '2s' and retry,"+
