@@ -427,6 +427,15 @@ type claimedTx interface {
 	rollback() error
 }
 
+// lastStatementCommitter is a claimedTx that can send the transaction's
+// last statement with its COMMIT, in one round trip (nativeTx).
+type lastStatementCommitter interface {
+	// commitWith runs query with args and then COMMIT: stmtErr is query's
+	// error (COMMIT did not run, the transaction is still open); otherwise
+	// commitErr is what commit would have returned.
+	commitWith(query string, args []any) (stmtErr, commitErr error)
+}
+
 // sqlBackend is the database/sql backend.
 type sqlBackend struct{ ib *Inbox }
 

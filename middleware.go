@@ -123,8 +123,20 @@ type delivery struct {
 	stateValue  txState
 	state       *txState // what the handler's context carries; nil until claimed
 	duplicate   bool
-	reused      bool   // processed before with other content (checkReusedID)
-	fingerprint []byte // the content's, stored by the claim; nil with the fingerprints off
+	reused      bool // processed before with other content (checkReusedID)
+	// lastWrite is the INSERT of the handler's returned messages when the
+	// transaction sends it with its COMMIT (stageLast, commitWith).
+	lastWrite struct {
+		committer lastStatementCommitter
+		topic     string
+		query     string
+		args      []any
+	}
+	// claimHeldByOutbox: the returned messages' claimed INSERTs, the last
+	// statements before the pre-commit check, found the claim held
+	// (outboxWriter.publishLast), so the check need not read it again.
+	claimHeldByOutbox bool
+	fingerprint       []byte // the content's, stored by the claim; nil with the fingerprints off
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -272,7 +284,11 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 	}
 	d.state = &d.stateValue
 	if p, ok := d.state.publisher.(txBoundPublisher); ok {
-		p.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn())
+		var claim *outboxClaim
+		if d.ib.checksHeld {
+			claim = &outboxClaim{table: d.ib.table.quoted(d.ib.dialect), consumer: d.consumer, id: d.id}
+		}
+		p.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)
@@ -304,7 +320,24 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 		return nil, fmt.Errorf("inbox: %q/%q: handler returned %d messages but has no publish topic (add it with router.AddHandler)",
 			d.consumer, d.id, len(produced))
 	}
-	if err := d.state.publisher.Publish(topic, produced...); err != nil {
+	var err error
+	p, ok := d.state.publisher.(txBoundPublisher)
+	if c, batches := d.tx.(lastStatementCommitter); ok && batches {
+		var staged bool
+		d.lastWrite.query, d.lastWrite.args, staged, err = p.stageLast(topic, produced)
+		if err == nil && staged {
+			d.lastWrite.committer, d.lastWrite.topic = c, topic
+			return nil, nil // written with the COMMIT (commit)
+		}
+	}
+	switch {
+	case err != nil:
+	case ok:
+		d.claimHeldByOutbox, err = p.publishLast(topic, produced)
+	default:
+		err = d.state.publisher.Publish(topic, produced...)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, topic, d.commitTimedOut(err))
 	}
 	return nil, nil // sent by the outbox, not by the router
@@ -320,7 +353,10 @@ func (d *delivery) checkStillClaimed() error {
 	// A transaction that ended with its context (the commit bound: then
 	// database/sql rolls it back) is reported by commitTimedOut below.
 	ended := d.txCtx.Err() == nil && d.tx.ended()
-	held, err := d.tx.stillClaimed(d.txCtx, d.consumer, d.id)
+	held, err := d.claimHeldByOutbox, error(nil)
+	if !held {
+		held, err = d.tx.stillClaimed(d.txCtx, d.consumer, d.id)
+	}
 	switch {
 	case err != nil && !ended:
 		return fmt.Errorf("inbox: commit %q/%q: check the claim: %w", d.consumer, d.id, d.commitTimedOut(err))
@@ -337,7 +373,20 @@ func (d *delivery) checkStillClaimed() error {
 // commit commits the transaction. A COMMIT whose connection was lost after
 // it was sent is in doubt (lostConnError).
 func (d *delivery) commit() error {
-	if err := d.tx.commit(); err != nil {
+	var err error
+	if w := &d.lastWrite; w.committer != nil {
+		var stmtErr error
+		if stmtErr, err = w.committer.commitWith(w.query, w.args); stmtErr != nil {
+			if d.ib.maybeLostConn(d.txCtx, stmtErr) {
+				// Sent with the COMMIT: in doubt as the COMMIT is.
+				stmtErr = &lostConnError{stmtErr}
+			}
+			return fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, w.topic, d.commitTimedOut(stmtErr))
+		}
+	} else {
+		err = d.tx.commit()
+	}
+	if err != nil {
 		if d.ib.maybeLostConn(d.txCtx, err) {
 			// The COMMIT was sent, or it would have failed with
 			// driver.ErrBadConn: it is in doubt.

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/watermill-inbox/inbox/internal/backend"
 )
 
@@ -13,6 +15,11 @@ import (
 // nativeBackend adapts it to txBackend.
 func init() {
 	backend.NewInbox = newNativeInbox
+	backend.WritesInTx = func(p message.Publisher) {
+		if w, ok := p.(*outboxWriter); ok {
+			w.inTx = true
+		}
+	}
 	backend.HandleFromContext = func(ctx context.Context) (any, bool) {
 		s := stateFromContext(ctx)
 		if s == nil || s.handle == nil {
@@ -131,8 +138,12 @@ func (t *nativeTx) storedFingerprint(ctx context.Context, consumer, id string) (
 	return t.tx.StoredFingerprint(ctx, consumer, id)
 }
 
-func (t *nativeTx) ended() bool     { return t.tx.Ended() }
-func (t *nativeTx) commit() error   { return t.tx.Commit() }
+func (t *nativeTx) ended() bool   { return t.tx.Ended() }
+func (t *nativeTx) commit() error { return t.tx.Commit() }
+
+func (t *nativeTx) commitWith(query string, args []any) (stmtErr, commitErr error) {
+	return t.tx.CommitWith(query, args)
+}
 func (t *nativeTx) rollback() error { return t.tx.Rollback() }
 
 // Compile-time checks: both backends satisfy the flow's interfaces.
@@ -141,4 +152,6 @@ var (
 	_ txBackend = sqlBackend{}
 	_ claimedTx = (*nativeTx)(nil)
 	_ claimedTx = (*sqlTx)(nil)
+
+	_ lastStatementCommitter = (*nativeTx)(nil)
 )

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
@@ -184,6 +185,13 @@ type Outbox struct {
 	// insertOne is one message's INSERT prepared on cfg.DB by the relay
 	// (prepareInsertOne); nil until then.
 	insertOne atomic.Pointer[sqlx.Stmt]
+	// claimedOne holds, by query, one message's claimed INSERT (see
+	// outboxSQL.claimedInsert) prepared on cfg.DB; a nil *sqlx.Stmt while
+	// it is being prepared (preparedClaimedInsert).
+	claimedOne sync.Map
+	// noInTxVar: the server has no @@in_transaction (MySQL; MariaDB has
+	// it), found by the first claimed INSERT that used it.
+	noInTxVar atomic.Bool
 }
 
 func (c *OutboxConfig) setDefaults() {
@@ -291,7 +299,7 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 		_, err := tx.ExecContext(ctx, tx.Rebind(query), args...)
 		return err
 	}
-	return &outboxWriter{o: o, exec: exec, tx: tx, ctx: context.Background()}, nil
+	return &outboxWriter{o: o, exec: exec, tx: tx, ctx: context.Background(), rebind: tx.Rebind, inTx: true}, nil
 }
 
 // prepareInsertOne prepares the INSERT of one message on cfg.DB for the
@@ -327,24 +335,51 @@ type OutboxExec func(ctx context.Context, query string, args ...any) error
 // runs in, and safe for concurrent use while that is open.
 func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 	bind := sqlx.BindType(o.cfg.DB.DriverName())
-	return &outboxWriter{o: o, ctx: context.Background(), exec: func(ctx context.Context, query string, args ...any) error {
-		return exec(ctx, sqlx.Rebind(bind, query), args...)
+	rebind := func(query string) string { return sqlx.Rebind(bind, query) }
+	return &outboxWriter{o: o, ctx: context.Background(), rebind: rebind, exec: func(ctx context.Context, query string, args ...any) error {
+		return exec(ctx, rebind(query), args...)
 	}}
 }
 
 // txBoundPublisher is an outbox publisher of this package (outboxWriter)
-// that the middleware tells of its transaction's context and commit.
+// that the middleware tells of its transaction's context, claim and commit.
 type txBoundPublisher interface {
-	bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB)
+	bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim)
+	// publishLast is Publish for the messages the handler returned, the
+	// transaction's last statements before the pre-commit check: it
+	// reports whether they checked that the transaction still holds its
+	// claim (claimed INSERTs), which makes that check's read redundant.
+	publishLast(topic string, msgs []*message.Message) (claimHeld bool, err error)
+	// stageLast checks msgs as Publish does and, instead of writing them,
+	// returns their INSERT (the driver's placeholders) and its arguments
+	// for the caller to run with COMMIT, the transaction's last
+	// statement. ok is false, and nothing is checked, when the writer
+	// cannot: it writes elsewhere than through the transaction, checks the
+	// claim in its inserts, or msgs need more than one statement.
+	stageLast(topic string, msgs []*message.Message) (query string, args []any, ok bool, err error)
 	committed()
+}
+
+// outboxClaim is the inbox claim that an outbox writer's inserts check
+// (outboxSQL.claimedInsert), on the dialects whose pre-commit check reads
+// the claim's row (MySQL/MariaDB).
+type outboxClaim struct {
+	table        string // the inbox table, quoted
+	consumer, id string
 }
 
 var _ txBoundPublisher = (*outboxWriter)(nil)
 
 // outboxWriter is the outbox publisher of one inbox transaction.
 type outboxWriter struct {
-	o     *Outbox
-	exec  OutboxExec      // runs a statement ("?" placeholders) in the transaction
+	o      *Outbox
+	exec   OutboxExec            // runs a statement ("?" placeholders) in the transaction
+	rebind func(q string) string // "?" placeholders to the driver's
+	// inTx: exec runs in the transaction the writer was made for (always
+	// for Publisher; for PublisherOn when marked by backend.WritesInTx), so
+	// that its statement may be sent with that transaction's COMMIT
+	// (stageLast).
+	inTx  bool
 	tx    *sqlx.Tx        // the transaction, when it is database/sql's (Publisher); nil for PublisherOn
 	ctx   context.Context // the transaction's (bindTx)
 	ended func() bool     // the server has ended the transaction (bindTx); nil: unknown
@@ -352,7 +387,12 @@ type outboxWriter struct {
 	// statement (bindTx: the inbox prepares its own statements, on the
 	// Outbox's database).
 	prepared bool
-	wrote    atomic.Bool
+	// claim, when set (bindTx), is checked by every insert in the same
+	// statement (outboxSQL.claimedInsert); claimHeld then says that the
+	// last insert found it held.
+	claim     *outboxClaim
+	claimHeld atomic.Bool
+	wrote     atomic.Bool
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -366,13 +406,96 @@ type outboxWriter struct {
 // when it is the Outbox's database too, a message written alone runs as a
 // prepared statement (on MySQL/MariaDB one round trip instead of
 // go-sql-driver/mysql's prepare, execute and close; on SQLite no parse).
-func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB) {
+//
+// claim, when not nil, is the inbox claim of the transaction: on
+// MySQL/MariaDB every insert then checks, in its own statement, that the
+// transaction still holds it, so that an insert after a deadlock the
+// handler ignored (the database rolled the transaction back, and the
+// connection's last status still says it is open) writes nothing instead
+// of committing on its own.
+func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
 	w.ctx, w.ended = ctx, ended
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
+	if w.tx != nil && w.o.sql.claimedInsert != nil {
+		w.claim = claim
+	}
+}
+
+// erUnknownSystemVariable is MySQL's ER_UNKNOWN_SYSTEM_VARIABLE, what
+// MySQL answers to MariaDB's @@in_transaction.
+const erUnknownSystemVariable = 1193
+
+// insertClaimed runs the claimed INSERT (outboxSQL.claimedInsert) of the
+// messages whose values are args.
+func (w *outboxWriter) insertClaimed(n int, args []any) error {
+	w.claimHeld.Store(false)
+	args = append(args, w.claim.consumer, w.claim.id)
+	for {
+		inTx := !w.o.noInTxVar.Load()
+		query := w.o.sql.claimedInsert(w.claim.table, n, inTx)
+		var res sql.Result
+		var err error
+		if stmt := w.o.preparedClaimedInsert(query, n == 1 && w.prepared); stmt != nil {
+			res, err = w.tx.StmtxContext(w.ctx, stmt).ExecContext(w.ctx, args...)
+		} else {
+			res, err = w.tx.ExecContext(w.ctx, query, args...)
+		}
+		if err != nil && inTx && hasMySQLNumber(err, erUnknownSystemVariable) {
+			w.o.noInTxVar.Store(true) // MySQL: the claim's row alone decides
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		rows, err := res.RowsAffected()
+		switch {
+		case err != nil:
+			return err
+		case rows == 0:
+			return fmt.Errorf("%w: the transaction no longer holds the claim of %q/%q (the database rolled it back"+
+				" after an error the handler ignored, or the handler ended it)", ErrTxRolledBack, w.claim.consumer, w.claim.id)
+		case rows != int64(n):
+			return fmt.Errorf("%w: %d, writing %d messages", ErrUnexpectedRowsAffected, rows, n)
+		}
+		w.claimHeld.Store(true)
+		return nil
+	}
+}
+
+// preparedClaimedInsert returns query prepared on cfg.DB when prepare, or
+// nil until it is: the first call prepares it in a goroutine of its own,
+// outside any transaction, so that a writer, which holds its connection,
+// never waits for a second one of a full pool. A failed PREPARE is tried
+// again a second later.
+func (o *Outbox) preparedClaimedInsert(query string, prepare bool) *sqlx.Stmt {
+	if !prepare {
+		return nil
+	}
+	v, loaded := o.claimedOne.LoadOrStore(query, (*sqlx.Stmt)(nil))
+	if loaded {
+		return v.(*sqlx.Stmt)
+	}
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		stmt, err := o.cfg.DB.PreparexContext(ctx, query)
+		if err != nil {
+			if hasMySQLNumber(err, erUnknownSystemVariable) {
+				o.noInTxVar.Store(true)
+			}
+			time.AfterFunc(time.Second, func() { o.claimedOne.Delete(query) })
+			return
+		}
+		o.claimedOne.Store(query, stmt)
+	}()
+	return nil
 }
 
 // insert runs the INSERT of the messages whose values are args.
 func (w *outboxWriter) insert(n int, args []any) error {
+	if w.claim != nil {
+		return w.insertClaimed(n, args)
+	}
 	if n == 1 && w.prepared {
 		if stmt := w.o.insertOne.Load(); stmt != nil {
 			_, err := w.tx.StmtxContext(w.ctx, stmt).ExecContext(w.ctx, args...)
@@ -390,8 +513,54 @@ func (w *outboxWriter) committed() {
 	}
 }
 
+// publishLast implements txBoundPublisher.
+func (w *outboxWriter) publishLast(topic string, msgs []*message.Message) (bool, error) {
+	if err := w.Publish(topic, msgs...); err != nil {
+		return false, err
+	}
+	return w.claim != nil && w.claimHeld.Load(), nil
+}
+
 // Publish writes msgs to the outbox in the writer's transaction.
 func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
+	if err := w.writable(topic); err != nil {
+		return err
+	}
+	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
+	for start := 0; start < len(msgs); start += outboxInsertChunk {
+		chunk := msgs[start:min(len(msgs), start+outboxInsertChunk)]
+		var err error
+		if args, err = appendOutboxRows(args[:0], topic, chunk); err != nil {
+			return err
+		}
+		if err := w.insert(len(chunk), args); err != nil {
+			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
+		}
+		w.wrote.Store(true)
+	}
+	return nil
+}
+
+// stageLast implements txBoundPublisher.
+func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string, []any, bool, error) {
+	if !w.inTx || w.claim != nil || len(msgs) > outboxInsertChunk {
+		return "", nil, false, nil
+	}
+	if err := w.writable(topic); err != nil {
+		return "", nil, false, err
+	}
+	args, err := appendOutboxRows(make([]any, 0, 4*len(msgs)), topic, msgs)
+	if err != nil {
+		return "", nil, false, err
+	}
+	query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", len(msgs)), ", ")
+	w.wrote.Store(true) // for committed: the query runs with the COMMIT
+	return w.rebind(query), args, true, nil
+}
+
+// writable refuses a bad topic, and any write once the server has ended
+// the transaction.
+func (w *outboxWriter) writable(topic string) error {
 	if topic == "" || len(topic) > maxOutboxTopic || !utf8.ValidString(topic) || containsNUL(topic) {
 		return fmt.Errorf("%w: topic %q must be 1 to %d bytes of UTF-8 without NUL", ErrOutboxMessage, topic, maxOutboxTopic)
 	}
@@ -402,30 +571,27 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
 			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
 	}
-	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
-	for start := 0; start < len(msgs); start += outboxInsertChunk {
-		chunk := msgs[start:min(len(msgs), start+outboxInsertChunk)]
-		args = args[:0]
-		for _, m := range chunk {
-			if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
-				return fmt.Errorf("message UUID %q: %w", m.UUID, err)
-			}
-			meta, err := json.Marshal(m.Metadata)
-			if err != nil {
-				return fmt.Errorf("inbox: outbox: metadata of message %s: %w", m.UUID, err)
-			}
-			payload := []byte(m.Payload)
-			if payload == nil {
-				payload = []byte{} // NOT NULL: an empty payload is stored empty
-			}
-			args = append(args, topic, m.UUID, payload, meta)
-		}
-		if err := w.insert(len(chunk), args); err != nil {
-			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
-		}
-		w.wrote.Store(true)
-	}
 	return nil
+}
+
+// appendOutboxRows appends to args the bind parameters of msgs' rows
+// (outboxSQL.insertRow's: topic, uuid, payload, metadata).
+func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any, error) {
+	for _, m := range msgs {
+		if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
+			return nil, fmt.Errorf("message UUID %q: %w", m.UUID, err)
+		}
+		meta, err := json.Marshal(m.Metadata)
+		if err != nil {
+			return nil, fmt.Errorf("inbox: outbox: metadata of message %s: %w", m.UUID, err)
+		}
+		payload := []byte(m.Payload)
+		if payload == nil {
+			payload = []byte{} // NOT NULL: an empty payload is stored empty
+		}
+		args = append(args, topic, m.UUID, payload, meta)
+	}
+	return args, nil
 }
 
 // Close does nothing: the writer holds nothing of its own.

@@ -21,6 +21,16 @@ type outboxSQL struct {
 	// insertPrefix, then insertRow once per message joined by ", ". A row's
 	// bind parameters: topic, uuid, payload, metadata.
 	insertPrefix, insertRow string
+	// claimedInsert, when set (MySQL/MariaDB), returns the INSERT of n
+	// messages that writes them only while the inbox transaction holds its
+	// claim in inboxTable (quoted): its row is read with a locking read, as
+	// the pre-commit check reads it, in the same statement, so that nothing
+	// is written in autocommit after the database rolled the transaction
+	// back. Bind parameters: each row's as insertRow's, then the consumer
+	// and the message id. inTx adds the server's own test that a
+	// transaction is open (MariaDB's @@in_transaction; MySQL has none).
+	// Rows affected: n while the claim holds, 0 otherwise.
+	claimedInsert func(inboxTable string, n int, inTx bool) string
 	// selectBatch returns the oldest n rows not yet relayed (id, topic,
 	// uuid, payload, metadata, attempts), ordered by id; locked (FOR UPDATE
 	// SKIP LOCKED) when locks.
@@ -145,7 +155,38 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 		append(append([]string{"id         bigint unsigned NOT NULL PRIMARY KEY"}, row...), "dead_at    datetime(6)     NOT NULL"),
 		"UTC_TIMESTAMP(6)", "TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6))", " FOR UPDATE SKIP LOCKED")
 	s.stillThere = mysqlStillThere(t)
+	s.claimedInsert = mysqlClaimedInsert(t)
 	return s
+}
+
+// mysqlClaimedInsert is outboxSQL.claimedInsert on MySQL/MariaDB. Several
+// messages go through a derived table numbered in their order, so that
+// their AUTO_INCREMENT ids follow it (INSERT … SELECT … ORDER BY). Its
+// columns are CAST AS BINARY: without it MariaDB 10.11 types a derived
+// table's bind parameters in the connection's character set and changed
+// payload bytes that are not UTF-8 (a 1 MiB payload came out 2 bytes short;
+// TestOutboxKeepsTheBytesAndOrderOfReturnedMessages).
+func mysqlClaimedInsert(t qualifiedName) func(inboxTable string, n int, inTx bool) string {
+	prefix := "INSERT INTO " + t.quoted(MySQL) + " (topic, uuid, payload, metadata, created_at) SELECT "
+	return func(inboxTable string, n int, inTx bool) string {
+		open := ""
+		if inTx {
+			open = " AND @@in_transaction = 1"
+		}
+		if n == 1 {
+			return prefix + "?, ?, ?, ?, UTC_TIMESTAMP(6) FROM " + inboxTable +
+				" WHERE consumer = ? AND message_id = ?" + open + " FOR UPDATE"
+		}
+		var b strings.Builder
+		b.WriteString(prefix + "r.topic, r.uuid, r.payload, r.metadata, UTC_TIMESTAMP(6) FROM (" +
+			"SELECT CAST(? AS BINARY) AS topic, CAST(? AS BINARY) AS uuid, CAST(? AS BINARY) AS payload, CAST(? AS BINARY) AS metadata, 0 AS seq")
+		for i := 1; i < n; i++ {
+			b.WriteString(" UNION ALL SELECT CAST(? AS BINARY), CAST(? AS BINARY), CAST(? AS BINARY), CAST(? AS BINARY), " + strconv.Itoa(i))
+		}
+		b.WriteString(") AS r JOIN " + inboxTable + " AS c ON c.consumer = ? AND c.message_id = ?" + open +
+			" ORDER BY r.seq FOR UPDATE")
+		return b.String()
+	}
 }
 
 func (mysqlDialect) outboxTableOptions() string { return " ENGINE=InnoDB" }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/watermill-inbox/inbox/internal/backend"
 )
@@ -155,6 +156,36 @@ func (t *pgxTx) Commit() error {
 	err := t.tx.Commit(t.ctx)
 	t.release()
 	return err
+}
+
+// CommitWith sends query and COMMIT in one batch: one round trip in every
+// query exec mode (one Sync in the extended protocol's modes; one
+// multi-statement Query in simple_protocol), and the server skips the
+// COMMIT when query fails. The connection is released after COMMIT as by
+// Commit (the pool destroys one that is still in a transaction); after a
+// failed query it stays for Rollback.
+func (t *pgxTx) CommitWith(query string, args []any) (stmtErr, commitErr error) {
+	var batch pgx.Batch
+	batch.Queue(query, args...)
+	batch.Queue("commit")
+	br := t.tx.SendBatch(t.ctx, &batch)
+	_, stmtErr = br.Exec()
+	var tag pgconn.CommandTag
+	if stmtErr == nil {
+		tag, commitErr = br.Exec()
+	}
+	closeErr := br.Close()
+	if stmtErr != nil {
+		return stmtErr, nil
+	}
+	if commitErr == nil {
+		commitErr = closeErr
+	}
+	if commitErr == nil && tag.String() == "ROLLBACK" {
+		commitErr = pgx.ErrTxCommitRollback
+	}
+	t.release()
+	return nil, commitErr
 }
 
 // Rollback rolls back and releases the connection. It runs under its own

@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/backend"
 )
 
 // OutboxPublisher returns the Config.Outbox of an inbox whose outputs go
@@ -23,9 +24,11 @@ import (
 // included. The returned function is safe for concurrent use.
 func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error) {
 	return func(tx pgx.Tx) (message.Publisher, error) {
-		return ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {
+		p := ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {
 			_, err := tx.Exec(ctx, query, args...)
 			return err
-		}), nil
+		})
+		backend.WritesInTx(p) // the messages a handler returns may go with COMMIT
+		return p, nil
 	}
 }

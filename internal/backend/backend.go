@@ -82,6 +82,12 @@ type Tx interface {
 	Ended() bool
 	// Commit commits under Claim.TxCtx.
 	Commit() error
+	// CommitWith runs query with args, the transaction's last statement,
+	// and COMMIT in one round trip, under Claim.TxCtx. stmtErr is query's
+	// error: COMMIT did not run and the transaction is still open (the flow
+	// rolls it back); otherwise commitErr is COMMIT's, as Commit returns
+	// it, and the connection is given back.
+	CommitWith(query string, args []any) (stmtErr, commitErr error)
 	// Rollback rolls back; after Commit or Rollback, and on a connection
 	// the server has already closed (which ends the transaction), it does
 	// nothing and returns nil. Commit and Rollback give the connection back;
@@ -129,6 +135,12 @@ type Options struct {
 // error), held as any because this package cannot name package inbox's
 // types.
 var NewInbox any
+
+// WritesInTx marks p, an outbox publisher of package inbox
+// (Outbox.PublisherOn), as one that writes through the very transaction it
+// was made for, so that the flow may send the handler's returned messages
+// with COMMIT (Tx.CommitWith); set by package inbox's init.
+var WritesInTx func(p message.Publisher)
 
 // HandleFromContext returns the Tx.Handle of the claimed delivery whose
 // message context ctx is, and true; set by package inbox's init.
