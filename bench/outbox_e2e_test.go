@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -50,9 +51,20 @@ func (p *batchKafkaPublisher) Publish(topic string, msgs ...*message.Message) er
 
 func (p *batchKafkaPublisher) Close() error { return p.producer.Close() }
 
+// unusedPublisher is the router's publisher of BenchmarkOutboxEndToEnd's
+// handler, whose returned messages go to the outbox instead: it refuses
+// everything, so that a message that reached it fails the run.
+type unusedPublisher struct{}
+
+func (unusedPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("the router's publisher got a message that should have gone to the outbox")
+}
+
+func (unusedPublisher) Close() error { return nil }
+
 // BenchmarkOutboxEndToEnd/<db>: kfake with 8 partitions → a Watermill
 // router → the inbox → a handler that writes one row and, in the "outbox"
-// pipeline, emits one message through the outbox → the outbox relay
+// pipeline, returns one message, which the inbox writes to the outbox → the outbox relay
 // (inbox.Outbox, woken by the commits) → a kfake topic. The "no-output"
 // pipeline is the same whose handler emits nothing. The two take turns,
 // e2eRounds rounds of b.N/e2eRounds messages each at full speed (each
@@ -255,26 +267,25 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, db *sqlx.DB, pool *pgxpool.P
 		router.AddPlugin(ob.RouterPlugin)
 	}
 	router.AddMiddleware(ib.middleware)
-	router.AddConsumerHandler("billing", topic, sub, func(msg *message.Message) error {
+	// The handler returns its output, as Watermill handlers do; the inbox
+	// writes it to the outbox in the message's transaction (the router's
+	// publisher is not used).
+	router.AddHandler("billing", topic, sub, downstream, unusedPublisher{}, func(msg *message.Message) ([]*message.Message, error) {
 		first.CompareAndSwap(0, time.Now().UnixNano())
 		if err := ib.insert(msg); err != nil {
-			return err
+			return nil, err
 		}
 		if emit {
 			out := message.NewMessage(msg.UUID+"-invoice", msg.Payload)
-			pub, _ := inbox.OutboxFromContext(msg.Context())
-			if err := pub.Publish(downstream, out); err != nil {
-				return err
-			}
 			inbox.AfterCommit(msg.Context(), func() {
 				mu.Lock()
 				committed[out.UUID] = time.Now()
 				mu.Unlock()
 			})
-			return nil
+			return []*message.Message{out}, nil
 		}
 		inbox.AfterCommit(msg.Context(), func() { finish(handled.Add(1)) })
-		return nil
+		return nil, nil
 	})
 
 	maxRows := sampleOutboxDepth(ob)
