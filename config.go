@@ -133,7 +133,10 @@ type Config struct {
 	// The claim stores a fingerprint of the content (Config.Fingerprint) in
 	// the table's fingerprint column, with no statement of its own; a
 	// duplicate reads the stored one (one more statement, on the duplicate
-	// path only) and compares. A row written without a fingerprint (before
+	// path only) and compares; a duplicate of one of the 4,096 keys this
+	// Inbox committed last matches from memory, without the read (content
+	// that differs from memory, or a key not held, still reads). A row
+	// written without a fingerprint (before
 	// the column existed) matches every content. A table without the column
 	// (made before this version, or by hand) keeps working with the check
 	// off: the first check of the table (Verify, InitializeSchema or the

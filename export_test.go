@@ -75,3 +75,16 @@ func SetTableBackoffHook(ib *Inbox, f func(wait time.Duration)) { ib.hooks = &ho
 // transactions on db hold or wait for their place in its writerQueue (at
 // most 1 while none waits).
 func SQLiteWritersQueued(db *sql.DB) int { return len(sqliteWriterQueue(db)) }
+
+// RecentFingerprints is the inbox's memory of the fingerprints it committed
+// last, for its tests.
+type RecentFingerprints struct{ r recentFingerprints }
+
+// RecentFingerprintsSize is how many keys it holds.
+const RecentFingerprintsSize = recentFingerprintsSize
+
+func (r *RecentFingerprints) Remember(consumer, id string, fp []byte) { r.r.remember(consumer, id, fp) }
+func (r *RecentFingerprints) Matches(consumer, id string, fp []byte) bool {
+	return r.r.matches(consumer, id, fp)
+}
+func (r *RecentFingerprints) Len() int { return len(r.r.byKey) }

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"strings"
+	"sync"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -140,7 +141,7 @@ func (d *delivery) errReusedID(stored []byte) error {
 // ErrMessageIDReused; under ReusedIDsWarn the reuse is logged and the
 // delivery stays a duplicate.
 func (d *delivery) checkReusedID() error {
-	if d.fingerprint == nil {
+	if d.fingerprint == nil || d.ib.recentFingerprints.matches(d.consumer, d.id, d.fingerprint) {
 		return nil
 	}
 	stored, err := d.tx.storedFingerprint(d.sctx, d.consumer, d.id)
@@ -149,7 +150,11 @@ func (d *delivery) checkReusedID() error {
 	}
 	// A value that is not 16 bytes was not written by a claim (NULL, or a
 	// hand-made column's default, an empty string): it matches, as none does.
-	if len(stored) != fingerprintSize || bytes.Equal(stored, d.fingerprint) {
+	if len(stored) != fingerprintSize {
+		return nil
+	}
+	if bytes.Equal(stored, d.fingerprint) {
+		d.ib.recentFingerprints.remember(d.consumer, d.id, stored)
 		return nil
 	}
 	d.reused = true
@@ -160,4 +165,60 @@ func (d *delivery) checkReusedID() error {
 	f["stored_fingerprint"], f["fingerprint"] = fmt.Sprintf("%x", stored), fmt.Sprintf("%x", d.fingerprint)
 	d.ib.logger.Info("Inbox: message id reused for other content; skipped as a duplicate (Config.ReusedIDs is ReusedIDsWarn)", f)
 	return nil
+}
+
+// recentFingerprintsSize is how many keys recentFingerprints remembers: at
+// most a few hundred KiB per inbox (a UUID key and its fingerprint take
+// about 100 bytes).
+const recentFingerprintsSize = 4096
+
+// recentFingerprints remembers the fingerprints of the keys this inbox
+// committed last (the recentFingerprintsSize latest), so that a duplicate of
+// one of them, redelivered to this process (an ack that was lost, offsets
+// replayed from the last commit, a producer's retry into the same
+// partition), is told a duplicate without the read of its stored
+// fingerprint. Only a match is taken from it: a committed row's fingerprint
+// never changes, and whatever the table holds now, content that matches
+// what this inbox committed for the key is a duplicate of a processed
+// message. A mismatch, or a key it does not hold, reads the stored
+// fingerprint as before, so a stale entry (the row purged, the id claimed
+// again elsewhere) never refuses a message. Safe for concurrent use.
+type recentFingerprints struct {
+	mu    sync.Mutex
+	byKey map[recentKey][fingerprintSize]byte
+	order []recentKey // a ring, in the order committed: the oldest is replaced
+	next  int
+}
+
+// recentKey is a claim's key.
+type recentKey struct{ consumer, id string }
+
+// matches reports whether the fingerprint remembered for the key is fp.
+func (r *recentFingerprints) matches(consumer, id string, fp []byte) bool {
+	r.mu.Lock()
+	stored, ok := r.byKey[recentKey{consumer, id}]
+	r.mu.Unlock()
+	return ok && bytes.Equal(stored[:], fp)
+}
+
+// remember records fp, a fingerprint of fingerprintSize bytes, as the
+// key's committed one, replacing the oldest key once full.
+func (r *recentFingerprints) remember(consumer, id string, fp []byte) {
+	k := recentKey{consumer, id}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.byKey == nil {
+		r.byKey = make(map[recentKey][fingerprintSize]byte, recentFingerprintsSize)
+		r.order = make([]recentKey, 0, recentFingerprintsSize)
+	}
+	if _, ok := r.byKey[k]; !ok {
+		if len(r.order) < recentFingerprintsSize {
+			r.order = append(r.order, k)
+		} else {
+			delete(r.byKey, r.order[r.next])
+			r.order[r.next] = k
+			r.next = (r.next + 1) % recentFingerprintsSize
+		}
+	}
+	r.byKey[k] = [fingerprintSize]byte(fp)
 }

@@ -42,7 +42,10 @@ type Inbox struct {
 	// table before a claim (resolveFingerprints) finds whether it has the
 	// fingerprint column, then fingerprintsOn or fingerprintsOff for good.
 	fingerprints atomic.Int32
-	tracer       trace.Tracer // nil without Config.TracerProvider
+	// recentFingerprints spares a duplicate of a key this inbox committed
+	// lately the read of its stored fingerprint.
+	recentFingerprints recentFingerprints
+	tracer             trace.Tracer // nil without Config.TracerProvider
 
 	commitTimeout time.Duration
 	prepare       bool // prepare the claim and heldSQL on DB (Config.PrepareStatements, or the dialect's default)

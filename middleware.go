@@ -213,6 +213,9 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if p, ok := d.state.publisher.(txBoundPublisher); ok {
 		p.committed() // wakes this process's outbox relay
 	}
+	if d.fingerprint != nil {
+		d.ib.recentFingerprints.remember(d.consumer, d.id, d.fingerprint)
+	}
 	d.runAfterCommit()
 	return produced, nil
 }
