@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -25,7 +26,10 @@ const reusedIDRounds = 10
 // (baseline), the inbox with the check (checked: the default,
 // ReusedIDsRefuse, which stores a fingerprint with each claim and reads it
 // back on each duplicate) and the inbox without it (unchecked:
-// ReusedIDsOff, the inbox as it was before the check). Reports each side's
+// ReusedIDsOff, the inbox as it was before the check), and checked-cold,
+// whose duplicates reach an inbox that did not commit them (coldDuplicates;
+// checked's are redeliveries to the inbox that committed them, which it
+// remembers). Reports each side's
 // msgs/s (median of its rounds) and the ratios checked/baseline,
 // unchecked/baseline and checked/unchecked.
 func BenchmarkReusedIDCheck(b *testing.B) {
@@ -33,9 +37,7 @@ func BenchmarkReusedIDCheck(b *testing.B) {
 		b.Run(fmt.Sprintf("postgres-pgx/dup=%d", dup), func(b *testing.B) {
 			p := openPgxPool(b, 16, nil)
 			sides := map[string]message.HandlerFunc{"baseline": pgxBaseline(b, p)}
-			for name, check := range map[string]inbox.ReusedIDCheck{"checked": inbox.ReusedIDsRefuse, "unchecked": inbox.ReusedIDsOff} {
-				table := "bench_inbox_" + testdb.RandomSuffix()
-				testdb.DropLater(b, p.db, table)
+			newInbox := func(table string, check inbox.ReusedIDCheck) *pgxinbox.Inbox {
 				ib, err := pgxinbox.New(pgxinbox.Config{Pool: p.pool, Table: table, Consumer: "bench", ReusedIDs: check})
 				if err != nil {
 					b.Fatal(err)
@@ -44,8 +46,18 @@ func BenchmarkReusedIDCheck(b *testing.B) {
 				if err := ib.InitializeSchema(b.Context()); err != nil {
 					b.Fatal(err)
 				}
-				sides[name] = pgxInboxOn(ib, insertSQL(p.db, businessTable(b, p.db)))
+				return ib
 			}
+			for name, check := range map[string]inbox.ReusedIDCheck{"checked": inbox.ReusedIDsRefuse, "unchecked": inbox.ReusedIDsOff} {
+				table := "bench_inbox_" + testdb.RandomSuffix()
+				testdb.DropLater(b, p.db, table)
+				sides[name] = pgxInboxOn(newInbox(table, check), insertSQL(p.db, businessTable(b, p.db)))
+			}
+			table := "bench_inbox_" + testdb.RandomSuffix()
+			testdb.DropLater(b, p.db, table)
+			query := insertSQL(p.db, businessTable(b, p.db))
+			sides["checked-cold"] = coldDuplicates(pgxInboxOn(newInbox(table, inbox.ReusedIDsRefuse), query),
+				pgxInboxOn(newInbox(table, inbox.ReusedIDsRefuse), query))
 			runReusedIDSides(b, sides, dup)
 		})
 	}
@@ -63,6 +75,13 @@ func BenchmarkReusedIDCheck(b *testing.B) {
 					}
 					sides[name] = inboxHandler(ib, insertSQL(db, businessTable(b, db)))
 				}
+				first, table := newInboxWith(b, inbox.Config{DB: db, Dialect: d.Dialect, Consumer: "bench"})
+				again, err := inbox.New(inbox.Config{DB: db, Dialect: d.Dialect, Consumer: "bench", Table: table})
+				if err != nil {
+					b.Fatal(err)
+				}
+				query := insertSQL(db, businessTable(b, db))
+				sides["checked-cold"] = coldDuplicates(inboxHandler(first, query), inboxHandler(again, query))
 				runReusedIDSides(b, sides, dup)
 			})
 		}
@@ -72,7 +91,7 @@ func BenchmarkReusedIDCheck(b *testing.B) {
 // runReusedIDSides runs the sides of BenchmarkReusedIDCheck in turns and
 // reports them.
 func runReusedIDSides(b *testing.B, sides map[string]message.HandlerFunc, dup int) {
-	order := []string{"baseline", "checked", "unchecked"}
+	order := []string{"baseline", "checked", "checked-cold", "unchecked"}
 	per := max(b.N/reusedIDRounds, 1)
 	rates := map[string][]float64{}
 	b.ResetTimer()
@@ -94,10 +113,28 @@ func runReusedIDSides(b *testing.B, sides map[string]message.HandlerFunc, dup in
 		return s[len(s)/2]
 	}
 	base, checked, unchecked := median(rates["baseline"]), median(rates["checked"]), median(rates["unchecked"])
+	cold := median(rates["checked-cold"])
 	b.ReportMetric(base, "baseline-msgs/s")
 	b.ReportMetric(checked, "checked-msgs/s")
+	b.ReportMetric(cold, "checked-cold-msgs/s")
 	b.ReportMetric(unchecked, "unchecked-msgs/s")
 	b.ReportMetric(checked/base, "checked/baseline")
 	b.ReportMetric(unchecked/base, "unchecked/baseline")
 	b.ReportMetric(checked/unchecked, "checked/unchecked")
+	b.ReportMetric(cold/unchecked, "checked-cold/unchecked")
+}
+
+// coldDuplicates is the checked-cold side of BenchmarkReusedIDCheck: two
+// checked inboxes on one table, as two processes of one service. first
+// processes the first delivery of each message; again gets every
+// redelivery, of keys it never committed, so that each duplicate reads its
+// stored fingerprint (a redelivery after a rebalance or a restart).
+func coldDuplicates(first, again message.HandlerFunc) message.HandlerFunc {
+	var seen sync.Map
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if _, dup := seen.LoadOrStore(msg.UUID, true); dup {
+			return again(msg)
+		}
+		return first(msg)
+	}
 }
