@@ -58,9 +58,11 @@ func (r *sqlTracer) take() []string {
 // BEGIN, the key lock (partitioned dialect) and the claim go to the server
 // in one batch, with no BEGIN of their own: a processed message costs that
 // batch, the handler's statements and COMMIT; a duplicate costs the batch
-// and a second one with the read of its stored fingerprint
-// (Config.ReusedIDs) and the ROLLBACK: two round trips, as before the
-// fingerprints.
+// and the ROLLBACK: two round trips, as before the fingerprints. A
+// duplicate that reaches another inbox (another process, which did not
+// commit the key and so does not remember its fingerprint) sends the read
+// of its stored fingerprint (Config.ReusedIDs) in one batch with the
+// ROLLBACK.
 func TestRoundTrip_ClaimGoesOutWithBegin(t *testing.T) {
 	forEachDialect(t, func(t *testing.T, d inbox.Dialect) {
 		tracer := &sqlTracer{}
@@ -68,12 +70,15 @@ func TestRoundTrip_ClaimGoesOutWithBegin(t *testing.T) {
 		f := newFixture(t, pool)
 		ib := f.newInbox(pgxinbox.Config{Dialect: d})
 		in := consume(t, ib, f.writeEffect)
+		otherIn := consume(t, f.newInbox(pgxinbox.Config{Dialect: d}), f.writeEffect) // another process
 		msg := message.NewMessage(watermill.NewUUID(), nil)
 		// The partitioned dialect resolves the table's schema for its key
 		// lock once, on the first message (a catalog read of its own): the
 		// rule holds from the second message on.
-		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-			t.Fatal("first message nacked")
+		for _, feed := range []*feed{in, otherIn} {
+			if !feed.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatal("first message nacked")
+			}
 		}
 		claim := `insert into "` + f.table + `"`
 		wantBatch := []string{"begin", claim}
@@ -82,13 +87,16 @@ func TestRoundTrip_ClaimGoesOutWithBegin(t *testing.T) {
 		}
 		for _, tc := range []struct {
 			name  string
+			in    *feed
 			after []string // what follows the batch
 		}{
-			{"Processed", []string{"query: insert into " + f.effect, "query: commit"}},
-			{"Duplicate", []string{"batch: select fingerprint from " + `"` + f.table + `" where consumer = $1 and message_id = $2; rollback`}},
+			{"Processed", in, []string{"query: insert into " + f.effect, "query: commit"}},
+			{"Duplicate", in, []string{"query: rollback"}},
+			{"Duplicate in another process", otherIn,
+				[]string{"batch: select fingerprint from " + `"` + f.table + `" where consumer = $1 and message_id = $2; rollback`}},
 		} {
 			tracer.take()
-			if !in.deliver(t, msg) {
+			if !tc.in.deliver(t, msg) {
 				t.Fatalf("%s: nacked", tc.name)
 			}
 			sent := tracer.take()
@@ -112,6 +120,6 @@ func TestRoundTrip_ClaimGoesOutWithBegin(t *testing.T) {
 				}
 			}
 		}
-		f.expectRows(2, 2)
+		f.expectRows(3, 3)
 	})
 }
