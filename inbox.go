@@ -454,7 +454,8 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 	if err != nil {
 		// One line, for the router's log of every nacked message; Verify
 		// (or Inbox.RouterPlugin) prints the whole report with its DDL.
-		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) || errors.Is(err, ErrDialectMismatch) {
+		if errors.Is(err, ErrTableNotFound) || errors.Is(err, ErrIncompatibleTable) || errors.Is(err, ErrDialectMismatch) ||
+			errors.Is(err, ErrInvalidConfig) {
 			// Nothing about the message is wrong: wait, so that the
 			// broker's redeliveries do not spin, and nack it (transient).
 			ib.waitAfterTableError(d.sctx)
@@ -576,8 +577,9 @@ type sqlTx struct {
 	sameFingerprint bool
 	// endedEarly is set when ended found the transaction already ended:
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
-	// transaction) without meaning anything.
-	endedEarly bool
+	// transaction) without meaning anything. Atomic: the handler's
+	// goroutines may publish to the outbox, which asks ended, at once.
+	endedEarly atomic.Bool
 }
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
@@ -620,11 +622,15 @@ func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]b
 }
 
 func (t *sqlTx) ended() bool {
+	var ended bool
 	_ = t.conn.Raw(func(dc any) error {
-		t.endedEarly = driverTxEnded(dc)
+		ended = driverTxEnded(dc)
 		return nil
 	})
-	return t.endedEarly
+	if ended {
+		t.endedEarly.Store(true) // the transaction does not open again
+	}
+	return ended
 }
 
 // commit commits and gives the connection back to the pool. A COMMIT that
@@ -637,7 +643,7 @@ func (t *sqlTx) commit() error {
 	t.conn.Close()
 	t.place.leave()
 	if err != nil && (commitFoundNoTx(err) || (errors.Is(err, sql.ErrTxDone) && t.ctx.Err() == nil)) {
-		t.endedEarly = true
+		t.endedEarly.Store(true)
 		return fmt.Errorf("%w: %w", ErrTransactionEnded, err)
 	}
 	return err
@@ -650,7 +656,7 @@ func (t *sqlTx) rollback() error {
 	err := t.tx.Rollback()
 	t.conn.Close()
 	t.place.leave()
-	if err != nil && !errors.Is(err, sql.ErrTxDone) && !t.endedEarly {
+	if err != nil && !errors.Is(err, sql.ErrTxDone) && !t.endedEarly.Load() {
 		return err
 	}
 	return nil

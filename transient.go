@@ -117,8 +117,9 @@ import (
 //     router's Close ended (context.Canceled, above).
 //   - The middleware's error for a message that met a missing or
 //     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
-//     those of Config.OutboxTables), or a dialect for another server
-//     (ErrDialectMismatch), at message time: nothing about the
+//     those of Config.OutboxTables), a dialect for another server
+//     (ErrDialectMismatch), or MySQL sessions with autocommit off
+//     (ErrInvalidConfig), at message time: nothing about the
 //     message is wrong, so a poison filter built on IsTransient keeps the
 //     topic's messages (a redelivery succeeds once the table is fixed)
 //     instead of draining it. The middleware waits before it returns that

@@ -161,7 +161,8 @@ type serverCheck struct {
 // ErrDialectMismatch that names both, DB's driver type, and the
 // configuration that fixes it. The server's own answer decides, not the
 // driver's type, which a wrapping driver (an instrumented database/sql
-// driver) hides.
+// driver) hides. On MySQL/MariaDB, sessions with autocommit off (the DSN's
+// autocommit=0) give an error wrapping ErrInvalidConfig.
 func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -173,15 +174,34 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	if found == "" {
 		return nil // not remembered: the next use asks again
 	}
-	c.done = true
 	if found != want {
+		c.done = true
 		how := "Config.Dialect"
 		if ib.dialectInferred {
 			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
 		}
 		c.err = fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s",
 			ErrDialectMismatch, ib.dialect, how, want, ib.db.Driver(), found, version, serverFix[found])
+		return c.err
 	}
+	if found == serverMySQL {
+		var autocommit int
+		if err := ib.db.QueryRowContext(ctx, "SELECT @@autocommit").Scan(&autocommit); err != nil {
+			return nil // not remembered: the next use asks again
+		}
+		if autocommit == 0 {
+			// With autocommit off, the statement after a deadlock that
+			// rolled the message's transaction back (an error the handler
+			// ignored) opens a new transaction of its own: no status, no
+			// @@in_transaction and no read of the claim tells it from the
+			// message's, and the inbox would commit the handler's later
+			// writes, and its outputs, with the message not processed.
+			c.err = fmt.Errorf("%w: the MySQL sessions of DB have autocommit off (@@autocommit = 0, from the DSN's"+
+				" autocommit=0 or the server's init_connect/autocommit setting): the inbox cannot then tell a transaction"+
+				" the database rolled back from a new one; use sessions with autocommit on (MySQL's default)", ErrInvalidConfig)
+		}
+	}
+	c.done = true
 	return c.err
 }
 
