@@ -37,6 +37,12 @@ type returnedFixture struct {
 
 func newReturnedFixture(t *testing.T, pool *pgxpool.Pool, h func(f *returnedFixture, msg *message.Message) ([]*message.Message, error)) *returnedFixture {
 	t.Helper()
+	return newReturnedFixtureWith(t, pool, pgxinbox.Config{}, h)
+}
+
+// newReturnedFixtureWith is newReturnedFixture with the inbox's cfg.
+func newReturnedFixtureWith(t *testing.T, pool *pgxpool.Pool, cfg pgxinbox.Config, h func(f *returnedFixture, msg *message.Message) ([]*message.Message, error)) *returnedFixture {
+	t.Helper()
 	f := &returnedFixture{fixture: newFixture(t, pool), broker: &countingBroker{}, rec: &recorder{}, in: newFeed()}
 	db := pgxinbox.DB(pool)
 	t.Cleanup(func() { db.Close() })
@@ -50,7 +56,8 @@ func newReturnedFixture(t *testing.T, pool *pgxpool.Pool, h func(f *returnedFixt
 	if err := f.ob.InitializeSchema(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	ib := f.newInbox(pgxinbox.Config{Outbox: pgxinbox.OutboxPublisher(f.ob)})
+	cfg.Outbox = pgxinbox.OutboxPublisher(f.ob)
+	ib := f.newInbox(cfg)
 	runRouter(t, func(r *message.Router) {
 		r.AddMiddleware(f.rec.Middleware, ib.Middleware)
 		r.AddHandler("billing", "orders", f.in, "invoices", refusingPublisher{}, func(msg *message.Message) ([]*message.Message, error) {
@@ -59,6 +66,10 @@ func newReturnedFixture(t *testing.T, pool *pgxpool.Pool, h func(f *returnedFixt
 	})
 	return f
 }
+
+// allModes are pgx's query exec modes.
+var allModes = []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+	pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
 
 func (f *returnedFixture) outboxRows() int { return f.count(f.table) }
 
@@ -105,8 +116,7 @@ func (refusingPublisher) Close() error { return nil }
 // order, with their payloads.
 func TestOutbox_ReturnedMessagesGoOutWithTheCommit(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+	for _, mode := range allModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			tracer := &sqlTracer{}
@@ -180,36 +190,6 @@ func TestOutbox_ReturnedMessagesOfAFailedTransactionAreNotWritten(t *testing.T) 
 	f.expectRows(1, 1)
 	if got := f.relayed(t); !slices.Equal(got, []string{msg.UUID + "-invoice-a"}) {
 		t.Errorf("relayed %v, want the one output", got)
-	}
-	expectNoConnHeld(t, pool)
-}
-
-// A COMMIT that fails (a deferred unique constraint the handler's write
-// violates) takes the outputs sent with it: the message is nacked with the
-// server's error and nothing of it stays.
-func TestOutbox_ReturnedMessagesLeaveNothingWhenTheCommitFails(t *testing.T) {
-	t.Parallel()
-	pool := openPool(t, "", "pgx_outbox_returned_commit_fails", nil)
-	deferred := "pgx_deferred_" + testdb.RandomSuffix()
-	f := newReturnedFixture(t, pool, func(f *returnedFixture, msg *message.Message) ([]*message.Message, error) {
-		tx, _ := pgxinbox.TxFromContext(msg.Context())
-		if _, err := tx.Exec(msg.Context(), "INSERT INTO "+deferred+" (k) VALUES (1)"); err != nil {
-			return nil, err
-		}
-		return outputs(msg, 1), nil
-	})
-	f.exec("CREATE TABLE " + deferred + " (k int, CONSTRAINT " + deferred + "_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
-	f.dropLater(deferred)
-	f.exec("INSERT INTO " + deferred + " (k) VALUES (1)")
-	if f.in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-		t.Fatal("acked a message whose COMMIT failed")
-	}
-	var pgErr *pgconn.PgError
-	if err := f.rec.last(); !errors.As(err, &pgErr) || pgErr.Code != "23505" {
-		t.Errorf("router got %v, want the COMMIT's 23505", err)
-	}
-	if n, rows := f.outboxRows(), f.inboxRows(); n != 0 || rows != 0 {
-		t.Errorf("outbox rows %d, inbox rows %d after the failed COMMIT, want 0 and 0", n, rows)
 	}
 	expectNoConnHeld(t, pool)
 }
