@@ -140,14 +140,7 @@ func TestOutboxKeepsTheBytesAndOrderOfReturnedMessages(t *testing.T) {
 		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
 		f := newFixture(t, db)
 		ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
-		every := make([]byte, 256)
-		for i := range every {
-			every[i] = byte(i)
-		}
-		big := make([]byte, 1<<20)
-		for i := range big {
-			big[i] = byte(i*7 + i>>8)
-		}
+		every, big := binaryPayload(256), binaryPayload(1<<20)
 		payloads := [][]byte{every, big, {}, []byte("{\"not\": \"json\""), every[:1]}
 		var want []*message.Message
 		in := newFeed()
@@ -194,4 +187,17 @@ func TestOutboxKeepsTheBytesAndOrderOfReturnedMessages(t *testing.T) {
 			}
 		}
 	})
+}
+
+// binaryPayload returns n bytes that are not UTF-8: every byte value in
+// turn for n up to 256, then a pattern that does not repeat at 256.
+func binaryPayload(n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i)
+		if n > 256 {
+			b[i] = byte(i*7 + i>>8)
+		}
+	}
+	return b
 }

@@ -28,14 +28,7 @@ func TestOutboxReturnedMessagesKeepTheirBytesWithEveryMySQLDSNParam(t *testing.T
 			ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
 			f := newFixture(t, db)
 			ib := f.newInbox(inbox.Config{Outbox: ob.Publisher, Dialect: inbox.MySQL})
-			every := make([]byte, 256)
-			for i := range every {
-				every[i] = byte(i)
-			}
-			big := make([]byte, 200<<10)
-			for i := range big {
-				big[i] = byte(i*7 + i>>8)
-			}
+			every, big := binaryPayload(256), binaryPayload(200<<10)
 			payloads := [][]byte{{}, every, big, []byte("\\'\"\x00\x1a"), every[:1], nil}
 			var want []*message.Message
 			in := newFeed()
