@@ -323,27 +323,34 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 		return nil, fmt.Errorf("inbox: %q/%q: handler returned %d messages but has no publish topic (add it with router.AddHandler)",
 			d.consumer, d.id, len(produced))
 	}
-	var err error
-	p, ok := d.state.publisher.(txBoundPublisher)
-	if c, batches := d.tx.(lastStatementCommitter); ok && batches {
-		var staged bool
-		d.lastWrite.query, d.lastWrite.args, staged, err = p.stageLast(topic, produced)
-		if err == nil && staged {
-			d.lastWrite.committer, d.lastWrite.topic = c, topic
+	p, bound := d.state.publisher.(txBoundPublisher)
+	if !bound {
+		return nil, d.outboxPublishError(topic, d.state.publisher.Publish(topic, produced...))
+	}
+	if c, batches := d.tx.(lastStatementCommitter); batches {
+		query, args, staged, err := p.stageLast(topic, produced)
+		if err != nil {
+			return nil, d.outboxPublishError(topic, err)
+		}
+		if staged {
+			d.lastWrite.committer, d.lastWrite.topic, d.lastWrite.query, d.lastWrite.args = c, topic, query, args
 			return nil, nil // written with the COMMIT (commit)
 		}
 	}
-	switch {
-	case err != nil:
-	case ok:
-		d.claimHeldByOutbox, err = p.publishLast(topic, produced)
-	default:
-		err = d.state.publisher.Publish(topic, produced...)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, topic, d.commitTimedOut(err))
+	var err error
+	if d.claimHeldByOutbox, err = p.publishLast(topic, produced); err != nil {
+		return nil, d.outboxPublishError(topic, err)
 	}
 	return nil, nil // sent by the outbox, not by the router
+}
+
+// outboxPublishError is err, from writing the returned messages to the
+// outbox, with the delivery and topic; nil for nil.
+func (d *delivery) outboxPublishError(topic string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, topic, d.commitTimedOut(err))
 }
 
 // checkStillClaimed checks that the transaction is still open and holds the
@@ -384,7 +391,7 @@ func (d *delivery) commit() error {
 				// Sent with the COMMIT: in doubt as the COMMIT is.
 				stmtErr = &lostConnError{stmtErr}
 			}
-			return fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, w.topic, d.commitTimedOut(stmtErr))
+			return d.outboxPublishError(w.topic, stmtErr)
 		}
 	} else {
 		err = d.tx.commit()

@@ -388,11 +388,10 @@ type outboxWriter struct {
 	// Outbox's database).
 	prepared bool
 	// claim, when set (bindTx), is checked by every insert in the same
-	// statement (outboxSQL.claimedInsert); claimHeld then says that the
-	// last insert found it held.
-	claim     *outboxClaim
-	claimHeld atomic.Bool
-	wrote     atomic.Bool
+	// statement (outboxSQL.claimedInsert): an insert that succeeded found
+	// it held.
+	claim *outboxClaim
+	wrote atomic.Bool
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -428,7 +427,6 @@ const erUnknownSystemVariable = 1193
 // insertClaimed runs the claimed INSERT (outboxSQL.claimedInsert) of the
 // messages whose values are args.
 func (w *outboxWriter) insertClaimed(n int, args []any) error {
-	w.claimHeld.Store(false)
 	args = append(args, w.claim.consumer, w.claim.id)
 	for {
 		inTx := !w.o.noInTxVar.Load()
@@ -457,7 +455,6 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 		case rows != int64(n):
 			return fmt.Errorf("%w: %d, writing %d messages", ErrUnexpectedRowsAffected, rows, n)
 		}
-		w.claimHeld.Store(true)
 		return nil
 	}
 }
@@ -502,7 +499,7 @@ func (w *outboxWriter) insert(n int, args []any) error {
 			return err
 		}
 	}
-	query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", n), ", ")
+	query := w.o.sql.insert(n)
 	return w.exec(w.ctx, query, args...)
 }
 
@@ -518,7 +515,7 @@ func (w *outboxWriter) publishLast(topic string, msgs []*message.Message) (bool,
 	if err := w.Publish(topic, msgs...); err != nil {
 		return false, err
 	}
-	return w.claim != nil && w.claimHeld.Load(), nil
+	return w.claim != nil && len(msgs) > 0, nil // each claimed INSERT found the claim held
 }
 
 // Publish writes msgs to the outbox in the writer's transaction.
@@ -553,9 +550,8 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 	if err != nil {
 		return "", nil, false, err
 	}
-	query := w.o.sql.insertPrefix + strings.TrimSuffix(strings.Repeat(w.o.sql.insertRow+", ", len(msgs)), ", ")
 	w.wrote.Store(true) // for committed: the query runs with the COMMIT
-	return w.rebind(query), args, true, nil
+	return w.rebind(w.o.sql.insert(len(msgs))), args, true, nil
 }
 
 // writable refuses a bad topic, and any write once the server has ended

@@ -59,6 +59,12 @@ type outboxSQL struct {
 	stats string
 }
 
+// insert returns the INSERT of n messages: insertPrefix, then insertRow n
+// times.
+func (s outboxSQL) insert(n int) string {
+	return s.insertPrefix + strings.TrimSuffix(strings.Repeat(s.insertRow+", ", n), ", ")
+}
+
 // idList writes ids as a comma-separated list of integers.
 func idList(ids []int64) string {
 	var b strings.Builder
