@@ -71,7 +71,13 @@ type OutboxConfig struct {
 	// Publisher is the broker's publisher the relay sends the messages to,
 	// each to the topic it was published to in the handler. It is called
 	// from the relay's goroutine only, with all the messages of one topic
-	// of a batch at once, in the order they were written. Required.
+	// of a batch at once, in the order they were written; the relay
+	// deletes their rows once it returns nil, so nil must mean the broker
+	// has them (RabbitMQ: watermill-amqp's Publish.ConfirmDelivery). A
+	// publisher that waits for each message's ack in turn moves one message
+	// per broker round trip: for Kafka use kafkaoutbox.NewPublisher, which
+	// sends the whole call in one batch (watermill-kafka's publisher does
+	// not). Required.
 	Publisher message.Publisher
 
 	// BatchSize is the most messages one relay transaction reads, publishes

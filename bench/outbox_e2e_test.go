@@ -19,27 +19,19 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/kafkaoutbox"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
-// batchKafkaPublisher publishes all the messages of one Publish call with
-// one SendMessages (watermill-kafka's publisher sends them one by one, each
-// waiting for its ack), and records when each was acked.
-type batchKafkaPublisher struct {
-	producer sarama.SyncProducer
-	acked    func(uuid string, at time.Time)
+// ackRecorder is the relay's publisher (kafkaoutbox's) that records when
+// the broker acked each message.
+type ackRecorder struct {
+	message.Publisher
+	acked func(uuid string, at time.Time)
 }
 
-func (p *batchKafkaPublisher) Publish(topic string, msgs ...*message.Message) error {
-	batch := make([]*sarama.ProducerMessage, len(msgs))
-	for i, m := range msgs {
-		headers := []sarama.RecordHeader{{Key: []byte("_watermill_message_uuid"), Value: []byte(m.UUID)}}
-		for k, v := range m.Metadata {
-			headers = append(headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
-		}
-		batch[i] = &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(m.UUID), Value: sarama.ByteEncoder(m.Payload), Headers: headers}
-	}
-	if err := p.producer.SendMessages(batch); err != nil {
+func (p *ackRecorder) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.Publisher.Publish(topic, msgs...); err != nil {
 		return err
 	}
 	now := time.Now()
@@ -48,8 +40,6 @@ func (p *batchKafkaPublisher) Publish(topic string, msgs ...*message.Message) er
 	}
 	return nil
 }
-
-func (p *batchKafkaPublisher) Close() error { return p.producer.Close() }
 
 // unusedPublisher is the router's publisher of BenchmarkOutboxEndToEnd's
 // handler, whose returned messages go to the outbox instead: it refuses
@@ -65,7 +55,8 @@ func (unusedPublisher) Close() error { return nil }
 // BenchmarkOutboxEndToEnd/<db>: kfake with 8 partitions → a Watermill
 // router → the inbox → a handler that writes one row and, in the "outbox"
 // pipeline, returns one message, which the inbox writes to the outbox → the outbox relay
-// (inbox.Outbox, woken by the commits) → a kfake topic. The "no-output"
+// (inbox.Outbox, woken by the commits) → kafkaoutbox's publisher → a
+// kfake topic. The "no-output"
 // pipeline is the same whose handler emits nothing. The two take turns,
 // e2eRounds rounds of b.N/e2eRounds messages each at full speed (each
 // round on a fresh cluster and tables), so that the machine's drift
@@ -228,15 +219,13 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, db *sqlx.DB, pool *pgxpool.P
 		}
 	}
 
-	pcfg := sarama.NewConfig()
+	pcfg := kafkaoutbox.DefaultSaramaConfig()
 	pcfg.Version = sarama.V2_8_0_0
-	pcfg.Producer.Return.Successes = true
-	pcfg.Producer.RequiredAcks = sarama.WaitForAll
-	producer, err := sarama.NewSyncProducer(brokers, pcfg)
+	pub, err := kafkaoutbox.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: kafka.DefaultMarshaler{}, OverwriteSaramaConfig: pcfg}, logger)
 	if err != nil {
 		b.Fatal(err)
 	}
-	broker := &batchKafkaPublisher{producer: producer, acked: func(uuid string, at time.Time) {
+	broker := &ackRecorder{Publisher: pub, acked: func(uuid string, at time.Time) {
 		mu.Lock()
 		if c, ok := committed[uuid]; ok {
 			latencies = append(latencies, at.Sub(c))

@@ -13,7 +13,7 @@
 //	go run . -brokers kafka:9092   # an external Kafka
 //
 // The outbox is the library's own relay on every database, set up as the
-// README shows: inbox.NewOutbox with the database and the Kafka publisher,
+// README shows: inbox.NewOutbox with the database and kafkaoutbox's publisher,
 // Config{Outbox: ob.Publisher} (pgxinbox.OutboxPublisher(ob) with -inbox
 // pgx), router.AddPlugin(ob.RouterPlugin). Its table holds only what has
 // not been sent yet. SQLite has no row locks, so there one relay runs per
@@ -66,6 +66,7 @@ import (
 	_ "modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/kafkaoutbox"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
@@ -262,10 +263,14 @@ func work(name string) error {
 	var ob *inbox.Outbox
 	crash := &crashAfterPublish{name: *instance}
 	if name == "billing" {
-		// The outbox relay's Kafka publisher, keyed by order as Orders'.
-		kafkaPub, err := kafka.NewPublisher(kafka.PublisherConfig{
+		// The outbox relay's Kafka publisher, keyed by order as Orders':
+		// kafkaoutbox sends each relay round's messages in one batch
+		// (watermill-kafka's publisher waits for each message's ack).
+		relayConfig := kafkaoutbox.DefaultSaramaConfig()
+		relayConfig.Version = sarama.V2_8_0_0
+		kafkaPub, err := kafkaoutbox.NewPublisher(kafka.PublisherConfig{
 			Brokers: strings.Split(*brokers, ","), Marshaler: kafka.NewWithPartitioningMarshaler(orderKey),
-			OverwriteSaramaConfig: publisherConfig(),
+			OverwriteSaramaConfig: relayConfig,
 		}, logger)
 		if err != nil {
 			return err

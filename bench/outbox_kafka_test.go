@@ -1,0 +1,93 @@
+package bench
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/kafkaoutbox"
+)
+
+// BenchmarkOutboxRelayToKafka/broker-<latency> relays a backlog of b.N
+// outbox messages on PostgreSQL to a kfake topic of 8 partitions whose
+// every produce request takes latency more (0: kfake in process; 2 ms: a
+// replicated cluster's acks=all), once through watermill-kafka's publisher
+// (one message per produce request and ack) and once through
+// kafkaoutbox's (each relay round's messages in one batch), each with its
+// default sarama settings. Reports each one's msgs/s and their ratio.
+func BenchmarkOutboxRelayToKafka(b *testing.B) {
+	for _, latency := range []time.Duration{0, 2 * time.Millisecond} {
+		b.Run("broker-"+latency.String(), func(b *testing.B) {
+			tdb := testdb.All[0]
+			for _, d := range databases() {
+				if d.Name == "postgres" {
+					tdb = d
+				}
+			}
+			db := tdb.Open(b)
+			rate := map[string]float64{}
+			for _, publisher := range []string{"watermill-kafka", "kafkaoutbox"} {
+				brokers := slowCluster(b, latency, "invoices")
+				var pub message.Publisher
+				var err error
+				marshaler := kafka.DefaultMarshaler{}
+				if publisher == "watermill-kafka" {
+					cfg := kafka.DefaultSaramaSyncPublisherConfig()
+					cfg.Version = sarama.V2_8_0_0
+					pub, err = kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: marshaler, OverwriteSaramaConfig: cfg}, watermill.NopLogger{})
+				} else {
+					cfg := kafkaoutbox.DefaultSaramaConfig()
+					cfg.Version = sarama.V2_8_0_0
+					pub, err = kafkaoutbox.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: marshaler, OverwriteSaramaConfig: cfg}, nil)
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+				ob := newBenchOutbox(b, db, tdb.Dialect, pub)
+				fillOutbox(b, db, ob.Publisher, "invoices", b.N)
+				start := time.Now()
+				for {
+					round := ob.RelayOnce(context.Background())
+					if round.Err != nil {
+						b.Fatal(round.Err)
+					}
+					if round.Relayed == 0 {
+						break
+					}
+				}
+				rate[publisher] = float64(b.N) / time.Since(start).Seconds()
+				pub.Close()
+			}
+			b.ReportMetric(rate["watermill-kafka"], "watermill-kafka-msgs/s")
+			b.ReportMetric(rate["kafkaoutbox"], "kafkaoutbox-msgs/s")
+			b.ReportMetric(rate["kafkaoutbox"]/rate["watermill-kafka"], "kafkaoutbox/watermill-kafka")
+		})
+	}
+}
+
+// slowCluster starts a kfake broker holding topic (8 partitions), closed
+// when b ends, whose every produce request takes latency more.
+func slowCluster(b *testing.B, latency time.Duration, topic string) []string {
+	b.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(kafkaPartitions, topic))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(c.Close)
+	if latency > 0 {
+		c.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+			c.KeepControl()
+			c.SleepControl(func() { time.Sleep(latency) })
+			return nil, nil, false
+		})
+	}
+	return c.ListenAddrs()
+}

@@ -1,0 +1,162 @@
+package kafkaoutbox_test
+
+import (
+	"context"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// partitions is the partition count of every topic the tests seed.
+const partitions = 4
+
+// startCluster starts a kfake broker holding topics, closed when t ends,
+// whose every produce request takes latency more (a replicated cluster's
+// acks=all), and returns its addresses and a count of the produce requests
+// it received.
+func startCluster(t *testing.T, latency time.Duration, topics ...string) ([]string, *atomic.Int64) {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topics...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	var produces atomic.Int64
+	c.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		produces.Add(1)
+		if latency > 0 {
+			c.SleepControl(func() { time.Sleep(latency) })
+		}
+		return nil, nil, false // the cluster handles it as usual
+	})
+	return c.ListenAddrs(), &produces
+}
+
+// byKey is the marshaler of the tests: a message's partition key is its
+// "key" metadata, as services key the events of one entity.
+func byKey() kafka.MarshalerUnmarshaler {
+	return kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
+		return msg.Metadata.Get("key"), nil
+	})
+}
+
+// saramaVersion is the protocol version of every client of the tests
+// (watermill-kafka's default, 1.0, works with kfake too).
+var saramaVersion = sarama.V2_8_0_0
+
+// publisherConfig is kafka.PublisherConfig for brokers with the tests'
+// marshaler and kafkaoutbox's default sarama settings at saramaVersion.
+func publisherConfig(brokers []string, sarama *sarama.Config) kafka.PublisherConfig {
+	sarama.Version = saramaVersion
+	return kafka.PublisherConfig{Brokers: brokers, Marshaler: byKey(), OverwriteSaramaConfig: sarama}
+}
+
+// subscribe returns a watermill-kafka subscriber of brokers in consumer
+// group group, reading from the oldest offset, closed when t ends.
+func subscribe(t *testing.T, brokers []string, group string) *kafka.Subscriber {
+	t.Helper()
+	cfg := kafka.DefaultSaramaSubscriberConfig()
+	cfg.Version = saramaVersion
+	cfg.Consumer.Offsets.Initial = sarama.OffsetOldest
+	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{Brokers: brokers, Unmarshaler: byKey(),
+		OverwriteSaramaConfig: cfg, ConsumerGroup: group}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sub.Close() })
+	return sub
+}
+
+// collect reads topic through sub, acking each message, until done says
+// what arrived is enough or 60 s passed, and returns the messages in
+// arrival order.
+func collect(t *testing.T, sub *kafka.Subscriber, topic string, done func([]*message.Message) bool) []*message.Message {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []*message.Message
+	for !done(got) {
+		select {
+		case m := <-ch:
+			got = append(got, m)
+			m.Ack()
+		case <-ctx.Done():
+			t.Fatalf("after 60 s, %d messages arrived on %s, not what the test waits for", len(got), topic)
+		}
+	}
+	return got
+}
+
+// count is collect's done for n messages.
+func count(n int) func([]*message.Message) bool {
+	return func(got []*message.Message) bool { return len(got) >= n }
+}
+
+// sqliteDB opens a SQLite file of t's own: the publisher does not depend on
+// the database, whose relay is tested on every database in the inbox
+// package.
+func sqliteDB(t *testing.T) *sqlx.DB {
+	return testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "outbox.db"))
+}
+
+// newOutbox returns the relay of db to pub, its table created.
+func newOutbox(t *testing.T, db *sqlx.DB, pub message.Publisher, maxAttempts int) *inbox.Outbox {
+	t.Helper()
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.SQLite, Publisher: pub, MaxAttempts: maxAttempts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return ob
+}
+
+// writeOutputs writes msgs for topic to ob's table in one transaction, as
+// a handler's outputs are written.
+func writeOutputs(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topic string, msgs ...*message.Message) {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := ob.Publisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(topic, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// relayAll runs relay rounds until one finds nothing to relay.
+func relayAll(t *testing.T, ob *inbox.Outbox) {
+	t.Helper()
+	for range 100 {
+		r := ob.RelayOnce(context.Background())
+		if r.Relayed+r.Failed+r.DeadLettered == 0 && r.Err == nil {
+			return
+		}
+	}
+	t.Fatal("the outbox still had messages after 100 relay rounds")
+}
