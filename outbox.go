@@ -117,8 +117,8 @@ type OutboxConfig struct {
 	// be negative. Default: DefaultOutboxMaxBackoff (5 s).
 	MaxBackoff time.Duration
 
-	// Logger receives an Error line for each failed relay round and a Warn
-	// line for each message set aside. Default: watermill.NopLogger.
+	// Logger receives an Error line for each failed relay round and for
+	// each message set aside. Default: watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every relay round that found
