@@ -118,7 +118,9 @@ type OutboxConfig struct {
 	MaxBackoff time.Duration
 
 	// Logger receives an Error line for each failed relay round and for
-	// each message set aside. Default: watermill.NopLogger.
+	// each message set aside, and one Info line when messages were
+	// committed while no relay ran in this process (5 PollIntervals after
+	// the first such commit). Default: watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every relay round that found
@@ -198,6 +200,11 @@ type Outbox struct {
 	// noInTxVar: the server has no @@in_transaction (MySQL; MariaDB has
 	// it), found by the first claimed INSERT that used it.
 	noInTxVar atomic.Bool
+	// relayStarted is set by the first Run; noRelayCheck schedules, at the
+	// first commit that wakes no relay, the one-time check of
+	// warnIfNoRelay.
+	relayStarted atomic.Bool
+	noRelayCheck sync.Once
 }
 
 func (c *OutboxConfig) setDefaults() {
@@ -599,12 +606,34 @@ func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any,
 // Close does nothing: the writer holds nothing of its own.
 func (w *outboxWriter) Close() error { return nil }
 
-// notify wakes the relay of this process, if it waits.
+// notify wakes the relay of this process, if it waits. The first commit
+// while no relay has started in this process schedules warnIfNoRelay.
 func (o *Outbox) notify() {
 	select {
 	case o.wake <- struct{}{}:
 	default:
 	}
+	if !o.relayStarted.Load() {
+		o.noRelayCheck.Do(func() { time.AfterFunc(noRelayGrace*o.cfg.PollInterval, o.warnIfNoRelay) })
+	}
+}
+
+// noRelayGrace is how many PollIntervals after the first commit
+// warnIfNoRelay waits for a relay to start (the router starts its plugins
+// and its handlers at the same time).
+const noRelayGrace = 5
+
+// warnIfNoRelay logs, once, that messages were committed to the outbox
+// while no relay ran in this process: without one (RouterPlugin, Run)
+// they stay in the table and nothing says so, unless another process
+// relays it.
+func (o *Outbox) warnIfNoRelay() {
+	if o.relayStarted.Load() {
+		return
+	}
+	o.logger.Info("Inbox outbox: messages were committed to the outbox and no relay runs in this process, so they "+
+		"stay in the table until one does: add router.AddPlugin(ob.RouterPlugin) or run ob.Run (ignore this when "+
+		"another process relays this table)", watermill.LogFields{"table": o.table.String()})
 }
 
 // Stats reads the outbox's depth, the age of its oldest message and the

@@ -26,6 +26,7 @@ const outboxRetryFirst = 50 * time.Millisecond
 // retried after a backoff. Run one relay per process; several processes
 // may each run one on the same table (see Outbox).
 func (o *Outbox) Run(ctx context.Context) error {
+	o.relayStarted.Store(true)
 	var backoff time.Duration
 	timer := time.NewTimer(0)
 	defer timer.Stop()

@@ -540,3 +540,64 @@ func TestOutboxRelayLeavesSynchronousCommitAsItWas(t *testing.T) {
 		assertOutboxEmpty(t, ob)
 	})
 }
+
+// Messages committed to the outbox while no relay runs in the process (the
+// router has no RouterPlugin, nothing calls Run) would stay in the table in
+// silence: the Outbox says so once, at Info, a few PollIntervals after the
+// first commit. With the relay running it says nothing.
+func TestOutboxSaysSoWhenNoRelayRunsInTheProcess(t *testing.T) {
+	for _, withRelay := range []bool{false, true} {
+		name := map[bool]string{false: "NoRelay", true: "RelayRunning"}[withRelay]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := sqliteDB(t)
+			logger := newCaptureLogger()
+			broker := newBrokerStub()
+			ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, PollInterval: 20 * time.Millisecond, Logger: logger})
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				if withRelay {
+					r.AddPlugin(ob.RouterPlugin)
+				}
+				r.AddMiddleware(ib.Middleware)
+				r.AddHandler("billing", "orders", in, "invoices", nil, func(msg *message.Message) ([]*message.Message, error) {
+					return []*message.Message{message.NewMessage(msg.UUID+"-invoice", nil)}, nil
+				})
+			})
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			if acked, err := in.send(ctx, message.NewMessage(watermill.NewUUID(), nil)); err != nil || !acked {
+				t.Fatalf("delivery: acked %v (%v)", acked, err)
+			}
+			said := func() int {
+				logger.mu.Lock()
+				defer logger.mu.Unlock()
+				n := 0
+				for _, l := range *logger.lines {
+					if strings.Contains(l.msg, "no relay runs in this process") {
+						n++
+					}
+				}
+				return n
+			}
+			if !withRelay {
+				waitFor(t, func() bool { return said() > 0 })
+				if _, err := in.send(ctx, message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(10 * 20 * time.Millisecond)
+				if n := said(); n != 1 {
+					t.Errorf("said %d times that no relay runs, want once", n)
+				}
+				return
+			}
+			waitFor(t, func() bool { return len(broker.uuids("invoices")) == 1 })
+			time.Sleep(10 * 20 * time.Millisecond) // twice the grace
+			if n := said(); n != 0 {
+				t.Errorf("said %d times that no relay runs while the relay ran", n)
+			}
+		})
+	}
+}
