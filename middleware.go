@@ -300,10 +300,14 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 // detach ends the message context's hold on the transaction once the
 // handler returned nil, and starts the commit bound.
 func (d *delivery) detach() error {
-	if !d.followMessage() {
-		// The message's context ended before the handler returned, and
-		// the transaction's context with it (database/sql has rolled the
-		// transaction back; end rolls back a native one).
+	// Stopped in time or not, a context that has ended by now ended before
+	// the handler returned, or as it did: the context package closes a
+	// context's Done channel before it cancels the contexts that follow it,
+	// so a handler that returned on <-Done can get here first and stop the
+	// follower, which then never ends the transaction's context.
+	if !d.followMessage() || d.sctx.Err() != nil {
+		// The transaction is rolled back: database/sql did it when its
+		// context ended; otherwise end does.
 		return fmt.Errorf("inbox: commit %q/%q: the message context ended before the handler returned: %w",
 			d.consumer, d.id, context.Cause(d.sctx))
 	}
