@@ -191,6 +191,15 @@ var ErrNoTx = errors.New("inbox: no inbox transaction in the message context")
 // has no Config.Outbox. Nothing was published. IsTransient reports false.
 var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")
 
+// ErrBrokerUnavailable is for an OutboxConfig.Publisher to wrap in its
+// error when the broker could not take the messages now (no leader for
+// the partition, a timeout, no connection), as opposed to refusing a
+// message for what it is (too large, not valid). The outbox relay never
+// sets aside a message whose last attempt failed with it, however many
+// attempts failed: it stays first in line for its topic until the broker
+// takes it. kafkaoutbox's Publisher wraps it for Kafka's retriable errors.
+var ErrBrokerUnavailable = errors.New("inbox: the broker cannot take the message now")
+
 // prefix starts the text of every error of this package.
 const prefix = "inbox: "
 

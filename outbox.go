@@ -107,9 +107,9 @@ type OutboxConfig struct {
 	// dead-letter table, so that it stops holding back the messages behind
 	// it on its topic. A message is set aside only once the broker has
 	// accepted the next message of the same topic (so a broker that is down
-	// sets nothing aside, however long the outage); until then it stays
-	// first in line. Must be at least 1. Default: DefaultOutboxMaxAttempts
-	// (10).
+	// sets nothing aside, however long the outage), and never when its
+	// refusal wraps ErrBrokerUnavailable; until then it stays first in
+	// line. Must be at least 1. Default: DefaultOutboxMaxAttempts (10).
 	MaxAttempts int
 
 	// MaxBackoff caps the wait after a failed relay round (a publish the

@@ -248,8 +248,10 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 // first the broker refuses, which keeps the rest of its topic for a later
 // round. A message refused on its last attempt is set aside only if the
 // next message of its topic is then accepted (the broker takes that topic,
-// so the message itself is the problem); otherwise it stays first in line
-// with its last attempt left.
+// so the message itself is the problem) and the refusal does not wrap
+// ErrBrokerUnavailable (a partition without a leader while its topic's
+// other partitions take messages); otherwise it stays first in line with
+// its last attempt left.
 func (o *Outbox) publish(rows []outboxRow) outboxBatch {
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
 	var topics []string
@@ -281,7 +283,9 @@ func (o *Outbox) publish(rows []outboxRow) outboxBatch {
 				b.sent = append(b.sent, r.ID)
 				continue
 			}
-			if r.Attempts+1 < o.cfg.MaxAttempts {
+			if r.Attempts+1 < o.cfg.MaxAttempts || errors.Is(err, ErrBrokerUnavailable) {
+				// Attempts left, or the broker's state rather than the
+				// message's: it stays first in line.
 				b.failed[r.ID] = err
 				break
 			}

@@ -263,6 +263,37 @@ func TestOutboxRelaySetsNothingAsideWhileTheBrokerIsDown(t *testing.T) {
 	})
 }
 
+// A message whose refusals wrap ErrBrokerUnavailable (its Kafka partition
+// has no leader while the topic's others take messages) is never set
+// aside, however many attempts fail: once the broker takes it, every
+// message is sent, in order.
+func TestOutboxRelayNeverSetsAsideWhatTheBrokerCannotTakeNow(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+		ids := writeOutbox(t, db, ob, "payments", 30)
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == ids[0] {
+				return fmt.Errorf("partition 0 has no leader: %w", inbox.ErrBrokerUnavailable)
+			}
+			return nil
+		})
+		for range 6 {
+			if round := ob.RelayOnce(context.Background()); round.DeadLettered != 0 {
+				t.Fatalf("round while the broker cannot take the first message: %+v, want nothing set aside", round)
+			}
+		}
+		broker.setRefuse(nil)
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
+			t.Errorf("sent %v, want all 30 in order", got)
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.DeadLettered != 0 {
+			t.Errorf("stats: %+v (%v), want no dead letter", stats, err)
+		}
+	})
+}
+
 // A transaction that wrote to the outbox first (lower id) and commits last
 // is not skipped: the relay keeps no offset, it sends what is there.
 func TestOutboxRelaySendsWhatCommitsOutOfIDOrder(t *testing.T) {

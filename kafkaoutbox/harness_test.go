@@ -3,6 +3,8 @@ package kafkaoutbox_test
 import (
 	"context"
 	"path/filepath"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -159,4 +161,81 @@ func relayAll(t *testing.T, ob *inbox.Outbox) {
 		}
 	}
 	t.Fatal("the outbox still had messages after 100 relay rounds")
+}
+
+// hungCluster starts a kfake broker holding topic that receives produce
+// requests and answers none until release is called (called when t ends
+// too), and returns its addresses and a channel that gets a value for each
+// produce request held.
+func hungCluster(t *testing.T, topic string) (brokers []string, held <-chan struct{}, release func()) {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topic))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(c.Close)
+	t.Cleanup(release) // runs before c.Close
+	heldCh := make(chan struct{}, 100)
+	c.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		select {
+		case heldCh <- struct{}{}:
+		default:
+		}
+		c.SleepControl(func() { <-gate })
+		return nil, nil, false
+	})
+	return c.ListenAddrs(), heldCh, release
+}
+
+// logLines is a watermill.LoggerAdapter that keeps the messages of its
+// Info and Error lines.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) add(msg string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, msg)
+}
+
+func (l *logLines) Error(msg string, _ error, _ watermill.LogFields) { l.add(msg) }
+func (l *logLines) Info(msg string, _ watermill.LogFields)           { l.add(msg) }
+func (l *logLines) Debug(string, watermill.LogFields)                {}
+func (l *logLines) Trace(string, watermill.LogFields)                {}
+func (l *logLines) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// containing returns how many kept lines contain part.
+func (l *logLines) containing(part string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range l.lines {
+		if strings.Contains(line, part) {
+			n++
+		}
+	}
+	return n
+}
+
+// produceError is the broker's answer to req that refuses every partition
+// of it with code.
+func produceError(req *kmsg.ProduceRequest, code int16) *kmsg.ProduceResponse {
+	resp := req.ResponseKind().(*kmsg.ProduceResponse)
+	for _, t := range req.Topics {
+		rt := kmsg.NewProduceResponseTopic()
+		rt.Topic, rt.TopicID = t.Topic, t.TopicID
+		for _, p := range t.Partitions {
+			rp := kmsg.NewProduceResponseTopicPartition()
+			rp.Partition, rp.ErrorCode, rp.BaseOffset = p.Partition, code, -1
+			rt.Partitions = append(rt.Partitions, rp)
+		}
+		resp.Topics = append(resp.Topics, rt)
+	}
+	return resp
 }

@@ -14,5 +14,9 @@ func TestMain(m *testing.M) {
 		// go-metrics, which sarama uses, starts one global goroutine for its
 		// meters on first use; it never ends by design.
 		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+		// sarama's circuit breaker (go-resiliency) sleeps out its timeout
+		// in a goroutine of its own after failed produce requests, even
+		// once the producer is closed; it ends by itself.
+		goleak.IgnoreTopFunction("github.com/eapache/go-resiliency/breaker.(*Breaker).timer"),
 	)
 }

@@ -23,21 +23,41 @@
 // Publish returns nil only once the broker acked every message; otherwise
 // it returns an error (sarama.ProducerErrors is reachable with errors.As)
 // and the relay keeps the rows and sends them again, with their UUIDs: at
-// least once. The default sarama configuration is watermill-kafka's
-// (kafka.DefaultSaramaSyncPublisherConfig) made safe for an outbox, whose
-// relay deletes a row once Publish returned nil:
+// least once. When every refusal is one the broker gives for its own state
+// (no leader for the partition, a timeout, not enough replicas, no
+// connection: Kafka's retriable errors), the error also wraps
+// inbox.ErrBrokerUnavailable, and the relay never sets those messages
+// aside. The default sarama configuration (DefaultSaramaConfig) is
+// watermill-kafka's made safe for an outbox, whose relay deletes a row once
+// Publish returned nil:
 //   - RequiredAcks WaitForAll: a message acked by the leader alone is lost
 //     if the leader fails before a follower copied it, after its row is
 //     gone (Kafka's acks=all; keep the topics' min.insync.replicas at 2 or
 //     more);
 //   - the idempotent producer with Net.MaxOpenRequests 1: a produce request
-//     the client retries cannot be overtaken by a later one, so a
-//     partition's messages keep the order the relay published them in, and
-//     a retry does not write a message twice (Kafka's enable.idempotence).
+//     the client retries cannot be overtaken by a later one, and a retry
+//     does not write a message twice (Kafka's enable.idempotence);
+//   - retries that last about 13 s, so that a leader election holds the
+//     partition's messages in sarama, in order, instead of failing them.
+//
+// A partition's messages are written in the order of the call, with one
+// exception: sarama may split a call's messages of one partition over
+// several produce requests, and when the broker refuses one of them for
+// good (an error Kafka does not retry, such as MESSAGE_TOO_LARGE, or a
+// retriable one that outlasts the retries) the later requests are still
+// written. Publish fails, the relay sends the whole batch again in order,
+// and the refused messages first arrive after later ones of their
+// partition.
 //
 // A configuration passed in kafka.PublisherConfig.OverwriteSaramaConfig is
-// used as given; NewPublisher logs a warning when it weakens either
-// setting.
+// used as given; NewPublisher logs a line at Info (Watermill's logger has
+// no warning level) when it is not idempotent or not acks=all.
+//
+// A message for a topic the cluster does not have fails on every round
+// once sarama's metadata retries are spent (UNKNOWN_TOPIC_OR_PARTITION, a
+// retriable error: it is never set aside) and holds back its topic; the
+// outbox's age and depth (Outbox.Stats, the metrics module's alerts) show
+// it.
 //
 // It is a package of its own so that the inbox core package does not import
 // watermill-kafka.
@@ -46,7 +66,11 @@ package kafkaoutbox
 import (
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"slices"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
@@ -59,28 +83,69 @@ import (
 // ErrPublisherClosed is returned by Publish after Close.
 var ErrPublisherClosed = errors.New("kafkaoutbox: publisher closed")
 
+// ErrCloseTimedOut is wrapped by Close's error when the Publish calls in
+// progress, or the producer's own close, did not end within the close
+// timeout (WithCloseTimeout): the broker has not answered them. Close then
+// returns without them; they end when sarama gives up, and the relay sends
+// their messages again (at least once).
+var ErrCloseTimedOut = errors.New("kafkaoutbox: close timed out")
+
+// DefaultCloseTimeout is how long Close waits for the Publish calls in
+// progress and the producer's close, unless WithCloseTimeout says
+// otherwise.
+const DefaultCloseTimeout = 10 * time.Second
+
 // Publisher publishes Watermill messages to Kafka, all the messages of one
 // Publish call in one batch. It implements message.Publisher and is safe
 // for concurrent use.
 type Publisher struct {
-	producer  sarama.SyncProducer
-	marshaler kafka.Marshaler
+	producer     sarama.SyncProducer
+	marshaler    kafka.Marshaler
+	closeTimeout time.Duration
 
-	mu     sync.RWMutex // Publish holds it shared, Close exclusively
-	closed bool
+	mu       sync.Mutex // guards closed and the inFlight.Add that follows its check
+	closed   bool
+	inFlight sync.WaitGroup // the Publish calls in progress
+}
+
+// Option changes a Publisher made by NewPublisher.
+type Option func(*Publisher)
+
+// WithCloseTimeout sets how long Close waits for the Publish calls in
+// progress and the producer's close before it returns ErrCloseTimedOut.
+// Must be positive. Default: DefaultCloseTimeout (10 s).
+func WithCloseTimeout(d time.Duration) Option {
+	return func(p *Publisher) {
+		if d > 0 {
+			p.closeTimeout = d
+		}
+	}
 }
 
 // DefaultSaramaConfig returns the sarama configuration NewPublisher uses
 // when config.OverwriteSaramaConfig is nil: watermill-kafka's
-// kafka.DefaultSaramaSyncPublisherConfig (Kafka 1.0 protocol, 10 retries,
-// client id "watermill") with RequiredAcks WaitForAll, the idempotent
-// producer and Net.MaxOpenRequests 1 (see the package documentation).
+// kafka.DefaultSaramaSyncPublisherConfig (Kafka 1.0 protocol, client id
+// "watermill") with
+//   - RequiredAcks WaitForAll, the idempotent producer and
+//     Net.MaxOpenRequests 1 (see the package documentation);
+//   - Producer.Retry.Max 10 with a backoff that doubles from 100 ms to 2 s
+//     (about 13 s in all), so that a partition whose leader is being
+//     elected waits in sarama, in order, instead of failing the call;
+//   - Metadata.Retry.Backoff 250 ms, sarama's own (watermill-kafka's 2 s
+//     made each call with a message for a topic that does not exist take
+//     12 s, and the relay's round with it).
+//
 // Start from it to change other settings.
 func DefaultSaramaConfig() *sarama.Config {
 	cfg := kafka.DefaultSaramaSyncPublisherConfig()
 	cfg.Producer.RequiredAcks = sarama.WaitForAll
 	cfg.Producer.Idempotent = true
 	cfg.Net.MaxOpenRequests = 1
+	cfg.Producer.Retry.Max = 10
+	cfg.Producer.Retry.BackoffFunc = func(retries, _ int) time.Duration {
+		return min(100*time.Millisecond<<min(max(retries-1, 0), 5), 2*time.Second) // 100, 200, … 1,600 ms, then 2 s
+	}
+	cfg.Metadata.Retry.Backoff = 250 * time.Millisecond
 	return cfg
 }
 
@@ -94,7 +159,7 @@ func DefaultSaramaConfig() *sarama.Config {
 // (Producer.Return.Successes false), is an error wrapping
 // inbox.ErrInvalidConfig; a broker that cannot be reached is sarama's error.
 // logger defaults to watermill.NopLogger{}.
-func NewPublisher(config kafka.PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
+func NewPublisher(config kafka.PublisherConfig, logger watermill.LoggerAdapter, options ...Option) (*Publisher, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
@@ -104,10 +169,11 @@ func NewPublisher(config kafka.PublisherConfig, logger watermill.LoggerAdapter) 
 	if err := validate(config); err != nil {
 		return nil, fmt.Errorf("%w: kafkaoutbox: %w", inbox.ErrInvalidConfig, err)
 	}
-	if p := config.OverwriteSaramaConfig.Producer; p.RequiredAcks != sarama.WaitForAll || (!p.Idempotent && config.OverwriteSaramaConfig.Net.MaxOpenRequests > 1) {
+	if p := config.OverwriteSaramaConfig.Producer; p.RequiredAcks != sarama.WaitForAll || !p.Idempotent {
 		logger.Info("kafkaoutbox: the sarama configuration weakens the outbox's guarantees: without "+
-			"RequiredAcks WaitForAll a leader failure can lose relayed messages; without Idempotent "+
-			"or Net.MaxOpenRequests 1 a retried request can reorder a partition's messages", watermill.LogFields{
+			"RequiredAcks WaitForAll a leader failure can lose relayed messages; without Idempotent a "+
+			"request whose answer was lost is written twice, and with Net.MaxOpenRequests over 1 a "+
+			"retried request can reorder a partition's messages", watermill.LogFields{
 			"required_acks": int(p.RequiredAcks), "idempotent": p.Idempotent,
 			"max_open_requests": config.OverwriteSaramaConfig.Net.MaxOpenRequests,
 		})
@@ -122,7 +188,11 @@ func NewPublisher(config kafka.PublisherConfig, logger watermill.LoggerAdapter) 
 	if config.Tracer != nil {
 		producer = config.Tracer.WrapSyncProducer(config.OverwriteSaramaConfig, producer)
 	}
-	return &Publisher{producer: producer, marshaler: config.Marshaler}, nil
+	p := &Publisher{producer: producer, marshaler: config.Marshaler, closeTimeout: DefaultCloseTimeout}
+	for _, o := range options {
+		o(p)
+	}
+	return p, nil
 }
 
 // validate reports every problem of config at once.
@@ -159,20 +229,53 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		}
 		batch[i] = m
 	}
-	p.mu.RLock()
-	defer p.mu.RUnlock()
+	p.mu.Lock()
 	if p.closed {
+		p.mu.Unlock()
 		return ErrPublisherClosed
 	}
+	p.inFlight.Add(1)
+	p.mu.Unlock()
+	defer p.inFlight.Done()
 	if err := p.producer.SendMessages(batch); err != nil {
 		var refused sarama.ProducerErrors
 		if errors.As(err, &refused) && len(refused) > 0 {
-			return fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %s): %w",
+			err = fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %s): %w",
 				len(refused), len(msgs), topic, refusedUUID(batch, msgs, refused[0]), err)
+			if allUnavailable(refused) {
+				err = fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)
+			}
+			return err
 		}
 		return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
 	}
 	return nil
+}
+
+// unavailable are the errors that say the broker could not take a message
+// now, not that it refuses the message: Kafka's retriable produce errors
+// (the protocol's error table), a broker that is not available, and
+// sarama's own for a cluster it cannot reach. A message refused with one of
+// them is never set aside by the relay (inbox.ErrBrokerUnavailable).
+var unavailable = []error{
+	sarama.ErrUnknownTopicOrPartition, sarama.ErrLeaderNotAvailable, sarama.ErrNotLeaderForPartition,
+	sarama.ErrRequestTimedOut, sarama.ErrBrokerNotAvailable, sarama.ErrNetworkException,
+	sarama.ErrNotEnoughReplicas, sarama.ErrNotEnoughReplicasAfterAppend, sarama.ErrKafkaStorageError,
+	sarama.ErrNotController, sarama.ErrFencedLeaderEpoch, sarama.ErrUnknownLeaderEpoch,
+	sarama.ErrThrottlingQuotaExceeded, sarama.ErrOutOfBrokers, sarama.ErrNotConnected, sarama.ErrShuttingDown,
+}
+
+// allUnavailable reports whether every refusal is one of unavailable, or a
+// network error.
+func allUnavailable(refused sarama.ProducerErrors) bool {
+	for _, e := range refused {
+		var netErr net.Error
+		if !slices.ContainsFunc(unavailable, func(u error) bool { return errors.Is(e.Err, u) }) &&
+			!errors.As(e.Err, &netErr) && !errors.Is(e.Err, io.EOF) && !errors.Is(e.Err, io.ErrUnexpectedEOF) {
+			return false
+		}
+	}
+	return true
 }
 
 // refusedUUID is the UUID of the message the broker refused with e, for the
@@ -186,17 +289,35 @@ func refusedUUID(batch []*sarama.ProducerMessage, msgs []*message.Message, e *sa
 	return "unknown"
 }
 
-// Close waits for the Publish calls in progress, then closes the producer.
-// It is safe to call more than once; later calls return nil.
+// Close makes later Publish calls fail with ErrPublisherClosed, waits for
+// the calls in progress, then closes the producer. When that takes longer
+// than the close timeout (a broker that does not answer: sarama waits for
+// it up to Net.ReadTimeout on every retry), Close returns an error wrapping
+// ErrCloseTimedOut and lets them end in the background. It is safe to call
+// more than once; later calls return nil.
 func (p *Publisher) Close() error {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.closed {
+		p.mu.Unlock()
 		return nil
 	}
 	p.closed = true
-	if err := p.producer.Close(); err != nil {
-		return fmt.Errorf("kafkaoutbox: close the Kafka producer: %w", err)
+	p.mu.Unlock()
+	done := make(chan error, 1)
+	go func() {
+		p.inFlight.Wait()
+		done <- p.producer.Close()
+	}()
+	timeout := time.NewTimer(p.closeTimeout)
+	defer timeout.Stop()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("kafkaoutbox: close the Kafka producer: %w", err)
+		}
+		return nil
+	case <-timeout.C:
+		return fmt.Errorf("%w after %s: the broker has not answered the messages in flight (the relay sends them again)",
+			ErrCloseTimedOut, p.closeTimeout)
 	}
-	return nil
 }

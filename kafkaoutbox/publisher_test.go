@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +15,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/kafkaoutbox"
@@ -247,4 +251,140 @@ func TestPublisher_PublishAfterCloseFails(t *testing.T) {
 	if err := pub.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
 	}
+}
+
+// A broker that does not answer does not hold Close for longer than the
+// close timeout: Close returns ErrCloseTimedOut, later Publish calls fail
+// at once, and the Publish in progress ends once the broker answers.
+func TestPublisher_CloseReturnsWhileTheBrokerDoesNotAnswer(t *testing.T) {
+	brokers, held, release := hungCluster(t, "invoices")
+	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, kafkaoutbox.DefaultSaramaConfig()), nil,
+		kafkaoutbox.WithCloseTimeout(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	published := make(chan error, 1)
+	go func() {
+		published <- pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice")))
+	}()
+	select {
+	case <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the produce request did not reach the broker in 30 s")
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- pub.Close() }()
+	select {
+	case err := <-closed:
+		if !errors.Is(err, kafkaoutbox.ErrCloseTimedOut) {
+			t.Errorf("Close with a Publish waiting for the broker: got %v, want ErrCloseTimedOut", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close still waits for the broker after 30 s")
+	}
+	if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), nil)); !errors.Is(err, kafkaoutbox.ErrPublisherClosed) {
+		t.Errorf("Publish after Close: got %v, want ErrPublisherClosed", err)
+	}
+	release()
+	if err := <-published; err != nil {
+		t.Errorf("the Publish in progress, once the broker answered: %v", err)
+	}
+}
+
+// A sarama configuration that weakens the outbox's guarantees is logged
+// when the publisher is made; the default one is not.
+func TestNewPublisher_LogsAConfigurationThatWeakensTheGuarantees(t *testing.T) {
+	brokers, _ := startCluster(t, 0, "invoices")
+	weak := func(change func(*sarama.Config)) *sarama.Config {
+		cfg := kafkaoutbox.DefaultSaramaConfig()
+		change(cfg)
+		return cfg
+	}
+	for name, tc := range map[string]struct {
+		cfg  *sarama.Config
+		logs bool
+	}{
+		"default":                          {kafkaoutbox.DefaultSaramaConfig(), false},
+		"acks=1":                           {weak(func(c *sarama.Config) { c.Producer.Idempotent = false; c.Producer.RequiredAcks = sarama.WaitForLocal }), true},
+		"not idempotent, one open request": {weak(func(c *sarama.Config) { c.Producer.Idempotent = false }), true},
+		"watermill-kafka's":                {kafka.DefaultSaramaSyncPublisherConfig(), true},
+	} {
+		t.Run(name, func(t *testing.T) {
+			logger := &logLines{}
+			pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, tc.cfg), logger)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pub.Close()
+			if logged := logger.containing("weakens the outbox's guarantees") > 0; logged != tc.logs {
+				t.Errorf("logged %v, want %v", logged, tc.logs)
+			}
+		})
+	}
+}
+
+// A partition without a leader (an election: LEADER_NOT_AVAILABLE) while
+// the topic's other partitions take messages is the broker's state, not
+// the message's: the relay sets nothing aside however many rounds fail,
+// and once the partition has a leader again every message arrives.
+func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(partitions, "invoices"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	for p := range int32(partitions) { // partition 0 on node 1, the others on node 0
+		node := int32(0)
+		if p == 0 {
+			node = 1
+		}
+		if err := c.MoveTopicPartition("invoices", p, node); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var leaderless atomic.Bool
+	leaderless.Store(true)
+	c.ControlKey(kmsg.Produce.Int16(), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		if c.CurrentNode() != 1 || !leaderless.Load() {
+			return nil, nil, false
+		}
+		return produceError(r.(*kmsg.ProduceRequest), kerr.LeaderNotAvailable.Code), nil, true
+	})
+	brokers := c.ListenAddrs()
+	cfg := kafkaoutbox.DefaultSaramaConfig() // short retries: one round fails fast
+	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
+	cfg.Metadata.Retry.Backoff = 10 * time.Millisecond
+	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, cfg), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	db := sqliteDB(t)
+	ob := newOutbox(t, db, pub, 2)
+	var msgs []*message.Message
+	want := map[string]bool{}
+	for i := range 40 {
+		m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+		m.Metadata.Set("key", "customer-"+strconv.Itoa(i))
+		msgs = append(msgs, m)
+		want[m.UUID] = true
+	}
+	writeOutputs(t, db, ob, "invoices", msgs...)
+	for range 6 {
+		if r := ob.RelayOnce(context.Background()); r.DeadLettered != 0 {
+			t.Fatalf("a round while partition 0 has no leader set %d messages aside", r.DeadLettered)
+		}
+	}
+	leaderless.Store(false)
+	relayAll(t, ob)
+	if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 0 {
+		t.Errorf("outbox: %+v (%v), want nothing pending or set aside", s, err)
+	}
+	collect(t, subscribe(t, brokers, "audit"), "invoices", func(got []*message.Message) bool {
+		for _, m := range got {
+			delete(want, m.UUID)
+		}
+		return len(want) == 0
+	})
 }
