@@ -23,27 +23,40 @@ const outboxRetryFirst = 50 * time.Millisecond
 // is followed by the next at once, a short one by a wait for a commit of
 // this process (through an Inbox whose Config.Outbox is ob.Publisher) or
 // for PollInterval. A failed round is logged, reported to OnRound and
-// retried after a backoff. Run one relay per process; several processes
+// retried after a backoff; a topic whose message the broker refused is
+// tried again after a wait of its own (doubling from 50 ms to MaxBackoff)
+// while the other topics go on. Run one relay per process; several processes
 // may each run one on the same table (see Outbox).
 func (o *Outbox) Run(ctx context.Context) error {
 	o.relayStarted.Store(true)
 	var backoff time.Duration
+	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
 		o.prepareInsertOne(ctx)
-		round := o.RelayOnce(ctx)
+		round := o.relayOnce(ctx, topics)
 		if ctx.Err() != nil {
 			return nil
 		}
 		wait, wake := o.cfg.PollInterval, o.wake
+		if next, ok := topics.next(time.Now()); ok {
+			wait = min(wait, next) // a topic the broker refused is tried again then
+		}
 		switch {
-		case round.Err != nil:
+		case round.Err != nil && round.Relayed+round.DeadLettered == 0:
+			// Nothing went through: the database or the whole broker is
+			// down.
 			backoff = min(max(2*backoff, outboxRetryFirst), o.cfg.MaxBackoff)
 			wait, wake = backoff, nil // a commit does not cut a backoff short
-		case round.Relayed+round.DeadLettered >= o.cfg.BatchSize:
+		case round.read >= o.cfg.BatchSize && round.skipped < round.read:
 			backoff = 0
-			continue
+			continue // a full round: more may be waiting
+		case round.skipped > 0 && round.Relayed+round.Failed+round.DeadLettered == 0:
+			// Every message read waits for its topic's retry: a commit
+			// would only read them again.
+			backoff = 0
+			wake = nil
 		default:
 			backoff = 0
 		}
@@ -69,6 +82,51 @@ func (o *Outbox) Run(ctx context.Context) error {
 		case <-timer.C:
 		}
 	}
+}
+
+// topicBackoff is Run's memory of the topics whose messages the broker
+// refused: each is skipped until its wait is over (doubling from
+// outboxRetryFirst up to MaxBackoff), so that a topic the broker keeps
+// refusing (one that does not exist, a partition without a leader) does
+// not slow the others down. Run's goroutine only.
+type topicBackoff struct {
+	max   time.Duration
+	waits map[string]topicWait
+}
+
+// topicWait is a refused topic's next try and its current wait.
+type topicWait struct {
+	until time.Time
+	wait  time.Duration
+}
+
+// skip reports whether topic waits for its next try at now.
+func (t *topicBackoff) skip(topic string, now time.Time) bool {
+	w, ok := t.waits[topic]
+	return ok && now.Before(w.until)
+}
+
+// refused doubles topic's wait and starts it at now.
+func (t *topicBackoff) refused(topic string, now time.Time) {
+	w := t.waits[topic]
+	w.wait = min(max(2*w.wait, outboxRetryFirst), t.max)
+	w.until = now.Add(w.wait)
+	t.waits[topic] = w
+}
+
+// accepted forgets topic's wait.
+func (t *topicBackoff) accepted(topic string) { delete(t.waits, topic) }
+
+// next returns how long until the first waiting topic may be tried, and
+// whether one waits.
+func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
+	var first time.Time
+	for _, w := range t.waits {
+		if first.IsZero() || w.until.Before(first) {
+			first = w.until
+		}
+	}
+	return max(first.Sub(now), 0), !first.IsZero()
 }
 
 // RouterPlugin checks the outbox tables (Verify, bounded by VerifyTimeout)
@@ -122,10 +180,11 @@ type outboxRow struct {
 
 // outboxBatch is what a round decided for the rows it read.
 type outboxBatch struct {
-	sent   []int64             // published: delete
-	failed map[int64]error     // refused: count the attempt
-	bury   map[int64]error     // refused for the last time while the broker accepts its topic
-	rows   map[int64]outboxRow // by id
+	sent    []int64             // published: delete
+	failed  map[int64]error     // refused: count the attempt
+	bury    map[int64]error     // refused for the last time while the broker accepts its topic
+	rows    map[int64]outboxRow // by id
+	skipped int                 // rows left untouched: their topic waits for its next try
 }
 
 // RelayOnce runs one relay round now: read up to BatchSize messages, publish
@@ -137,8 +196,21 @@ type outboxBatch struct {
 // again; on SQLite the rows are read without a lock and deleted in a short
 // transaction after the publishes.
 func (o *Outbox) RelayOnce(ctx context.Context) OutboxRound {
+	return o.relayOnce(ctx, nil).OutboxRound
+}
+
+// relayRound is a round's outcome with what Run needs beside it: the rows
+// it read, and how many of them it left for their topic's next try.
+type relayRound struct {
+	OutboxRound
+	read, skipped int
+}
+
+// relayOnce is RelayOnce, skipping the topics that wait in topics (nil:
+// none) and recording in it which topics the broker refused.
+func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound {
 	start := time.Now()
-	round := o.relay(ctx)
+	round := o.relay(ctx, topics)
 	round.Duration = time.Since(start)
 	if round.Err != nil && ctx.Err() == nil {
 		o.logger.Error("Inbox outbox relay round failed", round.Err, watermill.LogFields{
@@ -146,12 +218,12 @@ func (o *Outbox) RelayOnce(ctx context.Context) OutboxRound {
 		})
 	}
 	if o.cfg.OnRound != nil && (round.Relayed+round.Failed+round.DeadLettered > 0 || round.Err != nil) {
-		o.cfg.OnRound(round)
+		o.cfg.OnRound(round.OutboxRound)
 	}
 	return round
 }
 
-func (o *Outbox) relay(ctx context.Context) (round OutboxRound) {
+func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRound) {
 	db := o.cfg.DB
 	var read sqlx.QueryerContext = db
 	var tx *sqlx.Tx
@@ -160,45 +232,46 @@ func (o *Outbox) relay(ctx context.Context) (round OutboxRound) {
 		// READ COMMITTED: on MySQL/MariaDB the locking read then takes no
 		// gap locks, which would hold back the handlers' outbox inserts.
 		if tx, err = db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}); err != nil {
-			return OutboxRound{Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}
+			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 		read = tx
 	}
 	var rows []outboxRow
 	if err := sqlx.SelectContext(ctx, read, &rows, o.sql.selectBatch(o.cfg.BatchSize)); err != nil {
-		return OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
 	}
 	if len(rows) > 0 && o.sql.stillThere != nil {
 		var err error
 		if rows, err = o.keepExisting(ctx, read, rows); err != nil {
-			return OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}
+			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
 		}
 	}
 	if len(rows) == 0 {
 		return round
 	}
-	b := o.publish(rows)
-	round.Failed = len(b.failed) + len(b.bury)
+	round.read = len(rows)
+	b := o.publish(rows, topics)
+	round.Failed, round.skipped = len(b.failed)+len(b.bury), b.skipped
 	if tx == nil {
 		// SQLite: queued behind this process's other writers (see
 		// writerQueue), not polling for the write lock against them.
 		place, err := sqliteWriterQueue(db.DB).enter(ctx)
 		if err != nil {
-			return OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}
+			return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
 		}
 		defer place.leave()
 		if tx, err = db.BeginTxx(ctx, nil); err != nil {
-			return OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}
+			return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	}
 	if err := o.record(ctx, tx, b); err != nil {
-		return OutboxRound{Failed: round.Failed, Err: err}
+		return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: err}}
 	}
 	if err := tx.Commit(); err != nil {
 		// Published but not deleted: the next round sends them again.
-		return OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: commit: %w", err)}
+		return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: commit: %w", err)}}
 	}
 	round.Relayed, round.DeadLettered = len(b.sent), len(b.bury)
 	for id, err := range b.bury {
@@ -252,56 +325,82 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 // ErrBrokerUnavailable (a partition without a leader while its topic's
 // other partitions take messages); otherwise it stays first in line with
 // its last attempt left.
-func (o *Outbox) publish(rows []outboxRow) outboxBatch {
+//
+// With topics (Run's), a topic that waits for its next try is skipped (its
+// rows stay, untouched), and a topic whose first message in line the
+// broker refused is told to wait.
+func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff) outboxBatch {
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
-	var topics []string
+	var order []string // the topics, in the order of their first row
 	byTopic := map[string][]outboxRow{}
 	for _, r := range rows {
 		b.rows[r.ID] = r
 		if _, ok := byTopic[r.Topic]; !ok {
-			topics = append(topics, r.Topic)
+			order = append(order, r.Topic)
 		}
 		byTopic[r.Topic] = append(byTopic[r.Topic], r)
 	}
-	for _, topic := range topics {
+	now := time.Now()
+	for _, topic := range order {
 		group := byTopic[topic]
-		msgs, err := decodeOutboxRows(group)
-		if err == nil {
-			err = o.cfg.Publisher.Publish(topic, msgs...)
-		}
-		if err == nil {
-			for _, r := range group {
-				b.sent = append(b.sent, r.ID)
-			}
+		if topics != nil && topics.skip(topic, now) {
+			b.skipped += len(group)
 			continue
 		}
-		// One by one, to find the message the broker refuses. Those sent
-		// before it in the failed call go again: at least once.
-		for i, r := range group {
-			err := o.publishOne(r)
-			if err == nil {
-				b.sent = append(b.sent, r.ID)
-				continue
+		failedBefore := len(b.failed)
+		o.publishTopic(&b, topic, group)
+		if topics != nil {
+			if len(b.failed) > failedBefore {
+				topics.refused(topic, time.Now())
+			} else {
+				topics.accepted(topic)
 			}
-			if r.Attempts+1 < o.cfg.MaxAttempts || errors.Is(err, ErrBrokerUnavailable) {
-				// Attempts left, or the broker's state rather than the
-				// message's: it stays first in line.
-				b.failed[r.ID] = err
-				break
-			}
-			if i+1 < len(group) && o.publishOne(group[i+1]) == nil {
-				// Its successor went through: the message, not the broker,
-				// is the problem. The successor counts as sent.
-				// The rest of the topic waits for the next round, in order.
-				b.bury[r.ID] = err
-				b.sent = append(b.sent, group[i+1].ID)
-				break
-			}
-			b.failed[r.ID] = err // stays first in line
-			break
 		}
 	}
 	return b
+}
+
+// publishTopic publishes group, the messages of topic in id order, as
+// publish says, and records the outcome in b.
+func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow) {
+	msgs, err := decodeOutboxRows(group)
+	if err == nil {
+		err = o.cfg.Publisher.Publish(topic, msgs...)
+	}
+	if err == nil {
+		for _, r := range group {
+			b.sent = append(b.sent, r.ID)
+		}
+		return
+	}
+	// One by one, to find the message the broker refuses. Those sent
+	// before it in the failed call go again: at least once. A group of
+	// one has had its try.
+	for i, r := range group {
+		if i > 0 || len(group) > 1 {
+			err = o.publishOne(r)
+		}
+		if err == nil {
+			b.sent = append(b.sent, r.ID)
+			continue
+		}
+		if r.Attempts+1 < o.cfg.MaxAttempts || errors.Is(err, ErrBrokerUnavailable) {
+			// Attempts left, or the broker's state rather than the
+			// message's: it stays first in line.
+			b.failed[r.ID] = err
+			return
+		}
+		if i+1 < len(group) && o.publishOne(group[i+1]) == nil {
+			// Its successor went through: the message, not the broker, is
+			// the problem. The successor counts as sent. The rest of the
+			// topic waits for the next round, in order.
+			b.bury[r.ID] = err
+			b.sent = append(b.sent, group[i+1].ID)
+			return
+		}
+		b.failed[r.ID] = err // stays first in line
+		return
+	}
 }
 
 // publishOne publishes one row to its topic.

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,6 +293,51 @@ func TestOutboxRelayNeverSetsAsideWhatTheBrokerCannotTakeNow(t *testing.T) {
 			t.Errorf("stats: %+v (%v), want no dead letter", stats, err)
 		}
 	})
+}
+
+// A topic the broker keeps refusing, and slowly (a topic that does not
+// exist: sarama spends its metadata retries on it), does not slow the
+// relay's other topics down: Run tries it again only after a wait that
+// doubles, while every message of the other topic is relayed, in order.
+func TestOutboxRelayKeepsGoingPastATopicTheBrokerKeepsRefusing(t *testing.T) {
+	t.Parallel()
+	db := sqliteDB(t)
+	broker := newBrokerStub()
+	var strayTries atomic.Int32
+	broker.setRefuse(func(topic string, _ *message.Message) error {
+		if topic != "typo" {
+			return nil
+		}
+		strayTries.Add(1)
+		time.Sleep(100 * time.Millisecond)
+		return errors.New("unknown topic")
+	})
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, BatchSize: 50, MaxBackoff: time.Minute})
+	stray := writeOutbox(t, db, ob, "typo", 1)
+	var ids []string
+	for range 20 {
+		ids = append(ids, writeOutbox(t, db, ob, "payments", 50)...)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ob.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, func() bool { return len(broker.uuids("payments")) >= len(ids) })
+	if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
+		t.Errorf("payments sent: %d messages, want the %d written, in order", len(got), len(ids))
+	}
+	// 20 rounds at least; a wait that doubles from 50 ms allows a handful
+	// of tries in the time they take.
+	if n := strayTries.Load(); n > 12 {
+		t.Errorf("the refused topic was tried %d times while 20 rounds relayed the other, want a few", n)
+	}
+	waitFor(t, func() bool { // the last round's deletes commit after its publish
+		stats, err := ob.Stats(context.Background())
+		return err == nil && stats.Pending == 1
+	})
+	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 1 || stats.DeadLettered != 0 {
+		t.Errorf("stats: %+v (%v), want the refused message (%s) alone pending", stats, err, stray[0])
+	}
 }
 
 // A transaction that wrote to the outbox first (lower id) and commits last
