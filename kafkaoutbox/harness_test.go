@@ -19,6 +19,7 @@ import (
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/kafkaoutbox"
 )
 
 // partitions is the partition count of every topic the tests seed.
@@ -129,6 +130,32 @@ func newOutbox(t *testing.T, db *sqlx.DB, pub message.Publisher, maxAttempts int
 		t.Fatal(err)
 	}
 	return ob
+}
+
+// newRelay returns a SQLite database of t's own and the relay of its
+// outbox to brokers through kafkaoutbox's publisher with sarama settings
+// cfg (closed when t ends), setting a message aside after maxAttempts.
+func newRelay(t *testing.T, brokers []string, cfg *sarama.Config, maxAttempts int) (*sqlx.DB, *inbox.Outbox) {
+	t.Helper()
+	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, cfg), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pub.Close() })
+	db := sqliteDB(t)
+	return db, newOutbox(t, db, pub, maxAttempts)
+}
+
+// collectAll reads topic from the oldest offset until every UUID in want
+// arrived (removing them from want), and returns what arrived.
+func collectAll(t *testing.T, brokers []string, topic string, want map[string]bool) []*message.Message {
+	t.Helper()
+	return collect(t, subscribe(t, brokers, "audit"), topic, func(got []*message.Message) bool {
+		for _, m := range got {
+			delete(want, m.UUID)
+		}
+		return len(want) == 0
+	})
 }
 
 // writeOutputs writes msgs for topic to ob's table in one transaction, as

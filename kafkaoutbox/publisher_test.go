@@ -170,13 +170,7 @@ func TestRelayThroughKafkaPublisher_SetsAsideAMessageTheBrokerRefuses(t *testing
 	brokers, _ := startCluster(t, 0, "invoices")
 	cfg := kafkaoutbox.DefaultSaramaConfig()
 	cfg.Producer.MaxMessageBytes = 10_000
-	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, cfg), watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pub.Close()
-	db := sqliteDB(t)
-	ob := newOutbox(t, db, pub, 2)
+	db, ob := newRelay(t, brokers, cfg, 2)
 	var msgs []*message.Message
 	want := map[string]bool{}
 	for i := range 11 {
@@ -202,13 +196,7 @@ func TestRelayThroughKafkaPublisher_SetsAsideAMessageTheBrokerRefuses(t *testing
 		t.Errorf("outbox: %d pending and %d dead letters, want 0 and 1", s.Pending, s.DeadLettered)
 	}
 	// At least once: messages the failed batch carried are sent again.
-	got := collect(t, subscribe(t, brokers, "audit"), "invoices", func(got []*message.Message) bool {
-		for _, m := range got {
-			delete(want, m.UUID)
-		}
-		return len(want) == 0
-	})
-	for _, m := range got {
+	for _, m := range collectAll(t, brokers, "invoices", want) {
 		if len(m.Payload) > 1000 {
 			t.Errorf("the refused message %s arrived", m.UUID)
 		}
@@ -355,13 +343,7 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 	cfg := kafkaoutbox.DefaultSaramaConfig() // short retries: one round fails fast
 	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
 	cfg.Metadata.Retry.Backoff = 10 * time.Millisecond
-	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, cfg), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pub.Close()
-	db := sqliteDB(t)
-	ob := newOutbox(t, db, pub, 2)
+	db, ob := newRelay(t, brokers, cfg, 2)
 	var msgs []*message.Message
 	want := map[string]bool{}
 	for i := range 40 {
@@ -381,10 +363,5 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 	if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 0 {
 		t.Errorf("outbox: %+v (%v), want nothing pending or set aside", s, err)
 	}
-	collect(t, subscribe(t, brokers, "audit"), "invoices", func(got []*message.Message) bool {
-		for _, m := range got {
-			delete(want, m.UUID)
-		}
-		return len(want) == 0
-	})
+	collectAll(t, brokers, "invoices", want)
 }
