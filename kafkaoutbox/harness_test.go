@@ -266,3 +266,35 @@ func produceError(req *kmsg.ProduceRequest, code int16) *kmsg.ProduceResponse {
 	}
 	return resp
 }
+
+// faultyCluster starts a kfake broker holding topic, closed when t ends,
+// and returns its addresses, refuseNext, which makes it refuse the next
+// produce request, every partition of it, with Kafka error code, and
+// refused, the number of records that request carried (0 until then).
+func faultyCluster(t *testing.T, topic string) (brokers []string, refuseNext func(code int16), refused func() int) {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topic))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	var next, records atomic.Int32 // the code to refuse the next request with (0: none); its records
+	c.ControlKey(kmsg.Produce.Int16(), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		code := int16(next.Swap(0))
+		if code == 0 {
+			return nil, nil, false
+		}
+		req := r.(*kmsg.ProduceRequest)
+		for _, t := range req.Topics {
+			for _, p := range t.Partitions {
+				var batch kmsg.RecordBatch
+				if batch.ReadFrom(p.Records) == nil {
+					records.Add(batch.NumRecords)
+				}
+			}
+		}
+		return produceError(req, code), nil, true
+	})
+	return c.ListenAddrs(), func(code int16) { next.Store(int32(code)) }, func() int { return int(records.Load()) }
+}

@@ -38,16 +38,20 @@
 //     the client retries cannot be overtaken by a later one, and a retry
 //     does not write a message twice (Kafka's enable.idempotence);
 //   - retries that last about 13 s, so that a leader election holds the
-//     partition's messages in sarama, in order, instead of failing them.
+//     partition's messages in sarama, in order, instead of failing them;
+//   - Producer.Flush.Frequency 5 ms: sarama gathers a call's messages for
+//     5 ms and sends them in one produce request per broker, refused or
+//     written together (it sends the first message of an idle producer
+//     alone otherwise).
 //
 // A partition's messages are written in the order of the call, with one
-// exception: sarama may split a call's messages of one partition over
-// several produce requests, and when the broker refuses one of them for
-// good (an error Kafka does not retry, such as MESSAGE_TOO_LARGE, or a
-// retriable one that outlasts the retries) the later requests are still
-// written. Publish fails, the relay sends the whole batch again in order,
-// and the refused messages first arrive after later ones of their
-// partition.
+// exception: when a call's messages of one partition do not go in one
+// request (more than Producer.MaxMessageBytes of them, 1 MB, or more than
+// 5 ms to hand to sarama) and the broker refuses one request for good (an
+// error it does not retry, or a retriable one that outlasts the retries),
+// the later requests are still written. Publish fails, the relay sends the
+// whole batch again in order, and the refused messages first arrive after
+// later ones of their partition.
 //
 // A configuration passed in kafka.PublisherConfig.OverwriteSaramaConfig is
 // used as given; NewPublisher logs a line at Info (Watermill's logger has
@@ -133,7 +137,8 @@ func WithCloseTimeout(d time.Duration) Option {
 //     elected waits in sarama, in order, instead of failing the call;
 //   - Metadata.Retry.Backoff 250 ms, sarama's own (watermill-kafka's 2 s
 //     made each call with a message for a topic that does not exist take
-//     12 s, and the relay's round with it).
+//     12 s, and the relay's round with it);
+//   - Producer.Flush.Frequency 5 ms (see the package documentation).
 //
 // Start from it to change other settings.
 func DefaultSaramaConfig() *sarama.Config {
@@ -146,6 +151,7 @@ func DefaultSaramaConfig() *sarama.Config {
 		return min(100*time.Millisecond<<min(max(retries-1, 0), 5), 2*time.Second) // 100, 200, … 1,600 ms, then 2 s
 	}
 	cfg.Metadata.Retry.Backoff = 250 * time.Millisecond
+	cfg.Producer.Flush.Frequency = 5 * time.Millisecond
 	return cfg
 }
 
