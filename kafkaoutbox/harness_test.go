@@ -25,26 +25,41 @@ import (
 // partitions is the partition count of every topic the tests seed.
 const partitions = 4
 
+// controlledCluster starts a kfake cluster of nodes brokers holding topics
+// (closed when t ends) that shows every produce request to onProduce
+// first: onProduce returns the answer to send instead, or nil to let the
+// cluster handle the request (after any c.SleepControl it called).
+func controlledCluster(t *testing.T, nodes int, onProduce func(c *kfake.Cluster, req *kmsg.ProduceRequest) kmsg.Response, topics ...string) *kfake.Cluster {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(nodes), kfake.SeedTopics(partitions, topics...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	c.ControlKey(kmsg.Produce.Int16(), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		if resp := onProduce(c, r.(*kmsg.ProduceRequest)); resp != nil {
+			return resp, nil, true
+		}
+		return nil, nil, false
+	})
+	return c
+}
+
 // startCluster starts a kfake broker holding topics, closed when t ends,
 // whose every produce request takes latency more (a replicated cluster's
 // acks=all), and returns its addresses and a count of the produce requests
 // it received.
 func startCluster(t *testing.T, latency time.Duration, topics ...string) ([]string, *atomic.Int64) {
 	t.Helper()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topics...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(c.Close)
 	var produces atomic.Int64
-	c.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
-		c.KeepControl()
+	c := controlledCluster(t, 1, func(c *kfake.Cluster, _ *kmsg.ProduceRequest) kmsg.Response {
 		produces.Add(1)
 		if latency > 0 {
 			c.SleepControl(func() { time.Sleep(latency) })
 		}
-		return nil, nil, false // the cluster handles it as usual
-	})
+		return nil
+	}, topics...)
 	return c.ListenAddrs(), &produces
 }
 
@@ -196,25 +211,19 @@ func relayAll(t *testing.T, ob *inbox.Outbox) {
 // produce request held.
 func hungCluster(t *testing.T, topic string) (brokers []string, held <-chan struct{}, release func()) {
 	t.Helper()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topic))
-	if err != nil {
-		t.Fatal(err)
-	}
 	gate := make(chan struct{})
 	var once sync.Once
 	release = func() { once.Do(func() { close(gate) }) }
-	t.Cleanup(c.Close)
-	t.Cleanup(release) // runs before c.Close
 	heldCh := make(chan struct{}, 100)
-	c.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
-		c.KeepControl()
+	c := controlledCluster(t, 1, func(c *kfake.Cluster, _ *kmsg.ProduceRequest) kmsg.Response {
 		select {
 		case heldCh <- struct{}{}:
 		default:
 		}
 		c.SleepControl(func() { <-gate })
-		return nil, nil, false
-	})
+		return nil
+	}, topic)
+	t.Cleanup(release) // runs before the cluster's Close
 	return c.ListenAddrs(), heldCh, release
 }
 
@@ -273,19 +282,12 @@ func produceError(req *kmsg.ProduceRequest, code int16) *kmsg.ProduceResponse {
 // refused, the number of records that request carried (0 until then).
 func faultyCluster(t *testing.T, topic string) (brokers []string, refuseNext func(code int16), refused func() int) {
 	t.Helper()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topic))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(c.Close)
 	var next, records atomic.Int32 // the code to refuse the next request with (0: none); its records
-	c.ControlKey(kmsg.Produce.Int16(), func(r kmsg.Request) (kmsg.Response, error, bool) {
-		c.KeepControl()
+	c := controlledCluster(t, 1, func(_ *kfake.Cluster, req *kmsg.ProduceRequest) kmsg.Response {
 		code := int16(next.Swap(0))
 		if code == 0 {
-			return nil, nil, false
+			return nil
 		}
-		req := r.(*kmsg.ProduceRequest)
 		for _, t := range req.Topics {
 			for _, p := range t.Partitions {
 				var batch kmsg.RecordBatch
@@ -294,7 +296,7 @@ func faultyCluster(t *testing.T, topic string) (brokers []string, refuseNext fun
 				}
 			}
 		}
-		return produceError(req, code), nil, true
-	})
+		return produceError(req, code)
+	}, topic)
 	return c.ListenAddrs(), func(code int16) { next.Store(int32(code)) }, func() int { return int(records.Load()) }
 }

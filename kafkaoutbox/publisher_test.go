@@ -316,11 +316,14 @@ func TestNewPublisher_LogsAConfigurationThatWeakensTheGuarantees(t *testing.T) {
 // the message's: the relay sets nothing aside however many rounds fail,
 // and once the partition has a leader again every message arrives.
 func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t *testing.T) {
-	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(partitions, "invoices"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(c.Close)
+	var leaderless atomic.Bool
+	leaderless.Store(true)
+	c := controlledCluster(t, 2, func(c *kfake.Cluster, req *kmsg.ProduceRequest) kmsg.Response {
+		if c.CurrentNode() != 1 || !leaderless.Load() {
+			return nil
+		}
+		return produceError(req, kerr.LeaderNotAvailable.Code)
+	}, "invoices")
 	for p := range int32(partitions) { // partition 0 on node 1, the others on node 0
 		node := int32(0)
 		if p == 0 {
@@ -330,15 +333,6 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 			t.Fatal(err)
 		}
 	}
-	var leaderless atomic.Bool
-	leaderless.Store(true)
-	c.ControlKey(kmsg.Produce.Int16(), func(r kmsg.Request) (kmsg.Response, error, bool) {
-		c.KeepControl()
-		if c.CurrentNode() != 1 || !leaderless.Load() {
-			return nil, nil, false
-		}
-		return produceError(r.(*kmsg.ProduceRequest), kerr.LeaderNotAvailable.Code), nil, true
-	})
 	brokers := c.ListenAddrs()
 	cfg := kafkaoutbox.DefaultSaramaConfig() // short retries: one round fails fast
 	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
