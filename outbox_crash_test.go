@@ -399,9 +399,10 @@ func TestOutboxRelayStoppedMidPublishLosesNothing(t *testing.T) {
 
 // Two relays (Run) on one table while four writers keep committing: every
 // committed message reaches the broker, each copy as it was committed, and
-// the table ends empty. Their locked reads (FOR UPDATE SKIP LOCKED) skip
-// each other's rows; the copies sent twice, if any, are logged (at least
-// once allows them).
+// the table ends empty, and no message is sent twice: their locked reads
+// (FOR UPDATE SKIP LOCKED) skip each other's rows, and neither round waits
+// for the other's rows (on MariaDB a deadlock between their deletes rolled
+// one back after its publish, which sent its messages again).
 func TestOutboxTwoRelaysWhileWritersCommit(t *testing.T) {
 	for _, tdb := range crashDBs(t, "postgres", "mysql") {
 		t.Run(tdb.Name, func(t *testing.T) {
@@ -460,9 +461,12 @@ func TestOutboxTwoRelaysWhileWritersCommit(t *testing.T) {
 			got := arrived()
 			dups := ledger.check(got)
 			assertOutboxEmpty(t, ob)
-			t.Logf("%d messages committed by 4 writers; relayed %d and %d by the two relays; %d sent twice",
+			t.Logf("%d messages committed by 4 writers; relayed %d and %d by the two relays",
 				ledger.committed(), len(brokers[0].messages("invoices"))+len(brokers[0].messages("mails")),
-				len(brokers[1].messages("invoices"))+len(brokers[1].messages("mails")), dups)
+				len(brokers[1].messages("invoices"))+len(brokers[1].messages("mails")))
+			if dups > 0 {
+				t.Errorf("%d messages sent twice by the two relays, want none", dups)
+			}
 		})
 	}
 }
