@@ -149,8 +149,12 @@ func (o *Outbox) RouterPlugin(r *message.Router) error {
 
 // Verify checks that the outbox table and its dead-letter table exist and
 // that the relay can read the outbox: an error wrapping ErrTableNotFound
-// (run InitializeSchema, or apply SchemaSQL) or the driver's error. It
-// reads the catalog and no row, in one short transaction.
+// (run InitializeSchema, or apply SchemaSQL) or the driver's error, also
+// when the database user lacks a privilege the relay needs or the server
+// its syntax (FOR UPDATE SKIP LOCKED: MySQL 8.0.4+, MariaDB 10.6+;
+// JSON_TABLE on MySQL/MariaDB). It reads the catalog and runs each kind of
+// the relay's statements on no row; on PostgreSQL in one transaction that
+// it rolls back, elsewhere each on its own, changing nothing.
 func (o *Outbox) Verify(ctx context.Context) error {
 	err := withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
 		for _, t := range []qualifiedName{o.table, o.dead} {
@@ -163,7 +167,21 @@ func (o *Outbox) Verify(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("inbox: outbox table %q cannot be read by the relay (compare with Outbox.SchemaSQL): %w", o.table, err)
 		}
-		return rows.Close()
+		if err := rows.Close(); err != nil {
+			return err
+		}
+		for _, stmt := range o.sql.probeStatements {
+			rows, err := q.QueryxContext(ctx, stmt)
+			if err == nil {
+				err = rows.Close()
+			}
+			if err != nil {
+				return fmt.Errorf("inbox: the outbox relay cannot run its statements on table %q (it needs SELECT, INSERT,"+
+					" UPDATE and DELETE on it and INSERT on its dead-letter table, and FOR UPDATE SKIP LOCKED: MySQL 8.0.4+,"+
+					" MariaDB 10.6+, which also have the JSON_TABLE it uses): %s: %w", o.table, stmt, err)
+			}
+		}
+		return nil
 	})
 	return poolerHint(err)
 }

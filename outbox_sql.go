@@ -54,6 +54,13 @@ type outboxSQL struct {
 	bury string
 	// probe reads no row of every column the relay reads (Outbox.Verify).
 	probe string
+	// probeStatements run each kind of the relay's statements on no row
+	// (Outbox.Verify): its locking read, the attempt count, the move to
+	// the dead-letter table and the DELETE, last. A server without their
+	// syntax (FOR UPDATE SKIP LOCKED, JSON_TABLE) or a database user without
+	// the privileges they need is then told at startup, not at the first
+	// round or the first message the broker refuses.
+	probeStatements []string
 	// stats returns the number of rows, the age of the oldest one in
 	// microseconds (NULL when empty) and the number of dead letters.
 	stats string
@@ -94,6 +101,13 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		},
 		locks: lock != "",
 		probe: "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
+		probeStatements: []string{
+			"SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0 ORDER BY id" + lock,
+			"UPDATE " + q + " SET attempts = attempts + 1, last_error = NULL WHERE 1 = 0",
+			"INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
+				", created_at, attempts, last_error, " + now + " FROM " + q + " WHERE 1 = 0",
+			"DELETE FROM " + q + " WHERE 1 = 0",
+		},
 		deleteIDs: func(ids []int64) string {
 			return "DELETE FROM " + q + " WHERE id IN (" + idList(ids) + ")"
 		},
@@ -162,6 +176,7 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 		"UTC_TIMESTAMP(6)", "TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6))", " FOR UPDATE SKIP LOCKED")
 	s.stillThere = mysqlStillThere(t)
 	s.deleteIDs = mysqlDeleteIDs(t)
+	s.probeStatements[len(s.probeStatements)-1] = s.deleteIDs(nil)
 	s.claimedInsert = mysqlClaimedInsert(t)
 	return s
 }

@@ -1,0 +1,99 @@
+package inbox_test
+
+import (
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+
+	"github.com/go-sql-driver/mysql"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// Verify (and so RouterPlugin, before the router starts) refuses a database
+// user that can write outbox rows but not relay them: without UPDATE the
+// relay could not count a refused message's attempts, without DELETE not
+// remove what it sent. The error names the statement that failed. A user
+// with the privileges passes.
+func TestOutboxVerifyRefusesAUserWhoCannotRelay(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite has no users")
+		}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
+		table := relayTable(t, ob)
+		user := "outbox_user_" + randomSuffix()
+		limited := openAs(t, db, tdb, user, table)
+
+		relay, err := inbox.NewOutbox(inbox.OutboxConfig{DB: limited, Dialect: tdb.Dialect, Table: table, Publisher: newBrokerStub()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = relay.Verify(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "cannot run its statements") || !strings.Contains(err.Error(), "UPDATE") {
+			t.Fatalf("Verify with SELECT and INSERT only: %v; want the refused UPDATE named", err)
+		}
+		exec(t, db, "GRANT UPDATE, DELETE ON "+table+" TO "+grantee(tdb, user))
+		if err := relay.Verify(context.Background()); err != nil {
+			t.Errorf("Verify with every privilege the relay needs: %v", err)
+		}
+		writeOutbox(t, db, ob, "orders", 3)
+		if round := relay.RelayOnce(context.Background()); round.Err != nil || round.Relayed != 3 {
+			t.Errorf("relayed %d, error %v; want 3", round.Relayed, round.Err)
+		}
+	})
+}
+
+// grantee is user as GRANT names it.
+func grantee(tdb testDB, user string) string {
+	if tdb.Dialect == inbox.MySQL {
+		return "'" + user + "'@'%'"
+	}
+	return user
+}
+
+// openAs creates user with SELECT and INSERT on table and INSERT on its
+// dead-letter table, drops it when the test ends, and opens a pool that
+// logs in as it.
+func openAs(t *testing.T, db *sqlx.DB, tdb testDB, user, table string) *sqlx.DB {
+	t.Helper()
+	var dsn string
+	if tdb.Dialect == inbox.MySQL {
+		exec(t, db, "CREATE USER '"+user+"'@'%'")
+		t.Cleanup(func() { _, _ = db.Exec("DROP USER '" + user + "'@'%'") })
+		cfg, err := mysql.ParseDSN(testdb.MySQLDSN())
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.User, cfg.Passwd = user, ""
+		dsn = cfg.FormatDSN()
+	} else {
+		exec(t, db, "CREATE ROLE "+user+" LOGIN")
+		t.Cleanup(func() {
+			_, _ = db.Exec("DROP OWNED BY " + user)
+			_, _ = db.Exec("DROP ROLE " + user)
+		})
+		exec(t, db, "GRANT USAGE ON SCHEMA public TO "+user)
+		u, err := url.Parse(testdb.PostgresDSN())
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.User = url.User(user)
+		dsn = u.String()
+	}
+	exec(t, db, "GRANT SELECT, INSERT ON "+table+" TO "+grantee(tdb, user))
+	exec(t, db, "GRANT INSERT ON "+table+"_dead TO "+grantee(tdb, user))
+	driver := map[inbox.Dialect]string{inbox.MySQL: "mysql"}[tdb.Dialect]
+	if driver == "" {
+		driver = "pgx"
+	}
+	limited, err := sqlx.Open(driver, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { limited.Close() })
+	return limited
+}
