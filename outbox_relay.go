@@ -22,11 +22,15 @@ const outboxRetryFirst = 50 * time.Millisecond
 // BatchSize messages, publishes them and deletes their rows; a full round
 // is followed by the next at once, a short one by a wait for a commit of
 // this process (through an Inbox whose Config.Outbox is ob.Publisher) or
-// for PollInterval. A failed round is logged, reported to OnRound and
-// retried after a backoff; a topic whose message the broker refused is
-// tried again after a wait of its own (doubling from 50 ms to MaxBackoff)
-// while the other topics go on. Run one relay per process; several processes
-// may each run one on the same table (see Outbox).
+// for PollInterval. A round that fails on the database is logged, reported
+// to OnRound and retried after a backoff (doubling from 50 ms to
+// MaxBackoff). A topic whose message the broker refused is tried again
+// after a wait of its own (the same doubling), and the rounds meanwhile
+// leave its rows out of their reads, so the other topics go on however
+// many of its messages are first in the table; a refused topic whose
+// messages left the table another way (another relay instance sent them)
+// is forgotten. Run one relay per process; several processes may each run
+// one on the same table (see Outbox).
 func (o *Outbox) Run(ctx context.Context) error {
 	o.relayStarted.Store(true)
 	var backoff time.Duration
@@ -44,9 +48,10 @@ func (o *Outbox) Run(ctx context.Context) error {
 			wait = min(wait, next) // a topic the broker refused is tried again then
 		}
 		switch {
-		case round.Err != nil && round.Relayed+round.DeadLettered == 0:
-			// Nothing went through: the database or the whole broker is
-			// down.
+		case round.Err != nil && round.Relayed+round.DeadLettered+round.Failed == 0:
+			// The round failed before the broker had its say: the database
+			// is down or refuses the relay's statements. (What the broker
+			// refuses waits per topic, and the next round leaves it out.)
 			backoff = min(max(2*backoff, outboxRetryFirst), o.cfg.MaxBackoff)
 			wait, wake = backoff, nil // a commit does not cut a backoff short
 		case round.read >= o.cfg.BatchSize && round.skipped < round.read:
@@ -116,6 +121,37 @@ func (t *topicBackoff) refused(topic string, now time.Time) {
 
 // accepted forgets topic's wait.
 func (t *topicBackoff) accepted(topic string) { delete(t.waits, topic) }
+
+// waiting returns the topics that wait for their next try at now.
+func (t *topicBackoff) waiting(now time.Time) []any {
+	var topics []any
+	for topic := range t.waits {
+		if t.skip(topic, now) {
+			topics = append(topics, topic)
+		}
+	}
+	return topics
+}
+
+// forgetAllBut forgets the waits of the topics that have no row in rows
+// and are not in kept.
+func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
+	if len(t.waits) == len(kept) {
+		return
+	}
+	present := make(map[string]bool, len(kept))
+	for _, topic := range kept {
+		present[topic.(string)] = true
+	}
+	for _, r := range rows {
+		present[r.Topic] = true
+	}
+	for topic := range t.waits {
+		if !present[topic] {
+			delete(t.waits, topic)
+		}
+	}
+}
 
 // next returns how long until the first waiting topic may be tried, and
 // whether one waits.
@@ -255,9 +291,22 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 		read = tx
 	}
+	// The rows of the topics that wait for their next try are left out of
+	// the read, so that a topic the broker refuses, however many rows it
+	// has at the head of the table, leaves the batch to the others.
+	var waiting []any
+	if topics != nil {
+		waiting = topics.waiting(time.Now())
+	}
 	var rows []outboxRow
-	if err := sqlx.SelectContext(ctx, read, &rows, o.sql.selectBatch(o.cfg.BatchSize)); err != nil {
+	if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting))), waiting...); err != nil {
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
+	}
+	if topics != nil && len(rows) < o.cfg.BatchSize {
+		// The read saw every row of the topics it did not leave out: a
+		// refused topic with none left (sent by another relay instance,
+		// deleted by hand) has nothing to wait for.
+		topics.forgetAllBut(rows, waiting)
 	}
 	if len(rows) > 0 && o.sql.stillThere != nil {
 		var err error

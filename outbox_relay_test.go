@@ -11,6 +11,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // brokerStub is the broker the relay publishes to: it records what it
@@ -338,6 +340,84 @@ func TestOutboxRelayKeepsGoingPastATopicTheBrokerKeepsRefusing(t *testing.T) {
 	})
 	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 1 || stats.DeadLettered != 0 {
 		t.Errorf("stats: %+v (%v), want the refused message (%s) alone pending", stats, err, stray[0])
+	}
+}
+
+// A topic the broker keeps refusing with a whole batch of messages or more
+// at the head of the table does not hold the other topics back: while it
+// waits for its next try, Run's reads leave its rows out, so the batch goes
+// to the rows behind them. On every database, for a broker that cannot take
+// the topic now (ErrBrokerUnavailable: a topic that does not exist yet) and
+// for one that refuses the messages themselves.
+func TestOutboxRelayKeepsGoingPastABatchOfARefusedTopicAtTheHead(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for _, refusal := range []error{
+			fmt.Errorf("%w: unknown topic", inbox.ErrBrokerUnavailable),
+			errors.New("the broker refuses the message"),
+		} {
+			broker := newBrokerStub()
+			broker.setRefuse(func(topic string, _ *message.Message) error {
+				if topic == "typo" {
+					return refusal
+				}
+				return nil
+			})
+			ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, BatchSize: 20, MaxBackoff: time.Minute})
+			writeOutbox(t, db, ob, "typo", 40)
+			ids := writeOutbox(t, db, ob, "payments", 5)
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { defer close(done); _ = ob.Run(ctx) }()
+			waitFor(t, func() bool { return len(broker.uuids("payments")) >= len(ids) })
+			cancel()
+			<-done
+			if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
+				t.Errorf("%v: payments sent %v, want %v", refusal, got, ids)
+			}
+		}
+	})
+}
+
+// A refused topic whose messages leave the table by another way (another
+// relay instance sent them, an operator deleted them) is not waited for:
+// Run goes back to its poll interval instead of reading the empty table
+// again and again, which it did thousands of times a second. Counted in
+// the relay's reads of the table, through a pool that records them.
+func TestOutboxRelayForgetsARefusedTopicWhoseMessagesLeftAnotherWay(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	plain := openSQLite(t, path)
+	reads := &statementLog{}
+	db := openRecording(t, plain.Driver(), "file:"+path+"?"+testdb.SQLiteParams, "sqlite", reads)
+	broker := newBrokerStub()
+	broker.setRefuse(func(topic string, _ *message.Message) error {
+		if topic == "typo" {
+			return errors.New("unknown topic")
+		}
+		return nil
+	})
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, PollInterval: 200 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
+	writeOutbox(t, db, ob, "typo", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ob.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, func() bool { // refused once
+		var attempts int
+		return plain.Get(&attempts, "SELECT COALESCE(MAX(attempts), 0) FROM "+relayTable(t, ob)) == nil && attempts > 0
+	})
+	exec(t, plain, "DELETE FROM "+relayTable(t, ob)) // the operator removes it
+	time.Sleep(100 * time.Millisecond)
+	reads.take()
+	time.Sleep(time.Second)
+	selects := 0
+	for _, q := range reads.take() {
+		if strings.HasPrefix(q, "SELECT id, topic") {
+			selects++
+		}
+	}
+	if selects > 15 {
+		t.Errorf("the relay read the empty table %d times in a second, want about 5 (PollInterval 200 ms)", selects)
 	}
 }
 

@@ -33,8 +33,9 @@ type outboxSQL struct {
 	claimedInsert func(inboxTable string, n int, inTx bool) string
 	// selectBatch returns the oldest n rows not yet relayed (id, topic,
 	// uuid, payload, metadata, attempts), ordered by id; locked (FOR UPDATE
-	// SKIP LOCKED) when locks.
-	selectBatch func(n int) string
+	// SKIP LOCKED) when locks. With skipTopics > 0 it leaves out the rows of
+	// that many topics, bind parameters in order.
+	selectBatch func(n, skipTopics int) string
 	// locks reports whether selectBatch locks the rows it returns, so that
 	// a relay holds its transaction open while it publishes them and other
 	// relay instances skip them.
@@ -96,8 +97,12 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		},
 		insertPrefix: "INSERT INTO " + q + " (topic, uuid, payload, metadata, created_at) VALUES ",
 		insertRow:    "(?, ?, ?, ?, " + now + ")",
-		selectBatch: func(n int) string {
-			return "SELECT " + cols + ", attempts FROM " + q + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
+		selectBatch: func(n, skipTopics int) string {
+			where := ""
+			if skipTopics > 0 {
+				where = " WHERE topic NOT IN (" + strings.TrimSuffix(strings.Repeat("?, ", skipTopics), ", ") + ")"
+			}
+			return "SELECT " + cols + ", attempts FROM " + q + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
 		},
 		locks: lock != "",
 		probe: "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",

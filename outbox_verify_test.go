@@ -76,7 +76,6 @@ func openAs(t *testing.T, db *sqlx.DB, tdb testDB, user, table string) *sqlx.DB 
 			_, _ = db.Exec("DROP OWNED BY " + user)
 			_, _ = db.Exec("DROP ROLE " + user)
 		})
-		exec(t, db, "GRANT USAGE ON SCHEMA public TO "+user)
 		u, err := url.Parse(testdb.PostgresDSN())
 		if err != nil {
 			t.Fatal(err)
