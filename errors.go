@@ -195,9 +195,11 @@ var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")
 // error when the broker could not take the messages now (no leader for
 // the partition, a timeout, no connection), as opposed to refusing a
 // message for what it is (too large, not valid). The outbox relay never
-// sets aside a message whose last attempt failed with it, however many
-// attempts failed: it stays first in line for its topic until the broker
-// takes it. kafkaoutbox's Publisher wraps it for Kafka's retriable errors.
+// sets aside a message whose last attempt failed with it, and such a
+// refusal uses none of the message's attempts (OutboxConfig.MaxAttempts):
+// it stays first in line for its topic until the broker takes it.
+// kafkaoutbox's Publisher wraps it for Kafka's retriable errors, sarama's
+// open circuit breaker and a closed publisher.
 var ErrBrokerUnavailable = errors.New("inbox: the broker cannot take the message now")
 
 // prefix starts the text of every error of this package.

@@ -108,8 +108,10 @@ type OutboxConfig struct {
 	// it on its topic. A message is set aside only once the broker has
 	// accepted the next message of the same topic (so a broker that is down
 	// sets nothing aside, however long the outage), and never when its
-	// refusal wraps ErrBrokerUnavailable; until then it stays first in
-	// line. Must be at least 1. Default: DefaultOutboxMaxAttempts (10).
+	// refusal wraps ErrBrokerUnavailable, which also uses none of its
+	// attempts (the refusal is recorded as its last error); until then it
+	// stays first in line. Must be at least 1.
+	// Default: DefaultOutboxMaxAttempts (10).
 	MaxAttempts int
 
 	// MaxBackoff caps the wait after a failed relay round (a publish the

@@ -506,7 +506,11 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b outboxBatch) error {
 		}
 	}
 	for id, perr := range b.failed {
-		if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.failed), perr.Error(), id); err != nil {
+		stmt := o.sql.failed
+		if errors.Is(perr, ErrBrokerUnavailable) {
+			stmt = o.sql.waited // the broker's state: no attempt used
+		}
+		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), perr.Error(), id); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}

@@ -287,6 +287,17 @@ func TestOutboxRelayNeverSetsAsideWhatTheBrokerCannotTakeNow(t *testing.T) {
 				t.Fatalf("round while the broker cannot take the first message: %+v, want nothing set aside", round)
 			}
 		}
+		// Those refusals used none of its attempts: refused now for itself,
+		// it has its second attempt left.
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == ids[0] {
+				return errors.New("the broker refuses the message")
+			}
+			return nil
+		})
+		if round := ob.RelayOnce(context.Background()); round.DeadLettered != 0 || round.Failed != 1 {
+			t.Fatalf("first refusal of the message itself: %+v, want one failed attempt and nothing set aside", round)
+		}
 		broker.setRefuse(nil)
 		relayUntilEmpty(t, ob)
 		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {

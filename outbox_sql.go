@@ -50,6 +50,10 @@ type outboxSQL struct {
 	deleteIDs func(ids []int64) string
 	// failed records a failed attempt: bind parameters last error, id.
 	failed string
+	// waited records a refusal that wraps ErrBrokerUnavailable, which is no
+	// attempt (the broker's state, not the message's): bind parameters
+	// last error, id.
+	waited string
 	// bury copies a row to the dead-letter table: bind parameters last
 	// error, id.
 	bury string
@@ -117,6 +121,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 			return "DELETE FROM " + q + " WHERE id IN (" + idList(ids) + ")"
 		},
 		failed: "UPDATE " + q + " SET attempts = attempts + 1, last_error = ? WHERE id = ?",
+		waited: "UPDATE " + q + " SET last_error = ? WHERE id = ?",
 		bury: "INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
 			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ?",
 		stats: "SELECT (SELECT count(*) FROM " + q + "), (SELECT " + ageMicros + " FROM " + q + "), (SELECT count(*) FROM " + dq + ")",

@@ -205,6 +205,22 @@ func relayAll(t *testing.T, ob *inbox.Outbox) {
 	t.Fatal("the outbox still had messages after 100 relay rounds")
 }
 
+// waitForRelayed runs relay rounds, 50 ms apart, until the outbox is empty
+// (up to 30 s: sarama's circuit breaker stays open 10 s after the cluster
+// recovered).
+func waitForRelayed(t *testing.T, ob *inbox.Outbox) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		ob.RelayOnce(context.Background())
+		if s, err := ob.Stats(context.Background()); err == nil && s.Pending == 0 {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatal("the outbox still had messages after 30 s of relay rounds")
+}
+
 // hungCluster starts a kfake broker holding topic that receives produce
 // requests and answers none until release is called (called when t ends
 // too), and returns its addresses and a channel that gets a value for each

@@ -17,6 +17,7 @@ func TestMain(m *testing.M) {
 		// sarama's circuit breaker (go-resiliency) sleeps out its timeout
 		// in a goroutine of its own after failed produce requests, even
 		// once the producer is closed; it ends by itself.
-		goleak.IgnoreTopFunction("github.com/eapache/go-resiliency/breaker.(*Breaker).timer"),
+		// Its top frame is time.Sleep while it waits.
+		goleak.IgnoreAnyFunction("github.com/eapache/go-resiliency/breaker.(*Breaker).timer"),
 	)
 }

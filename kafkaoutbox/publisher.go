@@ -25,7 +25,8 @@
 // and the relay keeps the rows and sends them again, with their UUIDs: at
 // least once. When every refusal is one the broker gives for its own state
 // (no leader for the partition, a timeout, not enough replicas, no
-// connection: Kafka's retriable errors), the error also wraps
+// connection: Kafka's retriable errors; sarama's circuit breaker open after
+// failed metadata lookups; a closed publisher), the error also wraps
 // inbox.ErrBrokerUnavailable, and the relay never sets those messages
 // aside. The default sarama configuration (DefaultSaramaConfig) is
 // watermill-kafka's made safe for an outbox, whose relay deletes a row once
@@ -80,11 +81,15 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/eapache/go-resiliency/breaker"
 
 	"github.com/watermill-inbox/inbox"
 )
 
-// ErrPublisherClosed is returned by Publish after Close.
+// ErrPublisherClosed is returned by Publish after Close, wrapped with
+// inbox.ErrBrokerUnavailable: a relay still running after the publisher
+// closed (a shutdown in the wrong order) keeps its messages for a later
+// round and sets none aside.
 var ErrPublisherClosed = errors.New("kafkaoutbox: publisher closed")
 
 // ErrCloseTimedOut is wrapped by Close's error when the Publish calls in
@@ -238,7 +243,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		return ErrPublisherClosed
+		return fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, ErrPublisherClosed)
 	}
 	p.inFlight.Add(1)
 	p.mu.Unlock()
@@ -260,10 +265,14 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 
 // unavailable are the errors that say the broker could not take a message
 // now, not that it refuses the message: Kafka's retriable produce errors
-// (the protocol's error table), a broker that is not available, and
-// sarama's own for a cluster it cannot reach. A message refused with one of
-// them is never set aside by the relay (inbox.ErrBrokerUnavailable).
+// (the protocol's error table), a broker that is not available, sarama's
+// own for a cluster it cannot reach, and the open circuit breaker that
+// sarama puts around its metadata lookups (go-resiliency's ErrBreakerOpen,
+// after three failed lookups of a topic's partitions or a partition's
+// leader, for 10 s). A message refused with one of them is never set aside
+// by the relay (inbox.ErrBrokerUnavailable).
 var unavailable = []error{
+	breaker.ErrBreakerOpen,
 	sarama.ErrUnknownTopicOrPartition, sarama.ErrLeaderNotAvailable, sarama.ErrNotLeaderForPartition,
 	sarama.ErrRequestTimedOut, sarama.ErrBrokerNotAvailable, sarama.ErrNetworkException,
 	sarama.ErrNotEnoughReplicas, sarama.ErrNotEnoughReplicasAfterAppend, sarama.ErrKafkaStorageError,

@@ -218,8 +218,10 @@ func TestNewPublisher_RefusesAnIncompleteConfig(t *testing.T) {
 	}
 }
 
-// After Close, Publish fails with ErrPublisherClosed and sends nothing;
-// Close again returns nil.
+// After Close, Publish fails with ErrPublisherClosed, which wraps
+// inbox.ErrBrokerUnavailable (a relay still running after it, a shutdown in
+// the wrong order, sets nothing aside), and sends nothing; Close again
+// returns nil.
 func TestPublisher_PublishAfterCloseFails(t *testing.T) {
 	brokers, produces := startCluster(t, 0, "invoices")
 	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, kafkaoutbox.DefaultSaramaConfig()), nil)
@@ -230,8 +232,9 @@ func TestPublisher_PublishAfterCloseFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := produces.Load()
-	if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), nil)); !errors.Is(err, kafkaoutbox.ErrPublisherClosed) {
-		t.Errorf("Publish after Close: got %v, want ErrPublisherClosed", err)
+	if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), nil)); !errors.Is(err, kafkaoutbox.ErrPublisherClosed) ||
+		!errors.Is(err, inbox.ErrBrokerUnavailable) {
+		t.Errorf("Publish after Close: got %v, want ErrPublisherClosed and inbox.ErrBrokerUnavailable", err)
 	}
 	if produces.Load() != before {
 		t.Error("Publish after Close sent a produce request")
@@ -354,6 +357,52 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 	}
 	leaderless.Store(false)
 	relayAll(t, ob)
+	if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 0 {
+		t.Errorf("outbox: %+v (%v), want nothing pending or set aside", s, err)
+	}
+	collectAll(t, brokers, "invoices", want)
+}
+
+// The same when the cluster's metadata names no leader for the partition
+// (an election under way): sarama's lookups of the leader fail, and after
+// three of them its circuit breaker answers "circuit breaker is open"
+// without asking. That answer is the cluster's state too: before it was
+// taken for a refusal of the message, and the partition's first message
+// was set aside in the fourth round.
+func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileTheMetadataNamesNoLeader(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, "invoices"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	brokers := c.ListenAddrs()
+	cfg := kafkaoutbox.DefaultSaramaConfig() // short retries: one round fails fast
+	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
+	cfg.Metadata.Retry.Backoff = 10 * time.Millisecond
+	db, ob := newRelay(t, brokers, cfg, 2)
+	var msgs []*message.Message
+	want := map[string]bool{}
+	for i := range 40 {
+		m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+		m.Metadata.Set("key", "customer-"+strconv.Itoa(i))
+		msgs = append(msgs, m)
+		want[m.UUID] = true
+	}
+	writeOutputs(t, db, ob, "invoices", msgs[0]) // the producer learns the leaders
+	relayAll(t, ob)
+	leaderless := c.Fault(
+		kfake.Fault{Keys: []kmsg.Key{kmsg.Metadata}, Topic: "invoices", Partitions: []int32{0}, Err: kerr.LeaderNotAvailable, Count: -1},
+		kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: "invoices", Partitions: []int32{0}, Err: kerr.NotLeaderForPartition, Count: -1},
+	)
+	writeOutputs(t, db, ob, "invoices", msgs[1:]...)
+	for range 8 {
+		if r := ob.RelayOnce(context.Background()); r.DeadLettered != 0 {
+			t.Fatalf("a round while the metadata names no leader for partition 0 set %d messages aside", r.DeadLettered)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	leaderless.Remove()
+	waitForRelayed(t, ob)
 	if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 0 {
 		t.Errorf("outbox: %+v (%v), want nothing pending or set aside", s, err)
 	}
