@@ -202,6 +202,17 @@ var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")
 // open circuit breaker and a closed publisher.
 var ErrBrokerUnavailable = errors.New("inbox: the broker cannot take the message now")
 
+// ErrMessageRejected is for an OutboxConfig.Publisher to wrap in its error
+// when the broker refuses a message for what it is and always will (too
+// large for the broker, not valid for it) or the publisher cannot encode
+// it. The outbox relay sets such a message aside once it used its
+// MaxAttempts, without waiting for the next message of its topic to go
+// through: two such messages in a row would otherwise hold their topic
+// back for good. kafkaoutbox's Publisher wraps it for messages over the
+// producer's or the broker's size limit, records the broker finds
+// corrupt or invalid, and messages its marshaler refuses.
+var ErrMessageRejected = errors.New("inbox: the broker refuses the message")
+
 // prefix starts the text of every error of this package.
 const prefix = "inbox: "
 

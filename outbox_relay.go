@@ -386,12 +386,13 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 // publish sends rows to the broker, topic by topic, each topic's messages
 // in id order: first all at once, and when that fails one by one up to the
 // first the broker refuses, which keeps the rest of its topic for a later
-// round. A message refused on its last attempt is set aside only if the
-// next message of its topic is then accepted (the broker takes that topic,
-// so the message itself is the problem) and the refusal does not wrap
-// ErrBrokerUnavailable (a partition without a leader while its topic's
-// other partitions take messages); otherwise it stays first in line with
-// its last attempt left.
+// round. A message refused on its last attempt is set aside when the
+// refusal wraps ErrMessageRejected (the publisher knows the message itself
+// is refused), or else only if the next message of its topic is then
+// accepted (the broker takes that topic, so the message itself is the
+// problem) and the refusal does not wrap ErrBrokerUnavailable (a partition
+// without a leader while its topic's other partitions take messages);
+// otherwise it stays first in line with its last attempt left.
 //
 // With topics (Run's), a topic that waits for its next try is skipped (its
 // rows stay, untouched), and a topic whose first message in line the
@@ -456,6 +457,12 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow) {
 			// message's: it stays first in line.
 			b.failed[r.ID] = err
 			return
+		}
+		if errors.Is(err, ErrMessageRejected) {
+			// The publisher says the message itself is refused, for good:
+			// set aside, and the topic goes on in this round.
+			b.bury[r.ID] = err
+			continue
 		}
 		if i+1 < len(group) && o.publishOne(group[i+1]) == nil {
 			// Its successor went through: the message, not the broker, is

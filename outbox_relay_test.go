@@ -309,6 +309,34 @@ func TestOutboxRelayNeverSetsAsideWhatTheBrokerCannotTakeNow(t *testing.T) {
 	})
 }
 
+// Messages whose refusals wrap ErrMessageRejected (the publisher knows the
+// broker refuses them for what they are) are set aside once they used
+// their attempts, without waiting for the next message of their topic:
+// two in a row no longer hold their topic back for good, and the messages
+// behind them are sent, in order.
+func TestOutboxRelaySetsAsideRejectedMessagesInARow(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+		ids := writeOutbox(t, db, ob, "payments", 7)
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == ids[0] || m.UUID == ids[1] {
+				return fmt.Errorf("%w: too large", inbox.ErrMessageRejected)
+			}
+			return nil
+		})
+		for range 4 {
+			ob.RelayOnce(context.Background())
+		}
+		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[2:]) {
+			t.Errorf("sent %v, want %v", got, ids[2:])
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != 2 {
+			t.Errorf("stats: %+v (%v), want the two rejected set aside and nothing pending", stats, err)
+		}
+	})
+}
+
 // A topic the broker keeps refusing, and slowly (a topic that does not
 // exist: sarama spends its metadata retries on it), does not slow the
 // relay's other topics down: Run tries it again only after a wait that

@@ -28,7 +28,10 @@
 // connection: Kafka's retriable errors; sarama's circuit breaker open after
 // failed metadata lookups; a closed publisher), the error also wraps
 // inbox.ErrBrokerUnavailable, and the relay never sets those messages
-// aside. The default sarama configuration (DefaultSaramaConfig) is
+// aside. When every refusal is of the message itself (over the size
+// limits, a corrupt or invalid record) or the marshaler refuses a message,
+// it wraps inbox.ErrMessageRejected, and the relay sets the message aside
+// once it used its attempts. The default sarama configuration (DefaultSaramaConfig) is
 // watermill-kafka's made safe for an outbox, whose relay deletes a row once
 // Publish returned nil:
 //   - RequiredAcks WaitForAll: a message acked by the leader alone is lost
@@ -111,6 +114,10 @@ type Publisher struct {
 	producer     sarama.SyncProducer
 	marshaler    kafka.Marshaler
 	closeTimeout time.Duration
+	// maxMessageBytes and recordVersion are what sarama measures a message
+	// against before it sends it (Producer.MaxMessageBytes; record batches
+	// from Kafka 0.11).
+	maxMessageBytes, recordVersion int
 
 	mu       sync.Mutex // guards closed and the inFlight.Add that follows its check
 	closed   bool
@@ -199,7 +206,11 @@ func NewPublisher(config kafka.PublisherConfig, logger watermill.LoggerAdapter, 
 	if config.Tracer != nil {
 		producer = config.Tracer.WrapSyncProducer(config.OverwriteSaramaConfig, producer)
 	}
-	p := &Publisher{producer: producer, marshaler: config.Marshaler, closeTimeout: DefaultCloseTimeout}
+	p := &Publisher{producer: producer, marshaler: config.Marshaler, closeTimeout: DefaultCloseTimeout,
+		maxMessageBytes: config.OverwriteSaramaConfig.Producer.MaxMessageBytes, recordVersion: 1}
+	if config.OverwriteSaramaConfig.Version.IsAtLeast(sarama.V0_11_0_0) {
+		p.recordVersion = 2
+	}
 	for _, o := range options {
 		o(p)
 	}
@@ -236,7 +247,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	for i, msg := range msgs {
 		m, err := p.marshaler.Marshal(topic, msg)
 		if err != nil {
-			return fmt.Errorf("kafkaoutbox: cannot marshal message %s: %w", msg.UUID, err)
+			return fmt.Errorf("%w: kafkaoutbox: cannot marshal message %s: %w", inbox.ErrMessageRejected, msg.UUID, err)
 		}
 		batch[i] = m
 	}
@@ -253,8 +264,11 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		if errors.As(err, &refused) && len(refused) > 0 {
 			err = fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %s): %w",
 				len(refused), len(msgs), topic, refusedUUID(batch, msgs, refused[0]), err)
-			if allUnavailable(refused) {
+			switch {
+			case allOf(refused, unavailable, true):
 				err = fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)
+			case p.allRejected(refused):
+				err = fmt.Errorf("%w: %w", inbox.ErrMessageRejected, err)
 			}
 			return err
 		}
@@ -280,15 +294,37 @@ var unavailable = []error{
 	sarama.ErrThrottlingQuotaExceeded, sarama.ErrOutOfBrokers, sarama.ErrNotConnected, sarama.ErrShuttingDown,
 }
 
-// allUnavailable reports whether every refusal is one of unavailable, or a
-// network error.
-func allUnavailable(refused sarama.ProducerErrors) bool {
+// rejected are the errors that say the broker refuses the message itself,
+// for good: over the producer's MaxMessageBytes or the broker's
+// message.max.bytes (sarama's ErrMessageSizeTooLarge, for both), a record
+// the broker finds corrupt or invalid. A message refused with one of them
+// is set aside by the relay once it used its attempts, without waiting for
+// the next message of its topic (inbox.ErrMessageRejected).
+var rejected = []error{sarama.ErrMessageSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrInvalidRecord}
+
+// allRejected reports whether every refusal is of the message itself: one
+// of rejected, or sarama's own refusal to send a message over
+// Producer.MaxMessageBytes (a ConfigurationError, told apart by measuring
+// the message as sarama does).
+func (p *Publisher) allRejected(refused sarama.ProducerErrors) bool {
 	for _, e := range refused {
-		var netErr net.Error
-		if !slices.ContainsFunc(unavailable, func(u error) bool { return errors.Is(e.Err, u) }) &&
-			!errors.As(e.Err, &netErr) && !errors.Is(e.Err, io.EOF) && !errors.Is(e.Err, io.ErrUnexpectedEOF) {
+		if !allOf(sarama.ProducerErrors{e}, rejected, false) && e.Msg.ByteSize(p.recordVersion) <= p.maxMessageBytes {
 			return false
 		}
+	}
+	return true
+}
+
+// allOf reports whether every refusal is one of kinds, or, with network, a
+// network error.
+func allOf(refused sarama.ProducerErrors, kinds []error, network bool) bool {
+	for _, e := range refused {
+		var netErr net.Error
+		if slices.ContainsFunc(kinds, func(k error) bool { return errors.Is(e.Err, k) }) ||
+			network && (errors.As(e.Err, &netErr) || errors.Is(e.Err, io.EOF) || errors.Is(e.Err, io.ErrUnexpectedEOF)) {
+			continue
+		}
+		return false
 	}
 	return true
 }

@@ -203,6 +203,47 @@ func TestRelayThroughKafkaPublisher_SetsAsideAMessageTheBrokerRefuses(t *testing
 	}
 }
 
+// Two messages in a row that the broker refuses for good (over
+// Producer.MaxMessageBytes) are both set aside once they used their
+// attempts, and the messages behind them arrive, in order. The relay's
+// rule without ErrMessageRejected, set aside once the next message goes
+// through, held the topic back for good: the next message was the other
+// refused one.
+func TestRelayThroughKafkaPublisher_SetsAsideTwoRefusedMessagesInARow(t *testing.T) {
+	brokers, _ := startCluster(t, 0, "invoices")
+	cfg := kafkaoutbox.DefaultSaramaConfig()
+	cfg.Producer.MaxMessageBytes = 10_000
+	db, ob := newRelay(t, brokers, cfg, 2)
+	var msgs []*message.Message
+	want := map[string]bool{}
+	for i := range 7 {
+		payload := []byte("invoice " + strconv.Itoa(i))
+		if i < 2 {
+			payload = bytes.Repeat([]byte("x"), 50_000)
+		}
+		m := message.NewMessage(watermill.NewUUID(), payload)
+		m.Metadata.Set("key", "customer-1")
+		msgs = append(msgs, m)
+		if i >= 2 {
+			want[m.UUID] = true
+		}
+	}
+	writeOutputs(t, db, ob, "invoices", msgs...)
+	for range 10 {
+		ob.RelayOnce(context.Background())
+	}
+	if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 2 {
+		t.Fatalf("outbox after 10 rounds: %+v (%v), want nothing pending and the 2 refused set aside", s, err)
+	}
+	var got []string
+	for _, m := range collectAll(t, brokers, "invoices", want) {
+		got = append(got, string(m.Payload))
+	}
+	if w := []string{"invoice 2", "invoice 3", "invoice 4", "invoice 5", "invoice 6"}; fmt.Sprint(got) != fmt.Sprint(w) {
+		t.Errorf("arrived %v, want %v", got, w)
+	}
+}
+
 // A configuration that cannot work fails in NewPublisher, every problem at
 // once, and errors.Is matches inbox.ErrInvalidConfig.
 func TestNewPublisher_RefusesAnIncompleteConfig(t *testing.T) {
