@@ -46,10 +46,12 @@ const outboxInsertChunk = 1000
 const maxOutboxTopic = 1024
 
 // ErrOutboxMessage is wrapped by the error an outbox publisher returns for a
-// message it cannot store: an empty or over-long topic, or a message UUID
+// message it cannot store: an empty or over-long topic, a message UUID
 // that is empty, over MaxKeyLength bytes or not valid UTF-8 (the next
-// consumer's inbox could not deduplicate it). Nothing is written then, and
-// the inbox rolls the message's transaction back.
+// consumer's inbox could not deduplicate it), or metadata whose keys or
+// values are not valid UTF-8 (kept as JSON, they would reach the broker
+// changed). Nothing is written then, and the inbox rolls the message's
+// transaction back.
 var ErrOutboxMessage = errors.New("inbox: message cannot go to the outbox")
 
 // OutboxConfig configures an Outbox.
@@ -593,6 +595,14 @@ func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any,
 	for _, m := range msgs {
 		if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
 			return nil, fmt.Errorf("message UUID %q: %w", m.UUID, err)
+		}
+		for k, v := range m.Metadata {
+			if !utf8.ValidString(k) || !utf8.ValidString(v) {
+				// encoding/json would put U+FFFD in their place, and
+				// the message would reach the broker changed.
+				return nil, fmt.Errorf("%w: metadata %q of message %s is not valid UTF-8 (the outbox keeps metadata as JSON,"+
+					" which would change those bytes)", ErrOutboxMessage, k, m.UUID)
+			}
 		}
 		meta, err := json.Marshal(m.Metadata)
 		if err != nil {

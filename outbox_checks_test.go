@@ -2,10 +2,13 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
 	"net/url"
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 
@@ -95,4 +98,57 @@ func openAs(t *testing.T, db *sqlx.DB, tdb testDB, user, table string) *sqlx.DB 
 	}
 	t.Cleanup(func() { limited.Close() })
 	return limited
+}
+
+// A message the outbox cannot store as it is (an empty topic, an empty
+// UUID or one that is not UTF-8, metadata that is not UTF-8, which JSON
+// would change to U+FFFD) is refused with ErrOutboxMessage and nothing is
+// written; the transaction stays usable, and a valid message in it commits.
+func TestOutboxRefusesAMessageItCannotStoreAsItIs(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		withMeta := func(key, value string) *message.Message {
+			m := message.NewMessage(watermill.NewUUID(), []byte("payload"))
+			m.Metadata.Set(key, value)
+			return m
+		}
+		cases := []struct {
+			name  string
+			topic string
+			msg   *message.Message
+		}{
+			{"empty topic", "", message.NewMessage(watermill.NewUUID(), nil)},
+			{"empty UUID", "orders", message.NewMessage("", nil)},
+			{"UUID not UTF-8", "orders", message.NewMessage("id-\xff", nil)},
+			{"metadata value not UTF-8", "orders", withMeta("sig", "\xff\xfe\x00\x01")},
+			{"metadata key not UTF-8", "orders", withMeta("k\xc3", "v")},
+		}
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		pub, err := ob.Publisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range cases {
+			if err := pub.Publish(c.topic, c.msg); !errors.Is(err, inbox.ErrOutboxMessage) {
+				t.Errorf("%s: Publish returned %v, want ErrOutboxMessage", c.name, err)
+			}
+		}
+		good := withMeta("note", "ünïcode ✓")
+		if err := pub.Publish("orders", good); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		relayUntilEmpty(t, ob)
+		got := broker.messages("orders")
+		if len(got) != 1 || got[0].UUID != good.UUID || got[0].Metadata.Get("note") != "ünïcode ✓" {
+			t.Errorf("sent %v, want only the valid message, metadata unchanged", got)
+		}
+	})
 }
