@@ -114,10 +114,10 @@ var (
 // Inbox.RouterPlugin. Neither is transient (IsTransient): a redelivery cannot
 // succeed until the table is created or fixed.
 var (
-	// ErrTableNotFound means the inbox table does not exist: run
-	// InitializeSchema, apply the DDL of schema/ (SchemaSQL), or fix
-	// Config.Table.
-	ErrTableNotFound = errors.New("inbox: inbox table not found")
+	// ErrTableNotFound means the inbox table (or, from Outbox.Verify, an
+	// outbox table) does not exist: run InitializeSchema, apply the DDL of
+	// schema/ (SchemaSQL), or fix Config.Table.
+	ErrTableNotFound = errors.New("inbox: table not found")
 
 	// ErrIncompatibleTable means the inbox table exists but could merge,
 	// truncate or reject message ids, or lacks what the claim or the purge

@@ -647,7 +647,7 @@ func (o *Outbox) warnIfNoRelay() {
 	}
 	o.logger.Info("Inbox outbox: messages were committed to the outbox and no relay runs in this process, so they "+
 		"stay in the table until one does: add router.AddPlugin(ob.RouterPlugin) or run ob.Run (ignore this when "+
-		"another process relays this table)", watermill.LogFields{"table": o.table.String()})
+		"another process relays this table)", nil) // the logger names the table (outbox_table)
 }
 
 // Stats reads the outbox's depth, the age of its oldest message and the

@@ -25,6 +25,7 @@ package metrics
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -66,9 +67,13 @@ const (
 // Metrics holds the inbox's collectors. Create it with New; it is safe for
 // concurrent use, and one Metrics may instrument any number of inboxes.
 type Metrics struct {
-	reg          prometheus.Registerer
-	messages     *prometheus.CounterVec
-	reusedIDs    *prometheus.CounterVec
+	reg       prometheus.Registerer
+	messages  *prometheus.CounterVec
+	reusedIDs *prometheus.CounterVec
+	// seen holds the handler and consumer pairs whose
+	// inbox_reused_ids_total series exist (at 0 from their first message),
+	// so that a dashboard or alert reads 0 rather than no data.
+	seen         sync.Map
 	txSeconds    *prometheus.HistogramVec
 	purgeDeleted *prometheus.CounterVec
 	oldestAge    *prometheus.GaugeVec
@@ -91,7 +96,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		reg: reg,
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_messages_total",
-			Help: "Messages seen by the inbox middleware, by outcome: processed (committed), duplicate (skipped and acked) or failed (nacked).",
+			Help: "Messages seen by the inbox middleware, by outcome: processed (committed), duplicate (skipped and acked) or failed (rolled back: every failed attempt, those the Retry middleware outside the inbox makes before the message is nacked included).",
 		}, []string{"handler_name", "consumer", "outcome"}),
 		reusedIDs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_reused_ids_total",
@@ -190,6 +195,11 @@ func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event)
 			next(e)
 		}
 		handler := handlerName(e)
+		if _, ok := m.seen.Load([2]string{handler, e.Consumer}); !ok {
+			m.seen.Store([2]string{handler, e.Consumer}, struct{}{})
+			m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDRefused)
+			m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDSkipped)
+		}
 		m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
 		if e.Duration > 0 {
 			m.txSeconds.WithLabelValues(handler, e.Consumer, outcome).Observe(e.Duration.Seconds())

@@ -83,7 +83,7 @@ func TestMetricsScrape(t *testing.T) {
 	}
 
 	want := `
-# HELP inbox_messages_total Messages seen by the inbox middleware, by outcome: processed (committed), duplicate (skipped and acked) or failed (nacked).
+# HELP inbox_messages_total Messages seen by the inbox middleware, by outcome: processed (committed), duplicate (skipped and acked) or failed (rolled back: every failed attempt, those the Retry middleware outside the inbox makes before the message is nacked included).
 # TYPE inbox_messages_total counter
 inbox_messages_total{consumer="billing",handler_name="billing",outcome="duplicate"} 2
 inbox_messages_total{consumer="billing",handler_name="billing",outcome="failed"} 1
@@ -98,6 +98,11 @@ inbox_rows{table="watermill_inbox"} 1
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
 		"inbox_messages_total", "inbox_purge_rows_deleted_total", "inbox_rows"); err != nil {
 		t.Error(err)
+	}
+	// Present at 0 from the first message: a panel or an alert over them
+	// reads 0, not "no data".
+	if n := testutil.CollectAndCount(reg, "inbox_reused_ids_total"); n != 2 {
+		t.Errorf("inbox_reused_ids_total series = %d, want 2 (refused and skipped, at 0)", n)
 	}
 	if n := testutil.CollectAndCount(reg, "inbox_transaction_seconds"); n != 3 {
 		t.Errorf("transaction histograms = %d, want 3 (one per outcome)", n)
