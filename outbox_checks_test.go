@@ -152,3 +152,17 @@ func TestOutboxRefusesAMessageItCannotStoreAsItIs(t *testing.T) {
 		}
 	})
 }
+
+// Verify refuses an outbox table made or altered by hand without a column
+// the relay writes only when the broker refuses a message (last_error):
+// before, it passed, and the first refusal failed every round after its
+// publish, so the other messages were sent again and again.
+func TestOutboxVerifyRefusesATableWithoutAColumnTheRelayWrites(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
+		exec(t, db, "ALTER TABLE "+relayTable(t, ob)+" DROP COLUMN last_error")
+		if err := ob.Verify(context.Background()); err == nil || !strings.Contains(err.Error(), "last_error") {
+			t.Errorf("Verify of an outbox table without last_error: %v, want the failing statement named", err)
+		}
+	})
+}
