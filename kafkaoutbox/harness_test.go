@@ -3,6 +3,7 @@ package kafkaoutbox_test
 import (
 	"context"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -315,4 +316,27 @@ func faultyCluster(t *testing.T, topic string) (brokers []string, refuseNext fun
 		return produceError(req, code)
 	}, topic)
 	return c.ListenAddrs(), func(code int16) { next.Store(int32(code)) }, func() int { return int(records.Load()) }
+}
+
+// newFailFastRelay is newRelay with MaxAttempts 2 and sarama's retries cut
+// short, so that a round against a broker that refuses fails fast.
+func newFailFastRelay(t *testing.T, brokers []string) (*sqlx.DB, *inbox.Outbox) {
+	cfg := kafkaoutbox.DefaultSaramaConfig()
+	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
+	cfg.Metadata.Retry.Backoff = 10 * time.Millisecond
+	return newRelay(t, brokers, cfg, 2)
+}
+
+// customerInvoices returns n messages keyed "customer-<i>", spread over
+// the partitions, and their UUIDs as a set.
+func customerInvoices(n int) ([]*message.Message, map[string]bool) {
+	var msgs []*message.Message
+	want := map[string]bool{}
+	for i := range n {
+		m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+		m.Metadata.Set("key", "customer-"+strconv.Itoa(i))
+		msgs = append(msgs, m)
+		want[m.UUID] = true
+	}
+	return msgs, want
 }

@@ -378,18 +378,8 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 		}
 	}
 	brokers := c.ListenAddrs()
-	cfg := kafkaoutbox.DefaultSaramaConfig() // short retries: one round fails fast
-	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
-	cfg.Metadata.Retry.Backoff = 10 * time.Millisecond
-	db, ob := newRelay(t, brokers, cfg, 2)
-	var msgs []*message.Message
-	want := map[string]bool{}
-	for i := range 40 {
-		m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
-		m.Metadata.Set("key", "customer-"+strconv.Itoa(i))
-		msgs = append(msgs, m)
-		want[m.UUID] = true
-	}
+	db, ob := newFailFastRelay(t, brokers)
+	msgs, want := customerInvoices(40)
 	writeOutputs(t, db, ob, "invoices", msgs...)
 	for range 6 {
 		if r := ob.RelayOnce(context.Background()); r.DeadLettered != 0 {
@@ -417,18 +407,8 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileTheMetadataNamesNoLeade
 	}
 	t.Cleanup(c.Close)
 	brokers := c.ListenAddrs()
-	cfg := kafkaoutbox.DefaultSaramaConfig() // short retries: one round fails fast
-	cfg.Producer.Retry.Max, cfg.Producer.Retry.BackoffFunc, cfg.Producer.Retry.Backoff = 1, nil, 10*time.Millisecond
-	cfg.Metadata.Retry.Backoff = 10 * time.Millisecond
-	db, ob := newRelay(t, brokers, cfg, 2)
-	var msgs []*message.Message
-	want := map[string]bool{}
-	for i := range 40 {
-		m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
-		m.Metadata.Set("key", "customer-"+strconv.Itoa(i))
-		msgs = append(msgs, m)
-		want[m.UUID] = true
-	}
+	db, ob := newFailFastRelay(t, brokers)
+	msgs, want := customerInvoices(40)
 	writeOutputs(t, db, ob, "invoices", msgs[0]) // the producer learns the leaders
 	relayAll(t, ob)
 	leaderless := c.Fault(
