@@ -118,6 +118,16 @@ func writeOutbox(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topic string, n in
 	return ids
 }
 
+// runRelay runs ob.Run in a goroutine of its own; the returned function
+// stops it and waits until it returned.
+func runRelay(ob *inbox.Outbox) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ob.Run(ctx) }()
+	return func() { cancel(); <-done }
+}
+
+// relayUntilEmpty runs relay rounds until one relays nothing.
 func relayUntilEmpty(t *testing.T, ob *inbox.Outbox) {
 	t.Helper()
 	for range 1000 {
@@ -360,10 +370,7 @@ func TestOutboxRelayKeepsGoingPastATopicTheBrokerKeepsRefusing(t *testing.T) {
 	for range 20 {
 		ids = append(ids, writeOutbox(t, db, ob, "payments", 50)...)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = ob.Run(ctx) }()
-	defer func() { cancel(); <-done }()
+	defer runRelay(ob)()
 	waitFor(t, func() bool { return len(broker.uuids("payments")) >= len(ids) })
 	if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
 		t.Errorf("payments sent: %d messages, want the %d written, in order", len(got), len(ids))
@@ -404,12 +411,9 @@ func TestOutboxRelayKeepsGoingPastABatchOfARefusedTopicAtTheHead(t *testing.T) {
 			ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, BatchSize: 20, MaxBackoff: time.Minute})
 			writeOutbox(t, db, ob, "typo", 40)
 			ids := writeOutbox(t, db, ob, "payments", 5)
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan struct{})
-			go func() { defer close(done); _ = ob.Run(ctx) }()
+			stop := runRelay(ob)
 			waitFor(t, func() bool { return len(broker.uuids("payments")) >= len(ids) })
-			cancel()
-			<-done
+			stop()
 			if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
 				t.Errorf("%v: payments sent %v, want %v", refusal, got, ids)
 			}
@@ -437,10 +441,7 @@ func TestOutboxRelayForgetsARefusedTopicWhoseMessagesLeftAnotherWay(t *testing.T
 	})
 	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, PollInterval: 200 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
 	writeOutbox(t, db, ob, "typo", 1)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = ob.Run(ctx) }()
-	defer func() { cancel(); <-done }()
+	defer runRelay(ob)()
 	waitFor(t, func() bool { // refused once
 		var attempts int
 		return plain.Get(&attempts, "SELECT COALESCE(MAX(attempts), 0) FROM "+relayTable(t, ob)) == nil && attempts > 0

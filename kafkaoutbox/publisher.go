@@ -265,7 +265,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			err = fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %s): %w",
 				len(refused), len(msgs), topic, refusedUUID(batch, msgs, refused[0]), err)
 			switch {
-			case allOf(refused, unavailable, true):
+			case allUnavailable(refused):
 				err = fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)
 			case p.allRejected(refused):
 				err = fmt.Errorf("%w: %w", inbox.ErrMessageRejected, err)
@@ -307,26 +307,24 @@ var rejected = []error{sarama.ErrMessageSizeTooLarge, sarama.ErrInvalidMessage, 
 // Producer.MaxMessageBytes (a ConfigurationError, told apart by measuring
 // the message as sarama does).
 func (p *Publisher) allRejected(refused sarama.ProducerErrors) bool {
-	for _, e := range refused {
-		if !allOf(sarama.ProducerErrors{e}, rejected, false) && e.Msg.ByteSize(p.recordVersion) <= p.maxMessageBytes {
-			return false
-		}
-	}
-	return true
+	return !slices.ContainsFunc(refused, func(e *sarama.ProducerError) bool {
+		return !oneOf(e.Err, rejected) && e.Msg.ByteSize(p.recordVersion) <= p.maxMessageBytes
+	})
 }
 
-// allOf reports whether every refusal is one of kinds, or, with network, a
+// allUnavailable reports whether every refusal is one of unavailable, or a
 // network error.
-func allOf(refused sarama.ProducerErrors, kinds []error, network bool) bool {
-	for _, e := range refused {
+func allUnavailable(refused sarama.ProducerErrors) bool {
+	return !slices.ContainsFunc(refused, func(e *sarama.ProducerError) bool {
 		var netErr net.Error
-		if slices.ContainsFunc(kinds, func(k error) bool { return errors.Is(e.Err, k) }) ||
-			network && (errors.As(e.Err, &netErr) || errors.Is(e.Err, io.EOF) || errors.Is(e.Err, io.ErrUnexpectedEOF)) {
-			continue
-		}
-		return false
-	}
-	return true
+		return !oneOf(e.Err, unavailable) && !errors.As(e.Err, &netErr) &&
+			!errors.Is(e.Err, io.EOF) && !errors.Is(e.Err, io.ErrUnexpectedEOF)
+	})
+}
+
+// oneOf reports whether err is one of kinds (errors.Is).
+func oneOf(err error, kinds []error) bool {
+	return slices.ContainsFunc(kinds, func(k error) bool { return errors.Is(err, k) })
 }
 
 // refusedUUID is the UUID of the message the broker refused with e, for the
