@@ -108,13 +108,13 @@ type OutboxConfig struct {
 	// the broker refuses before it sets the message aside in the
 	// dead-letter table, so that it stops holding back the messages behind
 	// it on its topic. A message is set aside once its refusal wraps
-	// ErrMessageRejected, or else only once the broker has accepted the
-	// next message of the same topic in the same round (so a broker that
-	// is down sets nothing aside, however long the outage; nor does a
-	// round of one message, BatchSize 1), and never when its
-	// refusal wraps ErrBrokerUnavailable, which also uses none of its
-	// attempts (the refusal is recorded as its last error); until then it
-	// stays first in line. Must be at least 1.
+	// ErrMessageRejected, or else only once the broker has accepted a
+	// message behind it on the same topic in the same round (so a broker
+	// that is down sets nothing aside, however long the outage); several
+	// refused in a row, up to 8, are set aside together, each after its
+	// own MaxAttempts. Never when its refusal wraps ErrBrokerUnavailable,
+	// which also uses none of its attempts (the refusal is recorded as its
+	// last error). Until then it stays first in line. Must be at least 1.
 	// Default: DefaultOutboxMaxAttempts (10).
 	MaxAttempts int
 

@@ -239,6 +239,11 @@ type outboxBatch struct {
 	bury    map[int64]error     // refused for the last time while the broker accepts its topic
 	rows    map[int64]outboxRow // by id
 	skipped int                 // rows left untouched: their topic waits for its next try
+	// refusals holds the refusals of the messages that wait for evidence
+	// (publishTopic).
+	refusals map[int64]error
+	// errs are the reads of publishTopic's evidence that failed.
+	errs []error
 }
 
 // RelayOnce runs one relay round now: read up to BatchSize messages, publish
@@ -318,7 +323,20 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		return round
 	}
 	round.read = len(rows)
-	b := o.publish(rows, topics)
+	next := func(topic string, after int64) (outboxRow, bool, error) {
+		var rows []outboxRow
+		if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.nextOfTopic), topic, after); err != nil || len(rows) == 0 {
+			return outboxRow{}, false, err
+		}
+		if o.sql.stillThere != nil {
+			var err error
+			if rows, err = o.keepExisting(ctx, read, rows); err != nil || len(rows) == 0 {
+				return outboxRow{}, false, err
+			}
+		}
+		return rows[0], true, nil
+	}
+	b := o.publish(rows, topics, next)
 	round.Failed, round.skipped = len(b.failed)+len(b.bury), b.skipped
 	if tx == nil {
 		// SQLite: queued behind this process's other writers (see
@@ -357,6 +375,9 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		}
 		round.Err = fmt.Errorf("inbox: outbox relay: the broker refused %d messages: %w", len(errs), errors.Join(errs...))
 	}
+	if len(b.errs) > 0 {
+		round.Err = errors.Join(round.Err, fmt.Errorf("inbox: outbox relay: %w", errors.Join(b.errs...)))
+	}
 	return round
 }
 
@@ -384,20 +405,14 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 }
 
 // publish sends rows to the broker, topic by topic, each topic's messages
-// in id order: first all at once, and when that fails one by one up to the
-// first the broker refuses, which keeps the rest of its topic for a later
-// round. A message refused on its last attempt is set aside when the
-// refusal wraps ErrMessageRejected (the publisher knows the message itself
-// is refused), or else only if the next message of its topic is then
-// accepted (the broker takes that topic, so the message itself is the
-// problem) and the refusal does not wrap ErrBrokerUnavailable (a partition
-// without a leader while its topic's other partitions take messages);
-// otherwise it stays first in line with its last attempt left.
+// in id order: first all at once, and when that fails one by one, as
+// publishTopic says. next reads the message of a topic that follows a
+// given id, for publishTopic's evidence (nil: none is read).
 //
 // With topics (Run's), a topic that waits for its next try is skipped (its
 // rows stay, untouched), and a topic whose first message in line the
 // broker refused is told to wait.
-func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff) outboxBatch {
+func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, next nextOfTopic) outboxBatch {
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
 	var order []string // the topics, in the order of their first row
 	byTopic := map[string][]outboxRow{}
@@ -416,7 +431,7 @@ func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff) outboxBatch {
 			continue
 		}
 		failedBefore := len(b.failed)
-		o.publishTopic(&b, topic, group)
+		o.publishTopic(&b, topic, group, next)
 		if topics != nil {
 			if len(b.failed) > failedBefore {
 				topics.refused(topic, time.Now())
@@ -428,9 +443,41 @@ func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff) outboxBatch {
 	return b
 }
 
-// publishTopic publishes group, the messages of topic in id order, as
-// publish says, and records the outcome in b.
-func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow) {
+// maxWaitingForEvidence bounds how many messages refused on their last
+// attempt one walk of publishTopic holds while it looks for a message
+// behind them that the broker accepts. A broker that is down and refuses
+// with errors that do not wrap ErrBrokerUnavailable uses up the attempts
+// of one more message every MaxAttempts rounds; the bound keeps each
+// round's walk to at most this many publishes beside the first call and
+// the one that ends the walk, however long it is down.
+const maxWaitingForEvidence = 8
+
+// nextOfTopic returns the message of topic with the smallest id above
+// after, if there is one (locked, as the round's read locks its rows).
+type nextOfTopic func(topic string, after int64) (outboxRow, bool, error)
+
+// publishTopic publishes group, the messages of topic in id order, and
+// records the outcome in b: first all at once, and when that fails one by
+// one, in order, up to the first message the broker refuses with attempts
+// left, which stays first in line with the rest of its topic behind it.
+//
+// A message refused on its last attempt is set aside when the refusal
+// wraps ErrMessageRejected (the publisher knows the message itself is
+// refused). Any other refusal on the last attempt waits for evidence: the
+// walk goes on, and once a message behind it is accepted (the broker takes
+// the topic, so the refused messages are the problem) every message before
+// that one still waiting is set aside; the accepted one counts as sent and
+// the rest of the topic waits for the next round. Several refused messages
+// in a row are so set aside together, each after its own MaxAttempts: the
+// one behind a waiting message has its attempts counted as it is tried, up
+// to maxWaitingForEvidence waiting at once (more in a row hold the topic
+// back, visibly: failed attempts, the oldest message's age). When
+// the group ends while messages wait, next reads the topic's following
+// message (a round of BatchSize 1 has no other). A refusal that wraps
+// ErrBrokerUnavailable (the broker's state, not the message's) ends the
+// walk and uses no attempt. Nothing is sent before a message in front of it
+// is sent or set aside, so the topic's order holds.
+func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, next nextOfTopic) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
 		err = o.cfg.Publisher.Publish(topic, msgs...)
@@ -441,40 +488,72 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow) {
 		}
 		return
 	}
-	// One by one, to find the message the broker refuses. Those sent
-	// before it in the failed call go again: at least once. A group of
+	// One by one, to find the messages the broker refuses. Those sent
+	// before them in the failed call go again: at least once. A group of
 	// one has had its try.
-	for i, r := range group {
+	var waiting []outboxRow // refused on their last attempt: evidence wanted
+	wait := func() {
+		for _, w := range waiting {
+			b.failed[w.ID] = b.refusals[w.ID]
+		}
+	}
+	for i := 0; ; i++ {
+		if i == len(group) {
+			if len(waiting) == 0 || next == nil {
+				break
+			}
+			r, ok, err := next(topic, group[i-1].ID)
+			if err != nil {
+				b.errs = append(b.errs, fmt.Errorf("read the message after outbox id %d of %q: %w", group[i-1].ID, topic, err))
+			}
+			if !ok {
+				break
+			}
+			b.rows[r.ID] = r
+			group = append(group, r)
+		}
+		r := group[i]
 		if i > 0 || len(group) > 1 {
 			err = o.publishOne(r)
 		}
 		if err == nil {
 			b.sent = append(b.sent, r.ID)
-			continue
-		}
-		if r.Attempts+1 < o.cfg.MaxAttempts || errors.Is(err, ErrBrokerUnavailable) {
-			// Attempts left, or the broker's state rather than the
-			// message's: it stays first in line.
-			b.failed[r.ID] = err
+			if len(waiting) == 0 {
+				continue
+			}
+			// The broker takes the topic: the messages refused before
+			// this one are the problem. The rest of the topic waits for
+			// the next round, in order.
+			for _, w := range waiting {
+				b.bury[w.ID] = b.refusals[w.ID]
+			}
 			return
 		}
-		if errors.Is(err, ErrMessageRejected) {
+		last := r.Attempts+1 >= o.cfg.MaxAttempts
+		switch {
+		case errors.Is(err, ErrBrokerUnavailable) || !last:
+			// The broker's state, or attempts left: it stays first in
+			// line (behind those that wait for evidence).
+			b.failed[r.ID] = err
+			wait()
+			return
+		case errors.Is(err, ErrMessageRejected):
 			// The publisher says the message itself is refused, for good:
 			// set aside, and the topic goes on in this round.
 			b.bury[r.ID] = err
-			continue
+		default:
+			if b.refusals == nil {
+				b.refusals = map[int64]error{}
+			}
+			b.refusals[r.ID] = err
+			waiting = append(waiting, r)
+			if len(waiting) == maxWaitingForEvidence {
+				wait()
+				return
+			}
 		}
-		if i+1 < len(group) && o.publishOne(group[i+1]) == nil {
-			// Its successor went through: the message, not the broker, is
-			// the problem. The successor counts as sent. The rest of the
-			// topic waits for the next round, in order.
-			b.bury[r.ID] = err
-			b.sent = append(b.sent, group[i+1].ID)
-			return
-		}
-		b.failed[r.ID] = err // stays first in line
-		return
 	}
+	wait() // no evidence: they stay first in line
 }
 
 // publishOne publishes one row to its topic.

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -343,6 +344,120 @@ func TestOutboxRelaySetsAsideRejectedMessagesInARow(t *testing.T) {
 		}
 		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != 2 {
 			t.Errorf("stats: %+v (%v), want the two rejected set aside and nothing pending", stats, err)
+		}
+	})
+}
+
+// Messages the broker keeps refusing with errors that say nothing of why
+// (a publisher that does not wrap ErrMessageRejected) are set aside, each
+// after MaxAttempts, once a message behind them is accepted: two or three
+// in a row no longer hold their topic back for good, nor does one in a
+// round of one message (BatchSize 1), whose evidence the relay reads. The
+// messages behind them are sent, in order.
+func TestOutboxRelaySetsAsideRefusedMessagesInARow(t *testing.T) {
+	cases := []struct {
+		name      string
+		batchSize int
+		refused   int // the first messages of the topic, refused for ever
+	}{
+		{"two in a row", 0, 2},
+		{"three in a row", 0, 3},
+		{"one in a batch of one", 1, 1},
+		{"two in a row in batches of one", 1, 2},
+	}
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for _, c := range cases {
+			t.Run(c.name, func(t *testing.T) {
+				broker := newBrokerStub()
+				ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2, BatchSize: c.batchSize})
+				ids := writeOutbox(t, db, ob, "payments", 6)
+				broker.setRefuse(func(_ string, m *message.Message) error {
+					if slices.Index(ids, m.UUID) < c.refused {
+						return errors.New("the broker refuses the message")
+					}
+					return nil
+				})
+				relayUntilEmpty(t, ob)
+				if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[c.refused:]) {
+					t.Errorf("sent %v, want %v", got, ids[c.refused:])
+				}
+				if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != int64(c.refused) {
+					t.Errorf("stats: %+v (%v), want the %d refused set aside and nothing pending", stats, err, c.refused)
+				}
+			})
+		}
+	})
+}
+
+// A broker that stays down and refuses with errors that say nothing of why
+// uses up the attempts of one more message every MaxAttempts rounds, and
+// the relay tries each of those again, one by one, to find one the broker
+// accepts: the tries of a round stay bounded however long it is down (a
+// publisher that fails after a timeout would otherwise spend longer on
+// each round), and once the broker is back nothing is set aside and every
+// message is sent, in order.
+func TestOutboxRelayTriesBoundedlyManyMessagesPerRoundWhileTheBrokerIsDown(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+		ids := writeOutbox(t, db, ob, "payments", 30)
+		var tries atomic.Int32
+		broker.setRefuse(func(string, *message.Message) error {
+			tries.Add(1)
+			return errors.New("connection reset by peer")
+		})
+		for i := range 25 {
+			tries.Store(0)
+			if round := ob.RelayOnce(context.Background()); round.Relayed != 0 || round.DeadLettered != 0 {
+				t.Fatalf("round %d while the broker is down: %+v, want nothing sent or set aside", i+1, round)
+			}
+			// The call with every message, then at most 8 that used their
+			// attempts, and the one that ends the walk.
+			if n := tries.Load(); n > 10 {
+				t.Fatalf("round %d while the broker is down tried %d publishes, want at most 10", i+1, n)
+			}
+		}
+		broker.setRefuse(nil)
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
+			t.Errorf("sent %v after the outage, want all 30 in order", got)
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.DeadLettered != 0 {
+			t.Errorf("stats: %+v (%v), want no dead letter", stats, err)
+		}
+	})
+}
+
+// A message refused on its last attempt waits for a message behind it to be
+// accepted; while the one behind it is refused too and has attempts left,
+// nothing is set aside nor sent past it, and once the broker takes that one
+// it is sent, not set aside, followed by the rest in order.
+func TestOutboxRelaySendsTheMessageBehindOneThatWaitsOnceTheBrokerTakesIt(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3})
+		ids := writeOutbox(t, db, ob, "payments", 6)
+		refuse := func(secondToo bool) func(string, *message.Message) error {
+			return func(_ string, m *message.Message) error {
+				if m.UUID == ids[0] || (secondToo && m.UUID == ids[1]) {
+					return errors.New("the broker refuses the message")
+				}
+				return nil
+			}
+		}
+		broker.setRefuse(refuse(true))
+		for i := range 4 { // the first's 3 attempts, then one more round
+			if round := ob.RelayOnce(context.Background()); round.Relayed != 0 || round.DeadLettered != 0 {
+				t.Fatalf("round %d while the first two are refused: %+v, want nothing sent or set aside", i+1, round)
+			}
+		}
+		broker.setRefuse(refuse(false))
+		relayUntilEmpty(t, ob)
+		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[1:]) {
+			t.Errorf("sent %v, want %v", got, ids[1:])
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != 1 {
+			t.Errorf("stats: %+v (%v), want the first set aside and nothing pending", stats, err)
 		}
 	})
 }

@@ -36,6 +36,9 @@ type outboxSQL struct {
 	// SKIP LOCKED) when locks. With skipTopics > 0 it leaves out the rows of
 	// that many topics, bind parameters in order.
 	selectBatch func(n, skipTopics int) string
+	// nextOfTopic reads the row of a topic with the smallest id above a
+	// given one, locked as selectBatch locks: bind parameters topic, id.
+	nextOfTopic string
 	// locks reports whether selectBatch locks the rows it returns, so that
 	// a relay holds its transaction open while it publishes them and other
 	// relay instances skip them.
@@ -108,8 +111,9 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 			}
 			return "SELECT " + cols + ", attempts FROM " + q + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
 		},
-		locks: lock != "",
-		probe: "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
+		nextOfTopic: "SELECT " + cols + ", attempts FROM " + q + " WHERE topic = ? AND id > ? ORDER BY id LIMIT 1" + lock,
+		locks:       lock != "",
+		probe:       "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
 		probeStatements: []string{
 			"SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0 ORDER BY id" + lock,
 			"UPDATE " + q + " SET attempts = attempts + 1, last_error = NULL WHERE 1 = 0",
