@@ -87,7 +87,7 @@ func openAs(t *testing.T, db *sqlx.DB, tdb testDB, user, table string) *sqlx.DB 
 		dsn = u.String()
 	}
 	exec(t, db, "GRANT SELECT, INSERT ON "+table+" TO "+grantee(tdb, user))
-	exec(t, db, "GRANT INSERT ON "+table+"_dead TO "+grantee(tdb, user))
+	exec(t, db, "GRANT SELECT, INSERT ON "+table+"_dead TO "+grantee(tdb, user))
 	driver := map[inbox.Dialect]string{inbox.MySQL: "mysql"}[tdb.Dialect]
 	if driver == "" {
 		driver = "pgx"

@@ -213,7 +213,7 @@ func (o *Outbox) Verify(ctx context.Context) error {
 			}
 			if err != nil {
 				return fmt.Errorf("inbox: the outbox relay cannot run its statements on table %q (it needs SELECT, INSERT,"+
-					" UPDATE and DELETE on it and INSERT on its dead-letter table, and FOR UPDATE SKIP LOCKED: MySQL 8.0.4+,"+
+					" UPDATE and DELETE on it and SELECT and INSERT on its dead-letter table, and FOR UPDATE SKIP LOCKED: MySQL 8.0.4+,"+
 					" MariaDB 10.6+, which also have the JSON_TABLE it uses): %s: %w", o.table, stmt, err)
 			}
 		}
@@ -351,7 +351,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	}
-	if err := o.record(ctx, tx, b); err != nil {
+	if err := o.record(ctx, tx, &b); err != nil {
 		return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: err}}
 	}
 	if err := tx.Commit(); err != nil {
@@ -584,7 +584,7 @@ func decodeOutboxRows(rows []outboxRow) ([]*message.Message, error) {
 
 // record deletes the sent rows, counts the failed attempts and moves the
 // rows set aside to the dead-letter table, in tx.
-func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b outboxBatch) error {
+func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error {
 	for start := 0; start < len(b.sent); start += outboxInsertChunk {
 		ids := b.sent[start:min(len(b.sent), start+outboxInsertChunk)]
 		if _, err := tx.ExecContext(ctx, o.sql.deleteIDs(ids)); err != nil {
@@ -601,8 +601,25 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b outboxBatch) error {
 		}
 	}
 	for id, perr := range b.bury {
-		if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.bury), perr.Error(), id); err != nil {
+		res, err := tx.ExecContext(ctx, tx.Rebind(o.sql.bury), perr.Error(), id, id)
+		if err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
+		}
+		if n, err := res.RowsAffected(); err != nil {
+			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
+		} else if n == 0 {
+			// The dead-letter table holds a row of this id already: the
+			// outbox's ids started again (TRUNCATE … RESTART IDENTITY, a
+			// restored table). Failing the round would send its other
+			// messages again in every round; the message stays first in
+			// line instead, with the reason as its last error.
+			kept := fmt.Errorf("%w; not set aside: %s already holds outbox id %d (did the outbox's ids start again?)", perr, o.dead, id)
+			delete(b.bury, id)
+			b.failed[id] = kept
+			if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.failed), kept.Error(), id); err != nil {
+				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
+			}
+			continue
 		}
 		if _, err := tx.ExecContext(ctx, o.sql.deleteIDs([]int64{id})); err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)

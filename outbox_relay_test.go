@@ -389,6 +389,62 @@ func TestOutboxRelaySetsAsideRefusedMessagesInARow(t *testing.T) {
 	})
 }
 
+// After the outbox's ids start again (an operator's TRUNCATE … RESTART
+// IDENTITY, a restored table), a message to set aside can have the id of a
+// dead letter already there. It stays first in line, the round's error and
+// its last error saying why, and the round goes on: failing the round sent
+// its other messages again in every round.
+func TestOutboxRelayKeepsAMessageWhoseIDTheDeadLetterTableHolds(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+		var refused []string
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if slices.Contains(refused, m.UUID) {
+				return errors.New("the broker refuses the message")
+			}
+			return nil
+		})
+		before := writeOutbox(t, db, ob, "payments", 3)
+		refused = append(refused, before[0])
+		relayUntilEmpty(t, ob) // the first set aside, with the first id
+
+		restart := map[string]string{
+			"postgres": "TRUNCATE TABLE " + ob.Table() + " RESTART IDENTITY",
+			"mysql":    "TRUNCATE TABLE " + ob.Table(),
+			"sqlite":   "DELETE FROM sqlite_sequence WHERE name = '" + ob.Table() + "'",
+		}[strings.SplitN(tdb.Name, "-", 2)[0]]
+		if _, err := db.Exec(restart); err != nil {
+			t.Fatal(err)
+		}
+		after := writeOutbox(t, db, ob, "payments", 3)
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == before[0] || m.UUID == after[0] {
+				return errors.New("the broker refuses the message")
+			}
+			return nil
+		})
+		round := ob.RelayOnce(context.Background())
+		if round.Err == nil || !strings.Contains(round.Err.Error(), "already holds outbox id") || round.Relayed != 1 || round.DeadLettered != 0 {
+			t.Errorf("round: %+v, want the message behind the refused one relayed and an error that says the dead-letter table holds its id", round)
+		}
+		var lastError string
+		if err := db.Get(&lastError, db.Rebind("SELECT last_error FROM "+ob.Table()+" WHERE uuid = ?"), after[0]); err != nil || !strings.Contains(lastError, "already holds outbox id") {
+			t.Errorf("last error %q (%v), want it to say that the dead-letter table holds the id", lastError, err)
+		}
+		for range 4 {
+			ob.RelayOnce(context.Background())
+		}
+		if got, want := broker.uuids("payments"), append(slices.Clone(before[1:]), after[1:]...); fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("sent %v, want %v, each once", got, want)
+		}
+		stats, err := ob.Stats(context.Background())
+		if err != nil || stats.Pending != 1 || stats.DeadLettered != 1 {
+			t.Errorf("stats: %+v (%v), want the second refused message pending beside the first dead letter", stats, err)
+		}
+	})
+}
+
 // A broker that stays down and refuses with errors that say nothing of why
 // uses up the attempts of one more message every MaxAttempts rounds, and
 // the relay tries each of those again, one by one, to find one the broker

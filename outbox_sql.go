@@ -57,8 +57,9 @@ type outboxSQL struct {
 	// attempt (the broker's state, not the message's): bind parameters
 	// last error, id.
 	waited string
-	// bury copies a row to the dead-letter table: bind parameters last
-	// error, id.
+	// bury copies a row to the dead-letter table unless that table holds
+	// its id already (the outbox's ids started again): bind parameters
+	// last error, id, id. Rows affected: 1, or 0 when it did not.
 	bury string
 	// probe reads no row of every column the relay reads (Outbox.Verify).
 	probe string
@@ -118,7 +119,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 			"SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0 ORDER BY id" + lock,
 			"UPDATE " + q + " SET attempts = attempts + 1, last_error = NULL WHERE 1 = 0",
 			"INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
-				", created_at, attempts, last_error, " + now + " FROM " + q + " WHERE 1 = 0",
+				", created_at, attempts, last_error, " + now + " FROM " + q + " WHERE 1 = 0 AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE 1 = 0)",
 			"DELETE FROM " + q + " WHERE 1 = 0",
 		},
 		deleteIDs: func(ids []int64) string {
@@ -127,7 +128,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		failed: "UPDATE " + q + " SET attempts = attempts + 1, last_error = ? WHERE id = ?",
 		waited: "UPDATE " + q + " SET last_error = ? WHERE id = ?",
 		bury: "INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
-			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ?",
+			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)",
 		stats: "SELECT (SELECT count(*) FROM " + q + "), (SELECT " + ageMicros + " FROM " + q + "), (SELECT count(*) FROM " + dq + ")",
 	}
 }
