@@ -64,7 +64,11 @@ func (unusedPublisher) Close() error { return nil }
 // rounds; for "outbox" delivered to the downstream topic, from the first
 // message handled to the last relayed), their ratio outbox/no-output,
 // outbox-max-rows (largest outbox depth over the rounds, sampled every
-// 10 ms) and relay-p99-ms (commit to broker ack, over every round).
+// 10 ms) and relay-p99-ms (commit to broker ack, over every round); and
+// each pipeline's CPU time per message, this process's (kfake's included)
+// and the database server's over all its rounds (cpuClock), with their
+// ratio no-output/outbox-cpu, which says where the machine's time went
+// when the msgs/s ratio misses.
 //
 // "postgres-pgx" is the pgx-native inbox (pgxinbox, its outputs through
 // pgxinbox.OutboxPublisher) with the relay on the pool's *sqlx.DB.
@@ -107,6 +111,7 @@ func runOutboxEndToEndRounds(b *testing.B, tdb testdb.DB) {
 	db.SetMaxOpenConns(kafkaPartitions + 4)
 	db.SetMaxIdleConns(kafkaPartitions + 4)
 	var plain, emitting []float64
+	var plainCPU, emittingCPU time.Duration
 	var maxRows int64
 	var latencies []time.Duration
 	for r := range rounds {
@@ -116,9 +121,11 @@ func runOutboxEndToEndRounds(b *testing.B, tdb testdb.DB) {
 			res := runOutboxEndToEnd(b, tdb, db, pool, n, emit)
 			if !emit {
 				plain = append(plain, res.rate)
+				plainCPU += res.cpu
 				continue
 			}
 			emitting = append(emitting, res.rate)
+			emittingCPU += res.cpu
 			maxRows = max(maxRows, res.maxRows)
 			latencies = append(latencies, res.latencies...)
 		}
@@ -131,6 +138,10 @@ func runOutboxEndToEndRounds(b *testing.B, tdb testdb.DB) {
 	b.ReportMetric(median(emitting), "outbox-msgs/s")
 	b.ReportMetric(median(emitting)/median(plain), "outbox/no-output")
 	b.ReportMetric(float64(maxRows), "outbox-max-rows")
+	perMsg := func(cpu time.Duration) float64 { return float64(cpu.Microseconds()) / float64(n*rounds) }
+	b.ReportMetric(perMsg(plainCPU), "no-output-cpu-µs/msg")
+	b.ReportMetric(perMsg(emittingCPU), "outbox-cpu-µs/msg")
+	b.ReportMetric(perMsg(plainCPU)/perMsg(emittingCPU), "no-output/outbox-cpu")
 	slices.Sort(latencies)
 	if len(latencies) > 0 {
 		b.ReportMetric(float64(latencies[len(latencies)*99/100].Microseconds())/1000, "relay-p99-ms")
@@ -141,6 +152,7 @@ func runOutboxEndToEndRounds(b *testing.B, tdb testdb.DB) {
 // the outbox's largest depth and each output's commit-to-ack latency.
 type e2eResult struct {
 	rate      float64
+	cpu       time.Duration // this process's and the database server's, from the router's start to the last message
 	maxRows   int64
 	latencies []time.Duration
 }
@@ -278,15 +290,18 @@ func runOutboxEndToEnd(b *testing.B, tdb testdb.DB, db *sqlx.DB, pool *pgxpool.P
 	})
 
 	maxRows := sampleOutboxDepth(ob)
+	clock := serverFor(tdb.Name)
+	process, server := clock.now()
 	go func() { _ = router.Run(context.Background()) }()
 	select {
 	case <-done:
 	case <-time.After(10 * time.Minute):
 		b.Fatalf("handled %d, relayed %d of %d messages in 10 minutes", handled.Load(), relayed.Load(), n)
 	}
+	process2, server2 := clock.now()
 	deepest := maxRows()
 	router.Close()
-	var res e2eResult
+	res := e2eResult{cpu: process2 - process + server2 - server}
 	if elapsed := time.Duration(last.Load() - first.Load()); n > 1 && elapsed > 0 {
 		res.rate = float64(n-1) / elapsed.Seconds()
 	}
