@@ -267,15 +267,30 @@ func TestOutboxRelaySetsNothingAsideWhileTheBrokerIsDown(t *testing.T) {
 				t.Fatalf("round while the broker is down: %+v, want an error and nothing relayed or set aside", round)
 			}
 		}
-		broker.setRefuse(nil)
-		relayUntilEmpty(t, ob)
-		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
-			t.Errorf("sent %v after the outage, want all 30 in order", got)
-		}
-		if stats, err := ob.Stats(context.Background()); err != nil || stats.DeadLettered != 0 {
-			t.Errorf("stats: %+v (%v), want no dead letter", stats, err)
-		}
+		sendsAllOnceTheBrokerIsBack(t, ob, broker, ids)
 	})
+}
+
+// sendsAllOnceTheBrokerIsBack lets broker take everything, relays until
+// ob's table is empty and checks that the messages ids of "payments" were
+// sent in order with none set aside.
+func sendsAllOnceTheBrokerIsBack(t *testing.T, ob *inbox.Outbox, broker *brokerStub, ids []string) {
+	t.Helper()
+	broker.setRefuse(nil)
+	relayUntilEmpty(t, ob)
+	wantRelayed(t, ob, broker, ids, 0, 0)
+}
+
+// wantRelayed checks that broker took exactly want on "payments", in order,
+// and that ob holds pending messages and dead dead letters.
+func wantRelayed(t *testing.T, ob *inbox.Outbox, broker *brokerStub, want []string, pending, dead int64) {
+	t.Helper()
+	if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("sent %v, want %v, in order, each once", got, want)
+	}
+	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != pending || stats.DeadLettered != dead {
+		t.Errorf("stats: %+v (%v), want %d pending and %d dead letters", stats, err, pending, dead)
+	}
 }
 
 // A message whose refusals wrap ErrBrokerUnavailable (its Kafka partition
@@ -378,12 +393,7 @@ func TestOutboxRelaySetsAsideRefusedMessagesInARow(t *testing.T) {
 					return nil
 				})
 				relayUntilEmpty(t, ob)
-				if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[c.refused:]) {
-					t.Errorf("sent %v, want %v", got, ids[c.refused:])
-				}
-				if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != int64(c.refused) {
-					t.Errorf("stats: %+v (%v), want the %d refused set aside and nothing pending", stats, err, c.refused)
-				}
+				wantRelayed(t, ob, broker, ids[c.refused:], 0, int64(c.refused))
 			})
 		}
 	})
@@ -435,13 +445,8 @@ func TestOutboxRelayKeepsAMessageWhoseIDTheDeadLetterTableHolds(t *testing.T) {
 		for range 4 {
 			ob.RelayOnce(context.Background())
 		}
-		if got, want := broker.uuids("payments"), append(slices.Clone(before[1:]), after[1:]...); fmt.Sprint(got) != fmt.Sprint(want) {
-			t.Errorf("sent %v, want %v, each once", got, want)
-		}
-		stats, err := ob.Stats(context.Background())
-		if err != nil || stats.Pending != 1 || stats.DeadLettered != 1 {
-			t.Errorf("stats: %+v (%v), want the second refused message pending beside the first dead letter", stats, err)
-		}
+		// The second refused message stays, beside the first dead letter.
+		wantRelayed(t, ob, broker, append(slices.Clone(before[1:]), after[1:]...), 1, 1)
 	})
 }
 
@@ -473,14 +478,7 @@ func TestOutboxRelayTriesBoundedlyManyMessagesPerRoundWhileTheBrokerIsDown(t *te
 				t.Fatalf("round %d while the broker is down tried %d publishes, want at most 10", i+1, n)
 			}
 		}
-		broker.setRefuse(nil)
-		relayUntilEmpty(t, ob)
-		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids) {
-			t.Errorf("sent %v after the outage, want all 30 in order", got)
-		}
-		if stats, err := ob.Stats(context.Background()); err != nil || stats.DeadLettered != 0 {
-			t.Errorf("stats: %+v (%v), want no dead letter", stats, err)
-		}
+		sendsAllOnceTheBrokerIsBack(t, ob, broker, ids)
 	})
 }
 
@@ -509,12 +507,7 @@ func TestOutboxRelaySendsTheMessageBehindOneThatWaitsOnceTheBrokerTakesIt(t *tes
 		}
 		broker.setRefuse(refuse(false))
 		relayUntilEmpty(t, ob)
-		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[1:]) {
-			t.Errorf("sent %v, want %v", got, ids[1:])
-		}
-		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != 1 {
-			t.Errorf("stats: %+v (%v), want the first set aside and nothing pending", stats, err)
-		}
+		wantRelayed(t, ob, broker, ids[1:], 0, 1)
 	})
 }
 
