@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/url"
 	"strings"
 	"testing"
@@ -50,6 +51,57 @@ func TestOutboxVerifyRefusesAUserWhoCannotRelay(t *testing.T) {
 	})
 }
 
+// A read of the relay's walk that fails (here whether the dead-letter table
+// holds a refused message's id, for a user without SELECT on that table)
+// leaves the message it was for first in line, and the round records the
+// rest: on PostgreSQL the read runs under a savepoint, so the failed
+// statement does not end the round's transaction, which then failed after
+// its publishes, and every message it had published went again.
+func TestOutboxRelayRecordsItsRoundWhenAReadOfItsWalkFails(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite has no users")
+		}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
+		table := relayTable(t, ob)
+		user := "outbox_user_" + randomSuffix()
+		limited := openAs(t, db, tdb, user, table)
+		exec(t, db, "GRANT UPDATE, DELETE ON "+table+" TO "+grantee(tdb, user))
+		exec(t, db, "REVOKE SELECT ON "+table+"_dead FROM "+grantee(tdb, user))
+		broker := newBrokerStub()
+		relay, err := inbox.NewOutbox(inbox.OutboxConfig{DB: limited, Dialect: tdb.Dialect, Table: table, Publisher: broker, MaxAttempts: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		refused := writeOutbox(t, db, ob, "payments", 2)
+		accepted := writeOutbox(t, db, ob, "invoices", 3)
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == refused[0] {
+				return errors.New("the broker refuses the message")
+			}
+			return nil
+		})
+		for i := range 3 {
+			round := relay.RelayOnce(context.Background())
+			if round.Err == nil || !strings.Contains(round.Err.Error(), "could not be read") {
+				t.Errorf("round %d: %+v, want an error that says the dead-letter table could not be read", i+1, round)
+			}
+			if i == 0 && round.Relayed != 3 {
+				t.Errorf("first round relayed %d, want the 3 of the other topic", round.Relayed)
+			}
+		}
+		if got := broker.uuids("invoices"); fmt.Sprint(got) != fmt.Sprint(accepted) {
+			t.Errorf("sent %v, want %v, each once", got, accepted)
+		}
+		if got := broker.uuids("payments"); len(got) != 0 {
+			t.Errorf("sent %v past the refused message, want nothing", got)
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 2 || stats.DeadLettered != 0 {
+			t.Errorf("stats: %+v (%v), want the refused message and the one behind it pending", stats, err)
+		}
+	})
+}
+
 // grantee is user as GRANT names it.
 func grantee(tdb testDB, user string) string {
 	if tdb.Dialect == inbox.MySQL {
@@ -58,7 +110,7 @@ func grantee(tdb testDB, user string) string {
 	return user
 }
 
-// openAs creates user with SELECT and INSERT on table and INSERT on its
+// openAs creates user with SELECT and INSERT on table and on its
 // dead-letter table, drops it when the test ends, and opens a pool that
 // logs in as it.
 func openAs(t *testing.T, db *sqlx.DB, tdb testDB, user, table string) *sqlx.DB {

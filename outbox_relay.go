@@ -48,10 +48,11 @@ func (o *Outbox) Run(ctx context.Context) error {
 			wait = min(wait, next) // a topic the broker refused is tried again then
 		}
 		switch {
-		case round.Err != nil && round.Relayed+round.DeadLettered+round.Failed == 0:
-			// The round failed before the broker had its say: the database
-			// is down or refuses the relay's statements. (What the broker
-			// refuses waits per topic, and the next round leaves it out.)
+		case round.Err != nil && (round.unrecorded || round.Relayed+round.DeadLettered+round.Failed == 0):
+			// The database is down or refuses the relay's statements,
+			// before the broker had its say or after it (then what was
+			// published goes again in a later round). What the broker
+			// refuses waits per topic, and the next round leaves it out.
 			backoff = min(max(2*backoff, outboxRetryFirst), o.cfg.MaxBackoff)
 			wait, wake = backoff, nil // a commit does not cut a backoff short
 		case round.read >= o.cfg.BatchSize && round.skipped < round.read:
@@ -263,6 +264,8 @@ func (o *Outbox) RelayOnce(ctx context.Context) OutboxRound {
 type relayRound struct {
 	OutboxRound
 	read, skipped int
+	// unrecorded: the round published, then failed to record it.
+	unrecorded bool
 }
 
 // relayOnce is RelayOnce, skipping the topics that wait in topics (nil:
@@ -323,40 +326,56 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		return round
 	}
 	round.read = len(rows)
-	next := func(topic string, after int64) (outboxRow, bool, error) {
-		var rows []outboxRow
-		if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.nextOfTopic), topic, after); err != nil || len(rows) == 0 {
-			return outboxRow{}, false, err
-		}
-		if o.sql.stillThere != nil {
-			var err error
-			if rows, err = o.keepExisting(ctx, read, rows); err != nil || len(rows) == 0 {
-				return outboxRow{}, false, err
-			}
-		}
-		return rows[0], true, nil
+	reads := walkReads{
+		next: func(topic string, after int64) (r outboxRow, ok bool, err error) {
+			err = o.readInWalk(ctx, tx, func() error {
+				var rows []outboxRow
+				if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.nextOfTopic), after, topic); err != nil || len(rows) == 0 {
+					return err
+				}
+				if o.sql.stillThere != nil {
+					var err error
+					if rows, err = o.keepExisting(ctx, read, rows); err != nil || len(rows) == 0 {
+						return err
+					}
+				}
+				r, ok = rows[0], true
+				return nil
+			})
+			return r, ok && err == nil, err
+		},
+		deadTaken: func(id int64) (taken bool, err error) {
+			err = o.readInWalk(ctx, tx, func() error {
+				var ids []int64
+				if err := sqlx.SelectContext(ctx, read, &ids, db.Rebind(o.sql.deadHas), id); err != nil {
+					return err
+				}
+				taken = len(ids) > 0
+				return nil
+			})
+			return taken, err
+		},
 	}
-	b := o.publish(rows, topics, next)
+	b := o.publish(rows, topics, reads)
 	round.Failed, round.skipped = len(b.failed)+len(b.bury), b.skipped
 	if tx == nil {
 		// SQLite: queued behind this process's other writers (see
 		// writerQueue), not polling for the write lock against them.
 		place, err := sqliteWriterQueue(db.DB).enter(ctx)
 		if err != nil {
-			return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
+			return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: begin: %w", err))
 		}
 		defer place.leave()
 		if tx, err = db.BeginTxx(ctx, nil); err != nil {
-			return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
+			return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: begin: %w", err))
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	}
 	if err := o.record(ctx, tx, &b); err != nil {
-		return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: err}}
+		return unrecorded(round, b, err)
 	}
 	if err := tx.Commit(); err != nil {
-		// Published but not deleted: the next round sends them again.
-		return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: fmt.Errorf("inbox: outbox relay: commit: %w", err)}}
+		return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: commit: %w", err))
 	}
 	round.Relayed, round.DeadLettered = len(b.sent), len(b.bury)
 	for id, err := range b.bury {
@@ -379,6 +398,40 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		round.Err = errors.Join(round.Err, fmt.Errorf("inbox: outbox relay: %w", errors.Join(b.errs...)))
 	}
 	return round
+}
+
+// unrecorded is the outcome of a round whose publishes the database did
+// not record (err): the messages the broker took are still in the table and
+// go again in a later round (at least once). Run then waits as after a
+// database error, so that a database that keeps failing after the
+// publishes does not have the same messages published round after round.
+func unrecorded(round relayRound, b outboxBatch, err error) relayRound {
+	if len(b.errs) > 0 {
+		err = errors.Join(err, fmt.Errorf("inbox: outbox relay: %w", errors.Join(b.errs...)))
+	}
+	return relayRound{OutboxRound: OutboxRound{Failed: round.Failed, Err: err}, unrecorded: true}
+}
+
+// readInWalk runs read, one of publishTopic's reads, in tx (nil on SQLite).
+// On PostgreSQL it runs under a savepoint, rolled back to when read fails:
+// a failed statement (a statement_timeout, say) ends the transaction there,
+// which would fail the round after its publishes, and every message it
+// published would go again.
+func (o *Outbox) readInWalk(ctx context.Context, tx *sqlx.Tx, read func() error) error {
+	if tx == nil || o.dialect.server() != serverPostgreSQL {
+		return read()
+	}
+	if _, err := tx.ExecContext(ctx, "SAVEPOINT inbox_outbox_walk"); err != nil {
+		return err
+	}
+	if err := read(); err != nil {
+		if _, rerr := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT inbox_outbox_walk"); rerr != nil {
+			return errors.Join(err, rerr)
+		}
+		return err
+	}
+	_, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT inbox_outbox_walk")
+	return err
 }
 
 // keepExisting returns the rows that the locking read stillThere finds.
@@ -406,13 +459,12 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 
 // publish sends rows to the broker, topic by topic, each topic's messages
 // in id order: first all at once, and when that fails one by one, as
-// publishTopic says. next reads the message of a topic that follows a
-// given id, for publishTopic's evidence (nil: none is read).
+// publishTopic says, with reads for its walk.
 //
 // With topics (Run's), a topic that waits for its next try is skipped (its
 // rows stay, untouched), and a topic whose first message in line the
 // broker refused is told to wait.
-func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, next nextOfTopic) outboxBatch {
+func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, reads walkReads) outboxBatch {
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
 	var order []string // the topics, in the order of their first row
 	byTopic := map[string][]outboxRow{}
@@ -431,7 +483,7 @@ func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, next nextOfTopi
 			continue
 		}
 		failedBefore := len(b.failed)
-		o.publishTopic(&b, topic, group, next)
+		o.publishTopic(&b, topic, group, reads)
 		if topics != nil {
 			if len(b.failed) > failedBefore {
 				topics.refused(topic, time.Now())
@@ -452,9 +504,15 @@ func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, next nextOfTopi
 // the one that ends the walk, however long it is down.
 const maxWaitingForEvidence = 8
 
-// nextOfTopic returns the message of topic with the smallest id above
-// after, if there is one (locked, as the round's read locks its rows).
-type nextOfTopic func(topic string, after int64) (outboxRow, bool, error)
+// walkReads are the reads of publishTopic's walk; a nil one reads nothing.
+type walkReads struct {
+	// next returns the message of topic that follows id after, if there
+	// is one within the next outboxWalkWindow rows (locked, as the round's
+	// read locks its rows).
+	next func(topic string, after int64) (outboxRow, bool, error)
+	// deadTaken reports whether the dead-letter table holds id already.
+	deadTaken func(id int64) (bool, error)
+}
 
 // publishTopic publishes group, the messages of topic in id order, and
 // records the outcome in b: first all at once, and when that fails one by
@@ -477,7 +535,7 @@ type nextOfTopic func(topic string, after int64) (outboxRow, bool, error)
 // ErrBrokerUnavailable (the broker's state, not the message's) ends the
 // walk and uses no attempt. Nothing is sent before a message in front of it
 // is sent or set aside, so the topic's order holds.
-func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, next nextOfTopic) {
+func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
 		err = o.cfg.Publisher.Publish(topic, msgs...)
@@ -499,10 +557,10 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, n
 	}
 	for i := 0; ; i++ {
 		if i == len(group) {
-			if len(waiting) == 0 || next == nil {
+			if len(waiting) == 0 || reads.next == nil {
 				break
 			}
-			r, ok, err := next(topic, group[i-1].ID)
+			r, ok, err := reads.next(topic, group[i-1].ID)
 			if err != nil {
 				b.errs = append(b.errs, fmt.Errorf("read the message after outbox id %d of %q: %w", group[i-1].ID, topic, err))
 			}
@@ -530,10 +588,14 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, n
 			return
 		}
 		last := r.Attempts+1 >= o.cfg.MaxAttempts
+		if last && !errors.Is(err, ErrBrokerUnavailable) {
+			err = o.settable(b, r, err, reads)
+		}
 		switch {
-		case errors.Is(err, ErrBrokerUnavailable) || !last:
-			// The broker's state, or attempts left: it stays first in
-			// line (behind those that wait for evidence).
+		case errors.Is(err, ErrBrokerUnavailable) || !last || errors.Is(err, errNotSettable):
+			// The broker's state, attempts left, or a message that cannot
+			// be set aside: it stays first in line (behind those that wait
+			// for evidence), and nothing behind it is sent.
 			b.failed[r.ID] = err
 			wait()
 			return
@@ -554,6 +616,32 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, n
 		}
 	}
 	wait() // no evidence: they stay first in line
+}
+
+// errNotSettable marks the refusal of a message that cannot be set aside
+// now: its id is in the dead-letter table already, or the read that tells
+// failed.
+var errNotSettable = errors.New("not set aside")
+
+// settable returns err, the refusal of r on its last attempt, as it is when
+// r can be set aside, and wrapped with errNotSettable when the dead-letter
+// table holds r's id already (the outbox's ids started again) or the read
+// that tells failed (recorded in b.errs). Checked before the walk sends
+// anything behind r: a message sent past one that then stays would break
+// its topic's order.
+func (o *Outbox) settable(b *outboxBatch, r outboxRow, err error, reads walkReads) error {
+	if reads.deadTaken == nil {
+		return err
+	}
+	taken, rerr := reads.deadTaken(r.ID)
+	switch {
+	case rerr != nil:
+		b.errs = append(b.errs, fmt.Errorf("read whether %s holds outbox id %d: %w", o.dead, r.ID, rerr))
+		return fmt.Errorf("%w; %w: the dead-letter table could not be read", err, errNotSettable)
+	case taken:
+		return fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", err, errNotSettable, o.dead, r.ID)
+	}
+	return err
 }
 
 // publishOne publishes one row to its topic.
@@ -613,7 +701,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			// restored table). Failing the round would send its other
 			// messages again in every round; the message stays first in
 			// line instead, with the reason as its last error.
-			kept := fmt.Errorf("%w; not set aside: %s already holds outbox id %d (did the outbox's ids start again?)", perr, o.dead, id)
+			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.dead, id)
 			delete(b.bury, id)
 			b.failed[id] = kept
 			if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.failed), kept.Error(), id); err != nil {

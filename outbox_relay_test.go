@@ -402,51 +402,58 @@ func TestOutboxRelaySetsAsideRefusedMessagesInARow(t *testing.T) {
 // After the outbox's ids start again (an operator's TRUNCATE … RESTART
 // IDENTITY, a restored table), a message to set aside can have the id of a
 // dead letter already there. It stays first in line, the round's error and
-// its last error saying why, and the round goes on: failing the round sent
-// its other messages again in every round.
+// its last error saying why, and nothing behind it is sent; once that old
+// dead letter is moved out, it is set aside and the rest follows, in order.
+// (The move failed the whole round before, and the round's other messages
+// were sent again in every round; then the messages behind it were sent
+// past it.)
 func TestOutboxRelayKeepsAMessageWhoseIDTheDeadLetterTableHolds(t *testing.T) {
+	refusals := map[string]error{
+		"plain refusal":      errors.New("the broker refuses the message"),
+		"ErrMessageRejected": fmt.Errorf("%w: too large", inbox.ErrMessageRejected),
+	}
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		broker := newBrokerStub()
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
-		var refused []string
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if slices.Contains(refused, m.UUID) {
-				return errors.New("the broker refuses the message")
-			}
-			return nil
-		})
-		before := writeOutbox(t, db, ob, "payments", 3)
-		refused = append(refused, before[0])
-		relayUntilEmpty(t, ob) // the first set aside, with the first id
+		for name, refusal := range refusals {
+			t.Run(name, func(t *testing.T) {
+				broker := newBrokerStub()
+				ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+				var refused []string
+				broker.setRefuse(func(_ string, m *message.Message) error {
+					if slices.Contains(refused, m.UUID) {
+						return refusal
+					}
+					return nil
+				})
+				before := writeOutbox(t, db, ob, "payments", 3)
+				refused = append(refused, before[0])
+				relayUntilEmpty(t, ob) // the first set aside, with the first id
 
-		restart := map[string]string{
-			"postgres": "TRUNCATE TABLE " + ob.Table() + " RESTART IDENTITY",
-			"mysql":    "TRUNCATE TABLE " + ob.Table(),
-			"sqlite":   "DELETE FROM sqlite_sequence WHERE name = '" + ob.Table() + "'",
-		}[strings.SplitN(tdb.Name, "-", 2)[0]]
-		if _, err := db.Exec(restart); err != nil {
-			t.Fatal(err)
+				restart := map[string]string{
+					"postgres": "TRUNCATE TABLE " + ob.Table() + " RESTART IDENTITY",
+					"mysql":    "TRUNCATE TABLE " + ob.Table(),
+					"sqlite":   "DELETE FROM sqlite_sequence WHERE name = '" + ob.Table() + "'",
+				}[strings.SplitN(tdb.Name, "-", 2)[0]]
+				exec(t, db, restart)
+				after := writeOutbox(t, db, ob, "payments", 3)
+				refused = append(refused, after[0])
+
+				for i := range 3 {
+					round := ob.RelayOnce(context.Background())
+					if round.Err == nil || !strings.Contains(round.Err.Error(), "already holds outbox id") || round.Relayed != 0 || round.DeadLettered != 0 {
+						t.Errorf("round %d: %+v, want nothing relayed or set aside and an error that says the dead-letter table holds the id", i+1, round)
+					}
+				}
+				var lastError string
+				if err := db.Get(&lastError, db.Rebind("SELECT last_error FROM "+ob.Table()+" WHERE uuid = ?"), after[0]); err != nil || !strings.Contains(lastError, "already holds outbox id") {
+					t.Errorf("last error %q (%v), want it to say that the dead-letter table holds the id", lastError, err)
+				}
+				wantRelayed(t, ob, broker, before[1:], 3, 1)
+
+				exec(t, db, "DELETE FROM "+ob.Table()+"_dead") // the operator moves the old dead letter out
+				relayUntilEmpty(t, ob)
+				wantRelayed(t, ob, broker, append(slices.Clone(before[1:]), after[1:]...), 0, 1)
+			})
 		}
-		after := writeOutbox(t, db, ob, "payments", 3)
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == before[0] || m.UUID == after[0] {
-				return errors.New("the broker refuses the message")
-			}
-			return nil
-		})
-		round := ob.RelayOnce(context.Background())
-		if round.Err == nil || !strings.Contains(round.Err.Error(), "already holds outbox id") || round.Relayed != 1 || round.DeadLettered != 0 {
-			t.Errorf("round: %+v, want the message behind the refused one relayed and an error that says the dead-letter table holds its id", round)
-		}
-		var lastError string
-		if err := db.Get(&lastError, db.Rebind("SELECT last_error FROM "+ob.Table()+" WHERE uuid = ?"), after[0]); err != nil || !strings.Contains(lastError, "already holds outbox id") {
-			t.Errorf("last error %q (%v), want it to say that the dead-letter table holds the id", lastError, err)
-		}
-		for range 4 {
-			ob.RelayOnce(context.Background())
-		}
-		// The second refused message stays, beside the first dead letter.
-		wantRelayed(t, ob, broker, append(slices.Clone(before[1:]), after[1:]...), 1, 1)
 	})
 }
 
@@ -479,6 +486,31 @@ func TestOutboxRelayTriesBoundedlyManyMessagesPerRoundWhileTheBrokerIsDown(t *te
 			}
 		}
 		sendsAllOnceTheBrokerIsBack(t, ob, broker, ids)
+	})
+}
+
+// The next message of a refused message's topic is looked for among the
+// 1,000 rows that follow it only (the table has no index on topic): one
+// further behind is found once the rows between have left, and nothing is
+// lost or sent out of order meanwhile.
+func TestOutboxRelaySetsAsideARefusedMessageWhoseNextIsFarBehind(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1, BatchSize: 100})
+		refused := writeOutbox(t, db, ob, "payments", 1)
+		between := writeOutbox(t, db, ob, "orders", 1500)
+		behind := writeOutbox(t, db, ob, "payments", 1)
+		broker.setRefuse(func(_ string, m *message.Message) error {
+			if m.UUID == refused[0] {
+				return errors.New("the broker refuses the message")
+			}
+			return nil
+		})
+		relayUntilEmpty(t, ob)
+		wantRelayed(t, ob, broker, behind, 0, 1)
+		if got := broker.uuids("orders"); fmt.Sprint(got) != fmt.Sprint(between) {
+			t.Errorf("sent %d of the other topic's 1,500, want each once, in order", len(got))
+		}
 	})
 }
 

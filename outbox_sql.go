@@ -37,8 +37,14 @@ type outboxSQL struct {
 	// that many topics, bind parameters in order.
 	selectBatch func(n, skipTopics int) string
 	// nextOfTopic reads the row of a topic with the smallest id above a
-	// given one, locked as selectBatch locks: bind parameters topic, id.
+	// given one among the outboxWalkWindow rows that follow it, locked as
+	// selectBatch locks: bind parameters id, topic. The window bounds the
+	// read (the table has no index on topic): a topic whose next message
+	// is further on waits until the rows before it leave.
 	nextOfTopic string
+	// deadHas reads whether the dead-letter table holds an id: bind
+	// parameter id.
+	deadHas string
 	// locks reports whether selectBatch locks the rows it returns, so that
 	// a relay holds its transaction open while it publishes them and other
 	// relay instances skip them.
@@ -74,6 +80,10 @@ type outboxSQL struct {
 	// microseconds (NULL when empty) and the number of dead letters.
 	stats string
 }
+
+// outboxWalkWindow is how many rows past a message the relay's walk looks
+// for the next message of its topic (outboxSQL.nextOfTopic).
+const outboxWalkWindow = 1000
 
 // insert returns the INSERT of n messages: insertPrefix, then insertRow n
 // times.
@@ -112,9 +122,11 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 			}
 			return "SELECT " + cols + ", attempts FROM " + q + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
 		},
-		nextOfTopic: "SELECT " + cols + ", attempts FROM " + q + " WHERE topic = ? AND id > ? ORDER BY id LIMIT 1" + lock,
-		locks:       lock != "",
-		probe:       "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
+		nextOfTopic: "SELECT " + cols + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
+			" WHERE id > ? ORDER BY id LIMIT " + strconv.Itoa(outboxWalkWindow) + ") AS w WHERE w.topic = ? ORDER BY w.id LIMIT 1)" + lock,
+		deadHas: "SELECT id FROM " + dq + " WHERE id = ?",
+		locks:   lock != "",
+		probe:   "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
 		probeStatements: []string{
 			"SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0 ORDER BY id" + lock,
 			"UPDATE " + q + " SET attempts = attempts + 1, last_error = NULL WHERE 1 = 0",
