@@ -27,16 +27,8 @@ func TestOutboxVerifyRefusesAUserWhoCannotRelay(t *testing.T) {
 		if tdb.Dialect == inbox.SQLite {
 			t.Skip("SQLite has no users")
 		}
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
-		table := relayTable(t, ob)
-		user := "outbox_user_" + randomSuffix()
-		limited := openAs(t, db, tdb, user, table)
-
-		relay, err := inbox.NewOutbox(inbox.OutboxConfig{DB: limited, Dialect: tdb.Dialect, Table: table, Publisher: newBrokerStub()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		err = relay.Verify(context.Background())
+		ob, relay, table, user := newLimitedRelay(t, db, tdb, inbox.OutboxConfig{Publisher: newBrokerStub()})
+		err := relay.Verify(context.Background())
 		if err == nil || !strings.Contains(err.Error(), "cannot run its statements") || !strings.Contains(err.Error(), "UPDATE") {
 			t.Fatalf("Verify with SELECT and INSERT only: %v; want the refused UPDATE named", err)
 		}
@@ -62,25 +54,13 @@ func TestOutboxRelayRecordsItsRoundWhenAReadOfItsWalkFails(t *testing.T) {
 		if tdb.Dialect == inbox.SQLite {
 			t.Skip("SQLite has no users")
 		}
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
-		table := relayTable(t, ob)
-		user := "outbox_user_" + randomSuffix()
-		limited := openAs(t, db, tdb, user, table)
+		broker := newBrokerStub()
+		ob, relay, table, user := newLimitedRelay(t, db, tdb, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
 		exec(t, db, "GRANT UPDATE, DELETE ON "+table+" TO "+grantee(tdb, user))
 		exec(t, db, "REVOKE SELECT ON "+table+"_dead FROM "+grantee(tdb, user))
-		broker := newBrokerStub()
-		relay, err := inbox.NewOutbox(inbox.OutboxConfig{DB: limited, Dialect: tdb.Dialect, Table: table, Publisher: broker, MaxAttempts: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
 		refused := writeOutbox(t, db, ob, "payments", 2)
 		accepted := writeOutbox(t, db, ob, "invoices", 3)
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == refused[0] {
-				return errors.New("the broker refuses the message")
-			}
-			return nil
-		})
+		broker.setRefuse(refuseUUIDs(errors.New("the broker refuses the message"), refused[0]))
 		for i := range 3 {
 			round := relay.RelayOnce(context.Background())
 			if round.Err == nil || !strings.Contains(round.Err.Error(), "could not be read") {
@@ -100,6 +80,23 @@ func TestOutboxRelayRecordsItsRoundWhenAReadOfItsWalkFails(t *testing.T) {
 			t.Errorf("stats: %+v (%v), want the refused message and the one behind it pending", stats, err)
 		}
 	})
+}
+
+// newLimitedRelay returns an outbox on a table of its own (through db) and
+// a relay of that table with cfg's other fields, logged in as a new user
+// with only SELECT and INSERT on the table and its dead-letter table
+// (openAs), with the table's name and the user's.
+func newLimitedRelay(t *testing.T, db *sqlx.DB, tdb testDB, cfg inbox.OutboxConfig) (ob, relay *inbox.Outbox, table, user string) {
+	t.Helper()
+	ob = newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
+	table = relayTable(t, ob)
+	user = "outbox_user_" + randomSuffix()
+	cfg.DB, cfg.Dialect, cfg.Table = openAs(t, db, tdb, user, table), tdb.Dialect, table
+	relay, err := inbox.NewOutbox(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ob, relay, table, user
 }
 
 // grantee is user as GRANT names it.

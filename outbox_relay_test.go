@@ -60,6 +60,17 @@ func (b *brokerStub) setRefuse(f func(topic string, m *message.Message) error) {
 	b.refuse = f
 }
 
+// refuseUUIDs returns a refuse function for setRefuse that refuses the
+// messages of uuids, on any topic, with err.
+func refuseUUIDs(err error, uuids ...string) func(string, *message.Message) error {
+	return func(_ string, m *message.Message) error {
+		if slices.Contains(uuids, m.UUID) {
+			return err
+		}
+		return nil
+	}
+}
+
 // uuids returns the UUIDs accepted on topic, in order.
 func (b *brokerStub) uuids(topic string) []string {
 	b.mu.Lock()
@@ -500,12 +511,7 @@ func TestOutboxRelaySetsAsideARefusedMessageWhoseNextIsFarBehind(t *testing.T) {
 		refused := writeOutbox(t, db, ob, "payments", 1)
 		between := writeOutbox(t, db, ob, "orders", 1500)
 		behind := writeOutbox(t, db, ob, "payments", 1)
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == refused[0] {
-				return errors.New("the broker refuses the message")
-			}
-			return nil
-		})
+		broker.setRefuse(refuseUUIDs(errors.New("the broker refuses the message"), refused[0]))
 		relayUntilEmpty(t, ob)
 		wantRelayed(t, ob, broker, behind, 0, 1)
 		if got := broker.uuids("orders"); fmt.Sprint(got) != fmt.Sprint(between) {
