@@ -58,6 +58,11 @@ func (o *Outbox) Run(ctx context.Context) error {
 		case round.read >= o.cfg.BatchSize && round.skipped < round.read:
 			backoff = 0
 			continue // a full round: more may be waiting
+		case round.DeadLettered > 0:
+			// A set-aside ends its topic's walk: the rest of that topic
+			// waits for the next round, which need not wait.
+			backoff = 0
+			continue
 		case round.skipped > 0 && round.Relayed+round.Failed+round.DeadLettered == 0:
 			// Every message read waits for its topic's retry: a commit
 			// would only read them again.
@@ -552,7 +557,7 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 	var waiting []outboxRow // refused on their last attempt: evidence wanted
 	wait := func() {
 		for _, w := range waiting {
-			b.failed[w.ID] = b.refusals[w.ID]
+			b.failed[w.ID] = fmt.Errorf("%w (its attempts are used up: it is set aside once a message behind it on its topic is accepted)", b.refusals[w.ID])
 		}
 	}
 	for i := 0; ; i++ {
@@ -696,11 +701,23 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		if n, err := res.RowsAffected(); err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		} else if n == 0 {
+			var ids []int64
+			if err := sqlx.SelectContext(ctx, tx, &ids, tx.Rebind(o.sql.deadHas), id); err != nil {
+				return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
+			}
+			if len(ids) == 0 {
+				// The row left the table during the round (an operator,
+				// another relay on SQLite, which reads without locks):
+				// nothing to set aside.
+				delete(b.bury, id)
+				continue
+			}
 			// The dead-letter table holds a row of this id already: the
 			// outbox's ids started again (TRUNCATE … RESTART IDENTITY, a
-			// restored table). Failing the round would send its other
-			// messages again in every round; the message stays first in
-			// line instead, with the reason as its last error.
+			// restored table) after the walk checked. Failing the round
+			// would send its other messages again in every round; the
+			// message stays first in line instead, with the reason as its
+			// last error.
 			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.dead, id)
 			delete(b.bury, id)
 			b.failed[id] = kept

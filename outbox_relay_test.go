@@ -520,6 +520,53 @@ func TestOutboxRelaySetsAsideARefusedMessageWhoseNextIsFarBehind(t *testing.T) {
 	})
 }
 
+// A set-aside ends its topic's walk in that round, and the running relay
+// sends the rest of the topic in the next round at once: not a poll
+// interval later (an hour here), although nothing commits meanwhile.
+func TestOutboxRelaySendsTheRestOfATopicRightAfterASetAside(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1, PollInterval: time.Hour})
+		ids := writeOutbox(t, db, ob, "payments", 6)
+		broker.setRefuse(refuseUUIDs(errors.New("the broker refuses the message"), ids[0]))
+		stop := runRelay(ob)
+		defer stop()
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			if s, err := ob.Stats(context.Background()); err == nil && s.Pending == 0 {
+				break
+			}
+		}
+		stop()
+		wantRelayed(t, ob, broker, ids[1:], 0, 1)
+	})
+}
+
+// On SQLite, which reads without locks, a refused message whose row leaves
+// the table while the round publishes (an operator's DELETE, another relay)
+// is neither set aside nor reported as an id the dead-letter table holds:
+// it is gone, and the messages behind it are sent.
+func TestOutboxRelayForgetsARefusedMessageWhoseRowLeftDuringTheRound(t *testing.T) {
+	db := sqliteDB(t)
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+	ids := writeOutbox(t, db, ob, "payments", 3)
+	broker.setRefuse(func(_ string, m *message.Message) error {
+		if m.UUID != ids[0] {
+			return nil
+		}
+		if _, err := db.Exec("DELETE FROM "+ob.Table()+" WHERE uuid = ?", ids[0]); err != nil {
+			t.Error(err)
+		}
+		return errors.New("the broker refuses the message")
+	})
+	round := ob.RelayOnce(context.Background())
+	if round.Err != nil && strings.Contains(round.Err.Error(), "already holds") || round.DeadLettered != 0 {
+		t.Errorf("round: %+v, want no dead letter and no word of a dead-letter id", round)
+	}
+	relayUntilEmpty(t, ob)
+	wantRelayed(t, ob, broker, ids[1:], 0, 0)
+}
+
 // A message refused on its last attempt waits for a message behind it to be
 // accepted; while the one behind it is refused too and has attempts left,
 // nothing is set aside nor sent past it, and once the broker takes that one
