@@ -173,15 +173,7 @@ func TestOutboxRefusesAMessageItCannotStoreAsItIs(t *testing.T) {
 			{"metadata value not UTF-8", "orders", withMeta("sig", "\xff\xfe\x00\x01")},
 			{"metadata key not UTF-8", "orders", withMeta("k\xc3", "v")},
 		}
-		tx, err := db.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tx.Rollback()
-		pub, err := ob.Publisher(tx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx, pub := beginOutbox(t, db, ob)
 		for _, c := range cases {
 			if err := pub.Publish(c.topic, c.msg); !errors.Is(err, inbox.ErrOutboxMessage) {
 				t.Errorf("%s: Publish returned %v, want ErrOutboxMessage", c.name, err)

@@ -100,19 +100,27 @@ func newTestOutbox(t *testing.T, db *sqlx.DB, d inbox.Dialect, cfg inbox.OutboxC
 	return ob
 }
 
-// writeOutbox commits n messages to topic through ob's publisher, in one
-// transaction, and returns their UUIDs.
-func writeOutbox(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topic string, n int) []string {
+// beginOutbox begins a transaction on db, rolled back when the test ends
+// unless committed, and returns it with ob's publisher in it.
+func beginOutbox(t *testing.T, db *sqlx.DB, ob *inbox.Outbox) (*sqlx.Tx, message.Publisher) {
 	t.Helper()
 	tx, err := db.Beginx()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer tx.Rollback()
+	t.Cleanup(func() { _ = tx.Rollback() })
 	pub, err := ob.Publisher(tx)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return tx, pub
+}
+
+// writeOutbox commits n messages to topic through ob's publisher, in one
+// transaction, and returns their UUIDs.
+func writeOutbox(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topic string, n int) []string {
+	t.Helper()
+	tx, pub := beginOutbox(t, db, ob)
 	var ids []string
 	var msgs []*message.Message
 	for i := range n {
@@ -248,12 +256,7 @@ func TestOutboxRelaySetsAsideAMessageTheBrokerKeepsRefusing(t *testing.T) {
 		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3, BatchSize: 20})
 		ids := writeOutbox(t, db, ob, "payments", 50)
 		poison := ids[0]
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == poison {
-				return errors.New("message too large")
-			}
-			return nil
-		})
+		broker.setRefuse(refuseUUIDs(errors.New("message too large"), poison))
 		relayUntilEmpty(t, ob)
 		if got := broker.uuids("payments"); fmt.Sprint(got) != fmt.Sprint(ids[1:]) {
 			t.Errorf("sent %d messages %v, want the 49 behind the refused one, in order", len(got), got)
@@ -313,12 +316,7 @@ func TestOutboxRelayNeverSetsAsideWhatTheBrokerCannotTakeNow(t *testing.T) {
 		broker := newBrokerStub()
 		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
 		ids := writeOutbox(t, db, ob, "payments", 30)
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == ids[0] {
-				return fmt.Errorf("partition 0 has no leader: %w", inbox.ErrBrokerUnavailable)
-			}
-			return nil
-		})
+		broker.setRefuse(refuseUUIDs(fmt.Errorf("partition 0 has no leader: %w", inbox.ErrBrokerUnavailable), ids[0]))
 		for range 6 {
 			if round := ob.RelayOnce(context.Background()); round.DeadLettered != 0 {
 				t.Fatalf("round while the broker cannot take the first message: %+v, want nothing set aside", round)
@@ -326,12 +324,7 @@ func TestOutboxRelayNeverSetsAsideWhatTheBrokerCannotTakeNow(t *testing.T) {
 		}
 		// Those refusals used none of its attempts: refused now for itself,
 		// it has its second attempt left.
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == ids[0] {
-				return errors.New("the broker refuses the message")
-			}
-			return nil
-		})
+		broker.setRefuse(refuseUUIDs(errors.New("the broker refuses the message"), ids[0]))
 		if round := ob.RelayOnce(context.Background()); round.DeadLettered != 0 || round.Failed != 1 {
 			t.Fatalf("first refusal of the message itself: %+v, want one failed attempt and nothing set aside", round)
 		}
@@ -356,12 +349,7 @@ func TestOutboxRelaySetsAsideRejectedMessagesInARow(t *testing.T) {
 		broker := newBrokerStub()
 		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
 		ids := writeOutbox(t, db, ob, "payments", 7)
-		broker.setRefuse(func(_ string, m *message.Message) error {
-			if m.UUID == ids[0] || m.UUID == ids[1] {
-				return fmt.Errorf("%w: too large", inbox.ErrMessageRejected)
-			}
-			return nil
-		})
+		broker.setRefuse(refuseUUIDs(fmt.Errorf("%w: too large", inbox.ErrMessageRejected), ids[0], ids[1]))
 		for range 4 {
 			ob.RelayOnce(context.Background())
 		}
@@ -397,12 +385,7 @@ func TestOutboxRelaySetsAsideRefusedMessagesInARow(t *testing.T) {
 				broker := newBrokerStub()
 				ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2, BatchSize: c.batchSize})
 				ids := writeOutbox(t, db, ob, "payments", 6)
-				broker.setRefuse(func(_ string, m *message.Message) error {
-					if slices.Index(ids, m.UUID) < c.refused {
-						return errors.New("the broker refuses the message")
-					}
-					return nil
-				})
+				broker.setRefuse(refuseUUIDs(errors.New("the broker refuses the message"), ids[:c.refused]...))
 				relayUntilEmpty(t, ob)
 				wantRelayed(t, ob, broker, ids[c.refused:], 0, int64(c.refused))
 			})

@@ -171,20 +171,7 @@ func TestRelayThroughKafkaPublisher_SetsAsideAMessageTheBrokerRefuses(t *testing
 	cfg := kafkaoutbox.DefaultSaramaConfig()
 	cfg.Producer.MaxMessageBytes = 10_000
 	db, ob := newRelay(t, brokers, cfg, 2)
-	var msgs []*message.Message
-	want := map[string]bool{}
-	for i := range 11 {
-		payload := []byte("invoice")
-		if i == 5 {
-			payload = bytes.Repeat([]byte("x"), 50_000)
-		}
-		m := message.NewMessage(watermill.NewUUID(), payload)
-		m.Metadata.Set("key", "customer-1")
-		msgs = append(msgs, m)
-		if i != 5 {
-			want[m.UUID] = true
-		}
-	}
+	msgs, want := customerInvoicesOversized(11, func(i int) bool { return i == 5 })
 	writeOutputs(t, db, ob, "invoices", msgs...)
 	relayAll(t, ob)
 
@@ -214,20 +201,7 @@ func TestRelayThroughKafkaPublisher_SetsAsideTwoRefusedMessagesInARow(t *testing
 	cfg := kafkaoutbox.DefaultSaramaConfig()
 	cfg.Producer.MaxMessageBytes = 10_000
 	db, ob := newRelay(t, brokers, cfg, 2)
-	var msgs []*message.Message
-	want := map[string]bool{}
-	for i := range 7 {
-		payload := []byte("invoice " + strconv.Itoa(i))
-		if i < 2 {
-			payload = bytes.Repeat([]byte("x"), 50_000)
-		}
-		m := message.NewMessage(watermill.NewUUID(), payload)
-		m.Metadata.Set("key", "customer-1")
-		msgs = append(msgs, m)
-		if i >= 2 {
-			want[m.UUID] = true
-		}
-	}
+	msgs, want := customerInvoicesOversized(7, func(i int) bool { return i < 2 })
 	writeOutputs(t, db, ob, "invoices", msgs...)
 	for range 10 {
 		ob.RelayOnce(context.Background())
@@ -242,6 +216,28 @@ func TestRelayThroughKafkaPublisher_SetsAsideTwoRefusedMessagesInARow(t *testing
 	if w := []string{"invoice 2", "invoice 3", "invoice 4", "invoice 5", "invoice 6"}; fmt.Sprint(got) != fmt.Sprint(w) {
 		t.Errorf("arrived %v, want %v", got, w)
 	}
+}
+
+// customerInvoicesOversized returns n invoices of one customer (one
+// partition key), "invoice <i>", the i-th one 50,000 bytes of "x" instead
+// when oversized(i) (over a Producer.MaxMessageBytes of 10,000), with the
+// UUIDs of the others.
+func customerInvoicesOversized(n int, oversized func(i int) bool) ([]*message.Message, map[string]bool) {
+	var msgs []*message.Message
+	want := map[string]bool{}
+	for i := range n {
+		payload := []byte("invoice " + strconv.Itoa(i))
+		if oversized(i) {
+			payload = bytes.Repeat([]byte("x"), 50_000)
+		}
+		m := message.NewMessage(watermill.NewUUID(), payload)
+		m.Metadata.Set("key", "customer-1")
+		msgs = append(msgs, m)
+		if !oversized(i) {
+			want[m.UUID] = true
+		}
+	}
+	return msgs, want
 }
 
 // A configuration that cannot work fails in NewPublisher, every problem at
