@@ -88,3 +88,6 @@ func (r *RecentFingerprints) Matches(consumer, id string, fp []byte) bool {
 	return r.r.matches(consumer, id, fp)
 }
 func (r *RecentFingerprints) Len() int { return len(r.r.byKey) }
+
+// OutboxRetryFirst is the relay's first backoff after a failed round.
+const OutboxRetryFirst = outboxRetryFirst

@@ -524,6 +524,84 @@ func TestOutboxRelaySendsTheRestOfATopicRightAfterASetAside(t *testing.T) {
 	})
 }
 
+// A round that published and then could not record it (the database
+// refuses the DELETE of the sent rows) leaves its messages in the table, to
+// go again. Run then backs off as after any database error, the wait
+// doubling from round to round however many commits wake it meanwhile,
+// also when the broker refused a message in the same round: otherwise a
+// database that keeps failing has the same messages published every few
+// milliseconds.
+func TestOutboxRelayBacksOffWhileItCannotRecordWhatItSent(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		var mu sync.Mutex
+		var failed []time.Time // when each round that failed ended
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{
+			Publisher: broker, MaxAttempts: 1000, MaxBackoff: time.Minute,
+			OnRound: func(r inbox.OutboxRound) {
+				if r.Err != nil {
+					mu.Lock()
+					failed = append(failed, time.Now())
+					mu.Unlock()
+				}
+			},
+		})
+		refuseDeletes(t, db, tdb, relayTable(t, ob))
+		refused := writeOutbox(t, db, ob, "payments", 1)
+		broker.setRefuse(refuseUUIDs(errors.New("the broker refuses the message"), refused...))
+		sent := writeOutbox(t, db, ob, "invoices", 1)
+		// A handler whose commits wake the relay all along.
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(ib.Middleware)
+			r.AddHandler("billing", "orders", in, "orders-billed", broker, func(msg *message.Message) ([]*message.Message, error) {
+				return []*message.Message{message.NewMessage(watermill.NewUUID(), nil)}, f.writeBusinessRow(msg)
+			})
+		})
+		stop := runRelay(ob)
+		for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+			if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatal("the handler's message was not acked")
+			}
+		}
+		stop()
+		mu.Lock()
+		defer mu.Unlock()
+		if len(failed) < 3 {
+			t.Fatalf("%d failed rounds in a second, want at least 3", len(failed))
+		}
+		wait := inbox.OutboxRetryFirst
+		for i := 1; i < len(failed); i++ {
+			if gap := failed[i].Sub(failed[i-1]); gap < wait {
+				t.Errorf("failed round %d came %v after the one before, want at least the backoff of %v", i+1, gap, wait)
+			}
+			wait *= 2
+		}
+		if got := broker.uuids("invoices"); len(got) == 0 || len(got) > len(failed) || got[0] != sent[0] {
+			t.Errorf("sent %v in %d rounds, want %s once a round", got, len(failed), sent[0])
+		}
+	})
+}
+
+// refuseDeletes makes the database refuse every DELETE of table's rows (a
+// trigger that raises an error).
+func refuseDeletes(t *testing.T, db *sqlx.DB, tdb testDB, table string) {
+	t.Helper()
+	trigger := table + "_no_delete"
+	switch tdb.Dialect {
+	case inbox.SQLite:
+		exec(t, db, "CREATE TRIGGER "+trigger+" BEFORE DELETE ON "+table+" BEGIN SELECT RAISE(ABORT, 'the database refuses the delete'); END")
+	case inbox.MySQL:
+		exec(t, db, "CREATE TRIGGER "+trigger+" BEFORE DELETE ON "+table+" FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'the database refuses the delete'")
+	default:
+		exec(t, db, "CREATE FUNCTION "+trigger+"() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'the database refuses the delete'; END$$")
+		t.Cleanup(func() { db.Exec("DROP FUNCTION IF EXISTS " + trigger + "() CASCADE") })
+		exec(t, db, "CREATE TRIGGER "+trigger+" BEFORE DELETE ON "+table+" FOR EACH ROW EXECUTE FUNCTION "+trigger+"()")
+	}
+}
+
 // On SQLite, which reads without locks, a refused message whose row leaves
 // the table while the round publishes (an operator's DELETE, another relay)
 // is neither set aside nor reported as an id the dead-letter table holds:
