@@ -22,7 +22,7 @@ import (
 const reusedIDRounds = 20
 
 // BenchmarkReusedIDCheck/<db>/dup=<pct>: what detecting reused message ids
-// (Config.ReusedIDs) costs. Three handlers that insert one business row
+// (Config.ReusedIDs) costs. Four handlers that insert one business row
 // take turns, reusedIDRounds rounds of b.N/reusedIDRounds messages each, 8
 // in flight, dup percent of them redeliveries: the bare transaction
 // (baseline), the inbox with the check (checked: the default,
@@ -36,7 +36,10 @@ const reusedIDRounds = 20
 // unchecked/baseline and checked/unchecked; and each side's CPU time per
 // message, this process's and the database server's together over all its
 // rounds (cpuClock), with the cost ratios checked/unchecked-cpu and
-// checked-cold/unchecked-cpu (1.03: a check that costs 3 % more).
+// checked-cold/unchecked-cpu (1.03: a check that costs 3 % more). The
+// paired-* ratios are checked over unchecked round by round, their median
+// (the sides take their turns in balancedOrders). Each side's turns carry
+// the pprof label side=<name>.
 func BenchmarkReusedIDCheck(b *testing.B) {
 	for _, dup := range []int{0, 50} {
 		b.Run(fmt.Sprintf("postgres-pgx/dup=%d", dup), func(b *testing.B) {
