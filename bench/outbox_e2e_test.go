@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"runtime/pprof"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -118,7 +119,13 @@ func runOutboxEndToEndRounds(b *testing.B, tdb testdb.DB) {
 		// Alternate which pipeline goes first.
 		for i := range 2 {
 			emit := (r+i)%2 == 1
-			res := runOutboxEndToEnd(b, tdb, db, pool, n, emit)
+			pipeline := map[bool]string{false: "no-output", true: "outbox"}[emit]
+			var res e2eResult
+			// Labelled by pipeline, so that a CPU profile of the run tells
+			// the two apart (go tool pprof -tagfocus pipeline=outbox).
+			pprof.Do(b.Context(), pprof.Labels("pipeline", pipeline), func(context.Context) {
+				res = runOutboxEndToEnd(b, tdb, db, pool, n, emit)
+			})
 			if !emit {
 				plain = append(plain, res.rate)
 				plainCPU += res.cpu
