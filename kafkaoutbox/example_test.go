@@ -29,7 +29,7 @@ func ExampleNewPublisher() {
 		log.Fatal(err)
 	}
 	defer pub.Close()
-	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: pub})
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: pub, Logger: logger})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -5,7 +5,7 @@
 //
 //	pub, err := kafkaoutbox.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: kafka.DefaultMarshaler{}}, logger)
 //	...
-//	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: pub})
+//	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: pub, Logger: logger})
 //
 // # Why not watermill-kafka's publisher
 //
@@ -236,7 +236,8 @@ func validate(config kafka.PublisherConfig) error {
 // until the broker acked or refused each one. It returns nil only when every
 // message was acked; a marshaling error sends nothing; when the broker
 // refused some, the error wraps sarama.ProducerErrors (the others may have
-// been written: a relay sends them all again, at least once). After Close
+// been written: a relay sends them all again, at least once), and its text
+// gives the broker's reason for the first refused message. After Close
 // it returns ErrPublisherClosed. Messages of one partition are written in
 // the order of msgs.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
@@ -262,8 +263,10 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	if err := p.producer.SendMessages(batch); err != nil {
 		var refused sarama.ProducerErrors
 		if errors.As(err, &refused) && len(refused) > 0 {
-			err = fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %s): %w",
-				len(refused), len(msgs), topic, refusedUUID(batch, msgs, refused[0]), err)
+			// sarama.ProducerErrors says only how many failed: the first
+			// one's own error says why.
+			err = fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first, %s: %v): %w",
+				len(refused), len(msgs), topic, refusedUUID(batch, msgs, refused[0]), refused[0].Err, err)
 			switch {
 			case allUnavailable(refused):
 				err = fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)

@@ -377,9 +377,15 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 	db, ob := newFailFastRelay(t, brokers)
 	msgs, want := customerInvoices(40)
 	writeOutputs(t, db, ob, "invoices", msgs...)
-	for range 6 {
-		if r := ob.RelayOnce(context.Background()); r.DeadLettered != 0 {
+	for i := range 6 {
+		r := ob.RelayOnce(context.Background())
+		if r.DeadLettered != 0 {
 			t.Fatalf("a round while partition 0 has no leader set %d messages aside", r.DeadLettered)
+		}
+		// The error says why, not only how many ("kafka: Failed to
+		// deliver 1 messages").
+		if i == 0 && (r.Err == nil || !strings.Contains(r.Err.Error(), sarama.ErrLeaderNotAvailable.Error())) {
+			t.Errorf("first round's error: %v, want the broker's reason: %v", r.Err, sarama.ErrLeaderNotAvailable)
 		}
 	}
 	leaderless.Store(false)
