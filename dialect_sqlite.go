@@ -48,12 +48,28 @@ func (sqliteDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
 	if schema == "" {
 		schema = "main"
 	}
-	return "SELECT type FROM pragma_table_info(?, ?) WHERE name = 'fingerprint'", []any{t.name, schema}
+	// SQLite compares column names without case (FINGERPRINT is the same
+	// column); pragma_table_info gives the name as it was declared. The
+	// type says whether the table is STRICT (pragma_table_list, SQLite
+	// 3.37+), where the declared type is enforced.
+	return "SELECT type || CASE WHEN (SELECT strict FROM pragma_table_list(?) WHERE schema = ?) THEN '" + sqliteStrictSuffix + "' ELSE '' END" +
+		" FROM pragma_table_info(?, ?) WHERE lower(name) = 'fingerprint'", []any{t.name, schema, t.name, schema}
 }
 
-// Any declared type: SQLite stores a BLOB value as it is whatever the
-// column's affinity (https://sqlite.org/datatype3.html, 3.1).
-func (sqliteDialect) fingerprintColumnFits(qualifiedName, string) (string, bool) { return "", true }
+// sqliteStrictSuffix follows the fingerprint column's type, in what
+// fingerprintColumnSQL reads, when its table is STRICT.
+const sqliteStrictSuffix = " in a STRICT table"
+
+// Any declared type in an ordinary table: SQLite stores a BLOB value as it
+// is whatever the column's affinity (https://sqlite.org/datatype3.html,
+// 3.1). A STRICT table refuses a BLOB in a column declared other than BLOB
+// or ANY (https://sqlite.org/stricttables.html), and SQLite cannot change
+// a column's type: the fix drops the column and adds it again.
+func (d sqliteDialect) fingerprintColumnFits(t qualifiedName, typ string) (string, bool) {
+	declared, strict := strings.CutSuffix(typ, sqliteStrictSuffix)
+	fix := "ALTER TABLE " + t.quoted(d) + " DROP COLUMN fingerprint, then ALTER TABLE " + t.quoted(d) + " ADD COLUMN fingerprint BLOB"
+	return fix, !strict || strings.EqualFold(declared, "BLOB") || strings.EqualFold(declared, "ANY")
+}
 
 func (sqliteDialect) claimed(n int64) (bool, bool) { return n == 1, n == 0 || n == 1 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -11,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox/internal/backend"
 )
 
 // The states of Inbox.fingerprints.
@@ -145,12 +148,22 @@ func (d *delivery) checkReusedID() error {
 		return nil
 	}
 	stored, err := d.tx.storedFingerprint(d.sctx, d.consumer, d.id)
+	if errors.Is(err, backend.ErrKeyGone) {
+		// A purge deleted the row after the claim saw it (PostgreSQL's
+		// claim leaves a processed row unlocked): neither a duplicate, whose
+		// content could not be compared, nor a reuse. Transient: the
+		// redelivery's claim finds the key free and processes the message
+		// as the new event it is after the purge.
+		return fmt.Errorf("inbox: %q/%q: %w; redeliver to claim it again", d.consumer, d.id, errKeyPurged)
+	}
 	if err != nil {
 		return fmt.Errorf("inbox: %q/%q: read the stored fingerprint: %w", d.consumer, d.id, d.commitTimedOut(err))
 	}
 	// A value that is not 16 bytes was not written by a claim (NULL, or a
-	// hand-made column's default, an empty string): it matches, as none does.
-	if len(stored) != fingerprintSize {
+	// hand-made column's default, an empty string), nor are 16 zero bytes
+	// (MySQL's binary(16) pads an empty default to them; a SHA-256 starts
+	// so with a probability of 2^-128): it matches, as none does.
+	if len(stored) != fingerprintSize || allZero(stored) {
 		return nil
 	}
 	if bytes.Equal(stored, d.fingerprint) {
@@ -165,6 +178,21 @@ func (d *delivery) checkReusedID() error {
 	f["stored_fingerprint"], f["fingerprint"] = fmt.Sprintf("%x", stored), fmt.Sprintf("%x", d.fingerprint)
 	d.ib.logger.Info("Inbox: message id reused for other content; skipped as a duplicate (Config.ReusedIDs is ReusedIDsWarn)", f)
 	return nil
+}
+
+// errKeyPurged is the error of a duplicate whose row a purge deleted
+// between the claim and the read of its fingerprint; IsTransient reports it
+// transient.
+var errKeyPurged = fmt.Errorf("the key's row was purged while the delivery read its fingerprint (%w)", backend.ErrKeyGone)
+
+// allZero reports whether b holds only zero bytes.
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // recentFingerprintsSize is how many keys recentFingerprints remembers: at

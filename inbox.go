@@ -17,6 +17,8 @@ import (
 	"github.com/jmoiron/sqlx"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/watermill-inbox/inbox/internal/backend"
 )
 
 // Inbox is the transactional inbox: its Middleware makes a Watermill handler
@@ -419,7 +421,8 @@ type claimedTx interface {
 	stillClaimed(ctx context.Context, consumer, id string) (bool, error)
 	// storedFingerprint reads the fingerprint stored with a key the claim
 	// found processed: nil when the row has none (written before the
-	// column existed) or is gone.
+	// column existed); backend.ErrKeyGone when the row is gone (a purge
+	// deleted it after the claim saw it).
 	storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error)
 	// ended reports, without a round trip, whether the transaction has
 	// already ended on the server: the handler committed or rolled it back
@@ -616,7 +619,7 @@ func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]b
 		txStmt.Close()
 	}
 	if errors.Is(err, sql.ErrNoRows) {
-		return nil, nil
+		return nil, backend.ErrKeyGone
 	}
 	return fp, err
 }

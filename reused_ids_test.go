@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -64,16 +65,27 @@ func TestReusedIDBehindAPooler(t *testing.T) {
 // text; MySQL binary(32), which pads it) is refused with
 // ErrIncompatibleTable and its fix, by Verify and before any claim (a
 // transient nack, nothing written); once fixed, messages are processed.
+// SQLite stores a BLOB as it is in a column of any type, but not in a
+// STRICT table, which enforces TEXT.
 func TestReusedIDWrongFingerprintColumnTypeRefused(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		if tdb.Dialect == inbox.SQLite {
-			t.Skip("SQLite stores a BLOB as it is in a column of any type")
-		}
 		f := newFixture(t, db)
 		f.newInbox(inbox.Config{}) // creates the table
-		if tdb.Dialect == inbox.MySQL {
+		switch tdb.Dialect {
+		case inbox.MySQL:
 			exec(t, db, "ALTER TABLE "+f.inbox+" MODIFY fingerprint binary(32) NULL")
-		} else {
+		case inbox.SQLite:
+			// The same table, STRICT, its column TEXT (SQLite changes
+			// neither in place).
+			var ddl []string
+			if err := db.Select(&ddl, "SELECT sql FROM sqlite_master WHERE tbl_name = ? ORDER BY type DESC", f.inbox); err != nil || len(ddl) != 2 {
+				t.Fatalf("the table's DDL: %q, %v", ddl, err)
+			}
+			exec(t, db, "DROP TABLE "+f.inbox)
+			table := strings.Replace(strings.Replace(ddl[0], "fingerprint  BLOB", "fingerprint  TEXT", 1), ") WITHOUT ROWID", ") WITHOUT ROWID, STRICT", 1)
+			exec(t, db, table)
+			exec(t, db, ddl[1]) // the purge index
+		default:
 			exec(t, db, "ALTER TABLE "+f.inbox+" ALTER COLUMN fingerprint TYPE text")
 		}
 		cfg := inbox.Config{DB: db, Table: f.inbox, Dialect: tdb.Dialect}
@@ -97,7 +109,9 @@ func TestReusedIDWrongFingerprintColumnTypeRefused(t *testing.T) {
 			t.Errorf("handler calls %d, inbox rows %d, want none", c.get(msg.UUID), f.inboxRows())
 		}
 		fix := err.Error()[strings.Index(err.Error(), "fix it with: ")+len("fix it with: "):]
-		exec(t, db, fix[:strings.Index(fix, ";")])
+		for stmt := range strings.SplitSeq(fix[:strings.Index(fix, ";")], ", then ") {
+			exec(t, db, stmt)
+		}
 		if !in.deliver(t, msg) {
 			t.Fatalf("delivery after the fix nacked: %v", rec.last())
 		}
@@ -185,16 +199,27 @@ func TestReusedIDFingerprintPanicLeavesNothingHeld(t *testing.T) {
 // content once it is on, as NULL ones do.
 func TestReusedIDColumnDefaultMatchesAsNoFingerprint(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		columns := []string{"fingerprint bytea NOT NULL DEFAULT ''"}
+		switch tdb.Dialect {
+		case inbox.MySQL:
+			// binary(16) pads the empty default to 16 zero bytes.
+			columns = []string{"fingerprint varbinary(16) NOT NULL DEFAULT ''", "fingerprint binary(16) NOT NULL DEFAULT ''"}
+		case inbox.SQLite:
+			columns = []string{"fingerprint BLOB NOT NULL DEFAULT x''"}
+		}
+		for _, column := range columns {
+			t.Run(strings.Fields(column)[1], func(t *testing.T) { columnDefaultMatches(t, tdb, db, column) })
+		}
+	})
+}
+
+// columnDefaultMatches is TestReusedIDColumnDefaultMatchesAsNoFingerprint
+// with the fingerprint column column.
+func columnDefaultMatches(t *testing.T, tdb testDB, db *sqlx.DB, column string) {
+	{
 		f := newFixture(t, db)
 		f.newInbox(inbox.Config{}) // creates the table
 		exec(t, db, "ALTER TABLE "+f.inbox+" DROP COLUMN fingerprint")
-		column := "fingerprint bytea NOT NULL DEFAULT ''"
-		switch tdb.Dialect {
-		case inbox.MySQL:
-			column = "fingerprint varbinary(16) NOT NULL DEFAULT ''"
-		case inbox.SQLite:
-			column = "fingerprint BLOB NOT NULL DEFAULT x''"
-		}
 		exec(t, db, "ALTER TABLE "+f.inbox+" ADD COLUMN "+column)
 		off, err := inbox.New(inbox.Config{DB: db, Table: f.inbox, Dialect: tdb.Dialect, ReusedIDs: inbox.ReusedIDsOff})
 		if err != nil {
@@ -215,5 +240,86 @@ func TestReusedIDColumnDefaultMatchesAsNoFingerprint(t *testing.T) {
 			t.Fatalf("a row stored with the column's default did not match: %v", rec2.last())
 		}
 		counts.expect(t, 0, 1, 0, 0)
-	})
+	}
+}
+
+// purgeAfterClaim is an sqlObserver that, once armed, runs purge right
+// after the next claim that found its key processed (a statement on table
+// that affected no row), as a purge on another connection that commits
+// between a duplicate's claim and the read of its stored fingerprint.
+type purgeAfterClaim struct {
+	statementLog
+	table string
+	armed atomic.Bool
+	purge func()
+}
+
+func (p *purgeAfterClaim) executed(_ any, query string, rowsAffected int64) {
+	if strings.Contains(query, p.table) && rowsAffected == 0 && p.armed.CompareAndSwap(true, false) {
+		p.purge()
+	}
+}
+
+// A message whose id was processed with other content, delivered while a
+// purge deletes that key's row: PostgreSQL's claim finds the row and leaves
+// it unlocked, the purge commits, and the read of the stored fingerprint
+// finds nothing. The delivery is not acked as a duplicate (its content was
+// never compared, and after the purge it is a new event): it is nacked with
+// a transient error, and its redelivery is processed.
+func TestReusedIDCheckNacksADuplicateWhoseRowIsPurgedMeanwhile(t *testing.T) {
+	for _, d := range []inbox.Dialect{inbox.PostgreSQL, inbox.PostgreSQLPartitioned} {
+		t.Run(d.String(), func(t *testing.T) {
+			plain := testdb.OpenPostgres(t, "")
+			hook := &purgeAfterClaim{}
+			db := openRecording(t, plain.Driver(), testdb.PostgresDSN(), "pgx", hook)
+			dialectOf.Store(db, d)
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{Consumer: "billing"})
+			hook.table = f.inbox
+			in, c, rec := reusedIDRouter(t, f, ib)
+			id := watermill.NewUUID()
+			if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+				t.Fatal(rec.last())
+			}
+			hook.purge = func() { // on the delivery's goroutine
+				if _, err := plain.Exec("DELETE FROM "+f.inbox+" WHERE consumer = 'billing' AND message_id = $1", id); err != nil {
+					t.Error(err)
+				}
+				// The first event's business row, keyed by the message id
+				// here, goes too, so that the new event's handler can write
+				// its own.
+				if _, err := plain.Exec("DELETE FROM "+f.business+" WHERE id = $1", "billing:"+id); err != nil {
+					t.Error(err)
+				}
+			}
+			hook.armed.Store(true)
+			if in.deliver(t, message.NewMessage(id, []byte("order 2"))) {
+				t.Fatalf("acked as a duplicate of a row the purge deleted meanwhile: the event is lost (handler calls: %d)", c.get(id))
+			}
+			if err := rec.last(); !inbox.IsTransient(err) || errors.Is(err, inbox.ErrMessageIDReused) {
+				t.Errorf("nacked with %v, want a transient error, not ErrMessageIDReused", err)
+			}
+			if !in.deliver(t, message.NewMessage(id, []byte("order 2"))) || c.get(id) != 2 {
+				t.Errorf("redelivery after the purge: %v, handler calls %d, want processed (2)", rec.last(), c.get(id))
+			}
+		})
+	}
+}
+
+// On SQLite a column's name is compared without case: a table whose column
+// is FINGERPRINT has the check on, and a reused id is refused.
+func TestReusedIDCheckFindsTheColumnWhateverItsCaseOnSQLite(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	exec(t, db, "ALTER TABLE "+f.inbox+" RENAME COLUMN fingerprint TO FINGERPRINT")
+	ib := f.newInbox(inbox.Config{Table: f.inbox})
+	in, _, rec := reusedIDRouter(t, f, ib)
+	id := watermill.NewUUID()
+	if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+		t.Fatal(rec.last())
+	}
+	if in.deliver(t, message.NewMessage(id, []byte("order 2"))) || !errors.Is(rec.last(), inbox.ErrMessageIDReused) {
+		t.Errorf("reused id: %v (detected: %v), want refused with ErrMessageIDReused", rec.last(), ib.ReusedIDsDetected())
+	}
 }

@@ -115,6 +115,10 @@ import (
 //     closed", matched by identity with the value database/sql returns,
 //     never by text), sql.ErrConnDone, and the message context that the
 //     router's Close ended (context.Canceled, above).
+//   - The middleware's error for a duplicate whose row a purge deleted
+//     between the claim and the read of its stored fingerprint
+//     (Config.ReusedIDs; PostgreSQL's claim does not lock a row it finds):
+//     the redelivery claims the key again and processes the message.
 //   - The middleware's error for a message that met a missing or
 //     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
 //     those of Config.OutboxTables), a dialect for another server
@@ -166,7 +170,7 @@ func IsTransient(err error) bool {
 	}
 	var lcErr *lostConnError
 	var mcErr *misconfiguredError
-	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) {
+	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) || errors.Is(err, errKeyPurged) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })

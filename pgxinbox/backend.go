@@ -128,7 +128,7 @@ func (t *pgxTx) StoredFingerprint(ctx context.Context, consumer, id string) ([]b
 	var fp []byte
 	err := br.QueryRow().Scan(&fp)
 	if errors.Is(err, pgx.ErrNoRows) {
-		err = nil
+		err = backend.ErrKeyGone // a purge deleted the row after the claim saw it
 	}
 	if _, rbErr := br.Exec(); err == nil {
 		err = rbErr

@@ -7,9 +7,15 @@ package backend
 
 import (
 	"context"
+	"errors"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
+
+// ErrKeyGone is what a backend's stored-fingerprint read returns when the
+// key's row is no longer in the table: a purge deleted it after the claim
+// found it processed (the claim does not lock a row it leaves alone).
+var ErrKeyGone = errors.New("the key's row left the table after the claim found it")
 
 // Statements are an inbox's SQL texts, built once by package inbox from its
 // dialect and table. Placeholders are PostgreSQL's ($1, $2).
@@ -27,7 +33,8 @@ type Statements struct {
 	// ($3, bytea), run when Claim.Fingerprint is set.
 	ClaimFingerprint string
 	// StoredFingerprint reads the fingerprint stored with a key ($1, $2),
-	// NULL for a row written without one.
+	// NULL for a row written without one; no row when the key's row is
+	// gone (the backend then returns ErrKeyGone).
 	StoredFingerprint string
 	// Held, when not empty, is the pre-commit check ($1, $2): a count of the
 	// claim's row.
