@@ -107,6 +107,54 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 	return nil
 }
 
+// recheckFingerprintColumn runs after a delivery whose claim, storing a
+// fingerprint, failed and was rolled back, and returns the delivery's
+// error. When the table's fingerprint column is gone (dropped while the
+// process ran: a rolled-back migration), every such claim fails on it: the
+// check turns off for good, as it does at startup without the column (an
+// Error line says so), and the error becomes transient, wrapping
+// ErrIncompatibleTable, so that a poison queue filter keeps the message
+// and its redelivery is processed without the check. Otherwise, or when
+// the catalog cannot be read, err is returned as it is. A transient err
+// (a deadlock, a lost connection) reads nothing.
+func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
+	if err == nil || IsTransient(err) {
+		return err
+	}
+	gone := fmt.Errorf("inbox: %q/%q: %w: %s has no fingerprint column any more (dropped while the inbox ran),"+
+		" so reused ids are not detected until the process starts again with it: %w", d.consumer, d.id, ErrIncompatibleTable, ib.table, err)
+	if ib.fingerprints.Load() == fingerprintsOff {
+		return &misconfiguredError{gone} // another delivery found it gone
+	}
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.fingerprints.Load() == fingerprintsOff {
+		return &misconfiguredError{gone}
+	}
+	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
+	var types []string
+	cerr := withReadTx(d.sctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
+		return sqlx.SelectContext(d.sctx, q, &types, ib.db.Rebind(query), args...)
+	})
+	if cerr != nil || len(types) > 0 {
+		return err
+	}
+	ib.fingerprints.Store(fingerprintsOff)
+	// The statements that store or read a fingerprint go: the next claims
+	// prepare, and resolve the key lock's claim, without it.
+	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.fpStmt} {
+		if *stmt != nil {
+			(*stmt).Close()
+			*stmt = nil
+		}
+	}
+	ib.keyLocking = nil
+	ib.logger.Error("Inbox: the table's fingerprint column is gone; a message id reused for other content is skipped as a duplicate"+
+		" from now on (Config.ReusedIDs); add the column back, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
+		err, watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})
+	return &misconfiguredError{gone}
+}
+
 // AddFingerprintColumnSQL returns the statement that adds the fingerprint
 // column (Config.ReusedIDs) to an inbox table made before it existed, for
 // dialect d and table (as in Config.Table; not checked here). On every

@@ -137,6 +137,7 @@ type delivery struct {
 	// (outboxWriter.publishLast), so the check need not read it again.
 	claimHeldByOutbox bool
 	fingerprint       []byte // the content's, stored by the claim; nil with the fingerprints off
+	claimFailed       bool   // BEGIN or the claim failed after the fingerprint was taken (recheckFingerprintColumn)
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -158,6 +159,10 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			// The key may be processed, but a failed rollback leaves the
 			// connection in doubt: nack; the redelivery settles it.
 			produced, err = nil, errors.Join(err, fmt.Errorf("inbox: rollback %q/%q: %w", d.consumer, d.id, &rollbackError{rbErr}))
+		} else if d.claimFailed {
+			// After the rollback: the check reads the catalog on a
+			// connection of its own.
+			err = d.ib.recheckFingerprintColumn(d, err)
 		}
 		d.report(err, false)
 	}()
@@ -180,6 +185,7 @@ func (d *delivery) run() ([]*message.Message, error) {
 		d.tx = tx // open: end rolls it back unless it commits
 	}
 	if err != nil {
+		d.claimFailed = d.fingerprint != nil
 		return nil, err
 	}
 	if !claimed {

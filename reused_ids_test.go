@@ -323,3 +323,37 @@ func TestReusedIDCheckFindsTheColumnWhateverItsCaseOnSQLite(t *testing.T) {
 		t.Errorf("reused id: %v (detected: %v), want refused with ErrMessageIDReused", rec.last(), ib.ReusedIDsDetected())
 	}
 }
+
+// A fingerprint column dropped while the inbox runs (a rolled-back
+// migration): the claim that stores a fingerprint fails on it. The delivery
+// is nacked with a transient error wrapping ErrIncompatibleTable, so that a
+// poison queue filter keeps it; the check turns off, the redelivery is
+// processed, and a duplicate is still skipped.
+func TestReusedIDCheckTurnsOffWhenItsColumnIsDroppedWhileRunning(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		in, c, rec := reusedIDRouter(t, f, ib)
+		first := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+		if !in.deliver(t, first) {
+			t.Fatal(rec.last())
+		}
+		exec(t, db, "ALTER TABLE "+f.inbox+" DROP COLUMN fingerprint")
+		msg := message.NewMessage(watermill.NewUUID(), []byte("order 2"))
+		if in.deliver(t, msg) {
+			t.Fatal("acked a message whose claim stored a fingerprint in a dropped column")
+		}
+		if err := rec.last(); !inbox.IsTransient(err) || !errors.Is(err, inbox.ErrIncompatibleTable) {
+			t.Errorf("nacked with %v, want a transient error wrapping ErrIncompatibleTable", err)
+		}
+		if !in.deliver(t, msg) || c.get(msg.UUID) != 1 {
+			t.Errorf("redelivery: %v, handler calls %d, want processed once", rec.last(), c.get(msg.UUID))
+		}
+		if ib.ReusedIDsDetected() {
+			t.Error("ReusedIDsDetected still true without the column")
+		}
+		if !in.deliver(t, first) || c.get(first.UUID) != 1 {
+			t.Errorf("duplicate of the first message: %v, handler calls %d, want skipped", rec.last(), c.get(first.UUID))
+		}
+	})
+}

@@ -119,6 +119,9 @@ import (
 //     between the claim and the read of its stored fingerprint
 //     (Config.ReusedIDs; PostgreSQL's claim does not lock a row it finds):
 //     the redelivery claims the key again and processes the message.
+//   - The middleware's error for a claim that failed on a fingerprint
+//     column dropped while the process ran (it wraps ErrIncompatibleTable):
+//     the check turns off, and the redelivery is processed without it.
 //   - The middleware's error for a message that met a missing or
 //     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
 //     those of Config.OutboxTables), a dialect for another server

@@ -78,3 +78,31 @@ func TestReusedIDCheckNacksADuplicateWhoseRowIsPurgedMeanwhile(t *testing.T) {
 		}
 	})
 }
+
+// A fingerprint column dropped while the inbox runs (a rolled-back
+// migration): the delivery whose claim stores a fingerprint is nacked with a
+// transient error wrapping ErrIncompatibleTable, the check turns off, and
+// the redelivery is processed.
+func TestReusedIDCheckTurnsOffWhenItsColumnIsDroppedWhileRunning(t *testing.T) {
+	forEachDialect(t, func(t *testing.T, d inbox.Dialect) {
+		pool := openPool(t, "", "pgxinbox_dropped_"+d.String(), nil)
+		f := newFixture(t, pool)
+		ib := f.newInbox(pgxinbox.Config{Dialect: d})
+		rec := &recorder{}
+		in := consume(t, ib, f.writeEffect, rec.Middleware)
+		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("order 1"))) {
+			t.Fatal(rec.last())
+		}
+		f.exec("ALTER TABLE " + f.table + " DROP COLUMN fingerprint")
+		msg := message.NewMessage(watermill.NewUUID(), []byte("order 2"))
+		if in.deliver(t, msg) {
+			t.Fatal("acked a message whose claim stored a fingerprint in a dropped column")
+		}
+		if err := rec.last(); !inbox.IsTransient(err) || !errors.Is(err, inbox.ErrIncompatibleTable) {
+			t.Errorf("nacked with %v, want a transient error wrapping ErrIncompatibleTable", err)
+		}
+		if !in.deliver(t, msg) || f.effects() != 2 {
+			t.Errorf("redelivery: %v, effects %d, want processed (2)", rec.last(), f.effects())
+		}
+	})
+}
