@@ -134,10 +134,16 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
 	var types []string
 	cerr := withReadTx(d.sctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
+		// A table that is gone (this read fails) is not a column that is.
+		rows, err := q.QueryxContext(d.sctx, "SELECT 1 FROM "+ib.table.quoted(ib.dialect)+" WHERE 1 = 0")
+		if err != nil {
+			return err
+		}
+		rows.Close()
 		return sqlx.SelectContext(d.sctx, q, &types, ib.db.Rebind(query), args...)
 	})
 	if cerr != nil || len(types) > 0 {
-		return err
+		return err // the table is gone, or the column is there
 	}
 	ib.fingerprints.Store(fingerprintsOff)
 	// The statements that store or read a fingerprint go: the next claims

@@ -357,3 +357,31 @@ func TestReusedIDCheckTurnsOffWhenItsColumnIsDroppedWhileRunning(t *testing.T) {
 		}
 	})
 }
+
+// A table dropped while the inbox runs is not taken for a dropped
+// fingerprint column: once it is created again, with the column, reused
+// ids are detected.
+func TestReusedIDCheckStaysOnWhenItsTableIsDroppedWhileRunning(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		in, _, rec := reusedIDRouter(t, f, ib)
+		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("order 1"))) {
+			t.Fatal(rec.last())
+		}
+		exec(t, db, "DROP TABLE "+f.inbox)
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("order 2"))) {
+			t.Fatal("acked a message without its table")
+		}
+		if err := ib.InitializeSchema(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		id := watermill.NewUUID()
+		if !in.deliver(t, message.NewMessage(id, []byte("order 3"))) {
+			t.Fatalf("after the table was created again: %v", rec.last())
+		}
+		if in.deliver(t, message.NewMessage(id, []byte("order 4"))) || !errors.Is(rec.last(), inbox.ErrMessageIDReused) {
+			t.Errorf("reused id after the table came back: %v (detected: %v), want refused", rec.last(), ib.ReusedIDsDetected())
+		}
+	})
+}
