@@ -126,11 +126,8 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 	if ib.fingerprints.Load() == fingerprintsOff {
 		return &misconfiguredError{gone} // another delivery found it gone
 	}
-	ib.claimMu.Lock()
-	defer ib.claimMu.Unlock()
-	if ib.fingerprints.Load() == fingerprintsOff {
-		return &misconfiguredError{gone}
-	}
+	// Not under claimMu: the read waits for a connection of the pool, and
+	// deliveries that hold one may be waiting for claimMu.
 	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
 	var types []string
 	cerr := withReadTx(d.sctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
@@ -144,6 +141,11 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 	})
 	if cerr != nil || len(types) > 0 {
 		return err // the table is gone, or the column is there
+	}
+	ib.claimMu.Lock()
+	defer ib.claimMu.Unlock()
+	if ib.fingerprints.Load() == fingerprintsOff {
+		return &misconfiguredError{gone}
 	}
 	ib.fingerprints.Store(fingerprintsOff)
 	// The statements that store or read a fingerprint go: the next claims

@@ -3,8 +3,10 @@ package inbox_test
 import (
 	"errors"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -382,6 +384,51 @@ func TestReusedIDCheckStaysOnWhenItsTableIsDroppedWhileRunning(t *testing.T) {
 		}
 		if in.deliver(t, message.NewMessage(id, []byte("order 4"))) || !errors.Is(rec.last(), inbox.ErrMessageIDReused) {
 			t.Errorf("reused id after the table came back: %v (detected: %v), want refused", rec.last(), ib.ReusedIDsDetected())
+		}
+	})
+}
+
+// Claims that fail for a reason of their own (a CHECK constraint the
+// messages break), 8 deliveries at once on a pool of 2 connections: each
+// failure makes the inbox look for its fingerprint column, and every
+// delivery still ends, with the claim's own error (not transient), the
+// check left on. The look at the column once waited for a connection while
+// holding the lock that deliveries holding the connections were waiting
+// for (the partitioned dialect forgets its key lock's claim on a failed
+// claim): every delivery hung. Called through the middleware directly, as
+// eight router handlers would.
+func TestReusedIDCheckEndsEveryDeliveryWhenClaimsFailOnAFullPool(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite adds no CHECK constraint to a table")
+		}
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{Consumer: "billing"})
+		h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, f.writeBusinessRow(msg) })
+		if _, err := h(message.NewMessage(watermill.NewUUID(), []byte("order 1"))); err != nil {
+			t.Fatal(err)
+		}
+		exec(t, db, "ALTER TABLE "+f.inbox+" ADD CONSTRAINT "+f.inbox+"_no_bad CHECK (message_id NOT LIKE 'bad%')")
+		db.SetMaxOpenConns(2)
+		errs := make([]error, 8)
+		var wg sync.WaitGroup
+		for i := range errs {
+			wg.Go(func() { _, errs[i] = h(message.NewMessage("bad"+watermill.NewUUID(), []byte("order"))) })
+		}
+		done := make(chan struct{})
+		go func() { wg.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Fatal("deliveries whose claims failed did not end in a minute (a pool of 2, 8 in flight)")
+		}
+		for i, err := range errs {
+			if err == nil || inbox.IsTransient(err) || errors.Is(err, inbox.ErrIncompatibleTable) {
+				t.Errorf("delivery %d: %v, want the claim's own error, not transient", i, err)
+			}
+		}
+		if !ib.ReusedIDsDetected() {
+			t.Error("the check turned off though the column is there")
 		}
 	})
 }
