@@ -156,7 +156,7 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 			*stmt = nil
 		}
 	}
-	ib.keyLocking = nil
+	ib.forgetKeyLocking()
 	ib.logger.Error("Inbox: the table's fingerprint column is gone; a message id reused for other content is skipped as a duplicate"+
 		" from now on (Config.ReusedIDs); add the column back, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
 		err, watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})

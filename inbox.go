@@ -70,11 +70,16 @@ type Inbox struct {
 	// connection and then reuses it in every transaction on that
 	// connection: one round trip per claim on MySQL (an unprepared Exec with
 	// arguments is prepare, execute, close) and no re-parsing on SQLite.
-	claimMu    sync.Mutex
-	claimStmt  *sqlx.Stmt
-	heldStmt   *sqlx.Stmt  // heldSQL prepared, the same way
-	fpStmt     *sqlx.Stmt  // storedFingerprint prepared, the same way, once the fingerprints are on
-	keyLocking *keyLocking // with locksKeys: resolved on first use, and again after a failed locked claim
+	claimMu   sync.Mutex
+	claimStmt *sqlx.Stmt
+	heldStmt  *sqlx.Stmt // heldSQL prepared, the same way
+	fpStmt    *sqlx.Stmt // storedFingerprint prepared, the same way, once the fingerprints are on
+	// keyLocking, with locksKeys, is resolved on first use, and again
+	// after a failed locked claim; keyLockMu serialises its resolution. Not
+	// under claimMu: a delivery forgets it while its transaction holds a
+	// connection, and resolving it waits for one.
+	keyLocking atomic.Pointer[keyLocking]
+	keyLockMu  sync.Mutex
 	// recheckKeyLocking is how long a resolution without the claim
 	// function holds before the next delivery looks for it again
 	// (claimFunctionRecheck; tests shorten it).
@@ -115,9 +120,15 @@ const claimFunctionRecheck = time.Minute
 // was found, every recheckKeyLocking. Like preparedClaim, it must run before
 // the message's transaction begins.
 func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
-	ib.claimMu.Lock()
-	defer ib.claimMu.Unlock()
-	if k := ib.keyLocking; k != nil && (k.lockedClaim != "" || time.Since(k.resolved) < ib.recheckKeyLocking) {
+	fresh := func(k *keyLocking) bool {
+		return k != nil && (k.lockedClaim != "" || time.Since(k.resolved) < ib.recheckKeyLocking)
+	}
+	if k := ib.keyLocking.Load(); fresh(k) {
+		return *k, nil
+	}
+	ib.keyLockMu.Lock()
+	defer ib.keyLockMu.Unlock()
+	if k := ib.keyLocking.Load(); fresh(k) {
 		return *k, nil
 	}
 	k := keyLocking{resolved: time.Now()}
@@ -134,17 +145,13 @@ func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
 	if err != nil {
 		return k, err
 	}
-	ib.keyLocking = &k
+	ib.keyLocking.Store(&k)
 	return k, nil
 }
 
 // forgetKeyLocking makes the next delivery resolve the key locking again:
 // after a locked claim failed, in case its function was dropped or replaced.
-func (ib *Inbox) forgetKeyLocking() {
-	ib.claimMu.Lock()
-	ib.keyLocking = nil
-	ib.claimMu.Unlock()
-}
+func (ib *Inbox) forgetKeyLocking() { ib.keyLocking.Store(nil) }
 
 // verifyOnce checks the table with verifySchema before the inbox's first
 // claim, and again until a check passes: a table made by hand that could
