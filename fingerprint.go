@@ -80,14 +80,7 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 	if ib.fingerprints.Load() != fingerprintsUnresolved {
 		return nil
 	}
-	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
-	var types []string
-	// In a transaction, as every catalog read of the inbox: lib/pq's
-	// unnamed statement outside one can lose its server connection behind
-	// a transaction-mode pooler between Parse and Bind.
-	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
-		return sqlx.SelectContext(ctx, q, &types, ib.db.Rebind(query), args...)
-	})
+	types, err := ib.fingerprintColumnTypes(ctx, false)
 	if err != nil {
 		return poolerHint(fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err))
 	}
@@ -105,6 +98,31 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 		" (Config.ReusedIDs); add the column, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
 		watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})
 	return nil
+}
+
+// fingerprintColumnTypes reads the catalog for the table's fingerprint
+// column and returns its type, or nothing without the column. With
+// tableMustExist it first reads the table itself, so that a table that is
+// gone is an error, not a missing column. It runs in a short read-only
+// transaction, as every catalog read of the inbox: lib/pq's unnamed
+// statement outside one can lose its server connection behind a
+// transaction-mode pooler between Parse and Bind.
+func (ib *Inbox) fingerprintColumnTypes(ctx context.Context, tableMustExist bool) ([]string, error) {
+	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
+	var types []string
+	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
+		if tableMustExist {
+			rows, err := q.QueryxContext(ctx, "SELECT 1 FROM "+ib.table.quoted(ib.dialect)+" WHERE 1 = 0")
+			if err != nil {
+				return err
+			}
+			if err := rows.Close(); err != nil {
+				return err
+			}
+		}
+		return sqlx.SelectContext(ctx, q, &types, ib.db.Rebind(query), args...)
+	})
+	return types, err
 }
 
 // recheckFingerprintColumn runs after a delivery whose claim, storing a
@@ -127,18 +145,9 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 		return &misconfiguredError{gone} // another delivery found it gone
 	}
 	// Not under claimMu: the read waits for a connection of the pool, and
-	// deliveries that hold one may be waiting for claimMu.
-	query, args := ib.dialect.fingerprintColumnSQL(ib.table)
-	var types []string
-	cerr := withReadTx(d.sctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
-		// A table that is gone (this read fails) is not a column that is.
-		rows, err := q.QueryxContext(d.sctx, "SELECT 1 FROM "+ib.table.quoted(ib.dialect)+" WHERE 1 = 0")
-		if err != nil {
-			return err
-		}
-		rows.Close()
-		return sqlx.SelectContext(d.sctx, q, &types, ib.db.Rebind(query), args...)
-	})
+	// deliveries that hold one may be waiting for claimMu. A table that is
+	// gone (the read fails) is not a column that is.
+	types, cerr := ib.fingerprintColumnTypes(d.sctx, true)
 	if cerr != nil || len(types) > 0 {
 		return err // the table is gone, or the column is there
 	}
@@ -150,12 +159,7 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 	ib.fingerprints.Store(fingerprintsOff)
 	// The statements that store or read a fingerprint go: the next claims
 	// prepare, and resolve the key lock's claim, without it.
-	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.fpStmt} {
-		if *stmt != nil {
-			(*stmt).Close()
-			*stmt = nil
-		}
-	}
+	_ = closeStmts(&ib.claimStmt, &ib.fpStmt) // their error changes nothing here
 	ib.forgetKeyLocking()
 	ib.logger.Error("Inbox: the table's fingerprint column is gone; a message id reused for other content is skipped as a duplicate"+
 		" from now on (Config.ReusedIDs); add the column back, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),

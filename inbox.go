@@ -277,8 +277,14 @@ func (ib *Inbox) preparesOn() *sql.DB {
 func (ib *Inbox) Close() error {
 	ib.claimMu.Lock()
 	defer ib.claimMu.Unlock()
+	return closeStmts(&ib.claimStmt, &ib.heldStmt, &ib.fpStmt)
+}
+
+// closeStmts closes the prepared statements that stmts point to and sets
+// them to nil; a nil one is left. It returns their errors, joined.
+func closeStmts(stmts ...**sqlx.Stmt) error {
 	var errs []error
-	for _, stmt := range []**sqlx.Stmt{&ib.claimStmt, &ib.heldStmt, &ib.fpStmt} {
+	for _, stmt := range stmts {
 		if *stmt != nil {
 			errs = append(errs, (*stmt).Close())
 			*stmt = nil
