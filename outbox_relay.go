@@ -6,7 +6,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -675,6 +678,46 @@ func decodeOutboxRows(rows []outboxRow) ([]*message.Message, error) {
 	return msgs, nil
 }
 
+// maxLastError bounds, in bytes, the refusal text that the relay stores in
+// a row's last_error.
+const maxLastError = 4096
+
+// lastErrorText returns err's text as the relay stores it in last_error:
+// printable ASCII, newlines and tabs, with every other byte or rune written
+// as a Go escape
+// (\x00, \u00e9, \xff for a byte that is not UTF-8), and cut at
+// maxLastError bytes. A refusal's text is the publisher's or the broker's,
+// and may quote anything (a webhook's response body, a payload): a NUL or
+// bytes that are not UTF-8 are refused by PostgreSQL (22021), and by
+// MySQL/MariaDB in strict mode (1366) as is any character that the
+// column's character set lacks (a latin1 column, say),
+// and MariaDB's text holds 65,535 bytes (1406). Such a refusal failed the
+// round after its publishes, so the message never used an attempt nor was
+// set aside, and every message of the round was sent again in every round.
+func lastErrorText(err error) string {
+	s := err.Error()
+	var b strings.Builder
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		var piece string
+		switch {
+		case r == utf8.RuneError && size == 1:
+			piece = fmt.Sprintf(`\x%02x`, s[i])
+		case r == '\n' || r == '\t' || (r >= ' ' && r < 0x7f):
+			piece = s[i : i+size]
+		default:
+			piece = strings.Trim(strconv.QuoteRuneToASCII(r), "'")
+		}
+		if b.Len()+len(piece) > maxLastError {
+			fmt.Fprintf(&b, " ... (cut at byte %d of %d)", i, len(s))
+			break
+		}
+		b.WriteString(piece)
+		i += size
+	}
+	return b.String()
+}
+
 // record deletes the sent rows, counts the failed attempts and moves the
 // rows set aside to the dead-letter table, in tx.
 func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error {
@@ -689,12 +732,12 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		if errors.Is(perr, ErrBrokerUnavailable) {
 			stmt = o.sql.waited // the broker's state: no attempt used
 		}
-		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), perr.Error(), id); err != nil {
+		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), lastErrorText(perr), id); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}
 	for id, perr := range b.bury {
-		res, err := tx.ExecContext(ctx, tx.Rebind(o.sql.bury), perr.Error(), id, id)
+		res, err := tx.ExecContext(ctx, tx.Rebind(o.sql.bury), lastErrorText(perr), id, id)
 		if err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		}
@@ -721,7 +764,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.dead, id)
 			delete(b.bury, id)
 			b.failed[id] = kept
-			if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.failed), kept.Error(), id); err != nil {
+			if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.failed), lastErrorText(kept), id); err != nil {
 				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 			}
 			continue

@@ -19,6 +19,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -264,6 +265,58 @@ func TestOutboxRelaySetsAsideAMessageTheBrokerKeepsRefusing(t *testing.T) {
 		stats, err := ob.Stats(context.Background())
 		if err != nil || stats.Pending != 0 || stats.DeadLettered != 1 {
 			t.Errorf("stats: %+v (%v), want nothing pending and one dead letter", stats, err)
+		}
+	})
+}
+
+// Whatever the text of a refusal (a publisher may quote a response body or
+// a payload: a NUL, bytes that are not UTF-8, characters a latin1 column
+// lacks, over the 65,535 bytes of MariaDB's text), the relay stores it as
+// the row's last error: the refused message uses its attempts and is set
+// aside, and the messages behind it are sent once each. The database
+// refused such a text, and the round failed after its publishes: nothing
+// was set aside nor deleted, and every message of the round was sent again
+// in every round.
+func TestOutboxRelayStoresARefusalWhateverItsText(t *testing.T) {
+	refusals := map[string]string{
+		"NUL and not UTF-8":        "webhook said: \xff\x00\xfe done",
+		"beyond latin1":            "le courtier refuse : message trop grand → 📦",
+		"longer than 65,535 bytes": strings.Repeat("response body ", 6000),
+	}
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for name, text := range refusals {
+			t.Run(name, func(t *testing.T) {
+				broker := newBrokerStub()
+				ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+				if strings.HasPrefix(tdb.Name, "mysql") {
+					// A table of a database whose default character set is
+					// latin1 (MariaDB's before 11.6).
+					for _, table := range []string{ob.Table(), ob.Table() + "_dead"} {
+						exec(t, db, "ALTER TABLE "+table+" MODIFY last_error text CHARACTER SET latin1")
+					}
+				}
+				ids := writeOutbox(t, db, ob, "payments", 3)
+				var tries atomic.Int32
+				broker.setRefuse(func(_ string, m *message.Message) error {
+					if m.UUID == ids[0] {
+						tries.Add(1)
+						return errors.New(text)
+					}
+					return nil
+				})
+				relayUntilEmpty(t, ob)
+				wantRelayed(t, ob, broker, ids[1:], 0, 1)
+				var stored string
+				if err := db.Get(&stored, "SELECT last_error FROM "+ob.Table()+"_dead"); err != nil {
+					t.Fatal(err)
+				}
+				if !utf8.ValidString(stored) || strings.ContainsRune(stored, 0) || len(stored) > 4200 || !strings.HasPrefix(stored, strings.ToValidUTF8(text[:10], "")) {
+					t.Errorf("stored last error %.120q (%d bytes), want the refusal's text, printable, at most about 4 KB", stored, len(stored))
+				}
+				if n := tries.Load(); n > 4 {
+					t.Errorf("the refused message was published %d times, want its 2 attempts (and the round's first call)", n)
+				}
+			})
 		}
 	})
 }
