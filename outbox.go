@@ -206,6 +206,10 @@ type Outbox struct {
 	// noInTxVar: the server has no @@in_transaction (MySQL; MariaDB has
 	// it), found by the first claimed INSERT that used it.
 	noInTxVar atomic.Bool
+	// noIdleTimeoutVars: the server has no idle-transaction timeouts
+	// (MySQL; MariaDB has them), found by the relay's first read that named
+	// them (outboxSQL.idleTimeoutsOff).
+	noIdleTimeoutVars atomic.Bool
 	// relayStarted is set by the first Run; noRelayCheck schedules, at the
 	// first commit that wakes no relay, the one-time check of
 	// warnIfNoRelay.

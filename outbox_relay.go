@@ -239,6 +239,9 @@ type outboxRow struct {
 	Payload  []byte `db:"payload"`
 	Metadata []byte `db:"metadata"`
 	Attempts int    `db:"attempts"`
+	// IdleTimeouts is the sum of the session's idle-transaction timeouts,
+	// read by the round's first read when asked (outboxSQL.selectBatch).
+	IdleTimeouts sql.NullInt64 `db:"idle_timeouts"`
 }
 
 // outboxBatch is what a round decided for the rows it read.
@@ -315,7 +318,16 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		waiting = topics.waiting(time.Now())
 	}
 	var rows []outboxRow
-	if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting))), waiting...); err != nil {
+	idleTimeouts := o.sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load()
+	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting), idleTimeouts)), waiting...)
+	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
+		// MySQL: no idle-transaction timeouts to turn off. (The failed
+		// statement leaves MySQL's transaction as it was.)
+		o.noIdleTimeoutVars.Store(true)
+		rows, idleTimeouts = nil, false
+		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting), false)), waiting...)
+	}
+	if err != nil {
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
 	}
 	if topics != nil && len(rows) < o.cfg.BatchSize {
@@ -332,6 +344,23 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	if len(rows) == 0 {
 		return round
+	}
+	// The round's transaction idles while it publishes: the session's
+	// idle-transaction timeouts (MariaDB) are off until just before the
+	// commit, or the rollback, and then put back as they were.
+	timeoutsOff := false
+	if idleTimeouts && rows[0].IdleTimeouts.Int64 > 0 {
+		if _, err := tx.ExecContext(ctx, o.sql.idleTimeoutsOff); err != nil {
+			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: turn the session's idle-transaction timeouts off while it publishes: %w", err)}}
+		}
+		timeoutsOff = true
+		defer func() { // before the deferred rollback
+			if timeoutsOff {
+				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+				defer cancel()
+				_, _ = tx.ExecContext(bctx, o.sql.idleTimeoutsBack) // the round failed already: that error is the one it reports
+			}
+		}()
 	}
 	round.read = len(rows)
 	reads := walkReads{
@@ -381,6 +410,12 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	if err := o.record(ctx, tx, &b); err != nil {
 		return unrecorded(round, b, err)
+	}
+	if timeoutsOff {
+		if _, err := tx.ExecContext(ctx, o.sql.idleTimeoutsBack); err != nil {
+			return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: put the session's idle-transaction timeouts back: %w", err))
+		}
+		timeoutsOff = false
 	}
 	if err := tx.Commit(); err != nil {
 		return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: commit: %w", err))

@@ -321,6 +321,70 @@ func TestOutboxRelayStoresARefusalWhateverItsText(t *testing.T) {
 	})
 }
 
+// slowPublisher takes delay before each Publish call to its broker.
+type slowPublisher struct {
+	*brokerStub
+	delay time.Duration
+}
+
+func (p slowPublisher) Publish(topic string, msgs ...*message.Message) error {
+	time.Sleep(p.delay)
+	return p.brokerStub.Publish(topic, msgs...)
+}
+
+// A round's transaction stays open, idle, while it publishes: a session
+// idle-transaction timeout shorter than a publish (PostgreSQL's
+// idle_in_transaction_session_timeout, MariaDB's idle_transaction_timeout,
+// set by a DBA on the server or the role) no longer ends the session under
+// the round, and the session's own setting is as it was once the round
+// ends. The server ended it before: the round failed after its publishes,
+// and so did every round after it, each sending the same messages again.
+func TestOutboxRelayPublishesForLongerThanTheIdleTransactionTimeout(t *testing.T) {
+	cases := []struct {
+		name    string
+		open    func(t *testing.T) *sqlx.DB
+		dialect inbox.Dialect
+		delay   time.Duration
+		setting string // reads the session's timeout
+		want    string
+	}{
+		{"postgres", func(t *testing.T) *sqlx.DB { return testdb.OpenPostgres(t, "idle_in_transaction_session_timeout=300") },
+			inbox.PostgreSQL, 800 * time.Millisecond, "SHOW idle_in_transaction_session_timeout", "300ms"},
+		{"mysql", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "idle_transaction_timeout=1") },
+			inbox.MySQL, 2500 * time.Millisecond, "SELECT @@session.idle_transaction_timeout", "1"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			db := c.open(t)
+			db.SetMaxOpenConns(1) // the relay's session is the one read after it
+			broker := newBrokerStub()
+			ob := newTestOutbox(t, db, c.dialect, inbox.OutboxConfig{Publisher: slowPublisher{broker, c.delay}})
+			ids := writeOutbox(t, db, ob, "payments", 5)
+			round := ob.RelayOnce(context.Background())
+			if round.Err != nil || round.Relayed != 5 {
+				t.Errorf("round: %+v, want the 5 messages relayed", round)
+			}
+			wantRelayed(t, ob, broker, ids, 0, 0)
+			wantSetting := func(when string) {
+				t.Helper()
+				var setting string
+				if err := db.Get(&setting, c.setting); err != nil || setting != c.want {
+					t.Errorf("the session's timeout %s: %q (%v), want %q as it was", when, setting, err, c.want)
+				}
+			}
+			wantSetting("after the round")
+
+			// A round that fails after its publishes puts it back too.
+			refuseDeletes(t, db, testDB{Dialect: c.dialect}, ob.Table())
+			writeOutbox(t, db, ob, "payments", 1)
+			if round := ob.RelayOnce(context.Background()); round.Err == nil {
+				t.Errorf("round whose DELETE the database refuses: %+v, want its error", round)
+			}
+			wantSetting("after a round that failed")
+		})
+	}
+}
+
 // A broker that refuses everything for longer than MaxAttempts rounds sets
 // nothing aside: once it is back, every message is sent, in order.
 func TestOutboxRelaySetsNothingAsideWhileTheBrokerIsDown(t *testing.T) {

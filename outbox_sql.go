@@ -34,8 +34,18 @@ type outboxSQL struct {
 	// selectBatch returns the oldest n rows not yet relayed (id, topic,
 	// uuid, payload, metadata, attempts), ordered by id; locked (FOR UPDATE
 	// SKIP LOCKED) when locks. With skipTopics > 0 it leaves out the rows of
-	// that many topics, bind parameters in order.
-	selectBatch func(n, skipTopics int) string
+	// that many topics, bind parameters in order. With idleTimeouts, and
+	// idleTimeoutsOff set, every row also carries idle_timeouts, the sum of
+	// the session's idle-transaction timeouts. On PostgreSQL it turns off
+	// the transaction's idle_in_transaction_session_timeout (SET LOCAL, in
+	// a one-time condition: no round trip of its own).
+	selectBatch func(n, skipTopics int, idleTimeouts bool) string
+	// idleTimeoutsOff, when set (MariaDB), turns off the session's
+	// idle-transaction timeouts and keeps their values in user variables;
+	// idleTimeoutsBack puts them back. A relay round holds its transaction
+	// open, idle, while it publishes: a server that ends the session then
+	// fails the round after its publishes, and every round after it.
+	idleTimeoutsOff, idleTimeoutsBack string
 	// nextOfTopic reads the row of a topic with the smallest id above a
 	// given one among the outboxWalkWindow rows that follow it, locked as
 	// selectBatch locks: bind parameters id, topic. The window bounds the
@@ -103,11 +113,40 @@ func idList(ids []int64) string {
 	return b.String()
 }
 
+// outboxColumns are the columns of a row that the relay reads, but its
+// attempts.
+const outboxColumns = "id, topic, uuid, payload, metadata"
+
+// outboxBatchRead returns outboxSQL.selectBatch for table q (quoted), with
+// lock after it: guard, when set, is a condition without a column that the
+// read tests too (once), and idleColumns, when set, the columns read beside
+// every row when the caller asks for the idle timeouts.
+func outboxBatchRead(q, lock, guard, idleColumns string) func(n, skipTopics int, idleTimeouts bool) string {
+	return func(n, skipTopics int, idleTimeouts bool) string {
+		var conditions []string
+		if guard != "" {
+			conditions = append(conditions, guard)
+		}
+		if skipTopics > 0 {
+			conditions = append(conditions, "topic NOT IN ("+strings.TrimSuffix(strings.Repeat("?, ", skipTopics), ", ")+")")
+		}
+		where := ""
+		if len(conditions) > 0 {
+			where = " WHERE " + strings.Join(conditions, " AND ")
+		}
+		extra := ""
+		if idleTimeouts && idleColumns != "" {
+			extra = ", " + idleColumns
+		}
+		return "SELECT " + outboxColumns + ", attempts" + extra + " FROM " + q + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
+	}
+}
+
 // newOutboxSQL builds the statements shared by every dialect around what
 // differs: column types, the time of a row, and whether rows can be locked.
 func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []string, now, ageMicros, lock string) outboxSQL {
 	q, dq := t.quoted(d), dead.quoted(d)
-	const cols = "id, topic, uuid, payload, metadata"
+	const cols = outboxColumns
 	return outboxSQL{
 		create: []string{
 			"CREATE TABLE IF NOT EXISTS " + q + " (\n    " + strings.Join(columns, ",\n    ") + "\n)" + d.outboxTableOptions(),
@@ -115,13 +154,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		},
 		insertPrefix: "INSERT INTO " + q + " (topic, uuid, payload, metadata, created_at) VALUES ",
 		insertRow:    "(?, ?, ?, ?, " + now + ")",
-		selectBatch: func(n, skipTopics int) string {
-			where := ""
-			if skipTopics > 0 {
-				where = " WHERE topic NOT IN (" + strings.TrimSuffix(strings.Repeat("?, ", skipTopics), ", ") + ")"
-			}
-			return "SELECT " + cols + ", attempts FROM " + q + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
-		},
+		selectBatch:  outboxBatchRead(q, lock, "", ""),
 		nextOfTopic: "SELECT " + cols + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
 			" WHERE id > ? ORDER BY id LIMIT " + strconv.Itoa(outboxWalkWindow) + ") AS w WHERE w.topic = ? ORDER BY w.id LIMIT 1)" + lock,
 		deadHas: "SELECT id FROM " + dq + " WHERE id = ?",
@@ -175,6 +208,14 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	s.deleteIDs = func(ids []int64) string {
 		return plain(ids) + " AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
 	}
+	// The round's transaction stays open, idle, while it publishes: a
+	// server or role idle_in_transaction_session_timeout shorter than a
+	// slow publish (a broker's retries take seconds) ended the session,
+	// failed the round after its publishes, and failed every round after
+	// it, each sending its messages again. The locking read turns it off
+	// for this transaction only (SET LOCAL), as the purge's round does.
+	s.selectBatch = outboxBatchRead(t.quoted(d), " FOR UPDATE SKIP LOCKED",
+		"(SELECT set_config('idle_in_transaction_session_timeout', '0', true)) IS NOT NULL", "")
 	return s
 }
 
@@ -201,6 +242,23 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 		append([]string{"id         bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY"}, row...),
 		append(append([]string{"id         bigint unsigned NOT NULL PRIMARY KEY"}, row...), "dead_at    datetime(6)     NOT NULL"),
 		"UTC_TIMESTAMP(6)", "TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6))", " FOR UPDATE SKIP LOCKED")
+	// MariaDB's idle-transaction timeouts (MySQL has none; the relay finds
+	// that out from the first read that names them) end a session whose
+	// transaction idles while the round publishes: the round failed after
+	// its publishes, and every round after it. The read says whether any is
+	// set, and only then does the round turn them off while it publishes
+	// and put them back before its commit (the session goes back to the
+	// pool).
+	s.selectBatch = outboxBatchRead(t.quoted(d), " FOR UPDATE SKIP LOCKED", "",
+		"@@session.idle_transaction_timeout + @@session.idle_write_transaction_timeout"+
+			" + @@session.idle_readonly_transaction_timeout AS idle_timeouts")
+	s.idleTimeoutsOff = "SET @inbox_outbox_idle = @@session.idle_transaction_timeout," +
+		" @inbox_outbox_idle_write = @@session.idle_write_transaction_timeout," +
+		" @inbox_outbox_idle_readonly = @@session.idle_readonly_transaction_timeout," +
+		" SESSION idle_transaction_timeout = 0, SESSION idle_write_transaction_timeout = 0, SESSION idle_readonly_transaction_timeout = 0"
+	s.idleTimeoutsBack = "SET SESSION idle_transaction_timeout = @inbox_outbox_idle," +
+		" SESSION idle_write_transaction_timeout = @inbox_outbox_idle_write," +
+		" SESSION idle_readonly_transaction_timeout = @inbox_outbox_idle_readonly"
 	s.stillThere = mysqlStillThere(t)
 	s.deleteIDs = mysqlDeleteIDs(t)
 	s.probeStatements[len(s.probeStatements)-1] = s.deleteIDs(nil)
