@@ -125,8 +125,10 @@ type OutboxConfig struct {
 
 	// Logger receives an Error line for each failed relay round and for
 	// each message set aside, and one Info line when messages were
-	// committed while no relay ran in this process (5 PollIntervals after
-	// the first such commit). Default: watermill.NopLogger.
+	// committed and no relay had started in this process by 5
+	// PollIntervals after the first commit (a relay that started and
+	// stopped since is not told apart: the outbox's depth and age are, in
+	// Stats and the metrics module). Default: watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every relay round that found

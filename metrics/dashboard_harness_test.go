@@ -512,7 +512,7 @@ func (c *seriesChecker) variableQuery(where, q string, vars map[string]string) {
 		c.expr(where, m[1])
 		e, err := c.parser.ParseExpr(m[1])
 		if vs, ok := e.(*parser.VectorSelector); err == nil && ok {
-			if _, ok := c.set.labels[vs.Name][m[2]]; !ok && c.set.labels[vs.Name] != nil {
+			if _, ok := c.set.labels[vs.Name][m[2]]; !ok && c.set.labels[vs.Name] != nil && !slices.Contains(targetLabels, m[2]) {
 				c.problem(where, "%s has no label %q", vs.Name, m[2])
 			}
 		}

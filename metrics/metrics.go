@@ -268,11 +268,24 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 	return cfg
 }
 
+// WatchTableTimeout bounds the estimate that a scrape of WatchTable's
+// gauge asks for (inbox.EstimateRows).
+const WatchTableTimeout = 5 * time.Second
+
 // WatchTable registers an inbox_rows{table} gauge that asks the database for
 // an estimate at each scrape (inbox.EstimateRows: planner statistics on
-// PostgreSQL, information_schema on MySQL, COUNT(*) on SQLite), with a 5 s
-// timeout. A failed estimate is reported as an invalid metric, which the
-// registry's Gather returns as an error. d nil: inferred; table "": default.
+// PostgreSQL, information_schema on MySQL, COUNT(*) on SQLite), bounded by
+// WatchTableTimeout, and the counter inbox_rows_estimate_errors_total{table}
+// of the estimates that failed. A failed estimate (a database that is down,
+// slow or out of connections; a table that does not exist, such as the
+// default name when Config.Table is another) leaves inbox_rows out of that
+// scrape and adds 1 to the counter; the scrape carries on with every other
+// series. (It was an invalid metric, which failed the whole scrape under
+// promhttp's default HTTPErrorOnError: a full pool hid every series of the
+// inbox, the alerts' included.) Concurrent scrapes share the estimate in
+// flight. d nil: inferred from db; table "": DefaultTable. Registering the
+// same table twice with one registry fails with
+// prometheus.AlreadyRegisteredError.
 func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 	if db == nil {
 		return errors.New("metrics: WatchTable needs a DB")
@@ -280,28 +293,34 @@ func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 	if table == "" {
 		table = inbox.DefaultTable
 	}
+	labels := prometheus.Labels{"table": table}
 	return m.reg.Register(&rowsCollector{
-		db: db, dialect: d, table: table,
-		desc: prometheus.NewDesc("inbox_rows", "Estimated rows in the inbox table.", nil, prometheus.Labels{"table": table}),
+		estimate: &scrapeRead[int64]{
+			read: func(ctx context.Context) (int64, error) {
+				return inbox.EstimateRows(ctx, db, d, table)
+			},
+			timeout: WatchTableTimeout,
+		},
+		rows: prometheus.NewDesc("inbox_rows", "Estimated rows in the inbox table, read at scrape time.", nil, labels),
+		errs: prometheus.NewDesc("inbox_rows_estimate_errors_total",
+			"Scrape-time estimates of the inbox table's rows that failed or did not answer within the timeout; inbox_rows is absent from those scrapes.", nil, labels),
 	})
 }
 
+// rowsCollector estimates an inbox table's rows at scrape time.
 type rowsCollector struct {
-	db      *sqlx.DB
-	dialect inbox.Dialect
-	table   string
-	desc    *prometheus.Desc
+	estimate   *scrapeRead[int64]
+	rows, errs *prometheus.Desc
 }
 
-func (c *rowsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+func (c *rowsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.rows
+	ch <- c.errs
+}
 
 func (c *rowsCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	n, err := inbox.EstimateRows(ctx, c.db, c.dialect, c.table)
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.desc, err)
-		return
+	if n, ok := c.estimate.get(); ok {
+		ch <- prometheus.MustNewConstMetric(c.rows, prometheus.GaugeValue, float64(n))
 	}
-	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n))
+	ch <- prometheus.MustNewConstMetric(c.errs, prometheus.CounterValue, float64(c.estimate.failures.Load()))
 }

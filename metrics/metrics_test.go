@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"math"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -12,13 +14,91 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/metrics"
 )
+
+// An estimate of the inbox table that fails (a pool whose every connection
+// is taken, a table that does not exist: WatchTable's default name beside
+// another Config.Table) leaves inbox_rows out of that scrape and counts the
+// failure, and the scrape, through promhttp's handler at its defaults as a
+// service serves /metrics, still answers with every other series. It
+// answered 500 before, and every series of the inbox (those the alerts
+// read included) was gone while the pool was full.
+func TestInboxRowsEstimateThatFailsLeavesTheScrapeWhole(t *testing.T) {
+	cases := []struct {
+		name  string
+		open  func(t *testing.T) *sqlx.DB
+		table string // the inbox's Config.Table
+		hold  bool   // take the pool's only connection during the scrape
+	}{
+		{"table that does not exist", func(t *testing.T) *sqlx.DB {
+			return testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+		}, "billing_inbox", false},
+		{"pool without a free connection", func(t *testing.T) *sqlx.DB {
+			return testdb.OpenPostgres(t, "")
+		}, "inbox_" + testdb.RandomSuffix(), true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			db := c.open(t)
+			reg := prometheus.NewRegistry()
+			m, err := metrics.New(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ib, err := inbox.New(m.Instrument(inbox.Config{DB: db, Table: c.table}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ib.InitializeSchema(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			testdb.DropLater(t, db, c.table)
+			watched := inbox.DefaultTable // as the package example has it
+			if c.hold {
+				watched = c.table
+			}
+			if err := m.WatchTable(db, nil, watched); err != nil {
+				t.Fatal(err)
+			}
+			// Series that exist from the start: the purge rounds' counters.
+			m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: c.table}})
+			ctx := context.Background()
+
+			release := func() {}
+			if c.hold {
+				db.SetMaxOpenConns(1)
+				conn, err := db.Conn(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				release = func() { conn.Close() }
+			}
+			rec := httptest.NewRecorder()
+			promhttp.HandlerFor(reg, promhttp.HandlerOpts{}).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+			release()
+			body := rec.Body.String()
+			if rec.Code != http.StatusOK || strings.Contains(body, "\ninbox_rows{") ||
+				!strings.Contains(body, `inbox_rows_estimate_errors_total{table="`+watched+`"} 1`) ||
+				!strings.Contains(body, `inbox_purge_rounds_total{outcome="failed",table="`+c.table+`"} 0`) {
+				t.Errorf("scrape while the estimate fails: HTTP %d\n%s\nwant 200, no inbox_rows, one estimate error and the inbox's other series", rec.Code, body)
+			}
+			if c.hold {
+				if n, ok := scraped(t, reg, "inbox_rows", watched); !ok || n < 0 {
+					t.Errorf("inbox_rows once a connection is free: %v (present %v), want it back", n, ok)
+				}
+			}
+		})
+	}
+}
 
 // Messages through a real router, then a purge round; the registry is
 // scraped as Prometheus would.
@@ -91,7 +171,7 @@ inbox_messages_total{consumer="billing",handler_name="billing",outcome="processe
 # HELP inbox_purge_rows_deleted_total Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions).
 # TYPE inbox_purge_rows_deleted_total counter
 inbox_purge_rows_deleted_total{table="watermill_inbox"} 1
-# HELP inbox_rows Estimated rows in the inbox table.
+# HELP inbox_rows Estimated rows in the inbox table, read at scrape time.
 # TYPE inbox_rows gauge
 inbox_rows{table="watermill_inbox"} 1
 `

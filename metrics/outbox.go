@@ -110,9 +110,8 @@ func (m *Metrics) InstrumentOutbox(cfg inbox.OutboxConfig) inbox.OutboxConfig {
 // database that is down, slow or out of connections) leaves the three gauges
 // out of that scrape and adds 1 to inbox_outbox_stats_errors_total, and the
 // scrape carries on with every other series, so that a database outage does
-// not also hide the relay's counters that explain it (an invalid metric, as
-// WatchTable reports, would fail the whole scrape under promhttp's default
-// HTTPErrorOnError). Concurrent scrapes share the read in flight, so at most
+// not also hide the relay's counters that explain it (an invalid metric
+// would fail the whole scrape under promhttp's default HTTPErrorOnError). Concurrent scrapes share the read in flight, so at most
 // one query per outbox runs at a time, however many Prometheus servers
 // scrape. Registering the same table twice with one registry fails with
 // prometheus.AlreadyRegisteredError.
@@ -122,8 +121,7 @@ func (m *Metrics) WatchOutbox(ob *inbox.Outbox) error {
 	}
 	labels := prometheus.Labels{"table": ob.Table()}
 	return m.reg.Register(&outboxCollector{
-		stats:   ob.Stats,
-		timeout: OutboxStatsTimeout,
+		stats: &scrapeRead[inbox.OutboxStats]{read: ob.Stats, timeout: OutboxStatsTimeout},
 		pending: prometheus.NewDesc("inbox_outbox_pending_messages",
 			"Outbox messages not yet relayed (the outbox's depth), read at scrape time.", nil, labels),
 		oldest: prometheus.NewDesc("inbox_outbox_oldest_pending_age_seconds",
@@ -137,20 +135,8 @@ func (m *Metrics) WatchOutbox(ob *inbox.Outbox) error {
 
 // outboxCollector reads an outbox's stats at scrape time.
 type outboxCollector struct {
-	stats                       func(context.Context) (inbox.OutboxStats, error)
-	timeout                     time.Duration
+	stats                       *scrapeRead[inbox.OutboxStats]
 	pending, oldest, dead, errs *prometheus.Desc
-	failures                    atomic.Uint64
-
-	mu   sync.Mutex
-	call *statsCall // the read in flight, shared by the scrapes meanwhile; nil when none
-}
-
-// statsCall is one read of the outbox's stats; done closes when it ends.
-type statsCall struct {
-	done chan struct{}
-	st   inbox.OutboxStats
-	err  error
 }
 
 func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -161,46 +147,67 @@ func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
-	if st, ok := c.read(); ok {
+	if st, ok := c.stats.get(); ok {
 		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(st.Pending))
 		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, st.OldestAge.Seconds())
 		ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLettered))
-	} else {
-		c.failures.Add(1)
 	}
-	ch <- prometheus.MustNewConstMetric(c.errs, prometheus.CounterValue, float64(c.failures.Load()))
+	ch <- prometheus.MustNewConstMetric(c.errs, prometheus.CounterValue, float64(c.stats.failures.Load()))
 }
 
-// read returns the outbox's stats, or false when the read failed or did not
-// answer within the timeout. The query runs on a goroutine of its own under
-// the same timeout, so that a driver that does not honour its context still
-// cannot hold the scrape; a scrape that arrives while a read is in flight
-// waits for that one instead of starting another.
-func (c *outboxCollector) read() (inbox.OutboxStats, bool) {
-	c.mu.Lock()
-	call := c.call
+// scrapeRead is a read of the database made at scrape time (WatchOutbox,
+// WatchTable), bounded by timeout: the query runs on a goroutine of its own
+// under that timeout, so that a driver that does not honour its context
+// still cannot hold the scrape, and a scrape that arrives while a read is in
+// flight waits for that one instead of starting another. It counts the
+// reads that failed or did not answer in time.
+type scrapeRead[T any] struct {
+	read     func(context.Context) (T, error)
+	timeout  time.Duration
+	failures atomic.Uint64
+
+	mu   sync.Mutex
+	call *readCall[T] // the read in flight, shared by the scrapes meanwhile; nil when none
+}
+
+// readCall is one read; done closes when it ends.
+type readCall[T any] struct {
+	done chan struct{}
+	v    T
+	err  error
+}
+
+// get returns the read's value, or false (and counts a failure) when the
+// read failed or did not answer within the timeout.
+func (r *scrapeRead[T]) get() (T, bool) {
+	r.mu.Lock()
+	call := r.call
 	if call == nil {
-		call = &statsCall{done: make(chan struct{})}
-		c.call = call
-		go c.run(call)
+		call = &readCall[T]{done: make(chan struct{})}
+		r.call = call
+		go r.run(call)
 	}
-	c.mu.Unlock()
-	timer := time.NewTimer(c.timeout)
+	r.mu.Unlock()
+	timer := time.NewTimer(r.timeout)
 	defer timer.Stop()
 	select {
 	case <-call.done:
-		return call.st, call.err == nil
+		if call.err == nil {
+			return call.v, true
+		}
 	case <-timer.C:
-		return inbox.OutboxStats{}, false
 	}
+	r.failures.Add(1)
+	var zero T
+	return zero, false
 }
 
-func (c *outboxCollector) run(call *statsCall) {
-	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+func (r *scrapeRead[T]) run(call *readCall[T]) {
+	ctx, cancel := context.WithTimeout(context.Background(), r.timeout)
 	defer cancel()
-	call.st, call.err = c.stats(ctx)
-	c.mu.Lock()
-	c.call = nil
-	c.mu.Unlock()
+	call.v, call.err = r.read(ctx)
+	r.mu.Lock()
+	r.call = nil
+	r.mu.Unlock()
 	close(call.done)
 }
