@@ -120,6 +120,12 @@ func TestUsageErrors(t *testing.T) {
 			t.Errorf("%q: exit %d (%s), want 2", args, code, errOut)
 		}
 	}
+	// A negative -older-than says so, not that the flag is missing (stats
+	// needs none).
+	if code, _, errOut := cli(t, "stats", "-db", "sqlite:///tmp/x.db", "-older-than", "-5h"); code != 2 ||
+		!strings.Contains(errOut, "-older-than must be a positive duration, got -5h") {
+		t.Errorf("stats -older-than -5h: exit %d, stderr %q; want 2 and that it must be positive", code, errOut)
+	}
 	if code, out, _ := cli(t, "-h"); code != 0 || !strings.Contains(out, "Usage:") {
 		t.Errorf("-h: %d", code)
 	}

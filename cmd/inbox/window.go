@@ -46,7 +46,10 @@ func (w *windowFlags) check(required bool) error {
 	if err := w.js.check(w.kafka()); err != nil {
 		return err
 	}
-	if w.olderThan < 0 || (required && !w.given()) {
+	if w.olderThan < 0 {
+		return fmt.Errorf("%w: -older-than must be a positive duration, got %v", errUsage, w.olderThan)
+	}
+	if required && !w.given() {
 		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics (or -nats-url and -nats-stream) give the window", errUsage)
 	}
 	return nil
