@@ -18,6 +18,7 @@ import (
 	mrand "math/rand/v2"
 	"net/url"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -294,6 +295,52 @@ func relayStopping(t *testing.T, db *sqlx.DB, d inbox.Dialect, ob *inbox.Outbox)
 		t.Fatal(err)
 	}
 	return len(ids) == count(t, db, table, "")
+}
+
+// A relay whose context ends while the broker holds one topic's messages
+// publishes no other topic in that round: it could not record what it
+// sends any more, and the publisher may be closing (the router's shutdown
+// order closes it a second after the router). Before, the round went on
+// through every topic of its batch, each publish a duplicate to come. The
+// next relay sends every message.
+func TestOutboxRelayStoppedMidRoundPublishesNoFurtherTopic(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		blocked := &blockingBroker{brokerStub: newBrokerStub(), entered: make(chan struct{}, 1), release: make(chan struct{})}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: blocked})
+		topics := []string{"invoices", "mails", "payments", "refunds"}
+		want := map[string][]string{}
+		for _, topic := range topics {
+			want[topic] = writeOutbox(t, db, ob, topic, 2)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); _ = ob.Run(ctx) }()
+		select {
+		case <-blocked.entered:
+		case <-time.After(caseTimeout):
+			t.Fatal("the relay did not publish")
+		}
+		cancel()
+		close(blocked.release)
+		<-done
+		for _, topic := range topics[1:] {
+			if got := blocked.uuids(topic); len(got) > 0 {
+				t.Errorf("the stopped relay published %d messages of %q after its context ended, want none", len(got), topic)
+			}
+		}
+		relayUntilEmpty(t, ob)
+		for _, topic := range topics {
+			var first []string // each message's first arrival, in order
+			for _, id := range blocked.uuids(topic) {
+				if !slices.Contains(first, id) {
+					first = append(first, id)
+				}
+			}
+			if got := first; !slices.Equal(got, want[topic]) {
+				t.Errorf("%q: sent %v, want %v (again, at least once)", topic, got, want[topic])
+			}
+		}
+	})
 }
 
 // A relay stopped while the broker publish is in flight (its Run context

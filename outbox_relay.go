@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -300,11 +301,40 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	db := o.cfg.DB
 	var read sqlx.QueryerContext = db
 	var tx *sqlx.Tx
+	// timeoutsOff: the session's idle-transaction timeouts (MariaDB) are
+	// off, and must be put back before the session goes back to the pool.
+	timeoutsOff := false
 	if o.sql.locks {
-		var err error
 		// READ COMMITTED: on MySQL/MariaDB the locking read then takes no
 		// gap locks, which would hold back the handlers' outbox inserts.
-		if tx, err = db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}); err != nil {
+		begin := func(ctx context.Context, opts *sql.TxOptions) (*sqlx.Tx, error) { return db.BeginTxx(ctx, opts) }
+		if o.sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load() {
+			// On a connection of the round's own, so that the timeouts are
+			// put back on that session whatever ends the round: when ctx
+			// ends, database/sql rolls the transaction back at once, on a
+			// goroutine of its own, and MySQL's driver keeps the session for
+			// the pool (a later handler's transaction would have run without
+			// the timeouts). Deferred first, so that it runs after the
+			// rollback.
+			conn, err := db.Connx(ctx)
+			if err != nil {
+				return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
+			}
+			defer func() {
+				if timeoutsOff {
+					bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+					defer cancel()
+					if _, err := conn.ExecContext(bctx, o.sql.idleTimeoutsBack); err != nil {
+						// The session cannot be trusted: out of the pool.
+						_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+					}
+				}
+				conn.Close()
+			}()
+			begin = conn.BeginTxx
+		}
+		var err error
+		if tx, err = begin(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
@@ -347,20 +377,13 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	// The round's transaction idles while it publishes: the session's
 	// idle-transaction timeouts (MariaDB) are off until just before the
-	// commit, or the rollback, and then put back as they were.
-	timeoutsOff := false
+	// commit, or after the rollback (deferred above), and then put back as
+	// they were.
 	if idleTimeouts && rows[0].IdleTimeouts.Int64 > 0 {
+		timeoutsOff = true // even when the SET fails: it may have been applied
 		if _, err := tx.ExecContext(ctx, o.sql.idleTimeoutsOff); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: turn the session's idle-transaction timeouts off while it publishes: %w", err)}}
 		}
-		timeoutsOff = true
-		defer func() { // before the deferred rollback
-			if timeoutsOff {
-				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-				defer cancel()
-				_, _ = tx.ExecContext(bctx, o.sql.idleTimeoutsBack) // the round failed already: that error is the one it reports
-			}
-		}()
 	}
 	round.read = len(rows)
 	reads := walkReads{
@@ -393,7 +416,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 			return taken, err
 		},
 	}
-	b := o.publish(rows, topics, reads)
+	b := o.publish(ctx, rows, topics, reads)
 	round.Failed, round.skipped = len(b.failed)+len(b.bury), b.skipped
 	if tx == nil {
 		// SQLite: queued behind this process's other writers (see
@@ -506,8 +529,10 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 //
 // With topics (Run's), a topic that waits for its next try is skipped (its
 // rows stay, untouched), and a topic whose first message in line the
-// broker refused is told to wait.
-func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, reads walkReads) outboxBatch {
+// broker refused is told to wait. Once ctx has ended (the relay stopping)
+// the topics not yet published are left untouched too: the round cannot
+// record what it sends any more, and the publisher may be closing.
+func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBackoff, reads walkReads) outboxBatch {
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
 	var order []string // the topics, in the order of their first row
 	byTopic := map[string][]outboxRow{}
@@ -521,7 +546,7 @@ func (o *Outbox) publish(rows []outboxRow, topics *topicBackoff, reads walkReads
 	now := time.Now()
 	for _, topic := range order {
 		group := byTopic[topic]
-		if topics != nil && topics.skip(topic, now) {
+		if topics != nil && topics.skip(topic, now) || ctx.Err() != nil {
 			b.skipped += len(group)
 			continue
 		}
@@ -730,8 +755,11 @@ const maxLastError = 4096
 // round after its publishes, so the message never used an attempt nor was
 // set aside, and every message of the round was sent again in every round.
 func lastErrorText(err error) string {
+	// cutRoom is kept free for the note that says where the text was cut.
+	const cutRoom = 64
 	s := err.Error()
 	var b strings.Builder
+	fit, fitAt := 0, 0 // how much of b, and of s, fits with the note
 	for i := 0; i < len(s); {
 		r, size := utf8.DecodeRuneInString(s[i:])
 		var piece string
@@ -744,11 +772,13 @@ func lastErrorText(err error) string {
 			piece = strings.Trim(strconv.QuoteRuneToASCII(r), "'")
 		}
 		if b.Len()+len(piece) > maxLastError {
-			fmt.Fprintf(&b, " ... (cut at byte %d of %d)", i, len(s))
-			break
+			return b.String()[:fit] + fmt.Sprintf(" ... (cut at byte %d of %d)", fitAt, len(s))
 		}
 		b.WriteString(piece)
 		i += size
+		if b.Len() <= maxLastError-cutRoom {
+			fit, fitAt = b.Len(), i
+		}
 	}
 	return b.String()
 }

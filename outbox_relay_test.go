@@ -310,8 +310,8 @@ func TestOutboxRelayStoresARefusalWhateverItsText(t *testing.T) {
 				if err := db.Get(&stored, "SELECT last_error FROM "+ob.Table()+"_dead"); err != nil {
 					t.Fatal(err)
 				}
-				if !utf8.ValidString(stored) || strings.ContainsRune(stored, 0) || len(stored) > 4200 || !strings.HasPrefix(stored, strings.ToValidUTF8(text[:10], "")) {
-					t.Errorf("stored last error %.120q (%d bytes), want the refusal's text, printable, at most about 4 KB", stored, len(stored))
+				if !utf8.ValidString(stored) || strings.ContainsRune(stored, 0) || len(stored) > 4096 || !strings.HasPrefix(stored, strings.ToValidUTF8(text[:10], "")) {
+					t.Errorf("stored last error %.120q (%d bytes), want the refusal's text, printable, at most 4,096 bytes", stored, len(stored))
 				}
 				if n := tries.Load(); n > 4 {
 					t.Errorf("the refused message was published %d times, want its 2 attempts (and the round's first call)", n)
@@ -321,13 +321,20 @@ func TestOutboxRelayStoresARefusalWhateverItsText(t *testing.T) {
 	})
 }
 
-// slowPublisher takes delay before each Publish call to its broker.
+// slowPublisher takes delay before each Publish call to its broker, after
+// calling before when it is set.
 type slowPublisher struct {
 	*brokerStub
-	delay time.Duration
+	delay  time.Duration
+	before *atomic.Pointer[func()]
 }
 
 func (p slowPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if p.before != nil {
+		if f := p.before.Load(); f != nil {
+			(*f)()
+		}
+	}
 	time.Sleep(p.delay)
 	return p.brokerStub.Publish(topic, msgs...)
 }
@@ -358,7 +365,8 @@ func TestOutboxRelayPublishesForLongerThanTheIdleTransactionTimeout(t *testing.T
 			db := c.open(t)
 			db.SetMaxOpenConns(1) // the relay's session is the one read after it
 			broker := newBrokerStub()
-			ob := newTestOutbox(t, db, c.dialect, inbox.OutboxConfig{Publisher: slowPublisher{broker, c.delay}})
+			var before atomic.Pointer[func()]
+			ob := newTestOutbox(t, db, c.dialect, inbox.OutboxConfig{Publisher: slowPublisher{broker, c.delay, &before}})
 			ids := writeOutbox(t, db, ob, "payments", 5)
 			round := ob.RelayOnce(context.Background())
 			if round.Err != nil || round.Relayed != 5 {
@@ -373,6 +381,17 @@ func TestOutboxRelayPublishesForLongerThanTheIdleTransactionTimeout(t *testing.T
 				}
 			}
 			wantSetting("after the round")
+
+			// A round whose context ends while it publishes (the router
+			// closing) puts it back too: database/sql rolled its transaction
+			// back at once, before the round could.
+			ctx, cancel := context.WithCancel(context.Background())
+			stop := func() { cancel() }
+			before.Store(&stop)
+			writeOutbox(t, db, ob, "payments", 1)
+			ob.RelayOnce(ctx)
+			before.Store(nil)
+			wantSetting("after a round whose context ended")
 
 			// A round that fails after its publishes puts it back too.
 			refuseDeletes(t, db, testDB{Dialect: c.dialect}, ob.Table())
