@@ -210,11 +210,16 @@ func TablePartitionInterval(ctx context.Context, db *sqlx.DB, table string) (Par
 // covered: from the start of yesterday to the end of the
 // DefaultPartitionsAhead-th day after today, by the database clock (UTC).
 func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (from, until time.Time, err error) {
-	var now time.Time
-	if err := sqlx.GetContext(ctx, db, &now, "SELECT now()"); err != nil {
+	// As Unix microseconds, not a timestamptz: pgx's exec and
+	// simple_protocol modes (those a pooler needs) read a timestamptz from
+	// its text, which only the ISO DateStyle gives; a role or server with
+	// DateStyle 'SQL, DMY' failed every Purger round here, and the claims
+	// once the partitions ran out.
+	var nowMicros int64
+	if err := sqlx.GetContext(ctx, db, &nowMicros, "SELECT CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint)"); err != nil {
 		return from, until, fmt.Errorf("inbox: create partitions of %s: %w", t, err)
 	}
-	from = now.UTC().Truncate(oneDay).AddDate(0, 0, -1)
+	from = time.UnixMicro(nowMicros).UTC().Truncate(oneDay).AddDate(0, 0, -1)
 	return from, from.AddDate(0, 0, DefaultPartitionsAhead+2), nil
 }
 
@@ -447,14 +452,14 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 // transaction block at all.
 func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration, consumer string) ([]DroppedPartition, error) {
 	d := PostgreSQLPartitioned
-	var cutoff time.Time
+	var cutoffMicros int64 // as in maintainedRange: Unix microseconds, whatever the DateStyle
 	var tp tablePartitions
 	var detached []qualifiedName
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) (err error) {
 		if t, err = canonicalTable(ctx, q, d, t); err != nil {
 			return err
 		}
-		if err := sqlx.GetContext(ctx, q, &cutoff, "SELECT now() - $1 * interval '1 microsecond'", olderThan.Microseconds()); err != nil {
+		if err := sqlx.GetContext(ctx, q, &cutoffMicros, "SELECT CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint) - $1", olderThan.Microseconds()); err != nil {
 			return err
 		}
 		if tp, err = listPartitions(ctx, q, t); err != nil {
@@ -469,6 +474,7 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 	if err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
+	cutoff := time.UnixMicro(cutoffMicros).UTC()
 	var dropped []DroppedPartition
 	drop := func(p qualifiedName) error {
 		var rows int64

@@ -126,9 +126,28 @@ func TestPartitionedRedeliveryFromOlderPartition(t *testing.T) {
 
 // Partitions past the window are dropped whole; the rest stay. A purger round
 // in partitioned mode does the same and creates the coming days.
+// Partitions are created and dropped by the database clock, whatever the
+// session's DateStyle and pgx query mode: in the exec and simple_protocol
+// modes (those a transaction-mode pooler needs) pgx reads a timestamptz
+// from its text, which only DateStyle ISO gives, and a role with DateStyle
+// 'SQL, DMY' failed InitializeSchema and every Purger round (no partition
+// ahead was created, and the claims failed once they ran out).
 func TestDropPartitions(t *testing.T) {
-	db := testdb.OpenPostgres(t, "")
-	table := dailyPartitionedTable(t, db)
+	for name, param := range map[string]string{
+		"defaults":                 "",
+		"DateStyle SQL, DMY, exec": "DateStyle=SQL,DMY&default_query_exec_mode=exec",
+		"DateStyle German, simple": "DateStyle=German&default_query_exec_mode=simple_protocol",
+	} {
+		t.Run(name, func(t *testing.T) { dropPartitionsUnder(t, param) })
+	}
+}
+
+// dropPartitionsUnder is TestDropPartitions on a pool whose connections
+// have param; the test's own reads go through a pool at the defaults.
+func dropPartitionsUnder(t *testing.T, param string) {
+	db := testdb.OpenPostgres(t, param)
+	plain := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, plain)
 	ctx := context.Background()
 	ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
 	if err != nil {
@@ -137,11 +156,11 @@ func TestDropPartitions(t *testing.T) {
 	if err := ib.InitializeSchema(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -9), 9); err != nil {
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, plain).AddDate(0, 0, -9), 9); err != nil {
 		t.Fatal(err)
 	}
 	for day := -9; day <= 0; day++ { // one row at noon UTC of each of the last ten days (today: now)
-		exec(t, db, fmt.Sprintf(`INSERT INTO %s VALUES ('billing', 'day%d',
+		exec(t, plain, fmt.Sprintf(`INSERT INTO %s VALUES ('billing', 'day%d',
 			CASE WHEN %d = 0 THEN now() ELSE date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' + interval '%d days 12 hours' END)`,
 			table, day, day, day))
 	}
@@ -153,15 +172,15 @@ func TestDropPartitions(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Day -4 ends at the start of day -3, which is at least 3 days ago.
-	if len(dropped) != 6 || !strings.HasSuffix(dropped[0].Name, dbNow(t, db).UTC().AddDate(0, 0, -9).Format("_p20060102")) {
+	if len(dropped) != 6 || !strings.HasSuffix(dropped[0].Name, dbNow(t, plain).UTC().AddDate(0, 0, -9).Format("_p20060102")) {
 		t.Errorf("dropped %+v, want the 6 partitions of days -9 to -4", dropped)
 	}
 	var rows int64
 	for _, d := range dropped {
 		rows += d.Rows
 	}
-	if rows != 6 || count(t, db, table, "") != 4 {
-		t.Errorf("dropped %d rows, %d left; want 6 and 4", rows, count(t, db, table, ""))
+	if rows != 6 || count(t, plain, table, "") != 4 {
+		t.Errorf("dropped %d rows, %d left; want 6 and 4", rows, count(t, plain, table, ""))
 	}
 
 	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
@@ -179,7 +198,7 @@ func TestDropPartitions(t *testing.T) {
 		t.Errorf("oldest age = %v, want between 1 and 2 days (start of yesterday)", round.OldestAge)
 	}
 	var ahead bool
-	if err := db.Get(&ahead, "SELECT to_regclass($1) IS NOT NULL", table+dbNow(t, db).UTC().AddDate(0, 0, inbox.DefaultPartitionsAhead).Format("_p20060102")); err != nil || !ahead {
+	if err := plain.Get(&ahead, "SELECT to_regclass($1) IS NOT NULL", table+dbNow(t, plain).UTC().AddDate(0, 0, inbox.DefaultPartitionsAhead).Format("_p20060102")); err != nil || !ahead {
 		t.Errorf("partition %d days ahead missing (%v)", inbox.DefaultPartitionsAhead, err)
 	}
 }
