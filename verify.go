@@ -162,7 +162,8 @@ type serverCheck struct {
 // configuration that fixes it. The server's own answer decides, not the
 // driver's type, which a wrapping driver (an instrumented database/sql
 // driver) hides. On MySQL/MariaDB, sessions with autocommit off (the DSN's
-// autocommit=0) give an error wrapping ErrInvalidConfig.
+// autocommit=0), or whose character_set_client differs from their
+// character_set_connection, give an error wrapping ErrInvalidConfig.
 func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -186,10 +187,24 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	}
 	if found == serverMySQL {
 		var autocommit int
-		if err := ib.db.QueryRowContext(ctx, "SELECT @@autocommit").Scan(&autocommit); err != nil {
+		var clientCharset, connectionCharset string
+		if err := ib.db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection").
+			Scan(&autocommit, &clientCharset, &connectionCharset); err != nil {
 			return nil // not remembered: the next use asks again
 		}
-		if autocommit == 0 {
+		switch {
+		case clientCharset != connectionCharset:
+			// The server converts every string parameter from the one to
+			// the other on its way in: a latin1 client's message id "ü"
+			// (two bytes of UTF-8) was stored as four, and the 16-byte
+			// fingerprint grew past its column (1406), so that every claim
+			// failed for good; without strict mode ids were cut short.
+			c.err = fmt.Errorf("%w: the MySQL sessions of DB send strings in character set %s (@@character_set_client,"+
+				" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
+				" (@@character_set_connection), so it would convert every message id and fingerprint on its way in;"+
+				" use sessions whose two character sets match (the driver's default, utf8mb4, or the DSN's charset=…)",
+				ErrInvalidConfig, clientCharset, connectionCharset)
+		case autocommit == 0:
 			// With autocommit off, the statement after a deadlock that
 			// rolled the message's transaction back (an error the handler
 			// ignored) opens a new transaction of its own: no status, no

@@ -1,0 +1,85 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// MySQL/MariaDB sessions the inbox cannot work with are refused:
+//   - autocommit off (the DSN's autocommit=0): after a deadlock that rolled
+//     the message's transaction back (an error the handler ignored), the
+//     next statement opens a new transaction that no status,
+//     @@in_transaction or read of the claim tells from the message's, and
+//     the inbox would commit the handler's later writes and outputs with
+//     the message not processed;
+//   - a character_set_client other than the character_set_connection (the
+//     DSN's character_set_client=latin1): the server converts every string
+//     on its way in, so the 16-byte fingerprint grew past its column and
+//     every claim failed for good (1406: poisoned under Middlewares), and
+//     with the check off an id was stored other than it was.
+//
+// Verify says so at startup; a message is nacked as transient (nothing
+// about it is wrong), its handler not called and nothing written.
+func TestMySQLSessionsTheInboxCannotWorkWithAreRefused(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ param, names string }{
+		{"autocommit=0", "autocommit"},
+		{"character_set_client=latin1", "character_set_client"},
+	} {
+		t.Run(c.param, func(t *testing.T) {
+			t.Parallel()
+			refusesSessions(t, c.param, c.names)
+		})
+	}
+}
+
+// refusesSessions checks that an inbox on MySQL sessions opened with param
+// refuses them, with an ErrInvalidConfig that names names.
+func refusesSessions(t *testing.T, param, names string) {
+	plain := testdb.OpenMySQL(t, "")
+	f := newFixture(t, plain)
+	f.newInbox(inbox.Config{}) // the table, made on sessions the inbox works with
+	db := testdb.OpenMySQL(t, param)
+	newInbox := func() *inbox.Inbox {
+		ib, err := inbox.New(inbox.Config{DB: db, Table: f.inbox})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ib
+	}
+	ib := newInbox()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := ib.Verify(ctx); !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), names) {
+		t.Errorf("Verify: %v, want ErrInvalidConfig naming %s", err, names)
+	}
+	fresh := newInbox() // not verified: the first message checks
+	var calls int
+	rec := &recorder{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, fresh.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			calls++
+			return f.writeBusinessRow(msg)
+		})
+	})
+	if in.deliver(t, message.NewMessage("ünï-"+watermill.NewUUID(), []byte("payload"))) {
+		t.Fatalf("a message was acked on sessions with %s", param)
+	}
+	if err := rec.last(); !errors.Is(err, inbox.ErrInvalidConfig) || !inbox.IsTransient(err) {
+		t.Errorf("nacked with %v, want ErrInvalidConfig, transient", err)
+	}
+	if calls != 0 || count(t, plain, f.inbox, "") != 0 {
+		t.Errorf("handler calls %d, inbox rows written; want none", calls)
+	}
+}
