@@ -510,6 +510,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		conn, tx, place, err = ib.retryBegin(d, err)
 	}
 	if err != nil {
+		if isReadOnlyRefusal(err) { // SQLite's BEGIN IMMEDIATE takes the write lock
+			return nil, false, d.readOnlyClaim(err)
+		}
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
@@ -535,6 +538,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		n, t.sameFingerprint, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
 	}
 	if err != nil {
+		if isReadOnlyRefusal(err) {
+			return t, false, d.readOnlyClaim(err)
+		}
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
@@ -543,6 +549,20 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return t, false, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, n, d.consumer, d.id)
 	}
 	return t, claimed, nil
+}
+
+// readOnlyClaim returns the error of a claim that the database refused as
+// a write in a read-only transaction or server (isReadOnlyRefusal): a
+// replica, or a failover in progress; the message is not at fault. It is
+// transient (misconfiguredError), and the delivery waits before it returns
+// it, once its transaction is rolled back, as for a missing table, so that
+// a poison filter keeps the topic and the broker's redeliveries do not
+// spin.
+func (d *delivery) readOnlyClaim(err error) error {
+	d.waitAfterEnd = true
+	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: the database refuses writes (a read-only"+
+		" transaction or server: a replica, a failover in progress, default_transaction_read_only, a read-only SQLite"+
+		" file): %w", d.consumer, d.id, d.ib.table, err)}
 }
 
 // beginOnConn begins a message's transaction on a connection it holds as a

@@ -138,6 +138,7 @@ type delivery struct {
 	claimHeldByOutbox bool
 	fingerprint       []byte // the content's, stored by the claim; nil with the fingerprints off
 	claimFailed       bool   // BEGIN or the claim failed after the fingerprint was taken (recheckFingerprintColumn)
+	waitAfterEnd      bool   // the database refused the claim as read-only: wait (waitAfterTableError) once rolled back
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -163,6 +164,9 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			// After the rollback: the check reads the catalog on a
 			// connection of its own.
 			err = d.ib.recheckFingerprintColumn(d, err)
+		}
+		if d.waitAfterEnd {
+			d.ib.waitAfterTableError(d.sctx)
 		}
 		d.report(err, false)
 	}()

@@ -122,6 +122,13 @@ import (
 //   - The middleware's error for a claim that failed on a fingerprint
 //     column dropped while the process ran (it wraps ErrIncompatibleTable):
 //     the check turns off, and the redelivery is processed without it.
+//   - The middleware's error for a claim that the database refused as a
+//     write in a read-only transaction or server (a hot standby or a
+//     replica the DSN points to by mistake, a primary demoted during a
+//     failover, default_transaction_read_only, a read-only SQLite file;
+//     the codes are isReadOnlyRefusal's: PostgreSQL 25006, MySQL/MariaDB
+//     1290, 1792 and 1836, SQLITE_READONLY): nothing about the message is
+//     wrong, and it waits as below.
 //   - The middleware's error for a message that met a missing or
 //     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
 //     those of Config.OutboxTables), a dialect for another server
@@ -296,8 +303,9 @@ var (
 // SQLite primary result codes (https://www.sqlite.org/rescode.html); the
 // extended codes keep them in their low byte.
 const (
-	sqliteBusy   = 5
-	sqliteLocked = 6
+	sqliteBusy     = 5
+	sqliteLocked   = 6
+	sqliteReadOnly = 8
 )
 
 // hasDatabaseCode reports whether err (not its chain) carries a database
@@ -423,6 +431,46 @@ func hasSQLState(err error, states ...string) bool {
 	return anyInChain(err, func(e error) bool {
 		s, ok := e.(interface{ SQLState() string })
 		return ok && !isNilPointer(e) && slices.Contains(states, s.SQLState())
+	})
+}
+
+// isReadOnlyRefusal reports whether an error in err's chain is the
+// database refusing a write because the transaction, the session or the
+// server is read-only: PostgreSQL's 25006 (read_only_sql_transaction: a
+// hot standby, default_transaction_read_only), MySQL/MariaDB's 1290
+// (ER_OPTION_PREVENTS_STATEMENT: read_only, super_read_only), 1792
+// (ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: tx_read_only) and 1836
+// (ER_READ_ONLY_MODE: innodb_read_only), and SQLite's SQLITE_READONLY
+// with its extended codes (a read-only file, query_only).
+func isReadOnlyRefusal(err error) bool {
+	if hasSQLState(err, "25006") {
+		return true
+	}
+	for _, n := range []uint64{1290, 1792, 1836} {
+		if hasMySQLNumber(err, n) {
+			return true
+		}
+	}
+	return anyInChain(err, func(e error) bool {
+		if isNilPointer(e) {
+			return false
+		}
+		v := reflect.ValueOf(e)
+		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+			v = v.Elem()
+		}
+		if v.Kind() != reflect.Struct {
+			return false
+		}
+		switch t := v.Type(); {
+		case t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error":
+			c, ok := e.(interface{ Code() int })
+			return ok && c.Code()&0xff == sqliteReadOnly
+		case t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error":
+			code, ok := intField(v, "Code")
+			return ok && code == sqliteReadOnly
+		}
+		return false
 	})
 }
 
