@@ -606,7 +606,7 @@ type walkReads struct {
 func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
-		err = o.cfg.Publisher.Publish(topic, msgs...)
+		err = o.publishCall(topic, msgs)
 	}
 	if err == nil {
 		for _, r := range group {
@@ -718,7 +718,25 @@ func (o *Outbox) publishOne(r outboxRow) error {
 	if err != nil {
 		return err
 	}
-	return o.cfg.Publisher.Publish(r.Topic, msgs...)
+	return o.publishCall(r.Topic, msgs)
+}
+
+// publishCall calls the publisher, turning a panic in it, or in the Error
+// method of the error it returns (a typed nil pointer whose method reads its
+// receiver), into an error: a panic on the relay's goroutine, which
+// RouterPlugin starts, would end the whole process, handlers included, and
+// again at every start while the message stays first in line. Counted as a
+// refusal of the messages (an attempt each).
+func (o *Outbox) publishCall(topic string, msgs []*message.Message) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("inbox: outbox relay: the publisher panicked publishing to %q: %v", topic, p)
+		}
+	}()
+	if err = o.cfg.Publisher.Publish(topic, msgs...); err != nil {
+		_ = err.Error() // a panic here is the publisher's, and recovered above
+	}
+	return err
 }
 
 // decodeOutboxRows returns the messages of rows, with their UUIDs, payloads

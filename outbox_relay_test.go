@@ -321,6 +321,42 @@ func TestOutboxRelayStoresARefusalWhateverItsText(t *testing.T) {
 	})
 }
 
+// panickyError is an error whose Error method reads its receiver: returned
+// as a typed nil pointer, the relay's call of Error panics.
+type panickyError struct{ reason string }
+
+func (e *panickyError) Error() string { return e.reason }
+
+// A publisher that panics on a message, or returns a typed nil pointer as
+// its error whose Error method panics, is a refusal of that message: it
+// uses its attempts and is set aside, and the messages behind it are sent.
+// The panic ended the relay's goroutine before, and with it the process
+// (RouterPlugin starts the relay on a goroutine of its own), at every start
+// while the message stayed first in line.
+func TestOutboxRelaySurvivesAPublisherThatPanics(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		for name, how := range map[string]string{"a panic in Publish": "panic", "a typed nil error": "nil"} {
+			t.Run(name, func(t *testing.T) {
+				broker := newBrokerStub()
+				ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+				ids := writeOutbox(t, db, ob, "payments", 3)
+				broker.setRefuse(func(_ string, m *message.Message) error {
+					if m.UUID != ids[0] {
+						return nil
+					}
+					if how == "panic" {
+						panic("index out of range")
+					}
+					var e *panickyError
+					return e
+				})
+				relayUntilEmpty(t, ob)
+				wantRelayed(t, ob, broker, ids[1:], 0, 1)
+			})
+		}
+	})
+}
+
 // slowPublisher takes delay before each Publish call to its broker, after
 // calling before when it is set.
 type slowPublisher struct {
