@@ -162,6 +162,11 @@ type OutboxStats struct {
 	OldestAge time.Duration
 	// DeadLettered is the number of messages in the dead-letter table.
 	DeadLettered int64
+	// FirstLastError is the last refusal of the first message in line
+	// (the smallest id; a topic the broker keeps refusing ends up holding
+	// it, since the other topics flow), as the relay stored it in
+	// last_error: "" when none is pending or it was never refused.
+	FirstLastError string
 }
 
 // Outbox is the transactional outbox of the inbox, with its relay: the
@@ -660,12 +665,14 @@ func (o *Outbox) warnIfNoRelay() {
 // number of dead letters. Errors wrap the driver's.
 func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
 	var (
-		s       OutboxStats
-		oldestU sql.NullInt64
+		s         OutboxStats
+		oldestU   sql.NullInt64
+		lastError sql.NullString
 	)
-	if err := o.cfg.DB.QueryRowxContext(ctx, o.sql.stats).Scan(&s.Pending, &oldestU, &s.DeadLettered); err != nil {
+	if err := o.cfg.DB.QueryRowxContext(ctx, o.sql.stats).Scan(&s.Pending, &oldestU, &s.DeadLettered, &lastError); err != nil {
 		return s, fmt.Errorf("inbox: outbox stats of %s: %w", o.table, err)
 	}
 	s.OldestAge = time.Duration(max(oldestU.Int64, 0)) * time.Microsecond
+	s.FirstLastError = lastError.String
 	return s, nil
 }

@@ -453,6 +453,10 @@ func TestOutboxRelaySetsNothingAsideWhileTheBrokerIsDown(t *testing.T) {
 				t.Fatalf("round while the broker is down: %+v, want an error and nothing relayed or set aside", round)
 			}
 		}
+		// The first in line shows why it waits.
+		if st, err := ob.Stats(context.Background()); err != nil || !strings.Contains(st.FirstLastError, "broker unavailable") {
+			t.Errorf("stats while the broker is down: %+v (%v), want the first message's last error", st, err)
+		}
 		sendsAllOnceTheBrokerIsBack(t, ob, broker, ids)
 	})
 }

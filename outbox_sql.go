@@ -87,7 +87,8 @@ type outboxSQL struct {
 	// round or the first message the broker refuses.
 	probeStatements []string
 	// stats returns the number of rows, the age of the oldest one in
-	// microseconds (NULL when empty) and the number of dead letters.
+	// microseconds (NULL when empty), the number of dead letters and the
+	// first row's last_error (NULL when empty or not refused).
 	stats string
 }
 
@@ -174,7 +175,8 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		waited: "UPDATE " + q + " SET last_error = ? WHERE id = ?",
 		bury: "INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
 			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)",
-		stats: "SELECT (SELECT count(*) FROM " + q + "), (SELECT " + ageMicros + " FROM " + q + "), (SELECT count(*) FROM " + dq + ")",
+		stats: "SELECT (SELECT count(*) FROM " + q + "), (SELECT " + ageMicros + " FROM " + q + "), (SELECT count(*) FROM " + dq + ")," +
+			" (SELECT last_error FROM " + q + " ORDER BY id LIMIT 1)",
 	}
 }
 

@@ -528,9 +528,24 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if ob.Pending > 0 {
 			fmt.Fprintf(stdout, ", the oldest written %s ago", ob.OldestAge.Round(time.Second))
 		}
+		if ob.FirstLastError != "" {
+			fmt.Fprintf(stdout, "\nrefused:  the first in line, last refused with: %s", firstLineOf(ob.FirstLastError, 300))
+		}
 		fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(ob.DeadLettered, "message"))
 	}
 	return nil
+}
+
+// firstLineOf returns the first line of s, cut at max bytes (with "...").
+func firstLineOf(s string, max int) string {
+	line, _, more := strings.Cut(s, "\n")
+	if len(line) > max {
+		return line[:max] + "..."
+	}
+	if more {
+		return line + " ..."
+	}
+	return line
 }
 
 // outboxState is what "inbox stats" shows of an outbox table.

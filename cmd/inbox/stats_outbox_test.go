@@ -17,8 +17,8 @@ import (
 )
 
 // "inbox stats -outbox-table O" shows the outbox O after the inbox table:
-// the messages pending, that the oldest was written moments ago, and the
-// dead letters; an outbox table that does not exist fails the command
+// the messages pending, that the oldest was written moments ago, the last
+// refusal of the first in line, and the dead letters; an outbox table that does not exist fails the command
 // (exit 1, ErrTableNotFound, naming it) and prints nothing on stdout.
 func TestStatsShowsTheOutboxTableNamed(t *testing.T) {
 	for name, c := range dsns(t) {
@@ -31,12 +31,23 @@ func TestStatsShowsTheOutboxTableNamed(t *testing.T) {
 			// Four messages, the first refused for good: one relay round
 			// (MaxAttempts 1) sets it aside and sends the second.
 			relayWithADeadLetter(t, c.db, outbox, 4)
+			// Then a round whose broker has no leader for the topic: the
+			// first message in line keeps that refusal as its last error.
+			down, err := inbox.NewOutbox(inbox.OutboxConfig{DB: c.db, Table: outbox, Publisher: refuseAll{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := down.RelayOnce(context.Background()); r.Err == nil {
+				t.Fatalf("relay round while the broker refuses: %+v, want its error", r)
+			}
 
 			code, out, errOut := cli(t, "stats", "-db", c.dsn, "-table", table, "-outbox-table", outbox)
 			for _, want := range []string{
 				"rows:     0\n",
 				"outbox:   " + outbox + "\n",
 				"pending:  2 messages, the oldest written ",
+				"\nrefused:  the first in line, last refused with: ",
+				"no leader for partition 3",
 				"dead:     1 message in the dead-letter table\n",
 			} {
 				if code != 0 || !strings.Contains(out, want) {
@@ -135,3 +146,12 @@ func (b *refuseFirst) Publish(_ string, msgs ...*message.Message) error {
 }
 
 func (b *refuseFirst) Close() error { return nil }
+
+// refuseAll is a broker that has no leader for any partition.
+type refuseAll struct{}
+
+func (refuseAll) Publish(string, ...*message.Message) error {
+	return fmt.Errorf("%w: no leader for partition 3", inbox.ErrBrokerUnavailable)
+}
+
+func (refuseAll) Close() error { return nil }
