@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -80,8 +81,13 @@ const (
 
 // waitAfterTableError waits, before a delivery returns a table error, for
 // the inbox's current backoff (see tableRetryMin) or until ctx ends.
-func (ib *Inbox) waitAfterTableError(ctx context.Context) {
-	n := ib.tableFailures.Add(1)
+func (ib *Inbox) waitAfterTableError(ctx context.Context) { ib.waitBackoff(ctx, &ib.tableFailures) }
+
+// waitBackoff waits for the backoff of the n-th consecutive failure that
+// failures counts (tableRetryMin doubling up to tableRetryMax), or until ctx
+// ends.
+func (ib *Inbox) waitBackoff(ctx context.Context, failures *atomic.Int32) {
+	n := failures.Add(1)
 	wait := tableRetryMax
 	if n <= 7 {
 		wait = min(tableRetryMin<<(n-1), tableRetryMax)

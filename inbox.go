@@ -89,6 +89,7 @@ type Inbox struct {
 	dialectInferred   bool            // Config.Dialect was nil: inferred from DB.DriverName()
 	outboxTables      []qualifiedName // Config.OutboxTables: checked with the inbox table
 	tableFailures     atomic.Int32    // consecutive deliveries that met a table error (waitAfterTableError)
+	readOnlyFailures  atomic.Int32    // consecutive claims the database refused as read-only (readOnlyClaim)
 	poolExhausted     func() bool     // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
@@ -544,6 +545,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
+	ib.claimSucceeded()
 	claimed, ok := ib.dialect.claimed(n)
 	if !ok {
 		return t, false, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, n, d.consumer, d.id)
@@ -551,15 +553,24 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	return t, claimed, nil
 }
 
+// claimSucceeded ends a run of claims refused as read-only: the next one
+// waits the shortest backoff again.
+func (ib *Inbox) claimSucceeded() {
+	if ib.readOnlyFailures.Load() != 0 {
+		ib.readOnlyFailures.Store(0)
+	}
+}
+
 // readOnlyClaim returns the error of a claim that the database refused as
 // a write in a read-only transaction or server (isReadOnlyRefusal): a
 // replica, or a failover in progress; the message is not at fault. It is
 // transient (misconfiguredError), and the delivery waits before it returns
-// it, once its transaction is rolled back, as for a missing table, so that
+// it, once its transaction is rolled back (100 ms doubling to 5 s over
+// consecutive such claims), as for a missing table, so that
 // a poison filter keeps the topic and the broker's redeliveries do not
 // spin.
 func (d *delivery) readOnlyClaim(err error) error {
-	d.waitAfterEnd = true
+	d.waitAfterEnd = &d.ib.readOnlyFailures
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: the database refuses writes (a read-only"+
 		" transaction or server: a replica, a failover in progress, default_transaction_read_only, a read-only SQLite"+
 		" file): %w", d.consumer, d.id, d.ib.table, err)}

@@ -136,9 +136,9 @@ type delivery struct {
 	// statements before the pre-commit check, found the claim held
 	// (outboxWriter.publishLast), so the check need not read it again.
 	claimHeldByOutbox bool
-	fingerprint       []byte // the content's, stored by the claim; nil with the fingerprints off
-	claimFailed       bool   // BEGIN or the claim failed after the fingerprint was taken (recheckFingerprintColumn)
-	waitAfterEnd      bool   // the database refused the claim as read-only: wait (waitAfterTableError) once rolled back
+	fingerprint       []byte        // the content's, stored by the claim; nil with the fingerprints off
+	claimFailed       bool          // BEGIN or the claim failed after the fingerprint was taken (recheckFingerprintColumn)
+	waitAfterEnd      *atomic.Int32 // the database refused the claim as read-only: wait (waitBackoff on it) once rolled back
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -165,8 +165,8 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			// connection of its own.
 			err = d.ib.recheckFingerprintColumn(d, err)
 		}
-		if d.waitAfterEnd {
-			d.ib.waitAfterTableError(d.sctx)
+		if d.waitAfterEnd != nil {
+			d.ib.waitBackoff(d.sctx, d.waitAfterEnd)
 		}
 		d.report(err, false)
 	}()

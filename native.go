@@ -112,6 +112,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		}
 		return t, false, err
 	}
+	ib.claimSucceeded()
 	claimed, ok := ib.dialect.claimed(rows)
 	if !ok {
 		return t, false, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, rows, d.consumer, d.id)

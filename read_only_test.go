@@ -1,9 +1,12 @@
 package inbox_test
 
 import (
+	"fmt"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -16,7 +19,7 @@ import (
 // A database that refuses writes (a replica the DSN points to by mistake, a
 // primary demoted during a failover, default_transaction_read_only, a
 // read-only SQLite file) nacks each message as transient, its handler not
-// called, after a wait: a poison filter built on IsTransient keeps the
+// called, after a wait (100 ms doubling over consecutive ones): a poison filter built on IsTransient keeps the
 // topic, and the message is processed once the database takes writes
 // again. The refusal was not transient, so the messages went to the poison
 // queue, the topic drained while the database was read-only.
@@ -56,6 +59,13 @@ func TestClaimThatTheDatabaseRefusesAsReadOnlyIsTransient(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			var mu sync.Mutex
+			var waits []time.Duration
+			inbox.SetTableBackoffHook(ib, func(wait time.Duration) {
+				mu.Lock()
+				defer mu.Unlock()
+				waits = append(waits, wait)
+			})
 			var calls int
 			rec := &recorder{}
 			in := newFeed()
@@ -66,9 +76,16 @@ func TestClaimThatTheDatabaseRefusesAsReadOnlyIsTransient(t *testing.T) {
 					return nil
 				})
 			})
-			if in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("payload"))) {
-				t.Fatal("a message was acked by an inbox whose database refuses writes")
+			for range 3 {
+				if in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("payload"))) {
+					t.Fatal("a message was acked by an inbox whose database refuses writes")
+				}
 			}
+			mu.Lock()
+			if fmt.Sprint(waits) != "[100ms 200ms 400ms]" {
+				t.Errorf("waits before the nacks: %v, want 100ms doubling", waits)
+			}
+			mu.Unlock()
 			err = rec.last()
 			if !inbox.IsTransient(err) || err == nil || !strings.Contains(err.Error(), "refuses writes") {
 				t.Errorf("nacked with %v, want a transient error that says the database refuses writes", err)
