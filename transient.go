@@ -338,31 +338,62 @@ func classifyDriverError(err error) (conflict, transient, coded bool) {
 	if e, ok := err.(interface{ SafeToRetry() bool }); ok && e.SafeToRetry() {
 		return false, true, false
 	}
-	if v.Kind() != reflect.Struct {
-		return false, false, false
-	}
-	t := v.Type()
-	switch {
-	case t.PkgPath() == "github.com/go-sql-driver/mysql" && t.Name() == "MySQLError":
-		if n, ok := uintField(v, "Number"); ok {
-			if conflictMySQLErrors[n] {
-				return true, true, true
-			}
-			return false, transientMySQLErrors[n], true
+	if n, ok := mysqlErrorNumber(err); ok {
+		if conflictMySQLErrors[n] {
+			return true, true, true
 		}
+		return false, transientMySQLErrors[n], true
+	}
+	if code, ok := sqliteResultCode(err); ok {
+		busy := code == sqliteBusy || code == sqliteLocked
+		return busy, busy, true
+	}
+	return false, false, false
+}
+
+// driverStruct returns the struct that err (not its chain) points to, and
+// false for a typed nil pointer or an error that is no struct.
+func driverStruct(err error) (reflect.Value, bool) {
+	v := reflect.ValueOf(err)
+	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+		if v.IsNil() {
+			return v, false
+		}
+		v = v.Elem()
+	}
+	return v, v.Kind() == reflect.Struct
+}
+
+// mysqlErrorNumber returns the error number of err (not its chain) when it
+// is a go-sql-driver/mysql MySQLError, recognised by its type's package
+// path and name without importing the driver.
+func mysqlErrorNumber(err error) (uint64, bool) {
+	v, ok := driverStruct(err)
+	if !ok || v.Type().PkgPath() != "github.com/go-sql-driver/mysql" || v.Type().Name() != "MySQLError" {
+		return 0, false
+	}
+	return uintField(v, "Number")
+}
+
+// sqliteResultCode returns the primary result code (the extended code's
+// low byte) of err (not its chain) when it is an error of modernc.org/sqlite
+// or github.com/mattn/go-sqlite3.
+func sqliteResultCode(err error) (int, bool) {
+	v, ok := driverStruct(err)
+	if !ok {
+		return 0, false
+	}
+	switch t := v.Type(); {
 	case t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error":
 		if c, ok := err.(interface{ Code() int }); ok {
-			code := c.Code() & 0xff
-			busy := code == sqliteBusy || code == sqliteLocked
-			return busy, busy, true
+			return c.Code() & 0xff, true
 		}
 	case t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error":
 		if code, ok := intField(v, "Code"); ok {
-			busy := code == sqliteBusy || code == sqliteLocked
-			return busy, busy, true
+			return int(code) & 0xff, true
 		}
 	}
-	return false, false, false
+	return 0, false
 }
 
 func uintField(v reflect.Value, name string) (uint64, bool) {
@@ -443,34 +474,15 @@ func hasSQLState(err error, states ...string) bool {
 // (ER_READ_ONLY_MODE: innodb_read_only), and SQLite's SQLITE_READONLY
 // with its extended codes (a read-only file, query_only).
 func isReadOnlyRefusal(err error) bool {
-	if hasSQLState(err, "25006") {
-		return true
-	}
-	for _, n := range []uint64{1290, 1792, 1836} {
-		if hasMySQLNumber(err, n) {
-			return true
-		}
-	}
 	return anyInChain(err, func(e error) bool {
-		if isNilPointer(e) {
-			return false
+		if n, ok := mysqlErrorNumber(e); ok {
+			return n == 1290 || n == 1792 || n == 1836
 		}
-		v := reflect.ValueOf(e)
-		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
-			v = v.Elem()
+		if code, ok := sqliteResultCode(e); ok {
+			return code == sqliteReadOnly
 		}
-		if v.Kind() != reflect.Struct {
-			return false
-		}
-		switch t := v.Type(); {
-		case t.PkgPath() == "modernc.org/sqlite" && t.Name() == "Error":
-			c, ok := e.(interface{ Code() int })
-			return ok && c.Code()&0xff == sqliteReadOnly
-		case t.PkgPath() == "github.com/mattn/go-sqlite3" && t.Name() == "Error":
-			code, ok := intField(v, "Code")
-			return ok && code == sqliteReadOnly
-		}
-		return false
+		s, ok := e.(interface{ SQLState() string })
+		return ok && !isNilPointer(e) && s.SQLState() == "25006"
 	})
 }
 
@@ -478,17 +490,7 @@ func isReadOnlyRefusal(err error) bool {
 // go-sql-driver/mysql *MySQLError with error number n.
 func hasMySQLNumber(err error, n uint64) bool {
 	return anyInChain(err, func(e error) bool {
-		v := reflect.ValueOf(e)
-		if isNilPointer(e) {
-			return false
-		}
-		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
-			v = v.Elem()
-		}
-		if v.Kind() != reflect.Struct || v.Type().PkgPath() != "github.com/go-sql-driver/mysql" || v.Type().Name() != "MySQLError" {
-			return false
-		}
-		got, ok := uintField(v, "Number")
+		got, ok := mysqlErrorNumber(e)
 		return ok && got == n
 	})
 }
