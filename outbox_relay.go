@@ -301,14 +301,16 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	db := o.cfg.DB
 	var read sqlx.QueryerContext = db
 	var tx *sqlx.Tx
-	// timeoutsOff: the session's idle-transaction timeouts (MariaDB) are
-	// off, and must be put back before the session goes back to the pool.
+	// idleTimeouts: the round reads the session's idle-transaction
+	// timeouts (MariaDB); timeoutsOff: it turned them off, and must put
+	// them back before the session goes back to the pool.
+	idleTimeouts := o.sql.locks && o.sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load()
 	timeoutsOff := false
 	if o.sql.locks {
 		// READ COMMITTED: on MySQL/MariaDB the locking read then takes no
 		// gap locks, which would hold back the handlers' outbox inserts.
-		begin := func(ctx context.Context, opts *sql.TxOptions) (*sqlx.Tx, error) { return db.BeginTxx(ctx, opts) }
-		if o.sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load() {
+		begin := db.BeginTxx
+		if idleTimeouts {
 			// On a connection of the round's own, so that the timeouts are
 			// put back on that session whatever ends the round: when ctx
 			// ends, database/sql rolls the transaction back at once, on a
@@ -348,7 +350,6 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		waiting = topics.waiting(time.Now())
 	}
 	var rows []outboxRow
-	idleTimeouts := o.sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load()
 	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting), idleTimeouts)), waiting...)
 	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
 		// MySQL: no idle-transaction timeouts to turn off. (The failed

@@ -147,7 +147,6 @@ func outboxBatchRead(q, lock, guard, idleColumns string) func(n, skipTopics int,
 // differs: column types, the time of a row, and whether rows can be locked.
 func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []string, now, ageMicros, lock string) outboxSQL {
 	q, dq := t.quoted(d), dead.quoted(d)
-	const cols = outboxColumns
 	return outboxSQL{
 		create: []string{
 			"CREATE TABLE IF NOT EXISTS " + q + " (\n    " + strings.Join(columns, ",\n    ") + "\n)" + d.outboxTableOptions(),
@@ -156,15 +155,15 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		insertPrefix: "INSERT INTO " + q + " (topic, uuid, payload, metadata, created_at) VALUES ",
 		insertRow:    "(?, ?, ?, ?, " + now + ")",
 		selectBatch:  outboxBatchRead(q, lock, "", ""),
-		nextOfTopic: "SELECT " + cols + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
+		nextOfTopic: "SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
 			" WHERE id > ? ORDER BY id LIMIT " + strconv.Itoa(outboxWalkWindow) + ") AS w WHERE w.topic = ? ORDER BY w.id LIMIT 1)" + lock,
 		deadHas: "SELECT id FROM " + dq + " WHERE id = ?",
 		locks:   lock != "",
-		probe:   "SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0",
+		probe:   "SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE 1 = 0",
 		probeStatements: []string{
-			"SELECT " + cols + ", attempts FROM " + q + " WHERE 1 = 0 ORDER BY id" + lock,
+			"SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE 1 = 0 ORDER BY id" + lock,
 			"UPDATE " + q + " SET attempts = attempts + 1, last_error = NULL WHERE 1 = 0",
-			"INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
+			"INSERT INTO " + dq + " (" + outboxColumns + ", created_at, attempts, last_error, dead_at) SELECT " + outboxColumns +
 				", created_at, attempts, last_error, " + now + " FROM " + q + " WHERE 1 = 0 AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE 1 = 0)",
 			"DELETE FROM " + q + " WHERE 1 = 0",
 		},
@@ -173,7 +172,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		},
 		failed: "UPDATE " + q + " SET attempts = attempts + 1, last_error = ? WHERE id = ?",
 		waited: "UPDATE " + q + " SET last_error = ? WHERE id = ?",
-		bury: "INSERT INTO " + dq + " (" + cols + ", created_at, attempts, last_error, dead_at) SELECT " + cols +
+		bury: "INSERT INTO " + dq + " (" + outboxColumns + ", created_at, attempts, last_error, dead_at) SELECT " + outboxColumns +
 			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)",
 		stats: "SELECT (SELECT count(*) FROM " + q + "), (SELECT " + ageMicros + " FROM " + q + "), (SELECT count(*) FROM " + dq + ")," +
 			" (SELECT last_error FROM " + q + " ORDER BY id LIMIT 1)",
