@@ -206,17 +206,20 @@ func TablePartitionInterval(ctx context.Context, db *sqlx.DB, table string) (Par
 	return iv, nil
 }
 
+// pgNowMicros is PostgreSQL's clock as Unix microseconds: read so rather
+// than as a timestamptz, which pgx's exec and simple_protocol modes (those
+// a pooler needs) parse from its text, and only DateStyle ISO gives text
+// they can parse.
+const pgNowMicros = "CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint)"
+
 // maintainedRange returns the range InitializeSchema and a Purger keep
 // covered: from the start of yesterday to the end of the
 // DefaultPartitionsAhead-th day after today, by the database clock (UTC).
 func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (from, until time.Time, err error) {
-	// As Unix microseconds, not a timestamptz: pgx's exec and
-	// simple_protocol modes (those a pooler needs) read a timestamptz from
-	// its text, which only the ISO DateStyle gives; a role or server with
-	// DateStyle 'SQL, DMY' failed every Purger round here, and the claims
-	// once the partitions ran out.
+	// pgNowMicros: a role or server with DateStyle 'SQL, DMY' failed every
+	// Purger round here, and the claims once the partitions ran out.
 	var nowMicros int64
-	if err := sqlx.GetContext(ctx, db, &nowMicros, "SELECT CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint)"); err != nil {
+	if err := sqlx.GetContext(ctx, db, &nowMicros, "SELECT "+pgNowMicros); err != nil {
 		return from, until, fmt.Errorf("inbox: create partitions of %s: %w", t, err)
 	}
 	from = time.UnixMicro(nowMicros).UTC().Truncate(oneDay).AddDate(0, 0, -1)
@@ -452,14 +455,14 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 // transaction block at all.
 func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration, consumer string) ([]DroppedPartition, error) {
 	d := PostgreSQLPartitioned
-	var cutoffMicros int64 // as in maintainedRange: Unix microseconds, whatever the DateStyle
+	var cutoffMicros int64 // pgNowMicros, whatever the DateStyle
 	var tp tablePartitions
 	var detached []qualifiedName
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) (err error) {
 		if t, err = canonicalTable(ctx, q, d, t); err != nil {
 			return err
 		}
-		if err := sqlx.GetContext(ctx, q, &cutoffMicros, "SELECT CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint) - $1", olderThan.Microseconds()); err != nil {
+		if err := sqlx.GetContext(ctx, q, &cutoffMicros, "SELECT "+pgNowMicros+" - $1", olderThan.Microseconds()); err != nil {
 			return err
 		}
 		if tp, err = listPartitions(ctx, q, t); err != nil {
