@@ -106,6 +106,11 @@ type Dialect interface {
 	// unless it is ""), oldest first; on MySQL a non-locking SELECT of their
 	// keys instead (see purgeBatch).
 	purgeStatement(table qualifiedName, window int64, batch int, consumer string) purgeQuery
+	// writeProbeSQL returns a statement that writes nothing to table (an
+	// INSERT of no row: the claim's privilege) but is refused as a write is where the database refuses writes (a
+	// read-only transaction or server: isReadOnlyRefusal); Verify runs it
+	// in a transaction it rolls back.
+	writeProbeSQL(table qualifiedName) string
 	// oldestAgeSQL returns a query for the age of the oldest row, in
 	// microseconds by the database clock, NULL when the table is empty.
 	oldestAgeSQL(table qualifiedName) string

@@ -153,6 +153,14 @@ func (d mysqlDialect) purgeStatement(t qualifiedName, window int64, batch int, c
 	}
 }
 
+// An INSERT of no row (needing only the claim's privilege) is still
+// refused where writes are
+// (1290 read_only/super_read_only, 1792 a read-only transaction, 1836
+// innodb_read_only).
+func (d mysqlDialect) writeProbeSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT '', '', UTC_TIMESTAMP(6) FROM DUAL WHERE 1 = 0"
+}
+
 func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
 	return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
 }

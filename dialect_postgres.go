@@ -237,6 +237,13 @@ func purgeDialect(ctx context.Context, db dbConn, d Dialect, t qualifiedName) (D
 	return d, nil
 }
 
+// An INSERT of no row is still refused in a read-only transaction
+// (SQLSTATE 25006), which a hot standby's always are; it needs only the
+// privilege the claim needs.
+func (d postgresDialect) writeProbeSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id) SELECT '', '' WHERE false"
+}
+
 func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
 	return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
 }

@@ -131,6 +131,12 @@ func (d sqliteDialect) purgeStatement(t qualifiedName, window int64, batch int, 
 	}
 }
 
+// An INSERT of no row still needs the write lock, which a
+// read-only file or query_only refuses (SQLITE_READONLY).
+func (d sqliteDialect) writeProbeSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id) SELECT '', '' WHERE 0"
+}
+
 func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
 	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
 }

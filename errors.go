@@ -140,6 +140,19 @@ var (
 // Inbox). It is not transient (IsTransient): no redelivery can succeed.
 var ErrDialectMismatch = errors.New("inbox: dialect does not match the database server")
 
+// ErrDatabaseReadOnly means that the database refuses the inbox's writes:
+// DB reaches a replica (a hot standby on PostgreSQL, a read_only MySQL
+// server), a primary being demoted in a failover, or sessions that are
+// read-only (PostgreSQL's default_transaction_read_only, MySQL's
+// transaction_read_only, SQLite's query_only or a file opened read-only).
+// Inbox.Verify finds it with a statement that writes nothing, in a
+// transaction it rolls back; Inbox.RouterPlugin waits for writes within
+// VerifyTimeout (a failover in progress) and then returns it. A claim the
+// database refuses so wraps it too: that message is nacked after a wait,
+// and IsTransient reports true for it, so that a poison queue filter keeps
+// the topic until the database takes writes again.
+var ErrDatabaseReadOnly = errors.New("inbox: the database refuses writes")
+
 // ErrCommitTimeout means that what runs after the handler returned nil (the
 // outbox publish, the pre-commit check, COMMIT) did not finish within
 // Config.CommitTimeout. Whether the transaction committed is unknown (in

@@ -571,9 +571,9 @@ func (ib *Inbox) claimSucceeded() {
 // spin.
 func (d *delivery) readOnlyClaim(err error) error {
 	d.waitAfterEnd = &d.ib.readOnlyFailures
-	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: the database refuses writes (a read-only"+
-		" transaction or server: a replica, a failover in progress, default_transaction_read_only, a read-only SQLite"+
-		" file): %w", d.consumer, d.id, d.ib.table, err)}
+	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w (a read-only transaction or server:"+
+		" a replica, a failover in progress, default_transaction_read_only, a read-only SQLite file): %w",
+		d.consumer, d.id, d.ib.table, ErrDatabaseReadOnly, err)}
 }
 
 // beginOnConn begins a message's transaction on a connection it holds as a

@@ -1,16 +1,16 @@
 package inbox_test
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -25,32 +25,7 @@ import (
 // queue, the topic drained while the database was read-only.
 func TestClaimThatTheDatabaseRefusesAsReadOnlyIsTransient(t *testing.T) {
 	t.Parallel()
-	cases := []struct {
-		name            string
-		plain, readOnly func(t *testing.T) *sqlx.DB
-	}{
-		{"postgres",
-			func(t *testing.T) *sqlx.DB { return testdb.OpenPostgres(t, "") },
-			func(t *testing.T) *sqlx.DB { return testdb.OpenPostgres(t, "default_transaction_read_only=on") }},
-		{"mysql",
-			func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
-			func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "tx_read_only=1") }},
-	}
-	path := filepath.Join(t.TempDir(), "inbox.db")
-	cases = append(cases, struct {
-		name            string
-		plain, readOnly func(t *testing.T) *sqlx.DB
-	}{"sqlite",
-		func(t *testing.T) *sqlx.DB { return testdb.OpenSQLite(t, path) },
-		func(t *testing.T) *sqlx.DB {
-			db, err := sqlx.Open("sqlite", "file:"+path+"?"+testdb.SQLiteParams+"&_pragma=query_only(1)")
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { db.Close() })
-			return db
-		}})
-	for _, c := range cases {
+	for _, c := range readOnlyDatabases(t) {
 		t.Run(c.name, func(t *testing.T) {
 			plain := c.plain(t)
 			f := newFixture(t, plain)
@@ -87,12 +62,77 @@ func TestClaimThatTheDatabaseRefusesAsReadOnlyIsTransient(t *testing.T) {
 			}
 			mu.Unlock()
 			err = rec.last()
-			if !inbox.IsTransient(err) || err == nil || !strings.Contains(err.Error(), "refuses writes") {
-				t.Errorf("nacked with %v, want a transient error that says the database refuses writes", err)
+			if !inbox.IsTransient(err) || !errors.Is(err, inbox.ErrDatabaseReadOnly) {
+				t.Errorf("nacked with %v, want a transient error wrapping ErrDatabaseReadOnly", err)
 			}
 			if calls != 0 || count(t, plain, f.inbox, "") != 0 {
 				t.Errorf("handler calls %d, inbox rows written; want none", calls)
 			}
 		})
+	}
+}
+
+// Verify (and so RouterPlugin) reports a database that refuses writes, with
+// an error wrapping ErrDatabaseReadOnly, instead of passing and leaving a
+// router whose every claim is refused; a database that takes writes passes,
+// and the check writes nothing.
+func TestVerifyReportsADatabaseThatRefusesWrites(t *testing.T) {
+	t.Parallel()
+	for _, c := range readOnlyDatabases(t) {
+		t.Run(c.name, func(t *testing.T) {
+			plain := c.plain(t)
+			f := newFixture(t, plain)
+			writable := f.newInbox(inbox.Config{})
+			if err := writable.Verify(context.Background()); err != nil {
+				t.Fatalf("Verify of a database that takes writes: %v", err)
+			}
+			ib, err := inbox.New(inbox.Config{DB: c.readOnly(t), Table: f.inbox})
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = ib.Verify(context.Background())
+			if !errors.Is(err, inbox.ErrDatabaseReadOnly) || errors.Is(err, inbox.ErrTableNotFound) {
+				t.Errorf("Verify of a read-only database: %v, want an error wrapping ErrDatabaseReadOnly", err)
+			}
+			if n := count(t, plain, f.inbox, ""); n != 0 {
+				t.Errorf("%d inbox rows after the checks, want none", n)
+			}
+		})
+	}
+}
+
+// RouterPlugin waits for a database that refuses writes (a failover in
+// progress) to take them, and the router then starts, instead of failing at
+// the first refusal.
+func TestRouterPluginWaitsForTheDatabaseToTakeWrites(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inbox.db")
+	f := newFixture(t, testdb.OpenSQLite(t, path))
+	f.newInbox(inbox.Config{})
+	db := openReadOnlySQLite(t, path)
+	db.SetMaxOpenConns(1) // the PRAGMA below reaches the inbox's session
+	logger := newCaptureLogger()
+	ib, err := inbox.New(inbox.Config{DB: db, Table: f.inbox, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- ib.RouterPlugin(nil) }()
+	waitFor(t, func() bool { return logger.has("refuses writes") })
+	select {
+	case err := <-done:
+		t.Fatalf("RouterPlugin returned %v while the database refused writes, want it to wait", err)
+	default:
+	}
+	if _, err := db.Exec("PRAGMA query_only = 0"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("RouterPlugin once the database takes writes: %v, want nil", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("RouterPlugin still waits 10 s after the database takes writes")
 	}
 }

@@ -6,6 +6,7 @@ package inbox_test
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -195,6 +196,18 @@ func (l captureLogger) log(level, msg string, f watermill.LogFields) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	*l.lines = append(*l.lines, logLine{level, msg, l.fields.Add(f)})
+}
+
+// has reports whether a message containing text was logged.
+func (l captureLogger) has(text string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range *l.lines {
+		if strings.Contains(line.msg, text) {
+			return true
+		}
+	}
+	return false
 }
 
 func (l captureLogger) Error(msg string, err error, f watermill.LogFields) { l.log("error", msg, f) }

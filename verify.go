@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 )
@@ -42,6 +43,12 @@ import (
 // Verify logs, once, at Info, the ALTER TABLE that adds it
 // (AddFingerprintColumnSQL); a missing column is not an error.
 //
+// Last it checks that the database takes writes: a statement that writes
+// nothing (an INSERT of no row), in a transaction begun as a
+// message's and rolled back; a replica or read-only sessions give an error
+// wrapping ErrDatabaseReadOnly instead of a router whose every claim is
+// refused.
+//
 // With Config.OutboxTables it also checks that each of those tables exists
 // (an error wrapping ErrTableNotFound that names the outbox table). A
 // prepared-statement error that a transaction-mode pooler causes (SQLSTATE
@@ -55,7 +62,37 @@ func (ib *Inbox) Verify(ctx context.Context) error {
 		return err
 	}
 	ib.verified.Store(true) // the middleware need not check again
-	return ib.resolveFingerprints(ctx)
+	if err := ib.resolveFingerprints(ctx); err != nil {
+		return err
+	}
+	return ib.verifyWritable(ctx)
+}
+
+// verifyWritable checks that the database takes writes in a transaction
+// begun as a message's is (Config.IsoLevel; on SQLite in its place among
+// the writers): it runs the dialect's write probe, which writes nothing,
+// and rolls back. A refusal gives an error wrapping ErrDatabaseReadOnly.
+func (ib *Inbox) verifyWritable(ctx context.Context) error {
+	conn, tx, place, err := ib.beginOnConn(ctx)
+	if err == nil {
+		_, err = tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table))
+		rollbackErr := tx.Rollback()
+		conn.Close()
+		place.leave()
+		if err == nil && rollbackErr != nil {
+			return fmt.Errorf("inbox: roll back the check that %s takes writes: %w", ib.table, rollbackErr)
+		}
+	}
+	switch {
+	case err == nil:
+		return nil
+	case isReadOnlyRefusal(err):
+		return fmt.Errorf("%w: a write to %s in a transaction begun as a message's was refused (DB reaches a replica,"+
+			" a server being demoted in a failover, or read-only sessions: default_transaction_read_only,"+
+			" transaction_read_only, SQLite's query_only or a read-only file): %w", ErrDatabaseReadOnly, ib.table, err)
+	default:
+		return fmt.Errorf("inbox: check that %s takes writes: %w", ib.table, poolerHint(err))
+	}
 }
 
 // verifyTables checks the inbox table and Config.OutboxTables, in one
@@ -80,12 +117,31 @@ const VerifyTimeout = 30 * time.Second
 // the outbox tables of Config.OutboxTables are checked too) instead of
 // starting handlers that would nack every message. The check is bounded by
 // VerifyTimeout. Router plugins run once, in router.Run, before its
-// handlers start (a Watermill convention).
+// handlers start (a Watermill convention). A database that refuses writes
+// (ErrDatabaseReadOnly: a failover in progress, or a DSN that reaches a
+// replica) is checked again every second, logged at Info, until it takes
+// them or VerifyTimeout ends.
 func (ib *Inbox) RouterPlugin(*message.Router) error {
 	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
 	defer cancel()
-	return ib.Verify(ctx)
+	for {
+		err := ib.Verify(ctx)
+		if !errors.Is(err, ErrDatabaseReadOnly) {
+			return err
+		}
+		ib.logger.Info("Inbox: the database refuses writes; waiting for it to take them (a failover in progress?)",
+			watermill.LogFields{"error": err.Error()})
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(readOnlyRecheck):
+		}
+	}
 }
+
+// readOnlyRecheck is how long RouterPlugin waits before it checks again
+// whether a database that refused writes takes them.
+const readOnlyRecheck = time.Second
 
 // serverKind is a database server family, as a message names it.
 type serverKind string
