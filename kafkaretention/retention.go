@@ -11,7 +11,7 @@
 // # Topics that keep messages forever
 //
 // A topic that keeps its records without a time limit has no safe window:
-// retention.ms=-1, a cleanup.policy with "compact", and a retention.ms or
+// retention.ms=-1, a cleanup.policy with "compact" or without "delete", and a retention.ms or
 // segment.ms beyond what a time.Duration holds (about 292 years: Kafka's
 // Long.MAX_VALUE, 9223372036854775807, which some tools write for "forever",
 // or 300 years). So has a topic whose window, retention.ms + segment.ms, or
@@ -54,7 +54,8 @@ const DefaultMargin = 24 * time.Hour
 
 // ErrNoSafeWindow means a topic keeps messages without a time limit:
 // retention.ms=-1 (forever), a cleanup.policy with "compact" (the latest
-// record of every key stays forever and can be replayed at any time), a
+// record of every key stays forever and can be replayed at any time) or
+// without "delete" (an empty one: nothing is deleted by age), a
 // retention.ms or segment.ms beyond what a time.Duration holds (about 292
 // years, such as Long.MAX_VALUE), or a window (retention.ms + segment.ms,
 // plus Margin) longer than inbox.MaxSafeWindow. No inbox row of such a
@@ -201,8 +202,8 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 				}
 			case "cleanup.policy":
 				w.Policy = e.Value
-				if strings.Contains(e.Value, "compact") {
-					return nil, fmt.Errorf("%w: topic %s has cleanup.policy=%s (compacted records stay forever)", ErrNoSafeWindow, topic, e.Value)
+				if err := checkCleanupPolicy(topic, e.Value); err != nil {
+					return nil, err
 				}
 			}
 		}
@@ -213,6 +214,32 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 		out = append(out, w)
 	}
 	return out, nil
+}
+
+// checkCleanupPolicy returns an error wrapping ErrNoSafeWindow unless
+// policy, a comma-separated list, is "delete" alone: Kafka deletes a
+// segment by its age only when the list holds "delete" (an empty list, as
+// Kafka 3.x accepts, deletes nothing), and with "compact" too the latest
+// record of every key stays forever.
+func checkCleanupPolicy(topic, policy string) error {
+	var del, other bool
+	for _, p := range strings.Split(policy, ",") {
+		switch strings.TrimSpace(p) {
+		case "delete":
+			del = true
+		case "":
+		default:
+			other = true // "compact", or one this package does not know
+		}
+	}
+	switch {
+	case other:
+		return fmt.Errorf("%w: topic %s has cleanup.policy=%s (compacted records stay forever)", ErrNoSafeWindow, topic, policy)
+	case !del:
+		return fmt.Errorf("%w: topic %s has cleanup.policy=%q, without \"delete\": Kafka deletes none of its records by age",
+			ErrNoSafeWindow, topic, policy)
+	}
+	return nil
 }
 
 // SafeWindow returns the longest topic window plus the margin: the purge

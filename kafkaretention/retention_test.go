@@ -53,6 +53,9 @@ func TestSafeWindow(t *testing.T) {
 	createTopic(t, admin, "forever", map[string]string{"retention.ms": "-1"})
 	createTopic(t, admin, "compacted", map[string]string{"cleanup.policy": "compact"})
 	createTopic(t, admin, "compact_delete", map[string]string{"cleanup.policy": "compact,delete"})
+	// An empty list (Kafka 3.x accepts it): no segment is deleted by age.
+	createTopic(t, admin, "no_cleanup", map[string]string{"cleanup.policy": "", "retention.ms": "3600000", "segment.ms": "3600000"})
+	createTopic(t, admin, "delete_listed", map[string]string{"cleanup.policy": " delete", "retention.ms": "3600000", "segment.ms": "3600000"})
 
 	cases := []struct {
 		topics []string
@@ -67,6 +70,8 @@ func TestSafeWindow(t *testing.T) {
 		{topics: []string{"one_day", "forever"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compacted"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compact_delete"}, err: kafkaretention.ErrNoSafeWindow},
+		{topics: []string{"no_cleanup"}, err: kafkaretention.ErrNoSafeWindow},
+		{topics: []string{"delete_listed"}, margin: time.Hour, want: 3 * time.Hour},
 	}
 	for _, tc := range cases {
 		src, err := kafkaretention.New(kafkaretention.Config{Brokers: brokers, Topics: tc.topics, Margin: tc.margin})
