@@ -329,14 +329,39 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 	return nil
 }
 
-// attachPartition creates p as a plain table and attaches it to t for
-// [start, end).
+// attachPartition creates p as a plain table, or takes the table of that
+// name that an interrupted DropPartitions left detached, and attaches it to
+// t for [start, end). Another table of that name is ErrIncompatibleTable.
 func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start, end time.Time) error {
 	d := PostgreSQLPartitioned
 	// Bounds are formatted by us from a time.Time, never user input.
 	lo, hi := start.Format("2006-01-02 15:04:05.999999Z07:00"), end.Format("2006-01-02 15:04:05.999999Z07:00")
+	var kind struct {
+		Exists   bool `db:"exists"`
+		Detached bool `db:"detached"`
+	}
+	err := sqlx.GetContext(ctx, tx, &kind, `SELECT c.oid IS NOT NULL AS exists,
+		COALESCE(c.relkind = 'r' AND NOT c.relispartition AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid), false) AS detached
+		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d))
+	if err != nil {
+		return fmt.Errorf("inbox: create partition %s: %w", p, err)
+	}
+	create := "CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+	switch {
+	case kind.Detached:
+		// Left detached by a DropPartitions interrupted before its DROP
+		// (its range is one maintainedRange covers again: yesterday's,
+		// with a window under a day): attached again, its rows checked
+		// against the range, and dropped by the round's DropPartitions
+		// once past the window. CREATE failed with 42P07 in every round
+		// and InitializeSchema, and no partition ahead was made any more.
+		create = ""
+	case kind.Exists:
+		return fmt.Errorf("%w: inbox: create partition %s of %s: a table or partition of that name exists and is not one"+
+			" of %s's partitions; rename or drop it", ErrIncompatibleTable, p, t, t)
+	}
 	for _, stmt := range []string{
-		"CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
+		create,
 		// The CHECK lets ATTACH skip its validation scan.
 		"ALTER TABLE " + p.quoted(d) + " ADD CONSTRAINT " + d.quote(p.name+"_range") +
 			" CHECK (processed_at >= '" + lo + "' AND processed_at < '" + hi + "')",
@@ -344,6 +369,9 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 			" FOR VALUES FROM ('" + lo + "') TO ('" + hi + "')",
 		"ALTER TABLE " + p.quoted(d) + " DROP CONSTRAINT " + d.quote(p.name+"_range"),
 	} {
+		if stmt == "" {
+			continue
+		}
 		if _, err := tx.ExecContext(ctx, stmt); err != nil {
 			return fmt.Errorf("inbox: create partition %s: %w", p, err)
 		}
@@ -626,29 +654,37 @@ func (tp tablePartitions) newest() (partition, bool) {
 	return tp.ranges[len(tp.ranges)-1], true
 }
 
-// pgPartitionsSQL lists the partitions attached to $1 with their bounds.
-// A range bound's values are cast back to timestamptz in the statement, in
-// the session that printed them (pg_get_expr writes them in the session's
-// TimeZone and DateStyle, and the cast reads them the same way), and
-// returned as Unix microseconds; NULL for MINVALUE, MAXVALUE and infinity.
+// pgPartitionsSQL lists the partitions attached to $1, each with its own
+// schema, and their bounds. A range bound's values are cast back to
+// timestamptz in the statement and returned as Unix microseconds; NULL for
+// MINVALUE, MAXVALUE and infinity. pg_get_expr writes them in the session's
+// DateStyle and TimeZone, and only ISO's numeric offsets read back as they
+// were written: with DateStyle 'SQL' or 'Postgres' a zone abbreviation is
+// read through timezone_abbreviations (Irish summer time's "IST" as
+// Israel's +02, Guam's "ChST" not at all), so that DropPartitions dropped a
+// partition an hour before its bound, and partitions were created with
+// gaps. A one-time condition of the read, evaluated before its first row,
+// sets both for the statement's transaction only (set_config(…, true)).
 // bound_kind: "range" for FROM (x) TO (y) on one column, "default", or
 // "other".
 const pgPartitionsSQL = `
 WITH parts AS (
-	SELECT c.relname::text AS name, pg_get_expr(c.relpartbound, c.oid) AS bound, i.inhdetachpending AS pending
-	FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+	SELECT n.nspname::text AS schema, c.relname::text AS name, pg_get_expr(c.relpartbound, c.oid) AS bound,
+		i.inhdetachpending AS pending
+	FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
 	WHERE i.inhparent = to_regclass($1)
+	  AND (SELECT set_config('DateStyle', 'ISO', true) || set_config('TimeZone', 'UTC', true)) IS NOT NULL
 ), parsed AS (
-	SELECT name, pending, bound,
+	SELECT schema, name, pending, bound,
 		regexp_match(bound, '^FOR VALUES FROM \((MINVALUE|''[^'']*'')\) TO \((MAXVALUE|''[^'']*'')\)$') AS m
 	FROM parts
 ), cast_ AS (
-	SELECT name, pending, bound, m,
+	SELECT schema, name, pending, bound, m,
 		CASE WHEN m[1] <> 'MINVALUE' THEN btrim(m[1], '''')::timestamptz END AS lo,
 		CASE WHEN m[2] <> 'MAXVALUE' THEN btrim(m[2], '''')::timestamptz END AS hi
 	FROM parsed
 )
-SELECT name, pending,
+SELECT schema, name, pending,
 	CASE WHEN bound = 'DEFAULT' THEN 'default' WHEN m IS NOT NULL THEN 'range' ELSE 'other' END AS bound_kind,
 	CASE WHEN isfinite(lo) THEN CAST(EXTRACT(EPOCH FROM lo) * 1000000 AS bigint) END AS lo_us,
 	CASE WHEN isfinite(hi) THEN CAST(EXTRACT(EPOCH FROM hi) * 1000000 AS bigint) END AS hi_us,
@@ -662,6 +698,7 @@ FROM cast_`
 // names like ours for other ranges.
 func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (tablePartitions, error) {
 	var rows []struct {
+		Schema      string        `db:"schema"`
 		Name        string        `db:"name"`
 		Pending     bool          `db:"pending"`
 		Kind        string        `db:"bound_kind"`
@@ -679,7 +716,10 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 		return tp, fmt.Errorf("list partitions: %w", err)
 	}
 	for _, r := range rows {
-		name := qualifiedName{schema: t.schema, name: r.Name}
+		// Its own schema: a partition moved to another (an archive) was
+		// addressed in the parent's, where a table of the same name, a
+		// partition for other days, was dropped in its place.
+		name := qualifiedName{schema: r.Schema, name: r.Name}
 		switch {
 		case r.Kind == "default":
 			tp.defaults = name

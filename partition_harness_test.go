@@ -37,9 +37,16 @@ func partitionedTable(t *testing.T, db *sqlx.DB) string {
 // test ends.
 func dailyPartitionedTable(t *testing.T, db *sqlx.DB) string {
 	t.Helper()
+	return partitionedTableEvery(t, db, inbox.PartitionDay)
+}
+
+// partitionedTableEvery creates a PostgreSQLPartitioned inbox table with
+// partitions of iv (InitializePartitions), dropped when the test ends.
+func partitionedTableEvery(t *testing.T, db *sqlx.DB, iv inbox.PartitionInterval) string {
+	t.Helper()
 	table := "inbox_" + randomSuffix()
 	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
-	if err := inbox.InitializePartitions(context.Background(), db, table, inbox.PartitionDay); err != nil {
+	if err := inbox.InitializePartitions(context.Background(), db, table, iv); err != nil {
 		t.Fatal(err)
 	}
 	return table

@@ -1,0 +1,178 @@
+package inbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// A partition's bounds mean the same instants whatever the session's
+// DateStyle, TimeZone and timezone_abbreviations: a partition that still
+// holds a row inside the window is kept, partitions ahead are made with no
+// gap, and a Purger round works. With DateStyle 'SQL' or 'Postgres' the
+// bounds were read back through a zone abbreviation (Irish summer time's
+// "IST" as Israel's +02, Israel's "IST" as India's +05:30 under the India
+// set, Kolkata's "IST" as Israel's), so DropPartitions dropped a partition
+// an hour or more before its bound reached the cutoff, CreatePartitions left
+// a gap no claim could land in, and with Guam's "ChST", which does not read
+// back at all, every round failed.
+func TestPartitionBoundsMeanTheSameInEverySessionTimeZone(t *testing.T) {
+	t.Parallel()
+	t.Run("a partition with a row inside the window is kept", func(t *testing.T) {
+		t.Parallel()
+		for name, c := range map[string]struct {
+			param string
+			week  time.Time // the Monday the partition starts
+		}{
+			"Dublin in summer":               {"DateStyle=SQL,DMY&timezone=Europe/Dublin", time.Date(2026, 6, 29, 0, 0, 0, 0, time.UTC)},
+			"Jerusalem, India abbreviations": {"DateStyle=Postgres&timezone=Asia/Jerusalem&timezone_abbreviations=India", time.Date(2026, 11, 23, 0, 0, 0, 0, time.UTC)},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				plain := testdb.OpenPostgres(t, "")
+				table := partitionedTableEvery(t, plain, inbox.PartitionWeek)
+				if err := inbox.CreatePartitions(ctx, plain, table, c.week, 7); err != nil {
+					t.Fatal(err)
+				}
+				bound := c.week.AddDate(0, 0, 7)
+				exec(t, plain, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ('c', 'inside', $1)", bound.Add(-10*time.Minute))
+				olderThan := time.Since(bound.Add(-30 * time.Minute)) // the cutoff: 20 minutes before the row
+				if _, err := inbox.DropPartitions(ctx, testdb.OpenPostgres(t, c.param), table, olderThan, nil); err != nil {
+					t.Fatal(err)
+				}
+				if n := count(t, plain, table, "message_id = 'inside'"); n != 1 {
+					t.Error("the partition of a row processed 20 minutes after the cutoff was dropped")
+				}
+			})
+		}
+	})
+	t.Run("partitions ahead leave no gap", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		plain := testdb.OpenPostgres(t, "")
+		table := dailyPartitionedTable(t, plain)
+		db := testdb.OpenPostgres(t, "DateStyle=SQL,DMY&timezone=Asia/Kolkata")
+		today := dbNow(t, plain).UTC().Truncate(24 * time.Hour)
+		for range 2 {
+			if err := inbox.CreatePartitions(ctx, db, table, today, 12); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for day := range 12 {
+			at := today.AddDate(0, 0, day).Add(time.Hour)
+			if _, err := plain.Exec("INSERT INTO "+table+" VALUES ('c', $1, $2)", at.String(), at); err != nil {
+				t.Errorf("a claim at %v has no partition: %v", at, err)
+			}
+		}
+		if names := partitionNames(t, plain, table); len(names) != 13 { // yesterday, today and 11 days ahead
+			t.Errorf("partitions %v, want 13 daily ones", names)
+		}
+	})
+	t.Run("rounds work where an abbreviation does not read back", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		plain := testdb.OpenPostgres(t, "")
+		table := partitionedTableEvery(t, plain, inbox.PartitionWeek)
+		db := testdb.OpenPostgres(t, "DateStyle=SQL,DMY&timezone=Pacific/Guam")
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned,
+			Table: table, OlderThan: 15 * 24 * time.Hour}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := p.RunOnce(ctx); r.Err != nil {
+			t.Errorf("purger round: %v", r.Err)
+		}
+		ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ib.InitializeSchema(ctx); err != nil {
+			t.Errorf("InitializeSchema: %v", err)
+		}
+		if err := ib.Verify(ctx); err != nil {
+			t.Errorf("Verify: %v", err)
+		}
+	})
+}
+
+// A partition moved to another schema while attached (an archive) is
+// addressed in its own schema: DropPartitions drops it once past the window,
+// and never a table of the same name in the parent's schema (a partition for
+// other days, which was dropped in its place with its rows).
+func TestPartitionInAnotherSchemaIsAddressedThere(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	plain := testdb.OpenPostgres(t, "")
+	archive := "archive_" + randomSuffix()
+	exec(t, plain, "CREATE SCHEMA "+archive)
+	t.Cleanup(func() { plain.Exec("DROP SCHEMA IF EXISTS " + archive + " CASCADE") })
+	table := partitionedTableEvery(t, plain, inbox.PartitionWeek)
+	old := table + "_w20261005"
+	exec(t, plain, "CREATE TABLE "+old+" PARTITION OF "+table+" FOR VALUES FROM ('2026-10-05 00:00:00Z') TO ('2026-10-12 00:00:00Z')")
+	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'old', '2026-10-06 00:00:00Z')")
+	exec(t, plain, "ALTER TABLE "+old+" SET SCHEMA "+archive)
+	// Named like the archived one, in the parent's schema, for days ahead.
+	exec(t, plain, "CREATE TABLE "+old+" PARTITION OF "+table+" FOR VALUES FROM ('2099-03-01 00:00:00Z') TO ('2099-03-08 00:00:00Z')")
+	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'future', '2099-03-02 00:00:00Z')")
+	ib, err := inbox.New(inbox.Config{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.Verify(ctx); err != nil {
+		t.Fatalf("Verify: %v", err)
+	}
+	dropped, err := inbox.DropPartitions(ctx, plain, table, 15*24*time.Hour, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dropped) != 1 || dropped[0].Name != archive+"."+old || dropped[0].Rows != 1 {
+		t.Errorf("dropped %+v, want %s.%s with its 1 row", dropped, archive, old)
+	}
+	if n := count(t, plain, table, "message_id = 'future'"); n != 1 {
+		t.Error("the row of 2099-03-02 is gone with its partition")
+	}
+}
+
+// A partition that a DropPartitions interrupted between DETACH and DROP left
+// detached, in the range a Purger keeps covered (yesterday's, with a window
+// under a day), is attached again and then dropped in the same round, once
+// past the window. Every round and InitializeSchema failed on its name
+// (42P07), and no partition ahead was made any more.
+func TestPartitionLeftDetachedInTheKeptRangeIsDroppedByTheNextRound(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	plain := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, plain)
+	now := dbNow(t, plain).UTC()
+	today := now.Truncate(24 * time.Hour)
+	if now.Sub(today) < 2*time.Second {
+		t.Skip("too close to midnight UTC for a window shorter than today")
+	}
+	yesterday := table + today.AddDate(0, 0, -1).Format("_p20060102")
+	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'y', $1)", today.Add(-time.Hour))
+	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday) // the interrupted DropPartitions
+	olderThan := now.Sub(today) / 2                                     // yesterday is past it
+	ib, err := inbox.New(inbox.Config{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(ctx); err != nil {
+		t.Errorf("InitializeSchema: %v", err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Table: table, OlderThan: olderThan}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := p.RunOnce(ctx)
+	if r.Err != nil || r.Deleted != 1 {
+		t.Errorf("purger round: deleted %d, err %v; want yesterday's row, no error", r.Deleted, r.Err)
+	}
+	var left bool
+	if err := plain.Get(&left, "SELECT to_regclass($1) IS NOT NULL", yesterday); err != nil || left {
+		t.Errorf("%s, past the window, is still there (%v)", yesterday, err)
+	}
+}
