@@ -26,7 +26,9 @@ func (postgresDialect) server() serverKind { return serverPostgreSQL }
 
 // quote doubles a quote character, which a name read from the catalog (a
 // partition made by hand) may hold.
-func (postgresDialect) quote(ident string) string { return `"` + strings.ReplaceAll(ident, `"`, `""`) + `"` }
+func (postgresDialect) quote(ident string) string {
+	return `"` + strings.ReplaceAll(ident, `"`, `""`) + `"`
+}
 
 func (d postgresDialect) claimSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) VALUES ($1, $2, now())" +

@@ -127,6 +127,9 @@ var (
 	// narrower than MaxKeyLength bytes, a primary key other than
 	// (consumer, message_id), a processed_at of another type, or no purge
 	// index. The error names every problem found and the DDL that fixes it.
+	// A claim into a PostgreSQLPartitioned table that has no partition for
+	// the database's current time wraps it too (create partitions ahead); at
+	// message time such errors are transient.
 	ErrIncompatibleTable = errors.New("inbox: inbox table incompatible")
 )
 

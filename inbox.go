@@ -89,7 +89,7 @@ type Inbox struct {
 	dialectInferred   bool            // Config.Dialect was nil: inferred from DB.DriverName()
 	outboxTables      []qualifiedName // Config.OutboxTables: checked with the inbox table
 	tableFailures     atomic.Int32    // consecutive deliveries that met a table error (waitAfterTableError)
-	readOnlyFailures  atomic.Int32    // consecutive claims the database refused as read-only (readOnlyClaim)
+	refusedClaims     atomic.Int32    // consecutive claims refused for the database's state: read-only, no partition (readOnlyClaim, missingPartitionClaim)
 	poolExhausted     func() bool     // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
@@ -542,6 +542,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isReadOnlyRefusal(err) {
 			return t, false, d.readOnlyClaim(err)
 		}
+		if isMissingPartition(err) {
+			return t, false, d.missingPartitionClaim(err)
+		}
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
@@ -556,8 +559,8 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 // claimSucceeded ends a run of claims refused as read-only: the next one
 // waits the shortest backoff again.
 func (ib *Inbox) claimSucceeded() {
-	if ib.readOnlyFailures.Load() != 0 {
-		ib.readOnlyFailures.Store(0)
+	if ib.refusedClaims.Load() != 0 {
+		ib.refusedClaims.Store(0)
 	}
 }
 
@@ -570,10 +573,25 @@ func (ib *Inbox) claimSucceeded() {
 // a poison filter keeps the topic and the broker's redeliveries do not
 // spin.
 func (d *delivery) readOnlyClaim(err error) error {
-	d.waitAfterEnd = &d.ib.readOnlyFailures
+	d.waitAfterEnd = &d.ib.refusedClaims
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w (a read-only transaction or server:"+
 		" a replica, a failover in progress, default_transaction_read_only, a read-only SQLite file): %w",
 		d.consumer, d.id, d.ib.table, ErrDatabaseReadOnly, err)}
+}
+
+// missingPartitionClaim returns the error of a claim that no partition of
+// a PostgreSQLPartitioned table accepts (isMissingPartition): none covers
+// the database's current time, because nothing made partitions ahead (no
+// Purger round, InitializeSchema, CreatePartitions or `inbox partitions`
+// for DefaultPartitionsAhead days). The message is not at fault: the error
+// wraps ErrIncompatibleTable, is transient, and the delivery waits as for a
+// read-only claim (readOnlyClaim). It was not transient, and a poison queue
+// filter drained the topic.
+func (d *delivery) missingPartitionClaim(err error) error {
+	d.waitAfterEnd = &d.ib.refusedClaims
+	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w: no partition holds the database's current"+
+		" time; create partitions ahead (a Purger, InitializeSchema, inbox.CreatePartitions, `inbox partitions`): %w",
+		d.consumer, d.id, d.ib.table, ErrIncompatibleTable, err)}
 }
 
 // beginOnConn begins a message's transaction on a connection it holds as a

@@ -486,6 +486,30 @@ func isReadOnlyRefusal(err error) bool {
 	})
 }
 
+// isMissingPartition reports whether err's chain holds PostgreSQL's refusal
+// of a row that no partition of a partitioned table accepts: SQLSTATE 23514
+// without a constraint name (a CHECK constraint's violation, the same
+// code, names its constraint). Read from pgx's *pgconn.PgError
+// (ConstraintName) and lib/pq's *pq.Error (Constraint).
+func isMissingPartition(err error) bool {
+	return anyInChain(err, func(e error) bool {
+		s, ok := e.(interface{ SQLState() string })
+		if !ok || isNilPointer(e) || s.SQLState() != "23514" {
+			return false
+		}
+		v, ok := driverStruct(e)
+		if !ok {
+			return false
+		}
+		for _, field := range []string{"ConstraintName", "Constraint"} {
+			if f := v.FieldByName(field); f.Kind() == reflect.String {
+				return f.String() == ""
+			}
+		}
+		return false
+	})
+}
+
 // hasMySQLNumber reports whether an error in err's chain is a
 // go-sql-driver/mysql *MySQLError with error number n.
 func hasMySQLNumber(err error, n uint64) bool {

@@ -109,6 +109,7 @@ var cases = []struct {
 	{"OutputsLeaveIfAndOnlyIfCommitted", outputsIffCommitted},
 	{"ContextEndingAfterTheHandlerReturnedStillCommits", contextEndsAfterHandler},
 	{"ProcessedAtAndPurgeCutoffAreTheDatabaseClock", databaseClock},
+	{"ClaimThatNoPartitionAcceptsIsTransient", claimWithoutPartition},
 }
 
 // Run runs every case of the suite on b, one after the other (so that

@@ -299,3 +299,44 @@ func databaseClock(t *testing.T, b Backend) {
 		t.Errorf("a purge of rows older than 1µs deleted %d, left %d; want 1 and 0", n, f.count(f.inbox, ""))
 	}
 }
+
+// A claim that no partition accepts (PostgreSQLPartitioned, when nothing
+// made partitions ahead for a week) is a fault of the table, not of the
+// message: it is nacked, transient (a poison queue filter keeps it) and
+// wraps ErrIncompatibleTable, the handler not called; once partitions
+// exist, the redelivery is processed. It was poisoned, and every message of
+// the topic with it.
+func claimWithoutPartition(t *testing.T, b Backend) {
+	if b.Dialect != inbox.PostgreSQLPartitioned {
+		t.Skip("only a partitioned table can lack a partition for the current time")
+	}
+	f := newFixture(t, b)
+	f.start(Options{})
+	var parts []string
+	if err := b.DB.Select(&parts, "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = to_regclass($1)", f.inbox); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range parts {
+		f.exec("DROP TABLE " + p)
+	}
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":21}`))
+	if f.deliver(msg) {
+		t.Fatal("a message whose claim no partition accepts was acked")
+	}
+	if err := f.outcomes.Last(); !inbox.IsTransient(err) || !errors.Is(err, inbox.ErrIncompatibleTable) {
+		t.Errorf("nacked with %v, want a transient error wrapping ErrIncompatibleTable", err)
+	}
+	f.expect(msg.UUID, 0, 0, 0)
+	var now time.Time
+	if err := b.DB.Get(&now, "SELECT now()"); err != nil {
+		t.Fatal(err)
+	}
+	if err := inbox.CreatePartitions(context.Background(), b.DB, f.inbox, now.AddDate(0, 0, -1), 3); err != nil {
+		t.Fatal(err)
+	}
+	if !f.deliver(msg) {
+		t.Fatalf("the redelivery once partitions exist was nacked: %v", f.outcomes.Last())
+	}
+	f.expect(msg.UUID, 1, 1, 1)
+	f.expectNoConnHeld()
+}
