@@ -43,8 +43,10 @@ import (
 //     (deadlock_detected), 40003 (statement_completion_unknown), 55P03
 //     (lock_not_available), 57014 (query_canceled, which includes
 //     statement_timeout), 57P01-57P03 (admin or crash shutdown, cannot
-//     connect now), 53300 (too_many_connections) and 25P03
-//     (idle_in_transaction_session_timeout). PostgreSQL documents 40001 and
+//     connect now), 53300 (too_many_connections), 25P03
+//     (idle_in_transaction_session_timeout), and the server out of a
+//     resource: 53000, 53100 (disk_full), 53200 (out_of_memory), 58030
+//     (io_error). PostgreSQL documents 40001 and
 //     40P01 as the errors an application should retry.
 //   - MySQL and MariaDB through github.com/go-sql-driver/mysql
 //     (*mysql.MySQLError, matched by type without importing the driver):
@@ -57,13 +59,15 @@ import (
 //     interrupted by KILL QUERY, as 57014 on PostgreSQL), 1927 (MariaDB
 //     connection killed), 1969 (MariaDB max_statement_time exceeded), 3024
 //     (MySQL max_execution_time exceeded) and 4031 (MySQL 8.0.24+ closed
-//     a connection idle past wait_timeout). The driver's
+//     a connection idle past wait_timeout), 1021 (ER_DISK_FULL), 1041
+//     (ER_OUT_OF_RESOURCES) and 1114 (ER_RECORD_FILE_FULL). The driver's
 //     mysql.ErrInvalidConn is a plain error value that cannot be told apart
 //     without importing the driver: alone (from Purge, or a handler's
 //     statement outside the inbox) it is not transient; from the
 //     middleware it is when it comes with a failed ROLLBACK, or at BEGIN or
 //     COMMIT as described below.
-//   - SQLite: SQLITE_BUSY and SQLITE_LOCKED, with their extended codes,
+//   - SQLite: SQLITE_BUSY, SQLITE_LOCKED, SQLITE_FULL, SQLITE_IOERR and
+//     SQLITE_NOMEM, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
 //     (sqlite3.Error).
 //   - database/sql and the network: driver.ErrBadConn, sql.ErrConnDone,
@@ -279,6 +283,9 @@ var (
 	// matched by its prefix).
 	transientSQLStates = map[string]bool{
 		"40003": true, "57014": true, "57P01": true, "57P02": true, "57P03": true, "53300": true, "25P03": true,
+		// insufficient_resources, disk_full, out_of_memory, io_error: the
+		// server's state, not the message's (an outage drained topics).
+		"53000": true, "53100": true, "53200": true, "58030": true,
 	}
 	// conflictMySQLErrors: MySQL/MariaDB rolled the statement or
 	// transaction back because it lost a race.
@@ -297,6 +304,9 @@ var (
 		1969: true, // ER_STATEMENT_TIMEOUT (MariaDB max_statement_time)
 		3024: true, // ER_QUERY_TIMEOUT (MySQL max_execution_time)
 		4031: true, // ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8.0.24+ closed an idle connection)
+		1021: true, // ER_DISK_FULL
+		1041: true, // ER_OUT_OF_RESOURCES
+		1114: true, // ER_RECORD_FILE_FULL (a table or its tablespace is full)
 	}
 )
 
@@ -306,6 +316,9 @@ const (
 	sqliteBusy     = 5
 	sqliteLocked   = 6
 	sqliteReadOnly = 8
+	sqliteNoMem    = 7
+	sqliteIOErr    = 10
+	sqliteFull     = 13
 )
 
 // hasDatabaseCode reports whether err (not its chain) carries a database
@@ -346,7 +359,7 @@ func classifyDriverError(err error) (conflict, transient, coded bool) {
 	}
 	if code, ok := sqliteResultCode(err); ok {
 		busy := code == sqliteBusy || code == sqliteLocked
-		return busy, busy, true
+		return busy, busy || code == sqliteFull || code == sqliteIOErr || code == sqliteNoMem, true
 	}
 	return false, false, false
 }

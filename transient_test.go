@@ -22,6 +22,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 	"github.com/jmoiron/sqlx"
 
@@ -169,6 +170,22 @@ func TestIsTransient_MySQLCodes(t *testing.T) {
 	// here, so the driver's error value is built as the driver builds it.
 	wantTransient(t, "group replication conflict (3101)", &mysql.MySQLError{Number: 3101,
 		SQLState: [5]byte{'4', '0', '0', '0', '0'}, Message: "Plugin instructed the server to rollback the current transaction."}, true)
+	// A server out of disk or memory: its state, not the message's, so a
+	// poison filter keeps the topic through the outage.
+	for n, msg := range map[uint16]string{1021: "Disk full", 1041: "Out of memory", 1114: "The table 't' is full"} {
+		wantTransient(t, msg, &mysql.MySQLError{Number: n, Message: msg}, true)
+	}
+}
+
+// IsTransient on PostgreSQL's errors of a server out of a resource, which
+// this server cannot be made to give: built as pgx builds them. Not
+// transient, an outage (a full disk) poisoned every message of a topic.
+func TestIsTransient_PostgreSQLOutOfResources(t *testing.T) {
+	t.Parallel()
+	for _, code := range []string{"53000", "53100", "53200", "58030"} {
+		wantTransient(t, "SQLSTATE "+code, &pgconn.PgError{Code: code, Message: "out of a resource"}, true)
+	}
+	wantTransient(t, "check_violation", &pgconn.PgError{Code: "23514", ConstraintName: "amount_positive"}, false)
 }
 
 // IsTransient on SQLite's busy error, from a second pool without busy_timeout
@@ -197,6 +214,22 @@ func TestIsTransient_SQLite(t *testing.T) {
 	exec(t, db, `INSERT INTO t VALUES (1)`)
 	_, err = db.Exec(`INSERT INTO t VALUES (1)`)
 	wantTransient(t, "SQLITE_CONSTRAINT", err, false)
+
+	// A database file at its size limit (the disk full, max_page_count).
+	full := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "full.db"))
+	full.SetMaxOpenConns(1)
+	exec(t, full, `CREATE TABLE big (v BLOB)`)
+	var pages int
+	if err := full.Get(&pages, `PRAGMA page_count`); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, full, fmt.Sprintf(`PRAGMA max_page_count = %d`, pages+2))
+	for range 10 {
+		if _, err = full.Exec(`INSERT INTO big VALUES (zeroblob(8192))`); err != nil {
+			break
+		}
+	}
+	wantTransient(t, "SQLITE_FULL", err, true)
 }
 
 // KILL QUERY (an operator, pt-kill, a proxy's query timeout) interrupts a
