@@ -183,12 +183,16 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // refuses. On MySQL/MariaDB a ROLLBACK statement (which removed the inbox
 // row) looks exactly like a deadlock the handler ignored and is reported as
 // ErrTxRolledBack; tx.Rollback is ErrTransactionEnded there too. Not
-// detected on PostgreSQL: a handler that ends the transaction and begins
-// another in one statement ("ROLLBACK; BEGIN", "COMMIT; BEGIN"), since the
-// server then reports a transaction open again; the inbox commits that new
-// transaction and acks, with the claim rolled back or committed apart from
-// what follows. Catching it would cost every message a claim check before
-// COMMIT, as MySQL/MariaDB pays for its deadlocks.
+// detected: a handler that ends the transaction and begins another before
+// it returns, on PostgreSQL ("ROLLBACK; BEGIN" or "COMMIT; BEGIN" in one
+// statement or two, ROLLBACK AND CHAIN) and on SQLite (ROLLBACK, then BEGIN
+// or SAVEPOINT), since the server then reports a transaction open again;
+// the inbox commits that new transaction and acks, with the claim rolled
+// back or committed apart from what follows (after a ROLLBACK the
+// redelivery runs the handler again). Nor on MySQL/MariaDB when, between
+// the handler's ROLLBACK and its START TRANSACTION, another delivery of the
+// same message committed the claim. Catching these would cost every
+// message a claim check tied to its own transaction before COMMIT.
 var ErrTransactionEnded = errors.New("inbox: the handler ended the inbox transaction itself " +
 	"(COMMIT, ROLLBACK, tx.Commit, tx.Rollback, or a statement that commits implicitly, such as DDL on MySQL): " +
 	"return nil to commit or an error to roll back, and leave the transaction to the inbox")
