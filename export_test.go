@@ -91,3 +91,7 @@ func (r *RecentFingerprints) Len() int { return len(r.r.byKey) }
 
 // OutboxRetryFirst is the relay's first backoff after a failed round.
 const OutboxRetryFirst = outboxRetryFirst
+
+// DetachedPartitionComment marks a partition DropPartitions detached to
+// drop it, for tests that leave one as an interrupted call would.
+const DetachedPartitionComment = detachedPartitionComment

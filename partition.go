@@ -330,8 +330,9 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 }
 
 // attachPartition creates p as a plain table, or takes the table of that
-// name that an interrupted DropPartitions left detached, and attaches it to
-// t for [start, end). Another table of that name is ErrIncompatibleTable.
+// name that an interrupted DropPartitions left detached (marked with
+// detachedPartitionComment), and attaches it to t for [start, end). Another
+// table of that name is ErrIncompatibleTable.
 func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start, end time.Time) error {
 	d := PostgreSQLPartitioned
 	// Bounds are formatted by us from a time.Time, never user input.
@@ -341,12 +342,14 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		Detached bool `db:"detached"`
 	}
 	err := sqlx.GetContext(ctx, tx, &kind, `SELECT c.oid IS NOT NULL AS exists,
-		COALESCE(c.relkind = 'r' AND NOT c.relispartition AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid), false) AS detached
-		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d))
+		COALESCE(c.relkind = 'r' AND NOT c.relispartition AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
+			AND obj_description(c.oid, 'pg_class') = $2, false) AS detached
+		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d), detachedPartitionComment)
 	if err != nil {
 		return fmt.Errorf("inbox: create partition %s: %w", p, err)
 	}
 	create := "CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+	unmark := ""
 	switch {
 	case kind.Detached:
 		// Left detached by a DropPartitions interrupted before its DROP
@@ -355,7 +358,7 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		// against the range, and dropped by the round's DropPartitions
 		// once past the window. CREATE failed with 42P07 in every round
 		// and InitializeSchema, and no partition ahead was made any more.
-		create = ""
+		create, unmark = "", "COMMENT ON TABLE "+p.quoted(d)+" IS NULL"
 	case kind.Exists:
 		return fmt.Errorf("%w: inbox: create partition %s of %s: a table or partition of that name exists and is not one"+
 			" of %s's partitions; rename or drop it", ErrIncompatibleTable, p, t, t)
@@ -368,6 +371,7 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		"ALTER TABLE " + t.quoted(d) + " ATTACH PARTITION " + p.quoted(d) +
 			" FOR VALUES FROM ('" + lo + "') TO ('" + hi + "')",
 		"ALTER TABLE " + p.quoted(d) + " DROP CONSTRAINT " + d.quote(p.name+"_range"),
+		unmark,
 	} {
 		if stmt == "" {
 			continue
@@ -435,8 +439,9 @@ type DroppedPartition struct {
 // non-positive olderThan is an error wrapping ErrInvalidConfig, a bad table
 // name one wrapping ErrInvalidTableName. When ctx ends or a step fails it returns what it
 // dropped so far with the error; a partition left detached by an
-// interruption is dropped by the next call, once none of its rows is
-// inside the window.
+// interruption (each is marked with a comment before its DETACH) is dropped
+// by the next call, once none of its rows is inside the window. A table
+// detached by anyone else is never dropped, whatever its name.
 //
 // It is safe to run from several processes at once, and alongside Purger
 // rounds, also behind a transaction-mode pooler: it takes the Purger's lock
@@ -533,6 +538,11 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		if part.pending {
 			detach = " FINALIZE"
 		}
+		// Marked first, so that a call interrupted between the DETACH and
+		// the DROP leaves a table the next call knows for its own.
+		if _, err := db.ExecContext(ctx, "COMMENT ON TABLE "+p.quoted(d)+" IS '"+detachedPartitionComment+"'"); err != nil {
+			return dropped, fmt.Errorf("inbox: mark partition %s for its drop: %w", p, err)
+		}
 		if _, err := db.ExecContext(ctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach); err != nil {
 			return dropped, fmt.Errorf("inbox: detach partition %s: %w", p, err)
 		}
@@ -541,8 +551,8 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		}
 	}
 	for _, p := range detached {
-		// Left detached by an interrupted call, or detached by someone
-		// else: nothing says which range it held, so its rows decide.
+		// Left detached by an interrupted call: the catalog no longer
+		// holds its range, so its rows decide.
 		var recent int64
 		err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
 			return sqlx.GetContext(ctx, q, &recent,
@@ -586,20 +596,30 @@ func holdsOtherConsumers(ctx context.Context, db dbConn, p qualifiedName, consum
 	return others, nil
 }
 
+// detachedPartitionComment marks a partition of an inbox table that
+// dropPartitions detaches to drop it (COMMENT ON TABLE, before the DETACH):
+// a table left detached by an interrupted call carries it, and is the only
+// kind of detached table the library drops or attaches again. A table
+// detached by anyone else (pg_partman's retention with retention_keep_table
+// keeps them as archives, under names like the library's) is never touched.
+const detachedPartitionComment = "inbox: detached by DropPartitions to be dropped"
+
 // detachedPartitions returns the plain tables in t's schema that are named
-// like t's partitions ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"), have a
-// processed_at column and are attached to no table: what a DropPartitions
-// interrupted between its DETACH and its DROP leaves behind.
+// like t's partitions ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"), carry
+// detachedPartitionComment, have a processed_at column and are attached to
+// no table: what a DropPartitions interrupted between its DETACH and its
+// DROP leaves behind.
 func detachedPartitions(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]qualifiedName, error) {
 	var names []string
 	err := sqlx.SelectContext(ctx, q, &names, `
 		SELECT c.relname::text FROM pg_class c
 		WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1))
 		  AND c.relkind = 'r' AND NOT c.relispartition AND c.relname ~ $2
+		  AND obj_description(c.oid, 'pg_class') = $3
 		  AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
 		  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attname = 'processed_at' AND NOT attisdropped)
 		ORDER BY c.relname`,
-		t.quoted(PostgreSQLPartitioned), "^"+regexp.QuoteMeta(t.name)+"_[pw][0-9]{8}$")
+		t.quoted(PostgreSQLPartitioned), "^"+regexp.QuoteMeta(t.name)+"_[pw][0-9]{8}$", detachedPartitionComment)
 	if err != nil {
 		return nil, fmt.Errorf("list detached partitions: %w", err)
 	}

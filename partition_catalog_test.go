@@ -154,8 +154,10 @@ func TestPartitionLeftDetachedInTheKeptRangeIsDroppedByTheNextRound(t *testing.T
 	}
 	yesterday := table + today.AddDate(0, 0, -1).Format("_p20060102")
 	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'y', $1)", today.Add(-time.Hour))
-	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday) // the interrupted DropPartitions
-	olderThan := now.Sub(today) / 2                                     // yesterday is past it
+	// What a DropPartitions interrupted between its DETACH and its DROP leaves.
+	exec(t, plain, "COMMENT ON TABLE "+yesterday+" IS '"+inbox.DetachedPartitionComment+"'")
+	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday)
+	olderThan := now.Sub(today) / 2 // yesterday is past it
 	ib, err := inbox.New(inbox.Config{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table})
 	if err != nil {
 		t.Fatal(err)
@@ -174,5 +176,41 @@ func TestPartitionLeftDetachedInTheKeptRangeIsDroppedByTheNextRound(t *testing.T
 	var left bool
 	if err := plain.Get(&left, "SELECT to_regclass($1) IS NOT NULL", yesterday); err != nil || left {
 		t.Errorf("%s, past the window, is still there (%v)", yesterday, err)
+	}
+}
+
+// A detached table named like a partition of the inbox table that no
+// DropPartitions detached (pg_partman's retention with retention_keep_table
+// keeps them as archives under such names) is never dropped, however old
+// its rows; one that an interrupted DropPartitions left is.
+func TestDetachedTableThatNoDropLeftIsNeverDropped(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	plain := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, plain)
+	if err := inbox.CreatePartitions(ctx, plain, table, time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC), 2); err != nil {
+		t.Fatal(err)
+	}
+	archive, leftover := table+"_p20260101", table+"_p20260102"
+	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'archived', '2026-01-01 12:00:00Z'), ('c', 'left', '2026-01-02 12:00:00Z')")
+	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+archive) // pg_partman's retention
+	exec(t, plain, "COMMENT ON TABLE "+leftover+" IS '"+inbox.DetachedPartitionComment+"'")
+	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+leftover) // an interrupted DropPartitions
+	t.Cleanup(func() { plain.Exec("DROP TABLE IF EXISTS " + archive + ", " + leftover) })
+	dropped, err := inbox.DropPartitions(ctx, plain, table, 24*time.Hour, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dropped {
+		if d.Name == "public."+archive {
+			t.Errorf("the archive %s, which no DropPartitions detached, was dropped", archive)
+		}
+	}
+	if n := count(t, plain, archive, ""); n != 1 {
+		t.Errorf("archive rows left: %d, want 1", n)
+	}
+	var left bool
+	if err := plain.Get(&left, "SELECT to_regclass($1) IS NOT NULL", leftover); err != nil || left {
+		t.Errorf("the leftover %s of an interrupted DropPartitions is still there (%v)", leftover, err)
 	}
 }
