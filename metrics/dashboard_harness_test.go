@@ -247,8 +247,16 @@ func (c *seriesChecker) selector(where string, vs *parser.VectorSelector) {
 	name := vs.Name
 	if name == "" {
 		for _, m := range vs.LabelMatchers {
-			if m.Name == "__name__" && m.Type == labels.MatchEqual {
+			switch {
+			case m.Name == "__name__" && m.Type == labels.MatchEqual:
 				name = m.Value
+			case m.Name == "__name__" && m.Type == labels.MatchRegexp && metricNames.MatchString(m.Value):
+				// {__name__=~"a|b"}: each name is checked as a selector
+				// of its own, with the other matchers.
+				for _, n := range strings.Split(m.Value, "|") {
+					c.selectorNamed(where, vs, n)
+				}
+				return
 			}
 		}
 	}
@@ -256,6 +264,15 @@ func (c *seriesChecker) selector(where string, vs *parser.VectorSelector) {
 		c.problem(where, "%s selects no series by name", vs)
 		return
 	}
+	c.selectorNamed(where, vs, name)
+}
+
+// metricNames matches a regular expression that is an alternation of
+// metric names, nothing else.
+var metricNames = regexp.MustCompile(`^[a-zA-Z_:][a-zA-Z0-9_:]*(\|[a-zA-Z_:][a-zA-Z0-9_:]*)*$`)
+
+// selectorNamed checks vs as a selector of the series name (see expr).
+func (c *seriesChecker) selectorNamed(where string, vs *parser.VectorSelector, name string) {
 	if c.recorded[name] {
 		return
 	}
@@ -512,8 +529,10 @@ func (c *seriesChecker) variableQuery(where, q string, vars map[string]string) {
 		c.expr(where, m[1])
 		e, err := c.parser.ParseExpr(m[1])
 		if vs, ok := e.(*parser.VectorSelector); err == nil && ok {
-			if _, ok := c.set.labels[vs.Name][m[2]]; !ok && c.set.labels[vs.Name] != nil && !slices.Contains(targetLabels, m[2]) {
-				c.problem(where, "%s has no label %q", vs.Name, m[2])
+			for _, name := range selectedNames(vs) {
+				if _, ok := c.set.labels[name][m[2]]; !ok && c.set.labels[name] != nil && !slices.Contains(targetLabels, m[2]) {
+					c.problem(where, "%s has no label %q", name, m[2])
+				}
 			}
 		}
 		return
@@ -605,4 +624,18 @@ func (c *seriesChecker) report(t *testing.T, file string) {
 	for _, p := range c.problems {
 		t.Errorf("%s: %s", file, p)
 	}
+}
+
+// selectedNames returns the metric names vs selects: its name, or those of
+// a {__name__=~"a|b"} matcher.
+func selectedNames(vs *parser.VectorSelector) []string {
+	if vs.Name != "" {
+		return []string{vs.Name}
+	}
+	for _, m := range vs.LabelMatchers {
+		if m.Name == "__name__" && (m.Type == labels.MatchEqual || m.Type == labels.MatchRegexp) {
+			return strings.Split(m.Value, "|")
+		}
+	}
+	return nil
 }

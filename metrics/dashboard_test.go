@@ -94,6 +94,9 @@ func TestSeriesCheckerRejectsWhatTheModuleDoesNotExport(t *testing.T) {
 		{"grouping by a label not below", `sum by (consumer) (inbox_outbox_pending_messages)`, "names a label no series under it carries: consumer"},
 		{"matching on a label not on one side", `inbox_rows and on (consumer) inbox_messages_total`, "names a label no series under it carries: consumer"},
 		{"selector without a name", `{table="watermill_inbox"}`, "selects no series by name"},
+		{"names by alternation", `{__name__=~"inbox_rows|inbox_purge_rounds_total",table=~".+"}`, ""},
+		{"alternation with a name not exported", `{__name__=~"inbox_rows|inbox_row_count"}`, "inbox_row_count is not exported"},
+		{"alternation with a label one name lacks", `{__name__=~"inbox_rows|inbox_messages_total",consumer="billing"}`, `inbox_rows has no label "consumer"`},
 		{"not PromQL", `rate(inbox_rows[5m]`, "does not parse"},
 		{"unknown variable", `inbox_rows{table=~"$tables"}`, "unknown variables"},
 	} {
