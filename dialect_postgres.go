@@ -462,7 +462,8 @@ func pgCheckCommon(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qual
 // pgObjectsSQL lists what besides columns and the primary key can make a
 // claim merge, drop or reject ids, or a purge fail or reach other rows, each
 // as (what, the DDL that removes it). Its one parameter is the quoted table.
-const pgObjectsSQL = `WITH t AS (SELECT to_regclass($1) AS oid)
+const pgObjectsSQL = `WITH t AS (SELECT to_regclass($1) AS oid),
+tree AS (SELECT oid FROM t UNION SELECT relid FROM pg_partition_tree((SELECT oid FROM t)))
 SELECT 'unique index ' || quote_ident(ic.relname) || ': a second arbiter of the claim''s ON CONFLICT, so ids it folds (or that a consumer shares) are taken for duplicates' AS what,
        CASE WHEN con.conname IS NOT NULL THEN 'ALTER TABLE ' || $1 || ' DROP CONSTRAINT ' || quote_ident(con.conname)
             ELSE 'DROP INDEX ' || quote_ident(n.nspname) || '.' || quote_ident(ic.relname) END AS fix
@@ -470,17 +471,23 @@ SELECT 'unique index ' || quote_ident(ic.relname) || ': a second arbiter of the 
   LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
  WHERE i.indrelid = (SELECT oid FROM t) AND i.indisunique AND NOT i.indisprimary
 UNION ALL
-SELECT 'trigger ' || quote_ident(tgname) || ': it can change, redirect or drop the claim''s row',
-       'DROP TRIGGER ' || quote_ident(tgname) || ' ON ' || $1
-  FROM pg_trigger WHERE tgrelid = (SELECT oid FROM t) AND NOT tgisinternal
+SELECT 'trigger ' || quote_ident(tgname) ||
+       CASE WHEN tgrelid = (SELECT oid FROM t) THEN '' ELSE ' on partition ' || tgrelid::regclass::text END ||
+       ': it can change, redirect or drop the claim''s row',
+       'DROP TRIGGER ' || quote_ident(tgname) || ' ON ' ||
+       CASE WHEN tgrelid = (SELECT oid FROM t) THEN $1 ELSE tgrelid::regclass::text END
+  FROM pg_trigger WHERE tgrelid IN (SELECT oid FROM tree) AND NOT tgisinternal AND tgparentid = 0
 UNION ALL
 SELECT 'rule ' || quote_ident(rulename) || ': it can rewrite or drop the claim',
        'DROP RULE ' || quote_ident(rulename) || ' ON ' || $1
   FROM pg_rewrite WHERE ev_class = (SELECT oid FROM t) AND rulename <> '_RETURN'
 UNION ALL
-SELECT 'CHECK constraint ' || quote_ident(conname) || ': it can reject a valid message id',
-       'ALTER TABLE ' || $1 || ' DROP CONSTRAINT ' || quote_ident(conname)
-  FROM pg_constraint WHERE conrelid = (SELECT oid FROM t) AND contype = 'c'
+SELECT 'CHECK constraint ' || quote_ident(conname) ||
+       CASE WHEN conrelid = (SELECT oid FROM t) THEN '' ELSE ' on partition ' || conrelid::regclass::text END ||
+       ': it can reject a valid message id',
+       'ALTER TABLE ' || CASE WHEN conrelid = (SELECT oid FROM t) THEN $1 ELSE conrelid::regclass::text END ||
+       ' DROP CONSTRAINT ' || quote_ident(conname)
+  FROM pg_constraint WHERE conrelid IN (SELECT oid FROM tree) AND contype = 'c' AND (conislocal OR conrelid = (SELECT oid FROM t))
 UNION ALL
 SELECT 'foreign key ' || quote_ident(conname) || ' of ' || conrelid::regclass::text ||
        CASE WHEN confrelid = (SELECT oid FROM t) THEN ' references the inbox table: a purge fails on it, or cascades into that table'
@@ -488,9 +495,10 @@ SELECT 'foreign key ' || quote_ident(conname) || ' of ' || conrelid::regclass::t
        'ALTER TABLE ' || conrelid::regclass::text || ' DROP CONSTRAINT ' || quote_ident(conname)
   FROM pg_constraint WHERE contype = 'f' AND (confrelid = (SELECT oid FROM t) OR conrelid = (SELECT oid FROM t))
 UNION ALL
-SELECT 'the table is UNLOGGED: PostgreSQL empties it in crash recovery, and every message redelivered after a crash is processed again',
-       'ALTER TABLE ' || $1 || ' SET LOGGED'
-  FROM pg_class WHERE oid = (SELECT oid FROM t) AND relpersistence = 'u'
+SELECT CASE WHEN oid = (SELECT oid FROM t) THEN 'the table is' ELSE 'partition ' || oid::regclass::text || ' is' END ||
+       ' UNLOGGED: PostgreSQL empties it in crash recovery, and every message redelivered after a crash is processed again',
+       'ALTER TABLE ' || CASE WHEN oid = (SELECT oid FROM t) THEN $1 ELSE oid::regclass::text END || ' SET LOGGED'
+  FROM pg_class WHERE oid IN (SELECT oid FROM tree) AND relpersistence = 'u'
 `
 
 // pgInheritedSQL lists the tables that inherit from a plain (not

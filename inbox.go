@@ -542,7 +542,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isReadOnlyRefusal(err) {
 			return t, false, d.readOnlyClaim(err)
 		}
-		if isMissingPartition(err) {
+		if isMissingPartition(err, d.ib.table.name) {
 			return t, false, d.missingPartitionClaim(err)
 		}
 		// Name the table: a missing one is the most common first error.

@@ -102,7 +102,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 			err = fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
 		case step != nil && step.Step == backend.StepClaim && isReadOnlyRefusal(err):
 			err = d.readOnlyClaim(err)
-		case step != nil && step.Step == backend.StepClaim && isMissingPartition(err):
+		case step != nil && step.Step == backend.StepClaim && isMissingPartition(err, d.ib.table.name):
 			err = d.missingPartitionClaim(err)
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))

@@ -349,20 +349,39 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		return fmt.Errorf("inbox: create partition %s: %w", p, err)
 	}
 	create := "CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-	unmark := ""
 	switch {
 	case kind.Detached:
 		// Left detached by a DropPartitions interrupted before its DROP
 		// (its range is one maintainedRange covers again: yesterday's,
-		// with a window under a day): attached again, its rows checked
-		// against the range, and dropped by the round's DropPartitions
-		// once past the window. CREATE failed with 42P07 in every round
-		// and InitializeSchema, and no partition ahead was made any more.
-		create, unmark = "", "COMMENT ON TABLE "+p.quoted(d)+" IS NULL"
+		// with a window under a day): CREATE failed with 42P07 in every
+		// round and InitializeSchema, and no partition ahead was made any
+		// more. It is attached again (its rows checked against the range),
+		// and the round's DropPartitions drops it once past the window.
+		// One that cannot be (a column added to the table since, 42804)
+		// is left as it is, its range without a partition: it lies in the
+		// past, which no claim's clock reaches again, and DropPartitions
+		// drops the table once past the window.
+		if _, err := tx.ExecContext(ctx, "SAVEPOINT inbox_reattach"); err != nil {
+			return fmt.Errorf("inbox: attach partition %s again: %w", p, err)
+		}
+		if err := attachStatements(ctx, tx, t, p, lo, hi, "", "COMMENT ON TABLE "+p.quoted(d)+" IS NULL"); err != nil {
+			if _, rerr := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT inbox_reattach"); rerr != nil {
+				return fmt.Errorf("inbox: attach partition %s again: %w (and roll back to its savepoint: %w)", p, err, rerr)
+			}
+		}
+		_, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT inbox_reattach")
+		return err
 	case kind.Exists:
 		return fmt.Errorf("%w: inbox: create partition %s of %s: a table or partition of that name exists and is not one"+
 			" of %s's partitions; rename or drop it", ErrIncompatibleTable, p, t, t)
 	}
+	return attachStatements(ctx, tx, t, p, lo, hi, create, "")
+}
+
+// attachStatements runs create (unless "") and then attaches p to t for
+// [lo, hi), then runs after (unless "").
+func attachStatements(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, lo, hi, create, after string) error {
+	d := PostgreSQLPartitioned
 	for _, stmt := range []string{
 		create,
 		// The CHECK lets ATTACH skip its validation scan.
@@ -371,7 +390,7 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		"ALTER TABLE " + t.quoted(d) + " ATTACH PARTITION " + p.quoted(d) +
 			" FOR VALUES FROM ('" + lo + "') TO ('" + hi + "')",
 		"ALTER TABLE " + p.quoted(d) + " DROP CONSTRAINT " + d.quote(p.name+"_range"),
-		unmark,
+		after,
 	} {
 		if stmt == "" {
 			continue

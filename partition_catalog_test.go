@@ -2,8 +2,12 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -139,43 +143,59 @@ func TestPartitionInAnotherSchemaIsAddressedThere(t *testing.T) {
 
 // A partition that a DropPartitions interrupted between DETACH and DROP left
 // detached, in the range a Purger keeps covered (yesterday's, with a window
-// under a day), is attached again and then dropped in the same round, once
-// past the window. Every round and InitializeSchema failed on its name
-// (42P07), and no partition ahead was made any more.
+// under a day), does not stop InitializeSchema or the rounds, and the next
+// round drops it once past the window: it is attached again, or, when it
+// cannot be (a column added to the table since it was detached: 42804), left
+// out of the range, which lies in the past. Every round and InitializeSchema
+// failed on its name (42P07), and no partition ahead was made any more.
 func TestPartitionLeftDetachedInTheKeptRangeIsDroppedByTheNextRound(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	plain := testdb.OpenPostgres(t, "")
-	table := dailyPartitionedTable(t, plain)
-	now := dbNow(t, plain).UTC()
-	today := now.Truncate(24 * time.Hour)
-	if now.Sub(today) < 2*time.Second {
-		t.Skip("too close to midnight UTC for a window shorter than today")
-	}
-	yesterday := table + today.AddDate(0, 0, -1).Format("_p20060102")
-	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'y', $1)", today.Add(-time.Hour))
-	// What a DropPartitions interrupted between its DETACH and its DROP leaves.
-	exec(t, plain, "COMMENT ON TABLE "+yesterday+" IS '"+inbox.DetachedPartitionComment+"'")
-	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday)
-	olderThan := now.Sub(today) / 2 // yesterday is past it
-	ib, err := inbox.New(inbox.Config{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(ctx); err != nil {
-		t.Errorf("InitializeSchema: %v", err)
-	}
-	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Table: table, OlderThan: olderThan}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := p.RunOnce(ctx)
-	if r.Err != nil || r.Deleted != 1 {
-		t.Errorf("purger round: deleted %d, err %v; want yesterday's row, no error", r.Deleted, r.Err)
-	}
-	var left bool
-	if err := plain.Get(&left, "SELECT to_regclass($1) IS NOT NULL", yesterday); err != nil || left {
-		t.Errorf("%s, past the window, is still there (%v)", yesterday, err)
+	for name, sinceDetach := range map[string]string{
+		"attached again":              "",
+		"a column added to the table": "ALTER TABLE {t} ADD COLUMN note text",
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			plain := testdb.OpenPostgres(t, "")
+			table := dailyPartitionedTable(t, plain)
+			now := dbNow(t, plain).UTC()
+			today := now.Truncate(24 * time.Hour)
+			if now.Sub(today) < 2*time.Second {
+				t.Skip("too close to midnight UTC for a window shorter than today")
+			}
+			yesterday := table + today.AddDate(0, 0, -1).Format("_p20060102")
+			exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'y', $1)", today.Add(-time.Hour))
+			// What a DropPartitions interrupted between its DETACH and its DROP leaves.
+			exec(t, plain, "COMMENT ON TABLE "+yesterday+" IS '"+inbox.DetachedPartitionComment+"'")
+			exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday)
+			if sinceDetach != "" {
+				exec(t, plain, strings.ReplaceAll(sinceDetach, "{t}", table))
+			}
+			olderThan := now.Sub(today) / 2 // yesterday is past it
+			ib, err := inbox.New(inbox.Config{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ib.InitializeSchema(ctx); err != nil {
+				t.Errorf("InitializeSchema: %v", err)
+			}
+			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Table: table, OlderThan: olderThan}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := p.RunOnce(ctx)
+			if r.Err != nil || r.Deleted != 1 {
+				t.Errorf("purger round: deleted %d, err %v; want yesterday's row, no error", r.Deleted, r.Err)
+			}
+			var left bool
+			if err := plain.Get(&left, "SELECT to_regclass($1) IS NOT NULL", yesterday); err != nil || left {
+				t.Errorf("%s, past the window, is still there (%v)", yesterday, err)
+			}
+			if missing := uncovered(t, plain, table, 0, inbox.DefaultPartitionsAhead); len(missing) > 0 {
+				t.Errorf("days without a partition: %v", missing)
+			}
+		})
 	}
 }
 
@@ -212,5 +232,40 @@ func TestDetachedTableThatNoDropLeftIsNeverDropped(t *testing.T) {
 	var left bool
 	if err := plain.Get(&left, "SELECT to_regclass($1) IS NOT NULL", leftover); err != nil || left {
 		t.Errorf("the leftover %s of an interrupted DropPartitions is still there (%v)", leftover, err)
+	}
+}
+
+// A claim refused with check_violation (23514) by something else than a
+// missing partition (a trigger that validates ids, added after the table
+// was verified) is the message's error: not transient, so that a poison
+// queue filter takes it, and not reported as a missing partition.
+func TestClaimRefusedByAValidationTriggerIsNotTransient(t *testing.T) {
+	t.Parallel()
+	for _, d := range []inbox.Dialect{inbox.PostgreSQL, inbox.PostgreSQLPartitioned} {
+		t.Run(d.String(), func(t *testing.T) {
+			t.Parallel()
+			db := testdb.OpenPostgres(t, "")
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{Dialect: d})
+			rec := &recorder{}
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(rec.Middleware, ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, func(*message.Message) error { return nil })
+			})
+			if !in.deliver(t, message.NewMessage("good-1", nil)) { // the table is verified
+				t.Fatalf("first message nacked: %v", rec.last())
+			}
+			exec(t, db, "CREATE FUNCTION "+f.inbox+"_check() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "+
+				"IF NEW.message_id LIKE 'bad%' THEN RAISE EXCEPTION 'bad id' USING ERRCODE = 'check_violation'; END IF; RETURN NEW; END $$")
+			t.Cleanup(func() { db.Exec("DROP FUNCTION IF EXISTS " + f.inbox + "_check() CASCADE") })
+			exec(t, db, "CREATE TRIGGER "+f.inbox+"_check BEFORE INSERT ON "+f.inbox+" FOR EACH ROW EXECUTE FUNCTION "+f.inbox+"_check()")
+			if in.deliver(t, message.NewMessage("bad-1", nil)) {
+				t.Fatal("a message whose claim the trigger refused was acked")
+			}
+			if err := rec.last(); inbox.IsTransient(err) || errors.Is(err, inbox.ErrIncompatibleTable) {
+				t.Errorf("nacked with %v, want the trigger's error, not transient", err)
+			}
+		})
 	}
 }

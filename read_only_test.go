@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -134,5 +135,34 @@ func TestRouterPluginWaitsForTheDatabaseToTakeWrites(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("RouterPlugin still waits 10 s after the database takes writes")
+	}
+}
+
+// Verify (so RouterPlugin and `inbox schema -verify`) passes on a SQLite
+// database whose write lock another process holds: its check that the
+// database takes writes cannot take the lock, and a busy database is not a
+// read-only one. It failed the router's start with SQLITE_BUSY.
+func TestVerifyPassesWhileAnotherProcessHoldsTheWriteLock(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "inbox.db")
+	f := newFixture(t, testdb.OpenSQLite(t, path))
+	f.newInbox(inbox.Config{})
+	writer := testdb.OpenSQLite(t, path) // another process's pool
+	tx, err := writer.Beginx()           // BEGIN IMMEDIATE: the write lock
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	db, err := sqlx.Open("sqlite", "file:"+path+"?_txlock=immediate") // no busy_timeout: BUSY at once
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	ib, err := inbox.New(inbox.Config{DB: db, Table: f.inbox})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.Verify(context.Background()); err != nil {
+		t.Errorf("Verify while another process writes: %v, want nil", err)
 	}
 }

@@ -45,8 +45,7 @@ import (
 //     statement_timeout), 57P01-57P03 (admin or crash shutdown, cannot
 //     connect now), 53300 (too_many_connections), 25P03
 //     (idle_in_transaction_session_timeout), and the server out of a
-//     resource: 53000, 53100 (disk_full), 53200 (out_of_memory), 58030
-//     (io_error). PostgreSQL documents 40001 and
+//     resource: 53000, 53100 (disk_full), 58030 (io_error). PostgreSQL documents 40001 and
 //     40P01 as the errors an application should retry.
 //   - MySQL and MariaDB through github.com/go-sql-driver/mysql
 //     (*mysql.MySQLError, matched by type without importing the driver):
@@ -69,7 +68,11 @@ import (
 //   - SQLite: SQLITE_BUSY, SQLITE_LOCKED, SQLITE_FULL, SQLITE_IOERR and
 //     SQLITE_NOMEM, with their extended codes,
 //     from modernc.org/sqlite (*sqlite.Error) and github.com/mattn/go-sqlite3
-//     (sqlite3.Error).
+//     (sqlite3.Error). A full database is an outage for every message, but
+//     a message too large for the space left (SQLITE_FULL under
+//     max_page_count, 53100 or 1114 for one huge row) fails each try while
+//     smaller ones pass, and is retried for as long as the space lacks: a
+//     poison filter of your own decides when to give up on such a message.
 //   - database/sql and the network: driver.ErrBadConn, sql.ErrConnDone,
 //     ECONNRESET, ECONNREFUSED, EPIPE, a net.Error
 //     that is a timeout, a temporary DNS failure, and a failed dial, read or
@@ -283,9 +286,12 @@ var (
 	// matched by its prefix).
 	transientSQLStates = map[string]bool{
 		"40003": true, "57014": true, "57P01": true, "57P02": true, "57P03": true, "53300": true, "25P03": true,
-		// insufficient_resources, disk_full, out_of_memory, io_error: the
-		// server's state, not the message's (an outage drained topics).
-		"53000": true, "53100": true, "53200": true, "58030": true,
+		// insufficient_resources, disk_full, io_error: the server's state,
+		// not the message's (an outage drained topics). Not 53200
+		// (out_of_memory), which is also what a transaction that takes more
+		// locks than max_locks_per_transaction allows gets, every time
+		// ("out of shared memory"), nor 53400 (configuration_limit_exceeded).
+		"53000": true, "53100": true, "58030": true,
 	}
 	// conflictMySQLErrors: MySQL/MariaDB rolled the statement or
 	// transaction back because it lost a race.
@@ -500,11 +506,13 @@ func isReadOnlyRefusal(err error) bool {
 }
 
 // isMissingPartition reports whether err's chain holds PostgreSQL's refusal
-// of a row that no partition of a partitioned table accepts: SQLSTATE 23514
-// without a constraint name (a CHECK constraint's violation, the same
-// code, names its constraint). Read from pgx's *pgconn.PgError
-// (ConstraintName) and lib/pq's *pq.Error (Constraint).
-func isMissingPartition(err error) bool {
+// of a row that no partition of the partitioned table named table (its
+// unqualified name) accepts: SQLSTATE 23514 without a constraint name, on
+// that table. A CHECK constraint's violation, the same code, names its
+// constraint, and one that a trigger raises names no table unless it says
+// so. Read from pgx's *pgconn.PgError (ConstraintName, TableName) and
+// lib/pq's *pq.Error (Constraint, Table).
+func isMissingPartition(err error, table string) bool {
 	return anyInChain(err, func(e error) bool {
 		s, ok := e.(interface{ SQLState() string })
 		if !ok || isNilPointer(e) || s.SQLState() != "23514" {
@@ -514,13 +522,23 @@ func isMissingPartition(err error) bool {
 		if !ok {
 			return false
 		}
-		for _, field := range []string{"ConstraintName", "Constraint"} {
-			if f := v.FieldByName(field); f.Kind() == reflect.String {
-				return f.String() == ""
-			}
+		constraint, ok := stringField(v, "ConstraintName", "Constraint")
+		if !ok || constraint != "" {
+			return false
 		}
-		return false
+		onTable, ok := stringField(v, "TableName", "Table")
+		return ok && onTable == table
 	})
+}
+
+// stringField returns the first of the string fields names that v has.
+func stringField(v reflect.Value, names ...string) (string, bool) {
+	for _, name := range names {
+		if f := v.FieldByName(name); f.Kind() == reflect.String {
+			return f.String(), true
+		}
+	}
+	return "", false
 }
 
 // hasMySQLNumber reports whether an error in err's chain is a

@@ -71,7 +71,8 @@ func (ib *Inbox) Verify(ctx context.Context) error {
 // verifyWritable checks that the database takes writes in a transaction
 // begun as a message's is (Config.IsoLevel; on SQLite in its place among
 // the writers): it runs the dialect's write probe, which writes nothing,
-// and rolls back. A refusal gives an error wrapping ErrDatabaseReadOnly.
+// and rolls back. A refusal gives an error wrapping ErrDatabaseReadOnly; a
+// database too busy to tell (a lock it could not take) passes.
 func (ib *Inbox) verifyWritable(ctx context.Context) error {
 	conn, tx, place, err := ib.beginOnConn(ctx)
 	if err == nil {
@@ -85,6 +86,13 @@ func (ib *Inbox) verifyWritable(ctx context.Context) error {
 	}
 	switch {
 	case err == nil:
+		return nil
+	case isConflict(err):
+		// Busy or locked (SQLite while another process writes, a lock
+		// wait PostgreSQL or MySQL gave up on): the database takes
+		// writes, from someone. Verify read only the catalog before it
+		// had this check, which never waits, and a busy SQLite file failed
+		// the router's start.
 		return nil
 	case isReadOnlyRefusal(err):
 		return fmt.Errorf("%w: a write to %s in a transaction begun as a message's was refused (DB reaches a replica,"+
