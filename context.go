@@ -67,7 +67,8 @@ func MissingTxError(ctx context.Context) error {
 		return nil
 	case s != nil && s.handle != nil:
 		return fmt.Errorf("%w: the message was claimed by a pgxinbox.Inbox, whose transaction is a pgx.Tx: "+
-			"call pgxinbox.TxFromContext, or make the Inbox with inbox.New for a *sqlx.Tx", ErrNoTx)
+			"call pgxinbox.TxFromContext, or, for code on database/sql (GORM, ent, bun, sqlc's database/sql queries), make "+
+			"the Inbox with inbox.New on the pool's *sql.DB (pgxinbox.DB(pool)) for a *sqlx.Tx", ErrNoTx)
 	}
 	return fmt.Errorf("%w: no Inbox.Middleware runs around this handler (add it with router.AddMiddleware(ib.Middleware) "+
 		"or to the handler), or the context is not msg.Context()", ErrNoTx)

@@ -25,6 +25,7 @@ package entinbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -51,7 +52,10 @@ import (
 // The driver never ends the inbox transaction. A transaction started on it
 // is a savepoint in the inbox transaction: client.Tx (and client.BeginTx
 // without options) runs SAVEPOINT; the ent Tx's Commit releases it, and its
-// Rollback rolls back to it, undoing only what was written through that Tx.
+// Rollback rolls back to it, undoing what was written through that Tx.
+// While it is open, the client itself refuses statements and transactions
+// (ErrTxOpen): its Rollback would undo them too, which on a pool would have
+// been apart from it.
 // Whatever the savepoints hold commits or rolls back with the inbox row in
 // the end. ent's own builders start such a transaction for statements that
 // span several statements (UpdateOne, Update, a Create with edges stored in
@@ -77,8 +81,10 @@ import (
 // The driver is valid until the handler returns, like the transaction. It
 // may be used from goroutines the handler starts and waits for (a *sql.Tx
 // runs their statements one at a time), but a savepoint spans the whole
-// transaction: do not open transactions on it from several goroutines at
-// once.
+// transaction: while one goroutine's transaction is open (client.Tx, or
+// the one ent's builders open for UpdateOne, Update and a Create with
+// edges), another's statements on the client fail with ErrTxOpen. Make one
+// client per message and call it from one goroutine at a time.
 func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
 	switch dialectName {
 	case dialect.Postgres, dialect.MySQL, dialect.SQLite:
@@ -112,6 +118,16 @@ func Client[C any](ctx context.Context, dialectName string, newClient func(diale
 	return newClient(drv), nil
 }
 
+// ErrTxOpen is wrapped by the error of a statement or transaction started on
+// the client (the driver of Driver) while a transaction started on it is
+// still open: that transaction is a savepoint, and its Rollback would undo
+// the statement too, which on a pool would have been apart from it and
+// kept. Run the statement through the Tx (tx.Client()), or after its Commit
+// or Rollback. ent's builders start such a transaction themselves for
+// statements that span several (UpdateOne, Update, a Create with edges), so
+// calls of one client from goroutines at once can meet it too.
+var ErrTxOpen = errors.New("entinbox: a transaction of this client is open")
+
 // txDriver is an ent driver on the inbox transaction. entsql.NewDriver
 // over the same Conn would run statements there too, but its Tx asserts
 // that its connection is a *sql.DB and panics, and its Close would close
@@ -120,6 +136,37 @@ type txDriver struct {
 	entsql.Conn // Exec and Query, on tx
 	tx          *sql.Tx
 	dialect     string
+	// open counts the transactions (savepoints) started on the driver and
+	// not yet committed or rolled back.
+	open atomic.Int32
+}
+
+// Exec runs a statement of the client in the inbox transaction, unless a
+// transaction of the client is open (ErrTxOpen).
+func (d *txDriver) Exec(ctx context.Context, query string, args, v any) error {
+	if err := d.noneOpen(); err != nil {
+		return err
+	}
+	return d.Conn.Exec(ctx, query, args, v)
+}
+
+// Query runs a query of the client in the inbox transaction, unless a
+// transaction of the client is open (ErrTxOpen).
+func (d *txDriver) Query(ctx context.Context, query string, args, v any) error {
+	if err := d.noneOpen(); err != nil {
+		return err
+	}
+	return d.Conn.Query(ctx, query, args, v)
+}
+
+// noneOpen returns an error wrapping ErrTxOpen while a transaction started
+// on d is open.
+func (d *txDriver) noneOpen() error {
+	if n := d.open.Load(); n > 0 {
+		return fmt.Errorf("%w (%d open): its Rollback would undo this statement as well, which on a pool would be apart from"+
+			" it; run it through the transaction's client (tx.Client()) or after its Commit or Rollback", ErrTxOpen, n)
+	}
+	return nil
 }
 
 // Dialect returns the dialect name given to Driver.
@@ -133,8 +180,13 @@ var savepoints atomic.Uint64
 // Tx starts a savepoint in the inbox transaction. ctx is used until the
 // returned Tx is committed (released) or rolled back.
 func (d *txDriver) Tx(ctx context.Context) (dialect.Tx, error) {
-	sp := &savepoint{Conn: d.Conn, tx: d.tx, ctx: ctx, name: fmt.Sprintf("entinbox_%d", savepoints.Add(1))}
+	if err := d.noneOpen(); err != nil {
+		return nil, err
+	}
+	sp := &savepoint{Conn: d.Conn, tx: d.tx, ctx: ctx, name: fmt.Sprintf("entinbox_%d", savepoints.Add(1)), open: &d.open}
+	d.open.Add(1)
 	if _, err := d.tx.ExecContext(ctx, "SAVEPOINT "+sp.name); err != nil {
+		sp.end()
 		return nil, fmt.Errorf("entinbox: savepoint: %w", err)
 	}
 	return sp, nil
@@ -161,6 +213,8 @@ type savepoint struct {
 	tx          *sql.Tx
 	ctx         context.Context
 	name        string
+
+	open *atomic.Int32 // the driver's count of open transactions
 
 	mu   sync.Mutex
 	done bool
@@ -201,6 +255,9 @@ func (s *savepoint) end() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	open := !s.done
+	if open {
+		s.open.Add(-1)
+	}
 	s.done = true
 	return open
 }

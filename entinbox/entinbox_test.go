@@ -218,6 +218,51 @@ func TestDriver_client_Tx_is_a_savepoint(t *testing.T) {
 	})
 }
 
+// While a client.Tx is open, the client itself refuses statements and
+// transactions with ErrTxOpen, and what it wrote before and after stays: a
+// client write made while the Tx was open returned nil and was then undone
+// by the Tx's Rollback (the savepoint holds every statement after it),
+// where on a pool it would have been kept.
+func TestDriver_client_refuses_statements_while_its_Tx_is_open(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		in, out := fx.router(true, func(msg *message.Message) error {
+			ctx := msg.Context()
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			id := msg.Metadata.Get("order_id")
+			inv, err := client.Invoice.Create().SetOrderID(id).SetAmount(100).Save(ctx)
+			if err != nil {
+				return err
+			}
+			tx, err := client.Tx(ctx)
+			if err != nil {
+				return fmt.Errorf("client.Tx: %w", err)
+			}
+			if err := client.Invoice.UpdateOneID(inv.ID).AddAmount(1).Exec(ctx); !errors.Is(err, entinbox.ErrTxOpen) {
+				return fmt.Errorf("update on the client while its Tx is open: %v, want ErrTxOpen", err)
+			}
+			if _, err := client.Tx(ctx); !errors.Is(err, entinbox.ErrTxOpen) {
+				return fmt.Errorf("a second client.Tx while one is open: %v, want ErrTxOpen", err)
+			}
+			if err := tx.Invoice.UpdateOneID(inv.ID).AddAmount(10).Exec(ctx); err != nil {
+				return err
+			}
+			if err := tx.Rollback(); err != nil { // a business failure the handler handles
+				return err
+			}
+			return client.Invoice.UpdateOneID(inv.ID).AddAmount(1).Exec(ctx)
+		})
+		if !in.Deliver(t, testrouter.Order(fx.orderID)) {
+			t.Fatalf("nacked: %v", out.Last())
+		}
+		if amount, _, ok := fx.invoice(fx.orderID); !ok || amount != 101 {
+			t.Errorf("invoice: found %t, amount %d; want 101 (the Tx's +10 undone, the client's +1 after it kept)", ok, amount)
+		}
+	})
+}
+
 // Without the inbox middleware Driver refuses with an error wrapping
 // inbox.ErrNoTx, and the handler writes nothing through the pool.
 func TestDriver_refuses_without_the_inbox_middleware(t *testing.T) {

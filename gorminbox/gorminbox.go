@@ -33,8 +33,9 @@ import (
 // that DB returned: the inbox middleware ends the inbox transaction after
 // the handler returns (commit on nil, rollback on an error), and a handler
 // that ended it itself would commit the inbox row apart from the rest of
-// its work. Nothing is committed or rolled back, and the session stays
-// usable. A redelivery meets the same handler: fix the handler.
+// its work. Nothing is committed or rolled back; GORM keeps the error on
+// that session, whose later statements fail with it: take a new session
+// from DB to go on. A redelivery meets the same handler: fix the handler.
 var ErrTxOwnedByInbox = errors.New("gorminbox: the session runs in the inbox transaction, " +
 	"which the inbox middleware commits or rolls back: return nil from the handler to commit or an error to roll back " +
 	"(db.Transaction inside the handler uses a savepoint)")

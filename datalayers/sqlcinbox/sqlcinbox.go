@@ -54,18 +54,18 @@ import (
 func Queries[DBTX, Q any](ctx context.Context, newQueries func(DBTX) Q) (Q, error) {
 	var zero Q
 	var tx any
-	var fix string
+	var kind, fix string
 	if sqlTx, ok := inbox.TxFromContext(ctx); ok {
-		tx, fix = sqlTx.Tx, "generate the queries with sql_package database/sql, or make the Inbox with pgxinbox.New"
+		tx, kind, fix = sqlTx.Tx, "*sql.Tx", "generate the queries with sql_package database/sql, or make the Inbox with pgxinbox.New"
 	} else if pgxTx, ok := pgxinbox.TxFromContext(ctx); ok {
-		tx, fix = pgxTx, "generate the queries with sql_package pgx/v5, or make the Inbox with inbox.New"
+		tx, kind, fix = pgxTx, "pgx.Tx", "generate the queries with sql_package pgx/v5, or make the Inbox with inbox.New"
 	} else {
 		return zero, fmt.Errorf("sqlcinbox: %w", inbox.MissingTxError(ctx))
 	}
 	db, ok := tx.(DBTX)
 	if !ok {
-		return zero, fmt.Errorf("sqlcinbox: %w: the inbox transaction is a %T, which the generated %s does not take: %s",
-			inbox.ErrNoTx, tx, reflect.TypeFor[DBTX](), fix)
+		return zero, fmt.Errorf("sqlcinbox: %w: the inbox transaction is a %s, which the generated %s does not take: %s",
+			inbox.ErrNoTx, kind, reflect.TypeFor[DBTX](), fix)
 	}
 	return newQueries(db), nil
 }
