@@ -179,7 +179,9 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // It is detected before COMMIT from the transaction status the server sent
 // with its last response (no round trip): with pgxinbox, and with
 // database/sql on pgx's stdlib, lib/pq, go-sql-driver/mysql and
-// mattn/go-sqlite3; on modernc.org/sqlite from the COMMIT that SQLite
+// mattn/go-sqlite3, also wrapped by an instrumentation driver that keeps
+// the driver.Conn it wraps in an exported field (XSAM/otelsql, DataDog's
+// sqltrace, sqlhooks); on modernc.org/sqlite from the COMMIT that SQLite
 // refuses. On MySQL/MariaDB a ROLLBACK statement (which removed the inbox
 // row) looks exactly like a deadlock the handler ignored and is reported as
 // ErrTxRolledBack; tx.Rollback is ErrTransactionEnded there too. Not

@@ -26,6 +26,12 @@ func TestHandlerEndsTransaction_IsNackedWithErrTransactionEnded(t *testing.T) {
 	t.Parallel()
 	dbs := append([]testDB{{Name: "postgres-libpq", Dialect: inbox.PostgreSQL, Open: func(tb testing.TB) *sqlx.DB {
 		return testdb.OpenPostgresWith(tb, "postgres", "")
+	}}, {Name: "postgres-otelsql", Dialect: inbox.PostgreSQL, Open: func(tb testing.TB) *sqlx.DB {
+		// pgx wrapped by an instrumentation driver (XSAM/otelsql), as
+		// services that trace their SQL run it.
+		return sqlx.NewDb(testdb.OpenPostgresWith(tb, otelsqlPgx(tb), "").DB, "pgx")
+	}}, {Name: "mysql-otelsql", Dialect: inbox.MySQL, Open: func(tb testing.TB) *sqlx.DB {
+		return sqlx.NewDb(testdb.OpenMySQLWith(tb, otelsqlMySQL(tb), "").DB, "mysql")
 	}}}, testDBs...)
 	for _, tdb := range dbs {
 		t.Run(tdb.Name, func(t *testing.T) {

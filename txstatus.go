@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"database/sql/driver"
 	"reflect"
 	"sync"
 )
@@ -29,6 +30,14 @@ import (
 //     unexported). None is needed: SQLite refuses a COMMIT outside a
 //     transaction with SQLITE_ERROR, which commitFoundNoTx recognises, so
 //     the handler's COMMIT or ROLLBACK costs nothing to detect there either.
+//
+// A driver connection wrapped by an instrumentation package is read
+// through the driver.Conn it wraps, when that is an exported field:
+// github.com/XSAM/otelsql (otConn embeds driver.Conn), DataDog's sqltrace
+// and qustavo/sqlhooks keep it so. Unwrapped, a handler's ROLLBACK through
+// otelsql over pgx went undetected: the inbox's COMMIT found no
+// transaction, PostgreSQL only warned, and the message was acked with
+// nothing written.
 //
 // A driver not listed, or one whose internals changed, reports "not ended":
 // the inbox then behaves as before the check, and the tests of every
@@ -76,6 +85,15 @@ func newTxProbe(t reflect.Type) txProbe {
 		if f, ok := s.FieldByName("status"); ok && f.Type.Kind() == reflect.Uint16 {
 			const serverStatusInTrans = 1
 			return func(v reflect.Value) bool { return v.Elem().FieldByIndex(f.Index).Uint()&serverStatusInTrans == 0 }
+		}
+	default:
+		for i := range s.NumField() {
+			if f := s.Field(i); f.IsExported() && f.Type == reflect.TypeFor[driver.Conn]() {
+				return func(v reflect.Value) bool { // a wrapper: its driver connection's answer
+					inner := v.Elem().Field(i)
+					return !inner.IsNil() && driverTxEnded(inner.Interface())
+				}
+			}
 		}
 	}
 	return nil

@@ -191,8 +191,12 @@ func openPool(tb testing.TB, dsn, what, envName, start string) *pgxpool.Pool {
 }
 
 // OpenMySQL opens MySQL/MariaDB with the extra DSN parameter param (may be empty).
-func OpenMySQL(tb testing.TB, param string) *sqlx.DB {
-	return open(tb, "mysql", WithParam(MySQLDSN(), param), "MySQL/MariaDB", MySQLDSNEnv, startMariaDB)
+func OpenMySQL(tb testing.TB, param string) *sqlx.DB { return OpenMySQLWith(tb, "mysql", param) }
+
+// OpenMySQLWith opens MySQL/MariaDB through the database/sql driver named
+// driver with the extra DSN parameter param.
+func OpenMySQLWith(tb testing.TB, driver, param string) *sqlx.DB {
+	return open(tb, driver, WithParam(MySQLDSN(), param), "MySQL/MariaDB", MySQLDSNEnv, startMariaDB)
 }
 
 func open(tb testing.TB, driver, dsn, what, envName, start string) *sqlx.DB {
