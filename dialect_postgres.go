@@ -464,19 +464,26 @@ func pgCheckCommon(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qual
 // as (what, the DDL that removes it). Its one parameter is the quoted table.
 const pgObjectsSQL = `WITH t AS (SELECT to_regclass($1) AS oid),
 tree AS (SELECT oid FROM t UNION SELECT relid FROM pg_partition_tree((SELECT oid FROM t)))
-SELECT 'unique index ' || quote_ident(ic.relname) || ': a second arbiter of the claim''s ON CONFLICT, so ids it folds (or that a consumer shares) are taken for duplicates' AS what,
-       CASE WHEN con.conname IS NOT NULL THEN 'ALTER TABLE ' || $1 || ' DROP CONSTRAINT ' || quote_ident(con.conname)
+SELECT 'unique index ' || quote_ident(ic.relname) ||
+       CASE WHEN i.indrelid = (SELECT oid FROM t)
+            THEN ': a second arbiter of the claim''s ON CONFLICT, so ids it folds (or that a consumer shares) are taken for duplicates'
+            ELSE ' on partition ' || i.indrelid::regclass::text || ': it rejects the ids it folds (or that a consumer shares), on every redelivery' END AS what,
+       CASE WHEN con.conname IS NOT NULL THEN 'ALTER TABLE ' ||
+                 CASE WHEN i.indrelid = (SELECT oid FROM t) THEN $1 ELSE i.indrelid::regclass::text END ||
+                 ' DROP CONSTRAINT ' || quote_ident(con.conname)
             ELSE 'DROP INDEX ' || quote_ident(n.nspname) || '.' || quote_ident(ic.relname) END AS fix
   FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid JOIN pg_namespace n ON n.oid = ic.relnamespace
   LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
- WHERE i.indrelid = (SELECT oid FROM t) AND i.indisunique AND NOT i.indisprimary
+ WHERE i.indrelid IN (SELECT oid FROM tree) AND i.indisunique AND NOT i.indisprimary
+   AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = i.indexrelid)
 UNION ALL
 SELECT 'trigger ' || quote_ident(tgname) ||
        CASE WHEN tgrelid = (SELECT oid FROM t) THEN '' ELSE ' on partition ' || tgrelid::regclass::text END ||
        ': it can change, redirect or drop the claim''s row',
        'DROP TRIGGER ' || quote_ident(tgname) || ' ON ' ||
        CASE WHEN tgrelid = (SELECT oid FROM t) THEN $1 ELSE tgrelid::regclass::text END
-  FROM pg_trigger WHERE tgrelid IN (SELECT oid FROM tree) AND NOT tgisinternal AND tgparentid = 0
+  FROM pg_trigger tg WHERE tgrelid IN (SELECT oid FROM tree) AND NOT tgisinternal
+   AND COALESCE((to_jsonb(tg) ->> 'tgparentid')::oid, 0) = 0
 UNION ALL
 SELECT 'rule ' || quote_ident(rulename) || ': it can rewrite or drop the claim',
        'DROP RULE ' || quote_ident(rulename) || ' ON ' || $1
@@ -490,10 +497,11 @@ SELECT 'CHECK constraint ' || quote_ident(conname) ||
   FROM pg_constraint WHERE conrelid IN (SELECT oid FROM tree) AND contype = 'c' AND (conislocal OR conrelid = (SELECT oid FROM t))
 UNION ALL
 SELECT 'foreign key ' || quote_ident(conname) || ' of ' || conrelid::regclass::text ||
-       CASE WHEN confrelid = (SELECT oid FROM t) THEN ' references the inbox table: a purge fails on it, or cascades into that table'
+       CASE WHEN confrelid IN (SELECT oid FROM tree) THEN ' references the inbox table: a purge fails on it, or cascades into that table'
             ELSE ' from the inbox table: it can reject a claim' END,
        'ALTER TABLE ' || conrelid::regclass::text || ' DROP CONSTRAINT ' || quote_ident(conname)
-  FROM pg_constraint WHERE contype = 'f' AND (confrelid = (SELECT oid FROM t) OR conrelid = (SELECT oid FROM t))
+  FROM pg_constraint WHERE contype = 'f' AND conparentid = 0
+   AND (confrelid IN (SELECT oid FROM tree) OR conrelid IN (SELECT oid FROM tree))
 UNION ALL
 SELECT CASE WHEN oid = (SELECT oid FROM t) THEN 'the table is' ELSE 'partition ' || oid::regclass::text || ' is' END ||
        ' UNLOGGED: PostgreSQL empties it in crash recovery, and every message redelivered after a crash is processed again',

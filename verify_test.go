@@ -667,6 +667,13 @@ func TestVerify_refusesObjectsThatChangeTheClaimOrThePurge(t *testing.T) {
 			"CHECK on a partition": {"CREATE TABLE {t}_future PARTITION OF {t} FOR VALUES FROM ('2099-01-01 00:00:00Z') TO ('2099-01-08 00:00:00Z')",
 				"ALTER TABLE {t}_future ADD CONSTRAINT {t}_len CHECK (length(message_id) < 40)"},
 			"UNLOGGED partition": {"CREATE UNLOGGED TABLE {t}_future PARTITION OF {t} FOR VALUES FROM ('2099-01-01 00:00:00Z') TO ('2099-01-08 00:00:00Z')"},
+			"unique index on a partition": {"CREATE TABLE {t}_future PARTITION OF {t} FOR VALUES FROM ('2099-01-01 00:00:00Z') TO ('2099-01-08 00:00:00Z')",
+				"CREATE UNIQUE INDEX {t}_mid ON {t}_future (message_id)"},
+			"foreign key from a partition": {"CREATE TABLE {t}_ref (m text PRIMARY KEY)",
+				"CREATE TABLE {t}_future PARTITION OF {t} FOR VALUES FROM ('2099-01-01 00:00:00Z') TO ('2099-01-08 00:00:00Z')",
+				"ALTER TABLE {t}_future ADD CONSTRAINT {t}_fk FOREIGN KEY (message_id) REFERENCES {t}_ref (m)"},
+			"foreign key to a partition": {"CREATE TABLE {t}_future PARTITION OF {t} FOR VALUES FROM ('2099-01-01 00:00:00Z') TO ('2099-01-08 00:00:00Z')",
+				"CREATE TABLE {t}_ref (c text, m text, p timestamptz, FOREIGN KEY (c, m, p) REFERENCES {t}_future (consumer, message_id, processed_at))"},
 		},
 		"mysql": {
 			"unique message_id": {"CREATE UNIQUE INDEX {t}_mid ON {t} (message_id)"},
