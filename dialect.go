@@ -111,6 +111,12 @@ type Dialect interface {
 	// read-only transaction or server: isReadOnlyRefusal); Verify runs it
 	// in a transaction it rolls back.
 	writeProbeSQL(table qualifiedName) string
+	// readOnlyTxSQL returns a query, run in a transaction begun as a
+	// message's, that takes no lock and reports whether the transaction
+	// refuses writes, for when writeProbeSQL could not take its lock; ""
+	// where nothing short of a write tells (MySQL's read_only spares
+	// privileged users; SQLite refuses a read-only file before any lock).
+	readOnlyTxSQL() string
 	// oldestAgeSQL returns a query for the age of the oldest row, in
 	// microseconds by the database clock, NULL when the table is empty.
 	oldestAgeSQL(table qualifiedName) string

@@ -161,6 +161,8 @@ func (d mysqlDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT '', '', UTC_TIMESTAMP(6) FROM DUAL WHERE 1 = 0"
 }
 
+func (mysqlDialect) readOnlyTxSQL() string { return "" }
+
 func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
 	return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
 }

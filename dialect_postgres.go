@@ -248,6 +248,10 @@ func (d postgresDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id) SELECT '', '' WHERE false"
 }
 
+func (postgresDialect) readOnlyTxSQL() string {
+	return "SELECT current_setting('transaction_read_only') = 'on'"
+}
+
 func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
 	return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
 }

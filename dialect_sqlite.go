@@ -137,6 +137,8 @@ func (d sqliteDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id) SELECT '', '' WHERE 0"
 }
 
+func (sqliteDialect) readOnlyTxSQL() string { return "" }
+
 func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
 	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
 }

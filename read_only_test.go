@@ -166,3 +166,38 @@ func TestVerifyPassesWhileAnotherProcessHoldsTheWriteLock(t *testing.T) {
 		t.Errorf("Verify while another process writes: %v, want nil", err)
 	}
 }
+
+// A read-only PostgreSQL session whose write check meets a lock first (a
+// CREATE INDEX's SHARE lock on the inbox table, and the role's lock_timeout:
+// PostgreSQL takes the table's lock before it checks for a read-only
+// transaction) is still reported read-only: the lock made Verify pass, and
+// the router started on a replica.
+func TestVerifyReportsAReadOnlySessionBehindALock(t *testing.T) {
+	t.Parallel()
+	plain := testdb.OpenPostgres(t, "")
+	f := newFixture(t, plain)
+	f.newInbox(inbox.Config{})
+	holder, err := plain.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback()
+	if _, err := holder.Exec("LOCK TABLE " + f.inbox + " IN SHARE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		param string
+		want  error
+	}{
+		{"default_transaction_read_only=on&lock_timeout=200", inbox.ErrDatabaseReadOnly},
+		{"lock_timeout=200", nil}, // takes writes, once the lock is gone
+	} {
+		ib, err := inbox.New(inbox.Config{DB: testdb.OpenPostgres(t, c.param), Table: f.inbox})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ib.Verify(context.Background()); !errors.Is(err, c.want) || (c.want == nil && err != nil) {
+			t.Errorf("%s, table locked: Verify = %v, want %v", c.param, err, c.want)
+		}
+	}
+}

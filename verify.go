@@ -89,11 +89,12 @@ func (ib *Inbox) verifyWritable(ctx context.Context) error {
 		return nil
 	case isConflict(err):
 		// Busy or locked (SQLite while another process writes, a lock
-		// wait PostgreSQL or MySQL gave up on): the database takes
-		// writes, from someone. Verify read only the catalog before it
-		// had this check, which never waits, and a busy SQLite file failed
-		// the router's start.
-		return nil
+		// wait PostgreSQL or MySQL gave up on): Verify read only the
+		// catalog before it had this check, which never waits, and a busy
+		// SQLite file failed the router's start. PostgreSQL takes the
+		// table's lock before it checks for a read-only transaction, so
+		// the dialect's lock-free read decides there.
+		return ib.verifyNotReadOnlyTx(ctx, err)
 	case isReadOnlyRefusal(err):
 		return fmt.Errorf("%w: a write to %s in a transaction begun as a message's was refused (DB reaches a replica,"+
 			" a server being demoted in a failover, or read-only sessions: default_transaction_read_only,"+
@@ -145,6 +146,34 @@ func (ib *Inbox) RouterPlugin(*message.Router) error {
 		case <-time.After(readOnlyRecheck):
 		}
 	}
+}
+
+// verifyNotReadOnlyTx asks, with the dialect's lock-free read
+// (readOnlyTxSQL), whether a transaction begun as a message's refuses
+// writes, after the write probe met lockErr: ErrDatabaseReadOnly when it
+// does, nil when it does not or nothing tells.
+func (ib *Inbox) verifyNotReadOnlyTx(ctx context.Context, lockErr error) error {
+	query := ib.dialect.readOnlyTxSQL()
+	if query == "" {
+		return nil
+	}
+	conn, tx, place, err := ib.beginOnConn(ctx)
+	if err != nil {
+		return fmt.Errorf("inbox: check that %s takes writes: %w", ib.table, err)
+	}
+	var readOnly bool
+	err = tx.QueryRowContext(ctx, query).Scan(&readOnly)
+	_ = tx.Rollback() // read only
+	conn.Close()
+	place.leave()
+	switch {
+	case err != nil:
+		return fmt.Errorf("inbox: check that %s takes writes: %w", ib.table, err)
+	case readOnly:
+		return fmt.Errorf("%w: transactions begun as a message's are read-only (DB reaches a replica, or sessions with"+
+			" default_transaction_read_only); the write to %s met a lock first: %w", ErrDatabaseReadOnly, ib.table, lockErr)
+	}
+	return nil
 }
 
 // readOnlyRecheck is how long RouterPlugin waits before it checks again
