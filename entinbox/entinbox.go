@@ -224,11 +224,21 @@ type savepoint struct {
 // inbox transaction. After Commit or Rollback it returns sql.ErrTxDone and
 // runs nothing (a failed statement would abort the whole transaction on
 // PostgreSQL).
+//
+// When ctx has ended, it rolls back to the savepoint instead and returns
+// ctx's error, as database/sql rolls back a transaction whose context
+// ended (a failed RELEASE kept the writes, to commit with the inbox row).
 func (s *savepoint) Commit() error {
 	if !s.end() {
 		return sql.ErrTxDone
 	}
-	if _, err := s.tx.ExecContext(s.ctx, "RELEASE SAVEPOINT "+s.name); err != nil {
+	if err := s.ctx.Err(); err != nil {
+		if rerr := s.rollbackTo(); rerr != nil {
+			return fmt.Errorf("entinbox: %w (and %w)", err, rerr)
+		}
+		return err
+	}
+	if _, err := s.tx.ExecContext(context.WithoutCancel(s.ctx), "RELEASE SAVEPOINT "+s.name); err != nil {
 		return fmt.Errorf("entinbox: release savepoint: %w", err)
 	}
 	return nil
@@ -237,14 +247,25 @@ func (s *savepoint) Commit() error {
 // Rollback rolls back to the savepoint and releases it: what was written
 // since it is undone, and the inbox transaction goes on. After Commit or
 // Rollback it returns sql.ErrTxDone and runs nothing.
+//
+// It runs even when ctx has ended (its statements are not cancelled with
+// it): a rollback cancelled with ctx kept the writes, which then committed
+// with the inbox row.
 func (s *savepoint) Rollback() error {
 	if !s.end() {
 		return sql.ErrTxDone
 	}
-	if _, err := s.tx.ExecContext(s.ctx, "ROLLBACK TO SAVEPOINT "+s.name); err != nil {
+	return s.rollbackTo()
+}
+
+// rollbackTo rolls back to the savepoint and releases it, whether or not
+// ctx has ended.
+func (s *savepoint) rollbackTo() error {
+	ctx := context.WithoutCancel(s.ctx)
+	if _, err := s.tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+s.name); err != nil {
 		return fmt.Errorf("entinbox: rollback to savepoint: %w", err)
 	}
-	if _, err := s.tx.ExecContext(s.ctx, "RELEASE SAVEPOINT "+s.name); err != nil {
+	if _, err := s.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+s.name); err != nil {
 		return fmt.Errorf("entinbox: release savepoint after rollback: %w", err)
 	}
 	return nil

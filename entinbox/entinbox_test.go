@@ -263,6 +263,56 @@ func TestDriver_client_refuses_statements_while_its_Tx_is_open(t *testing.T) {
 	})
 }
 
+// A client.Tx whose context ends is rolled back by its Rollback, and by its
+// Commit (which returns the context's error), as database/sql rolls back a
+// transaction whose context ended: its writes were kept and committed with
+// the inbox row, the statements that undo them cancelled with the context.
+func TestDriver_client_Tx_whose_context_ended_rolls_back(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		in, out := fx.router(true, func(msg *message.Message) error {
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			id := msg.Metadata.Get("order_id")
+			inv, err := client.Invoice.Create().SetOrderID(id).SetAmount(100).Save(msg.Context())
+			if err != nil {
+				return err
+			}
+			for _, end := range []string{"rollback", "commit"} {
+				ctx, cancel := context.WithCancel(msg.Context())
+				tx, err := client.Tx(ctx)
+				if err != nil {
+					cancel()
+					return err
+				}
+				if err := tx.Invoice.UpdateOneID(inv.ID).AddAmount(5000).Exec(ctx); err != nil {
+					cancel()
+					return err
+				}
+				cancel()
+				if end == "rollback" {
+					err = tx.Rollback()
+				} else if err = tx.Commit(); errors.Is(err, context.Canceled) {
+					err = nil
+				} else {
+					err = fmt.Errorf("commit after the context ended: %v, want context.Canceled", err)
+				}
+				if err != nil {
+					return fmt.Errorf("%s: %w", end, err)
+				}
+			}
+			return nil
+		})
+		if !in.Deliver(t, testrouter.Order(fx.orderID)) {
+			t.Fatalf("nacked: %v", out.Last())
+		}
+		if amount, _, ok := fx.invoice(fx.orderID); !ok || amount != 100 {
+			t.Errorf("invoice: found %t, amount %d; want 100 (both +5000 undone)", ok, amount)
+		}
+	})
+}
+
 // Without the inbox middleware Driver refuses with an error wrapping
 // inbox.ErrNoTx, and the handler writes nothing through the pool.
 func TestDriver_refuses_without_the_inbox_middleware(t *testing.T) {
