@@ -78,6 +78,13 @@ type Dialect interface {
 	// transaction back, and true; false when COMMIT itself fails for a
 	// transaction the database rolled back.
 	preCommitCheck(table qualifiedName) (query string, ok bool)
+	// statuslessCheck returns, where preCommitCheck has none, a query run
+	// before COMMIT only when the driver connection gives no transaction
+	// status (an instrumentation wrapper that hides it: driverTxEnded),
+	// that counts the claim's row in an open transaction (bind parameters:
+	// consumer, message id), 0 after the handler's ROLLBACK; false where
+	// COMMIT itself tells.
+	statuslessCheck(table qualifiedName) (query string, ok bool)
 	// uncodedBoundaryErrIsLostConn reports whether a COMMIT error whose
 	// chain carries no database error code means the connection was lost
 	// around the COMMIT, and whether a BEGIN that failed so is worth one

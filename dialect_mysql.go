@@ -131,6 +131,9 @@ func (mysqlDialect) preparesByDefault() bool { return true }
 // committed the key (then the message is processed either way). A locking
 // read, so that no isolation level can show another delivery's uncommitted
 // claim.
+// preCommitCheck runs whatever the driver says.
+func (mysqlDialect) statuslessCheck(qualifiedName) (string, bool) { return "", false }
+
 func (d mysqlDialect) preCommitCheck(t qualifiedName) (string, bool) {
 	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE", true
 }

@@ -94,6 +94,14 @@ func (postgresDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifi
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
 func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
 
+// The claim assigned the transaction an id; after a ROLLBACK the query runs
+// in a transaction of its own, which has none, and the row is gone unless
+// another delivery committed it.
+func (d postgresDialect) statuslessCheck(t qualifiedName) (string, bool) {
+	return "SELECT count(*) FROM " + t.quoted(d) + " WHERE consumer = $1 AND message_id = $2" +
+		" AND txid_current_if_assigned() IS NOT NULL", true
+}
+
 func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 
 func (postgresDialect) preparesByDefault() bool { return false }

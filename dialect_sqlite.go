@@ -111,6 +111,9 @@ func (sqliteDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualified
 // makes COMMIT fail: no transaction is active.
 func (sqliteDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
 
+// SQLite refuses the COMMIT of an ended transaction (commitFoundNoTx).
+func (sqliteDialect) statuslessCheck(qualifiedName) (string, bool) { return "", false }
+
 func (sqliteDialect) uncodedBoundaryErrIsLostConn() bool { return false }
 
 func (sqliteDialect) preparesByDefault() bool { return true }

@@ -64,7 +64,11 @@ var PurgeRetryable = purgeRetryable
 
 // DriverTxEnded is the pre-commit check's read of a driver connection's
 // transaction status (dc from database/sql's Conn.Raw).
-func DriverTxEnded(dc any) bool { return driverTxEnded(dc) }
+func DriverTxEnded(dc any) bool { ended, _ := driverTxEnded(dc); return ended }
+
+// DriverTxStatus is driverTxEnded: whether dc's transaction has ended, and
+// whether dc can tell.
+func DriverTxStatus(dc any) (ended, known bool) { return driverTxEnded(dc) }
 
 // SetTableBackoffHook makes ib call f with the wait of each delivery that
 // met a missing or incompatible table, before the wait. Call it before ib

@@ -61,6 +61,8 @@ type Inbox struct {
 	storedFingerprint   string // the query of a key's stored fingerprint
 	keyLockSQL          string // with locksKeys: the dialect's key lock, taken before the claim
 	heldSQL             string // with checksHeld: the dialect's pre-commit check
+	statuslessSQL       string // without checksHeld: the dialect's check for a driver that gives no status
+	statuslessNoted     sync.Once
 	locksKeys           bool
 	checksHeld          bool
 	nopLogger           bool // Logger is watermill.NopLogger: skip building log fields
@@ -345,6 +347,7 @@ func New(cfg Config) (*Inbox, error) {
 	}
 	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
+	ib.statuslessSQL, _ = cfg.Dialect.statuslessCheck(table)
 	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
 	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
 	if cfg.TracerProvider != nil {
@@ -645,6 +648,9 @@ type sqlTx struct {
 	// transaction) without meaning anything. Atomic: the handler's
 	// goroutines may publish to the outbox, which asks ended, at once.
 	endedEarly atomic.Bool
+	// statusUnknown: ended found a driver connection that gives no
+	// transaction status. Atomic, as endedEarly.
+	statusUnknown atomic.Bool
 }
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
@@ -658,15 +664,31 @@ func (t *sqlTx) newState(ib *Inbox, s *txState) error {
 	return nil
 }
 
+// stillClaimed runs the dialect's pre-commit check; where it has none, and
+// the driver connection gave no transaction status (ended), its
+// statuslessCheck.
 func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {
-	if !t.ib.checksHeld {
+	if t.ib.checksHeld {
+		return t.ib.held(ctx, t.tx, t.heldStmt, consumer, id)
+	}
+	if !t.statusUnknown.Load() || t.ib.statuslessSQL == "" {
 		return true, nil
 	}
-	return t.ib.held(ctx, t.tx, t.heldStmt, consumer, id)
+	t.ib.statuslessNoted.Do(func() {
+		t.ib.logger.Info("Inbox: the database/sql driver connection gives no transaction status (an instrumentation"+
+			" wrapper that keeps it unexported?): before each COMMIT the inbox reads its claim, one round trip more,"+
+			" so that a handler's ROLLBACK is not acked", nil)
+	})
+	var n int
+	err := t.tx.GetContext(ctx, &n, t.ib.statuslessSQL, consumer, id)
+	if errors.Is(err, sql.ErrTxDone) && t.ctx.Err() == nil {
+		// tx.Commit or tx.Rollback by the handler, as commit reports it.
+		t.endedEarly.Store(true)
+		return false, fmt.Errorf("%w: %w", ErrTransactionEnded, err)
+	}
+	return n > 0, err
 }
 
-// ended asks the driver connection, through Conn.Raw, what the server last
-// said about its transaction (see driverTxEnded).
 func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
 	if t.sameFingerprint {
 		return nil, nil // matches: the claim said so
@@ -686,12 +708,18 @@ func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]b
 	return fp, err
 }
 
+// ended asks the driver connection, through Conn.Raw, what the server last
+// said about its transaction (see driverTxEnded), and notes a driver that
+// cannot tell for stillClaimed.
 func (t *sqlTx) ended() bool {
-	var ended bool
+	var ended, known bool
 	_ = t.conn.Raw(func(dc any) error {
-		ended = driverTxEnded(dc)
+		ended, known = driverTxEnded(dc)
 		return nil
 	})
+	if !known {
+		t.statusUnknown.Store(true)
+	}
 	if ended {
 		t.endedEarly.Store(true) // the transaction does not open again
 	}

@@ -32,44 +32,48 @@ import (
 //     the handler's COMMIT or ROLLBACK costs nothing to detect there either.
 //
 // A driver connection wrapped by an instrumentation package is read
-// through the driver.Conn it wraps, when that is an exported field:
-// github.com/XSAM/otelsql (otConn embeds driver.Conn), DataDog's sqltrace
-// and qustavo/sqlhooks keep it so. Unwrapped, a handler's ROLLBACK through
-// otelsql over pgx went undetected: the inbox's COMMIT found no
-// transaction, PostgreSQL only warned, and the message was acked with
-// nothing written.
+// through the driver.Conn it wraps, when that is an exported field, its own
+// or an exported embedded struct's: github.com/XSAM/otelsql (otConn embeds
+// driver.Conn), DataDog's sqltrace and qustavo/sqlhooks keep it so.
+// Unwrapped, a handler's ROLLBACK through otelsql over pgx went undetected:
+// the inbox's COMMIT found no transaction, PostgreSQL only warned, and the
+// message was acked with nothing written.
 //
-// A driver not listed, or one whose internals changed, reports "not ended":
-// the inbox then behaves as before the check, and the tests of every
-// supported driver fail loudly on such a change.
+// A driver that gives no status (not listed, a wrapper that keeps its
+// connection unexported, as ngrok/sqlmw and instrumentedsql do, or one
+// whose internals changed) reports that it cannot tell: on PostgreSQL the
+// inbox then reads its claim before each COMMIT (Dialect.statuslessCheck,
+// one round trip more), as it does on MySQL/MariaDB for every driver.
 
-// txProbe reads whether a driver connection's transaction has ended.
-type txProbe func(dc reflect.Value) bool
+// txProbe reads whether a driver connection's transaction has ended, and
+// whether it could tell.
+type txProbe func(dc reflect.Value) (ended, known bool)
 
 // txProbes caches, by driver connection type, its probe (nil: none).
 var txProbes sync.Map // reflect.Type -> txProbe
 
 // driverTxEnded reports whether the driver connection dc (from Conn.Raw)
-// says that the server has no transaction open on it. False when the driver
-// cannot tell.
-func driverTxEnded(dc any) bool {
+// says that the server has no transaction open on it, and whether it can
+// tell at all (known): a driver that cannot reports false, false.
+func driverTxEnded(dc any) (ended, known bool) {
 	if c, ok := dc.(interface{ AutoCommit() bool }); ok { // mattn/go-sqlite3
-		return c.AutoCommit()
+		return c.AutoCommit(), true
 	}
 	t := reflect.TypeOf(dc)
 	p, ok := txProbes.Load(t)
 	if !ok {
-		p, _ = txProbes.LoadOrStore(t, newTxProbe(t))
+		p, _ = txProbes.LoadOrStore(t, newTxProbe(t, 0))
 	}
 	probe := p.(txProbe)
 	if probe == nil {
-		return false
+		return false, false
 	}
 	return probe(reflect.ValueOf(dc))
 }
 
-// newTxProbe returns the probe for driver connection type t, or nil.
-func newTxProbe(t reflect.Type) txProbe {
+// newTxProbe returns the probe for driver connection type t, or nil;
+// depth counts the embedded structs it went through.
+func newTxProbe(t reflect.Type, depth int) txProbe {
 	if t == nil || t.Kind() != reflect.Pointer || t.Elem().Kind() != reflect.Struct {
 		return nil
 	}
@@ -79,19 +83,48 @@ func newTxProbe(t reflect.Type) txProbe {
 		return pgxStdlibProbe(t)
 	case s.PkgPath() == "github.com/lib/pq" && s.Name() == "conn":
 		if f, ok := s.FieldByName("txnStatus"); ok && f.Type.Kind() == reflect.Uint8 {
-			return func(v reflect.Value) bool { return v.Elem().FieldByIndex(f.Index).Uint() == 'I' }
+			return func(v reflect.Value) (bool, bool) { return v.Elem().FieldByIndex(f.Index).Uint() == 'I', true }
 		}
 	case s.PkgPath() == "github.com/go-sql-driver/mysql" && s.Name() == "mysqlConn":
 		if f, ok := s.FieldByName("status"); ok && f.Type.Kind() == reflect.Uint16 {
 			const serverStatusInTrans = 1
-			return func(v reflect.Value) bool { return v.Elem().FieldByIndex(f.Index).Uint()&serverStatusInTrans == 0 }
+			return func(v reflect.Value) (bool, bool) {
+				return v.Elem().FieldByIndex(f.Index).Uint()&serverStatusInTrans == 0, true
+			}
 		}
 	default:
-		for i := range s.NumField() {
-			if f := s.Field(i); f.IsExported() && f.Type == reflect.TypeFor[driver.Conn]() {
-				return func(v reflect.Value) bool { // a wrapper: its driver connection's answer
-					inner := v.Elem().Field(i)
-					return !inner.IsNil() && driverTxEnded(inner.Interface())
+		return wrapperProbe(s, depth)
+	}
+	return nil
+}
+
+// wrapperProbe returns the probe of an instrumentation wrapper's struct
+// type s: the answer of the driver.Conn it keeps in an exported field, its
+// own or one of an exported embedded struct's (sqlhooks keeps it in an
+// embedded *Conn), at most two structs down; nil when there is none.
+func wrapperProbe(s reflect.Type, depth int) txProbe {
+	for i := range s.NumField() {
+		f := s.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		if f.Type == reflect.TypeFor[driver.Conn]() {
+			return func(v reflect.Value) (bool, bool) {
+				inner := v.Elem().Field(i)
+				if inner.IsNil() {
+					return false, false
+				}
+				return driverTxEnded(inner.Interface())
+			}
+		}
+		if f.Anonymous && depth < 2 && f.Type.Kind() == reflect.Pointer && f.Type.Elem().Kind() == reflect.Struct {
+			if probe := newTxProbe(f.Type, depth+1); probe != nil {
+				return func(v reflect.Value) (bool, bool) {
+					embedded := v.Elem().Field(i)
+					if embedded.IsNil() {
+						return false, false
+					}
+					return probe(embedded)
 				}
 			}
 		}
@@ -112,16 +145,16 @@ func pgxStdlibProbe(t reflect.Type) txProbe {
 		!pgConn.Type.Out(0).Implements(reflect.TypeFor[txStatuser]()) {
 		return nil
 	}
-	return func(v reflect.Value) bool {
+	return func(v reflect.Value) (bool, bool) {
 		c := conn.Func.Call([]reflect.Value{v})[0]
 		if c.IsNil() {
-			return false
+			return false, false
 		}
 		pc := pgConn.Func.Call([]reflect.Value{c})[0]
 		if pc.IsNil() {
-			return false
+			return false, false
 		}
-		return pc.Interface().(txStatuser).TxStatus() == 'I'
+		return pc.Interface().(txStatuser).TxStatus() == 'I', true
 	}
 }
 

@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql/driver"
 	"path/filepath"
 	"testing"
 
@@ -55,4 +56,60 @@ func BenchmarkDriverTxEnded(b *testing.B) {
 			b.ReportMetric(float64(ended), "ended")
 		})
 	}
+}
+
+// HooksConn and sqlhooksWrapper have the shape of qustavo/sqlhooks'
+// connections: the driver connection in an exported field of an embedded
+// struct.
+type HooksConn struct{ Conn driver.Conn }
+
+type sqlhooksWrapper struct{ *HooksConn }
+
+// sqlmwConn has the shape of ngrok/sqlmw's: the driver connection
+// unexported.
+type sqlmwConn struct{ parent driver.Conn }
+
+// The transaction status is read through a wrapper that keeps the driver
+// connection in an exported field, its own or an embedded struct's, and a
+// wrapper that hides it reports that it cannot tell (the inbox then reads
+// its claim before COMMIT).
+func TestDriverTxStatusThroughWrappers(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	conn, err := db.Connx(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	check := func(inTx bool) {
+		t.Helper()
+		if err := conn.Raw(func(dc any) error {
+			for _, c := range []struct {
+				name      string
+				dc        any
+				wantKnown bool
+			}{
+				{"pgx", dc, true},
+				{"sqlhooks shape", &sqlhooksWrapper{&HooksConn{Conn: dc.(driver.Conn)}}, true},
+				{"sqlhooks shape, nil inside", &sqlhooksWrapper{}, false},
+				{"sqlmw shape", &sqlmwConn{parent: dc.(driver.Conn)}, false},
+			} {
+				ended, known := inbox.DriverTxStatus(c.dc)
+				if known != c.wantKnown || (known && ended == inTx) {
+					t.Errorf("%s, in a transaction %t: ended %t, known %t; want known %t", c.name, inTx, ended, known, c.wantKnown)
+				}
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check(false)
+	tx, err := conn.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	check(true)
 }
