@@ -183,9 +183,8 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // the driver.Conn it wraps in an exported field (XSAM/otelsql, DataDog's
 // sqltrace, sqlhooks); on modernc.org/sqlite from the COMMIT that SQLite
 // refuses. Through a wrapper that hides it (ngrok/sqlmw, instrumentedsql)
-// the inbox reads its claim before COMMIT on PostgreSQL (one round trip
-// more, logged once at Info), and a ROLLBACK or COMMIT statement is then
-// reported as ErrTxRolledBack, as on MySQL/MariaDB. On MySQL/MariaDB a ROLLBACK statement (which removed the inbox
+// the inbox reads its claim on PostgreSQL before COMMIT and before each
+// outbox write (one round trip more each, logged once at Info). On MySQL/MariaDB a ROLLBACK statement (which removed the inbox
 // row) looks exactly like a deadlock the handler ignored and is reported as
 // ErrTxRolledBack; tx.Rollback is ErrTransactionEnded there too. Not
 // detected: a handler that ends the transaction and begins another before

@@ -520,7 +520,8 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
-	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt}
+	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt,
+		consumer: d.consumer, id: d.id}
 	ib.hooks.begun()
 	var n int64
 	if lock.lockedClaim != "" {
@@ -647,10 +648,8 @@ type sqlTx struct {
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
 	// transaction) without meaning anything. Atomic: the handler's
 	// goroutines may publish to the outbox, which asks ended, at once.
-	endedEarly atomic.Bool
-	// statusUnknown: ended found a driver connection that gives no
-	// transaction status. Atomic, as endedEarly.
-	statusUnknown atomic.Bool
+	endedEarly   atomic.Bool
+	consumer, id string // the claim's key, for statuslessCheck
 }
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
@@ -664,29 +663,11 @@ func (t *sqlTx) newState(ib *Inbox, s *txState) error {
 	return nil
 }
 
-// stillClaimed runs the dialect's pre-commit check; where it has none, and
-// the driver connection gave no transaction status (ended), its
-// statuslessCheck.
 func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {
-	if t.ib.checksHeld {
-		return t.ib.held(ctx, t.tx, t.heldStmt, consumer, id)
-	}
-	if !t.statusUnknown.Load() || t.ib.statuslessSQL == "" {
+	if !t.ib.checksHeld {
 		return true, nil
 	}
-	t.ib.statuslessNoted.Do(func() {
-		t.ib.logger.Info("Inbox: the database/sql driver connection gives no transaction status (an instrumentation"+
-			" wrapper that keeps it unexported?): before each COMMIT the inbox reads its claim, one round trip more,"+
-			" so that a handler's ROLLBACK is not acked", nil)
-	})
-	var n int
-	err := t.tx.GetContext(ctx, &n, t.ib.statuslessSQL, consumer, id)
-	if errors.Is(err, sql.ErrTxDone) && t.ctx.Err() == nil {
-		// tx.Commit or tx.Rollback by the handler, as commit reports it.
-		t.endedEarly.Store(true)
-		return false, fmt.Errorf("%w: %w", ErrTransactionEnded, err)
-	}
-	return n > 0, err
+	return t.ib.held(ctx, t.tx, t.heldStmt, consumer, id)
 }
 
 func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]byte, error) {
@@ -708,9 +689,38 @@ func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]b
 	return fp, err
 }
 
+// endedByClaimRead is ended for a driver connection that gives no
+// transaction status (a wrapper that hides it): the dialect's
+// statuslessCheck reads the claim in the transaction, one round trip, and
+// a claim not there (the handler's ROLLBACK, or its COMMIT: the check runs
+// in a new transaction then) or a transaction database/sql has ended
+// (tx.Commit, tx.Rollback) is an ended transaction. Where the dialect has no
+// such check (MySQL's pre-commit check runs anyway; SQLite refuses the
+// COMMIT), or the read fails otherwise (an aborted transaction, whose
+// COMMIT reports it), it is not.
+func (t *sqlTx) endedByClaimRead() bool {
+	if t.ib.statuslessSQL == "" {
+		return false
+	}
+	t.ib.statuslessNoted.Do(func() {
+		t.ib.logger.Info("Inbox: the database/sql driver connection gives no transaction status (an instrumentation"+
+			" wrapper that keeps it unexported?): before each COMMIT and outbox write the inbox reads its claim, one"+
+			" round trip more, so that a handler's ROLLBACK is not acked", nil)
+	})
+	var n int
+	err := t.tx.GetContext(t.ctx, &n, t.ib.statuslessSQL, t.consumer, t.id)
+	switch {
+	case errors.Is(err, sql.ErrTxDone):
+		return t.ctx.Err() == nil // not the commit bound's rollback
+	case err != nil:
+		return false
+	}
+	return n == 0
+}
+
 // ended asks the driver connection, through Conn.Raw, what the server last
-// said about its transaction (see driverTxEnded), and notes a driver that
-// cannot tell for stillClaimed.
+// said about its transaction (see driverTxEnded); where it cannot tell,
+// endedByClaimRead decides.
 func (t *sqlTx) ended() bool {
 	var ended, known bool
 	_ = t.conn.Raw(func(dc any) error {
@@ -718,7 +728,7 @@ func (t *sqlTx) ended() bool {
 		return nil
 	})
 	if !known {
-		t.statusUnknown.Store(true)
+		ended = t.endedByClaimRead()
 	}
 	if ended {
 		t.endedEarly.Store(true) // the transaction does not open again

@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -51,6 +52,56 @@ func TestInstrumentedDriversProcessEachMessageOnce(t *testing.T) {
 			}
 			if calls != 1 || f.businessRows() != 1 || f.inboxRows() != 1 {
 				t.Errorf("handler calls %d, business rows %d, inbox rows %d; want 1 each", calls, f.businessRows(), f.inboxRows())
+			}
+		})
+	}
+}
+
+// Through a driver wrapper that hides the transaction status, a handler
+// that ran ROLLBACK and then emits outputs (published through
+// OutboxFromContext, or returned) writes nothing to the outbox and is
+// nacked: the outbox INSERT ran outside any transaction and committed on
+// its own, so the outputs of a message that was not processed were sent,
+// and sent again under new UUIDs by the redelivery.
+func TestOutboxWritesNothingAfterARollbackThroughAHiddenStatusWrapper(t *testing.T) {
+	t.Parallel()
+	for _, emit := range []string{"published", "returned"} {
+		t.Run(emit, func(t *testing.T) {
+			t.Parallel()
+			db := sqlx.NewDb(testdb.OpenPostgresWith(t, hiddenConnPgx(), "").DB, "pgx")
+			broker := newBrokerStub()
+			ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+			var publishErr error
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware)
+				r.AddHandler("billing", "orders", in, "invoices", &recordingPublisher{fail: true}, func(msg *message.Message) ([]*message.Message, error) {
+					if err := f.writeBusinessRow(msg); err != nil {
+						return nil, err
+					}
+					tx, _ := inbox.TxFromContext(msg.Context())
+					if _, err := tx.ExecContext(msg.Context(), "ROLLBACK"); err != nil {
+						return nil, err
+					}
+					out := message.NewMessage(msg.UUID+"-invoice", nil)
+					if emit == "published" {
+						pub, _ := inbox.OutboxFromContext(msg.Context())
+						publishErr = pub.Publish("invoices", out)
+						return nil, nil // and ignores that error
+					}
+					return []*message.Message{out}, nil
+				})
+			})
+			if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Error("acked a message whose handler rolled its transaction back")
+			}
+			if emit == "published" && publishErr == nil {
+				t.Error("the outbox took a message after the handler's ROLLBACK")
+			}
+			if n := count(t, db, relayTable(t, ob), ""); n != 0 {
+				t.Errorf("%d outbox rows written for a message that was rolled back, want 0", n)
 			}
 		})
 	}
