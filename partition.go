@@ -364,18 +364,41 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		if _, err := tx.ExecContext(ctx, "SAVEPOINT inbox_reattach"); err != nil {
 			return fmt.Errorf("inbox: attach partition %s again: %w", p, err)
 		}
-		if err := attachStatements(ctx, tx, t, p, lo, hi, "", "COMMENT ON TABLE "+p.quoted(d)+" IS NULL"); err != nil {
+		err := attachStatements(ctx, tx, t, p, lo, hi, "", "COMMENT ON TABLE "+p.quoted(d)+" IS NULL")
+		if err == nil {
+			err = dropDetachChecks(ctx, tx, p)
+		}
+		if err != nil {
 			if _, rerr := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT inbox_reattach"); rerr != nil {
 				return fmt.Errorf("inbox: attach partition %s again: %w (and roll back to its savepoint: %w)", p, err, rerr)
 			}
 		}
-		_, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT inbox_reattach")
+		_, err = tx.ExecContext(ctx, "RELEASE SAVEPOINT inbox_reattach")
 		return err
 	case kind.Exists:
 		return fmt.Errorf("%w: inbox: create partition %s of %s: a table or partition of that name exists and is not one"+
 			" of %s's partitions; rename or drop it", ErrIncompatibleTable, p, t, t)
 	}
 	return attachStatements(ctx, tx, t, p, lo, hi, create, "")
+}
+
+// dropDetachChecks drops the CHECK constraints of p, attached again, that
+// are its own (not inherited): DETACH PARTITION ... CONCURRENTLY adds one
+// that copies the partition's bound, which Verify then refused as a CHECK
+// on a partition, and the router did not start.
+func dropDetachChecks(ctx context.Context, tx *sqlx.Tx, p qualifiedName) error {
+	d := PostgreSQLPartitioned
+	var names []string
+	if err := sqlx.SelectContext(ctx, tx, &names, `SELECT conname::text FROM pg_constraint
+		WHERE conrelid = to_regclass($1) AND contype = 'c' AND conislocal AND coninhcount = 0`, p.quoted(d)); err != nil {
+		return err
+	}
+	for _, name := range names {
+		if _, err := tx.ExecContext(ctx, "ALTER TABLE "+p.quoted(d)+" DROP CONSTRAINT "+d.quote(name)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // attachStatements runs create (unless "") and then attaches p to t for

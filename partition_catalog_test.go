@@ -168,7 +168,7 @@ func TestPartitionLeftDetachedInTheKeptRangeIsDroppedByTheNextRound(t *testing.T
 			exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'y', $1)", today.Add(-time.Hour))
 			// What a DropPartitions interrupted between its DETACH and its DROP leaves.
 			exec(t, plain, "COMMENT ON TABLE "+yesterday+" IS '"+inbox.DetachedPartitionComment+"'")
-			exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday)
+			exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+yesterday+" CONCURRENTLY") // as DropPartitions does
 			if sinceDetach != "" {
 				exec(t, plain, strings.ReplaceAll(sinceDetach, "{t}", table))
 			}
@@ -179,6 +179,11 @@ func TestPartitionLeftDetachedInTheKeptRangeIsDroppedByTheNextRound(t *testing.T
 			}
 			if err := ib.InitializeSchema(ctx); err != nil {
 				t.Errorf("InitializeSchema: %v", err)
+			}
+			// Attached again, it carries nothing Verify refuses (DETACH
+			// ... CONCURRENTLY added a CHECK of its bound).
+			if err := ib.Verify(ctx); err != nil {
+				t.Errorf("Verify: %v", err)
 			}
 			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Table: table, OlderThan: olderThan}})
 			if err != nil {
