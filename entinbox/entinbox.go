@@ -136,16 +136,22 @@ type txDriver struct {
 	entsql.Conn // Exec and Query, on tx
 	tx          *sql.Tx
 	dialect     string
-	// open counts the transactions (savepoints) started on the driver and
-	// not yet committed or rolled back.
-	open atomic.Int32
+	// mu is held shared by the client's statements while they run, and
+	// exclusively while a transaction starts or ends, so that no statement
+	// of the client runs across a savepoint's start or end.
+	mu sync.RWMutex
+	// open is whether a transaction (a savepoint) started on the driver is
+	// not yet committed or rolled back. Under mu.
+	open bool
 }
 
 // Exec runs a statement of the client in the inbox transaction, unless a
 // transaction of the client is open (ErrTxOpen).
 func (d *txDriver) Exec(ctx context.Context, query string, args, v any) error {
-	if err := d.noneOpen(); err != nil {
-		return err
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.open {
+		return errTxOpen()
 	}
 	return d.Conn.Exec(ctx, query, args, v)
 }
@@ -153,20 +159,19 @@ func (d *txDriver) Exec(ctx context.Context, query string, args, v any) error {
 // Query runs a query of the client in the inbox transaction, unless a
 // transaction of the client is open (ErrTxOpen).
 func (d *txDriver) Query(ctx context.Context, query string, args, v any) error {
-	if err := d.noneOpen(); err != nil {
-		return err
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.open {
+		return errTxOpen()
 	}
 	return d.Conn.Query(ctx, query, args, v)
 }
 
-// noneOpen returns an error wrapping ErrTxOpen while a transaction started
-// on d is open.
-func (d *txDriver) noneOpen() error {
-	if n := d.open.Load(); n > 0 {
-		return fmt.Errorf("%w (%d open): its Rollback would undo this statement as well, which on a pool would be apart from"+
-			" it; run it through the transaction's client (tx.Client()) or after its Commit or Rollback", ErrTxOpen, n)
-	}
-	return nil
+// errTxOpen is the error of a statement or transaction of the client while
+// one of its transactions is open.
+func errTxOpen() error {
+	return fmt.Errorf("%w: its Rollback would undo this statement as well, which on a pool would be apart from it;"+
+		" run it through the transaction's client (tx.Client()) or after its Commit or Rollback", ErrTxOpen)
 }
 
 // Dialect returns the dialect name given to Driver.
@@ -179,16 +184,21 @@ var savepoints atomic.Uint64
 
 // Tx starts a savepoint in the inbox transaction. ctx is used until the
 // returned Tx is committed (released) or rolled back.
+//
+// When ctx ends before the Tx is committed or rolled back, the Tx is rolled
+// back, as database/sql rolls back a transaction whose context ended.
 func (d *txDriver) Tx(ctx context.Context) (dialect.Tx, error) {
-	if err := d.noneOpen(); err != nil {
-		return nil, err
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.open {
+		return nil, errTxOpen()
 	}
-	sp := &savepoint{Conn: d.Conn, tx: d.tx, ctx: ctx, name: fmt.Sprintf("entinbox_%d", savepoints.Add(1)), open: &d.open}
-	d.open.Add(1)
+	sp := &savepoint{Conn: d.Conn, tx: d.tx, ctx: ctx, name: fmt.Sprintf("entinbox_%d", savepoints.Add(1)), drv: d}
 	if _, err := d.tx.ExecContext(ctx, "SAVEPOINT "+sp.name); err != nil {
-		sp.end()
 		return nil, fmt.Errorf("entinbox: savepoint: %w", err)
 	}
+	d.open = true
+	sp.stop = context.AfterFunc(ctx, func() { _ = sp.Rollback() })
 	return sp, nil
 }
 
@@ -214,10 +224,35 @@ type savepoint struct {
 	ctx         context.Context
 	name        string
 
-	open *atomic.Int32 // the driver's count of open transactions
+	drv  *txDriver   // the driver it was started on
+	stop func() bool // stops the rollback when ctx ends
 
+	// mu is held while the savepoint's statements run, and while it ends.
 	mu   sync.Mutex
 	done bool
+}
+
+// Exec runs a statement of the Tx, or returns sql.ErrTxDone after its
+// Commit or Rollback, as database/sql's Tx does: it ran, and committed with
+// the inbox row.
+func (s *savepoint) Exec(ctx context.Context, query string, args, v any) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return sql.ErrTxDone
+	}
+	return s.Conn.Exec(ctx, query, args, v)
+}
+
+// Query runs a query of the Tx, or returns sql.ErrTxDone after its Commit
+// or Rollback.
+func (s *savepoint) Query(ctx context.Context, query string, args, v any) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return sql.ErrTxDone
+	}
+	return s.Conn.Query(ctx, query, args, v)
 }
 
 // Commit releases the savepoint: what was written since it stays in the
@@ -232,6 +267,7 @@ func (s *savepoint) Commit() error {
 	if !s.end() {
 		return sql.ErrTxDone
 	}
+	defer s.finish()
 	if err := s.ctx.Err(); err != nil {
 		if rerr := s.rollbackTo(); rerr != nil {
 			return fmt.Errorf("entinbox: %w (and %w)", err, rerr)
@@ -255,6 +291,7 @@ func (s *savepoint) Rollback() error {
 	if !s.end() {
 		return sql.ErrTxDone
 	}
+	defer s.finish()
 	return s.rollbackTo()
 }
 
@@ -271,16 +308,24 @@ func (s *savepoint) rollbackTo() error {
 	return nil
 }
 
-// end marks the savepoint ended and reports whether it was still open.
+// end marks the savepoint ended and reports whether it was still open; it
+// waits for a statement of the Tx that is running.
 func (s *savepoint) end() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	open := !s.done
-	if open {
-		s.open.Add(-1)
-	}
 	s.done = true
 	return open
+}
+
+// finish lets the client run statements and transactions again, once the
+// savepoint's end has run: before it, a client statement could run between
+// the end and its ROLLBACK TO, and be undone.
+func (s *savepoint) finish() {
+	s.stop()
+	s.drv.mu.Lock()
+	s.drv.open = false
+	s.drv.mu.Unlock()
 }
 
 var (

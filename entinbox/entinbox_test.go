@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"entgo.io/ent/dialect"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -309,6 +310,62 @@ func TestDriver_client_Tx_whose_context_ended_rolls_back(t *testing.T) {
 		}
 		if amount, _, ok := fx.invoice(fx.orderID); !ok || amount != 100 {
 			t.Errorf("invoice: found %t, amount %d; want 100 (both +5000 undone)", ok, amount)
+		}
+	})
+}
+
+// A client.Tx behaves as database/sql's Tx once it ends: a statement
+// through it after its Commit or Rollback returns sql.ErrTxDone and writes
+// nothing (it ran, and committed with the inbox row), and one whose context
+// ends without a Commit or Rollback is rolled back, leaving the client
+// usable (its writes were kept, and the client refused everything after).
+func TestDriver_client_Tx_ends_as_database_sql_s_does(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		in, out := fx.router(true, func(msg *message.Message) error {
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			id := msg.Metadata.Get("order_id")
+			inv, err := client.Invoice.Create().SetOrderID(id).SetAmount(100).Save(msg.Context())
+			if err != nil {
+				return err
+			}
+			tx, err := client.Tx(msg.Context())
+			if err != nil {
+				return err
+			}
+			if err := tx.Rollback(); err != nil {
+				return err
+			}
+			if err := tx.Invoice.UpdateOneID(inv.ID).AddAmount(1000).Exec(msg.Context()); !errors.Is(err, sql.ErrTxDone) {
+				return fmt.Errorf("an update through the Tx after its Rollback: %v, want sql.ErrTxDone", err)
+			}
+			ctx, cancel := context.WithCancel(msg.Context())
+			abandoned, err := client.Tx(ctx)
+			if err != nil {
+				cancel()
+				return err
+			}
+			if err := abandoned.Invoice.UpdateOneID(inv.ID).AddAmount(5000).Exec(ctx); err != nil {
+				cancel()
+				return err
+			}
+			cancel() // and never committed nor rolled back
+			var last error
+			for range 100 { // the rollback runs on a goroutine of its own
+				if last = client.Invoice.UpdateOneID(inv.ID).AddAmount(1).Exec(msg.Context()); !errors.Is(last, entinbox.ErrTxOpen) {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			return last
+		})
+		if !in.Deliver(t, testrouter.Order(fx.orderID)) {
+			t.Fatalf("nacked: %v", out.Last())
+		}
+		if amount, _, ok := fx.invoice(fx.orderID); !ok || amount != 101 {
+			t.Errorf("invoice: found %t, amount %d; want 101 (+1000 refused, +5000 rolled back, +1 kept)", ok, amount)
 		}
 	})
 }
