@@ -118,6 +118,10 @@ type Dialect interface {
 	// read-only transaction or server: isReadOnlyRefusal); Verify runs it
 	// in a transaction it rolls back.
 	writeProbeSQL(table qualifiedName) string
+	// writeProbeLockTimeout returns a statement, run in the write probe's
+	// transaction before it, that bounds the probe's wait for the table's
+	// lock to that transaction ("" where none is set that way).
+	writeProbeLockTimeout() string
 	// readOnlyTxSQL returns a query, run in a transaction begun as a
 	// message's, that takes no lock and reports whether the transaction
 	// refuses writes, for when writeProbeSQL could not take its lock; ""

@@ -164,6 +164,9 @@ func (d mysqlDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT '', '', UTC_TIMESTAMP(6) FROM DUAL WHERE 1 = 0"
 }
 
+// MySQL has no SET LOCAL, and lock_wait_timeout would outlive the transaction.
+func (mysqlDialect) writeProbeLockTimeout() string { return "" }
+
 func (mysqlDialect) readOnlyTxSQL() string { return "" }
 
 func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {

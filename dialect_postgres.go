@@ -256,6 +256,8 @@ func (d postgresDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id) SELECT '', '' WHERE false"
 }
 
+func (postgresDialect) writeProbeLockTimeout() string { return "SET LOCAL lock_timeout = '2s'" }
+
 func (postgresDialect) readOnlyTxSQL() string {
 	return "SELECT current_setting('transaction_read_only') = 'on'"
 }

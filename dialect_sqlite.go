@@ -140,6 +140,9 @@ func (d sqliteDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id) SELECT '', '' WHERE 0"
 }
 
+// busy_timeout bounds SQLite's wait.
+func (sqliteDialect) writeProbeLockTimeout() string { return "" }
+
 func (sqliteDialect) readOnlyTxSQL() string { return "" }
 
 func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {

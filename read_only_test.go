@@ -171,7 +171,10 @@ func TestVerifyPassesWhileAnotherProcessHoldsTheWriteLock(t *testing.T) {
 // CREATE INDEX's SHARE lock on the inbox table, and the role's lock_timeout:
 // PostgreSQL takes the table's lock before it checks for a read-only
 // transaction) is still reported read-only: the lock made Verify pass, and
-// the router started on a replica.
+// the router started on a replica. A session that takes writes passes,
+// whether its role's lock_timeout, its statement_timeout or the check's own
+// lock_timeout ends the wait (a statement_timeout failed Verify, and no
+// timeout at all waited for VerifyTimeout and failed it).
 func TestVerifyReportsAReadOnlySessionBehindALock(t *testing.T) {
 	t.Parallel()
 	plain := testdb.OpenPostgres(t, "")
@@ -181,7 +184,7 @@ func TestVerifyReportsAReadOnlySessionBehindALock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer holder.Rollback()
+	t.Cleanup(func() { holder.Rollback() }) // after the cases below
 	if _, err := holder.Exec("LOCK TABLE " + f.inbox + " IN SHARE MODE"); err != nil {
 		t.Fatal(err)
 	}
@@ -191,13 +194,20 @@ func TestVerifyReportsAReadOnlySessionBehindALock(t *testing.T) {
 	}{
 		{"default_transaction_read_only=on&lock_timeout=200", inbox.ErrDatabaseReadOnly},
 		{"lock_timeout=200", nil}, // takes writes, once the lock is gone
+		{"default_transaction_read_only=on&statement_timeout=200", inbox.ErrDatabaseReadOnly},
+		{"statement_timeout=200", nil},
+		{"default_transaction_read_only=on", inbox.ErrDatabaseReadOnly}, // the check's own lock_timeout
+		{"", nil},
 	} {
-		ib, err := inbox.New(inbox.Config{DB: testdb.OpenPostgres(t, c.param), Table: f.inbox})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := ib.Verify(context.Background()); !errors.Is(err, c.want) || (c.want == nil && err != nil) {
-			t.Errorf("%s, table locked: Verify = %v, want %v", c.param, err, c.want)
-		}
+		t.Run(c.param, func(t *testing.T) {
+			t.Parallel()
+			ib, err := inbox.New(inbox.Config{DB: testdb.OpenPostgres(t, c.param), Table: f.inbox})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ib.Verify(context.Background()); !errors.Is(err, c.want) || (c.want == nil && err != nil) {
+				t.Errorf("table locked: Verify = %v, want %v", err, c.want)
+			}
+		})
 	}
 }

@@ -76,7 +76,12 @@ func (ib *Inbox) Verify(ctx context.Context) error {
 func (ib *Inbox) verifyWritable(ctx context.Context) error {
 	conn, tx, place, err := ib.beginOnConn(ctx)
 	if err == nil {
-		_, err = tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table))
+		if setup := ib.dialect.writeProbeLockTimeout(); setup != "" {
+			_, err = tx.ExecContext(ctx, setup)
+		}
+		if err == nil {
+			_, err = tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table))
+		}
 		rollbackErr := tx.Rollback()
 		conn.Close()
 		place.leave()
@@ -87,9 +92,10 @@ func (ib *Inbox) verifyWritable(ctx context.Context) error {
 	switch {
 	case err == nil:
 		return nil
-	case isConflict(err):
+	case isConflict(err) || hasSQLState(err, "57014"):
 		// Busy or locked (SQLite while another process writes, a lock
-		// wait PostgreSQL or MySQL gave up on): Verify read only the
+		// wait PostgreSQL or MySQL gave up on, by the dialect's bound or a
+		// role's lock_timeout or statement_timeout): Verify read only the
 		// catalog before it had this check, which never waits, and a busy
 		// SQLite file failed the router's start. PostgreSQL takes the
 		// table's lock before it checks for a read-only transaction, so
