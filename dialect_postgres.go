@@ -499,6 +499,13 @@ SELECT 'trigger ' || quote_ident(tgname) ||
   FROM pg_trigger tg WHERE tgrelid IN (SELECT oid FROM tree) AND NOT tgisinternal
    AND COALESCE((to_jsonb(tg) ->> 'tgparentid')::oid, 0) = 0
 UNION ALL
+SELECT 'exclusion constraint ' || quote_ident(conname) ||
+       CASE WHEN conrelid = (SELECT oid FROM t) THEN '' ELSE ' on partition ' || conrelid::regclass::text END ||
+       ': it rejects ids it takes for conflicting, on every redelivery',
+       'ALTER TABLE ' || CASE WHEN conrelid = (SELECT oid FROM t) THEN $1 ELSE conrelid::regclass::text END ||
+       ' DROP CONSTRAINT ' || quote_ident(conname)
+  FROM pg_constraint WHERE contype = 'x' AND conrelid IN (SELECT oid FROM tree) AND conparentid = 0
+UNION ALL
 SELECT 'rule ' || quote_ident(rulename) || ': it can rewrite or drop the claim',
        'DROP RULE ' || quote_ident(rulename) || ' ON ' || $1
   FROM pg_rewrite WHERE ev_class = (SELECT oid FROM t) AND rulename <> '_RETURN'

@@ -654,6 +654,7 @@ func TestVerify_refusesObjectsThatChangeTheClaimOrThePurge(t *testing.T) {
 				"CREATE TRIGGER {t}_lower BEFORE INSERT ON {t} FOR EACH ROW EXECUTE FUNCTION {t}_lower()"},
 			"rule":        {"CREATE RULE {t}_drop AS ON INSERT TO {t} WHERE NEW.message_id LIKE 'x%' DO INSTEAD NOTHING"},
 			"CHECK":       {"ALTER TABLE {t} ADD CONSTRAINT {t}_len CHECK (length(message_id) < 40)"},
+			"exclusion":   {"ALTER TABLE {t} ADD CONSTRAINT {t}_ex EXCLUDE USING btree (message_id WITH =)"},
 			"foreign key": {"CREATE TABLE {t}_ref (c text, m text, FOREIGN KEY (c, m) REFERENCES {t} (consumer, message_id))"},
 			"UNLOGGED":    {"ALTER TABLE {t} SET UNLOGGED"},
 			"inherit":     {"CREATE TABLE {t}_archive () INHERITS ({t})"},
