@@ -78,12 +78,13 @@ type Dialect interface {
 	// transaction back, and true; false when COMMIT itself fails for a
 	// transaction the database rolled back.
 	preCommitCheck(table qualifiedName) (query string, ok bool)
-	// statuslessCheck returns, where preCommitCheck has none, a query run
-	// before COMMIT only when the driver connection gives no transaction
-	// status (an instrumentation wrapper that hides it: driverTxEnded),
-	// that counts the claim's row in an open transaction (bind parameters:
-	// consumer, message id), 0 after the handler's ROLLBACK; false where
-	// COMMIT itself tells.
+	// statuslessCheck returns, where preCommitCheck has none, a statement
+	// run with Exec (no rows to read, so that the handler's goroutines'
+	// statements cannot come between) before COMMIT and each outbox write
+	// only when the driver connection gives no transaction status (an
+	// instrumentation wrapper that hides it: driverTxEnded): it affects 1
+	// row while the transaction that made the claim is open, 0 after the
+	// handler's ROLLBACK or COMMIT; false where COMMIT itself tells.
 	statuslessCheck(table qualifiedName) (query string, ok bool)
 	// uncodedBoundaryErrIsLostConn reports whether a COMMIT error whose
 	// chain carries no database error code means the connection was lost

@@ -94,12 +94,12 @@ func (postgresDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifi
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
 func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }
 
-// The claim assigned the transaction an id; after a ROLLBACK the query runs
-// in a transaction of its own, which has none, and the row is gone unless
-// another delivery committed it.
-func (d postgresDialect) statuslessCheck(t qualifiedName) (string, bool) {
-	return "SELECT count(*) FROM " + t.quoted(d) + " WHERE consumer = $1 AND message_id = $2" +
-		" AND txid_current_if_assigned() IS NOT NULL", true
+// The claim assigned the transaction an id; after the handler's ROLLBACK or
+// COMMIT the statement runs in a transaction of its own, which has none. It
+// reads no table: a handler's search_path or role (SET LOCAL) cannot make it
+// fail, which would abort the transaction.
+func (postgresDialect) statuslessCheck(qualifiedName) (string, bool) {
+	return "SELECT 1 WHERE txid_current_if_assigned() IS NOT NULL", true
 }
 
 func (postgresDialect) uncodedBoundaryErrIsLostConn() bool { return false }

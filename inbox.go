@@ -520,8 +520,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
-	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt,
-		consumer: d.consumer, id: d.id}
+	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt}
 	ib.hooks.begun()
 	var n int64
 	if lock.lockedClaim != "" {
@@ -648,8 +647,7 @@ type sqlTx struct {
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
 	// transaction) without meaning anything. Atomic: the handler's
 	// goroutines may publish to the outbox, which asks ended, at once.
-	endedEarly   atomic.Bool
-	consumer, id string // the claim's key, for statuslessCheck
+	endedEarly atomic.Bool
 }
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
@@ -691,13 +689,14 @@ func (t *sqlTx) storedFingerprint(ctx context.Context, consumer, id string) ([]b
 
 // endedByClaimRead is ended for a driver connection that gives no
 // transaction status (a wrapper that hides it): the dialect's
-// statuslessCheck reads the claim in the transaction, one round trip, and
-// a claim not there (the handler's ROLLBACK, or its COMMIT: the check runs
-// in a new transaction then) or a transaction database/sql has ended
-// (tx.Commit, tx.Rollback) is an ended transaction. Where the dialect has no
-// such check (MySQL's pre-commit check runs anyway; SQLite refuses the
-// COMMIT), or the read fails otherwise (an aborted transaction, whose
-// COMMIT reports it), it is not.
+// statuslessCheck asks the server, one round trip, whether the transaction
+// that made the claim is still open (not after the handler's ROLLBACK or
+// COMMIT), and a transaction database/sql has ended (tx.Commit,
+// tx.Rollback) is ended. Where the dialect has no such check (MySQL's
+// pre-commit check runs anyway; SQLite refuses the COMMIT), or the check
+// fails otherwise (an aborted transaction, whose COMMIT reports it), it is
+// not. Like the status it stands for, it does not see a ROLLBACK followed
+// by a BEGIN.
 func (t *sqlTx) endedByClaimRead() bool {
 	if t.ib.statuslessSQL == "" {
 		return false
@@ -707,8 +706,7 @@ func (t *sqlTx) endedByClaimRead() bool {
 			" wrapper that keeps it unexported?): before each COMMIT and outbox write the inbox reads its claim, one"+
 			" round trip more, so that a handler's ROLLBACK is not acked", nil)
 	})
-	var n int
-	err := t.tx.GetContext(t.ctx, &n, t.ib.statuslessSQL, t.consumer, t.id)
+	n, err := execRowsAffected(t.tx.ExecContext(t.ctx, t.ib.statuslessSQL))
 	switch {
 	case errors.Is(err, sql.ErrTxDone):
 		return t.ctx.Err() == nil // not the commit bound's rollback

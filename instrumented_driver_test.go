@@ -1,6 +1,9 @@
 package inbox_test
 
 import (
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -102,6 +105,68 @@ func TestOutboxWritesNothingAfterARollbackThroughAHiddenStatusWrapper(t *testing
 			}
 			if n := count(t, db, relayTable(t, ob), ""); n != 0 {
 				t.Errorf("%d outbox rows written for a message that was rolled back, want 0", n)
+			}
+		})
+	}
+}
+
+// Through a driver wrapper that hides the transaction status, a handler
+// may publish to the outbox from several goroutines at once, and may change
+// its transaction's search_path (a tenant's schema): every output is
+// written and the message is acked. The check before each write read rows,
+// and another goroutine's statement came between the query and its row
+// (pgx panicked); and it read the inbox table by its unqualified name,
+// which the handler's search_path no longer found, aborting the
+// transaction: every delivery was nacked.
+func TestHiddenStatusWrapperTakesConcurrentPublishesAndASearchPath(t *testing.T) {
+	t.Parallel()
+	for _, searchPath := range []bool{false, true} {
+		t.Run(map[bool]string{false: "concurrent publishes", true: "search_path"}[searchPath], func(t *testing.T) {
+			t.Parallel()
+			db := sqlx.NewDb(testdb.OpenPostgresWith(t, hiddenConnPgx(), "").DB, "pgx")
+			schema := "tenant_" + randomSuffix()
+			exec(t, db, "CREATE SCHEMA "+schema)
+			t.Cleanup(func() { db.Exec("DROP SCHEMA IF EXISTS " + schema + " CASCADE") })
+			broker := newBrokerStub()
+			ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+			outputs := 8
+			if searchPath {
+				outputs = 0 // the outbox table's name is unqualified too
+			}
+			var publishErrs atomic.Int32
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware)
+				r.AddNoPublisherHandler("billing", "orders", in, func(msg *message.Message) error {
+					if err := f.writeBusinessRow(msg); err != nil {
+						return err
+					}
+					if searchPath {
+						tx, _ := inbox.TxFromContext(msg.Context())
+						if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+schema); err != nil {
+							return err
+						}
+					}
+					pub, _ := inbox.OutboxFromContext(msg.Context())
+					var wg sync.WaitGroup
+					for i := range outputs {
+						wg.Go(func() {
+							if err := pub.Publish("invoices", message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), nil)); err != nil {
+								publishErrs.Add(1)
+							}
+						})
+					}
+					wg.Wait()
+					return nil
+				})
+			})
+			if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatal("nacked")
+			}
+			if n := count(t, db, relayTable(t, ob), ""); publishErrs.Load() != 0 || n != outputs || f.businessRows() != 1 {
+				t.Errorf("publish errors %d, outbox rows %d, business rows %d; want 0, %d, 1", publishErrs.Load(), n, f.businessRows(), outputs)
 			}
 		})
 	}

@@ -194,8 +194,8 @@ func TestVerifyReportsAReadOnlySessionBehindALock(t *testing.T) {
 	}{
 		{"default_transaction_read_only=on&lock_timeout=200", inbox.ErrDatabaseReadOnly},
 		{"lock_timeout=200", nil}, // takes writes, once the lock is gone
-		{"default_transaction_read_only=on&statement_timeout=200", inbox.ErrDatabaseReadOnly},
-		{"statement_timeout=200", nil},
+		{"default_transaction_read_only=on&statement_timeout=1500", inbox.ErrDatabaseReadOnly},
+		{"statement_timeout=1500", nil},                                 // under the check's own 2 s lock_timeout
 		{"default_transaction_read_only=on", inbox.ErrDatabaseReadOnly}, // the check's own lock_timeout
 		{"", nil},
 	} {

@@ -185,8 +185,10 @@ var savepoints atomic.Uint64
 // Tx starts a savepoint in the inbox transaction. ctx is used until the
 // returned Tx is committed (released) or rolled back.
 //
-// When ctx ends before the Tx is committed or rolled back, the Tx is rolled
-// back, as database/sql rolls back a transaction whose context ended.
+// A Tx the handler neither commits nor rolls back stays part of the inbox
+// transaction: its writes commit with the inbox row, also when ctx has
+// ended (database/sql would roll back a transaction of the pool then); end
+// every Tx.
 func (d *txDriver) Tx(ctx context.Context) (dialect.Tx, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -198,7 +200,6 @@ func (d *txDriver) Tx(ctx context.Context) (dialect.Tx, error) {
 		return nil, fmt.Errorf("entinbox: savepoint: %w", err)
 	}
 	d.open = true
-	sp.stop = context.AfterFunc(ctx, func() { _ = sp.Rollback() })
 	return sp, nil
 }
 
@@ -224,8 +225,7 @@ type savepoint struct {
 	ctx         context.Context
 	name        string
 
-	drv  *txDriver   // the driver it was started on
-	stop func() bool // stops the rollback when ctx ends
+	drv *txDriver // the driver it was started on
 
 	// mu is held while the savepoint's statements run, and while it ends.
 	mu   sync.Mutex
@@ -322,7 +322,6 @@ func (s *savepoint) end() bool {
 // savepoint's end has run: before it, a client statement could run between
 // the end and its ROLLBACK TO, and be undone.
 func (s *savepoint) finish() {
-	s.stop()
 	s.drv.mu.Lock()
 	s.drv.open = false
 	s.drv.mu.Unlock()
