@@ -139,7 +139,7 @@ func TestHiddenStatusWrapperTakesConcurrentPublishesAndASearchPath(t *testing.T)
 			in := newFeed()
 			runRouter(t, func(r *message.Router) {
 				r.AddMiddleware(ib.Middleware)
-				r.AddNoPublisherHandler("billing", "orders", in, func(msg *message.Message) error {
+				r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
 					if err := f.writeBusinessRow(msg); err != nil {
 						return err
 					}
