@@ -74,21 +74,15 @@ func (ib *Inbox) Verify(ctx context.Context) error {
 // and rolls back. A refusal gives an error wrapping ErrDatabaseReadOnly; a
 // database too busy to tell (a lock it could not take) passes.
 func (ib *Inbox) verifyWritable(ctx context.Context) error {
-	conn, tx, place, err := ib.beginOnConn(ctx)
-	if err == nil {
+	err := ib.inRolledBackTx(ctx, func(tx *sqlx.Tx) error {
 		if setup := ib.dialect.writeProbeLockTimeout(); setup != "" {
-			_, err = tx.ExecContext(ctx, setup)
+			if _, err := tx.ExecContext(ctx, setup); err != nil {
+				return err
+			}
 		}
-		if err == nil {
-			_, err = tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table))
-		}
-		rollbackErr := tx.Rollback()
-		conn.Close()
-		place.leave()
-		if err == nil && rollbackErr != nil {
-			return fmt.Errorf("inbox: roll back the check that %s takes writes: %w", ib.table, rollbackErr)
-		}
-	}
+		_, err := tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table))
+		return err
+	})
 	switch {
 	case err == nil:
 		return nil
@@ -163,21 +157,34 @@ func (ib *Inbox) verifyNotReadOnlyTx(ctx context.Context, lockErr error) error {
 	if query == "" {
 		return nil
 	}
-	conn, tx, place, err := ib.beginOnConn(ctx)
-	if err != nil {
-		return fmt.Errorf("inbox: check that %s takes writes: %w", ib.table, err)
-	}
 	var readOnly bool
-	err = tx.QueryRowContext(ctx, query).Scan(&readOnly)
-	_ = tx.Rollback() // read only
-	conn.Close()
-	place.leave()
+	err := ib.inRolledBackTx(ctx, func(tx *sqlx.Tx) error { return tx.QueryRowContext(ctx, query).Scan(&readOnly) })
 	switch {
 	case err != nil:
 		return fmt.Errorf("inbox: check that %s takes writes: %w", ib.table, err)
 	case readOnly:
 		return fmt.Errorf("%w: transactions begun as a message's are read-only (DB reaches a replica, or sessions with"+
 			" default_transaction_read_only); the write to %s met a lock first: %w", ErrDatabaseReadOnly, ib.table, lockErr)
+	}
+	return nil
+}
+
+// inRolledBackTx runs f in a transaction begun as a message's is (on
+// SQLite in its place among the writers) and rolls it back: f's error, or
+// else BEGIN's or ROLLBACK's.
+func (ib *Inbox) inRolledBackTx(ctx context.Context, f func(tx *sqlx.Tx) error) error {
+	conn, tx, place, err := ib.beginOnConn(ctx)
+	if err != nil {
+		return err
+	}
+	defer place.leave()
+	defer conn.Close()
+	if err := f(tx); err != nil {
+		_ = tx.Rollback() // f's error says what went wrong
+		return err
+	}
+	if err := tx.Rollback(); err != nil {
+		return fmt.Errorf("roll back: %w", err)
 	}
 	return nil
 }
