@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 )
 
@@ -222,7 +223,9 @@ var ErrNoOutbox = errors.New("inbox: no inbox outbox in the message context")
 // sets aside a message whose last attempt failed with it, and such a
 // refusal uses none of the message's attempts (OutboxConfig.MaxAttempts):
 // it stays first in line for its topic until the broker takes it.
-// kafkaoutbox's Publisher wraps it for Kafka's retriable errors, sarama's
+// kafkaoutbox's Publisher wraps it for every refusal that is not of the
+// message itself: Kafka's retriable errors, a fenced or out-of-sequence
+// producer, an authorization, an error code Kafka does not name, sarama's
 // open circuit breaker and a closed publisher.
 var ErrBrokerUnavailable = errors.New("inbox: the broker cannot take the message now")
 
@@ -234,8 +237,54 @@ var ErrBrokerUnavailable = errors.New("inbox: the broker cannot take the message
 // through: two such messages in a row would otherwise hold their topic
 // back for good. kafkaoutbox's Publisher wraps it for messages over the
 // producer's or the broker's size limit, records the broker finds
-// corrupt or invalid, and messages its marshaler refuses.
+// corrupt or invalid, timestamps the topic refuses, topic names Kafka
+// cannot hold, and messages its marshaler refuses.
 var ErrMessageRejected = errors.New("inbox: the broker refuses the message")
+
+// PublishError is for an OutboxConfig.Publisher to return from Publish,
+// itself or wrapped (the relay finds it with errors.As), when the broker
+// took some of the call's messages and refused others and the publisher
+// knows which: MessageErrors holds one entry per message of the call, in
+// the call's order, nil for a message the broker acked.
+//
+// The outbox relay then deletes the rows of the acked messages, wherever
+// they stand, and keeps the refused ones first in line, each with its own
+// error taken as a whole call's would be (wrapping ErrBrokerUnavailable: no
+// attempt used; ErrMessageRejected: set aside on its last attempt; neither:
+// set aside on its last attempt once a message behind it on its topic goes
+// through alone), instead of sending the whole call again: a broker that
+// refuses one partition's messages neither holds back nor sends again the
+// messages of its other partitions, and those are no evidence against a
+// refused one. Before it sets a message aside the relay publishes it alone
+// once more (a Kafka partition's batch is written or refused whole, so a
+// message may have been refused for another one of its request). A
+// PublishError without one entry per message, or without both nil and
+// non-nil entries, is taken as a refusal of the whole call. kafkaoutbox's
+// Publisher returns one whenever the broker refused some of a call's
+// messages and took others.
+//
+// Its Error text counts the refused messages and gives the first one's
+// error; it does not unwrap to them: errors.Is on a call's error says what
+// the publisher says of the call as a whole.
+type PublishError struct {
+	MessageErrors []error
+}
+
+func (e *PublishError) Error() string {
+	refused, first := 0, error(nil)
+	for _, err := range e.MessageErrors {
+		if err != nil {
+			refused++
+			if first == nil {
+				first = err
+			}
+		}
+	}
+	if first == nil {
+		return fmt.Sprintf("inbox: none of %d messages refused", len(e.MessageErrors))
+	}
+	return fmt.Sprintf("inbox: %d of %d messages refused, the first: %v", refused, len(e.MessageErrors), first)
+}
 
 // prefix starts the text of every error of this package.
 const prefix = "inbox: "

@@ -20,7 +20,7 @@ import (
 // Defaults of OutboxConfig.
 const (
 	// DefaultOutboxTable is OutboxConfig.Table when it is empty; its
-	// dead-letter table is "<table>_dead".
+	// dead-letter table is "<table>_dead" (Outbox.DeadLetterTable).
 	DefaultOutboxTable = "watermill_inbox_outbox"
 	// DefaultOutboxBatchSize is OutboxConfig.BatchSize when it is zero.
 	DefaultOutboxBatchSize = 500
@@ -65,7 +65,8 @@ type OutboxConfig struct {
 	// DB.DriverName(), as Config.Dialect.
 	Dialect Dialect
 
-	// Table is the outbox table; its dead-letter table is "<Table>_dead".
+	// Table is the outbox table; its dead-letter table is "<Table>_dead"
+	// (shortened with a hash past 63 bytes: Outbox.DeadLetterTable).
 	// It may be schema-qualified and must match the pattern of
 	// Config.Table. Default: DefaultOutboxTable ("watermill_inbox_outbox").
 	Table string
@@ -79,7 +80,10 @@ type OutboxConfig struct {
 	// publisher that waits for each message's ack in turn moves one message
 	// per broker round trip: for Kafka use kafkaoutbox.NewPublisher, which
 	// sends the whole call in one batch (watermill-kafka's publisher does
-	// not). Required.
+	// not). An error that wraps ErrBrokerUnavailable or ErrMessageRejected
+	// says what kind of refusal it is; one that carries a PublishError says
+	// each message's outcome, and the relay then deletes the rows of the
+	// messages the broker took. Required.
 	Publisher message.Publisher
 
 	// BatchSize is the most messages one relay transaction reads, publishes
@@ -183,10 +187,15 @@ type OutboxStats struct {
 //     the repeat;
 //   - a sent message's row is deleted in the transaction that read it, so
 //     the table holds only what has not been sent;
-//   - the messages of one topic are published in the order of their ids
-//     (the order they were written) while nothing fails; a crash sends a
-//     batch again, and several relays on one table publish their batches
-//     side by side;
+//   - a round publishes the committed messages of a topic it reads in
+//     the order of their ids: one transaction's in the order it wrote
+//     them, and those of transactions committed one after another in that
+//     order; a transaction that committed after a round read a later one's
+//     messages is published after them; a crash sends a batch again, and
+//     several relays on one table publish their batches side by side;
+//   - with a publisher that says each message's outcome (PublishError,
+//     kafkaoutbox's), the messages the broker took are deleted and only
+//     the refused ones stay first in line;
 //   - on PostgreSQL and MySQL/MariaDB a relay locks the rows it reads (FOR
 //     UPDATE SKIP LOCKED), so several instances share the work and no row
 //     is skipped when transactions commit out of id order; on SQLite one

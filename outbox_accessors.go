@@ -12,6 +12,19 @@ import (
 // outbox's series with it. Safe for concurrent use.
 func (o *Outbox) Table() string { return o.cfg.Table }
 
+// DeadLetterTable returns the dead-letter table's name, in the schema of
+// the outbox table and qualified as Table is: "<table>_dead", or, when that
+// would pass 63 bytes (PostgreSQL's identifier limit; the same name on
+// every database), the table's name cut short with "_<FNV-1a hash of the
+// name>_dead" (8 hex digits). Use it in the SQL that moves a set-aside
+// message back (docs/operations.md). Safe for concurrent use.
+func (o *Outbox) DeadLetterTable() string {
+	if o.table.schema == "" {
+		return o.dead.name
+	}
+	return o.table.schema + "." + o.dead.name
+}
+
 // ReadOutboxStats reads the OutboxStats of the outbox table and its
 // dead-letter table ("<table>_dead") on db, as Outbox.Stats does, without an
 // Outbox (which needs a Publisher): for tools that watch an outbox they do

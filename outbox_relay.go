@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -551,10 +552,15 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 			b.skipped += len(group)
 			continue
 		}
-		failedBefore := len(b.failed)
-		o.publishTopic(&b, topic, group, reads)
+		failedBefore, sentBefore := len(b.failed), len(b.sent)
+		each := o.publishTopic(&b, topic, group, reads)
 		if topics != nil {
-			if len(b.failed) > failedBefore {
+			// A topic waits for its next try when the broker refused its
+			// first message in line. A call whose publisher told each
+			// message's outcome (PublishError) and that published some
+			// took the topic: the refused messages go again next round,
+			// beside the ones written since (their partitions' turn).
+			if len(b.failed) > failedBefore && (len(b.sent) == sentBefore || !each) {
 				topics.refused(topic, time.Now())
 			} else {
 				topics.accepted(topic)
@@ -604,7 +610,11 @@ type walkReads struct {
 // ErrBrokerUnavailable (the broker's state, not the message's) ends the
 // walk and uses no attempt. Nothing is sent before a message in front of it
 // is sent or set aside, so the topic's order holds.
-func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) {
+//
+// When the first call fails with a PublishError that tells each message's
+// outcome, the messages it acked are sent and the walk takes the refused
+// ones with their own refusals; each then reports true.
+func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
 		err = o.publishCall(topic, msgs)
@@ -613,11 +623,31 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 		for _, r := range group {
 			b.sent = append(b.sent, r.ID)
 		}
-		return
+		return false
+	}
+	var known []error // each message's refusal, when the publisher told them
+	if errs, ok := perMessageErrors(err, len(group)); ok {
+		// The acked ones are sent, whatever their place; the refused
+		// ones, in order, are walked as a failed call's group is.
+		each = true
+		var refused []outboxRow
+		for i, r := range group {
+			if errs[i] == nil {
+				b.sent = append(b.sent, r.ID)
+				continue
+			}
+			refused = append(refused, r)
+			known = append(known, errs[i])
+		}
+		group = refused
 	}
 	// One by one, to find the messages the broker refuses. Those sent
 	// before them in the failed call go again: at least once. A group of
-	// one has had its try.
+	// one has had its try. A message whose refusal the publisher told
+	// (known) is not tried again, unless it is about to be set aside: the
+	// broker may have refused it for another message of its request (a
+	// Kafka partition's batch is written or refused whole), and alone it
+	// answers for itself.
 	var waiting []outboxRow // refused on their last attempt: evidence wanted
 	wait := func() {
 		for _, w := range waiting {
@@ -640,7 +670,13 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			group = append(group, r)
 		}
 		r := group[i]
-		if i > 0 || len(group) > 1 {
+		switch {
+		case i < len(known):
+			err = known[i]
+			if len(group) > 1 && r.Attempts+1 >= o.cfg.MaxAttempts && !errors.Is(err, ErrBrokerUnavailable) {
+				err = o.publishOne(r)
+			}
+		case i > 0 || len(group) > 1:
 			err = o.publishOne(r)
 		}
 		if err == nil {
@@ -654,7 +690,7 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			for _, w := range waiting {
 				b.bury[w.ID] = b.refusals[w.ID]
 			}
-			return
+			return each
 		}
 		last := r.Attempts+1 >= o.cfg.MaxAttempts
 		if last && !errors.Is(err, ErrBrokerUnavailable) {
@@ -667,7 +703,7 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			// for evidence), and nothing behind it is sent.
 			b.failed[r.ID] = err
 			wait()
-			return
+			return each
 		case errors.Is(err, ErrMessageRejected):
 			// The publisher says the message itself is refused, for good:
 			// set aside, and the topic goes on in this round.
@@ -680,11 +716,23 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			waiting = append(waiting, r)
 			if len(waiting) == maxWaitingForEvidence {
 				wait()
-				return
+				return each
 			}
 		}
 	}
 	wait() // no evidence: they stay first in line
+	return each
+}
+
+// perMessageErrors returns the errors of a call's n messages one by one,
+// when err carries them (a PublishError with n entries, some nil and some
+// not: the broker took some and refused others), and whether it does.
+func perMessageErrors(err error, n int) ([]error, bool) {
+	var pe *PublishError
+	if !errors.As(err, &pe) || len(pe.MessageErrors) != n {
+		return nil, false
+	}
+	return pe.MessageErrors, slices.Contains(pe.MessageErrors, nil) && slices.ContainsFunc(pe.MessageErrors, func(e error) bool { return e != nil })
 }
 
 // errNotSettable marks the refusal of a message that cannot be set aside

@@ -20,20 +20,25 @@
 //
 // # Delivery and order
 //
-// Publish returns nil only once the broker acked every message; otherwise
-// it returns an error (sarama.ProducerErrors is reachable with errors.As)
-// and the relay keeps the rows and sends them again, with their UUIDs: at
-// least once. When every refusal is one the broker gives for its own state
-// (no leader for the partition, a timeout, not enough replicas, no
-// connection: Kafka's retriable errors; sarama's circuit breaker open after
-// failed metadata lookups; a closed publisher), the error also wraps
-// inbox.ErrBrokerUnavailable, and the relay never sets those messages
-// aside. When every refusal is of the message itself (over the size
-// limits, a corrupt or invalid record) or the marshaler refuses a message,
-// it wraps inbox.ErrMessageRejected, and the relay sets the message aside
-// once it used its attempts. The default sarama configuration (DefaultSaramaConfig) is
+// Publish returns nil only once the broker acked every message. When the
+// broker took some of a call's messages and refused others, its error says
+// which with an *inbox.PublishError, and the relay deletes the acked ones
+// and keeps the refused ones, which it sends again with their UUIDs: at
+// least once, and a partition that refuses its messages holds back none of
+// the other partitions' and has none of theirs sent again. A refusal of
+// the message itself (over the size limits, a corrupt or invalid record, a
+// timestamp the topic refuses, a message the marshaler refuses) wraps
+// inbox.ErrMessageRejected, and the relay sets the message aside once it
+// used its attempts; every other refusal (no leader for the partition, a
+// timeout, not enough replicas, a producer fenced or out of sequence, an
+// authorization, an error code Kafka does not name, no connection, sarama's
+// circuit breaker open after failed metadata lookups, a closed publisher)
+// is the broker's state and wraps inbox.ErrBrokerUnavailable: the relay
+// never sets those messages aside, however long it lasts. A topic name
+// Kafka cannot hold is refused before anything is sent (ErrMessageRejected).
+// The default sarama configuration (DefaultSaramaConfig) is
 // watermill-kafka's made safe for an outbox, whose relay deletes a row once
-// Publish returned nil:
+// Publish said its message was acked:
 //   - RequiredAcks WaitForAll: a message acked by the leader alone is lost
 //     if the leader fails before a follower copied it, after its row is
 //     gone (Kafka's acks=all; keep the topics' min.insync.replicas at 2 or
@@ -53,9 +58,9 @@
 // request (more than Producer.MaxMessageBytes of them, 1 MB, or more than
 // 5 ms to hand to sarama) and the broker refuses one request for good (an
 // error it does not retry, or a retriable one that outlasts the retries),
-// the later requests are still written. Publish fails, the relay sends the
-// whole batch again in order, and the refused messages first arrive after
-// later ones of their partition.
+// the later requests are still written. The relay sends the refused
+// messages again, and they first arrive after later ones of their
+// partition.
 //
 // A configuration passed in kafka.PublisherConfig.OverwriteSaramaConfig is
 // used as given; NewPublisher logs a line at Info (Watermill's logger has
@@ -74,8 +79,6 @@ package kafkaoutbox
 import (
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"slices"
 	"sync"
 	"time"
@@ -84,7 +87,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/eapache/go-resiliency/breaker"
 
 	"github.com/watermill-inbox/inbox"
 )
@@ -234,23 +236,41 @@ func validate(config kafka.PublisherConfig) error {
 
 // Publish marshals msgs for topic and sends them in one batch, then waits
 // until the broker acked or refused each one. It returns nil only when every
-// message was acked; a marshaling error sends nothing; when the broker
-// refused some, the error wraps sarama.ProducerErrors (the others may have
-// been written: a relay sends them all again, at least once), and its text
-// gives the broker's reason for the first refused message. After Close
-// it returns ErrPublisherClosed. Messages of one partition are written in
-// the order of msgs.
+// message was acked. A topic name Kafka cannot hold (see validTopic) sends
+// nothing, with an error wrapping inbox.ErrMessageRejected. When the
+// marshaler refuses a message, or the broker refuses some, the error says
+// each message's outcome with an *inbox.PublishError (errors.As) when the
+// broker took others: the relay then deletes the acked ones and keeps the
+// rest. Each refused message's own error there wraps
+// inbox.ErrMessageRejected when the refusal is of the message itself (the
+// marshaler's, over the size limits, a record the broker finds corrupt or
+// invalid), and inbox.ErrBrokerUnavailable otherwise: a partition that
+// refuses its messages (no leader, a producer fenced or out of sequence, an
+// error Kafka does not name) says nothing against them, and the relay sets
+// none of them aside. The error also wraps sarama.ProducerErrors when the
+// broker refused some, and as a whole wraps inbox.ErrBrokerUnavailable or
+// inbox.ErrMessageRejected when every refusal is of that kind. Its text
+// gives the reason of the first refused message. After Close it returns
+// ErrPublisherClosed. Messages of one partition are written in the order of
+// msgs.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	batch := make([]*sarama.ProducerMessage, len(msgs))
+	if err := validTopic(topic); err != nil {
+		return fmt.Errorf("%w: kafkaoutbox: %w", inbox.ErrMessageRejected, err)
+	}
+	errs := make([]error, len(msgs))
+	batch := make([]*sarama.ProducerMessage, 0, len(msgs))
+	index := make(map[*sarama.ProducerMessage]int, len(msgs)) // in msgs
 	for i, msg := range msgs {
 		m, err := p.marshaler.Marshal(topic, msg)
 		if err != nil {
-			return fmt.Errorf("%w: kafkaoutbox: cannot marshal message %s: %w", inbox.ErrMessageRejected, msg.UUID, err)
+			errs[i] = fmt.Errorf("%w: kafkaoutbox: cannot marshal message %s: %w", inbox.ErrMessageRejected, msg.UUID, err)
+			continue
 		}
-		batch[i] = m
+		index[m] = i
+		batch = append(batch, m)
 	}
 	p.mu.Lock()
 	if p.closed {
@@ -260,85 +280,112 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	p.inFlight.Add(1)
 	p.mu.Unlock()
 	defer p.inFlight.Done()
-	if err := p.producer.SendMessages(batch); err != nil {
-		var refused sarama.ProducerErrors
-		if errors.As(err, &refused) && len(refused) > 0 {
-			// sarama.ProducerErrors says only how many failed: the first
-			// one's own error says why.
-			err = fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first, %s: %v): %w",
-				len(refused), len(msgs), topic, refusedUUID(batch, msgs, refused[0]), refused[0].Err, err)
-			switch {
-			case allUnavailable(refused):
-				err = fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)
-			case p.allRejected(refused):
-				err = fmt.Errorf("%w: %w", inbox.ErrMessageRejected, err)
+	var sendErr error
+	if len(batch) > 0 {
+		if err := p.producer.SendMessages(batch); err != nil {
+			var refused sarama.ProducerErrors
+			if !errors.As(err, &refused) || len(refused) == 0 {
+				return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
 			}
-			return err
+			for _, e := range refused {
+				i, ok := index[e.Msg]
+				if !ok { // not one of this call's: say nothing of each
+					return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
+				}
+				errs[i] = p.refusal(e, msgs[i].UUID)
+			}
+			sendErr = err
 		}
-		return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
 	}
-	return nil
+	return publishError(topic, errs, sendErr)
 }
 
-// unavailable are the errors that say the broker could not take a message
-// now, not that it refuses the message: Kafka's retriable produce errors
-// (the protocol's error table), a broker that is not available, sarama's
-// own for a cluster it cannot reach, and the open circuit breaker that
-// sarama puts around its metadata lookups (go-resiliency's ErrBreakerOpen,
-// after three failed lookups of a topic's partitions or a partition's
-// leader, for 10 s). A message refused with one of them is never set aside
-// by the relay (inbox.ErrBrokerUnavailable).
-var unavailable = []error{
-	breaker.ErrBreakerOpen,
-	sarama.ErrUnknownTopicOrPartition, sarama.ErrLeaderNotAvailable, sarama.ErrNotLeaderForPartition,
-	sarama.ErrRequestTimedOut, sarama.ErrBrokerNotAvailable, sarama.ErrNetworkException,
-	sarama.ErrNotEnoughReplicas, sarama.ErrNotEnoughReplicasAfterAppend, sarama.ErrKafkaStorageError,
-	sarama.ErrNotController, sarama.ErrFencedLeaderEpoch, sarama.ErrUnknownLeaderEpoch,
-	sarama.ErrThrottlingQuotaExceeded, sarama.ErrOutOfBrokers, sarama.ErrNotConnected, sarama.ErrShuttingDown,
+// refusal is the error of a message the broker refused with e: wrapping
+// inbox.ErrMessageRejected when e is of the message itself, and
+// inbox.ErrBrokerUnavailable for every other refusal.
+func (p *Publisher) refusal(e *sarama.ProducerError, uuid string) error {
+	err := fmt.Errorf("kafkaoutbox: message %s not acked: %w", uuid, e.Err)
+	if oneOf(e.Err, rejected) || e.Msg.ByteSize(p.recordVersion) > p.maxMessageBytes {
+		return fmt.Errorf("%w: %w", inbox.ErrMessageRejected, err)
+	}
+	return fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)
+}
+
+// publishError is the error of a call whose messages' outcomes are errs
+// (nil: acked), sendErr sarama's error when the broker refused some; nil
+// when every message was acked.
+func publishError(topic string, errs []error, sendErr error) error {
+	var first error
+	refused, unavailable, rejected := 0, 0, 0
+	for _, err := range errs {
+		switch {
+		case err == nil:
+			continue
+		case first == nil:
+			first = err
+		}
+		refused++
+		switch {
+		case errors.Is(err, inbox.ErrBrokerUnavailable):
+			unavailable++
+		case errors.Is(err, inbox.ErrMessageRejected):
+			rejected++
+		}
+	}
+	if refused == 0 {
+		return nil
+	}
+	err := fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %w)", refused, len(errs), topic, first)
+	if refused < len(errs) {
+		err = fmt.Errorf("%w%w", err, &inbox.PublishError{MessageErrors: errs})
+	}
+	if sendErr != nil {
+		err = fmt.Errorf("%w%w", err, sendErr)
+	}
+	switch refused {
+	case unavailable:
+		err = fmt.Errorf("%w: %w", inbox.ErrBrokerUnavailable, err)
+	case rejected:
+		err = fmt.Errorf("%w: %w", inbox.ErrMessageRejected, err)
+	}
+	return err
+}
+
+// validTopic reports a topic name that no Kafka cluster accepts (Kafka's
+// Topic.validate: 1 to 249 characters of ASCII letters, digits, '.', '_'
+// and '-', and not "." or ".."). sarama does not check: the cluster's
+// metadata answer refuses it, and sarama's circuit breaker opens, which
+// says unavailable, so the message would wait for good instead of being
+// set aside.
+func validTopic(topic string) error {
+	if topic == "" || len(topic) > 249 || topic == "." || topic == ".." {
+		return fmt.Errorf("topic name %q is not one Kafka accepts (1 to 249 characters, not \".\" or \"..\")", topic)
+	}
+	for _, c := range []byte(topic) {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Errorf("topic name %q is not one Kafka accepts (only ASCII letters, digits, '.', '_' and '-')", topic)
+		}
+	}
+	return nil
 }
 
 // rejected are the errors that say the broker refuses the message itself,
 // for good: over the producer's MaxMessageBytes or the broker's
 // message.max.bytes (sarama's ErrMessageSizeTooLarge, for both), a record
-// the broker finds corrupt or invalid. A message refused with one of them
-// is set aside by the relay once it used its attempts, without waiting for
-// the next message of its topic (inbox.ErrMessageRejected).
-var rejected = []error{sarama.ErrMessageSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrInvalidRecord}
-
-// allRejected reports whether every refusal is of the message itself: one
-// of rejected, or sarama's own refusal to send a message over
-// Producer.MaxMessageBytes (a ConfigurationError, told apart by measuring
-// the message as sarama does).
-func (p *Publisher) allRejected(refused sarama.ProducerErrors) bool {
-	return !slices.ContainsFunc(refused, func(e *sarama.ProducerError) bool {
-		return !oneOf(e.Err, rejected) && e.Msg.ByteSize(p.recordVersion) <= p.maxMessageBytes
-	})
-}
-
-// allUnavailable reports whether every refusal is one of unavailable, or a
-// network error.
-func allUnavailable(refused sarama.ProducerErrors) bool {
-	return !slices.ContainsFunc(refused, func(e *sarama.ProducerError) bool {
-		var netErr net.Error
-		return !oneOf(e.Err, unavailable) && !errors.As(e.Err, &netErr) &&
-			!errors.Is(e.Err, io.EOF) && !errors.Is(e.Err, io.ErrUnexpectedEOF)
-	})
-}
+// the broker finds corrupt or invalid, a timestamp outside the topic's
+// message.timestamp.difference.max.ms, a topic name the broker refuses. A
+// message refused with one of them is set aside by the relay once it used
+// its attempts, without waiting for the next message of its topic
+// (inbox.ErrMessageRejected). Every other refusal is taken as the broker's
+// state (inbox.ErrBrokerUnavailable): Kafka's retriable errors, a partition
+// whose producer is fenced or out of sequence, an authorization, an error
+// code Kafka does not name, no connection, sarama's open circuit breaker.
+var rejected = []error{sarama.ErrMessageSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrInvalidRecord,
+	sarama.ErrInvalidTimestamp, sarama.ErrInvalidTopic}
 
 // oneOf reports whether err is one of kinds (errors.Is).
 func oneOf(err error, kinds []error) bool {
 	return slices.ContainsFunc(kinds, func(k error) bool { return errors.Is(err, k) })
-}
-
-// refusedUUID is the UUID of the message the broker refused with e, for the
-// error text.
-func refusedUUID(batch []*sarama.ProducerMessage, msgs []*message.Message, e *sarama.ProducerError) string {
-	for i, m := range batch {
-		if m == e.Msg {
-			return msgs[i].UUID
-		}
-	}
-	return "unknown"
 }
 
 // Close makes later Publish calls fail with ErrPublisherClosed, waits for

@@ -479,3 +479,135 @@ func TestRelayThroughKafkaPublisher_KeepsAPartitionsOrderWhenTheBrokerRefusesARe
 		}
 	}
 }
+
+// A partition that refuses its messages, with a retriable error or not
+// (an election, a producer out of sequence, an error Kafka does not name),
+// holds back its own messages and none of the other partitions': the
+// broker took theirs in the first round, and the relay deleted them (the
+// call's error says which were acked) instead of sending the whole call
+// again each round. Nothing is set aside, however many rounds the
+// partition refuses: the messages the other partitions took are no
+// evidence against its own. Once it takes them again, each message is in
+// the log once, in its key's order.
+func TestRelayThroughKafkaPublisher_APartitionThatRefusesHoldsBackOnlyItsOwnMessages(t *testing.T) {
+	for _, code := range []int16{kerr.OutOfOrderSequenceNumber.Code, kerr.UnknownServerError.Code, kerr.LeaderNotAvailable.Code} {
+		t.Run(kerr.ErrorForCode(code).(*kerr.Error).Message, func(t *testing.T) {
+			var sick atomic.Bool
+			sick.Store(true)
+			var written atomic.Int64 // records of the produce requests the cluster took
+			c := controlledCluster(t, 2, func(c *kfake.Cluster, req *kmsg.ProduceRequest) kmsg.Response {
+				if c.CurrentNode() == 1 && sick.Load() {
+					return produceError(req, code)
+				}
+				for _, t := range req.Topics {
+					for _, p := range t.Partitions {
+						var batch kmsg.RecordBatch
+						if batch.ReadFrom(p.Records) == nil {
+							written.Add(int64(batch.NumRecords))
+						}
+					}
+				}
+				return nil
+			}, "invoices")
+			for p := range int32(partitions) { // partition 0 on node 1, the others on node 0
+				node := int32(0)
+				if p == 0 {
+					node = 1
+				}
+				if err := c.MoveTopicPartition("invoices", p, node); err != nil {
+					t.Fatal(err)
+				}
+			}
+			brokers := c.ListenAddrs()
+			db, ob := newFailFastRelay(t, brokers) // MaxAttempts 2
+			var msgs []*message.Message
+			want := map[string]bool{}
+			for i := range 40 {
+				m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+				m.Metadata.Set("key", "customer-"+strconv.Itoa(i%8))
+				m.Metadata.Set("seq", strconv.Itoa(i))
+				msgs = append(msgs, m)
+				want[m.UUID] = true
+			}
+			writeOutputs(t, db, ob, "invoices", msgs...)
+			first := ob.RelayOnce(context.Background())
+			if first.Relayed == 0 || first.Relayed == len(msgs) || !errors.Is(first.Err, inbox.ErrBrokerUnavailable) {
+				t.Fatalf("first round: %d relayed of %d, error %v: want the other partitions' relayed, and partition 0's refusal the broker's state (inbox.ErrBrokerUnavailable)", first.Relayed, len(msgs), first.Err)
+			}
+			held := len(msgs) - first.Relayed
+			for range 4 {
+				r := ob.RelayOnce(context.Background())
+				if r.DeadLettered != 0 || r.Relayed != 0 {
+					t.Fatalf("a round while partition 0 refuses: %d relayed, %d set aside, want none", r.Relayed, r.DeadLettered)
+				}
+			}
+			if s, err := ob.Stats(context.Background()); err != nil || s.Pending != int64(held) {
+				t.Fatalf("outbox while partition 0 refuses: %+v (%v), want its %d messages pending", s, err, held)
+			}
+			if n := written.Load(); n != int64(first.Relayed) {
+				t.Errorf("the cluster took %d records while partition 0 refused, want the %d relayed once each", n, first.Relayed)
+			}
+			sick.Store(false)
+			waitForRelayed(t, ob)
+			if s, err := ob.Stats(context.Background()); err != nil || s.DeadLettered != 0 {
+				t.Errorf("outbox: %+v (%v), want nothing set aside", s, err)
+			}
+			got := collectAll(t, brokers, "invoices", want)
+			if n := written.Load(); n != int64(len(msgs)) {
+				t.Errorf("the cluster took %d records for %d messages, want each once", n, len(msgs))
+			}
+			last := map[string]int{} // per key, the seq of the latest first arrival
+			seen := map[string]bool{}
+			for _, m := range got {
+				if seen[m.UUID] {
+					continue
+				}
+				seen[m.UUID] = true
+				seq, _ := strconv.Atoi(m.Metadata.Get("seq"))
+				if prev, ok := last[m.Metadata.Get("key")]; ok && seq < prev {
+					t.Errorf("key %s: seq %d arrived after seq %d", m.Metadata.Get("key"), seq, prev)
+				}
+				last[m.Metadata.Get("key")] = seq
+			}
+		})
+	}
+}
+
+// A topic name no Kafka cluster accepts is refused before anything is sent,
+// as a refusal of the messages themselves (inbox.ErrMessageRejected): sarama
+// asked the cluster's metadata, its circuit breaker opened, and the
+// messages waited for good as if the broker were down. A message the
+// marshaler refuses (watermill-kafka reserves a metadata key) is refused
+// alone: the others of the call are sent, and the error says each one's
+// outcome.
+func TestPublisher_RefusesWhatKafkaCannotTakeAsTheMessagesOwnFault(t *testing.T) {
+	brokers, produces := startCluster(t, 0, "invoices")
+	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, kafkaoutbox.DefaultSaramaConfig()), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pub.Close() })
+	for _, topic := range []string{"invoices for customers", strings.Repeat("t", 250), "..", ""} {
+		err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("invoice")))
+		if !errors.Is(err, inbox.ErrMessageRejected) {
+			t.Errorf("Publish to %q: %v, want an error wrapping inbox.ErrMessageRejected", topic, err)
+		}
+	}
+	if n := produces.Load(); n != 0 {
+		t.Errorf("%d produce requests for topics Kafka cannot hold, want none", n)
+	}
+	good1 := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+	bad := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+	bad.Metadata.Set(kafka.UUIDHeaderKey, "mine")
+	good2 := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+	err = pub.Publish("invoices", good1, bad, good2)
+	var pe *inbox.PublishError
+	if !errors.As(err, &pe) || len(pe.MessageErrors) != 3 || pe.MessageErrors[0] != nil || pe.MessageErrors[2] != nil ||
+		!errors.Is(pe.MessageErrors[1], inbox.ErrMessageRejected) || !errors.Is(err, inbox.ErrMessageRejected) {
+		t.Fatalf("Publish with a message the marshaler refuses: %v, want an inbox.PublishError refusing it alone", err)
+	}
+	got := collect(t, subscribe(t, brokers, "audit"), "invoices", count(2))
+	if got[0].UUID != good1.UUID || got[1].UUID != good2.UUID {
+		t.Errorf("sent %s, %s; want %s, %s", got[0].UUID, got[1].UUID, good1.UUID, good2.UUID)
+	}
+}

@@ -1,0 +1,160 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// partitionedBroker is a publisher to a broker whose topics have
+// partitions (a message's "n" metadata modulo 4), each written or refused
+// as a whole per call, as Kafka writes a partition's batch of one produce
+// request: a call's messages of a partition that holds a bad message, or
+// of a partition that is down, are all refused, the others acked. It says
+// each message's outcome with inbox.PublishError when it took some and
+// refused others, as kafkaoutbox's Publisher does.
+type partitionedBroker struct {
+	mu       sync.Mutex
+	down     map[int]error   // partitions that refuse everything, with their error
+	bad      map[string]bool // UUIDs of the messages refused for what they are
+	accepted map[string]int  // UUID → times acked
+	order    map[int][]string
+}
+
+func newPartitionedBroker() *partitionedBroker {
+	return &partitionedBroker{down: map[int]error{}, bad: map[string]bool{}, accepted: map[string]int{}, order: map[int][]string{}}
+}
+
+func brokerPartition(m *message.Message) int {
+	n, _ := strconv.Atoi(m.Metadata.Get("n"))
+	return n % 4
+}
+
+func (b *partitionedBroker) Publish(_ string, msgs ...*message.Message) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	refused := map[int]error{}
+	for p, err := range b.down {
+		refused[p] = err
+	}
+	for _, m := range msgs {
+		if b.bad[m.UUID] {
+			if _, ok := refused[brokerPartition(m)]; !ok {
+				refused[brokerPartition(m)] = fmt.Errorf("%w: record %s is invalid", inbox.ErrMessageRejected, m.UUID)
+			}
+		}
+	}
+	errs := make([]error, len(msgs))
+	var first error
+	n := 0
+	for i, m := range msgs {
+		if err, ok := refused[brokerPartition(m)]; ok {
+			errs[i] = err
+			if first == nil {
+				first = err
+			}
+			n++
+			continue
+		}
+		b.accepted[m.UUID]++
+		b.order[brokerPartition(m)] = append(b.order[brokerPartition(m)], m.UUID)
+	}
+	switch n {
+	case 0:
+		return nil
+	case len(msgs):
+		return first
+	}
+	return fmt.Errorf("%d of %d refused: %w", n, len(msgs), &inbox.PublishError{MessageErrors: errs})
+}
+
+func (b *partitionedBroker) Close() error { return nil }
+
+// timesAccepted returns how many times the broker acked each of uuids.
+func (b *partitionedBroker) timesAccepted(uuids []string) []int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var n []int
+	for _, id := range uuids {
+		n = append(n, b.accepted[id])
+	}
+	return n
+}
+
+// A partition that is down holds back its own messages only: the relay
+// deletes the messages the publisher says the broker acked, wherever they
+// stand in the call, instead of sending the whole call again in every
+// round, and sets none of the partition's messages aside (refusals that
+// wrap ErrBrokerUnavailable use no attempt). Once it is back, its messages
+// go, in order, and every message was acked once.
+func TestOutboxRelayHoldsBackOnlyTheMessagesThePublisherSaysWereRefused(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+		broker.down[0] = fmt.Errorf("%w: partition 0 has no leader", inbox.ErrBrokerUnavailable)
+		ids := writeOutbox(t, db, ob, "payments", 20) // 5 on each partition
+		if round := ob.RelayOnce(context.Background()); round.Relayed != 15 || round.DeadLettered != 0 {
+			t.Fatalf("first round while partition 0 is down: %+v, want the other partitions' 15 relayed", round)
+		}
+		for range 5 {
+			if round := ob.RelayOnce(context.Background()); round.Relayed != 0 || round.DeadLettered != 0 {
+				t.Fatalf("round while partition 0 is down: %+v, want nothing relayed or set aside", round)
+			}
+		}
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 5 {
+			t.Fatalf("stats while partition 0 is down: %+v (%v), want its 5 messages pending", stats, err)
+		}
+		broker.mu.Lock()
+		delete(broker.down, 0)
+		broker.mu.Unlock()
+		relayUntilEmpty(t, ob)
+		assertOutboxEmpty(t, ob)
+		for i, n := range broker.timesAccepted(ids) {
+			if n != 1 {
+				t.Errorf("message %d acked %d times, want once", i, n)
+			}
+		}
+		if got, want := broker.order[0], []string{ids[0], ids[4], ids[8], ids[12], ids[16]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 0 got %v, want %v", got, want)
+		}
+	})
+}
+
+// A message the broker refuses for what it is takes down with it the
+// other messages of its partition's batch. Before the relay sets a message
+// aside it publishes it alone: the bad one is set aside, the one refused
+// beside it goes, and the other partitions' messages were acked once.
+func TestOutboxRelaySetsAsideOnlyTheMessageRefusedAlone(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+		ids := writeOutbox(t, db, ob, "payments", 12)
+		broker.bad[ids[1]] = true // partition 1, with ids[5] and ids[9] behind it
+		round := ob.RelayOnce(context.Background())
+		if round.Relayed != 11 || round.DeadLettered != 1 || !errors.Is(round.Err, inbox.ErrMessageRejected) {
+			t.Fatalf("round: %+v, want 11 relayed and the bad message set aside", round)
+		}
+		want := []int{1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}
+		if got := broker.timesAccepted(ids); fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("times each message was acked: %v, want %v", got, want)
+		}
+		if got, want := broker.order[1], []string{ids[5], ids[9]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 1 got %v, want %v", got, want)
+		}
+		var dead []string
+		if err := db.Select(&dead, "SELECT uuid FROM "+ob.DeadLetterTable()); err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(dead) != fmt.Sprint([]string{ids[1]}) {
+			t.Errorf("set aside: %v, want only %s", dead, ids[1])
+		}
+	})
+}
