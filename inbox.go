@@ -548,6 +548,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isMissingPartition(err, d.ib.table.name) {
 			return t, false, d.missingPartitionClaim(err)
 		}
+		if isPrivilegeRefusal(err) {
+			return t, false, d.refusedPrivilegeClaim(err)
+		}
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
@@ -595,6 +598,20 @@ func (d *delivery) missingPartitionClaim(err error) error {
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w: no partition holds the database's current"+
 		" time; create partitions ahead (a Purger, InitializeSchema, inbox.CreatePartitions, `inbox partitions`): %w",
 		d.consumer, d.id, d.ib.table, ErrIncompatibleTable, err)}
+}
+
+// refusedPrivilegeClaim returns the error of a claim the database refused
+// for a privilege the session lacks (isPrivilegeRefusal): a GRANT missing
+// on the inbox table, a role changed, or a SET ROLE that a handler left on
+// its pooled connection. The message is not at fault: the error is
+// transient and the delivery waits as for a read-only claim
+// (readOnlyClaim). It was not transient, and a poison queue filter drained
+// the topic.
+func (d *delivery) refusedPrivilegeClaim(err error) error {
+	d.waitAfterEnd = &d.ib.refusedClaims
+	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: the database user lacks a privilege on it"+
+		" (a missing GRANT of SELECT and INSERT, or a SET ROLE a handler left on its connection): %w",
+		d.consumer, d.id, d.ib.table, err)}
 }
 
 // beginOnConn begins a message's transaction on a connection it holds as a

@@ -104,6 +104,8 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 			err = d.readOnlyClaim(err)
 		case step != nil && step.Step == backend.StepClaim && isMissingPartition(err, d.ib.table.name):
 			err = d.missingPartitionClaim(err)
+		case step != nil && step.Step == backend.StepClaim && isPrivilegeRefusal(err):
+			err = d.refusedPrivilegeClaim(err)
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 		default:

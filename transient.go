@@ -135,7 +135,11 @@ import (
 //     failover, default_transaction_read_only, a read-only SQLite file;
 //     the codes are isReadOnlyRefusal's: PostgreSQL 25006, MySQL/MariaDB
 //     1290, 1792 and 1836, SQLITE_READONLY): nothing about the message is
-//     wrong, and it waits as below.
+//     wrong, and it waits as below. The same for a claim refused for a
+//     privilege the session lacks (a GRANT missing on the inbox table, a
+//     SET ROLE a handler left on its pooled connection; the codes are
+//     isPrivilegeRefusal's: PostgreSQL 42501, MySQL/MariaDB 1044, 1142 and
+//     1143, SQLITE_AUTH).
 //   - The middleware's error for a message that met a missing or
 //     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
 //     those of Config.OutboxTables), a dialect for another server
@@ -325,6 +329,7 @@ const (
 	sqliteNoMem    = 7
 	sqliteIOErr    = 10
 	sqliteFull     = 13
+	sqliteAuth     = 23
 )
 
 // hasDatabaseCode reports whether err (not its chain) carries a database
@@ -502,6 +507,24 @@ func isReadOnlyRefusal(err error) bool {
 		}
 		s, ok := e.(interface{ SQLState() string })
 		return ok && !isNilPointer(e) && s.SQLState() == "25006"
+	})
+}
+
+// isPrivilegeRefusal reports whether err's chain holds the database's
+// refusal of a statement for a privilege the session's user or role lacks:
+// PostgreSQL's insufficient_privilege (42501), MySQL/MariaDB's
+// ER_DBACCESS_DENIED_ERROR (1044), ER_TABLEACCESS_DENIED_ERROR (1142) and
+// ER_COLUMNACCESS_DENIED_ERROR (1143), SQLite's SQLITE_AUTH (23).
+func isPrivilegeRefusal(err error) bool {
+	return anyInChain(err, func(e error) bool {
+		if n, ok := mysqlErrorNumber(e); ok {
+			return n == 1044 || n == 1142 || n == 1143
+		}
+		if code, ok := sqliteResultCode(e); ok {
+			return code == sqliteAuth
+		}
+		s, ok := e.(interface{ SQLState() string })
+		return ok && !isNilPointer(e) && s.SQLState() == "42501"
 	})
 }
 
