@@ -43,7 +43,11 @@ func (d postgresDialect) claimFingerprintSQL(t qualifiedName) string {
 func (postgresDialect) claimFlagsOtherFingerprint() bool { return false }
 
 func (d postgresDialect) storedFingerprintSQL(t qualifiedName) string {
-	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = $1 AND message_id = $2"
+	// bytea in hex for this transaction (a duplicate's, rolled back next):
+	// a session's bytea_output 'escape', read as text (pgx's simple
+	// protocol), could not be read, and the duplicate was nacked for good.
+	return "SELECT fingerprint FROM " + t.quoted(d) + " WHERE consumer = $1 AND message_id = $2" +
+		" AND (SELECT set_config('bytea_output', 'hex', true)) IS NOT NULL"
 }
 
 func (postgresDialect) fingerprintColumn() string { return "fingerprint  bytea" }

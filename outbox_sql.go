@@ -215,8 +215,12 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// failed the round after its publishes, and failed every round after
 	// it, each sending its messages again. The locking read turns it off
 	// for this transaction only (SET LOCAL), as the purge's round does.
+	// It also asks for bytea in hex (bytea_output, for this transaction
+	// only): a session's 'escape' (a role's or database's setting, or one
+	// a handler left on a pooled connection) read as text, as pgx's
+	// simple protocol reads it, failed every round ("invalid hex format").
 	s.selectBatch = outboxBatchRead(t.quoted(d), " FOR UPDATE SKIP LOCKED",
-		"(SELECT set_config('idle_in_transaction_session_timeout', '0', true)) IS NOT NULL", "")
+		"(SELECT set_config('idle_in_transaction_session_timeout', '0', true) || set_config('bytea_output', 'hex', true)) IS NOT NULL", "")
 	return s
 }
 
