@@ -1,8 +1,10 @@
 package inbox
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -48,10 +50,10 @@ const maxOutboxTopic = 1024
 // ErrOutboxMessage is wrapped by the error an outbox publisher returns for a
 // message it cannot store: an empty or over-long topic, a message UUID
 // that is empty, over MaxKeyLength bytes or not valid UTF-8 (the next
-// consumer's inbox could not deduplicate it), or metadata whose keys or
-// values are not valid UTF-8 (kept as JSON, they would reach the broker
-// changed). Nothing is written then, and the inbox rolls the message's
-// transaction back.
+// consumer's inbox could not deduplicate it). Nothing is written then, and
+// the inbox rolls the message's transaction back. Metadata keys and values
+// may hold any bytes: those that are not valid UTF-8 are stored in base64
+// and reach the broker unchanged.
 var ErrOutboxMessage = errors.New("inbox: message cannot go to the outbox")
 
 // OutboxConfig configures an Outbox.
@@ -616,15 +618,7 @@ func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any,
 		if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
 			return nil, fmt.Errorf("message UUID %q: %w", m.UUID, err)
 		}
-		for k, v := range m.Metadata {
-			if !utf8.ValidString(k) || !utf8.ValidString(v) {
-				// encoding/json would put U+FFFD in their place, and
-				// the message would reach the broker changed.
-				return nil, fmt.Errorf("%w: metadata %q of message %s is not valid UTF-8 (the outbox keeps metadata as JSON,"+
-					" which would change those bytes)", ErrOutboxMessage, k, m.UUID)
-			}
-		}
-		meta, err := json.Marshal(m.Metadata)
+		meta, err := encodeOutboxMetadata(m.Metadata)
 		if err != nil {
 			return nil, fmt.Errorf("inbox: outbox: metadata of message %s: %w", m.UUID, err)
 		}
@@ -635,6 +629,74 @@ func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any,
 		args = append(args, topic, m.UUID, payload, meta)
 	}
 	return args, nil
+}
+
+// outboxBinaryMetadata is the first element of the outbox's encoding of
+// metadata with a key or value that is not valid UTF-8 (a binary Kafka
+// header a handler copied onto its output): the JSON array
+// ["base64", {<key>: <value>, …}] with every key and value in standard
+// base64. Any other metadata is stored as a JSON object of its strings, which
+// no array can be mistaken for. encoding/json would put U+FFFD in place of
+// bytes that are not UTF-8, and the message would reach the broker changed;
+// refusing them failed the handler on every redelivery.
+const outboxBinaryMetadata = "base64"
+
+// encodeOutboxMetadata returns md as the outbox stores it: a JSON object,
+// or outboxBinaryMetadata's array when a key or value is not valid UTF-8.
+func encodeOutboxMetadata(md message.Metadata) ([]byte, error) {
+	binary := false
+	for k, v := range md {
+		if !utf8.ValidString(k) || !utf8.ValidString(v) {
+			binary = true
+			break
+		}
+	}
+	if !binary {
+		return json.Marshal(md)
+	}
+	encoded := make(map[string]string, len(md))
+	for k, v := range md {
+		encoded[base64.StdEncoding.EncodeToString([]byte(k))] = base64.StdEncoding.EncodeToString([]byte(v))
+	}
+	return json.Marshal([]any{outboxBinaryMetadata, encoded})
+}
+
+// decodeOutboxMetadata reads metadata that encodeOutboxMetadata stored.
+func decodeOutboxMetadata(b []byte) (message.Metadata, error) {
+	md := message.Metadata{}
+	if trimmed := bytes.TrimLeft(b, " \t\r\n"); len(trimmed) == 0 || trimmed[0] != '[' {
+		if err := json.Unmarshal(b, &md); err != nil {
+			return nil, err
+		}
+		if md == nil { // a stored JSON null
+			md = message.Metadata{}
+		}
+		return md, nil
+	}
+	var parts []json.RawMessage
+	var mark string
+	var encoded map[string]string
+	if err := json.Unmarshal(b, &parts); err != nil {
+		return nil, err
+	}
+	if len(parts) != 2 || json.Unmarshal(parts[0], &mark) != nil || mark != outboxBinaryMetadata {
+		return nil, errors.New(`metadata array is not ["base64", {…}]`)
+	}
+	if err := json.Unmarshal(parts[1], &encoded); err != nil {
+		return nil, err
+	}
+	for k, v := range encoded {
+		key, err := base64.StdEncoding.DecodeString(k)
+		if err != nil {
+			return nil, fmt.Errorf("metadata key %q: %w", k, err)
+		}
+		value, err := base64.StdEncoding.DecodeString(v)
+		if err != nil {
+			return nil, fmt.Errorf("metadata value of %q: %w", key, err)
+		}
+		md[string(key)] = string(value)
+	}
+	return md, nil
 }
 
 // Close does nothing: the writer holds nothing of its own.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -794,12 +793,11 @@ func decodeOutboxRows(rows []outboxRow) ([]*message.Message, error) {
 	msgs := make([]*message.Message, len(rows))
 	for i, r := range rows {
 		m := message.NewMessage(r.UUID, r.Payload)
-		if err := json.Unmarshal(r.Metadata, &m.Metadata); err != nil {
+		md, err := decodeOutboxMetadata(r.Metadata)
+		if err != nil {
 			return nil, fmt.Errorf("metadata of message %s (outbox id %d): %w", r.UUID, r.ID, err)
 		}
-		if m.Metadata == nil {
-			m.Metadata = message.Metadata{}
-		}
+		m.Metadata = md
 		msgs[i] = m
 	}
 	return msgs, nil
