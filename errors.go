@@ -251,13 +251,14 @@ var ErrMessageRejected = errors.New("inbox: the broker refuses the message")
 // they stand, and keeps the refused ones first in line, each with its own
 // error taken as a whole call's would be (wrapping ErrBrokerUnavailable: no
 // attempt used; ErrMessageRejected: set aside on its last attempt; neither:
-// set aside on its last attempt once a message behind it on its topic goes
-// through alone), instead of sending the whole call again: a broker that
+// an attempt used, and on its last one set aside only once a message
+// behind the call's goes through alone), instead of sending the whole call again: a broker that
 // refuses one partition's messages neither holds back nor sends again the
 // messages of its other partitions, and those are no evidence against a
-// refused one. Before it sets a message aside the relay publishes it alone
-// once more (a Kafka partition's batch is written or refused whole, so a
-// message may have been refused for another one of its request). A
+// refused one. When several were refused, the relay publishes each alone
+// in the same round unless its refusal wraps ErrBrokerUnavailable (a Kafka
+// partition's batch is written or refused whole, so a message may have
+// been refused for another one of its request). A
 // PublishError without one entry per message, or without both nil and
 // non-nil entries, is taken as a refusal of the whole call. kafkaoutbox's
 // Publisher returns one whenever the broker refused some of a call's

@@ -610,7 +610,8 @@ func (d *delivery) missingPartitionClaim(err error) error {
 func (d *delivery) refusedPrivilegeClaim(err error) error {
 	d.waitAfterEnd = &d.ib.refusedClaims
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: the database user lacks a privilege on it"+
-		" (a missing GRANT of SELECT and INSERT, or a SET ROLE a handler left on its connection): %w",
+		" (a missing GRANT: the claim needs SELECT and INSERT on it, and UPDATE on MySQL/MariaDB; or a SET ROLE a handler"+
+		" left on its connection): %w",
 		d.consumer, d.id, d.ib.table, err)}
 }
 

@@ -5,8 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"strings"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"

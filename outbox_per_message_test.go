@@ -25,12 +25,14 @@ type partitionedBroker struct {
 	mu       sync.Mutex
 	down     map[int]error   // partitions that refuse everything, with their error
 	bad      map[string]bool // UUIDs of the messages refused for what they are
+	plain    map[string]bool // UUIDs of the messages refused alone, with an error of neither kind
 	accepted map[string]int  // UUID → times acked
 	order    map[int][]string
 }
 
 func newPartitionedBroker() *partitionedBroker {
-	return &partitionedBroker{down: map[int]error{}, bad: map[string]bool{}, accepted: map[string]int{}, order: map[int][]string{}}
+	return &partitionedBroker{down: map[int]error{}, bad: map[string]bool{}, plain: map[string]bool{},
+		accepted: map[string]int{}, order: map[int][]string{}}
 }
 
 func brokerPartition(m *message.Message) int {
@@ -56,6 +58,14 @@ func (b *partitionedBroker) Publish(_ string, msgs ...*message.Message) error {
 	var first error
 	n := 0
 	for i, m := range msgs {
+		if b.plain[m.UUID] {
+			errs[i] = errors.New("the broker refuses the message")
+			if first == nil {
+				first = errs[i]
+			}
+			n++
+			continue
+		}
 		if err, ok := refused[brokerPartition(m)]; ok {
 			errs[i] = err
 			if first == nil {
@@ -158,3 +168,85 @@ func TestOutboxRelaySetsAsideOnlyTheMessageRefusedAlone(t *testing.T) {
 		}
 	})
 }
+
+// A message the broker refused beside a bad one of its partition's batch
+// is tried alone in the same round and goes, however many rounds the bad
+// one has left: it waited about MaxAttempts rounds each, its attempts used
+// up for another message's fault, whenever other partitions had traffic.
+func TestOutboxRelaySendsTheMessagesRefusedBesideABadOneInTheSameRound(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 10})
+		ids := writeOutbox(t, db, ob, "payments", 20)
+		broker.bad[ids[17]] = true // the last of partition 1: 1, 5, 9, 13, 17
+		if round := ob.RelayOnce(context.Background()); round.Relayed != 19 || round.Failed != 1 {
+			t.Fatalf("round: %+v, want 19 relayed and the bad one's attempt counted", round)
+		}
+		if got, want := broker.order[1], []string{ids[1], ids[5], ids[9], ids[13]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 1 got %v, want %v", got, want)
+		}
+	})
+}
+
+// When a message the publisher refused waits for evidence (its last
+// attempt, an error of neither kind), the read of the messages behind it
+// starts after the whole call: the messages the call published are neither
+// sent again nor taken as evidence against it.
+func TestOutboxRelayTakesNoMessageThePublisherAckedAsEvidence(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+		ids := writeOutbox(t, db, ob, "payments", 3)
+		broker.plain[ids[0]] = true
+		round := ob.RelayOnce(context.Background())
+		if round.Relayed != 2 || round.DeadLettered != 0 {
+			t.Errorf("round: %+v, want the 2 acked relayed and nothing set aside", round)
+		}
+		if got := broker.timesAccepted(ids); fmt.Sprint(got) != "[0 1 1]" {
+			t.Errorf("times each message was acked: %v, want [0 1 1]", got)
+		}
+	})
+}
+
+// A PublishError whose acked entries are typed nil pointers (an error type
+// of the publisher's own, returned as a nil *T) says acked too: the call
+// was taken as refused whole, and its acked messages were sent again.
+func TestOutboxRelayTakesATypedNilEntryAsAcked(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		var sent []string
+		pub := publisherFunc(func(_ string, msgs ...*message.Message) error {
+			errs := make([]error, len(msgs))
+			for i, m := range msgs {
+				if i == 0 {
+					errs[i] = fmt.Errorf("%w: partition down", inbox.ErrBrokerUnavailable)
+					continue
+				}
+				var none *refusal
+				errs[i] = none
+				sent = append(sent, m.UUID)
+			}
+			return &inbox.PublishError{MessageErrors: errs}
+		})
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: pub})
+		ids := writeOutbox(t, db, ob, "payments", 3)
+		if round := ob.RelayOnce(context.Background()); round.Relayed != 2 {
+			t.Errorf("round: %+v, want the 2 acked relayed", round)
+		}
+		if fmt.Sprint(sent) != fmt.Sprint(ids[1:]) {
+			t.Errorf("sent %v, want %v once", sent, ids[1:])
+		}
+	})
+}
+
+// refusal is an error type of a publisher's own.
+type refusal struct{ reason string }
+
+func (r *refusal) Error() string { return r.reason }
+
+// publisherFunc is a message.Publisher made of its Publish.
+type publisherFunc func(topic string, msgs ...*message.Message) error
+
+func (f publisherFunc) Publish(topic string, msgs ...*message.Message) error {
+	return f(topic, msgs...)
+}
+func (publisherFunc) Close() error { return nil }

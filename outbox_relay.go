@@ -6,7 +6,6 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -625,6 +624,7 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 		return false
 	}
 	var known []error // each message's refusal, when the publisher told them
+	callEnd := group[len(group)-1].ID
 	if errs, ok := perMessageErrors(err, len(group)); ok {
 		// The acked ones are sent, whatever their place; the refused
 		// ones, in order, are walked as a failed call's group is.
@@ -643,10 +643,14 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 	// One by one, to find the messages the broker refuses. Those sent
 	// before them in the failed call go again: at least once. A group of
 	// one has had its try. A message whose refusal the publisher told
-	// (known) is not tried again, unless it is about to be set aside: the
-	// broker may have refused it for another message of its request (a
-	// Kafka partition's batch is written or refused whole), and alone it
-	// answers for itself.
+	// (known) is tried alone again when others were refused beside it,
+	// unless its refusal wraps ErrBrokerUnavailable (the broker's state, as
+	// a whole partition down: trying again now would only wait for the
+	// publisher's retries once more): the broker may have refused it for
+	// another message of its request (a Kafka partition's batch is written
+	// or refused whole), and alone it answers for itself. The read of the
+	// messages behind starts after the whole call's (its acked messages
+	// are not evidence, nor sent again).
 	var waiting []outboxRow // refused on their last attempt: evidence wanted
 	wait := func() {
 		for _, w := range waiting {
@@ -658,9 +662,10 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			if len(waiting) == 0 || reads.next == nil {
 				break
 			}
-			r, ok, err := reads.next(topic, group[i-1].ID)
+			after := max(group[i-1].ID, callEnd)
+			r, ok, err := reads.next(topic, after)
 			if err != nil {
-				b.errs = append(b.errs, fmt.Errorf("read the message after outbox id %d of %q: %w", group[i-1].ID, topic, err))
+				b.errs = append(b.errs, fmt.Errorf("read the message after outbox id %d of %q: %w", after, topic, err))
 			}
 			if !ok {
 				break
@@ -672,7 +677,7 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 		switch {
 		case i < len(known):
 			err = known[i]
-			if len(group) > 1 && r.Attempts+1 >= o.cfg.MaxAttempts && !errors.Is(err, ErrBrokerUnavailable) {
+			if len(known) > 1 && !errors.Is(err, ErrBrokerUnavailable) {
 				err = o.publishOne(r)
 			}
 		case i > 0 || len(group) > 1:
@@ -728,10 +733,19 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 // not: the broker took some and refused others), and whether it does.
 func perMessageErrors(err error, n int) ([]error, bool) {
 	var pe *PublishError
-	if !errors.As(err, &pe) || len(pe.MessageErrors) != n {
+	if !errors.As(err, &pe) || pe == nil || len(pe.MessageErrors) != n {
 		return nil, false
 	}
-	return pe.MessageErrors, slices.Contains(pe.MessageErrors, nil) && slices.ContainsFunc(pe.MessageErrors, func(e error) bool { return e != nil })
+	errs := make([]error, n)
+	acked, refused := false, false
+	for i, e := range pe.MessageErrors {
+		if e == nil || isNilPointer(e) { // a typed nil pointer says acked too
+			acked = true
+			continue
+		}
+		errs[i], refused = e, true
+	}
+	return errs, acked && refused
 }
 
 // errNotSettable marks the refusal of a message that cannot be set aside
