@@ -276,6 +276,21 @@ func (l *logLines) containing(part string) int {
 	return n
 }
 
+// partitionZeroAlone puts partition 0 of topic on node 1 of c and the
+// others on node 0, so that a fault of node 1 is one partition's.
+func partitionZeroAlone(t *testing.T, c *kfake.Cluster, topic string) {
+	t.Helper()
+	for p := range int32(partitions) {
+		node := int32(0)
+		if p == 0 {
+			node = 1
+		}
+		if err := c.MoveTopicPartition(topic, p, node); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // produceError is the broker's answer to req that refuses every partition
 // of it with code.
 func produceError(req *kmsg.ProduceRequest, code int16) *kmsg.ProduceResponse {

@@ -364,15 +364,7 @@ func TestRelayThroughKafkaPublisher_SetsNothingAsideWhileAPartitionHasNoLeader(t
 		}
 		return produceError(req, kerr.LeaderNotAvailable.Code)
 	}, "invoices")
-	for p := range int32(partitions) { // partition 0 on node 1, the others on node 0
-		node := int32(0)
-		if p == 0 {
-			node = 1
-		}
-		if err := c.MoveTopicPartition("invoices", p, node); err != nil {
-			t.Fatal(err)
-		}
-	}
+	partitionZeroAlone(t, c, "invoices")
 	brokers := c.ListenAddrs()
 	db, ob := newFailFastRelay(t, brokers)
 	msgs, want := customerInvoices(40)
@@ -509,15 +501,7 @@ func TestRelayThroughKafkaPublisher_APartitionThatRefusesHoldsBackOnlyItsOwnMess
 				}
 				return nil
 			}, "invoices")
-			for p := range int32(partitions) { // partition 0 on node 1, the others on node 0
-				node := int32(0)
-				if p == 0 {
-					node = 1
-				}
-				if err := c.MoveTopicPartition("invoices", p, node); err != nil {
-					t.Fatal(err)
-				}
-			}
+			partitionZeroAlone(t, c, "invoices")
 			brokers := c.ListenAddrs()
 			db, ob := newFailFastRelay(t, brokers) // MaxAttempts 2
 			var msgs []*message.Message
