@@ -68,11 +68,7 @@ type OutboxConfig struct {
 	Dialect Dialect
 
 	// Table is the outbox table; its dead-letter table is "<Table>_dead"
-	// (shortened with a hash past 63 bytes: Outbox.DeadLetterTable). On
-	// PostgreSQL an unqualified name is resolved once, by Verify (and so
-	// RouterPlugin) or InitializeSchema, and the INSERT of the handlers'
-	// messages names that schema from then on, whatever search_path a
-	// handler sets in its transaction.
+	// (shortened with a hash past 63 bytes: Outbox.DeadLetterTable).
 	// It may be schema-qualified and must match the pattern of
 	// Config.Table. Default: DefaultOutboxTable ("watermill_inbox_outbox").
 	Table string
@@ -232,11 +228,6 @@ type Outbox struct {
 	// (MySQL; MariaDB has them), found by the relay's first read that named
 	// them (outboxSQL.idleTimeoutsOff).
 	noIdleTimeoutVars atomic.Bool
-	// pinnedInsert is the INSERT's prefix (outboxSQL.insertPrefix) naming
-	// the table by the schema it was found in, once Verify or
-	// InitializeSchema found it (PostgreSQL, an unqualified table name);
-	// nil until then. See pinSchema.
-	pinnedInsert atomic.Pointer[string]
 	// relayStarted is set by the first Run; noRelayCheck schedules, at the
 	// first commit that wakes no relay, the one-time check of
 	// warnIfNoRelay.
@@ -325,47 +316,6 @@ func (o *Outbox) InitializeSchema(ctx context.Context) error {
 	if err := o.dialect.createOutbox(ctx, o.cfg.DB, o.table, o.sql.create); err != nil {
 		return fmt.Errorf("inbox: initialize outbox %s: %w", o.table, err)
 	}
-	return withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error { return o.pinSchema(ctx, q) })
-}
-
-// insertSQL returns the INSERT of n messages, naming the table by its
-// schema once pinSchema found it.
-func (o *Outbox) insertSQL(n int) string {
-	if prefix := o.pinnedInsert.Load(); prefix != nil {
-		return *prefix + strings.TrimSuffix(strings.Repeat(o.sql.insertRow+", ", n), ", ")
-	}
-	return o.sql.insert(n)
-}
-
-// pinSchema finds, on PostgreSQL, the schema that an unqualified outbox
-// table name resolves to now (its search_path, outside any handler), and
-// makes the outbox's INSERT name the table in that schema: the messages a
-// handler returns are written after it returns, in its transaction, where
-// a SET LOCAL search_path (a schema per tenant) made the name resolve to
-// another schema's table of the same name, which no relay reads (the
-// outputs were committed there and never sent), or to none. A table name
-// that is qualified already, another database, or a table found in a
-// temporary schema are left as they are. Its read is one statement, in q's
-// transaction (a statement with a bind parameter outside one meets another
-// server connection behind PgBouncer's transaction pooling).
-func (o *Outbox) pinSchema(ctx context.Context, q sqlx.QueryerContext) error {
-	if o.dialect.server() != serverPostgreSQL || o.table.schema != "" {
-		return nil
-	}
-	var schema string
-	err := sqlx.GetContext(ctx, q, &schema, "SELECT n.nspname FROM pg_catalog.pg_class c"+
-		" JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)", o.table.quoted(o.dialect))
-	switch {
-	case errors.Is(err, sql.ErrNoRows):
-		return nil // Verify says what is missing
-	case err != nil:
-		return fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, err)
-	case strings.HasPrefix(schema, "pg_temp"):
-		return nil
-	}
-	pinned := qualifiedName{schema: schema, name: o.table.name}
-	prefix := strings.Replace(o.sql.insertPrefix, "INSERT INTO "+o.table.quoted(o.dialect)+" ", "INSERT INTO "+pinned.quoted(o.dialect)+" ", 1)
-	o.pinnedInsert.Store(&prefix)
 	return nil
 }
 
@@ -590,7 +540,7 @@ func (w *outboxWriter) insert(n int, args []any) error {
 			return err
 		}
 	}
-	query := w.o.insertSQL(n)
+	query := w.o.sql.insert(n)
 	return w.exec(w.ctx, query, args...)
 }
 
@@ -642,7 +592,7 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 		return "", nil, false, err
 	}
 	w.wrote.Store(true) // for committed: the query runs with the COMMIT
-	return w.rebind(w.o.insertSQL(len(msgs))), args, true, nil
+	return w.rebind(w.o.sql.insert(len(msgs))), args, true, nil
 }
 
 // writable refuses a bad topic, and any write once the server has ended

@@ -226,7 +226,7 @@ func (o *Outbox) Verify(ctx context.Context) error {
 					" MariaDB 10.6+, which also have the JSON_TABLE it uses): %s: %w", o.table, stmt, err)
 			}
 		}
-		return o.pinSchema(ctx, q)
+		return nil
 	})
 	return poolerHint(err)
 }
