@@ -258,7 +258,9 @@ var ErrMessageRejected = errors.New("inbox: the broker refuses the message")
 // refused one. When several were refused, the relay publishes each alone
 // in the same round unless its refusal wraps ErrBrokerUnavailable (a Kafka
 // partition's batch is written or refused whole, so a message may have
-// been refused for another one of its request). A
+// been refused for another one of its request); one refused alone for
+// what it is (ErrMessageRejected) holds back none of the call's other
+// refused messages. A
 // PublishError without one entry per message, or without both nil and
 // non-nil entries, is taken as a refusal of the whole call. kafkaoutbox's
 // Publisher returns one whenever the broker refused some of a call's

@@ -250,3 +250,33 @@ func (f publisherFunc) Publish(topic string, msgs ...*message.Message) error {
 	return f(topic, msgs...)
 }
 func (publisherFunc) Close() error { return nil }
+
+// Two partitions each hold a message the broker refuses for what it is:
+// the messages refused beside either go in the first round, and each bad
+// one has its attempt counted in every round. The walk stopped at the
+// first bad one while it had attempts left: partition 1's healthy messages
+// waited for partition 0's bad one to be set aside.
+func TestOutboxRelayGoesOnPastAMessageRefusedForWhatItIs(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3})
+		ids := writeOutbox(t, db, ob, "payments", 20)
+		broker.bad[ids[0]], broker.bad[ids[5]] = true, true // partition 0's first, partition 1's second
+		round := ob.RelayOnce(context.Background())
+		if round.Relayed != 18 || round.Failed != 2 {
+			t.Fatalf("round: %+v, want the 18 healthy relayed and both bad ones' attempts counted", round)
+		}
+		if got, want := broker.order[1], []string{ids[1], ids[9], ids[13], ids[17]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 1 got %v, want %v", got, want)
+		}
+		relayUntilEmpty(t, ob)
+		if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 || stats.DeadLettered != 2 {
+			t.Errorf("stats: %+v (%v), want the two bad ones set aside and nothing pending", stats, err)
+		}
+		for i, n := range broker.timesAccepted(ids) {
+			if want := map[bool]int{true: 0, false: 1}[i == 0 || i == 5]; n != want {
+				t.Errorf("message %d acked %d times, want %d", i, n, want)
+			}
+		}
+	})
+}

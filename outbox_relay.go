@@ -701,6 +701,15 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			err = o.settable(b, r, err, reads)
 		}
 		switch {
+		case i < len(known) && !last && errors.Is(err, ErrMessageRejected) && !errors.Is(err, ErrBrokerUnavailable):
+			// The publisher told each message's outcome and says this one
+			// is refused for what it is (tried alone when others were
+			// refused beside it), with attempts left: it stays, its
+			// attempt counted, and the walk goes on with the call's other
+			// refused messages, which may be of other partitions (a
+			// message refused beside another partition's bad one waited
+			// for that one's MaxAttempts rounds).
+			b.failed[r.ID] = err
 		case errors.Is(err, ErrBrokerUnavailable) || !last || errors.Is(err, errNotSettable):
 			// The broker's state, attempts left, or a message that cannot
 			// be set aside: it stays first in line (behind those that wait
