@@ -243,8 +243,8 @@ var ErrMessageRejected = errors.New("inbox: the broker refuses the message")
 
 // PublishError is for an OutboxConfig.Publisher to return from Publish,
 // itself or wrapped (the relay finds it with errors.As), when the broker
-// took some of the call's messages and refused others and the publisher
-// knows which: MessageErrors holds one entry per message of the call, in
+// refused some or all of the call's messages and the publisher knows
+// which: MessageErrors holds one entry per message of the call, in
 // the call's order, nil for a message the broker acked.
 //
 // The outbox relay then deletes the rows of the acked messages, wherever
@@ -260,11 +260,13 @@ var ErrMessageRejected = errors.New("inbox: the broker refuses the message")
 // partition's batch is written or refused whole, so a message may have
 // been refused for another one of its request); one refused alone for
 // what it is (ErrMessageRejected) holds back none of the call's other
-// refused messages. A
-// PublishError without one entry per message, or without both nil and
-// non-nil entries, is taken as a refusal of the whole call. kafkaoutbox's
-// Publisher returns one whenever the broker refused some of a call's
-// messages and took others.
+// refused messages. A message refused with ErrBrokerUnavailable is not
+// tried again in the same round, even when the whole call was refused
+// (kafkaoutbox: each try of a partition without a leader waits for
+// sarama's retries, about 13 s). A PublishError without one entry per
+// message, or without a non-nil entry, is taken as a refusal of the whole
+// call. kafkaoutbox's Publisher returns one whenever the broker refused
+// some of a call's messages.
 //
 // Its Error text counts the refused messages and gives the first one's
 // error; it does not unwrap to them: errors.Is on a call's error says what

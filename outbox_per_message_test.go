@@ -28,6 +28,8 @@ type partitionedBroker struct {
 	plain    map[string]bool // UUIDs of the messages refused alone, with an error of neither kind
 	accepted map[string]int  // UUID → times acked
 	order    map[int][]string
+	calls    int  // Publish calls
+	whole    bool // a call refused whole says each message's refusal too
 }
 
 func newPartitionedBroker() *partitionedBroker {
@@ -43,6 +45,7 @@ func brokerPartition(m *message.Message) int {
 func (b *partitionedBroker) Publish(_ string, msgs ...*message.Message) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.calls++
 	refused := map[int]error{}
 	for p, err := range b.down {
 		refused[p] = err
@@ -81,7 +84,9 @@ func (b *partitionedBroker) Publish(_ string, msgs ...*message.Message) error {
 	case 0:
 		return nil
 	case len(msgs):
-		return first
+		if !b.whole {
+			return first
+		}
 	}
 	return fmt.Errorf("%d of %d refused: %w", n, len(msgs), &inbox.PublishError{MessageErrors: errs})
 }
@@ -278,5 +283,38 @@ func TestOutboxRelayGoesOnPastAMessageRefusedForWhatItIs(t *testing.T) {
 				t.Errorf("message %d acked %d times, want %d", i, n, want)
 			}
 		}
+	})
+}
+
+// A call the publisher refused whole, saying of each message that the
+// broker cannot take it now (ErrBrokerUnavailable: a partition without a
+// leader), is not tried again message by message in the same round: with
+// kafkaoutbox each try waits for sarama's retries of that partition
+// (about 13 s), and the walk doubled every round's time while it was down.
+func TestOutboxRelayTriesACallRefusedWholeAsUnavailableOncePerRound(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		broker.whole = true
+		for p := range 4 {
+			broker.down[p] = fmt.Errorf("%w: partition %d has no leader", inbox.ErrBrokerUnavailable, p)
+		}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+		writeOutbox(t, db, ob, "payments", 8)
+		for range 3 {
+			if round := ob.RelayOnce(context.Background()); round.Relayed != 0 || round.DeadLettered != 0 {
+				t.Fatalf("round while every partition is down: %+v, want nothing relayed or set aside", round)
+			}
+		}
+		broker.mu.Lock()
+		calls := broker.calls
+		broker.mu.Unlock()
+		if calls != 3 {
+			t.Errorf("%d Publish calls in 3 rounds, want one a round", calls)
+		}
+		broker.mu.Lock()
+		broker.down = map[int]error{}
+		broker.mu.Unlock()
+		relayUntilEmpty(t, ob)
+		assertOutboxEmpty(t, ob)
 	})
 }

@@ -646,7 +646,7 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 	// (known) is tried alone again when others were refused beside it,
 	// unless its refusal wraps ErrBrokerUnavailable (the broker's state, as
 	// a whole partition down: trying again now would only wait for the
-	// publisher's retries once more): the broker may have refused it for
+	// publisher's retries once more, a call refused whole included): the broker may have refused it for
 	// another message of its request (a Kafka partition's batch is written
 	// or refused whole), and alone it answers for itself. The read of the
 	// messages behind starts after the whole call's (its acked messages
@@ -738,23 +738,22 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 }
 
 // perMessageErrors returns the errors of a call's n messages one by one,
-// when err carries them (a PublishError with n entries, some nil and some
-// not: the broker took some and refused others), and whether it does.
+// when err carries them (a PublishError with n entries, at least one not
+// nil), and whether it does.
 func perMessageErrors(err error, n int) ([]error, bool) {
 	var pe *PublishError
 	if !errors.As(err, &pe) || pe == nil || len(pe.MessageErrors) != n {
 		return nil, false
 	}
 	errs := make([]error, n)
-	acked, refused := false, false
+	refused := false
 	for i, e := range pe.MessageErrors {
 		if e == nil || isNilPointer(e) { // a typed nil pointer says acked too
-			acked = true
 			continue
 		}
 		errs[i], refused = e, true
 	}
-	return errs, acked && refused
+	return errs, refused
 }
 
 // errNotSettable marks the refusal of a message that cannot be set aside

@@ -21,8 +21,8 @@
 // # Delivery and order
 //
 // Publish returns nil only once the broker acked every message. When the
-// broker took some of a call's messages and refused others, its error says
-// which with an *inbox.PublishError, and the relay deletes the acked ones
+// broker refused some of a call's messages, its error says which with an
+// *inbox.PublishError, and the relay deletes the acked ones
 // and keeps the refused ones, which it sends again with their UUIDs: at
 // least once, and a partition that refuses its messages holds back none of
 // the other partitions' and has none of theirs sent again. A refusal of
@@ -239,9 +239,8 @@ func validate(config kafka.PublisherConfig) error {
 // message was acked. A topic name Kafka cannot hold (see validTopic) sends
 // nothing, with an error wrapping inbox.ErrMessageRejected. When the
 // marshaler refuses a message, or the broker refuses some, the error says
-// each message's outcome with an *inbox.PublishError (errors.As) when the
-// broker took others: the relay then deletes the acked ones and keeps the
-// rest. Each refused message's own error there wraps
+// each message's outcome with an *inbox.PublishError (errors.As): the
+// relay then deletes the acked ones and keeps the rest. Each refused message's own error there wraps
 // inbox.ErrMessageRejected when the refusal is of the message itself (the
 // marshaler's, over the size limits, a record the broker finds corrupt or
 // invalid), and inbox.ErrBrokerUnavailable otherwise: a partition that
@@ -336,9 +335,7 @@ func publishError(topic string, errs []error, sendErr error) error {
 		return nil
 	}
 	err := fmt.Errorf("kafkaoutbox: %d of %d messages to %s not acked (the first: %w)", refused, len(errs), topic, first)
-	if refused < len(errs) {
-		err = fmt.Errorf("%w%w", err, &inbox.PublishError{MessageErrors: errs})
-	}
+	err = fmt.Errorf("%w%w", err, &inbox.PublishError{MessageErrors: errs})
 	if sendErr != nil {
 		err = fmt.Errorf("%w%w", err, sendErr)
 	}
