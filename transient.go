@@ -498,16 +498,7 @@ func hasSQLState(err error, states ...string) bool {
 // (ER_READ_ONLY_MODE: innodb_read_only), and SQLite's SQLITE_READONLY
 // with its extended codes (a read-only file, query_only).
 func isReadOnlyRefusal(err error) bool {
-	return anyInChain(err, func(e error) bool {
-		if n, ok := mysqlErrorNumber(e); ok {
-			return n == 1290 || n == 1792 || n == 1836
-		}
-		if code, ok := sqliteResultCode(e); ok {
-			return code == sqliteReadOnly
-		}
-		s, ok := e.(interface{ SQLState() string })
-		return ok && !isNilPointer(e) && s.SQLState() == "25006"
-	})
+	return hasRefusalCode(err, "25006", sqliteReadOnly, 1290, 1792, 1836)
 }
 
 // isPrivilegeRefusal reports whether err's chain holds the database's
@@ -516,15 +507,22 @@ func isReadOnlyRefusal(err error) bool {
 // ER_DBACCESS_DENIED_ERROR (1044), ER_TABLEACCESS_DENIED_ERROR (1142) and
 // ER_COLUMNACCESS_DENIED_ERROR (1143), SQLite's SQLITE_AUTH (23).
 func isPrivilegeRefusal(err error) bool {
+	return hasRefusalCode(err, "42501", sqliteAuth, 1044, 1142, 1143)
+}
+
+// hasRefusalCode reports whether err's chain holds a driver error with
+// PostgreSQL's sqlState, SQLite's primary result code sqlite, or one of
+// MySQL/MariaDB's numbers.
+func hasRefusalCode(err error, sqlState string, sqlite int, mysql ...uint64) bool {
 	return anyInChain(err, func(e error) bool {
 		if n, ok := mysqlErrorNumber(e); ok {
-			return n == 1044 || n == 1142 || n == 1143
+			return slices.Contains(mysql, n)
 		}
 		if code, ok := sqliteResultCode(e); ok {
-			return code == sqliteAuth
+			return code == sqlite
 		}
 		s, ok := e.(interface{ SQLState() string })
-		return ok && !isNilPointer(e) && s.SQLState() == "42501"
+		return ok && !isNilPointer(e) && s.SQLState() == sqlState
 	})
 }
 
