@@ -13,6 +13,7 @@ import (
 	"github.com/jmoiron/sqlx"
 	_ "modernc.org/sqlite"
 
+	"github.com/watermill-inbox/inbox/internal/closewait"
 	"github.com/watermill-inbox/inbox/sqliteoutbox"
 )
 
@@ -86,14 +87,16 @@ func newPubSub(t *testing.T, consumerGroup string) (message.Publisher, message.S
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Close waits for the channels Subscribe returned (see closewait).
+	closing := closewait.Wrap(sub)
 	// Watermill's suite does not close every subscriber it makes (its
 	// multiplied subscribers are closed before they subscribe): close them
 	// when the test ends. Close is idempotent.
 	t.Cleanup(func() {
-		sub.Close()
+		closing.Close()
 		pub.Close()
 	})
-	return pub, sub
+	return pub, closing
 }
 
 // Watermill's universal pub/sub suite, as watermill-sql runs it for its

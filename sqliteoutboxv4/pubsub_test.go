@@ -1,7 +1,6 @@
 package sqliteoutboxv4_test
 
 import (
-	"context"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"github.com/jmoiron/sqlx"
 	_ "modernc.org/sqlite"
 
+	"github.com/watermill-inbox/inbox/internal/closewait"
 	"github.com/watermill-inbox/inbox/sqliteoutboxv4"
 )
 
@@ -85,7 +85,8 @@ func newPubSub(t *testing.T, consumerGroup string, schema wsql.SchemaAdapter, of
 	if err != nil {
 		t.Fatal(err)
 	}
-	closing := &closeWaitsSubscriber{Subscriber: sub, closing: make(chan struct{})}
+	// Close waits for the channels Subscribe returned (see closewait).
+	closing := closewait.Wrap(sub)
 	// Watermill's suite does not close every subscriber it makes: close
 	// them when the test ends. Close is idempotent.
 	t.Cleanup(func() {
@@ -93,53 +94,6 @@ func newPubSub(t *testing.T, consumerGroup string, schema wsql.SchemaAdapter, of
 		pub.Close()
 	})
 	return pub, closing
-}
-
-// closeWaitsSubscriber is a watermill-sql v4 Subscriber whose Close returns
-// once the channels its Subscribe calls returned are closed, as Watermill's
-// suite asserts. v4.1.2's Close waits for its consume loops to return, but
-// each loop's deferred subscribeWg.Done runs before the goroutine around it
-// closes the channel, so Close can return while the channel is still open
-// (seen once in CI under load: "messages channel is not closed"). That
-// race is the subscriber's, not the adapters' this package tests; a router
-// is not affected (it waits for the channel to close). Messages pass
-// through unchanged; once Close is called, none is forwarded any more (the
-// subscriber is closing, and redelivers what was not acked).
-type closeWaitsSubscriber struct {
-	message.Subscriber
-	closing   chan struct{}
-	closeOnce sync.Once
-	forwards  sync.WaitGroup
-}
-
-func (s *closeWaitsSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	in, err := s.Subscriber.Subscribe(ctx, topic)
-	if err != nil {
-		return nil, err
-	}
-	out := make(chan *message.Message)
-	s.forwards.Add(1)
-	go func() {
-		defer s.forwards.Done()
-		defer close(out)
-		for m := range in {
-			select {
-			case out <- m:
-			case <-s.closing:
-				for range in { // until the subscriber closes it
-				}
-				return
-			}
-		}
-	}()
-	return out, nil
-}
-
-func (s *closeWaitsSubscriber) Close() error {
-	s.closeOnce.Do(func() { close(s.closing) })
-	err := s.Subscriber.Close()
-	s.forwards.Wait()
-	return err
 }
 
 // Watermill's universal pub/sub suite, as watermill-sql v4 runs it for its
