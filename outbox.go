@@ -68,7 +68,15 @@ type OutboxConfig struct {
 	Dialect Dialect
 
 	// Table is the outbox table; its dead-letter table is "<Table>_dead"
-	// (shortened with a hash past 63 bytes: Outbox.DeadLetterTable).
+	// (shortened with a hash past 63 bytes: Outbox.DeadLetterTable). On
+	// PostgreSQL a name without a schema is looked up once along the
+	// search_path of a connection of DB (temporary schemas left out), by
+	// Verify (RouterPlugin), InitializeSchema, the relay's first round or
+	// else the first write (outside the handler's transaction, waiting at
+	// most 5 s for a connection), and every statement of the Outbox names
+	// that schema from then on, whatever search_path a handler sets in its
+	// transaction; a table that is not found is not pinned, and writes and
+	// relay rounds fail with ErrTableNotFound until it exists.
 	// It may be schema-qualified and must match the pattern of
 	// Config.Table. Default: DefaultOutboxTable ("watermill_inbox_outbox").
 	Table string
@@ -208,11 +216,19 @@ type OutboxStats struct {
 type Outbox struct {
 	cfg     OutboxConfig
 	dialect Dialect
-	table   qualifiedName
-	dead    qualifiedName // table's dead letters
-	sql     outboxSQL
-	wake    chan struct{}
-	logger  watermill.LoggerAdapter
+	// table is the outbox table as configured; every statement names the
+	// one target returns.
+	table  qualifiedName
+	wake   chan struct{}
+	logger watermill.LoggerAdapter
+
+	// configured is the tables and statements as OutboxConfig.Table names
+	// them; pinned, once set, the ones every statement runs from then on
+	// (pinTarget): on PostgreSQL an unqualified table name qualified by
+	// the schema it was found in, elsewhere or already qualified the
+	// configured ones, set by newOutbox.
+	configured outboxTarget
+	pinned     atomic.Pointer[outboxTarget]
 
 	// insertOne is one message's INSERT prepared on cfg.DB by the relay
 	// (prepareInsertOne); nil until then.
@@ -297,32 +313,132 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	t, _ := parseTableName(cfg.Table) // validated
-	dead := qualifiedName{schema: t.schema, name: t.derivedName("_dead")}
-	return &Outbox{
-		cfg:     cfg,
-		dialect: cfg.Dialect,
-		table:   t,
-		dead:    dead,
-		sql:     cfg.Dialect.outbox(t, dead),
-		wake:    make(chan struct{}, 1),
-		logger:  cfg.Logger.With(watermill.LogFields{"outbox_table": t.String()}),
-	}, nil
+	return newOutbox(cfg, t), nil
 }
+
+// newOutbox returns the Outbox of cfg (defaults set) for its table t.
+func newOutbox(cfg OutboxConfig, t qualifiedName) *Outbox {
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	o := &Outbox{
+		cfg:        cfg,
+		dialect:    cfg.Dialect,
+		table:      t,
+		configured: newOutboxTarget(cfg.Dialect, t),
+		wake:       make(chan struct{}, 1),
+		logger:     cfg.Logger.With(watermill.LogFields{"outbox_table": t.String()}),
+	}
+	if !o.resolvesSchema() {
+		o.pinned.Store(&o.configured)
+	}
+	return o
+}
+
+// outboxTarget is the outbox table, its dead-letter table and the
+// statements that name them.
+type outboxTarget struct {
+	table, dead qualifiedName
+	sql         outboxSQL
+}
+
+func newOutboxTarget(d Dialect, t qualifiedName) outboxTarget {
+	dead := qualifiedName{schema: t.schema, name: t.derivedName("_dead")}
+	return outboxTarget{table: t, dead: dead, sql: d.outbox(t, dead)}
+}
+
+// resolvesSchema reports whether the outbox table's schema is found once
+// by pinTarget: PostgreSQL, with a table name that names no schema. A
+// handler's SET LOCAL search_path (a schema per tenant) changes what an
+// unqualified name means in its transaction, where the inbox writes the
+// messages it returned after it returned: they went to the tenant's table
+// of the same name, committed, where no relay reads. MySQL/MariaDB and
+// SQLite have no search path (a handler's USE, or a temporary table, is
+// documented in docs/usage.md as something it must not leave).
+func (o *Outbox) resolvesSchema() bool {
+	return o.dialect.server() == serverPostgreSQL && o.table.schema == ""
+}
+
+// target returns the tables and statements the outbox runs: the pinned
+// ones, or the configured ones until pinTarget found the schema. Safe for
+// concurrent use.
+func (o *Outbox) target() *outboxTarget {
+	if t := o.pinned.Load(); t != nil {
+		return t
+	}
+	return &o.configured
+}
+
+// pinTarget returns the tables and statements every statement of the
+// outbox runs, finding them first when they are not yet: on PostgreSQL an
+// unqualified table name is looked up along the search_path of a
+// connection of cfg.DB (temporary schemas left out), outside any handler's
+// transaction, and every statement then names the schema it is in: the
+// writers', the relay's, Stats' and Verify's, so they cannot part. A table
+// that does not exist yet is not pinned: the result names the schema
+// CREATE TABLE would use (current_schema()), for InitializeSchema, and
+// the next call looks again. Concurrent calls may each look; they find
+// the same schema and the first stored wins. Errors wrap the driver's.
+func (o *Outbox) pinTarget(ctx context.Context) (*outboxTarget, error) {
+	if t := o.pinned.Load(); t != nil {
+		return t, nil
+	}
+	var found, current sql.NullString
+	// One statement with a bind parameter, in a transaction of its own
+	// (behind PgBouncer's transaction pooling a statement outside one may
+	// meet another server connection than its prepare).
+	err := withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
+		return q.QueryRowxContext(ctx, `SELECT (SELECT s.nspname FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS s(nspname, pos)
+			JOIN pg_catalog.pg_namespace n ON n.nspname = s.nspname
+			JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 AND c.relkind IN ('r', 'p')
+			WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema()`,
+			o.table.name).Scan(&found, &current)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, poolerHint(err))
+	}
+	if !found.Valid {
+		if !current.Valid {
+			return &o.configured, nil // CREATE TABLE says no schema is selected
+		}
+		t := newOutboxTarget(o.dialect, qualifiedName{schema: current.String, name: o.table.name})
+		return &t, nil
+	}
+	t := newOutboxTarget(o.dialect, qualifiedName{schema: found.String, name: o.table.name})
+	o.pinned.CompareAndSwap(nil, &t)
+	return o.pinned.Load(), nil
+}
+
+// pinWriteWait bounds how long a writer waits for pinTarget's connection
+// when nothing pinned the outbox table before its first write (no Verify,
+// RouterPlugin, InitializeSchema or relay round in this process yet): the
+// writer holds a connection of the pool, and a pool full of writers that
+// wait for one more would never free one. The delivery then fails as
+// transient (context.DeadlineExceeded) and is redelivered.
+const pinWriteWait = 5 * time.Second
 
 // InitializeSchema creates the outbox table and its dead-letter table if
 // they do not exist. It is idempotent and safe to run from several
-// processes at once.
+// processes at once. On PostgreSQL an unqualified table is created in the
+// schema CREATE TABLE uses (current_schema()) unless the search_path
+// already finds one, and from then on every statement of the Outbox names
+// that schema (OutboxConfig.Table).
 func (o *Outbox) InitializeSchema(ctx context.Context) error {
-	if err := o.dialect.createOutbox(ctx, o.cfg.DB, o.table, o.sql.create); err != nil {
-		return fmt.Errorf("inbox: initialize outbox %s: %w", o.table, err)
+	t, err := o.pinTarget(ctx)
+	if err != nil {
+		return err
 	}
-	return nil
+	if err := o.dialect.createOutbox(ctx, o.cfg.DB, t.table, t.sql.create); err != nil {
+		return fmt.Errorf("inbox: initialize outbox %s: %w", t.table, err)
+	}
+	_, err = o.pinTarget(ctx)
+	return err
 }
 
 // SchemaSQL returns the DDL of the outbox and dead-letter tables, for
-// migration tools.
+// migration tools. It names the tables as OutboxConfig.Table does.
 func (o *Outbox) SchemaSQL() string {
-	return strings.Join(o.sql.create, ";\n\n") + ";\n"
+	return strings.Join(o.configured.sql.create, ";\n\n") + ";\n"
 }
 
 // Publisher returns a publisher that writes to the outbox in tx: the
@@ -353,7 +469,8 @@ func (o *Outbox) prepareInsertOne(ctx context.Context) {
 	if o.insertOne.Load() != nil || !o.dialect.preparesByDefault() {
 		return
 	}
-	stmt, err := o.cfg.DB.PreparexContext(ctx, o.cfg.DB.Rebind(o.sql.insertPrefix+o.sql.insertRow))
+	t := o.target()
+	stmt, err := o.cfg.DB.PreparexContext(ctx, o.cfg.DB.Rebind(t.sql.insertPrefix+t.sql.insertRow))
 	if err != nil {
 		return // the table may not exist yet: the next round tries again
 	}
@@ -456,7 +573,7 @@ type outboxWriter struct {
 func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
 	w.ctx, w.ended = ctx, ended
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
-	if w.tx != nil && w.o.sql.claimedInsert != nil {
+	if w.tx != nil && w.o.target().sql.claimedInsert != nil {
 		w.claim = claim
 	}
 }
@@ -471,7 +588,7 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 	args = append(args, w.claim.consumer, w.claim.id)
 	for {
 		inTx := !w.o.noInTxVar.Load()
-		query := w.o.sql.claimedInsert(w.claim.table, n, inTx)
+		query := w.o.target().sql.claimedInsert(w.claim.table, n, inTx)
 		var res sql.Result
 		var err error
 		if stmt := w.o.preparedClaimedInsert(query, n == 1 && w.prepared); stmt != nil {
@@ -540,7 +657,7 @@ func (w *outboxWriter) insert(n int, args []any) error {
 			return err
 		}
 	}
-	query := w.o.sql.insert(n)
+	query := w.o.target().sql.insert(n)
 	return w.exec(w.ctx, query, args...)
 }
 
@@ -592,7 +709,7 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 		return "", nil, false, err
 	}
 	w.wrote.Store(true) // for committed: the query runs with the COMMIT
-	return w.rebind(w.o.sql.insert(len(msgs))), args, true, nil
+	return w.rebind(w.o.target().sql.insert(len(msgs))), args, true, nil
 }
 
 // writable refuses a bad topic, and any write once the server has ended
@@ -607,6 +724,21 @@ func (w *outboxWriter) writable(topic string) error {
 		// again by the redelivery under the handler's new UUIDs.
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
 			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
+	}
+	if w.o.pinned.Load() == nil {
+		ctx, cancel := context.WithTimeout(w.ctx, pinWriteWait)
+		defer cancel()
+		if _, err := w.o.pinTarget(ctx); err != nil {
+			return fmt.Errorf("inbox: outbox: nothing written to %q: %w", topic, err)
+		}
+		if w.o.pinned.Load() == nil {
+			// Not on the search_path outside the handler's transaction:
+			// a table of that name the handler's search_path finds is not
+			// the one a relay reads.
+			// Nothing about the message is wrong: transient.
+			return &misconfiguredError{fmt.Errorf("inbox: outbox: nothing written to %q: %w: outbox table %s is not on the"+
+				" search_path: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations", topic, ErrTableNotFound, w.o.table)}
+		}
 	}
 	return nil
 }
@@ -740,8 +872,12 @@ func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
 		oldestU   sql.NullInt64
 		lastError sql.NullString
 	)
-	if err := o.cfg.DB.QueryRowxContext(ctx, o.sql.stats).Scan(&s.Pending, &oldestU, &s.DeadLettered, &lastError); err != nil {
-		return s, fmt.Errorf("inbox: outbox stats of %s: %w", o.table, err)
+	t, err := o.pinTarget(ctx)
+	if err != nil {
+		return s, err
+	}
+	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.stats).Scan(&s.Pending, &oldestU, &s.DeadLettered, &lastError); err != nil {
+		return s, fmt.Errorf("inbox: outbox stats of %s: %w", t.table, err)
 	}
 	s.OldestAge = time.Duration(max(oldestU.Int64, 0)) * time.Microsecond
 	s.FirstLastError = lastError.String

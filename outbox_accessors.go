@@ -20,9 +20,9 @@ func (o *Outbox) Table() string { return o.cfg.Table }
 // message back (docs/operations.md). Safe for concurrent use.
 func (o *Outbox) DeadLetterTable() string {
 	if o.table.schema == "" {
-		return o.dead.name
+		return o.configured.dead.name
 	}
-	return o.table.schema + "." + o.dead.name
+	return o.table.schema + "." + o.configured.dead.name
 }
 
 // ReadOutboxStats reads the OutboxStats of the outbox table and its
@@ -46,8 +46,7 @@ func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 	if err != nil {
 		return OutboxStats{}, err
 	}
-	dead := qualifiedName{schema: t.schema, name: t.derivedName("_dead")}
-	o := &Outbox{cfg: OutboxConfig{DB: db, Dialect: d, Table: table}, dialect: d, table: t, dead: dead, sql: d.outbox(t, dead)}
+	o := newOutbox(OutboxConfig{DB: db, Dialect: d, Table: table}, t)
 	st, err := o.Stats(ctx)
 	if err == nil {
 		return st, nil

@@ -201,21 +201,25 @@ func (o *Outbox) RouterPlugin(r *message.Router) error {
 // the relay's statements on no row; on PostgreSQL in one transaction that
 // it rolls back, elsewhere each on its own, changing nothing.
 func (o *Outbox) Verify(ctx context.Context) error {
-	err := withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
-		for _, t := range []qualifiedName{o.table, o.dead} {
+	target, err := o.pinTarget(ctx)
+	if err != nil {
+		return err
+	}
+	err = withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
+		for _, t := range []qualifiedName{target.table, target.dead} {
 			if _, err := o.dialect.checkTable(ctx, q, t); errors.Is(err, ErrTableNotFound) {
 				return fmt.Errorf("%w: outbox table %q does not exist: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL"+
 					" with your migrations", ErrTableNotFound, t.String())
 			}
 		}
-		rows, err := q.QueryxContext(ctx, o.sql.probe)
+		rows, err := q.QueryxContext(ctx, target.sql.probe)
 		if err != nil {
-			return fmt.Errorf("inbox: outbox table %q cannot be read by the relay (compare with Outbox.SchemaSQL): %w", o.table, err)
+			return fmt.Errorf("inbox: outbox table %q cannot be read by the relay (compare with Outbox.SchemaSQL): %w", target.table, err)
 		}
 		if err := rows.Close(); err != nil {
 			return err
 		}
-		for _, stmt := range o.sql.probeStatements {
+		for _, stmt := range target.sql.probeStatements {
 			rows, err := q.QueryxContext(ctx, stmt)
 			if err == nil {
 				err = rows.Close()
@@ -297,15 +301,22 @@ func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound
 }
 
 func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRound) {
+	if _, err := o.pinTarget(ctx); err != nil {
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w", err)}}
+	}
+	if o.pinned.Load() == nil {
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w: outbox table %s is not on the search_path:"+
+			" run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations", ErrTableNotFound, o.table)}}
+	}
 	db := o.cfg.DB
 	var read sqlx.QueryerContext = db
 	var tx *sqlx.Tx
 	// idleTimeouts: the round reads the session's idle-transaction
 	// timeouts (MariaDB); timeoutsOff: it turned them off, and must put
 	// them back before the session goes back to the pool.
-	idleTimeouts := o.sql.locks && o.sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load()
+	idleTimeouts := o.target().sql.locks && o.target().sql.idleTimeoutsOff != "" && !o.noIdleTimeoutVars.Load()
 	timeoutsOff := false
-	if o.sql.locks {
+	if o.target().sql.locks {
 		// READ COMMITTED: on MySQL/MariaDB the locking read then takes no
 		// gap locks, which would hold back the handlers' outbox inserts.
 		begin := db.BeginTxx
@@ -325,7 +336,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 				if timeoutsOff {
 					bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 					defer cancel()
-					if _, err := conn.ExecContext(bctx, o.sql.idleTimeoutsBack); err != nil {
+					if _, err := conn.ExecContext(bctx, o.target().sql.idleTimeoutsBack); err != nil {
 						// The session cannot be trusted: out of the pool.
 						_ = conn.Raw(func(any) error { return driver.ErrBadConn })
 					}
@@ -349,13 +360,13 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		waiting = topics.waiting(time.Now())
 	}
 	var rows []outboxRow
-	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting), idleTimeouts)), waiting...)
+	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(o.cfg.BatchSize, len(waiting), idleTimeouts)), waiting...)
 	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
 		// MySQL: no idle-transaction timeouts to turn off. (The failed
 		// statement leaves MySQL's transaction as it was.)
 		o.noIdleTimeoutVars.Store(true)
 		rows, idleTimeouts = nil, false
-		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.selectBatch(o.cfg.BatchSize, len(waiting), false)), waiting...)
+		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(o.cfg.BatchSize, len(waiting), false)), waiting...)
 	}
 	if err != nil {
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
@@ -366,7 +377,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		// deleted by hand) has nothing to wait for.
 		topics.forgetAllBut(rows, waiting)
 	}
-	if len(rows) > 0 && o.sql.stillThere != nil {
+	if len(rows) > 0 && o.target().sql.stillThere != nil {
 		var err error
 		if rows, err = o.keepExisting(ctx, read, rows); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
@@ -381,7 +392,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	// they were.
 	if idleTimeouts && rows[0].IdleTimeouts.Int64 > 0 {
 		timeoutsOff = true // even when the SET fails: it may have been applied
-		if _, err := tx.ExecContext(ctx, o.sql.idleTimeoutsOff); err != nil {
+		if _, err := tx.ExecContext(ctx, o.target().sql.idleTimeoutsOff); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: turn the session's idle-transaction timeouts off while it publishes: %w", err)}}
 		}
 	}
@@ -390,10 +401,10 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		next: func(topic string, after int64) (r outboxRow, ok bool, err error) {
 			err = o.readInWalk(ctx, tx, func() error {
 				var rows []outboxRow
-				if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.sql.nextOfTopic), after, topic); err != nil || len(rows) == 0 {
+				if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.nextOfTopic), after, topic); err != nil || len(rows) == 0 {
 					return err
 				}
-				if o.sql.stillThere != nil {
+				if o.target().sql.stillThere != nil {
 					var err error
 					if rows, err = o.keepExisting(ctx, read, rows); err != nil || len(rows) == 0 {
 						return err
@@ -407,7 +418,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		deadTaken: func(id int64) (taken bool, err error) {
 			err = o.readInWalk(ctx, tx, func() error {
 				var ids []int64
-				if err := sqlx.SelectContext(ctx, read, &ids, db.Rebind(o.sql.deadHas), id); err != nil {
+				if err := sqlx.SelectContext(ctx, read, &ids, db.Rebind(o.target().sql.deadHas), id); err != nil {
 					return err
 				}
 				taken = len(ids) > 0
@@ -435,7 +446,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		return unrecorded(round, b, err)
 	}
 	if timeoutsOff {
-		if _, err := tx.ExecContext(ctx, o.sql.idleTimeoutsBack); err != nil {
+		if _, err := tx.ExecContext(ctx, o.target().sql.idleTimeoutsBack); err != nil {
 			return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: put the session's idle-transaction timeouts back: %w", err))
 		}
 		timeoutsOff = false
@@ -507,7 +518,7 @@ func (o *Outbox) keepExisting(ctx context.Context, q sqlx.QueryerContext, rows [
 		ids[i] = r.ID
 	}
 	var there []int64
-	if err := sqlx.SelectContext(ctx, q, &there, o.sql.stillThere(ids)); err != nil {
+	if err := sqlx.SelectContext(ctx, q, &there, o.target().sql.stillThere(ids)); err != nil {
 		return nil, err
 	}
 	exists := make(map[int64]bool, len(there))
@@ -774,10 +785,10 @@ func (o *Outbox) settable(b *outboxBatch, r outboxRow, err error, reads walkRead
 	taken, rerr := reads.deadTaken(r.ID)
 	switch {
 	case rerr != nil:
-		b.errs = append(b.errs, fmt.Errorf("read whether %s holds outbox id %d: %w", o.dead, r.ID, rerr))
+		b.errs = append(b.errs, fmt.Errorf("read whether %s holds outbox id %d: %w", o.target().dead, r.ID, rerr))
 		return fmt.Errorf("%w; %w: the dead-letter table could not be read", err, errNotSettable)
 	case taken:
-		return fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", err, errNotSettable, o.dead, r.ID)
+		return fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", err, errNotSettable, o.target().dead, r.ID)
 	}
 	return err
 }
@@ -875,21 +886,21 @@ func lastErrorText(err error) string {
 func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error {
 	for start := 0; start < len(b.sent); start += outboxInsertChunk {
 		ids := b.sent[start:min(len(b.sent), start+outboxInsertChunk)]
-		if _, err := tx.ExecContext(ctx, o.sql.deleteIDs(ids)); err != nil {
+		if _, err := tx.ExecContext(ctx, o.target().sql.deleteIDs(ids)); err != nil {
 			return fmt.Errorf("inbox: outbox relay: delete %d relayed rows: %w", len(ids), err)
 		}
 	}
 	for id, perr := range b.failed {
-		stmt := o.sql.failed
+		stmt := o.target().sql.failed
 		if errors.Is(perr, ErrBrokerUnavailable) {
-			stmt = o.sql.waited // the broker's state: no attempt used
+			stmt = o.target().sql.waited // the broker's state: no attempt used
 		}
 		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), lastErrorText(perr), id); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}
 	for id, perr := range b.bury {
-		res, err := tx.ExecContext(ctx, tx.Rebind(o.sql.bury), lastErrorText(perr), id, id)
+		res, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.bury), lastErrorText(perr), id, id)
 		if err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		}
@@ -897,7 +908,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		} else if n == 0 {
 			var ids []int64
-			if err := sqlx.SelectContext(ctx, tx, &ids, tx.Rebind(o.sql.deadHas), id); err != nil {
+			if err := sqlx.SelectContext(ctx, tx, &ids, tx.Rebind(o.target().sql.deadHas), id); err != nil {
 				return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 			}
 			if len(ids) == 0 {
@@ -913,15 +924,15 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			// would send its other messages again in every round; the
 			// message stays first in line instead, with the reason as its
 			// last error.
-			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.dead, id)
+			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.target().dead, id)
 			delete(b.bury, id)
 			b.failed[id] = kept
-			if _, err := tx.ExecContext(ctx, tx.Rebind(o.sql.failed), lastErrorText(kept), id); err != nil {
+			if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(kept), id); err != nil {
 				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 			}
 			continue
 		}
-		if _, err := tx.ExecContext(ctx, o.sql.deleteIDs([]int64{id})); err != nil {
+		if _, err := tx.ExecContext(ctx, o.target().sql.deleteIDs([]int64{id})); err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		}
 	}

@@ -137,7 +137,7 @@ func TestOutbox_ReturnedMessagesGoOutWithTheCommit(t *testing.T) {
 			}
 			sent := tracer.take()
 			if len(sent) != 3 || !strings.HasPrefix(strings.ToLower(sent[0]), "batch: begin") ||
-				!strings.HasPrefix(sent[2], `batch: INSERT INTO "`+f.table+`"`) || !strings.HasSuffix(sent[2], "; commit") {
+				!strings.HasPrefix(sent[2], `batch: INSERT INTO "public"."`+f.table+`"`) || !strings.HasSuffix(sent[2], "; commit") {
 				t.Errorf("sent %q, want the claim's batch, the handler's statement, and the outputs' INSERT with COMMIT", sent)
 			}
 			f.expectRows(1, 1)

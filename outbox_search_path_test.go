@@ -1,0 +1,188 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// A handler that sets the search_path of its transaction (SET LOCAL: a
+// schema per tenant) to a schema that holds a table named like the outbox
+// table has its messages, those it publishes through OutboxFromContext and
+// those it returns, written to the outbox the relay reads, and sent: an
+// unqualified table name resolved to the tenant's table, where the outputs
+// were committed and never sent. Every statement of the Outbox names the
+// schema the table was found in before the handlers ran.
+func TestOutboxWritesToItsTableWhateverTheHandlersSearchPath(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
+	tenant := "tenant_" + randomSuffix()
+	exec(t, db, "CREATE SCHEMA "+tenant)
+	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
+	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
+	exec(t, db, "CREATE TABLE "+tenant+"."+table+"_dead (LIKE "+table+"_dead INCLUDING ALL)")
+	f := newFixture(t, db)
+	middleware := f.newInbox(inbox.Config{Outbox: ob.Publisher}).Middleware
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddPlugin(ob.RouterPlugin)
+		r.AddMiddleware(middleware)
+		r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public"); err != nil {
+				return nil, err
+			}
+			outbox, _ := inbox.OutboxFromContext(msg.Context())
+			if err := outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email"))); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))}, nil
+		})
+	})
+	const orders = 3
+	for range orders {
+		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatal("the message was nacked")
+		}
+	}
+	waitFor(t, func() bool { return len(broker.uuids("invoices")) == orders && len(broker.uuids("emails")) == orders })
+	if n := count(t, db, tenant+"."+table, ""); n != 0 {
+		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
+	}
+	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 {
+		t.Errorf("outbox: %+v (%v), want nothing pending", stats, err)
+	}
+}
+
+// An unqualified outbox table is found along the search_path the
+// connections start with (here a DSN's options), in a schema other than
+// public, and the relay, Stats and the writers use it there.
+func TestOutboxFindsItsTableAlongTheConnectionsSearchPath(t *testing.T) {
+	t.Parallel()
+	schema := "app_" + randomSuffix()
+	admin := testdb.OpenPostgres(t, "")
+	exec(t, admin, "CREATE SCHEMA "+schema)
+	t.Cleanup(func() { _, _ = admin.Exec("DROP SCHEMA " + schema + " CASCADE") })
+	db := testdb.OpenPostgres(t, "search_path="+schema)
+	broker := newBrokerStub()
+	ob, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
+	if n := count(t, admin, schema+"."+table, ""); n != 0 {
+		t.Fatalf("%s.%s holds %d rows, want an empty table", schema, table, n)
+	}
+	f := newFixture(t, db)
+	middleware := f.newInbox(inbox.Config{Outbox: ob.Publisher}).Middleware
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddPlugin(ob.RouterPlugin)
+		r.AddMiddleware(middleware)
+		r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
+			return []*message.Message{message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))}, nil
+		})
+	})
+	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("the message was nacked")
+	}
+	waitFor(t, func() bool { return len(broker.uuids("invoices")) == 1 })
+	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 {
+		t.Errorf("outbox: %+v (%v), want nothing pending", stats, err)
+	}
+}
+
+// An Outbox that only writes (its relay runs elsewhere, and nothing ran
+// Verify or InitializeSchema on it) finds its table's schema at its first
+// write, outside the handler's transaction: a handler's SET LOCAL
+// search_path does not send that write to a tenant's table either.
+func TestOutboxThatOnlyWritesFindsItsTableBeforeTheHandlersSearchPath(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	relay, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
+	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: broker})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tenant := "tenant_" + randomSuffix()
+	exec(t, db, "CREATE SCHEMA "+tenant)
+	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
+	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
+	f := newFixture(t, db)
+	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddPlugin(relay.RouterPlugin)
+		r.AddMiddleware(middleware)
+		r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public"); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))}, nil
+		})
+	})
+	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("the message was nacked")
+	}
+	waitFor(t, func() bool { return len(broker.uuids("invoices")) == 1 })
+	if n := count(t, db, tenant+"."+table, ""); n != 0 {
+		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
+	}
+}
+
+// An outbox table missing from the search_path outside the handler is not
+// looked for along the handler's: a handler whose SET LOCAL search_path
+// finds a tenant's table of that name gets an error (ErrTableNotFound,
+// transient: nothing about the message is wrong) and writes nothing there.
+func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	table := "outbox_" + randomSuffix()
+	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tenant := "tenant_" + randomSuffix()
+	exec(t, db, "CREATE SCHEMA "+tenant)
+	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
+	tenantOutbox, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: tenant + "." + table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tenantOutbox.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	f := newFixture(t, db)
+	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
+	in := newFeed()
+	published := make(chan error, 1)
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public"); err != nil {
+				return err
+			}
+			outbox, _ := inbox.OutboxFromContext(msg.Context())
+			err := outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
+			published <- err
+			return err
+		})
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Error("the message was acked")
+	}
+	if err := <-published; !errors.Is(err, inbox.ErrTableNotFound) || !inbox.IsTransient(err) {
+		t.Errorf("Publish: %v, want a transient error wrapping ErrTableNotFound", err)
+	}
+	if n := count(t, db, tenant+"."+table, ""); n != 0 {
+		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
+	}
+}
