@@ -6,8 +6,10 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -63,6 +65,51 @@ func (ib *Inbox) contentFingerprint(msg *message.Message) []byte {
 	}
 	sum := sha256.Sum256(ib.fingerprintOf(msg))
 	return sum[:fingerprintSize]
+}
+
+// fingerprintMemo remembers, for each message an inbox claimed with the
+// fingerprints on, the fingerprint it took of it, until the message is
+// garbage collected (deliveryFingerprint). Keys are weak pointers: a
+// message the router dropped leaves the memo with it. The zero value is
+// ready; safe for concurrent use.
+type fingerprintMemo struct{ m sync.Map } // weak.Pointer[message.Message] -> []byte
+
+func (f *fingerprintMemo) remember(msg *message.Message, fp []byte) []byte {
+	key := weak.Make(msg)
+	if prev, loaded := f.m.LoadOrStore(key, fp); loaded {
+		return prev.([]byte)
+	}
+	runtime.AddCleanup(msg, func(k weak.Pointer[message.Message]) { f.m.Delete(k) }, key)
+	return fp
+}
+
+func (f *fingerprintMemo) recall(msg *message.Message) ([]byte, bool) {
+	fp, ok := f.m.Load(weak.Make(msg))
+	if !ok {
+		return nil, false
+	}
+	return fp.([]byte), true
+}
+
+// deliveryFingerprint returns the fingerprint d's claim stores: the one
+// this inbox took of the same *message.Message at an earlier attempt, or a
+// new one. A Retry middleware (outside the inbox, as it must be) runs the
+// inbox again with the same message after the handler failed, and a
+// handler that replaced msg.Payload (decoded it in place) had the attempt
+// that commits store the fingerprint of what it made of the payload: the
+// broker's redelivery of the message as it was sent (a new
+// *message.Message) was then refused as a reused id. The fingerprint is of
+// the message as it first reached the inbox. It is kept beside the
+// message, not in its context, which middlewares between Retry and the
+// inbox replace (Inbox.Middlewares' own restores it after every attempt).
+func (ib *Inbox) deliveryFingerprint(d *delivery) []byte {
+	if !ib.fingerprintsOn() {
+		return nil
+	}
+	if fp, ok := ib.fingerprintMemo.recall(d.msg); ok {
+		return fp
+	}
+	return ib.fingerprintMemo.remember(d.msg, ib.contentFingerprint(d.msg))
 }
 
 // resolveFingerprints decides, once, before the inbox's first claim and
@@ -222,9 +269,17 @@ func (d *delivery) checkReusedID() error {
 	// A value that is not 16 bytes was not written by a claim (NULL, or a
 	// hand-made column's default, an empty string), nor are 16 zero bytes
 	// (MySQL's binary(16) pads an empty default to them; a SHA-256 starts
-	// so with a probability of 2^-128): it matches, as none does.
-	if len(stored) != fingerprintSize || allZero(stored) {
+	// so with a probability of 2^-128): it matches, as none does. But a
+	// column whose type changed while the inbox ran (to text on
+	// PostgreSQL, to a longer binary on MySQL/MariaDB) holds what the
+	// claims wrote in another form, and every reused id would be skipped:
+	// such a value is matched only while the column's type still fits.
+	if len(stored) == 0 || len(stored) == fingerprintSize && allZero(stored) {
 		return nil
+	}
+	if len(stored) != fingerprintSize {
+		d.oddFingerprint = true // handle asks the catalog, once rolled back
+		return errOddFingerprint
 	}
 	if bytes.Equal(stored, d.fingerprint) {
 		d.ib.recentFingerprints.remember(d.consumer, d.id, stored)
@@ -237,6 +292,40 @@ func (d *delivery) checkReusedID() error {
 	f := d.fields()
 	f["stored_fingerprint"], f["fingerprint"] = fmt.Sprintf("%x", stored), fmt.Sprintf("%x", d.fingerprint)
 	d.ib.logger.Info("Inbox: message id reused for other content; skipped as a duplicate (Config.ReusedIDs is ReusedIDsWarn)", f)
+	return nil
+}
+
+// errOddFingerprint is checkReusedID's error for a stored fingerprint that
+// is not 16 bytes, which handle replaces once the transaction is rolled
+// back (settleOddFingerprint).
+var errOddFingerprint = errors.New("inbox: the stored fingerprint is not 16 bytes")
+
+// settleOddFingerprint decides, after the rollback, a duplicate whose
+// stored fingerprint is not 16 bytes (checkReusedID), by reading the
+// fingerprint column's type on a connection of its own: while it still fits,
+// the value is a hand-made column's default and the delivery is the
+// duplicate it was (nil); otherwise the error is transient and wraps
+// ErrIncompatibleTable with the fix, and the delivery waits before it
+// returns, as after a missing table: the duplicate cannot be told from a
+// reused id until the column is fixed, so it is nacked, not skipped. New
+// messages are claimed as before.
+func (ib *Inbox) settleOddFingerprint(d *delivery) error {
+	types, err := ib.fingerprintColumnTypes(d.sctx, false)
+	if err != nil {
+		return fmt.Errorf("inbox: %q/%q: %w; read the fingerprint column's type: %w", d.consumer, d.id, errOddFingerprint, poolerHint(err))
+	}
+	if len(types) > 0 {
+		if fix, ok := ib.dialect.fingerprintColumnFits(ib.table, types[0]); !ok {
+			d.waitAfterEnd = &ib.tableFailures
+			return &misconfiguredError{fmt.Errorf("inbox: %q/%q: %w: %s.fingerprint is now %s, which does not store a 16-byte"+
+				" fingerprint as it is given (changed while the inbox ran), so this duplicate cannot be told from a reused id;"+
+				" fix it with: %s; or set Config.ReusedIDs to ReusedIDsOff", d.consumer, d.id, ErrIncompatibleTable, ib.table, types[0], fix)}
+		}
+	}
+	// Still fits, or dropped meanwhile (recheckFingerprintColumn's case, at
+	// the next claim): the duplicate it was.
+	d.span.AddEvent("inbox.duplicate")
+	d.duplicate = true
 	return nil
 }
 

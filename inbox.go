@@ -44,6 +44,9 @@ type Inbox struct {
 	// table before a claim (resolveFingerprints) finds whether it has the
 	// fingerprint column, then fingerprintsOn or fingerprintsOff for good.
 	fingerprints atomic.Int32
+	// fingerprintMemo holds the fingerprint of each message claimed, for
+	// the attempts a Retry runs again with it (deliveryFingerprint).
+	fingerprintMemo fingerprintMemo
 	// recentFingerprints spares a duplicate of a key this inbox committed
 	// lately the read of its stored fingerprint.
 	recentFingerprints recentFingerprints
@@ -504,7 +507,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	// Before BEGIN: Config.Fingerprint is user code, and a panic in it must
 	// not leave a transaction (a pooled connection, SQLite's write lock)
 	// that nothing rolls back.
-	d.fingerprint = ib.contentFingerprint(d.msg)
+	d.fingerprint = ib.deliveryFingerprint(d)
 	var stmt, heldStmt, fpStmt *sqlx.Stmt // nil: run unprepared
 	if lock.lockedClaim == "" {
 		stmt, heldStmt, fpStmt = ib.preparedClaim(d.sctx)

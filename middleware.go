@@ -138,6 +138,7 @@ type delivery struct {
 	claimHeldByOutbox bool
 	fingerprint       []byte        // the content's, stored by the claim; nil with the fingerprints off
 	claimFailed       bool          // BEGIN or the claim failed after the fingerprint was taken (recheckFingerprintColumn)
+	oddFingerprint    bool          // the duplicate's stored fingerprint is not 16 bytes (settleOddFingerprint)
 	waitAfterEnd      *atomic.Int32 // the database refused the claim as read-only: wait (waitBackoff on it) once rolled back
 }
 
@@ -164,6 +165,8 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			// After the rollback: the check reads the catalog on a
 			// connection of its own.
 			err = d.ib.recheckFingerprintColumn(d, err)
+		} else if d.oddFingerprint {
+			err = d.ib.settleOddFingerprint(d) // the same
 		}
 		if d.waitAfterEnd != nil {
 			d.ib.waitBackoff(d.sctx, d.waitAfterEnd)

@@ -80,7 +80,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return nil, false, err
 	}
 	c := &d.nativeClaim
-	d.fingerprint = ib.contentFingerprint(d.msg)
+	d.fingerprint = ib.deliveryFingerprint(d)
 	*c = backend.Claim{TxCtx: d.txCtx, Consumer: d.consumer, ID: d.id, Fingerprint: d.fingerprint}
 	if ib.locksKeys {
 		// The backend sends the key lock and the claim in one batch

@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -199,18 +200,65 @@ func TestReusedIDFingerprintPanicLeavesNothingHeld(t *testing.T) {
 // A hand-made fingerprint column whose default is an empty string, not NULL, is
 // read as no fingerprint: rows written with the check off match any
 // content once it is on, as NULL ones do.
+//
+// A default longer than a fingerprint (17 bytes) in a column that fits
+// matches too: the column's type is read again to tell it from a column
+// changed while the inbox ran.
 func TestReusedIDColumnDefaultMatchesAsNoFingerprint(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		columns := []string{"fingerprint bytea NOT NULL DEFAULT ''"}
+		columns := []string{"fingerprint bytea NOT NULL DEFAULT ''", `fingerprint bytea NOT NULL DEFAULT '\x000102030405060708090a0b0c0d0e0f10'`}
 		switch tdb.Dialect {
 		case inbox.MySQL:
 			// binary(16) pads the empty default to 16 zero bytes.
-			columns = []string{"fingerprint varbinary(16) NOT NULL DEFAULT ''", "fingerprint binary(16) NOT NULL DEFAULT ''"}
+			columns = []string{"fingerprint varbinary(16) NOT NULL DEFAULT ''", "fingerprint binary(16) NOT NULL DEFAULT ''",
+				"fingerprint varbinary(32) NOT NULL DEFAULT 'a-17-byte-default'"}
 		case inbox.SQLite:
-			columns = []string{"fingerprint BLOB NOT NULL DEFAULT x''"}
+			columns = []string{"fingerprint BLOB NOT NULL DEFAULT x''", "fingerprint BLOB NOT NULL DEFAULT x'000102030405060708090a0b0c0d0e0f10'"}
 		}
-		for _, column := range columns {
-			t.Run(strings.Fields(column)[1], func(t *testing.T) { columnDefaultMatches(t, tdb, db, column) })
+		for i, column := range columns {
+			t.Run(fmt.Sprintf("%d-%s", i, strings.Fields(column)[1]), func(t *testing.T) { columnDefaultMatches(t, tdb, db, column) })
+		}
+	})
+}
+
+// A fingerprint column whose type changes while the inbox runs (PostgreSQL
+// to text, MySQL/MariaDB to binary(32), which pads) holds the fingerprints
+// in another form: a duplicate that has to read it can then not be told
+// from a reused id, and is nacked (transient, ErrIncompatibleTable with the
+// fix) instead of skipped; new messages are still processed.
+func TestReusedIDCheckNacksDuplicatesWhenItsColumnTypeChangesWhileRunning(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		alter := "ALTER TABLE %s ALTER COLUMN fingerprint TYPE text USING encode(fingerprint, 'hex')"
+		switch tdb.Dialect {
+		case inbox.SQLite:
+			t.Skip("SQLite cannot change a column's type in place")
+		case inbox.MySQL:
+			alter = "ALTER TABLE %s MODIFY fingerprint binary(32) NULL"
+		}
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		in, c, rec := reusedIDRouter(t, f, ib)
+		id := watermill.NewUUID()
+		if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+			t.Fatalf("first delivery nacked: %v", rec.last())
+		}
+		exec(t, db, fmt.Sprintf(alter, f.inbox))
+		if in.deliver(t, message.NewMessage(id, []byte("order 2"))) {
+			t.Error("the processed id with other content was acked while its fingerprint cannot be compared")
+		} else if err := rec.last(); !errors.Is(err, inbox.ErrIncompatibleTable) || !inbox.IsTransient(err) {
+			t.Errorf("delivery: %v, want a transient error wrapping ErrIncompatibleTable", err)
+		}
+		// The content this inbox committed the key with is matched from
+		// memory (a committed row's fingerprint never changes).
+		if !in.deliver(t, message.NewMessage(id, []byte("order 1"))) {
+			t.Errorf("the duplicate this inbox committed was nacked: %v", rec.last())
+		}
+		other := message.NewMessage(watermill.NewUUID(), []byte("order 3"))
+		if !in.deliver(t, other) {
+			t.Errorf("a new message was nacked: %v", rec.last())
+		}
+		if c.get(id) != 1 || c.get(other.UUID) != 1 || f.businessRows() != 2 {
+			t.Errorf("handler calls %d and %d, business rows %d, want 1, 1 and 2", c.get(id), c.get(other.UUID), f.businessRows())
 		}
 	})
 }
@@ -430,5 +478,49 @@ func TestReusedIDCheckEndsEveryDeliveryWhenClaimsFailOnAFullPool(t *testing.T) {
 		if !ib.ReusedIDsDetected() {
 			t.Error("the check turned off though the column is there")
 		}
+	})
+}
+
+// A handler that replaces msg.Payload (decodes it in place) and fails once,
+// under Inbox.Middlewares' Retry (outside the inbox, which runs again with
+// the same message): the attempt that commits stores the fingerprint of the
+// message as the broker sent it, so the broker's redelivery of it (a lost
+// ack) is a duplicate, not a reused id sent to the poison queue.
+func TestReusedIDRetryOfAHandlerThatReplacedThePayloadMatchesItsRedelivery(t *testing.T) {
+	forEachDB(t, func(t *testing.T, _ testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		var counts hookCounts
+		ib := f.newInbox(counts.config(inbox.Config{}))
+		sink := &poisonSink{}
+		mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: sink, Retry: middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var c calls
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(mws...)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				c.inc(msg.UUID)
+				msg.Payload = []byte(strings.ToUpper(string(msg.Payload))) // "decoded"
+				if c.get(msg.UUID) == 1 {
+					return errors.New("downstream unavailable")
+				}
+				return f.writeBusinessRow(msg)
+			})
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+		for _, label := range []string{"delivery", "the broker's redelivery"} {
+			if !in.deliver(t, msg) {
+				t.Fatalf("%s nacked", label)
+			}
+		}
+		if got := sink.poisoned(); len(got) != 0 {
+			t.Errorf("%d messages poisoned, want none: the redelivery is a duplicate", len(got))
+		}
+		if c.get(msg.UUID) != 2 || f.businessRows() != 1 {
+			t.Errorf("handler calls %d, business rows %d, want 2 and 1", c.get(msg.UUID), f.businessRows())
+		}
+		counts.expect(t, 1, 1, 1, 0)
 	})
 }
