@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -67,23 +68,33 @@ func (ib *Inbox) contentFingerprint(msg *message.Message) []byte {
 	return sum[:fingerprintSize]
 }
 
-// fingerprintMemo remembers, for each message an inbox claimed with the
-// fingerprints on, the fingerprint it took of it, until the message is
-// garbage collected (deliveryFingerprint). Keys are weak pointers: a
-// message the router dropped leaves the memo with it. The zero value is
-// ready; safe for concurrent use.
-type fingerprintMemo struct{ m sync.Map } // weak.Pointer[message.Message] -> []byte
+// fingerprintMemo remembers the fingerprint an inbox took of a message
+// whose delivery failed, until the message is garbage collected
+// (deliveryFingerprint). Keys are weak pointers: a message the router
+// dropped leaves the memo with it. Only failed deliveries are remembered,
+// so that while none is, a claim pays one atomic load for it. The zero
+// value is ready; safe for concurrent use.
+type fingerprintMemo struct {
+	m sync.Map     // weak.Pointer[message.Message] -> []byte
+	n atomic.Int64 // entries in m
+}
 
-func (f *fingerprintMemo) remember(msg *message.Message, fp []byte) []byte {
+func (f *fingerprintMemo) remember(msg *message.Message, fp []byte) {
 	key := weak.Make(msg)
-	if prev, loaded := f.m.LoadOrStore(key, fp); loaded {
-		return prev.([]byte)
+	if _, loaded := f.m.LoadOrStore(key, fp); loaded {
+		return
 	}
-	runtime.AddCleanup(msg, func(k weak.Pointer[message.Message]) { f.m.Delete(k) }, key)
-	return fp
+	f.n.Add(1)
+	runtime.AddCleanup(msg, func(k weak.Pointer[message.Message]) {
+		f.m.Delete(k)
+		f.n.Add(-1)
+	}, key)
 }
 
 func (f *fingerprintMemo) recall(msg *message.Message) ([]byte, bool) {
+	if f.n.Load() == 0 {
+		return nil, false
+	}
 	fp, ok := f.m.Load(weak.Make(msg))
 	if !ok {
 		return nil, false
@@ -92,12 +103,12 @@ func (f *fingerprintMemo) recall(msg *message.Message) ([]byte, bool) {
 }
 
 // deliveryFingerprint returns the fingerprint d's claim stores: the one
-// this inbox took of the same *message.Message at an earlier attempt, or a
-// new one. A Retry middleware (outside the inbox, as it must be) runs the
-// inbox again with the same message after the handler failed, and a
-// handler that replaced msg.Payload (decoded it in place) had the attempt
-// that commits store the fingerprint of what it made of the payload: the
-// broker's redelivery of the message as it was sent (a new
+// this inbox took of the same *message.Message at an earlier attempt that
+// failed, or a new one. A Retry middleware (outside the inbox, as it must
+// be) runs the inbox again with the same message after the handler failed,
+// and a handler that replaced msg.Payload (decoded it in place) had the
+// attempt that commits store the fingerprint of what it made of the
+// payload: the broker's redelivery of the message as it was sent (a new
 // *message.Message) was then refused as a reused id. The fingerprint is of
 // the message as it first reached the inbox. It is kept beside the
 // message, not in its context, which middlewares between Retry and the
@@ -109,7 +120,7 @@ func (ib *Inbox) deliveryFingerprint(d *delivery) []byte {
 	if fp, ok := ib.fingerprintMemo.recall(d.msg); ok {
 		return fp
 	}
-	return ib.fingerprintMemo.remember(d.msg, ib.contentFingerprint(d.msg))
+	return ib.contentFingerprint(d.msg)
 }
 
 // resolveFingerprints decides, once, before the inbox's first claim and

@@ -151,6 +151,7 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 	defer func() {
 		rbErr := d.end()
 		if !returned {
+			d.rememberFingerprint()
 			if rbErr != nil {
 				d.ib.logger.Error("Inbox rollback failed after handler panic", rbErr, d.fields())
 			}
@@ -168,6 +169,9 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 		} else if d.oddFingerprint {
 			err = d.ib.settleOddFingerprint(d) // the same
 		}
+		if err != nil {
+			d.rememberFingerprint()
+		}
 		if d.waitAfterEnd != nil {
 			d.ib.waitBackoff(d.sctx, d.waitAfterEnd)
 		}
@@ -176,6 +180,14 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 	produced, err = d.run()
 	returned = true
 	return produced, err
+}
+
+// rememberFingerprint keeps the fingerprint of a failed delivery's message
+// for a Retry's next attempt with it (deliveryFingerprint).
+func (d *delivery) rememberFingerprint() {
+	if d.fingerprint != nil {
+		d.ib.fingerprintMemo.remember(d.msg, d.fingerprint)
+	}
 }
 
 // run is the flow of one message: validate → begin → claim → duplicate? →
