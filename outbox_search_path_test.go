@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -19,47 +20,60 @@ import (
 // those it returns, written to the outbox the relay reads, and sent: an
 // unqualified table name resolved to the tenant's table, where the outputs
 // were committed and never sent. Every statement of the Outbox names the
-// schema the table was found in before the handlers ran.
+// schema the table was found in before the handlers ran; an Outbox that
+// only writes (its relay runs elsewhere, and nothing ran Verify or
+// InitializeSchema on it) finds it at its first write, outside the
+// handler's transaction.
 func TestOutboxWritesToItsTableWhateverTheHandlersSearchPath(t *testing.T) {
-	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	broker := newBrokerStub()
-	ob, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
-	tenant := "tenant_" + randomSuffix()
-	exec(t, db, "CREATE SCHEMA "+tenant)
-	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
-	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
-	exec(t, db, "CREATE TABLE "+tenant+"."+table+"_dead (LIKE "+table+"_dead INCLUDING ALL)")
-	f := newFixture(t, db)
-	middleware := f.newInbox(inbox.Config{Outbox: ob.Publisher}).Middleware
-	in := newFeed()
-	runRouter(t, func(r *message.Router) {
-		r.AddPlugin(ob.RouterPlugin)
-		r.AddMiddleware(middleware)
-		r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public"); err != nil {
-				return nil, err
-			}
-			outbox, _ := inbox.OutboxFromContext(msg.Context())
-			if err := outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email"))); err != nil {
-				return nil, err
-			}
-			return []*message.Message{message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))}, nil
-		})
-	})
-	const orders = 3
-	for range orders {
-		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-			t.Fatal("the message was nacked")
+	for _, writesOnly := range []bool{false, true} {
+		name := "relaying"
+		if writesOnly {
+			name = "writing only"
 		}
-	}
-	waitFor(t, func() bool { return len(broker.uuids("invoices")) == orders && len(broker.uuids("emails")) == orders })
-	if n := count(t, db, tenant+"."+table, ""); n != 0 {
-		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
-	}
-	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 {
-		t.Errorf("outbox: %+v (%v), want nothing pending", stats, err)
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.OpenPostgres(t, "")
+			broker := newBrokerStub()
+			relay, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
+			writer := relay
+			if writesOnly {
+				var err error
+				if writer, err = inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: broker}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			tenant := newTenantSchema(t, db)
+			exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
+			exec(t, db, "CREATE TABLE "+tenant+"."+table+"_dead (LIKE "+table+"_dead INCLUDING ALL)")
+			f := newFixture(t, db)
+			middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddPlugin(relay.RouterPlugin)
+				r.AddMiddleware(middleware)
+				r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
+					if err := useTenantSchema(msg, tenant); err != nil {
+						return nil, err
+					}
+					outbox, _ := inbox.OutboxFromContext(msg.Context())
+					if err := outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email"))); err != nil {
+						return nil, err
+					}
+					return []*message.Message{message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))}, nil
+				})
+			})
+			const orders = 3
+			for range orders {
+				if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+					t.Fatal("the message was nacked")
+				}
+			}
+			waitFor(t, func() bool { return len(broker.uuids("invoices")) == orders && len(broker.uuids("emails")) == orders })
+			expectTenantTableEmpty(t, db, tenant, table)
+			if stats, err := relay.Stats(context.Background()); err != nil || stats.Pending != 0 {
+				t.Errorf("outbox: %+v (%v), want nothing pending", stats, err)
+			}
+		})
 	}
 }
 
@@ -97,46 +111,6 @@ func TestOutboxFindsItsTableAlongTheConnectionsSearchPath(t *testing.T) {
 	}
 }
 
-// An Outbox that only writes (its relay runs elsewhere, and nothing ran
-// Verify or InitializeSchema on it) finds its table's schema at its first
-// write, outside the handler's transaction: a handler's SET LOCAL
-// search_path does not send that write to a tenant's table either.
-func TestOutboxThatOnlyWritesFindsItsTableBeforeTheHandlersSearchPath(t *testing.T) {
-	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	broker := newBrokerStub()
-	relay, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
-	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: broker})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tenant := "tenant_" + randomSuffix()
-	exec(t, db, "CREATE SCHEMA "+tenant)
-	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
-	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
-	f := newFixture(t, db)
-	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
-	in := newFeed()
-	runRouter(t, func(r *message.Router) {
-		r.AddPlugin(relay.RouterPlugin)
-		r.AddMiddleware(middleware)
-		r.AddHandler("billing", "orders", in, "invoices", broker, func(msg *message.Message) ([]*message.Message, error) {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public"); err != nil {
-				return nil, err
-			}
-			return []*message.Message{message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))}, nil
-		})
-	})
-	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-		t.Fatal("the message was nacked")
-	}
-	waitFor(t, func() bool { return len(broker.uuids("invoices")) == 1 })
-	if n := count(t, db, tenant+"."+table, ""); n != 0 {
-		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
-	}
-}
-
 // An outbox table missing from the search_path outside the handler is not
 // looked for along the handler's: a handler whose SET LOCAL search_path
 // finds a tenant's table of that name gets an error (ErrTableNotFound,
@@ -149,9 +123,7 @@ func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
-	tenant := "tenant_" + randomSuffix()
-	exec(t, db, "CREATE SCHEMA "+tenant)
-	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
+	tenant := newTenantSchema(t, db)
 	tenantOutbox, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: tenant + "." + table, Publisher: newBrokerStub()})
 	if err != nil {
 		t.Fatal(err)
@@ -166,8 +138,7 @@ func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *test
 	runRouter(t, func(r *message.Router) {
 		r.AddMiddleware(middleware)
 		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			if _, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public"); err != nil {
+			if err := useTenantSchema(msg, tenant); err != nil {
 				return err
 			}
 			outbox, _ := inbox.OutboxFromContext(msg.Context())
@@ -182,6 +153,31 @@ func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *test
 	if err := <-published; !errors.Is(err, inbox.ErrTableNotFound) || !inbox.IsTransient(err) {
 		t.Errorf("Publish: %v, want a transient error wrapping ErrTableNotFound", err)
 	}
+	expectTenantTableEmpty(t, db, tenant, table)
+}
+
+// newTenantSchema creates a schema of a tenant's own, dropped with what it
+// holds when the test ends.
+func newTenantSchema(t *testing.T, db *sqlx.DB) string {
+	t.Helper()
+	tenant := "tenant_" + randomSuffix()
+	exec(t, db, "CREATE SCHEMA "+tenant)
+	t.Cleanup(func() { _, _ = db.Exec("DROP SCHEMA " + tenant + " CASCADE") })
+	return tenant
+}
+
+// useTenantSchema sets the search_path of msg's inbox transaction to
+// tenant first, as a handler of a schema-per-tenant service does.
+func useTenantSchema(msg *message.Message, tenant string) error {
+	tx, _ := inbox.TxFromContext(msg.Context())
+	_, err := tx.ExecContext(msg.Context(), "SET LOCAL search_path TO "+tenant+", public")
+	return err
+}
+
+// expectTenantTableEmpty fails the test unless tenant's table named like
+// the outbox table holds no row.
+func expectTenantTableEmpty(t *testing.T, db *sqlx.DB, tenant, table string) {
+	t.Helper()
 	if n := count(t, db, tenant+"."+table, ""); n != 0 {
 		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
 	}
