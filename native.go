@@ -20,6 +20,13 @@ func init() {
 			w.inTx = true
 		}
 	}
+	backend.LookUpOutboxTable = func(ctx context.Context, p message.Publisher,
+		queryRow func(ctx context.Context, query string, args []any, dest ...any) error) error {
+		if w, ok := p.(*outboxWriter); ok {
+			return w.lookUpTarget(ctx, queryRow)
+		}
+		return nil
+	}
 	backend.HandleFromContext = func(ctx context.Context) (any, bool) {
 		s := stateFromContext(ctx)
 		if s == nil || s.handle == nil {

@@ -70,13 +70,14 @@ type OutboxConfig struct {
 	// Table is the outbox table; its dead-letter table is "<Table>_dead"
 	// (shortened with a hash past 63 bytes: Outbox.DeadLetterTable). On
 	// PostgreSQL a name without a schema is looked up once along the
-	// search_path of a connection of DB (temporary schemas left out), by
-	// Verify (RouterPlugin), InitializeSchema, the relay's first round or
-	// else the first write (outside the handler's transaction, waiting at
-	// most 5 s for a connection), and every statement of the Outbox names
-	// that schema from then on, whatever search_path a handler sets in its
-	// transaction; a table that is not found is not pinned, and writes and
-	// relay rounds fail with ErrTableNotFound until it exists.
+	// search_path (temporary schemas left out): by Verify (RouterPlugin),
+	// InitializeSchema, the relay's first round or Stats on a connection
+	// of DB, or else by Publisher and pgxinbox.OutboxPublisher in the
+	// message's transaction before the handler runs; every statement of
+	// the Outbox names that schema from then on, whatever search_path a
+	// handler sets in its transaction. A table that is not found is not
+	// pinned: writes name the schema CREATE TABLE would use, and fail
+	// there (ErrTableNotFound, transient) until it exists.
 	// It may be schema-qualified and must match the pattern of
 	// Config.Table. Default: DefaultOutboxTable ("watermill_inbox_outbox").
 	Table string
@@ -370,52 +371,70 @@ func (o *Outbox) target() *outboxTarget {
 }
 
 // pinTarget returns the tables and statements every statement of the
-// outbox runs, finding them first when they are not yet: on PostgreSQL an
-// unqualified table name is looked up along the search_path of a
-// connection of cfg.DB (temporary schemas left out), outside any handler's
-// transaction, and every statement then names the schema it is in: the
-// writers', the relay's, Stats' and Verify's, so they cannot part. A table
-// that does not exist yet is not pinned: the result names the schema
-// CREATE TABLE would use (current_schema()), for InitializeSchema, and
-// the next call looks again. Concurrent calls may each look; they find
-// the same schema and the first stored wins. Errors wrap the driver's.
+// outbox runs, finding them first when they are not yet, on a connection of
+// cfg.DB (lookUpTarget). Errors wrap the driver's.
 func (o *Outbox) pinTarget(ctx context.Context) (*outboxTarget, error) {
 	if t := o.pinned.Load(); t != nil {
 		return t, nil
 	}
-	var found, current sql.NullString
+	var t *outboxTarget
 	// One statement with a bind parameter, in a transaction of its own
 	// (behind PgBouncer's transaction pooling a statement outside one may
 	// meet another server connection than its prepare).
 	err := withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
-		return q.QueryRowxContext(ctx, `SELECT (SELECT s.nspname FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS s(nspname, pos)
-			JOIN pg_catalog.pg_namespace n ON n.nspname = s.nspname
-			JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 AND c.relkind IN ('r', 'p')
-			WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema()`,
-			o.table.name).Scan(&found, &current)
+		var err error
+		t, _, err = o.lookUpTarget(ctx, func(ctx context.Context, query string, args []any, dest ...any) error {
+			return q.QueryRowxContext(ctx, query, args...).Scan(dest...)
+		})
+		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, poolerHint(err))
+		return nil, poolerHint(err)
 	}
-	if !found.Valid {
-		if !current.Valid {
-			return &o.configured, nil // CREATE TABLE says no schema is selected
-		}
-		t := newOutboxTarget(o.dialect, qualifiedName{schema: current.String, name: o.table.name})
-		return &t, nil
-	}
-	t := newOutboxTarget(o.dialect, qualifiedName{schema: found.String, name: o.table.name})
-	o.pinned.CompareAndSwap(nil, &t)
-	return o.pinned.Load(), nil
+	return t, nil
 }
 
-// pinWriteWait bounds how long a writer waits for pinTarget's connection
-// when nothing pinned the outbox table before its first write (no Verify,
-// RouterPlugin, InitializeSchema or relay round in this process yet): the
-// writer holds a connection of the pool, and a pool full of writers that
-// wait for one more would never free one. The delivery then fails as
-// transient (context.DeadlineExceeded) and is redelivered.
-const pinWriteWait = 5 * time.Second
+// outboxQueryRow runs query with args and scans its one row into dest.
+type outboxQueryRow func(ctx context.Context, query string, args []any, dest ...any) error
+
+// lookUpTarget finds, on PostgreSQL, the schema of an unqualified outbox
+// table along the search_path that queryRow's session has now (temporary
+// schemas left out), and pins it: every statement of the Outbox names that
+// schema from then on, the writers', the relay's, Stats' and Verify's, so
+// they cannot part, and a handler's SET LOCAL search_path (a schema per
+// tenant) cannot send its outputs elsewhere. The writers look it up in
+// their transaction before the handler runs (Publisher, and pgxinbox's
+// OutboxPublisher), needing no connection more; Verify (RouterPlugin),
+// InitializeSchema, the relay and Stats on a connection of cfg.DB. A table
+// not found is not pinned (found false): the result names the schema
+// CREATE TABLE would use (current_schema()), so that a write fails there
+// (undefined table) and InitializeSchema creates it there, and the next
+// look-up looks again. Concurrent look-ups find the same schema and the
+// first stored wins. Errors wrap the driver's.
+func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *outboxTarget, found bool, err error) {
+	if t := o.pinned.Load(); t != nil {
+		return t, true, nil
+	}
+	var schema, current sql.NullString
+	err = queryRow(ctx, `SELECT (SELECT s.nspname FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS s(nspname, pos)
+		JOIN pg_catalog.pg_namespace n ON n.nspname = s.nspname
+		JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 AND c.relkind IN ('r', 'p')
+		WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema()`,
+		[]any{o.table.name}, &schema, &current)
+	if err != nil {
+		return nil, false, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, err)
+	}
+	if !schema.Valid {
+		if !current.Valid {
+			return &o.configured, false, nil // CREATE TABLE says no schema is selected
+		}
+		t := newOutboxTarget(o.dialect, qualifiedName{schema: current.String, name: o.table.name})
+		return &t, false, nil
+	}
+	pinned := newOutboxTarget(o.dialect, qualifiedName{schema: schema.String, name: o.table.name})
+	o.pinned.CompareAndSwap(nil, &pinned)
+	return o.pinned.Load(), true, nil
+}
 
 // InitializeSchema creates the outbox table and its dead-letter table if
 // they do not exist. It is idempotent and safe to run from several
@@ -456,7 +475,39 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 		_, err := tx.ExecContext(ctx, tx.Rebind(query), args...)
 		return err
 	}
-	return &outboxWriter{o: o, exec: exec, tx: tx, ctx: context.Background(), rebind: tx.Rebind, inTx: true}, nil
+	w := &outboxWriter{o: o, exec: exec, tx: tx, ctx: context.Background(), rebind: tx.Rebind, inTx: true}
+	if err := w.lookUpTarget(context.Background(), func(ctx context.Context, query string, args []any, dest ...any) error {
+		return tx.QueryRowxContext(ctx, tx.Rebind(query), args...).Scan(dest...)
+	}); err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// lookUpTarget has the writer name the outbox table by its schema
+// (Outbox.lookUpTarget), looked up in its own transaction through
+// queryRow when the Outbox has not pinned it yet: before the handler runs,
+// so that its SET LOCAL search_path does not count. Without the look-up
+// (PublisherOn alone) the writer names the table as the Outbox does when
+// it writes.
+func (w *outboxWriter) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) error {
+	if !w.o.resolvesSchema() || w.o.pinned.Load() != nil {
+		return nil
+	}
+	t, found, err := w.o.lookUpTarget(ctx, queryRow)
+	if err != nil {
+		return err
+	}
+	w.tgt, w.missing = t, !found
+	return nil
+}
+
+// target returns the tables and statements the writer writes with.
+func (w *outboxWriter) target() *outboxTarget {
+	if w.tgt != nil {
+		return w.tgt
+	}
+	return w.o.target()
 }
 
 // prepareInsertOne prepares the INSERT of one message on cfg.DB for the
@@ -550,6 +601,11 @@ type outboxWriter struct {
 	// it held.
 	claim *outboxClaim
 	wrote atomic.Bool
+	// tgt, when set, is the target the writer's look-up found
+	// (lookUpTarget); missing: it did not find the table, and tgt names
+	// the schema it would be created in.
+	tgt     *outboxTarget
+	missing bool
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -573,7 +629,7 @@ type outboxWriter struct {
 func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
 	w.ctx, w.ended = ctx, ended
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
-	if w.tx != nil && w.o.target().sql.claimedInsert != nil {
+	if w.tx != nil && w.target().sql.claimedInsert != nil {
 		w.claim = claim
 	}
 }
@@ -588,7 +644,7 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 	args = append(args, w.claim.consumer, w.claim.id)
 	for {
 		inTx := !w.o.noInTxVar.Load()
-		query := w.o.target().sql.claimedInsert(w.claim.table, n, inTx)
+		query := w.target().sql.claimedInsert(w.claim.table, n, inTx)
 		var res sql.Result
 		var err error
 		if stmt := w.o.preparedClaimedInsert(query, n == 1 && w.prepared); stmt != nil {
@@ -657,7 +713,7 @@ func (w *outboxWriter) insert(n int, args []any) error {
 			return err
 		}
 	}
-	query := w.o.target().sql.insert(n)
+	query := w.target().sql.insert(n)
 	return w.exec(w.ctx, query, args...)
 }
 
@@ -689,6 +745,14 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 			return err
 		}
 		if err := w.insert(len(chunk), args); err != nil {
+			if w.missing {
+				// Nothing about the message is wrong: transient. The
+				// failed INSERT ended the transaction, so a handler that
+				// ignores this error cannot commit.
+				return &misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s is not on"+
+					" the search_path (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
+					len(chunk), topic, ErrTableNotFound, w.o.table, err)}
+			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
 		w.wrote.Store(true)
@@ -698,7 +762,7 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 
 // stageLast implements txBoundPublisher.
 func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string, []any, bool, error) {
-	if !w.inTx || w.claim != nil || len(msgs) > outboxInsertChunk {
+	if !w.inTx || w.claim != nil || w.missing || len(msgs) > outboxInsertChunk {
 		return "", nil, false, nil
 	}
 	if err := w.writable(topic); err != nil {
@@ -709,7 +773,7 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 		return "", nil, false, err
 	}
 	w.wrote.Store(true) // for committed: the query runs with the COMMIT
-	return w.rebind(w.o.target().sql.insert(len(msgs))), args, true, nil
+	return w.rebind(w.target().sql.insert(len(msgs))), args, true, nil
 }
 
 // writable refuses a bad topic, and any write once the server has ended
@@ -724,21 +788,6 @@ func (w *outboxWriter) writable(topic string) error {
 		// again by the redelivery under the handler's new UUIDs.
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
 			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
-	}
-	if w.o.pinned.Load() == nil {
-		ctx, cancel := context.WithTimeout(w.ctx, pinWriteWait)
-		defer cancel()
-		if _, err := w.o.pinTarget(ctx); err != nil {
-			return fmt.Errorf("inbox: outbox: nothing written to %q: %w", topic, err)
-		}
-		if w.o.pinned.Load() == nil {
-			// Not on the search_path outside the handler's transaction:
-			// a table of that name the handler's search_path finds is not
-			// the one a relay reads.
-			// Nothing about the message is wrong: transient.
-			return &misconfiguredError{fmt.Errorf("inbox: outbox: nothing written to %q: %w: outbox table %s is not on the"+
-				" search_path: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations", topic, ErrTableNotFound, w.o.table)}
-		}
 	}
 	return nil
 }

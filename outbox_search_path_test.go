@@ -35,17 +35,21 @@ func TestOutboxWritesToItsTableWhateverTheHandlersSearchPath(t *testing.T) {
 			db := testdb.OpenPostgres(t, "")
 			broker := newBrokerStub()
 			relay, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
-			writer := relay
+			writer, handlerDB := relay, db
 			if writesOnly {
+				// On a pool of one connection, which the message's
+				// transaction holds while the writer looks its table up.
+				handlerDB = testdb.OpenPostgres(t, "")
+				handlerDB.SetMaxOpenConns(1)
 				var err error
-				if writer, err = inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: broker}); err != nil {
+				if writer, err = inbox.NewOutbox(inbox.OutboxConfig{DB: handlerDB, Dialect: inbox.PostgreSQL, Table: table, Publisher: broker}); err != nil {
 					t.Fatal(err)
 				}
 			}
 			tenant := newTenantSchema(t, db)
 			exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
 			exec(t, db, "CREATE TABLE "+tenant+"."+table+"_dead (LIKE "+table+"_dead INCLUDING ALL)")
-			f := newFixture(t, db)
+			f := newFixture(t, handlerDB)
 			middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
 			in := newFeed()
 			runRouter(t, func(r *message.Router) {
@@ -70,9 +74,8 @@ func TestOutboxWritesToItsTableWhateverTheHandlersSearchPath(t *testing.T) {
 			}
 			waitFor(t, func() bool { return len(broker.uuids("invoices")) == orders && len(broker.uuids("emails")) == orders })
 			expectTenantTableEmpty(t, db, tenant, table)
-			if stats, err := relay.Stats(context.Background()); err != nil || stats.Pending != 0 {
-				t.Errorf("outbox: %+v (%v), want nothing pending", stats, err)
-			}
+			// The relay deletes what it sent once the broker took it.
+			waitFor(t, func() bool { stats, err := relay.Stats(context.Background()); return err == nil && stats.Pending == 0 })
 		})
 	}
 }
@@ -106,15 +109,16 @@ func TestOutboxFindsItsTableAlongTheConnectionsSearchPath(t *testing.T) {
 		t.Fatal("the message was nacked")
 	}
 	waitFor(t, func() bool { return len(broker.uuids("invoices")) == 1 })
-	if stats, err := ob.Stats(context.Background()); err != nil || stats.Pending != 0 {
-		t.Errorf("outbox: %+v (%v), want nothing pending", stats, err)
-	}
+	waitFor(t, func() bool { stats, err := ob.Stats(context.Background()); return err == nil && stats.Pending == 0 })
 }
 
 // An outbox table missing from the search_path outside the handler is not
 // looked for along the handler's: a handler whose SET LOCAL search_path
 // finds a tenant's table of that name gets an error (ErrTableNotFound,
-// transient: nothing about the message is wrong) and writes nothing there.
+// transient: nothing about the message is wrong) and writes nothing there;
+// and a handler that ignores that error is nacked all the same (the failed
+// INSERT ended the transaction), so the output is written by a redelivery
+// once the table exists, not lost.
 func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *testing.T) {
 	t.Parallel()
 	db := testdb.OpenPostgres(t, "")
@@ -142,9 +146,8 @@ func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *test
 				return err
 			}
 			outbox, _ := inbox.OutboxFromContext(msg.Context())
-			err := outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
-			published <- err
-			return err
+			published <- outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
+			return nil // ignores the error
 		})
 	})
 	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {

@@ -29,6 +29,14 @@ func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error
 			return err
 		})
 		backend.WritesInTx(p) // the messages a handler returns may go with COMMIT
+		// Before the handler runs, in its transaction (no connection more):
+		// the outbox table's schema, until the Outbox has pinned it.
+		err := backend.LookUpOutboxTable(context.Background(), p, func(ctx context.Context, query string, args []any, dest ...any) error {
+			return tx.QueryRow(ctx, query, args...).Scan(dest...)
+		})
+		if err != nil {
+			return nil, err
+		}
 		return p, nil
 	}
 }

@@ -149,6 +149,14 @@ var NewInbox any
 // with COMMIT (Tx.CommitWith); set by package inbox's init.
 var WritesInTx func(p message.Publisher)
 
+// LookUpOutboxTable has p, an outbox publisher of package inbox
+// (Outbox.PublisherOn), look up its table's schema in the transaction it
+// was made for, through queryRow (which runs query with args there and
+// scans its one row into dest), before the handler runs; set by package
+// inbox's init.
+var LookUpOutboxTable func(ctx context.Context, p message.Publisher,
+	queryRow func(ctx context.Context, query string, args []any, dest ...any) error) error
+
 // HandleFromContext returns the Tx.Handle of the claimed delivery whose
 // message context ctx is, and true; set by package inbox's init.
 var HandleFromContext func(ctx context.Context) (any, bool)
