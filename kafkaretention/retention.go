@@ -22,6 +22,15 @@
 // it deletes anything. Every sum is computed without wrapping: a window can
 // never come out shorter, or negative, because its parts were large.
 //
+// # Timestamps ahead, and settings lowered
+//
+// Under CreateTime a record stamped ahead of the broker's clock keeps its
+// segment longer: the window adds the topic's bound on that
+// (message.timestamp.after.max.ms) or Config.FutureTimestamps where it sets
+// none. A window that shrinks (segment.ms lowered) is taken only once the
+// records stored under the longer one are gone, as far as this process saw
+// (Source.SafeWindow). docs/purge.md has the details.
+//
 // It is a package of its own so that the inbox core package does not import
 // a Kafka client; the inbox command uses it for its -brokers flag.
 package kafkaretention
@@ -51,6 +60,11 @@ const (
 
 // DefaultMargin is Config.Margin when it is zero.
 const DefaultMargin = 24 * time.Hour
+
+// DefaultFutureTimestamps is Config.FutureTimestamps when it is zero: the
+// bound Kafka 4.0 puts on a record's timestamp by default
+// (message.timestamp.after.max.ms, 1 hour; Long.MAX_VALUE before 4.0).
+const DefaultFutureTimestamps = time.Hour
 
 // ErrNoSafeWindow means a topic keeps messages without a time limit:
 // retention.ms=-1 (forever), a cleanup.policy with "compact" (the latest
@@ -82,16 +96,40 @@ type Config struct {
 	// (DefaultMargin); a negative value, or one above inbox.MaxSafeWindow,
 	// is an error.
 	Margin time.Duration
+	// FutureTimestamps is how far ahead of the brokers' clocks a producer
+	// may stamp a record (message.timestamp.type=CreateTime, Kafka's
+	// default) of a topic whose configuration does not bound it: without
+	// message.timestamp.after.max.ms (message.timestamp.difference.max.ms
+	// before Kafka 3.6), or with Long.MAX_VALUE, Kafka's default before
+	// 4.0. Kafka deletes a segment once its newest timestamp is older than
+	// retention.ms, so a record stamped ahead keeps its segment, and every
+	// record in it, readable for as much longer. A topic that bounds it has
+	// its own bound added; LogAppendTime adds nothing. A producer whose
+	// clock runs further ahead than this makes the purge delete rows of
+	// messages Kafka can still replay: bound the topic's timestamps
+	// (message.timestamp.after.max.ms) or use LogAppendTime.
+	// Default: DefaultFutureTimestamps (1 hour); a negative value, or one
+	// above inbox.MaxSafeWindow, is an error.
+	FutureTimestamps time.Duration
 }
 
 // Source reports the safe purge window of a set of topics. It is safe for
 // concurrent use; every SafeWindow call asks the cluster again, so changed
-// topic configurations are seen at the next purge.
+// topic configurations are seen at the next purge: a longer window at once,
+// a shorter one only once every record stored under the longer one is gone
+// (see SafeWindow).
 type Source struct {
 	admin     sarama.ClusterAdmin
 	ownsAdmin bool
 	topics    []string
 	margin    time.Duration
+	future    time.Duration
+
+	// seen holds, by topic, the windows SafeWindow found and when it last
+	// found each, for as long as a record stored under it can be readable.
+	seenMu sync.Mutex
+	seen   map[string][]seenWindow
+	now    func() time.Time
 
 	closeOnce sync.Once
 	closeErr  error
@@ -110,7 +148,15 @@ func New(cfg Config) (*Source, error) {
 	if cfg.Margin == 0 {
 		cfg.Margin = DefaultMargin
 	}
-	s := &Source{admin: cfg.Admin, topics: cfg.Topics, margin: cfg.Margin}
+	if cfg.FutureTimestamps < 0 || cfg.FutureTimestamps > inbox.MaxSafeWindow {
+		return nil, fmt.Errorf("kafkaretention: Config.FutureTimestamps must be between 0 and %v (inbox.MaxSafeWindow), got %v",
+			inbox.MaxSafeWindow, cfg.FutureTimestamps)
+	}
+	if cfg.FutureTimestamps == 0 {
+		cfg.FutureTimestamps = DefaultFutureTimestamps
+	}
+	s := &Source{admin: cfg.Admin, topics: cfg.Topics, margin: cfg.Margin, future: cfg.FutureTimestamps,
+		seen: map[string][]seenWindow{}, now: time.Now}
 	if s.admin == nil {
 		if len(cfg.Brokers) == 0 {
 			return nil, errors.New("kafkaretention: Config.Brokers or Config.Admin is required")
@@ -148,14 +194,25 @@ type TopicWindow struct {
 	Retention time.Duration // retention.ms
 	Segment   time.Duration // segment.ms
 	Policy    string        // cleanup.policy
+	// TimestampType is message.timestamp.type: "CreateTime" (the
+	// producer's clock; Kafka's default) or "LogAppendTime".
+	TimestampType string
+	// Future is how far ahead of the broker's clock a record's timestamp
+	// may be: 0 with LogAppendTime; with CreateTime the topic's
+	// message.timestamp.after.max.ms (message.timestamp.difference.max.ms
+	// before Kafka 3.6), or Config.FutureTimestamps where it sets no bound.
+	Future time.Duration
 }
 
 // Window is how long the topic can redeliver a message: a segment is only
-// deleted once its newest record is older than retention.ms, and a segment
-// may hold records up to segment.ms older than its newest, so a record can
-// be readable until retention.ms + segment.ms after its timestamp. The sum
+// deleted once its newest record's timestamp is older than retention.ms, a
+// segment may hold records up to segment.ms older than its newest, and that
+// newest may be stamped up to Future ahead, so a record can be readable
+// until retention.ms + segment.ms + Future after it was written. The sum
 // saturates at the longest time.Duration instead of wrapping.
-func (w TopicWindow) Window() time.Duration { return duration.Add(w.Retention, w.Segment) }
+func (w TopicWindow) Window() time.Duration {
+	return duration.Add(duration.Add(w.Retention, w.Segment), w.Future)
+}
 
 // Describe reads the topics' retention settings, all in one request. A topic
 // that keeps messages forever or compacts them, or whose Window is longer
@@ -174,9 +231,16 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 		if err != nil {
 			return nil, err
 		}
-		w := TopicWindow{Topic: topic, Retention: DefaultRetention, Segment: DefaultSegment, Policy: "delete"}
+		w := TopicWindow{Topic: topic, Retention: DefaultRetention, Segment: DefaultSegment, Policy: "delete", TimestampType: "CreateTime"}
+		var afterMax, differenceMax string
 		for _, e := range entries {
 			switch e.Name {
+			case "message.timestamp.type":
+				w.TimestampType = e.Value
+			case "message.timestamp.after.max.ms":
+				afterMax = e.Value
+			case "message.timestamp.difference.max.ms":
+				differenceMax = e.Value
 			case "retention.ms", "segment.ms":
 				ms, err := strconv.ParseInt(e.Value, 10, 64)
 				if err != nil {
@@ -207,13 +271,54 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 				}
 			}
 		}
+		future, err := s.futureBound(topic, w.TimestampType, afterMax, differenceMax)
+		if err != nil {
+			return nil, err
+		}
+		w.Future = future
 		if w.Window() > inbox.MaxSafeWindow {
-			return nil, fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms = %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
-				ErrNoSafeWindow, topic, w.Retention, w.Segment, inbox.MaxSafeWindow)
+			return nil, fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms + timestamps ahead = %v + %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
+				ErrNoSafeWindow, topic, w.Retention, w.Segment, w.Future, inbox.MaxSafeWindow)
 		}
 		out = append(out, w)
 	}
 	return out, nil
+}
+
+// futureBound returns how far ahead of the broker's clock a record of topic
+// may be stamped: 0 with LogAppendTime (the broker stamps it); with
+// CreateTime message.timestamp.after.max.ms when the broker reports it
+// (Kafka 3.6 and later, where it is the bound the broker checks), else
+// message.timestamp.difference.max.ms, and Config.FutureTimestamps when
+// neither is reported or the one that is sets no bound (Long.MAX_VALUE, or
+// anything beyond inbox.MaxSafeWindow).
+func (s *Source) futureBound(topic, timestampType, afterMax, differenceMax string) (time.Duration, error) {
+	switch timestampType {
+	case "LogAppendTime":
+		return 0, nil
+	case "CreateTime":
+	default:
+		return 0, fmt.Errorf("kafkaretention: topic %s has message.timestamp.type=%q, which this package does not know", topic, timestampType)
+	}
+	name, value := "message.timestamp.after.max.ms", afterMax
+	if value == "" {
+		name, value = "message.timestamp.difference.max.ms", differenceMax
+	}
+	if value == "" {
+		return s.future, nil
+	}
+	ms, err := strconv.ParseInt(value, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("kafkaretention: topic %s: %s=%q: %w", topic, name, value, err)
+	}
+	if ms < 0 {
+		return 0, fmt.Errorf("kafkaretention: topic %s has %s=%d, which Kafka does not accept (at least 0): fix the topic's configuration", topic, name, ms)
+	}
+	d, ok := duration.Millis(ms)
+	if !ok || d > inbox.MaxSafeWindow {
+		return s.future, nil // no bound: Config.FutureTimestamps
+	}
+	return d, nil
 }
 
 // checkCleanupPolicy returns an error wrapping ErrNoSafeWindow unless
@@ -244,7 +349,10 @@ func checkCleanupPolicy(topic, policy string) error {
 
 // SafeWindow returns the longest topic window plus the margin: the purge
 // window under which no row of a message the cluster can still deliver is
-// deleted. A topic without a safe window, or a result longer than
+// deleted. A topic whose window got shorter since an earlier call (its
+// segment.ms lowered) keeps the longer one until that long has passed
+// since this Source last saw it, since the records written under it stay
+// in segments of the old span (Source.remembered). A topic without a safe window, or a result longer than
 // inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
 // duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
@@ -252,18 +360,54 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	if err != nil {
 		return 0, err
 	}
-	var longest TopicWindow
+	var longest time.Duration
+	var longestTopic string
+	now := s.now()
 	for _, w := range windows {
-		if w.Window() > longest.Window() {
-			longest = w
+		if window := s.remembered(w.Topic, w.Window(), now); window > longest {
+			longest, longestTopic = window, w.Topic
 		}
 	}
-	safe := duration.Add(longest.Window(), s.margin)
+	safe := duration.Add(longest, s.margin)
 	if safe > inbox.MaxSafeWindow {
 		return 0, fmt.Errorf("%w: topic %s keeps records for up to %v, which with the margin %v is beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
-			ErrNoSafeWindow, longest.Topic, longest.Window(), s.margin, inbox.MaxSafeWindow)
+			ErrNoSafeWindow, longestTopic, longest, s.margin, inbox.MaxSafeWindow)
 	}
 	return safe, nil
+}
+
+// seenWindow is a topic window SafeWindow found, and when it last did.
+type seenWindow struct {
+	window time.Duration
+	at     time.Time
+}
+
+// remembered records that topic's window is window now and returns the
+// longest window the topic had while a record stored under it can still be
+// readable: the records written while a longer window was in force stay in
+// segments of its span (an operator who lowers segment.ms leaves the
+// segments already written as they are, and the one being written rolls only
+// at its next record), so they can be read until one such window after the
+// last time it was seen. Memory of this process only: after a restart the
+// shorter window applies at once (docs/purge.md says how to lower a topic's
+// settings safely).
+func (s *Source) remembered(topic string, window time.Duration, now time.Time) time.Duration {
+	s.seenMu.Lock()
+	defer s.seenMu.Unlock()
+	longest := window
+	kept := s.seen[topic][:0]
+	for _, w := range s.seen[topic] {
+		switch {
+		case w.window == window:
+			continue // seen again now, below
+		case now.Sub(w.at) >= w.window:
+			continue // every record stored under it is gone
+		}
+		kept = append(kept, w)
+		longest = max(longest, w.window)
+	}
+	s.seen[topic] = append(kept, seenWindow{window: window, at: now})
+	return longest
 }
 
 // describe runs sarama's DescribeConfigs for every topic in one request and

@@ -56,6 +56,10 @@ func TestSafeWindow(t *testing.T) {
 	// An empty list (Kafka 3.x accepts it): no segment is deleted by age.
 	createTopic(t, admin, "no_cleanup", map[string]string{"cleanup.policy": "", "retention.ms": "3600000", "segment.ms": "3600000"})
 	createTopic(t, admin, "delete_listed", map[string]string{"cleanup.policy": " delete", "retention.ms": "3600000", "segment.ms": "3600000"})
+	createTopic(t, admin, "log_append_time", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000", "message.timestamp.type": "LogAppendTime"})
+	// Records of a CreateTime topic (Kafka's default) may be stamped up to
+	// DefaultFutureTimestamps ahead where the topic sets no bound.
+	const future = kafkaretention.DefaultFutureTimestamps
 
 	cases := []struct {
 		topics []string
@@ -63,15 +67,17 @@ func TestSafeWindow(t *testing.T) {
 		want   time.Duration
 		err    error
 	}{
-		{topics: []string{"one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
-		{topics: []string{"defaults"}, want: 7*24*time.Hour + 7*24*time.Hour + kafkaretention.DefaultMargin},
-		{topics: []string{"one_day", "defaults"}, margin: time.Minute, want: 14*24*time.Hour + time.Minute},
-		{topics: []string{"one_day", "one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
+		{topics: []string{"one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + future + time.Hour},
+		{topics: []string{"defaults"}, want: 7*24*time.Hour + 7*24*time.Hour + future + kafkaretention.DefaultMargin},
+		{topics: []string{"one_day", "defaults"}, margin: time.Minute, want: 14*24*time.Hour + future + time.Minute},
+		{topics: []string{"one_day", "one_day"}, margin: time.Hour, want: 24*time.Hour + time.Hour + future + time.Hour},
 		{topics: []string{"one_day", "forever"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compacted"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"compact_delete"}, err: kafkaretention.ErrNoSafeWindow},
 		{topics: []string{"no_cleanup"}, err: kafkaretention.ErrNoSafeWindow},
-		{topics: []string{"delete_listed"}, margin: time.Hour, want: 3 * time.Hour},
+		{topics: []string{"delete_listed"}, margin: time.Hour, want: 3*time.Hour + future},
+		// The broker stamps the records: none is ahead of its clock.
+		{topics: []string{"log_append_time"}, margin: time.Hour, want: 24*time.Hour + time.Hour + time.Hour},
 	}
 	for _, tc := range cases {
 		src, err := kafkaretention.New(kafkaretention.Config{Brokers: brokers, Topics: tc.topics, Margin: tc.margin})
@@ -114,7 +120,8 @@ func TestConfigErrors(t *testing.T) {
 // window stops the purge.
 func TestPurgeWithRetentionSource(t *testing.T) {
 	admin, _ := cluster(t)
-	createTopic(t, admin, "orders", map[string]string{"retention.ms": "3600000", "segment.ms": "600000"}) // 1h + 10m
+	// 1h + 10m; the broker stamps the records, so none is ahead of its clock.
+	createTopic(t, admin, "orders", map[string]string{"retention.ms": "3600000", "segment.ms": "600000", "message.timestamp.type": "LogAppendTime"})
 	createTopic(t, admin, "ledger", map[string]string{"cleanup.policy": "compact"})
 	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
 	ib, err := inbox.New(inbox.Config{DB: db})
@@ -202,7 +209,7 @@ func TestSafeWindow_RetentionBeyondADurationMeansForever(t *testing.T) {
 		{topic: "150_years"},
 		{topic: "sum_wraps"},
 		{topic: "99_years", margin: 2 * 365 * 24 * time.Hour},
-		{topic: "99_years", margin: time.Hour, want: 99*365*24*time.Hour + 2*time.Hour}, // within MaxSafeWindow: a window
+		{topic: "99_years", margin: time.Hour, want: 99*365*24*time.Hour + 2*time.Hour + kafkaretention.DefaultFutureTimestamps}, // within MaxSafeWindow: a window
 	}
 	for _, tc := range cases {
 		src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"one_day", tc.topic}, Margin: tc.margin})

@@ -185,9 +185,11 @@ func TestPurgeWindowFromKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer admin.Close()
-	retention, segment := "3600000", "600000" // 1h + 10m, + margin 20m = 1h30m
+	// 1h + 10m, + margin 20m = 1h30m; the broker stamps the records, so
+	// none is ahead of its clock.
+	retention, segment, stamps := "3600000", "600000", "LogAppendTime"
 	if err := admin.CreateTopic("orders", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
-		ConfigEntries: map[string]*string{"retention.ms": &retention, "segment.ms": &segment}}, false); err != nil {
+		ConfigEntries: map[string]*string{"retention.ms": &retention, "segment.ms": &segment, "message.timestamp.type": &stamps}}, false); err != nil {
 		t.Fatal(err)
 	}
 	path := filepath.Join(t.TempDir(), "k.db")

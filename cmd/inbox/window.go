@@ -22,6 +22,7 @@ type windowFlags struct {
 	olderThan       time.Duration
 	brokers, topics string
 	margin          time.Duration
+	future          time.Duration
 	js              *jetStreamFlags
 }
 
@@ -31,6 +32,8 @@ func addWindowFlags(fs *flag.FlagSet, olderThanUsage string) *windowFlags {
 	fs.StringVar(&w.brokers, "brokers", "", "Kafka bootstrap addresses, comma-separated: derive the safe window from -topics")
 	fs.StringVar(&w.topics, "topics", "", "the Kafka topics the consumer reads, comma-separated (with -brokers)")
 	fs.DurationVar(&w.margin, "margin", kafkaretention.DefaultMargin, "added to the topics' retention.ms + segment.ms (with -brokers) or the streams' window (with -nats-url)")
+	fs.DurationVar(&w.future, "future-timestamps", kafkaretention.DefaultFutureTimestamps,
+		"how far ahead of the brokers' clocks producers may stamp records of CreateTime topics that do not bound it (message.timestamp.after.max.ms; with -brokers)")
 	w.js = addJetStreamFlags(fs)
 	return w
 }
@@ -67,7 +70,7 @@ func (w *windowFlags) source() (src inbox.WindowSource, from string, closeSource
 	switch {
 	case w.kafka():
 		topicList := splitList(w.topics)
-		k, err := kafkaretention.New(kafkaretention.Config{Brokers: splitList(w.brokers), Topics: topicList, Margin: w.margin})
+		k, err := kafkaretention.New(kafkaretention.Config{Brokers: splitList(w.brokers), Topics: topicList, Margin: w.margin, FutureTimestamps: w.future})
 		if err != nil {
 			return nil, "", nil, err
 		}

@@ -32,7 +32,8 @@ func insertAged(t *testing.T, db *sqlx.DB, name, table string, n int, ago time.D
 }
 
 // kafkaTopic starts a kfake cluster, stopped when t ends, with the topic
-// orders of the given retention.ms and segment.ms, and returns its
+// orders of the given retention.ms and segment.ms, its records stamped by
+// the broker (LogAppendTime: none ahead of its clock), and returns its
 // bootstrap addresses, comma-separated.
 func kafkaTopic(t *testing.T, retention, segment time.Duration) string {
 	t.Helper()
@@ -48,9 +49,9 @@ func kafkaTopic(t *testing.T, retention, segment time.Duration) string {
 		t.Fatal(err)
 	}
 	defer admin.Close()
-	r, s := fmt.Sprint(retention.Milliseconds()), fmt.Sprint(segment.Milliseconds())
+	r, s, stamps := fmt.Sprint(retention.Milliseconds()), fmt.Sprint(segment.Milliseconds()), "LogAppendTime"
 	if err := admin.CreateTopic("orders", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
-		ConfigEntries: map[string]*string{"retention.ms": &r, "segment.ms": &s}}, false); err != nil {
+		ConfigEntries: map[string]*string{"retention.ms": &r, "segment.ms": &s, "message.timestamp.type": &stamps}}, false); err != nil {
 		t.Fatal(err)
 	}
 	return strings.Join(cluster.ListenAddrs(), ",")

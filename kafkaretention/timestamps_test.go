@@ -1,0 +1,126 @@
+package kafkaretention_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/watermill-inbox/inbox/kafkaretention"
+)
+
+// reportingAdmin is a kfake cluster's admin client whose DescribeConfigs
+// answers also carry extra, the entries a Kafka 3.6+ broker reports and
+// kfake does not know (message.timestamp.after.max.ms).
+type reportingAdmin struct {
+	sarama.ClusterAdmin
+	extra map[string][]sarama.ConfigEntry // by topic
+}
+
+func (a reportingAdmin) DescribeConfigs(resources []*sarama.ConfigResource, opts sarama.DescribeConfigsOptions) ([]*sarama.ConfigResourceResult, error) {
+	results, err := a.ClusterAdmin.DescribeConfigs(resources, opts)
+	for _, r := range results {
+		r.Configs = append(r.Configs, a.extra[r.Name]...)
+	}
+	return results, err
+}
+
+// A record's timestamp under CreateTime is the producer's: Kafka deletes a
+// segment once its newest timestamp is older than retention.ms, so a record
+// stamped ahead keeps its segment readable for as much longer. The window
+// adds the topic's message.timestamp.after.max.ms (or, before Kafka 3.6,
+// message.timestamp.difference.max.ms), Config.FutureTimestamps where the
+// topic sets no bound (Long.MAX_VALUE: Kafka's default before 4.0), and
+// nothing under LogAppendTime. A producer stamping a record 5 days ahead on
+// a 1-day topic had its row purged while Kafka kept it, and the replay
+// processed it twice.
+func TestSafeWindow_AddsHowFarAheadARecordMayBeStamped(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	day := map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"}
+	for _, topic := range []string{"unbounded", "after_max", "difference_max", "after_max_long_max", "configured"} {
+		createTopic(t, admin, topic, day)
+	}
+	createTopic(t, admin, "log_append_time", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000", "message.timestamp.type": "LogAppendTime"})
+	reporting := reportingAdmin{ClusterAdmin: admin, extra: map[string][]sarama.ConfigEntry{
+		"after_max":          {{Name: "message.timestamp.after.max.ms", Value: "7200000"}, {Name: "message.timestamp.difference.max.ms", Value: "9223372036854775807"}},
+		"difference_max":     {{Name: "message.timestamp.difference.max.ms", Value: "10800000"}},
+		"after_max_long_max": {{Name: "message.timestamp.after.max.ms", Value: "9223372036854775807"}},
+	}}
+	const window = 25 * time.Hour // retention.ms + segment.ms
+	cases := []struct {
+		topic  string
+		future time.Duration // Config.FutureTimestamps
+		want   time.Duration
+	}{
+		{topic: "unbounded", want: window + kafkaretention.DefaultFutureTimestamps + time.Hour},
+		{topic: "configured", future: 5 * 24 * time.Hour, want: window + 5*24*time.Hour + time.Hour},
+		{topic: "after_max", want: window + 2*time.Hour + time.Hour},
+		{topic: "difference_max", want: window + 3*time.Hour + time.Hour},
+		{topic: "after_max_long_max", future: 4 * time.Hour, want: window + 4*time.Hour + time.Hour},
+		{topic: "log_append_time", future: 5 * 24 * time.Hour, want: window + time.Hour},
+	}
+	for _, tc := range cases {
+		src, err := kafkaretention.New(kafkaretention.Config{Admin: reporting, Topics: []string{tc.topic}, Margin: time.Hour, FutureTimestamps: tc.future})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := src.SafeWindow(context.Background()); err != nil || got != tc.want {
+			t.Errorf("%s: SafeWindow = %v, %v; want %v", tc.topic, got, err, tc.want)
+		}
+	}
+	if _, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"unbounded"}, FutureTimestamps: -time.Hour}); err == nil {
+		t.Error("a negative FutureTimestamps: want an error")
+	}
+}
+
+// An operator who lowers a topic's segment.ms leaves the segments already
+// written as they are: a record written a day ago can sit in a segment whose
+// newest record is recent, readable for the old window. SafeWindow keeps the
+// longer window it saw until one such window has passed since it last saw
+// it, then takes the shorter one; a new Source (a restart) knows only the
+// shorter one. A purge on the shorter window at once deleted the row of a
+// 6-day-old record Kafka still held, and its replay was processed twice.
+func TestSafeWindow_ShrinksOnlyOnceTheLongerWindowsRecordsAreGone(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	createTopic(t, admin, "lowered", map[string]string{"retention.ms": "86400000", "segment.ms": "604800000"})
+	now := time.Now()
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"lowered"}, Margin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kafkaretention.SetClock(src, func() time.Time { return now })
+	const future = kafkaretention.DefaultFutureTimestamps
+	long := 24*time.Hour + 7*24*time.Hour + future
+	if got, err := src.SafeWindow(context.Background()); err != nil || got != long+time.Hour {
+		t.Fatalf("before: SafeWindow = %v, %v; want %v", got, err, long+time.Hour)
+	}
+	if err := admin.AlterConfig(sarama.TopicResource, "lowered", map[string]*string{
+		"retention.ms": ptr("86400000"), "segment.ms": ptr("3600000"),
+	}, false); err != nil {
+		t.Fatal(err)
+	}
+	short := 24*time.Hour + time.Hour + future
+	for _, after := range []time.Duration{0, time.Hour, long - time.Second} {
+		now = now.Add(after)
+		if got, err := src.SafeWindow(context.Background()); err != nil || got != long+time.Hour {
+			t.Errorf("%v after segment.ms was lowered: SafeWindow = %v, %v; want the longer window %v", after, got, err, long+time.Hour)
+		}
+		now = now.Add(-after)
+	}
+	now = now.Add(long)
+	if got, err := src.SafeWindow(context.Background()); err != nil || got != short+time.Hour {
+		t.Errorf("once the longer window passed: SafeWindow = %v, %v; want %v", got, err, short+time.Hour)
+	}
+	restarted, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"lowered"}, Margin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := restarted.SafeWindow(context.Background()); err != nil || got != short+time.Hour {
+		t.Errorf("a new Source: SafeWindow = %v, %v; want %v (it has not seen the longer one)", got, err, short+time.Hour)
+	}
+}
+
+func ptr(s string) *string { return &s }
