@@ -99,3 +99,7 @@ const OutboxRetryFirst = outboxRetryFirst
 // DetachedPartitionComment marks a partition DropPartitions detached to
 // drop it, for tests that leave one as an interrupted call would.
 const DetachedPartitionComment = detachedPartitionComment
+
+// SetDetachWait sets how long a DETACH PARTITION waits for older
+// transactions (dropPartitions) and returns the previous bound.
+func SetDetachWait(d time.Duration) time.Duration { return time.Duration(detachWait.Swap(int64(d))) }

@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -585,7 +586,24 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		if _, err := db.ExecContext(ctx, "COMMENT ON TABLE "+p.quoted(d)+" IS '"+detachedPartitionComment+"'"); err != nil {
 			return dropped, fmt.Errorf("inbox: mark partition %s for its drop: %w", p, err)
 		}
-		if _, err := db.ExecContext(ctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach); err != nil {
+		// DETACH ... CONCURRENTLY waits for every transaction that started
+		// before it, and one left open (idle in transaction, a stuck
+		// report) would hold the round, and with it the purge lock, for as
+		// long: no round of any instance would run, and none would create
+		// the coming partitions. Bounded, the DETACH is cancelled half way
+		// (pending), the round fails and says why, and the next one
+		// finishes it (FINALIZE).
+		wait := time.Duration(detachWait.Load())
+		dctx, cancel := context.WithTimeout(ctx, wait)
+		_, err := db.ExecContext(dctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach)
+		waited := dctx.Err() != nil && ctx.Err() == nil
+		cancel()
+		if err != nil && waited {
+			return dropped, fmt.Errorf("inbox: detach partition %s: waited %v for the transactions that started before the"+
+				" DETACH (one left open that read %s? see pg_stat_activity's xact_start): the next round finishes it: %w",
+				p, wait, t, err)
+		}
+		if err != nil {
 			return dropped, fmt.Errorf("inbox: detach partition %s: %w", p, err)
 		}
 		if err := drop(p); err != nil {
@@ -618,6 +636,12 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 	}
 	return dropped, nil
 }
+
+// detachWait bounds how long a DETACH PARTITION waits for the transactions
+// that started before it (dropPartitions), in nanoseconds: a minute.
+var detachWait atomic.Int64
+
+func init() { detachWait.Store(int64(time.Minute)) }
 
 // holdsOtherConsumers reports whether partition p holds a row of a consumer
 // other than consumer; false without a consumer. Two probes of the primary
