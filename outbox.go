@@ -464,9 +464,15 @@ func (o *Outbox) SchemaSQL() string {
 // signature of Config.Outbox (Config{Outbox: ob.Publisher}). Its Publish
 // inserts the messages, in one statement per 1,000, with the message's
 // UUID, payload and metadata, for the relay to send to the topic given once
-// tx commits; it sends nothing itself. Its errors wrap ErrOutboxMessage or
-// the driver's error. Each is bound to one transaction and is safe for
-// concurrent use while the transaction is open; Close does nothing.
+// tx commits; it sends nothing itself. On PostgreSQL, with a table name
+// without a schema, until the Outbox has found the table's schema
+// (OutboxConfig.Table), Publisher looks it up in tx first: one catalog
+// read, before the handler runs when the inbox calls it. Its errors wrap
+// ErrOutboxMessage or the driver's error; a table the look-up did not find
+// makes Publish fail with a transient error wrapping ErrTableNotFound,
+// its failed INSERT ending the transaction. Each is bound to one
+// transaction and is safe for concurrent use while the transaction is
+// open; Close does nothing.
 func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("inbox: outbox publisher: no transaction")
@@ -541,7 +547,11 @@ type OutboxExec func(ctx context.Context, query string, args ...any) error
 // placeholders of OutboxConfig.DB's driver ($1 for "pgx" and "postgres", ?
 // for "mysql" and "sqlite"); payloads and metadata are []byte, stored as
 // bytea/blob in every pgx query mode. It is bound to the transaction exec
-// runs in, and safe for concurrent use while that is open.
+// runs in, and safe for concurrent use while that is open. It cannot read
+// through exec, so it does not look up the table's schema as Publisher
+// does: it names the table as the Outbox does when it writes, by its schema
+// once Verify, InitializeSchema, the relay or a Publisher found it
+// (pgxinbox.OutboxPublisher looks it up in its transaction itself).
 func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 	bind := sqlx.BindType(o.cfg.DB.DriverName())
 	rebind := func(query string) string { return sqlx.Rebind(bind, query) }
