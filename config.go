@@ -152,9 +152,11 @@ type Config struct {
 	// stores the first 16 bytes of its SHA-256. It is called once per
 	// delivery, before the transaction begins, from every handler goroutine
 	// at once: it must be safe for concurrent use and must not modify msg.
-	// A Retry middleware's later attempts of the same *message.Message
-	// reuse the first attempt's fingerprint, so a handler that replaced
-	// msg.Payload before it failed does not change what is stored.
+	// A handler that changed what it is taken of (decoded msg.Payload in
+	// place) and failed does not change what is stored: a later delivery
+	// of the key whose content is the changed one (a Retry's next attempt,
+	// watermill-kafka's resent copy) claims with the fingerprint the failed
+	// one claimed with.
 	// Changing Fingerprint on a live table changes what every earlier row
 	// is compared with: deploy it with ReusedIDsWarn for the broker's
 	// redelivery window (docs/reused-ids.md).

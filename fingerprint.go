@@ -6,11 +6,9 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -68,59 +66,97 @@ func (ib *Inbox) contentFingerprint(msg *message.Message) []byte {
 	return sum[:fingerprintSize]
 }
 
-// fingerprintMemo remembers the fingerprint an inbox took of a message
-// whose delivery failed, until the message is garbage collected
-// (deliveryFingerprint). Keys are weak pointers: a message the router
-// dropped leaves the memo with it. Only failed deliveries are remembered,
-// so that while none is, a claim pays one atomic load for it. The zero
-// value is ready; safe for concurrent use.
-type fingerprintMemo struct {
-	m sync.Map     // weak.Pointer[message.Message] -> []byte
-	n atomic.Int64 // entries in m
+// changedFingerprints remembers, for the keys whose delivery failed after
+// the handler changed what the fingerprint is taken of (decoded
+// msg.Payload in place), the fingerprint the claim stored and the one of
+// the message as the handler left it (deliveryFingerprint): the
+// changedFingerprintsSize latest. While it is empty a claim pays one atomic
+// load for it. The zero value is ready; safe for concurrent use.
+type changedFingerprints struct {
+	n     atomic.Int64
+	mu    sync.Mutex
+	byKey map[recentKey]changedFingerprint
+	order []recentKey // a ring: the oldest is replaced
+	next  int
 }
 
-func (f *fingerprintMemo) remember(msg *message.Message, fp []byte) {
-	key := weak.Make(msg)
-	if _, loaded := f.m.LoadOrStore(key, fp); loaded {
-		return
-	}
-	f.n.Add(1)
-	runtime.AddCleanup(msg, func(k weak.Pointer[message.Message]) {
-		f.m.Delete(k)
-		f.n.Add(-1)
-	}, key)
-}
+// changedFingerprint is a failed delivery's claimed fingerprint and the one
+// of its message as the handler left it.
+type changedFingerprint struct{ claimed, changed [fingerprintSize]byte }
 
-func (f *fingerprintMemo) recall(msg *message.Message) ([]byte, bool) {
-	if f.n.Load() == 0 {
+// changedFingerprintsSize is how many keys changedFingerprints remembers.
+const changedFingerprintsSize = 4096
+
+// claimed returns the fingerprint the key's failed delivery claimed with
+// when fp is the one of its message as the handler left it.
+func (c *changedFingerprints) claimed(consumer, id string, fp []byte) ([]byte, bool) {
+	if c.n.Load() == 0 {
 		return nil, false
 	}
-	fp, ok := f.m.Load(weak.Make(msg))
-	if !ok {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.byKey[recentKey{consumer, id}]
+	if !ok || !bytes.Equal(e.changed[:], fp) {
 		return nil, false
 	}
-	return fp.([]byte), true
+	return bytes.Clone(e.claimed[:]), true
 }
 
-// deliveryFingerprint returns the fingerprint d's claim stores: the one
-// this inbox took of the same *message.Message at an earlier attempt that
-// failed, or a new one. A Retry middleware (outside the inbox, as it must
-// be) runs the inbox again with the same message after the handler failed,
-// and a handler that replaced msg.Payload (decoded it in place) had the
-// attempt that commits store the fingerprint of what it made of the
-// payload: the broker's redelivery of the message as it was sent (a new
-// *message.Message) was then refused as a reused id. The fingerprint is of
-// the message as it first reached the inbox. It is kept beside the
-// message, not in its context, which middlewares between Retry and the
-// inbox replace (Inbox.Middlewares' own restores it after every attempt).
+// remember records a failed delivery's claimed and changed fingerprints.
+func (c *changedFingerprints) remember(consumer, id string, claimed, changed []byte) {
+	k := recentKey{consumer, id}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.byKey == nil {
+		c.byKey = make(map[recentKey]changedFingerprint)
+	}
+	if _, ok := c.byKey[k]; !ok {
+		if len(c.order) < changedFingerprintsSize {
+			c.order = append(c.order, k)
+		} else {
+			delete(c.byKey, c.order[c.next])
+			c.order[c.next] = k
+			c.next = (c.next + 1) % changedFingerprintsSize
+		}
+	}
+	c.byKey[k] = changedFingerprint{claimed: [fingerprintSize]byte(claimed), changed: [fingerprintSize]byte(changed)}
+	c.n.Store(int64(len(c.byKey)))
+}
+
+// deliveryFingerprint returns the fingerprint d's claim stores: the one of
+// its message, unless this inbox saw a delivery of the key fail after the
+// handler changed its message into this very content: then the one that
+// delivery claimed with. A handler that decoded msg.Payload in place and
+// failed is run again with the changed message: by a Retry middleware
+// (outside the inbox, as it must be) with the same *message.Message, by
+// watermill-kafka's nack with a copy of it. The attempt that committed
+// stored the fingerprint of what the handler made of the payload, and the
+// broker's redelivery of the message as it was sent was refused as a
+// reused id. Content that is neither (a producer that reused the id) is
+// compared as its own.
 func (ib *Inbox) deliveryFingerprint(d *delivery) []byte {
-	if !ib.fingerprintsOn() {
+	fp := ib.contentFingerprint(d.msg)
+	if fp == nil {
 		return nil
 	}
-	if fp, ok := ib.fingerprintMemo.recall(d.msg); ok {
-		return fp
+	if claimed, ok := ib.changedFingerprints.claimed(d.consumer, d.id, fp); ok {
+		return claimed
 	}
-	return ib.contentFingerprint(d.msg)
+	return fp
+}
+
+// rememberChangedFingerprint records, for a delivery that failed, the
+// fingerprint it claimed with when the handler changed what the
+// fingerprint is taken of (deliveryFingerprint). Config.Fingerprint is
+// user code: a panic in it here records nothing.
+func (d *delivery) rememberChangedFingerprint() {
+	if d.fingerprint == nil {
+		return
+	}
+	defer func() { _ = recover() }()
+	if now := d.ib.contentFingerprint(d.msg); now != nil && !bytes.Equal(now, d.fingerprint) {
+		d.ib.changedFingerprints.remember(d.consumer, d.id, d.fingerprint, now)
+	}
 }
 
 // resolveFingerprints decides, once, before the inbox's first claim and

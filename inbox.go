@@ -44,9 +44,9 @@ type Inbox struct {
 	// table before a claim (resolveFingerprints) finds whether it has the
 	// fingerprint column, then fingerprintsOn or fingerprintsOff for good.
 	fingerprints atomic.Int32
-	// fingerprintMemo holds the fingerprint of each message claimed, for
-	// the attempts a Retry runs again with it (deliveryFingerprint).
-	fingerprintMemo fingerprintMemo
+	// changedFingerprints holds the claimed fingerprints of failed
+	// deliveries whose handler changed the message (deliveryFingerprint).
+	changedFingerprints changedFingerprints
 	// recentFingerprints spares a duplicate of a key this inbox committed
 	// lately the read of its stored fingerprint.
 	recentFingerprints recentFingerprints

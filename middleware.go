@@ -151,7 +151,7 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 	defer func() {
 		rbErr := d.end()
 		if !returned {
-			d.rememberFingerprint()
+			d.rememberChangedFingerprint()
 			if rbErr != nil {
 				d.ib.logger.Error("Inbox rollback failed after handler panic", rbErr, d.fields())
 			}
@@ -170,7 +170,7 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			err = d.ib.settleOddFingerprint(d) // the same
 		}
 		if err != nil {
-			d.rememberFingerprint()
+			d.rememberChangedFingerprint()
 		}
 		if d.waitAfterEnd != nil {
 			d.ib.waitBackoff(d.sctx, d.waitAfterEnd)
@@ -180,14 +180,6 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 	produced, err = d.run()
 	returned = true
 	return produced, err
-}
-
-// rememberFingerprint keeps the fingerprint of a failed delivery's message
-// for a Retry's next attempt with it (deliveryFingerprint).
-func (d *delivery) rememberFingerprint() {
-	if d.fingerprint != nil {
-		d.ib.fingerprintMemo.remember(d.msg, d.fingerprint)
-	}
 }
 
 // run is the flow of one message: validate → begin → claim → duplicate? →

@@ -524,3 +524,47 @@ func TestReusedIDRetryOfAHandlerThatReplacedThePayloadMatchesItsRedelivery(t *te
 		counts.expect(t, 1, 1, 1, 0)
 	})
 }
+
+// The same without Retry, as watermill-kafka's nack does it: the failed
+// message is sent again as a copy of itself, the payload as the handler
+// left it. The copy is processed with the fingerprint of the message as the
+// broker sent it, so the broker's later replay of that message is a
+// duplicate; a producer that reused the id for other content is still
+// refused.
+func TestReusedIDNackedCopyOfAMessageTheHandlerChangedMatchesItsReplay(t *testing.T) {
+	forEachDB(t, func(t *testing.T, _ testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		rec := &recorder{}
+		var failed atomic.Bool
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				msg.Payload = []byte(strings.ToUpper(string(msg.Payload))) // "decoded"
+				if failed.CompareAndSwap(false, true) {
+					return errors.New("downstream unavailable")
+				}
+				return f.writeBusinessRow(msg)
+			})
+		})
+		sent := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+		first := sent.Copy()
+		if acked, err := in.send(t.Context(), first); err != nil || acked {
+			t.Fatalf("first delivery: acked %v, %v; want it nacked", acked, err)
+		}
+		if acked, err := in.send(t.Context(), first.Copy()); err != nil || !acked { // watermill-kafka's resend
+			t.Fatalf("the nacked message's copy: acked %v, %v (%v)", acked, err, rec.last())
+		}
+		if acked, err := in.send(t.Context(), sent.Copy()); err != nil || !acked {
+			t.Errorf("the broker's replay of the processed message: nacked with %v, want a duplicate", rec.last())
+		}
+		if acked, err := in.send(t.Context(), message.NewMessage(sent.UUID, []byte("order 2"))); err != nil || acked ||
+			!errors.Is(rec.last(), inbox.ErrMessageIDReused) {
+			t.Errorf("the id reused for other content: acked %v, %v; want it refused with ErrMessageIDReused", acked, rec.last())
+		}
+		if f.businessRows() != 1 {
+			t.Errorf("business rows %d, want 1", f.businessRows())
+		}
+	})
+}
