@@ -221,6 +221,14 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if produced, err = d.publishToOutbox(produced); err != nil {
 		return nil, err
 	}
+	if p, ok := d.state.publisher.(txBoundPublisher); ok {
+		if err := p.refusedWrite(); err != nil {
+			// An output the handler published was refused for the
+			// outbox table and the handler went on: committing would
+			// lose it.
+			return nil, err
+		}
+	}
 	if err := d.checkStillClaimed(); err != nil {
 		return nil, err
 	}

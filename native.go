@@ -23,7 +23,7 @@ func init() {
 	backend.LookUpOutboxTable = func(ctx context.Context, p message.Publisher,
 		queryRow func(ctx context.Context, query string, args []any, dest ...any) error) error {
 		if w, ok := p.(*outboxWriter); ok {
-			return w.lookUpTarget(ctx, queryRow)
+			w.lookUp = queryRow // run by bindTx, before the handler
 		}
 		return nil
 	}

@@ -72,12 +72,16 @@ type OutboxConfig struct {
 	// PostgreSQL a name without a schema is looked up once along the
 	// search_path (temporary schemas left out): by Verify (RouterPlugin),
 	// InitializeSchema, the relay's first round or Stats on a connection
-	// of DB, or else by Publisher and pgxinbox.OutboxPublisher in the
-	// message's transaction before the handler runs; every statement of
-	// the Outbox names that schema from then on, whatever search_path a
-	// handler sets in its transaction. A table that is not found is not
-	// pinned: writes name the schema CREATE TABLE would use, and fail
-	// there (ErrTableNotFound, transient) until it exists.
+	// of DB; or else, for the writers the inbox makes (Publisher and
+	// pgxinbox.OutboxPublisher as Config.Outbox), in the message's
+	// transaction before the handler runs; for a writer the application
+	// makes itself, at its first write on a connection of DB (waiting at
+	// most 5 s for one). Every statement of the Outbox names that schema
+	// from then on, whatever search_path a handler sets in its
+	// transaction. A table that is not found is not pinned: writes name
+	// the schema CREATE TABLE would use and fail there (ErrTableNotFound,
+	// transient), and the inbox fails the delivery even when the handler
+	// went on without its output.
 	// It may be schema-qualified and must match the pattern of
 	// Config.Table. Default: DefaultOutboxTable ("watermill_inbox_outbox").
 	Table string
@@ -426,7 +430,10 @@ func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *
 	}
 	if !schema.Valid {
 		if !current.Valid {
-			return &o.configured, false, nil // CREATE TABLE says no schema is selected
+			// The unqualified name would resolve along whatever
+			// search_path a statement meets: never written so.
+			return nil, false, fmt.Errorf("%w: outbox table %s is on no schema of the search_path, and no schema of it exists to"+
+				" create it in", ErrTableNotFound, o.table)
 		}
 		t := newOutboxTarget(o.dialect, qualifiedName{schema: current.String, name: o.table.name})
 		return &t, false, nil
@@ -466,13 +473,13 @@ func (o *Outbox) SchemaSQL() string {
 // UUID, payload and metadata, for the relay to send to the topic given once
 // tx commits; it sends nothing itself. On PostgreSQL, with a table name
 // without a schema, until the Outbox has found the table's schema
-// (OutboxConfig.Table), Publisher looks it up in tx first: one catalog
-// read, before the handler runs when the inbox calls it. Its errors wrap
-// ErrOutboxMessage or the driver's error; a table the look-up did not find
-// makes Publish fail with a transient error wrapping ErrTableNotFound,
-// its failed INSERT ending the transaction. Each is bound to one
-// transaction and is safe for concurrent use while the transaction is
-// open; Close does nothing.
+// (OutboxConfig.Table), the inbox has it looked up in tx before the
+// handler runs (one catalog read); called by the application, it looks it
+// up at its first write on a connection of OutboxConfig.DB. Its errors
+// wrap ErrOutboxMessage or the driver's error; a table the look-up did not
+// find makes Publish fail with a transient error wrapping
+// ErrTableNotFound. Each is bound to one transaction and is safe for
+// concurrent use while the transaction is open; Close does nothing.
 func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("inbox: outbox publisher: no transaction")
@@ -482,30 +489,69 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 		return err
 	}
 	w := &outboxWriter{o: o, exec: exec, tx: tx, ctx: context.Background(), rebind: tx.Rebind, inTx: true}
-	if err := w.lookUpTarget(context.Background(), func(ctx context.Context, query string, args []any, dest ...any) error {
+	w.lookUp = func(ctx context.Context, query string, args []any, dest ...any) error {
 		return tx.QueryRowxContext(ctx, tx.Rebind(query), args...).Scan(dest...)
-	}); err != nil {
-		return nil, err
 	}
 	return w, nil
 }
 
 // lookUpTarget has the writer name the outbox table by its schema
-// (Outbox.lookUpTarget), looked up in its own transaction through
-// queryRow when the Outbox has not pinned it yet: before the handler runs,
-// so that its SET LOCAL search_path does not count. Without the look-up
-// (PublisherOn alone) the writer names the table as the Outbox does when
-// it writes.
-func (w *outboxWriter) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) error {
-	if !w.o.resolvesSchema() || w.o.pinned.Load() != nil {
-		return nil
+// (Outbox.lookUpTarget) when the Outbox has not pinned it yet. The inbox
+// calls it (bindTx) in the message's transaction before the handler runs,
+// through the writer's lookUp, so that the handler's SET LOCAL
+// search_path does not count and no connection more is needed. A writer
+// the inbox did not bind (Publisher or PublisherOn called by the
+// application, whose transaction's search_path may be anything) looks it
+// up at its first write on a connection of OutboxConfig.DB, waiting at
+// most pinWriteWait for one. An error is kept for every write to return
+// (refuse).
+func (w *outboxWriter) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) {
+	if !w.o.resolvesSchema() || w.o.pinned.Load() != nil || w.tgt != nil || w.lookUpErr != nil {
+		return
 	}
-	t, found, err := w.o.lookUpTarget(ctx, queryRow)
+	var t *outboxTarget
+	var found bool
+	var err error
+	if queryRow != nil {
+		t, found, err = w.o.lookUpTarget(ctx, queryRow)
+	} else {
+		ctx, cancel := context.WithTimeout(ctx, pinWriteWait)
+		defer cancel()
+		if t, err = w.o.pinTarget(ctx); err == nil {
+			found = w.o.pinned.Load() != nil
+		}
+	}
 	if err != nil {
-		return err
+		if errors.Is(err, ErrTableNotFound) {
+			err = &misconfiguredError{err} // nothing about the message is wrong: transient
+		}
+		w.lookUpErr = fmt.Errorf("inbox: outbox: %w", err)
+		return
 	}
 	w.tgt, w.missing = t, !found
-	return nil
+}
+
+// pinWriteWait bounds how long a writer the inbox did not bind waits for a
+// connection of OutboxConfig.DB to look its table up (lookUpTarget): its
+// caller may hold the last one. The write then fails (context deadline).
+const pinWriteWait = 5 * time.Second
+
+// refuse records err, a write refused for the table (lookUpTarget's error,
+// or an INSERT into a table the look-up did not find), for refusedWrite.
+func (w *outboxWriter) refuse(err error) error {
+	w.refusedMu.Lock()
+	if w.refused == nil {
+		w.refused = err
+	}
+	w.refusedMu.Unlock()
+	return err
+}
+
+// refusedWrite implements txBoundPublisher.
+func (w *outboxWriter) refusedWrite() error {
+	w.refusedMu.Lock()
+	defer w.refusedMu.Unlock()
+	return w.refused
 }
 
 // target returns the tables and statements the writer writes with.
@@ -548,10 +594,10 @@ type OutboxExec func(ctx context.Context, query string, args ...any) error
 // for "mysql" and "sqlite"); payloads and metadata are []byte, stored as
 // bytea/blob in every pgx query mode. It is bound to the transaction exec
 // runs in, and safe for concurrent use while that is open. It cannot read
-// through exec, so it does not look up the table's schema as Publisher
-// does: it names the table as the Outbox does when it writes, by its schema
-// once Verify, InitializeSchema, the relay or a Publisher found it
-// (pgxinbox.OutboxPublisher looks it up in its transaction itself).
+// through exec, so it looks the table's schema up, when the Outbox has not
+// found it yet, at its first write on a connection of OutboxConfig.DB
+// (pgxinbox.OutboxPublisher gives the inbox a way to look it up in the
+// message's transaction instead).
 func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 	bind := sqlx.BindType(o.cfg.DB.DriverName())
 	rebind := func(query string) string { return sqlx.Rebind(bind, query) }
@@ -576,6 +622,11 @@ type txBoundPublisher interface {
 	// cannot: it writes elsewhere than through the transaction, checks the
 	// claim in its inserts, or msgs need more than one statement.
 	stageLast(topic string, msgs []*message.Message) (query string, args []any, ok bool, err error)
+	// refusedWrite returns the first write refused because the outbox
+	// table was not found (or could not be looked up): the delivery fails
+	// with it even when the handler ignored it, since its outputs are not
+	// written.
+	refusedWrite() error
 	committed()
 }
 
@@ -611,11 +662,18 @@ type outboxWriter struct {
 	// it held.
 	claim *outboxClaim
 	wrote atomic.Bool
-	// tgt, when set, is the target the writer's look-up found
-	// (lookUpTarget); missing: it did not find the table, and tgt names
-	// the schema it would be created in.
-	tgt     *outboxTarget
-	missing bool
+	// lookUp reads a row in the writer's transaction, for lookUpTarget
+	// (nil: the writer cannot read there). tgt, when set, is the target the
+	// look-up found; missing: it did not find the table, and tgt names the
+	// schema it would be created in; lookUpErr: the look-up failed.
+	lookUp    outboxQueryRow
+	tgt       *outboxTarget
+	missing   bool
+	lookUpErr error
+	// refused is the first write refused for the table (refuse), which
+	// fails the delivery even when the handler ignored it.
+	refusedMu sync.Mutex
+	refused   error
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -638,6 +696,9 @@ type outboxWriter struct {
 // of committing on its own.
 func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
 	w.ctx, w.ended = ctx, ended
+	if w.lookUp != nil {
+		w.lookUpTarget(ctx, w.lookUp) // before the handler runs
+	}
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
 	if w.tx != nil && w.target().sql.claimedInsert != nil {
 		w.claim = claim
@@ -757,11 +818,12 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		if err := w.insert(len(chunk), args); err != nil {
 			if w.missing {
 				// Nothing about the message is wrong: transient. The
-				// failed INSERT ended the transaction, so a handler that
-				// ignores this error cannot commit.
-				return &misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s is not on"+
+				// failed INSERT ended the transaction, and refuse keeps a
+				// handler that ignored this error (or rolled back to a
+				// savepoint) from committing.
+				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s is not on"+
 					" the search_path (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
-					len(chunk), topic, ErrTableNotFound, w.o.table, err)}
+					len(chunk), topic, ErrTableNotFound, w.o.table, err)})
 			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
@@ -798,6 +860,10 @@ func (w *outboxWriter) writable(topic string) error {
 		// again by the redelivery under the handler's new UUIDs.
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
 			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
+	}
+	w.lookUpTarget(w.ctx, nil) // a writer the inbox did not bind, at its first write
+	if w.lookUpErr != nil {
+		return w.refuse(fmt.Errorf("%w; nothing written to %q", w.lookUpErr, topic))
 	}
 	return nil
 }

@@ -116,45 +116,128 @@ func TestOutboxFindsItsTableAlongTheConnectionsSearchPath(t *testing.T) {
 // looked for along the handler's: a handler whose SET LOCAL search_path
 // finds a tenant's table of that name gets an error (ErrTableNotFound,
 // transient: nothing about the message is wrong) and writes nothing there;
-// and a handler that ignores that error is nacked all the same (the failed
-// INSERT ended the transaction), so the output is written by a redelivery
-// once the table exists, not lost.
+// and a handler that goes on as if it had not (ignores the error, rolls
+// back to a savepoint around its Publish) is nacked all the same, so the
+// output is written by a redelivery once the table exists, not lost. The
+// same when the session has no schema to create the table in (a search_path
+// of schemas that do not exist): the unqualified name was written along the
+// handler's search_path, to the tenant's table.
 func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		savepoint bool
+		noSchema  bool
+	}{
+		{name: "ignored"},
+		{name: "rolled back to a savepoint", savepoint: true},
+		{name: "no schema to create it in", noSchema: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.OpenPostgres(t, "")
+			f := newFixture(t, db)
+			inboxDB, inboxTable := db, f.inbox
+			if tc.noSchema {
+				inboxDB, inboxTable = testdb.OpenPostgres(t, "search_path=nowhere_"+randomSuffix()), "public."+f.inbox
+			}
+			table := "outbox_" + randomSuffix()
+			writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: inboxDB, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tenant := newTenantSchema(t, db)
+			tenantOutbox, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: tenant + "." + table, Publisher: newBrokerStub()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := tenantOutbox.InitializeSchema(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			ib, err := inbox.New(inbox.Config{DB: inboxDB, Dialect: inbox.PostgreSQL, Table: inboxTable, Outbox: writer.Publisher})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ib.InitializeSchema(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			in := newFeed()
+			published := make(chan error, 1)
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+					if err := useTenantSchema(msg, tenant); err != nil {
+						return err
+					}
+					tx, _ := inbox.TxFromContext(msg.Context())
+					if tc.savepoint {
+						if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT output"); err != nil {
+							return err
+						}
+					}
+					outbox, _ := inbox.OutboxFromContext(msg.Context())
+					published <- outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
+					if tc.savepoint {
+						if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT output"); err != nil {
+							return err
+						}
+					}
+					return nil // goes on without its output
+				})
+			})
+			if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Error("the message was acked")
+			}
+			select {
+			case err := <-published:
+				if !errors.Is(err, inbox.ErrTableNotFound) || !inbox.IsTransient(err) {
+					t.Errorf("Publish: %v, want a transient error wrapping ErrTableNotFound", err)
+				}
+			default:
+				t.Error("the handler did not publish")
+			}
+			expectTenantTableEmpty(t, db, tenant, table)
+		})
+	}
+}
+
+// An Outbox's Publisher called by the application in a transaction of its
+// own whose search_path it set first (SET LOCAL: a schema per tenant)
+// writes to the outbox the relay reads, and leaves the Outbox's other
+// writes there: the look-up in the caller's transaction pinned the
+// tenant's table of the same name for every later write.
+func TestOutboxPublisherCalledByTheApplicationWritesToItsTable(t *testing.T) {
 	t.Parallel()
 	db := testdb.OpenPostgres(t, "")
-	table := "outbox_" + randomSuffix()
+	_, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
 	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
 	if err != nil {
 		t.Fatal(err)
 	}
 	tenant := newTenantSchema(t, db)
-	tenantOutbox, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: tenant + "." + table, Publisher: newBrokerStub()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tenantOutbox.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	f := newFixture(t, db)
-	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
-	in := newFeed()
-	published := make(chan error, 1)
-	runRouter(t, func(r *message.Router) {
-		r.AddMiddleware(middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			if err := useTenantSchema(msg, tenant); err != nil {
-				return err
+	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
+	for _, setPath := range []bool{true, false} {
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if setPath {
+			if _, err := tx.Exec("SET LOCAL search_path TO " + tenant + ", public"); err != nil {
+				t.Fatal(err)
 			}
-			outbox, _ := inbox.OutboxFromContext(msg.Context())
-			published <- outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
-			return nil // ignores the error
-		})
-	})
-	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-		t.Error("the message was acked")
+		}
+		pub, err := writer.Publisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice"))); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if err := <-published; !errors.Is(err, inbox.ErrTableNotFound) || !inbox.IsTransient(err) {
-		t.Errorf("Publish: %v, want a transient error wrapping ErrTableNotFound", err)
+	if n := count(t, db, table, ""); n != 2 {
+		t.Errorf("the outbox holds %d rows, want 2", n)
 	}
 	expectTenantTableEmpty(t, db, tenant, table)
 }

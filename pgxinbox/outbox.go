@@ -29,8 +29,9 @@ func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error
 			return err
 		})
 		backend.WritesInTx(p) // the messages a handler returns may go with COMMIT
-		// Before the handler runs, in its transaction (no connection more):
-		// the outbox table's schema, until the Outbox has pinned it.
+		// The inbox looks the outbox table's schema up through it, in the
+		// message's transaction before the handler runs (no connection
+		// more), until the Outbox has pinned it.
 		err := backend.LookUpOutboxTable(context.Background(), p, func(ctx context.Context, query string, args []any, dest ...any) error {
 			return tx.QueryRow(ctx, query, args...).Scan(dest...)
 		})
