@@ -568,6 +568,16 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 	}
 	for _, part := range tp.ranges {
 		if part.end.IsZero() || part.end.After(cutoff) {
+			if part.pending {
+				// A DETACH interrupted half way while the partition was
+				// past the window, which has grown since: its rows are
+				// inside it again, and a pending partition's rows are not
+				// seen through t (duplicates of them would be processed
+				// again). Attached back.
+				if err := reattachPending(ctx, db, t, part); err != nil {
+					return dropped, err
+				}
+			}
 			continue // not entirely past the window (or unbounded above)
 		}
 		p := part.name
@@ -586,30 +596,14 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		if _, err := db.ExecContext(ctx, "COMMENT ON TABLE "+p.quoted(d)+" IS '"+detachedPartitionComment+"'"); err != nil {
 			return dropped, fmt.Errorf("inbox: mark partition %s for its drop: %w", p, err)
 		}
-		// DETACH ... CONCURRENTLY waits for every transaction that started
-		// before it, and one left open (idle in transaction, a stuck
-		// report) would hold the round, and with it the purge lock, for as
-		// long: no round of any instance would run, and none would create
-		// the coming partitions. Bounded, the DETACH is cancelled half way
-		// (pending), the round fails and says why, and the next one
-		// finishes it (FINALIZE).
-		wait := time.Duration(detachWait.Load())
-		dctx, cancel := context.WithTimeout(ctx, wait)
-		_, err := db.ExecContext(dctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+detach)
-		waited := dctx.Err() != nil && ctx.Err() == nil
-		cancel()
-		if err != nil && waited {
-			return dropped, fmt.Errorf("inbox: detach partition %s: waited %v for the transactions that started before the"+
-				" DETACH (one left open that read %s? see pg_stat_activity's xact_start): the next round finishes it: %w",
-				p, wait, t, err)
-		}
-		if err != nil {
-			return dropped, fmt.Errorf("inbox: detach partition %s: %w", p, err)
+		if err := detachPartition(ctx, db, t, p, detach); err != nil {
+			return dropped, err
 		}
 		if err := drop(p); err != nil {
 			return dropped, err
 		}
 	}
+	var detachedErr error
 	for _, p := range detached {
 		// Left detached by an interrupted call: the catalog no longer
 		// holds its range, so its rows decide.
@@ -622,6 +616,10 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			return dropped, fmt.Errorf("inbox: drop detached partition %s: %w", p, err)
 		}
 		if recent > 0 {
+			// Past the window when it was detached; the window has grown
+			// since, and its rows are not seen through t (duplicates of
+			// them would be processed again): attached back.
+			detachedErr = errors.Join(detachedErr, reattachDetached(ctx, db, t, p))
 			continue
 		}
 		if keep, err := holdsOtherConsumers(ctx, db, p, consumer); err != nil || keep {
@@ -634,7 +632,109 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			return dropped, err
 		}
 	}
-	return dropped, nil
+	return dropped, detachedErr
+}
+
+// detachPartition runs ALTER TABLE t DETACH PARTITION p with how
+// (" CONCURRENTLY" or " FINALIZE"). It waits for every transaction that
+// started before it, and one left open (idle in transaction, a stuck
+// report) would hold the round, and with it the purge lock, for as long:
+// no round of any instance would run, and none would create the coming
+// partitions. Bounded by detachWait, the DETACH is cancelled half way
+// (pending), the error says why, and the next round finishes it
+// (FINALIZE).
+func detachPartition(ctx context.Context, db dbConn, t, p qualifiedName, how string) error {
+	d := PostgreSQLPartitioned
+	wait := time.Duration(detachWait.Load())
+	dctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	_, err := db.ExecContext(dctx, "ALTER TABLE "+t.quoted(d)+" DETACH PARTITION "+p.quoted(d)+how)
+	switch {
+	case err != nil && dctx.Err() != nil && ctx.Err() == nil:
+		return fmt.Errorf("inbox: detach partition %s: waited %v for the transactions that started before the"+
+			" DETACH (one left open that read %s? see pg_stat_activity's xact_start): the next round finishes it: %w",
+			p, wait, t, err)
+	case err != nil:
+		return fmt.Errorf("inbox: detach partition %s: %w", p, err)
+	}
+	return nil
+}
+
+// reattachPending finishes the DETACH of part, a partition left pending
+// (interrupted half way) that is no longer entirely past the window, and
+// attaches its table back to t for its range, under the schema lock as
+// createPartitions does. A failure is the round's error: its rows stay
+// unseen until a round attaches it.
+func reattachPending(ctx context.Context, db dbConn, t qualifiedName, part partition) error {
+	if err := detachPartition(ctx, db, t, part.name, " FINALIZE"); err != nil {
+		return err
+	}
+	return attachBack(ctx, db, t, part.name, part.start, part.end)
+}
+
+// reattachDetached attaches back p, a table an interrupted DropPartitions
+// detached whole (its DETACH went on on the server after the round stopped
+// waiting), that holds rows inside the window (grown since): for the slot
+// of its interval (its name's kind letter) holding its oldest row, which
+// must hold its newest too; PostgreSQL checks every row against it.
+func reattachDetached(ctx context.Context, db dbConn, t, p qualifiedName) error {
+	d := PostgreSQLPartitioned
+	var oldest, newest sql.NullTime
+	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+		return q.QueryRowxContext(ctx, "SELECT min(processed_at), max(processed_at) FROM "+p.quoted(d)).Scan(&oldest, &newest)
+	})
+	if err != nil {
+		return fmt.Errorf("inbox: attach partition %s again: %w", p, err)
+	}
+	iv := PartitionDay
+	if strings.HasPrefix(p.name[len(t.name):], "_"+PartitionWeek.letter()) {
+		iv = PartitionWeek
+	}
+	start, end := iv.slot(oldest.Time)
+	if !oldest.Valid || !newest.Time.Before(end) {
+		return fmt.Errorf("%w: %s was detached by an interrupted DropPartitions and holds rows inside the window (it has grown"+
+			" since), which claims do not see, but not within one %s: attach it back to %s by hand (ALTER TABLE %s ATTACH"+
+			" PARTITION %s FOR VALUES FROM (…) TO (…); COMMENT ON TABLE %s IS NULL)",
+			ErrIncompatibleTable, p, iv, t, t.quoted(d), p.quoted(d), p.quoted(d))
+	}
+	return attachBack(ctx, db, t, p, start, end)
+}
+
+// attachBack attaches p, a table DropPartitions detached and marked, back
+// to t for [start, end), under the schema lock as createPartitions does,
+// and checks that it is.
+func attachBack(ctx context.Context, db dbConn, t, p qualifiedName, start, end time.Time) error {
+	part := partition{name: p, start: start, end: end}
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	for _, stmt := range []string{"SET LOCAL lock_timeout = '10s'", "SELECT pg_advisory_xact_lock($1)"} {
+		args := []any{}
+		if strings.Contains(stmt, "$1") {
+			args = append(args, schemaLockKey(t))
+		}
+		if _, err := tx.ExecContext(ctx, stmt, args...); err != nil {
+			return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
+		}
+	}
+	if err := attachPartition(ctx, tx, t, part.name, part.start, part.end); err != nil {
+		return err
+	}
+	var attached bool
+	if err := sqlx.GetContext(ctx, tx, &attached, "SELECT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass($1)"+
+		" AND inhparent = to_regclass($2))", part.name.quoted(PostgreSQLPartitioned), t.quoted(PostgreSQLPartitioned)); err != nil {
+		return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
+	}
+	if !attached {
+		return fmt.Errorf("%w: inbox: attach partition %s again to %s: it holds rows inside the window (which has grown since its"+
+			" DETACH began) and could not be attached back; attach it by hand", ErrIncompatibleTable, part.name, t)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
+	}
+	return nil
 }
 
 // detachWait bounds how long a DETACH PARTITION waits for the transactions

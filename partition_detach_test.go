@@ -53,3 +53,62 @@ func TestPurgeRoundStopsWaitingForATransactionLeftOpen(t *testing.T) {
 		t.Errorf("round once the transaction ended: dropped %v, %v; want the old partition dropped with its row", round.DroppedPartitions, round.Err)
 	}
 }
+
+// A DETACH left half way (pending) by a round that stopped waiting, then a
+// longer window (an operator raised the topic's retention): the next round
+// attaches the partition back instead of leaving it pending, so its rows,
+// inside the window again, are seen by the claims (a pending partition's
+// rows are not, and their duplicates were processed again). Not parallel:
+// it lowers the bound for the package.
+func TestPurgeRoundAttachesBackAPartitionLeftHalfDetachedWhenTheWindowGrew(t *testing.T) {
+	defer inbox.SetDetachWait(inbox.SetDetachWait(time.Second))
+	ctx := context.Background()
+	db := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -6), 6); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES"+
+		" ('billing', 'old', date_trunc('day', now() AT TIME ZONE 'UTC' - interval '6 days') AT TIME ZONE 'UTC' + interval '1 hour')")
+	left, err := testdb.OpenPostgres(t, "").BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer left.Rollback()
+	if _, err := left.Exec("SELECT count(*) FROM " + table); err != nil {
+		t.Fatal(err)
+	}
+	purge := func(window time.Duration) inbox.PurgeRound {
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: window}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p.RunOnce(ctx)
+	}
+	if round := purge(48 * time.Hour); round.Err == nil {
+		t.Fatalf("round while a transaction is left open: dropped %v, want it to stop waiting", round.DroppedPartitions)
+	}
+	var pending int
+	if err := db.Get(&pending, "SELECT count(*) FROM pg_inherits WHERE inhparent = $1::regclass AND inhdetachpending", table); err != nil || pending != 1 {
+		t.Fatalf("%d partitions left pending (%v), want 1", pending, err)
+	}
+	if err := left.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	// The server may go on with the DETACH once the transaction ended (the
+	// round stopped waiting, but the cancel did not reach the statement in
+	// time): the partition is then detached whole, its range gone from the
+	// catalog. Either way it is attached back.
+	if err := db.Get(&pending, "SELECT count(*) FROM pg_inherits WHERE inhparent = $1::regclass AND inhdetachpending", table); err == nil {
+		t.Logf("partitions pending before the round with the longer window: %d", pending)
+	}
+	if round := purge(10 * 24 * time.Hour); round.Err != nil || len(round.DroppedPartitions) != 0 {
+		t.Fatalf("round with the longer window: dropped %v, %v; want nothing dropped", round.DroppedPartitions, round.Err)
+	}
+	if err := db.Get(&pending, "SELECT count(*) FROM pg_inherits WHERE inhparent = $1::regclass AND inhdetachpending", table); err != nil || pending != 0 {
+		t.Errorf("%d partitions still pending (%v), want none", pending, err)
+	}
+	if n := count(t, db, table, "message_id = 'old'"); n != 1 {
+		t.Errorf("the row inside the longer window is seen %d times through %s, want once", n, table)
+	}
+}
