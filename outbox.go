@@ -416,17 +416,35 @@ type outboxQueryRow func(ctx context.Context, query string, args []any, dest ...
 // look-up looks again. Concurrent look-ups find the same schema and the
 // first stored wins. Errors wrap the driver's.
 func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *outboxTarget, found bool, err error) {
+	return o.lookUpTargetIf(ctx, queryRow, false)
+}
+
+// errSearchPathChanged is lookUpTargetIf's error when the session's
+// search_path is not the one it started with.
+var errSearchPathChanged = errors.New("the session's search_path is not the one it started with")
+
+// lookUpTargetIf is lookUpTarget; with startingPathOnly it looks only
+// while the session's search_path is the one the session started with
+// (pg_settings.reset_val): in a transaction of the application's, a SET
+// LOCAL search_path before the look-up would pin a tenant's table, so
+// there it gives errSearchPathChanged instead.
+func (o *Outbox) lookUpTargetIf(ctx context.Context, queryRow outboxQueryRow, startingPathOnly bool) (t *outboxTarget, found bool, err error) {
 	if t := o.pinned.Load(); t != nil {
 		return t, true, nil
 	}
 	var schema, current sql.NullString
+	var startingPath bool
 	err = queryRow(ctx, `SELECT (SELECT s.nspname FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS s(nspname, pos)
 		JOIN pg_catalog.pg_namespace n ON n.nspname = s.nspname
 		JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 AND c.relkind IN ('r', 'p')
-		WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema()`,
-		[]any{o.table.name}, &schema, &current)
+		WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema(),
+		COALESCE(pg_catalog.current_setting('search_path') = (SELECT reset_val FROM pg_catalog.pg_settings WHERE name = 'search_path'), false)`,
+		[]any{o.table.name}, &schema, &current, &startingPath)
 	if err != nil {
 		return nil, false, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, err)
+	}
+	if startingPathOnly && !startingPath {
+		return nil, false, errSearchPathChanged
 	}
 	if !schema.Valid {
 		if !current.Valid {
@@ -502,19 +520,24 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 // search_path does not count and no connection more is needed. A writer
 // the inbox did not bind (Publisher or PublisherOn called by the
 // application, whose transaction's search_path may be anything) looks it
-// up at its first write on a connection of OutboxConfig.DB, waiting at
-// most pinWriteWait for one. An error is kept for every write to return
-// (refuse).
-func (w *outboxWriter) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) {
+// up at its first write: in its transaction while that has the
+// search_path its session started with (a pool of one works), otherwise
+// on a connection of OutboxConfig.DB, waiting at most pinWriteWait for
+// one. An error is kept for every write to return (refuse).
+func (w *outboxWriter) lookUpTarget(ctx context.Context, bound bool) {
 	if !w.o.resolvesSchema() || w.o.pinned.Load() != nil || w.tgt != nil || w.lookUpErr != nil {
 		return
 	}
 	var t *outboxTarget
 	var found bool
-	var err error
-	if queryRow != nil {
-		t, found, err = w.o.lookUpTarget(ctx, queryRow)
-	} else {
+	err := errSearchPathChanged
+	if w.lookUp != nil {
+		// Bound: before the handler runs. Otherwise only while the
+		// application's transaction has the search_path its session
+		// started with.
+		t, found, err = w.o.lookUpTargetIf(ctx, w.lookUp, !bound)
+	}
+	if errors.Is(err, errSearchPathChanged) {
 		ctx, cancel := context.WithTimeout(ctx, pinWriteWait)
 		defer cancel()
 		if t, err = w.o.pinTarget(ctx); err == nil {
@@ -537,7 +560,8 @@ func (w *outboxWriter) lookUpTarget(ctx context.Context, queryRow outboxQueryRow
 const pinWriteWait = 5 * time.Second
 
 // refuse records err, a write refused for the table (lookUpTarget's error,
-// or an INSERT into a table the look-up did not find), for refusedWrite.
+// or an INSERT into a table the look-up did not find), for refusedWrite,
+// until a later write succeeds (clearRefused).
 func (w *outboxWriter) refuse(err error) error {
 	w.refusedMu.Lock()
 	if w.refused == nil {
@@ -622,10 +646,10 @@ type txBoundPublisher interface {
 	// cannot: it writes elsewhere than through the transaction, checks the
 	// claim in its inserts, or msgs need more than one statement.
 	stageLast(topic string, msgs []*message.Message) (query string, args []any, ok bool, err error)
-	// refusedWrite returns the first write refused because the outbox
-	// table was not found (or could not be looked up): the delivery fails
-	// with it even when the handler ignored it, since its outputs are not
-	// written.
+	// refusedWrite returns the write refused because the outbox table
+	// was not found (or could not be looked up), unless a later write
+	// succeeded: the delivery fails with it even when the handler ignored
+	// it, since its outputs are not written.
 	refusedWrite() error
 	committed()
 }
@@ -667,6 +691,7 @@ type outboxWriter struct {
 	// look-up found; missing: it did not find the table, and tgt names the
 	// schema it would be created in; lookUpErr: the look-up failed.
 	lookUp    outboxQueryRow
+	bound     bool // bindTx ran: the inbox made the writer
 	tgt       *outboxTarget
 	missing   bool
 	lookUpErr error
@@ -696,9 +721,8 @@ type outboxWriter struct {
 // of committing on its own.
 func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
 	w.ctx, w.ended = ctx, ended
-	if w.lookUp != nil {
-		w.lookUpTarget(ctx, w.lookUp) // before the handler runs
-	}
+	w.bound = true
+	w.lookUpTarget(ctx, true) // before the handler runs
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
 	if w.tx != nil && w.target().sql.claimedInsert != nil {
 		w.claim = claim
@@ -828,8 +852,18 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
 		w.wrote.Store(true)
+		w.clearRefused()
 	}
 	return nil
+}
+
+// clearRefused forgets a refused write once a later one succeeded: the
+// handler recovered (rolled back to a savepoint, created the table) and
+// wrote its outputs.
+func (w *outboxWriter) clearRefused() {
+	w.refusedMu.Lock()
+	w.refused = nil
+	w.refusedMu.Unlock()
 }
 
 // stageLast implements txBoundPublisher.
@@ -861,7 +895,9 @@ func (w *outboxWriter) writable(topic string) error {
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
 			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
 	}
-	w.lookUpTarget(w.ctx, nil) // a writer the inbox did not bind, at its first write
+	if !w.bound {
+		w.lookUpTarget(w.ctx, false) // a writer the inbox did not bind, at its first write
+	}
 	if w.lookUpErr != nil {
 		return w.refuse(fmt.Errorf("%w; nothing written to %q", w.lookUpErr, topic))
 	}

@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -266,5 +267,88 @@ func expectTenantTableEmpty(t *testing.T, db *sqlx.DB, tenant, table string) {
 	t.Helper()
 	if n := count(t, db, tenant+"."+table, ""); n != 0 {
 		t.Errorf("the tenant's table named like the outbox holds %d rows, want none", n)
+	}
+}
+
+// A handler that recovers from the refusal of a missing outbox table (rolls
+// back to a savepoint, creates the table in its transaction, publishes
+// again) is acked with its output written: only a refusal the handler went
+// on from without its output fails the delivery.
+func TestOutboxHandlerThatRecoversFromAMissingTableIsAcked(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	table := "outbox_" + randomSuffix()
+	dropLater(t, db, table)
+	dropLater(t, db, table+"_dead")
+	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newFixture(t, db)
+	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			outbox, _ := inbox.OutboxFromContext(msg.Context())
+			output := message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))
+			if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT output"); err != nil {
+				return err
+			}
+			if err := outbox.Publish("invoices", output); !errors.Is(err, inbox.ErrTableNotFound) {
+				return fmt.Errorf("first Publish: %v, want ErrTableNotFound", err)
+			}
+			if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT output"); err != nil {
+				return err
+			}
+			for _, stmt := range statements(writer.SchemaSQL()) {
+				if _, err := tx.ExecContext(msg.Context(), stmt); err != nil {
+					return err
+				}
+			}
+			return outbox.Publish("invoices", output)
+		})
+	})
+	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("the message was nacked")
+	}
+	if n := count(t, db, table, ""); n != 1 {
+		t.Errorf("the outbox holds %d rows, want the output", n)
+	}
+}
+
+// An Outbox's Publisher called by the application on a pool of one
+// connection, which its transaction holds, looks its table up in that
+// transaction while its search_path is the one the session started with:
+// on a connection of its own it waited 5 s and failed every write.
+func TestOutboxPublisherCalledByTheApplicationWorksOnAPoolOfOne(t *testing.T) {
+	t.Parallel()
+	_, table := newNamedTestOutbox(t, testdb.OpenPostgres(t, ""), inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
+	db := testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(1)
+	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, err := writer.Publisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice"))); err != nil {
+			t.Fatalf("Publish after %v: %v", time.Since(start), err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := count(t, db, table, ""); n != 2 {
+		t.Errorf("the outbox holds %d rows, want 2", n)
 	}
 }

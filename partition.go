@@ -660,12 +660,25 @@ func detachPartition(ctx context.Context, db dbConn, t, p qualifiedName, how str
 	return nil
 }
 
-// reattachPending finishes the DETACH of part, a partition left pending
-// (interrupted half way) that is no longer entirely past the window, and
+// reattachPending finishes the DETACH of part, a partition a round of ours
+// left pending (interrupted half way; marked with detachedPartitionComment)
+// that is no longer entirely past the window, and
 // attaches its table back to t for its range, under the schema lock as
 // createPartitions does. A failure is the round's error: its rows stay
 // unseen until a round attaches it.
 func reattachPending(ctx context.Context, db dbConn, t qualifiedName, part partition) error {
+	d := PostgreSQLPartitioned
+	var ours bool
+	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+		return sqlx.GetContext(ctx, q, &ours, "SELECT COALESCE(obj_description(to_regclass($1), 'pg_class') = $2, false)",
+			part.name.quoted(d), detachedPartitionComment)
+	})
+	if err != nil {
+		return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
+	}
+	if !ours {
+		return nil // a DETACH someone else began: theirs to finish
+	}
 	if err := detachPartition(ctx, db, t, part.name, " FINALIZE"); err != nil {
 		return err
 	}

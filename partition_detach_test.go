@@ -112,3 +112,54 @@ func TestPurgeRoundAttachesBackAPartitionLeftHalfDetachedWhenTheWindowGrew(t *te
 		t.Errorf("the row inside the longer window is seen %d times through %s, want once", n, table)
 	}
 }
+
+// A DETACH an operator began and left pending (its own statement_timeout
+// cancelled it) is the operator's: the purge neither finishes it nor
+// attaches the partition back, even once the window covers its rows.
+func TestPurgeRoundLeavesADetachItDidNotBeginAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -6), 6); err != nil {
+		t.Fatal(err)
+	}
+	var partition string
+	if err := db.Get(&partition, "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"+
+		" WHERE i.inhparent = $1::regclass ORDER BY c.relname LIMIT 1", table); err != nil {
+		t.Fatal(err)
+	}
+	left, err := testdb.OpenPostgres(t, "").BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer left.Rollback()
+	if _, err := left.Exec("SELECT count(*) FROM " + table); err != nil {
+		t.Fatal(err)
+	}
+	operator, err := db.Connx(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := operator.ExecContext(ctx, "SET statement_timeout = '500ms'"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := operator.ExecContext(ctx, "ALTER TABLE "+table+" DETACH PARTITION "+partition+" CONCURRENTLY"); err == nil {
+		t.Fatal("the operator's DETACH finished; want it cancelled half way")
+	}
+	operator.Close() // out of the pool: db.Close discards it
+	if err := left.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: 10 * 24 * time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if round := p.RunOnce(ctx); round.Err != nil {
+		t.Errorf("round: %v", round.Err)
+	}
+	var pending bool
+	if err := db.Get(&pending, "SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass", partition); err != nil || !pending {
+		t.Errorf("the operator's partition is pending %v (%v), want it left as the operator left it", pending, err)
+	}
+}
