@@ -559,23 +559,42 @@ func (w *outboxWriter) lookUpTarget(ctx context.Context, bound bool) {
 // caller may hold the last one. The write then fails (context deadline).
 const pinWriteWait = 5 * time.Second
 
-// refuse records err, a write refused for the table (lookUpTarget's error,
-// or an INSERT into a table the look-up did not find), for refusedWrite,
-// until a later write succeeds (clearRefused).
-func (w *outboxWriter) refuse(err error) error {
+// refuse records err, the refusal of msgs to topic for the table
+// (lookUpTarget's error, or an INSERT into a table the look-up did not
+// find), for refusedWrite, until a later write of the same messages
+// succeeds (written).
+func (w *outboxWriter) refuse(err error, topic string, msgs []*message.Message) error {
 	w.refusedMu.Lock()
+	defer w.refusedMu.Unlock()
 	if w.refused == nil {
-		w.refused = err
+		w.refused = map[string]error{}
 	}
-	w.refusedMu.Unlock()
+	for _, m := range msgs {
+		if _, ok := w.refused[topic+"\x00"+m.UUID]; !ok {
+			w.refused[topic+"\x00"+m.UUID] = err
+		}
+	}
 	return err
+}
+
+// written forgets the refusals of msgs to topic, now written: the handler
+// recovered (rolled back to a savepoint, created the table) and wrote them.
+func (w *outboxWriter) written(topic string, msgs []*message.Message) {
+	w.refusedMu.Lock()
+	defer w.refusedMu.Unlock()
+	for _, m := range msgs {
+		delete(w.refused, topic+"\x00"+m.UUID)
+	}
 }
 
 // refusedWrite implements txBoundPublisher.
 func (w *outboxWriter) refusedWrite() error {
 	w.refusedMu.Lock()
 	defer w.refusedMu.Unlock()
-	return w.refused
+	for _, err := range w.refused {
+		return err
+	}
+	return nil
 }
 
 // target returns the tables and statements the writer writes with.
@@ -646,10 +665,10 @@ type txBoundPublisher interface {
 	// cannot: it writes elsewhere than through the transaction, checks the
 	// claim in its inserts, or msgs need more than one statement.
 	stageLast(topic string, msgs []*message.Message) (query string, args []any, ok bool, err error)
-	// refusedWrite returns the write refused because the outbox table
-	// was not found (or could not be looked up), unless a later write
-	// succeeded: the delivery fails with it even when the handler ignored
-	// it, since its outputs are not written.
+	// refusedWrite returns the refusal of a message because the outbox
+	// table was not found (or could not be looked up), unless a later
+	// write of that message succeeded: the delivery fails with it even
+	// when the handler ignored it, since the output is not written.
 	refusedWrite() error
 	committed()
 }
@@ -698,7 +717,7 @@ type outboxWriter struct {
 	// refused is the first write refused for the table (refuse), which
 	// fails the delivery even when the handler ignored it.
 	refusedMu sync.Mutex
-	refused   error
+	refused   map[string]error // by topic and UUID
 }
 
 // bindTx makes the writer's statements run under ctx, the inbox
@@ -830,6 +849,9 @@ func (w *outboxWriter) publishLast(topic string, msgs []*message.Message) (bool,
 // Publish writes msgs to the outbox in the writer's transaction.
 func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 	if err := w.writable(topic); err != nil {
+		if w.lookUpErr != nil {
+			return w.refuse(err, topic, msgs)
+		}
 		return err
 	}
 	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
@@ -847,23 +869,14 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 				// savepoint) from committing.
 				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s is not on"+
 					" the search_path (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
-					len(chunk), topic, ErrTableNotFound, w.o.table, err)})
+					len(chunk), topic, ErrTableNotFound, w.o.table, err)}, topic, chunk)
 			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
 		w.wrote.Store(true)
-		w.clearRefused()
+		w.written(topic, chunk)
 	}
 	return nil
-}
-
-// clearRefused forgets a refused write once a later one succeeded: the
-// handler recovered (rolled back to a savepoint, created the table) and
-// wrote its outputs.
-func (w *outboxWriter) clearRefused() {
-	w.refusedMu.Lock()
-	w.refused = nil
-	w.refusedMu.Unlock()
 }
 
 // stageLast implements txBoundPublisher.
@@ -899,7 +912,7 @@ func (w *outboxWriter) writable(topic string) error {
 		w.lookUpTarget(w.ctx, false) // a writer the inbox did not bind, at its first write
 	}
 	if w.lookUpErr != nil {
-		return w.refuse(fmt.Errorf("%w; nothing written to %q", w.lookUpErr, topic))
+		return fmt.Errorf("%w; nothing written to %q", w.lookUpErr, topic)
 	}
 	return nil
 }

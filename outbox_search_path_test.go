@@ -352,3 +352,46 @@ func TestOutboxPublisherCalledByTheApplicationWorksOnAPoolOfOne(t *testing.T) {
 		t.Errorf("the outbox holds %d rows, want 2", n)
 	}
 }
+
+// A handler that publishes two outputs while its outbox table is missing,
+// creates the table, and publishes only the second again has the first
+// refused and not written: the delivery fails (the refusal of one output is
+// not forgotten because another was written).
+func TestOutboxOutputRefusedAndNotWrittenAgainFailsTheDelivery(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	table := "outbox_" + randomSuffix()
+	dropLater(t, db, table)
+	dropLater(t, db, table+"_dead")
+	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newFixture(t, db)
+	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			outbox, _ := inbox.OutboxFromContext(msg.Context())
+			if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT outputs"); err != nil {
+				return err
+			}
+			_ = outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
+			_ = outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email")))
+			if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT outputs"); err != nil {
+				return err
+			}
+			for _, stmt := range statements(writer.SchemaSQL()) {
+				if _, err := tx.ExecContext(msg.Context(), stmt); err != nil {
+					return err
+				}
+			}
+			return outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email")))
+		})
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Error("the message was acked without its invoice")
+	}
+}
