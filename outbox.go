@@ -416,35 +416,17 @@ type outboxQueryRow func(ctx context.Context, query string, args []any, dest ...
 // look-up looks again. Concurrent look-ups find the same schema and the
 // first stored wins. Errors wrap the driver's.
 func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *outboxTarget, found bool, err error) {
-	return o.lookUpTargetIf(ctx, queryRow, false)
-}
-
-// errSearchPathChanged is lookUpTargetIf's error when the session's
-// search_path is not the one it started with.
-var errSearchPathChanged = errors.New("the session's search_path is not the one it started with")
-
-// lookUpTargetIf is lookUpTarget; with startingPathOnly it looks only
-// while the session's search_path is the one the session started with
-// (pg_settings.reset_val): in a transaction of the application's, a SET
-// LOCAL search_path before the look-up would pin a tenant's table, so
-// there it gives errSearchPathChanged instead.
-func (o *Outbox) lookUpTargetIf(ctx context.Context, queryRow outboxQueryRow, startingPathOnly bool) (t *outboxTarget, found bool, err error) {
 	if t := o.pinned.Load(); t != nil {
 		return t, true, nil
 	}
 	var schema, current sql.NullString
-	var startingPath bool
 	err = queryRow(ctx, `SELECT (SELECT s.nspname FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS s(nspname, pos)
 		JOIN pg_catalog.pg_namespace n ON n.nspname = s.nspname
 		JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 AND c.relkind IN ('r', 'p')
-		WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema(),
-		COALESCE(pg_catalog.current_setting('search_path') = (SELECT reset_val FROM pg_catalog.pg_settings WHERE name = 'search_path'), false)`,
-		[]any{o.table.name}, &schema, &current, &startingPath)
+		WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema()`,
+		[]any{o.table.name}, &schema, &current)
 	if err != nil {
 		return nil, false, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, err)
-	}
-	if startingPathOnly && !startingPath {
-		return nil, false, errSearchPathChanged
 	}
 	if !schema.Valid {
 		if !current.Valid {
@@ -519,25 +501,24 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 // through the writer's lookUp, so that the handler's SET LOCAL
 // search_path does not count and no connection more is needed. A writer
 // the inbox did not bind (Publisher or PublisherOn called by the
-// application, whose transaction's search_path may be anything) looks it
-// up at its first write: in its transaction while that has the
-// search_path its session started with (a pool of one works), otherwise
-// on a connection of OutboxConfig.DB, waiting at most pinWriteWait for
-// one. An error is kept for every write to return (refuse).
+// application, whose transaction may have any search_path, role or pool)
+// looks it up at its first write on a connection of OutboxConfig.DB,
+// waiting at most pinWriteWait for one (on a pool its caller holds whole,
+// that fails until Verify, InitializeSchema or the relay pinned it). An
+// error is kept for every write to return (refuse).
 func (w *outboxWriter) lookUpTarget(ctx context.Context, bound bool) {
 	if !w.o.resolvesSchema() || w.o.pinned.Load() != nil || w.tgt != nil || w.lookUpErr != nil {
 		return
 	}
 	var t *outboxTarget
 	var found bool
-	err := errSearchPathChanged
-	if w.lookUp != nil {
-		// Bound: before the handler runs. Otherwise only while the
-		// application's transaction has the search_path its session
-		// started with.
-		t, found, err = w.o.lookUpTargetIf(ctx, w.lookUp, !bound)
-	}
-	if errors.Is(err, errSearchPathChanged) {
+	var err error
+	if bound && w.lookUp != nil {
+		// Before the handler runs, in the message's transaction.
+		t, found, err = w.o.lookUpTarget(ctx, w.lookUp)
+	} else {
+		// The application's transaction may have any search_path, role
+		// ("$user") or pool: never pinned from there.
 		ctx, cancel := context.WithTimeout(ctx, pinWriteWait)
 		defer cancel()
 		if t, err = w.o.pinTarget(ctx); err == nil {
