@@ -737,7 +737,14 @@ func TestOutboxRelayBacksOffWhileItCannotRecordWhatItSent(t *testing.T) {
 			})
 		})
 		stop := runRelay(ob)
-		for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		failedRounds := func() int {
+			mu.Lock()
+			defer mu.Unlock()
+			return len(failed)
+		}
+		// Commits wake the relay all along, until it has failed three
+		// rounds (about 350 ms of backoff; a loaded machine takes longer).
+		for end := time.Now().Add(30 * time.Second); failedRounds() < 3 && time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
 			if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
 				t.Fatal("the handler's message was not acked")
 			}
@@ -746,7 +753,7 @@ func TestOutboxRelayBacksOffWhileItCannotRecordWhatItSent(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		if len(failed) < 3 {
-			t.Fatalf("%d failed rounds in a second, want at least 3", len(failed))
+			t.Fatalf("%d failed rounds in 30 s, want at least 3", len(failed))
 		}
 		wait := inbox.OutboxRetryFirst
 		for i := 1; i < len(failed); i++ {
