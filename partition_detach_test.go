@@ -48,6 +48,9 @@ func TestPurgeRoundStopsWaitingForATransactionLeftOpen(t *testing.T) {
 	if err := left.Rollback(); err != nil {
 		t.Fatal(err)
 	}
+	// The default bound again: the FINALIZE waits for every older
+	// transaction of the database, and other tests' run meanwhile.
+	inbox.SetDetachWait(time.Minute)
 	round = purger.RunOnce(ctx)
 	if round.Err != nil || len(round.DroppedPartitions) == 0 || count(t, db, table, "message_id = 'old'") != 0 {
 		t.Errorf("round once the transaction ended: dropped %v, %v; want the old partition dropped with its row", round.DroppedPartitions, round.Err)
@@ -95,6 +98,9 @@ func TestPurgeRoundAttachesBackAPartitionLeftHalfDetachedWhenTheWindowGrew(t *te
 	if err := left.Rollback(); err != nil {
 		t.Fatal(err)
 	}
+	// The default bound again: the FINALIZE waits for every older
+	// transaction of the database, and other tests' run meanwhile.
+	inbox.SetDetachWait(time.Minute)
 	// The server may go on with the DETACH once the transaction ended (the
 	// round stopped waiting, but the cancel did not reach the statement in
 	// time): the partition is then detached whole, its range gone from the
