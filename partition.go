@@ -751,10 +751,12 @@ func attachBack(ctx context.Context, db dbConn, t, p qualifiedName, start, end t
 }
 
 // detachWait bounds how long a DETACH PARTITION waits for the transactions
-// that started before it (dropPartitions), in nanoseconds: a minute.
+// that started before it (dropPartitions), in nanoseconds: ten minutes,
+// so that a report of some minutes does not fail the round, while one left
+// open for hours or days does not hold the purge lock for as long.
 var detachWait atomic.Int64
 
-func init() { detachWait.Store(int64(time.Minute)) }
+func init() { detachWait.Store(int64(10 * time.Minute)) }
 
 // holdsOtherConsumers reports whether partition p holds a row of a consumer
 // other than consumer; false without a consumer. Two probes of the primary
