@@ -91,7 +91,7 @@ func (r *RecentFingerprints) Remember(consumer, id string, fp []byte) { r.r.reme
 func (r *RecentFingerprints) Matches(consumer, id string, fp []byte) bool {
 	return r.r.matches(consumer, id, fp)
 }
-func (r *RecentFingerprints) Len() int { return len(r.r.byKey) }
+func (r *RecentFingerprints) Len() int { return len(r.r.ring.byKey) }
 
 // OutboxRetryFirst is the relay's first backoff after a failed round.
 const OutboxRetryFirst = outboxRetryFirst

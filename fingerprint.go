@@ -73,11 +73,9 @@ func (ib *Inbox) contentFingerprint(msg *message.Message) []byte {
 // changedFingerprintsSize latest. While it is empty a claim pays one atomic
 // load for it. The zero value is ready; safe for concurrent use.
 type changedFingerprints struct {
-	n     atomic.Int64
-	mu    sync.Mutex
-	byKey map[recentKey]changedFingerprint
-	order []recentKey // a ring: the oldest is replaced
-	next  int
+	n    atomic.Int64
+	mu   sync.Mutex
+	ring keyRing[changedFingerprint]
 }
 
 // changedFingerprint is a failed delivery's claimed fingerprint and the one
@@ -95,7 +93,7 @@ func (c *changedFingerprints) claimed(consumer, id string, fp []byte) ([]byte, b
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	e, ok := c.byKey[recentKey{consumer, id}]
+	e, ok := c.ring.get(recentKey{consumer, id})
 	if !ok || !bytes.Equal(e.changed[:], fp) {
 		return nil, false
 	}
@@ -104,23 +102,11 @@ func (c *changedFingerprints) claimed(consumer, id string, fp []byte) ([]byte, b
 
 // remember records a failed delivery's claimed and changed fingerprints.
 func (c *changedFingerprints) remember(consumer, id string, claimed, changed []byte) {
-	k := recentKey{consumer, id}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.byKey == nil {
-		c.byKey = make(map[recentKey]changedFingerprint)
-	}
-	if _, ok := c.byKey[k]; !ok {
-		if len(c.order) < changedFingerprintsSize {
-			c.order = append(c.order, k)
-		} else {
-			delete(c.byKey, c.order[c.next])
-			c.order[c.next] = k
-			c.next = (c.next + 1) % changedFingerprintsSize
-		}
-	}
-	c.byKey[k] = changedFingerprint{claimed: [fingerprintSize]byte(claimed), changed: [fingerprintSize]byte(changed)}
-	c.n.Store(int64(len(c.byKey)))
+	c.ring.put(recentKey{consumer, id}, changedFingerprint{claimed: [fingerprintSize]byte(claimed), changed: [fingerprintSize]byte(changed)},
+		changedFingerprintsSize)
+	c.n.Store(int64(len(c.ring.byKey)))
 }
 
 // deliveryFingerprint returns the fingerprint d's claim stores: the one of
@@ -408,10 +394,8 @@ const recentFingerprintsSize = 4096
 // fingerprint as before, so a stale entry (the row purged, the id claimed
 // again elsewhere) never refuses a message. Safe for concurrent use.
 type recentFingerprints struct {
-	mu    sync.Mutex
-	byKey map[recentKey][fingerprintSize]byte
-	order []recentKey // a ring, in the order committed: the oldest is replaced
-	next  int
+	mu   sync.Mutex
+	ring keyRing[[fingerprintSize]byte]
 }
 
 // recentKey is a claim's key.
@@ -420,7 +404,7 @@ type recentKey struct{ consumer, id string }
 // matches reports whether the fingerprint remembered for the key is fp.
 func (r *recentFingerprints) matches(consumer, id string, fp []byte) bool {
 	r.mu.Lock()
-	stored, ok := r.byKey[recentKey{consumer, id}]
+	stored, ok := r.ring.get(recentKey{consumer, id})
 	r.mu.Unlock()
 	return ok && bytes.Equal(stored[:], fp)
 }
@@ -428,21 +412,40 @@ func (r *recentFingerprints) matches(consumer, id string, fp []byte) bool {
 // remember records fp, a fingerprint of fingerprintSize bytes, as the
 // key's committed one, replacing the oldest key once full.
 func (r *recentFingerprints) remember(consumer, id string, fp []byte) {
-	k := recentKey{consumer, id}
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.ring.put(recentKey{consumer, id}, [fingerprintSize]byte(fp), recentFingerprintsSize)
+	r.mu.Unlock()
+}
+
+// keyRing holds a value for each of the latest keys put, at most the size
+// its put is given: a map, and a ring of its keys in the order they came
+// whose oldest is replaced once full. The zero value is ready; its owner
+// locks it.
+type keyRing[V any] struct {
+	byKey map[recentKey]V
+	order []recentKey
+	next  int
+}
+
+func (r *keyRing[V]) get(k recentKey) (V, bool) {
+	v, ok := r.byKey[k]
+	return v, ok
+}
+
+// put sets k's value, forgetting the oldest key when size keys are held.
+func (r *keyRing[V]) put(k recentKey, v V, size int) {
 	if r.byKey == nil {
-		r.byKey = make(map[recentKey][fingerprintSize]byte, recentFingerprintsSize)
-		r.order = make([]recentKey, 0, recentFingerprintsSize)
+		r.byKey = make(map[recentKey]V, size)
+		r.order = make([]recentKey, 0, size)
 	}
 	if _, ok := r.byKey[k]; !ok {
-		if len(r.order) < recentFingerprintsSize {
+		if len(r.order) < size {
 			r.order = append(r.order, k)
 		} else {
 			delete(r.byKey, r.order[r.next])
 			r.order[r.next] = k
-			r.next = (r.next + 1) % recentFingerprintsSize
+			r.next = (r.next + 1) % size
 		}
 	}
-	r.byKey[k] = [fingerprintSize]byte(fp)
+	r.byKey[k] = v
 }
