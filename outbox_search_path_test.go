@@ -201,48 +201,6 @@ func TestOutboxTableMissingOutsideTheHandlerIsNotFoundAlongItsSearchPath(t *test
 	}
 }
 
-// An Outbox's Publisher called by the application in a transaction of its
-// own whose search_path it set first (SET LOCAL: a schema per tenant)
-// writes to the outbox the relay reads, and leaves the Outbox's other
-// writes there: the look-up in the caller's transaction pinned the
-// tenant's table of the same name for every later write.
-func TestOutboxPublisherCalledByTheApplicationWritesToItsTable(t *testing.T) {
-	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	_, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
-	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tenant := newTenantSchema(t, db)
-	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
-	for _, setPath := range []bool{true, false} {
-		tx, err := db.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if setPath {
-			if _, err := tx.Exec("SET LOCAL search_path TO " + tenant + ", public"); err != nil {
-				t.Fatal(err)
-			}
-		}
-		pub, err := writer.Publisher(tx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice"))); err != nil {
-			t.Fatal(err)
-		}
-		if err := tx.Commit(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if n := count(t, db, table, ""); n != 2 {
-		t.Errorf("the outbox holds %d rows, want 2", n)
-	}
-	expectTenantTableEmpty(t, db, tenant, table)
-}
-
 // newTenantSchema creates a schema of a tenant's own, dropped with what it
 // holds when the test ends.
 func newTenantSchema(t *testing.T, db *sqlx.DB) string {
@@ -276,39 +234,26 @@ func expectTenantTableEmpty(t *testing.T, db *sqlx.DB, tenant, table string) {
 // on from without its output fails the delivery.
 func TestOutboxHandlerThatRecoversFromAMissingTableIsAcked(t *testing.T) {
 	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	table := "outbox_" + randomSuffix()
-	dropLater(t, db, table)
-	dropLater(t, db, table+"_dead")
-	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := newFixture(t, db)
-	middleware := f.newInbox(inbox.Config{Outbox: writer.Publisher}).Middleware
-	in := newFeed()
-	runRouter(t, func(r *message.Router) {
-		r.AddMiddleware(middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			outbox, _ := inbox.OutboxFromContext(msg.Context())
-			output := message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))
-			if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT output"); err != nil {
+	db, table := testdb.OpenPostgres(t, ""), "outbox_"+randomSuffix()
+	in := routeWithoutOutboxTable(t, db, table, func(msg *message.Message, writer *inbox.Outbox) error {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		outbox, _ := inbox.OutboxFromContext(msg.Context())
+		output := message.NewMessage(msg.UUID+"-invoice", []byte("invoice"))
+		if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT output"); err != nil {
+			return err
+		}
+		if err := outbox.Publish("invoices", output); !errors.Is(err, inbox.ErrTableNotFound) {
+			return fmt.Errorf("first Publish: %v, want ErrTableNotFound", err)
+		}
+		if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT output"); err != nil {
+			return err
+		}
+		for _, stmt := range statements(writer.SchemaSQL()) {
+			if _, err := tx.ExecContext(msg.Context(), stmt); err != nil {
 				return err
 			}
-			if err := outbox.Publish("invoices", output); !errors.Is(err, inbox.ErrTableNotFound) {
-				return fmt.Errorf("first Publish: %v, want ErrTableNotFound", err)
-			}
-			if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT output"); err != nil {
-				return err
-			}
-			for _, stmt := range statements(writer.SchemaSQL()) {
-				if _, err := tx.ExecContext(msg.Context(), stmt); err != nil {
-					return err
-				}
-			}
-			return outbox.Publish("invoices", output)
-		})
+		}
+		return outbox.Publish("invoices", output)
 	})
 	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
 		t.Fatal("the message was nacked")
@@ -318,42 +263,39 @@ func TestOutboxHandlerThatRecoversFromAMissingTableIsAcked(t *testing.T) {
 	}
 }
 
-// An Outbox's Publisher called by the application with a transaction of
-// another pool, whose connections put a tenant's schema first on their
-// search_path, writes to the outbox the relay reads, and so do the Outbox's
-// later writes: a look-up in that transaction pinned the tenant's table of
-// the same name for good.
-func TestOutboxPublisherCalledByTheApplicationOnAnotherPoolWritesToItsTable(t *testing.T) {
-	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	_, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
-	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
-	if err != nil {
-		t.Fatal(err)
+// An Outbox's Publisher called by the application, in a transaction of its
+// own whose search_path it set first (SET LOCAL: a schema per tenant) or of
+// another pool whose connections put a tenant's schema first, writes to the
+// outbox the relay reads, and so do the Outbox's later writes: a look-up in
+// that transaction pinned the tenant's table of the same name for good.
+func TestOutboxPublisherCalledByTheApplicationWritesToItsTable(t *testing.T) {
+	for _, fromAnotherPool := range []bool{false, true} {
+		name := "SET LOCAL search_path"
+		if fromAnotherPool {
+			name = "another pool's search_path"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.OpenPostgres(t, "")
+			_, table := newNamedTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
+			writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tenant := newTenantSchema(t, db)
+			exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
+			if fromAnotherPool {
+				publishInTransaction(t, testdb.OpenPostgres(t, "search_path="+tenant+",public"), writer, "")
+			} else {
+				publishInTransaction(t, db, writer, "SET LOCAL search_path TO "+tenant+", public")
+			}
+			publishInTransaction(t, db, writer, "")
+			if n := count(t, db, "public."+table, ""); n != 2 {
+				t.Errorf("the outbox holds %d rows, want 2", n)
+			}
+			expectTenantTableEmpty(t, db, tenant, table)
+		})
 	}
-	tenant := newTenantSchema(t, db)
-	exec(t, db, "CREATE TABLE "+tenant+"."+table+" (LIKE "+table+" INCLUDING ALL)")
-	tenantPool := testdb.OpenPostgres(t, "search_path="+tenant+",public")
-	for _, pool := range []*sqlx.DB{tenantPool, db} {
-		tx, err := pool.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		pub, err := writer.Publisher(tx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice"))); err != nil {
-			t.Fatal(err)
-		}
-		if err := tx.Commit(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if n := count(t, db, "public."+table, ""); n != 2 {
-		t.Errorf("the outbox holds %d rows, want 2", n)
-	}
-	expectTenantTableEmpty(t, db, tenant, table)
 }
 
 // A handler that publishes two outputs while its outbox table is missing,
@@ -362,8 +304,36 @@ func TestOutboxPublisherCalledByTheApplicationOnAnotherPoolWritesToItsTable(t *t
 // not forgotten because another was written).
 func TestOutboxOutputRefusedAndNotWrittenAgainFailsTheDelivery(t *testing.T) {
 	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	table := "outbox_" + randomSuffix()
+	db, table := testdb.OpenPostgres(t, ""), "outbox_"+randomSuffix()
+	in := routeWithoutOutboxTable(t, db, table, func(msg *message.Message, writer *inbox.Outbox) error {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		outbox, _ := inbox.OutboxFromContext(msg.Context())
+		if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT outputs"); err != nil {
+			return err
+		}
+		_ = outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
+		_ = outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email")))
+		if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT outputs"); err != nil {
+			return err
+		}
+		for _, stmt := range statements(writer.SchemaSQL()) {
+			if _, err := tx.ExecContext(msg.Context(), stmt); err != nil {
+				return err
+			}
+		}
+		return outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email")))
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Error("the message was acked without its invoice")
+	}
+}
+
+// routeWithoutOutboxTable runs, in a router through an inbox on db, handler
+// with the Outbox its messages go to, whose table, named table, does not
+// exist yet and is dropped when the test ends; it returns the handler's
+// feed.
+func routeWithoutOutboxTable(t *testing.T, db *sqlx.DB, table string, handler func(msg *message.Message, writer *inbox.Outbox) error) *feed {
+	t.Helper()
 	dropLater(t, db, table)
 	dropLater(t, db, table+"_dead")
 	writer, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
@@ -375,26 +345,34 @@ func TestOutboxOutputRefusedAndNotWrittenAgainFailsTheDelivery(t *testing.T) {
 	in := newFeed()
 	runRouter(t, func(r *message.Router) {
 		r.AddMiddleware(middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			tx, _ := inbox.TxFromContext(msg.Context())
-			outbox, _ := inbox.OutboxFromContext(msg.Context())
-			if _, err := tx.ExecContext(msg.Context(), "SAVEPOINT outputs"); err != nil {
-				return err
-			}
-			_ = outbox.Publish("invoices", message.NewMessage(msg.UUID+"-invoice", []byte("invoice")))
-			_ = outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email")))
-			if _, err := tx.ExecContext(msg.Context(), "ROLLBACK TO SAVEPOINT outputs"); err != nil {
-				return err
-			}
-			for _, stmt := range statements(writer.SchemaSQL()) {
-				if _, err := tx.ExecContext(msg.Context(), stmt); err != nil {
-					return err
-				}
-			}
-			return outbox.Publish("emails", message.NewMessage(msg.UUID+"-email", []byte("email")))
-		})
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { return handler(msg, writer) })
 	})
-	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
-		t.Error("the message was acked without its invoice")
+	return in
+}
+
+// publishInTransaction publishes one message through writer's Publisher in
+// a transaction of the application's own on pool, after the statement
+// first (none when empty), and commits it.
+func publishInTransaction(t *testing.T, pool *sqlx.DB, writer *inbox.Outbox, first string) {
+	t.Helper()
+	tx, err := pool.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback() //nolint:errcheck // no-op after Commit
+	if first != "" {
+		if _, err := tx.Exec(first); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pub, err := writer.Publisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jmoiron/sqlx"
+
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
@@ -22,19 +24,9 @@ func TestPurgeRoundStopsWaitingForATransactionLeftOpen(t *testing.T) {
 	defer inbox.SetDetachWait(inbox.SetDetachWait(time.Second))
 	ctx := context.Background()
 	db := testdb.OpenPostgres(t, "")
-	table := dailyPartitionedTable(t, db)
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -6), 6); err != nil {
-		t.Fatal(err)
-	}
+	table := lastSixDaysPartitionedTable(t, db)
 	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ('billing', 'old', now() - interval '5 days')")
-	left, err := testdb.OpenPostgres(t, "").BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer left.Rollback()
-	if _, err := left.Exec("SELECT count(*) FROM " + table); err != nil {
-		t.Fatal(err)
-	}
+	left := transactionLeftOpen(t, table)
 	purger, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: 48 * time.Hour}})
 	if err != nil {
 		t.Fatal(err)
@@ -67,20 +59,10 @@ func TestPurgeRoundAttachesBackAPartitionLeftHalfDetachedWhenTheWindowGrew(t *te
 	defer inbox.SetDetachWait(inbox.SetDetachWait(time.Second))
 	ctx := context.Background()
 	db := testdb.OpenPostgres(t, "")
-	table := dailyPartitionedTable(t, db)
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -6), 6); err != nil {
-		t.Fatal(err)
-	}
+	table := lastSixDaysPartitionedTable(t, db)
 	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES"+
 		" ('billing', 'old', date_trunc('day', now() AT TIME ZONE 'UTC' - interval '6 days') AT TIME ZONE 'UTC' + interval '1 hour')")
-	left, err := testdb.OpenPostgres(t, "").BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer left.Rollback()
-	if _, err := left.Exec("SELECT count(*) FROM " + table); err != nil {
-		t.Fatal(err)
-	}
+	left := transactionLeftOpen(t, table)
 	purge := func(window time.Duration) inbox.PurgeRound {
 		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: window}})
 		if err != nil {
@@ -126,23 +108,13 @@ func TestPurgeRoundLeavesADetachItDidNotBeginAlone(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.OpenPostgres(t, "")
-	table := dailyPartitionedTable(t, db)
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -6), 6); err != nil {
-		t.Fatal(err)
-	}
+	table := lastSixDaysPartitionedTable(t, db)
 	var partition string
 	if err := db.Get(&partition, "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"+
 		" WHERE i.inhparent = $1::regclass ORDER BY c.relname LIMIT 1", table); err != nil {
 		t.Fatal(err)
 	}
-	left, err := testdb.OpenPostgres(t, "").BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer left.Rollback()
-	if _, err := left.Exec("SELECT count(*) FROM " + table); err != nil {
-		t.Fatal(err)
-	}
+	left := transactionLeftOpen(t, table)
 	operator, err := db.Connx(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -168,4 +140,31 @@ func TestPurgeRoundLeavesADetachItDidNotBeginAlone(t *testing.T) {
 	if err := db.Get(&pending, "SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass", partition); err != nil || !pending {
 		t.Errorf("the operator's partition is pending %v (%v), want it left as the operator left it", pending, err)
 	}
+}
+
+// lastSixDaysPartitionedTable creates a daily partitioned inbox table with
+// the partitions of the last six days, dropped when the test ends.
+func lastSixDaysPartitionedTable(t *testing.T, db *sqlx.DB) string {
+	t.Helper()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(context.Background(), db, table, dbNow(t, db).AddDate(0, 0, -6), 6); err != nil {
+		t.Fatal(err)
+	}
+	return table
+}
+
+// transactionLeftOpen begins, on a pool of its own, a transaction that read
+// table and stays open (a report, a session idle in transaction) until the
+// test rolls it back or ends.
+func transactionLeftOpen(t *testing.T, table string) *sqlx.Tx {
+	t.Helper()
+	tx, err := testdb.OpenPostgres(t, "").BeginTxx(context.Background(), &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	if _, err := tx.Exec("SELECT count(*) FROM " + table); err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }
