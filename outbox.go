@@ -221,11 +221,8 @@ type OutboxStats struct {
 type Outbox struct {
 	cfg     OutboxConfig
 	dialect Dialect
-	// table is the outbox table as configured; every statement names the
-	// one target returns.
-	table  qualifiedName
-	wake   chan struct{}
-	logger watermill.LoggerAdapter
+	wake    chan struct{}
+	logger  watermill.LoggerAdapter
 
 	// configured is the tables and statements as OutboxConfig.Table names
 	// them; pinned, once set, the ones every statement runs from then on
@@ -329,7 +326,6 @@ func newOutbox(cfg OutboxConfig, t qualifiedName) *Outbox {
 	o := &Outbox{
 		cfg:        cfg,
 		dialect:    cfg.Dialect,
-		table:      t,
 		configured: newOutboxTarget(cfg.Dialect, t),
 		wake:       make(chan struct{}, 1),
 		logger:     cfg.Logger.With(watermill.LogFields{"outbox_table": t.String()}),
@@ -361,7 +357,7 @@ func newOutboxTarget(d Dialect, t qualifiedName) outboxTarget {
 // SQLite have no search path (a handler's USE, or a temporary table, is
 // documented in docs/usage.md as something it must not leave).
 func (o *Outbox) resolvesSchema() bool {
-	return o.dialect.server() == serverPostgreSQL && o.table.schema == ""
+	return o.dialect.server() == serverPostgreSQL && o.configured.table.schema == ""
 }
 
 // target returns the tables and statements the outbox runs: the pinned
@@ -424,21 +420,21 @@ func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *
 		JOIN pg_catalog.pg_namespace n ON n.nspname = s.nspname
 		JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = $1 AND c.relkind IN ('r', 'p')
 		WHERE n.oid <> pg_catalog.pg_my_temp_schema() ORDER BY s.pos LIMIT 1), pg_catalog.current_schema()`,
-		[]any{o.table.name}, &schema, &current)
+		[]any{o.configured.table.name}, &schema, &current)
 	if err != nil {
-		return nil, false, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.table, err)
+		return nil, false, fmt.Errorf("inbox: outbox table %s: find its schema: %w", o.configured.table, err)
 	}
 	if !schema.Valid {
 		if !current.Valid {
 			// The unqualified name would resolve along whatever
 			// search_path a statement meets: never written so.
 			return nil, false, fmt.Errorf("%w: outbox table %s is on no schema of the search_path, and no schema of it exists to"+
-				" create it in", ErrTableNotFound, o.table)
+				" create it in", ErrTableNotFound, o.configured.table)
 		}
-		t := newOutboxTarget(o.dialect, qualifiedName{schema: current.String, name: o.table.name})
+		t := newOutboxTarget(o.dialect, qualifiedName{schema: current.String, name: o.configured.table.name})
 		return &t, false, nil
 	}
-	pinned := newOutboxTarget(o.dialect, qualifiedName{schema: schema.String, name: o.table.name})
+	pinned := newOutboxTarget(o.dialect, qualifiedName{schema: schema.String, name: o.configured.table.name})
 	o.pinned.CompareAndSwap(nil, &pinned)
 	return o.pinned.Load(), true, nil
 }
@@ -850,7 +846,7 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 				// savepoint) from committing.
 				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s is not on"+
 					" the search_path (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
-					len(chunk), topic, ErrTableNotFound, w.o.table, err)}, topic, chunk)
+					len(chunk), topic, ErrTableNotFound, w.o.configured.table, err)}, topic, chunk)
 			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}

@@ -19,10 +19,10 @@ func (o *Outbox) Table() string { return o.cfg.Table }
 // name>_dead" (8 hex digits). Use it in the SQL that moves a set-aside
 // message back (docs/operations.md). Safe for concurrent use.
 func (o *Outbox) DeadLetterTable() string {
-	if o.table.schema == "" {
+	if o.configured.table.schema == "" {
 		return o.configured.dead.name
 	}
-	return o.table.schema + "." + o.configured.dead.name
+	return o.configured.table.schema + "." + o.configured.dead.name
 }
 
 // ReadOutboxStats reads the OutboxStats of the outbox table and its

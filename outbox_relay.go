@@ -227,7 +227,7 @@ func (o *Outbox) Verify(ctx context.Context) error {
 			if err != nil {
 				return fmt.Errorf("inbox: the outbox relay cannot run its statements on table %q (it needs SELECT, INSERT,"+
 					" UPDATE and DELETE on it and SELECT and INSERT on its dead-letter table, and FOR UPDATE SKIP LOCKED: MySQL 8.0.4+,"+
-					" MariaDB 10.6+, which also have the JSON_TABLE it uses): %s: %w", o.table, stmt, err)
+					" MariaDB 10.6+, which also have the JSON_TABLE it uses): %s: %w", o.configured.table, stmt, err)
 			}
 		}
 		return nil
@@ -306,7 +306,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	if o.pinned.Load() == nil {
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w: outbox table %s is not on the search_path:"+
-			" run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations", ErrTableNotFound, o.table)}}
+			" run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations", ErrTableNotFound, o.configured.table)}}
 	}
 	db := o.cfg.DB
 	var read sqlx.QueryerContext = db
