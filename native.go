@@ -20,12 +20,10 @@ func init() {
 			w.inTx = true
 		}
 	}
-	backend.LookUpOutboxTable = func(ctx context.Context, p message.Publisher,
-		queryRow func(ctx context.Context, query string, args []any, dest ...any) error) error {
+	backend.ReadsInTx = func(p message.Publisher, queryRow func(ctx context.Context, query string, args []any, dest ...any) error) {
 		if w, ok := p.(*outboxWriter); ok {
 			w.lookUp = queryRow // run by bindTx, before the handler
 		}
-		return nil
 	}
 	backend.HandleFromContext = func(ctx context.Context) (any, bool) {
 		s := stateFromContext(ctx)

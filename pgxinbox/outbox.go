@@ -32,12 +32,9 @@ func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error
 		// The inbox looks the outbox table's schema up through it, in the
 		// message's transaction before the handler runs (no connection
 		// more), until the Outbox has pinned it.
-		err := backend.LookUpOutboxTable(context.Background(), p, func(ctx context.Context, query string, args []any, dest ...any) error {
+		backend.ReadsInTx(p, func(ctx context.Context, query string, args []any, dest ...any) error {
 			return tx.QueryRow(ctx, query, args...).Scan(dest...)
 		})
-		if err != nil {
-			return nil, err
-		}
 		return p, nil
 	}
 }

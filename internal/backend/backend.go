@@ -149,13 +149,12 @@ var NewInbox any
 // with COMMIT (Tx.CommitWith); set by package inbox's init.
 var WritesInTx func(p message.Publisher)
 
-// LookUpOutboxTable has p, an outbox publisher of package inbox
-// (Outbox.PublisherOn), look up its table's schema in the transaction it
-// was made for, through queryRow (which runs query with args there and
-// scans its one row into dest), before the handler runs; set by package
-// inbox's init.
-var LookUpOutboxTable func(ctx context.Context, p message.Publisher,
-	queryRow func(ctx context.Context, query string, args []any, dest ...any) error) error
+// ReadsInTx gives p, an outbox publisher of package inbox
+// (Outbox.PublisherOn), queryRow, which runs query with args in the
+// transaction p was made for and scans its one row into dest: the inbox
+// looks the outbox table's schema up through it before the handler runs;
+// set by package inbox's init.
+var ReadsInTx func(p message.Publisher, queryRow func(ctx context.Context, query string, args []any, dest ...any) error)
 
 // HandleFromContext returns the Tx.Handle of the claimed delivery whose
 // message context ctx is, and true; set by package inbox's init.
