@@ -143,6 +143,57 @@ func TestOutboxRelayHoldsBackOnlyTheMessagesThePublisherSaysWereRefused(t *testi
 	})
 }
 
+// A partition that is down, its messages first in the table, holds back
+// neither another partition's messages refused beside a bad one (tried
+// alone in the same round, and sent) nor the bad one's attempts (counted,
+// and it is set aside after MaxAttempts rounds). The walk ended at the
+// down partition's first message: partition 1's messages were never tried
+// alone and its bad one never used an attempt, for as long as partition 0
+// was down.
+func TestOutboxRelayTriesTheOtherRefusedMessagesPastOneThatCannotGoNow(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newPartitionedBroker()
+		broker.whole = true // as kafkaoutbox's: each message's refusal, also when it took none
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3})
+		broker.down[0] = fmt.Errorf("%w: partition 0 has no leader", inbox.ErrBrokerUnavailable)
+		ids := writeOutbox(t, db, ob, "payments", 20) // partition 0: 0, 4, … 16; partition 1: 1, 5, … 17
+		broker.bad[ids[5]] = true
+		first := ob.RelayOnce(context.Background())
+		if first.Relayed != 14 || first.DeadLettered != 0 {
+			t.Fatalf("first round: %+v, want partitions 1 to 3 relayed but the bad message (14)", first)
+		}
+		if got, want := broker.order[1], []string{ids[1], ids[9], ids[13], ids[17]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 1 got %v, want %v", got, want)
+		}
+		for range 2 {
+			ob.RelayOnce(context.Background())
+		}
+		stats, err := ob.Stats(context.Background())
+		if err != nil || stats.Pending != 5 || stats.DeadLettered != 1 {
+			t.Fatalf("after MaxAttempts (3) rounds: %+v (%v), want partition 0's 5 messages pending and the bad one set aside", stats, err)
+		}
+		var attempts []int
+		if err := db.Select(&attempts, "SELECT attempts FROM "+ob.Table()+" ORDER BY id"); err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(attempts) != "[0 0 0 0 0]" {
+			t.Errorf("partition 0's attempts: %v, want none used (its refusals are the broker's state)", attempts)
+		}
+		broker.mu.Lock()
+		delete(broker.down, 0)
+		broker.mu.Unlock()
+		relayUntilEmpty(t, ob)
+		if got, want := broker.order[0], []string{ids[0], ids[4], ids[8], ids[12], ids[16]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 0 got %v, want %v", got, want)
+		}
+		for i, n := range broker.timesAccepted(ids) {
+			if want := map[bool]int{true: 0, false: 1}[i == 5]; n != want {
+				t.Errorf("message %d acked %d times, want %d", i, n, want)
+			}
+		}
+	})
+}
+
 // A message the broker refuses for what it is takes down with it the
 // other messages of its partition's batch. Before the relay sets a message
 // aside it publishes it alone: the bad one is set aside, the one refused

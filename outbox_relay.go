@@ -622,7 +622,11 @@ type walkReads struct {
 //
 // When the first call fails with a PublishError that tells each message's
 // outcome, the messages it acked are sent and the walk takes the refused
-// ones with their own refusals; each then reports true.
+// ones with their own refusals; each then reports true. The order kept is
+// then each partition's, as the publisher's own acks keep it: a message
+// refused with ErrBrokerUnavailable stays in line without ending the walk
+// (its partition's other messages of the call were refused with it), and
+// the walk reads nothing behind the call.
 func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
@@ -668,9 +672,14 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			b.failed[w.ID] = fmt.Errorf("%w (its attempts are used up: it is set aside once a message behind it on its topic is accepted)", b.refusals[w.ID])
 		}
 	}
+	// heldBack is set once a message the publisher told was refused for
+	// the broker's state stays in line while the walk goes on with the
+	// call's other refused messages: no message behind the call is read
+	// then, since it may be of that message's partition.
+	heldBack := false
 	for i := 0; ; i++ {
 		if i == len(group) {
-			if len(waiting) == 0 || reads.next == nil {
+			if len(waiting) == 0 || reads.next == nil || heldBack {
 				break
 			}
 			after := max(group[i-1].ID, callEnd)
@@ -721,6 +730,18 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			// message refused beside another partition's bad one waited
 			// for that one's MaxAttempts rounds).
 			b.failed[r.ID] = err
+		case i < len(known) && errors.Is(err, ErrBrokerUnavailable):
+			// The publisher told each message's outcome and says the
+			// broker cannot take this one now (its partition has no
+			// leader, say): it stays in line, no attempt used, and the
+			// walk goes on with the call's other refused messages, which
+			// are of other partitions or refused for other reasons. Ending
+			// the walk here held them back with it: a message refused
+			// beside another partition's oversized one was never tried
+			// alone, and the oversized one never used its attempts, for
+			// as long as the first partition was down.
+			b.failed[r.ID] = err
+			heldBack = true
 		case errors.Is(err, ErrBrokerUnavailable) || !last || errors.Is(err, errNotSettable):
 			// The broker's state, attempts left, or a message that cannot
 			// be set aside: it stays first in line (behind those that wait
@@ -793,13 +814,20 @@ func (o *Outbox) settable(b *outboxBatch, r outboxRow, err error, reads walkRead
 	return err
 }
 
-// publishOne publishes one row to its topic.
+// publishOne publishes one row to its topic. A PublishError whose one
+// entry refuses it gives its refusal: that entry's error, whose kind
+// (ErrBrokerUnavailable, ErrMessageRejected) the call's own error need not
+// repeat, as it need not for a call of several.
 func (o *Outbox) publishOne(r outboxRow) error {
 	msgs, err := decodeOutboxRows([]outboxRow{r})
 	if err != nil {
 		return err
 	}
-	return o.publishCall(r.Topic, msgs)
+	err = o.publishCall(r.Topic, msgs)
+	if errs, ok := perMessageErrors(err, 1); ok {
+		return errs[0]
+	}
+	return err
 }
 
 // publishCall calls the publisher, turning a panic in it, or in the Error
