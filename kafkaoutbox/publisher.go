@@ -369,6 +369,8 @@ func validTopic(topic string) error {
 // rejected are the errors that say the broker refuses the message itself,
 // for good: over the producer's MaxMessageBytes or the broker's
 // message.max.bytes (sarama's ErrMessageSizeTooLarge, for both), a record
+// batch larger than the topic's segment.bytes (RECORD_LIST_TOO_LARGE,
+// sarama's ErrMessageSetSizeTooLarge: Kafka does not retry it), a record
 // the broker finds corrupt or invalid, a timestamp outside the topic's
 // message.timestamp.difference.max.ms, a topic name the broker refuses. A
 // message refused with one of them is set aside by the relay once it used
@@ -377,8 +379,8 @@ func validTopic(topic string) error {
 // state (inbox.ErrBrokerUnavailable): Kafka's retriable errors, a partition
 // whose producer is fenced or out of sequence, an authorization, an error
 // code Kafka does not name, no connection, sarama's open circuit breaker.
-var rejected = []error{sarama.ErrMessageSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrInvalidRecord,
-	sarama.ErrInvalidTimestamp, sarama.ErrInvalidTopic}
+var rejected = []error{sarama.ErrMessageSizeTooLarge, sarama.ErrMessageSetSizeTooLarge, sarama.ErrInvalidMessage,
+	sarama.ErrInvalidRecord, sarama.ErrInvalidTimestamp, sarama.ErrInvalidTopic}
 
 // oneOf reports whether err is one of kinds (errors.Is).
 func oneOf(err error, kinds []error) bool {

@@ -595,3 +595,124 @@ func TestPublisher_RefusesWhatKafkaCannotTakeAsTheMessagesOwnFault(t *testing.T)
 		t.Errorf("sent %s, %s; want %s, %s", got[0].UUID, got[1].UUID, good1.UUID, good2.UUID)
 	}
 }
+
+// A message over the broker's limits is set aside once it used its
+// attempts, whichever limit refuses it: MESSAGE_TOO_LARGE (message.max.bytes)
+// or RECORD_LIST_TOO_LARGE (a batch over the topic's segment.bytes, which
+// Kafka does not retry either). The second was taken as the broker's state
+// (inbox.ErrBrokerUnavailable): no attempt used, the message first in line
+// on its partition for good.
+func TestRelayThroughKafkaPublisher_SetsAsideWhatTheBrokerRefusesAsTooLarge(t *testing.T) {
+	for _, code := range []int16{kerr.MessageTooLarge.Code, kerr.RecordListTooLarge.Code} {
+		t.Run(kerr.ErrorForCode(code).(*kerr.Error).Message, func(t *testing.T) {
+			c := controlledCluster(t, 1, func(_ *kfake.Cluster, req *kmsg.ProduceRequest) kmsg.Response {
+				for _, tp := range req.Topics {
+					for _, p := range tp.Partitions {
+						if len(p.Records) > 5000 {
+							return produceError(req, code)
+						}
+					}
+				}
+				return nil
+			}, "invoices")
+			db, ob := newFailFastRelay(t, c.ListenAddrs()) // MaxAttempts 2
+			msgs, want := customerInvoicesOversized(3, func(i int) bool { return i == 1 })
+			writeOutputs(t, db, ob, "invoices", msgs...)
+			for range 6 {
+				ob.RelayOnce(context.Background())
+			}
+			if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 1 {
+				t.Fatalf("outbox after 6 rounds (MaxAttempts 2): %+v (%v), want nothing pending and the oversized message set aside", s, err)
+			}
+			collectAll(t, c.ListenAddrs(), "invoices", want)
+		})
+	}
+}
+
+// Partition 0 has no leader and its message is first in the table;
+// partition 1's batch holds an oversized message, which the broker refuses
+// whole (message.max.bytes). Partition 1's other messages go in the first
+// round (tried alone), the oversized one is set aside once it used its
+// attempts, and partition 0's message waits, no attempt used, until its
+// leader is back. The walk stopped at partition 0's refusal: partition 1's
+// messages were never tried alone and the oversized one never used an
+// attempt, for as long as partition 0 had no leader.
+func TestRelayThroughKafkaPublisher_ALeaderlessPartitionHoldsBackNoOtherPartitionsRefusal(t *testing.T) {
+	var sick atomic.Bool
+	sick.Store(true)
+	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(partitions, "invoices"),
+		kfake.BrokerConfigs(map[string]string{"message.max.bytes": "10000"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	c.ControlKey(kmsg.Produce.Int16(), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		if c.CurrentNode() == 1 && sick.Load() {
+			return produceError(r.(*kmsg.ProduceRequest), kerr.LeaderNotAvailable.Code), nil, true
+		}
+		return nil, nil, false
+	})
+	partitionZeroAlone(t, c, "invoices")
+	brokers := c.ListenAddrs()
+	db, ob := newFailFastRelay(t, brokers) // MaxAttempts 2
+	keys := keysOfPartitions(t, "invoices", 3)
+	invoice := func(partition int, payload []byte) *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), payload)
+		m.Metadata.Set("key", keys[partition])
+		return m
+	}
+	waiting := invoice(0, []byte("invoice a"))
+	oversized := invoice(1, bytes.Repeat([]byte("x"), 20_000))
+	b1, b2 := invoice(1, []byte("invoice b1")), invoice(1, []byte("invoice b2"))
+	other := invoice(2, []byte("invoice c"))
+	writeOutputs(t, db, ob, "invoices", waiting, oversized, b1, b2, other)
+
+	if r := ob.RelayOnce(context.Background()); r.Relayed != 3 {
+		t.Fatalf("first round: %+v, want partition 1's two and partition 2's message relayed", r)
+	}
+	ob.RelayOnce(context.Background())
+	s, err := ob.Stats(context.Background())
+	if err != nil || s.Pending != 1 || s.DeadLettered != 1 {
+		t.Fatalf("outbox after MaxAttempts (2) rounds: %+v (%v), want partition 0's message pending and the oversized one set aside", s, err)
+	}
+	var attempts int
+	if err := db.Get(&attempts, "SELECT attempts FROM "+ob.Table()); err != nil || attempts != 0 {
+		t.Errorf("partition 0's message: %d attempts (%v), want none used while its partition has no leader", attempts, err)
+	}
+	sick.Store(false)
+	waitForRelayed(t, ob)
+	got := collectAll(t, brokers, "invoices", map[string]bool{waiting.UUID: true, b1.UUID: true, b2.UUID: true, other.UUID: true})
+	var partitionOne []string
+	for _, m := range got {
+		if m.Metadata.Get("key") == keys[1] {
+			partitionOne = append(partitionOne, m.UUID)
+		}
+	}
+	if want := []string{b1.UUID, b2.UUID}; fmt.Sprint(partitionOne) != fmt.Sprint(want) {
+		t.Errorf("partition 1 got %v, want %v", partitionOne, want)
+	}
+}
+
+// keysOfPartitions returns, for each partition p below n, a message key
+// that sarama's hash partitioner (kafkaoutbox's) puts on p in topic.
+func keysOfPartitions(t *testing.T, topic string, n int) []string {
+	t.Helper()
+	keys := make([]string, n)
+	found := 0
+	for i := 0; found < n && i < 10_000; i++ {
+		k := "customer-" + strconv.Itoa(i)
+		p, err := sarama.NewHashPartitioner(topic).Partition(&sarama.ProducerMessage{Key: sarama.StringEncoder(k)}, partitions)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int(p) < n && keys[p] == "" {
+			keys[p] = k
+			found++
+		}
+	}
+	if found < n {
+		t.Fatalf("no key for each of %d partitions", n)
+	}
+	return keys
+}
