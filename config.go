@@ -112,7 +112,9 @@ type Config struct {
 	// holds the error. They run synchronously on the handler's goroutine,
 	// possibly concurrently with each other, so they must be fast and safe
 	// for concurrent use: count, observe Event.Duration in a histogram, do
-	// not block.
+	// not block. A panic in one is logged (Logger, Error) and changes no
+	// outcome: the message is acked or nacked as it would have been, and the
+	// delivery's other hooks still run.
 	// Default: nil, not called.
 	OnProcessed func(Event)
 	OnDuplicate func(Event)

@@ -483,7 +483,7 @@ func (d *delivery) end() error {
 func (d *delivery) report(err error, panicked bool) {
 	ib := d.ib
 	if d.reused && ib.onReusedID != nil {
-		ib.onReusedID(d.event(err))
+		d.callHook("OnReusedID", ib.onReusedID, d.event(err))
 	}
 	switch {
 	case err != nil:
@@ -494,21 +494,35 @@ func (d *delivery) report(err error, panicked bool) {
 			d.span.SetStatus(codes.Error, err.Error())
 		}
 		if ib.onFailed != nil {
-			ib.onFailed(d.event(err))
+			d.callHook("OnFailed", ib.onFailed, d.event(err))
 		}
 	case d.duplicate:
 		if !ib.nopLogger {
 			ib.logger.Debug("Inbox: duplicate message skipped", d.fields())
 		}
 		if ib.onDuplicate != nil {
-			ib.onDuplicate(d.event(nil))
+			d.callHook("OnDuplicate", ib.onDuplicate, d.event(nil))
 		}
 	default:
 		if ib.onProcessed != nil {
-			ib.onProcessed(d.event(nil))
+			d.callHook("OnProcessed", ib.onProcessed, d.event(nil))
 		}
 	}
 	d.span.End()
+}
+
+// callHook calls hook (Config.OnProcessed and the others, named name) with
+// e. A panic in it is logged, not propagated: the outcome it reports is
+// final (a message whose transaction committed must be acked, and a
+// panic through Watermill's Recoverer nacked it, or sent it to a poison
+// queue), and the delivery's other reports still run.
+func (d *delivery) callHook(name string, hook func(Event), e Event) {
+	defer func() {
+		if r := recover(); r != nil {
+			d.ib.logger.Error("Inbox "+name+" hook panicked", fmt.Errorf("panic: %v", r), d.fields())
+		}
+	}()
+	hook(e)
 }
 
 func (d *delivery) event(err error) Event {
