@@ -271,9 +271,17 @@ func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
 }
 
 // The planner's estimate (reltuples: -1 before the first ANALYZE on
-// PostgreSQL 14+, reported as 0).
+// PostgreSQL 14+, reported as 0), summed over the table's partitions when
+// it has any (pg_partition_tree, PostgreSQL 12+, lists nothing for a table
+// that is not partitioned). A partitioned table's own reltuples stays -1
+// (autovacuum never analyzes it), and this dialect is the one inferred from
+// the driver whatever the table: a partitioned inbox read 0 rows for good.
 func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	return "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)", []any{t.quoted(d)}
+	return `SELECT COALESCE(
+				(SELECT SUM(GREATEST(c.reltuples, 0)) FROM pg_partition_tree(to_regclass($1)) AS p
+					JOIN pg_class c ON c.oid = p.relid WHERE p.isleaf),
+				(SELECT GREATEST(reltuples, 0) FROM pg_class WHERE oid = to_regclass($1)))::bigint
+			WHERE to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
 }
 
 func (d postgresDialect) spanSQL(t qualifiedName) string {
@@ -281,8 +289,11 @@ func (d postgresDialect) spanSQL(t qualifiedName) string {
 		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
 }
 
+// The table's size with its indexes and TOAST, summed over its partitions
+// when it has any (a partitioned table's own size is 0), as estimateRowsSQL.
 func (d postgresDialect) sizeSQL(t qualifiedName) (string, []any) {
-	return "SELECT pg_total_relation_size(to_regclass($1))", []any{t.quoted(d)}
+	return "SELECT COALESCE((SELECT SUM(pg_total_relation_size(relid)) FROM pg_partition_tree(to_regclass($1)))::bigint," +
+		" pg_total_relation_size(to_regclass($1)))", []any{t.quoted(d)}
 }
 
 // pgRelation is what pg_class says about the table.

@@ -11,7 +11,8 @@ import (
 
 // EstimateRows returns an estimate of the rows in the inbox table, cheap on
 // large tables: the planner's statistics on PostgreSQL (pg_class.reltuples,
-// summed over the partitions for PostgreSQLPartitioned; -1 before the first
+// summed over the partitions of a partitioned table, whichever PostgreSQL
+// dialect d is; -1 before the first
 // ANALYZE or autovacuum, reported as 0), information_schema.tables.table_rows
 // on MySQL/MariaDB (InnoDB's estimate, which can be off by 40-50 %), and an
 // exact COUNT(*) on SQLite, which keeps no estimate (SQLite tables are

@@ -8,6 +8,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 func TestEstimateRows(t *testing.T) {
@@ -70,4 +71,42 @@ func TestStatsAndCountExpired(t *testing.T) {
 			t.Error("a dry run deleted rows")
 		}
 	})
+}
+
+// The dialect inferred from the driver is PostgreSQL whatever the table, as
+// in metrics.WatchTable(db, nil, table) and `inbox stats` without -dialect.
+// On a partitioned table the estimate and the size sum its partitions:
+// they read the parent's pg_class row, which autovacuum never analyzes and
+// which holds no storage, so they said 0 for good.
+func TestEstimateRowsAndSizeOfAPartitionedTableUnderTheDriversDialect(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.OpenPostgres(t, "")
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{Dialect: inbox.PostgreSQLPartitioned})
+	insertRows(t, db, inbox.PostgreSQLPartitioned, f.inbox, "billing", "m", 2000, time.Minute)
+	var partitions []string
+	if err := db.Select(&partitions, "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = $1::regclass", f.inbox); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range partitions { // what autovacuum analyzes: the partitions, never their parent
+		exec(t, db, "ANALYZE "+p)
+	}
+	n, err := inbox.EstimateRows(ctx, db, nil, f.inbox)
+	if err != nil || n < 1000 || n > 3000 {
+		t.Errorf("estimate: %d (%v), want about 2000", n, err)
+	}
+	inferred, err := inbox.Stats(ctx, db, nil, f.inbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	partitioned, err := inbox.Stats(ctx, db, inbox.PostgreSQLPartitioned, f.inbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inferred.SizeBytes <= 0 || inferred.SizeBytes != partitioned.SizeBytes {
+		t.Errorf("size under the driver's dialect: %d bytes, want the partitions' %d", inferred.SizeBytes, partitioned.SizeBytes)
+	}
+	if _, err := inbox.EstimateRows(ctx, db, nil, "no_such_"+randomSuffix()); err == nil {
+		t.Error("missing table: want an error")
+	}
 }
