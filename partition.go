@@ -950,10 +950,16 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 }
 
 // oldestPartitionAge returns how long ago the oldest non-empty partition of
-// t began: the age of the oldest row, to the partition's start, without
-// scanning rows (the table has no index on processed_at). A partition
-// unbounded below, and a DEFAULT partition, have no start to go by: their
-// oldest row is read. 0 when every partition is empty.
+// t ended (its upper bound; 0 while it has not): the age that every one of
+// its rows has passed, without scanning rows (the table has no index on
+// processed_at). The purge drops that partition once it passes the window,
+// so, as a deleting round's oldest row age does, it exceeds the window only
+// while the purge is behind: the start, which a partition's oldest row may
+// be as old as, exceeded the window by up to a partition interval (a
+// week) on every healthy table, and the falling-behind alert fired on
+// them. A partition unbounded on either side, and a DEFAULT partition,
+// have no such bound to go by: their oldest row is read. 0 when every
+// partition is empty.
 func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (time.Duration, error) {
 	t, err := canonicalTable(ctx, db, PostgreSQLPartitioned, t)
 	if err != nil {
@@ -975,12 +981,12 @@ func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualified
 	for _, p := range tp.ranges {
 		var age sql.NullInt64
 		q := p.name.quoted(PostgreSQLPartitioned)
-		if p.start.IsZero() {
+		if !p.bounded() {
 			err = sqlx.GetContext(ctx, db, &age, ageOfOldestRow+q)
 		} else {
 			err = sqlx.GetContext(ctx, db, &age,
-				"SELECT CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint) WHERE EXISTS (SELECT 1 FROM "+
-					q+")", p.start)
+				"SELECT GREATEST(CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint), 0) WHERE EXISTS (SELECT 1 FROM "+
+					q+")", p.end)
 		}
 		if errors.Is(err, sql.ErrNoRows) || (err == nil && !age.Valid) {
 			continue // empty

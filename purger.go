@@ -64,8 +64,12 @@ type PurgeRound struct {
 	Window time.Duration
 	// OldestAge is the age of the oldest row left in the table (all
 	// consumers), by the database clock; 0 when the table is empty. For
-	// PostgreSQLPartitioned it is the age of the start of the oldest
-	// non-empty partition: an upper bound, exact to the day.
+	// PostgreSQLPartitioned it is how long ago the oldest non-empty
+	// partition ended (0 while it has not): every row of it is at least
+	// that old, and at most one partition interval older. It passes Window
+	// only while a partition the purge should have dropped is still there,
+	// as a deleting round's passes it only while rows it should have
+	// deleted are.
 	OldestAge time.Duration
 	// Pacing is how the round paced its batches (PurgeConfig.DutyCycle):
 	// batches, time in batches, time paused, back-offs and the effective

@@ -113,7 +113,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"table"}),
 		oldestAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_oldest_row_age_seconds",
-			Help: "Age of the oldest inbox row after the last purge round, by the database clock; 0 when empty.",
+			Help: "Age of the oldest inbox row after the last purge round, by the database clock (a partitioned table: how long ago its oldest non-empty partition ended); 0 when empty.",
 		}, []string{"table"}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_batches_total",
