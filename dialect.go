@@ -129,9 +129,10 @@ type Dialect interface {
 	// where nothing short of a write tells (MySQL's read_only spares
 	// privileged users; SQLite refuses a read-only file before any lock).
 	readOnlyTxSQL() string
-	// oldestAgeSQL returns a query for the age of the oldest row, in
-	// microseconds by the database clock, NULL when the table is empty.
-	oldestAgeSQL(table qualifiedName) string
+	// oldestAgeSQL returns a query for the age of the oldest row, of
+	// consumer's rows when it is not "", in microseconds by the database
+	// clock, NULL when there is none; with its arguments.
+	oldestAgeSQL(table qualifiedName, consumer string) (string, []any)
 	// estimateRowsSQL returns a cheap query for the table's row count (an
 	// estimate where the database keeps one); no row means no such table.
 	estimateRowsSQL(table qualifiedName) (string, []any)
@@ -448,7 +449,8 @@ func purgeRows(ctx context.Context, d Dialect, db dbConn, cfg PurgeConfig, t qua
 		return round
 	}
 	var us sql.NullInt64
-	if err := db.QueryRowxContext(ctx, d.oldestAgeSQL(t)).Scan(&us); err != nil {
+	query, args := d.oldestAgeSQL(t, cfg.Consumer)
+	if err := db.QueryRowxContext(ctx, query, args...).Scan(&us); err != nil {
 		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", t, err)
 		return round
 	}

@@ -169,8 +169,12 @@ func (mysqlDialect) writeProbeLockTimeout() string { return "" }
 
 func (mysqlDialect) readOnlyTxSQL() string { return "" }
 
-func (d mysqlDialect) oldestAgeSQL(t qualifiedName) string {
-	return "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
+func (d mysqlDialect) oldestAgeSQL(t qualifiedName, consumer string) (string, []any) {
+	q := "SELECT TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
+	if consumer == "" {
+		return q, nil
+	}
+	return q + " WHERE consumer = ?", []any{consumer}
 }
 
 // mysqlTableWhere is the information_schema.tables condition for t and its

@@ -266,8 +266,14 @@ func (postgresDialect) readOnlyTxSQL() string {
 	return "SELECT current_setting('transaction_read_only') = 'on'"
 }
 
-func (d postgresDialect) oldestAgeSQL(t qualifiedName) string {
-	return "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+// The consumer is a constant, as in purgeStatement: the query runs outside
+// a transaction, in one exchange behind a transaction-mode pooler.
+func (d postgresDialect) oldestAgeSQL(t qualifiedName, consumer string) (string, []any) {
+	q := "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+	if consumer == "" {
+		return q, nil
+	}
+	return q + " WHERE consumer = " + pgStringConstant(consumer), nil
 }
 
 // The planner's estimate (reltuples: -1 before the first ANALYZE on

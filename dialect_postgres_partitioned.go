@@ -329,7 +329,7 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 		}
 	}
 	err = d.readTx(ctx, db, func(q sqlx.QueryerContext) (err error) {
-		round.OldestAge, err = oldestPartitionAge(ctx, q, t)
+		round.OldestAge, err = oldestPartitionAge(ctx, q, t, cfg.Consumer)
 		return err
 	})
 	if err != nil {

@@ -145,8 +145,12 @@ func (sqliteDialect) writeProbeLockTimeout() string { return "" }
 
 func (sqliteDialect) readOnlyTxSQL() string { return "" }
 
-func (d sqliteDialect) oldestAgeSQL(t qualifiedName) string {
-	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
+func (d sqliteDialect) oldestAgeSQL(t qualifiedName, consumer string) (string, []any) {
+	q := "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - MIN(processed_at) FROM " + t.quoted(d)
+	if consumer == "" {
+		return q, nil
+	}
+	return q + " WHERE consumer = ?", []any{consumer}
 }
 
 // SQLite keeps no estimate: an exact count (SQLite tables are expected to be

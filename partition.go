@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -959,8 +960,9 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 // week) on every healthy table, and the falling-behind alert fired on
 // them. A partition unbounded on either side, and a DEFAULT partition,
 // have no such bound to go by: their oldest row is read. 0 when every
-// partition is empty.
-func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (time.Duration, error) {
+// partition is empty. With consumer not "", only that consumer's rows count
+// (a purge limited to it; the primary key, led by consumer, finds them).
+func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName, consumer string) (time.Duration, error) {
 	t, err := canonicalTable(ctx, db, PostgreSQLPartitioned, t)
 	if err != nil {
 		return 0, err
@@ -970,10 +972,19 @@ func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualified
 		return 0, err
 	}
 	const ageOfOldestRow = "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM "
+	// Its rows, of consumer when set: a condition on the consumer, and its
+	// arguments after those of the query before it (n of them).
+	rows := func(n int) (string, []any) {
+		if consumer == "" {
+			return "", nil
+		}
+		return " WHERE consumer = $" + strconv.Itoa(n+1), []any{consumer}
+	}
 	var oldest time.Duration
 	if tp.defaults.name != "" {
 		var age sql.NullInt64
-		if err := sqlx.GetContext(ctx, db, &age, ageOfOldestRow+tp.defaults.quoted(PostgreSQLPartitioned)); err != nil {
+		where, args := rows(0)
+		if err := sqlx.GetContext(ctx, db, &age, ageOfOldestRow+tp.defaults.quoted(PostgreSQLPartitioned)+where, args...); err != nil {
 			return 0, err
 		}
 		oldest = time.Duration(age.Int64) * time.Microsecond
@@ -982,11 +993,13 @@ func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualified
 		var age sql.NullInt64
 		q := p.name.quoted(PostgreSQLPartitioned)
 		if !p.bounded() {
-			err = sqlx.GetContext(ctx, db, &age, ageOfOldestRow+q)
+			where, args := rows(0)
+			err = sqlx.GetContext(ctx, db, &age, ageOfOldestRow+q+where, args...)
 		} else {
+			where, args := rows(1)
 			err = sqlx.GetContext(ctx, db, &age,
 				"SELECT GREATEST(CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint), 0) WHERE EXISTS (SELECT 1 FROM "+
-					q+")", p.end)
+					q+where+")", append([]any{p.end}, args...)...)
 		}
 		if errors.Is(err, sql.ErrNoRows) || (err == nil && !age.Valid) {
 			continue // empty

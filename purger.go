@@ -62,8 +62,11 @@ type PurgeRound struct {
 	// partition is dropped once all of it is older than Window, so the
 	// oldest row may be up to one partition interval older than Window.
 	Window time.Duration
-	// OldestAge is the age of the oldest row left in the table (all
-	// consumers), by the database clock; 0 when the table is empty. For
+	// OldestAge is the age of the oldest row left in the table, of
+	// PurgeConfig.Consumer's rows when the purge is limited to one (another
+	// consumer's rows are not this purge's to delete; the whole table's made
+	// a per-consumer purge look behind for good), by the database clock; 0
+	// when there is none. For
 	// PostgreSQLPartitioned it is how long ago the oldest non-empty
 	// partition ended (0 while it has not): every row of it is at least
 	// that old, and at most one partition interval older. It passes Window

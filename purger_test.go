@@ -260,3 +260,41 @@ func skipPartitionedRounds(t *testing.T, tdb testDB) {
 		t.Skip("a Purger round on a partitioned table drops whole partitions, not rows by the hour")
 	}
 }
+
+// A purge limited to one consumer (PurgeConfig.Consumer: consumers that
+// share a table with windows of their own) measures the oldest row of that
+// consumer: another consumer's older rows are not its to delete. The whole
+// table's oldest row made such a purge look behind its window for good
+// (InboxPurgeFallingBehind fired, the headroom read -119h).
+func TestPurgerRoundLimitedToAConsumerMeasuresItsOwnOldestRow(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			f.inbox = lastSixDaysPartitionedTable(t, db)
+		} else {
+			f.newInbox(inbox.Config{})
+		}
+		insertRows(t, db, tdb.Dialect, f.inbox, "ledger", "kept", 10, 5*24*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "orders", "expired", 10, 2*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "orders", "recent", 10, 30*time.Minute)
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+			DB: db, Dialect: tdb.Dialect, Table: f.inbox, Consumer: "orders", OlderThan: time.Hour,
+		}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		round := p.RunOnce(context.Background())
+		if round.Err != nil || round.Deleted != 10 {
+			t.Fatalf("round = %+v, want orders' 10 expired rows deleted", round)
+		}
+		if round.OldestAge > round.Window {
+			t.Errorf("oldest age = %v, past the %v window: want the age of orders' oldest row (30m), not ledger's (5 days)", round.OldestAge, round.Window)
+		}
+		if tdb.Dialect != inbox.PostgreSQLPartitioned && (round.OldestAge < 29*time.Minute || round.OldestAge > 31*time.Minute) {
+			t.Errorf("oldest age = %v, want about 30m", round.OldestAge)
+		}
+		if n := count(t, db, f.inbox, "consumer = 'ledger'"); n != 10 {
+			t.Errorf("%d of ledger's rows left, want 10", n)
+		}
+	})
+}
