@@ -10,6 +10,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/prometheus/prometheus/promql/parser"
 )
 
 // Every query of every panel and variable of the dashboard parses as
@@ -115,6 +117,40 @@ func TestSeriesCheckerRejectsWhatTheModuleDoesNotExport(t *testing.T) {
 			case tc.problem != "" && !slices.ContainsFunc(c.problems, func(p string) bool { return strings.Contains(p, tc.problem) }):
 				t.Errorf("%s: problems %q, want one saying %q", tc.expr, got, tc.problem)
 			}
+		})
+	}
+}
+
+// Every aggregation of the dashboard that keeps a table keeps the job too,
+// and the purge panels' the consumer a purge is limited to: with the Job
+// variable at All (its default) two services that each have a
+// watermill_inbox were merged, a healthy one's headroom and last successful
+// round hiding the other's, and so were two purgers of consumers sharing
+// a table. The alert rules group the same way.
+func TestDashboardKeepsTheJobAndThePurgesConsumerBesideTheTable(t *testing.T) {
+	t.Parallel()
+	_, _, exprs := dashboardQueries(t)
+	p := parser.NewParser(parser.Options{})
+	for where, e := range exprs {
+		expr, err := p.ParseExpr(e)
+		if err != nil {
+			t.Errorf("%s: %v", where, err)
+			continue
+		}
+		parser.Inspect(expr, func(n parser.Node, _ []parser.Node) error {
+			agg, ok := n.(*parser.AggregateExpr)
+			if !ok || agg.Without || !slices.Contains(agg.Grouping, "table") {
+				return nil
+			}
+			if !slices.Contains(agg.Grouping, "job") {
+				t.Errorf("%s: %s groups by table without job", where, agg)
+			}
+			if strings.Contains(agg.Expr.String(), "inbox_purge_") || strings.Contains(agg.Expr.String(), "inbox_oldest_row_age_seconds") {
+				if !slices.Contains(agg.Grouping, "consumer") {
+					t.Errorf("%s: %s groups a purge series by table without its consumer", where, agg)
+				}
+			}
+			return nil
 		})
 	}
 }

@@ -110,43 +110,43 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		purgeDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_rows_deleted_total",
 			Help: "Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions).",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		oldestAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_oldest_row_age_seconds",
 			Help: "Age of the oldest inbox row after the last purge round, by the database clock (a partitioned table: how long ago its oldest non-empty partition ended); 0 when empty.",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_batches_total",
 			Help: "Purge batches (DELETE transactions) run by purge rounds.",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		batchSeconds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_batch_seconds_total",
 			Help: "Time purge rounds spent running batches, retries included.",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		pausedSecs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_paused_seconds_total",
 			Help: "Time purge rounds paused between batches to leave the database to the handlers (pacing, back-off and fixed Pause).",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		backOffs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_backoffs_total",
 			Help: "Purge batches slower than the recent baseline, each of which lengthened the pause after it.",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		dutyCycle: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_purge_duty_cycle",
 			Help: "Effective duty cycle of the last purge round that ran batches: time in batches / (time in batches + time paused).",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		rounds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_rounds_total",
 			Help: "Purge rounds by outcome: ok (ended without error), failed, or skipped (another instance held the purge lock).",
-		}, []string{"table", "outcome"}),
+		}, []string{"table", "consumer", "outcome"}),
 		lastSuccess: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_purge_last_success_timestamp_seconds",
 			Help: "Unix time at which the last purge round that ended without error ended; 0 when none has since the process started.",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 		window: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_purge_window_seconds",
 			Help: "Window the last purge round purged by (PurgeConfig.OlderThan, or the safe window its source reported): rows processed longer ago are expired.",
-		}, []string{"table"}),
+		}, []string{"table", "consumer"}),
 	}
 	m.outbox = newOutboxMetrics()
 	for _, c := range append([]prometheus.Collector{m.messages, m.reusedIDs, m.txSeconds, m.purgeDeleted, m.oldestAge,
@@ -208,7 +208,12 @@ func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event)
 }
 
 // InstrumentPurger returns cfg with its OnRound hook recording, labelled with
-// the purged table (cfg.Purge.Table, DefaultTable when empty):
+// the purged table (cfg.Purge.Table, DefaultTable when empty) and the
+// consumer the purge is limited to (cfg.Purge.Consumer; "", which
+// Prometheus stores as no label, for a purge of every consumer's rows), so
+// that purgers of consumers that share a table with windows of their own
+// neither overwrite each other's window and oldest row nor hide each
+// other's failing rounds:
 //   - every round by outcome (inbox_purge_rounds_total: ok, failed or
 //     skipped); a round cut short by the purger's own stop (an error
 //     wrapping context.Canceled, as at router shutdown) is not counted;
@@ -229,13 +234,13 @@ func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event)
 // already set still runs, first.
 func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 	next := cfg.OnRound
-	table := cfg.Purge.Table
+	table, consumer := cfg.Purge.Table, cfg.Purge.Consumer
 	if table == "" {
 		table = inbox.DefaultTable
 	}
-	ok, failed := m.rounds.WithLabelValues(table, RoundOK), m.rounds.WithLabelValues(table, RoundFailed)
-	skipped := m.rounds.WithLabelValues(table, RoundSkipped)
-	lastSuccess := m.lastSuccess.WithLabelValues(table)
+	ok, failed := m.rounds.WithLabelValues(table, consumer, RoundOK), m.rounds.WithLabelValues(table, consumer, RoundFailed)
+	skipped := m.rounds.WithLabelValues(table, consumer, RoundSkipped)
+	lastSuccess := m.lastSuccess.WithLabelValues(table, consumer)
 	cfg.OnRound = func(r inbox.PurgeRound) {
 		if next != nil {
 			next(r)
@@ -245,14 +250,14 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 			return
 		}
 		if r.Window > 0 {
-			m.window.WithLabelValues(table).Set(r.Window.Seconds())
+			m.window.WithLabelValues(table, consumer).Set(r.Window.Seconds())
 		}
 		if pc := r.Pacing; pc.Batches > 0 {
-			m.batches.WithLabelValues(table).Add(float64(pc.Batches))
-			m.batchSeconds.WithLabelValues(table).Add(pc.BatchTime.Seconds())
-			m.pausedSecs.WithLabelValues(table).Add(pc.Paused.Seconds())
-			m.backOffs.WithLabelValues(table).Add(float64(pc.BackOffs))
-			m.dutyCycle.WithLabelValues(table).Set(pc.DutyCycle)
+			m.batches.WithLabelValues(table, consumer).Add(float64(pc.Batches))
+			m.batchSeconds.WithLabelValues(table, consumer).Add(pc.BatchTime.Seconds())
+			m.pausedSecs.WithLabelValues(table, consumer).Add(pc.Paused.Seconds())
+			m.backOffs.WithLabelValues(table, consumer).Add(float64(pc.BackOffs))
+			m.dutyCycle.WithLabelValues(table, consumer).Set(pc.DutyCycle)
 		}
 		if r.Err != nil {
 			if !errors.Is(r.Err, context.Canceled) {
@@ -262,8 +267,8 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 		}
 		ok.Inc()
 		lastSuccess.SetToCurrentTime()
-		m.purgeDeleted.WithLabelValues(table).Add(float64(r.Deleted))
-		m.oldestAge.WithLabelValues(table).Set(r.OldestAge.Seconds())
+		m.purgeDeleted.WithLabelValues(table, consumer).Add(float64(r.Deleted))
+		m.oldestAge.WithLabelValues(table, consumer).Set(r.OldestAge.Seconds())
 	}
 	return cfg
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -88,7 +89,7 @@ func TestInboxRowsEstimateThatFailsLeavesTheScrapeWhole(t *testing.T) {
 			body := rec.Body.String()
 			if rec.Code != http.StatusOK || strings.Contains(body, "\ninbox_rows{") ||
 				!strings.Contains(body, `inbox_rows_estimate_errors_total{table="`+watched+`"} 1`) ||
-				!strings.Contains(body, `inbox_purge_rounds_total{outcome="failed",table="`+c.table+`"} 0`) {
+				!strings.Contains(body, `inbox_purge_rounds_total{consumer="",outcome="failed",table="`+c.table+`"} 0`) {
 				t.Errorf("scrape while the estimate fails: HTTP %d\n%s\nwant 200, no inbox_rows, one estimate error and the inbox's other series", rec.Code, body)
 			}
 			if c.hold {
@@ -179,7 +180,7 @@ inbox_messages_total{consumer="billing",handler_name="billing",outcome="failed"}
 inbox_messages_total{consumer="billing",handler_name="billing",outcome="processed"} 1
 # HELP inbox_purge_rows_deleted_total Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions).
 # TYPE inbox_purge_rows_deleted_total counter
-inbox_purge_rows_deleted_total{table="watermill_inbox"} 1
+inbox_purge_rows_deleted_total{consumer="",table="watermill_inbox"} 1
 # HELP inbox_rows Estimated rows in the inbox table, read at scrape time.
 # TYPE inbox_rows gauge
 inbox_rows{table="watermill_inbox"} 1
@@ -323,8 +324,8 @@ func gathered(t *testing.T, reg *prometheus.Registry, name string) float64 {
 			continue
 		}
 		mt := mf.Metric[0]
-		if l := mt.GetLabel(); len(l) != 1 || l[0].GetValue() != inbox.DefaultTable {
-			t.Fatalf("%s labels %v, want table=%q", name, l, inbox.DefaultTable)
+		if labels := labelMap(mt.GetLabel()); labels["table"] != inbox.DefaultTable || labels["consumer"] != "" || len(labels) != 2 {
+			t.Fatalf("%s labels %v, want table=%q and consumer=\"\" (every consumer)", name, labels, inbox.DefaultTable)
 		}
 		if c := mt.GetCounter(); c != nil {
 			return c.GetValue()
@@ -488,15 +489,96 @@ func roundsCounted(t *testing.T, reg *prometheus.Registry, table, outcome string
 			continue
 		}
 		for _, mt := range mf.Metric {
-			labels := map[string]string{}
-			for _, l := range mt.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			if labels["table"] == table && labels["outcome"] == outcome {
+			if labels := labelMap(mt.GetLabel()); labels["table"] == table && labels["outcome"] == outcome {
 				return mt.GetCounter().GetValue()
 			}
 		}
 	}
 	t.Fatalf("no inbox_purge_rounds_total{table=%q,outcome=%q}", table, outcome)
 	return 0
+}
+
+// labelMap returns a series' labels by name.
+func labelMap(labels []*dto.LabelPair) map[string]string {
+	m := map[string]string{}
+	for _, l := range labels {
+		m[l.GetName()] = l.GetValue()
+	}
+	return m
+}
+
+// Two purgers of one table, each limited to its consumer with a window of
+// its own (PurgeConfig.Consumer), report apart: each its own window, oldest
+// row and rounds, labelled with its consumer. One set of series per table
+// had the last round's purger overwrite the other's window and oldest row,
+// and one's successful rounds hid the other's failing ones from
+// InboxPurgeRoundsFailing.
+func TestMetricsPurgersOfConsumersThatShareATableReportApart(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for consumer, age := range map[string]time.Duration{"orders": 30 * time.Minute, "ledger": 5 * 24 * time.Hour} {
+		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES (?, ?, ?)",
+			consumer, "m1", time.Now().Add(-age).UnixMicro()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ledgerWindow := &settableWindow{}
+	ledgerWindow.set(0, errors.New("the broker cannot be asked"))
+	orders, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Consumer: "orders", OlderThan: time.Hour}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ledger, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Consumer: "ledger", Window: ledgerWindow}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := orders.RunOnce(ctx); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if r := ledger.RunOnce(ctx); r.Err == nil {
+		t.Fatal("ledger's round succeeded; want it failed (its window source refuses)")
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		for _, mt := range mf.Metric {
+			labels := labelMap(mt.GetLabel())
+			key := mf.GetName() + " " + labels["consumer"] + " " + labels["outcome"]
+			if c := mt.GetCounter(); c != nil {
+				got[key] = c.GetValue()
+			} else {
+				got[key] = mt.GetGauge().GetValue()
+			}
+		}
+	}
+	for key, want := range map[string]float64{
+		"inbox_purge_window_seconds orders ":                 3600,
+		"inbox_purge_rounds_total orders ok":                 1,
+		"inbox_purge_rounds_total orders failed":             0,
+		"inbox_purge_rounds_total ledger ok":                 0,
+		"inbox_purge_rounds_total ledger failed":             1,
+		"inbox_purge_last_success_timestamp_seconds ledger ": 0,
+	} {
+		if v, ok := got[key]; !ok || v != want {
+			t.Errorf("%s = %v (present: %v), want %v", key, v, ok, want)
+		}
+	}
+	if age := got["inbox_oldest_row_age_seconds orders "]; age < 1700 || age > 1900 {
+		t.Errorf("orders' oldest row age = %vs, want about 1800 (its own row, not ledger's 5 days)", age)
+	}
 }
