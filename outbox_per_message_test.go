@@ -143,57 +143,6 @@ func TestOutboxRelayHoldsBackOnlyTheMessagesThePublisherSaysWereRefused(t *testi
 	})
 }
 
-// A partition that is down, its messages first in the table, holds back
-// neither another partition's messages refused beside a bad one (tried
-// alone in the same round, and sent) nor the bad one's attempts (counted,
-// and it is set aside after MaxAttempts rounds). The walk ended at the
-// down partition's first message: partition 1's messages were never tried
-// alone and its bad one never used an attempt, for as long as partition 0
-// was down.
-func TestOutboxRelayTriesTheOtherRefusedMessagesPastOneThatCannotGoNow(t *testing.T) {
-	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		broker := newPartitionedBroker()
-		broker.whole = true // as kafkaoutbox's: each message's refusal, also when it took none
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3})
-		broker.down[0] = fmt.Errorf("%w: partition 0 has no leader", inbox.ErrBrokerUnavailable)
-		ids := writeOutbox(t, db, ob, "payments", 20) // partition 0: 0, 4, … 16; partition 1: 1, 5, … 17
-		broker.bad[ids[5]] = true
-		first := ob.RelayOnce(context.Background())
-		if first.Relayed != 14 || first.DeadLettered != 0 {
-			t.Fatalf("first round: %+v, want partitions 1 to 3 relayed but the bad message (14)", first)
-		}
-		if got, want := broker.order[1], []string{ids[1], ids[9], ids[13], ids[17]}; fmt.Sprint(got) != fmt.Sprint(want) {
-			t.Errorf("partition 1 got %v, want %v", got, want)
-		}
-		for range 2 {
-			ob.RelayOnce(context.Background())
-		}
-		stats, err := ob.Stats(context.Background())
-		if err != nil || stats.Pending != 5 || stats.DeadLettered != 1 {
-			t.Fatalf("after MaxAttempts (3) rounds: %+v (%v), want partition 0's 5 messages pending and the bad one set aside", stats, err)
-		}
-		var attempts []int
-		if err := db.Select(&attempts, "SELECT attempts FROM "+ob.Table()+" ORDER BY id"); err != nil {
-			t.Fatal(err)
-		}
-		if fmt.Sprint(attempts) != "[0 0 0 0 0]" {
-			t.Errorf("partition 0's attempts: %v, want none used (its refusals are the broker's state)", attempts)
-		}
-		broker.mu.Lock()
-		delete(broker.down, 0)
-		broker.mu.Unlock()
-		relayUntilEmpty(t, ob)
-		if got, want := broker.order[0], []string{ids[0], ids[4], ids[8], ids[12], ids[16]}; fmt.Sprint(got) != fmt.Sprint(want) {
-			t.Errorf("partition 0 got %v, want %v", got, want)
-		}
-		for i, n := range broker.timesAccepted(ids) {
-			if want := map[bool]int{true: 0, false: 1}[i == 5]; n != want {
-				t.Errorf("message %d acked %d times, want %d", i, n, want)
-			}
-		}
-	})
-}
-
 // A message the broker refuses for what it is takes down with it the
 // other messages of its partition's batch. Before the relay sets a message
 // aside it publishes it alone: the bad one is set aside, the one refused
@@ -367,5 +316,156 @@ func TestOutboxRelayTriesACallRefusedWholeAsUnavailableOncePerRound(t *testing.T
 		broker.mu.Unlock()
 		relayUntilEmpty(t, ob)
 		assertOutboxEmpty(t, ob)
+	})
+}
+
+// leaderElectionBroker is partitionedBroker's Kafka (partitions by "n"
+// modulo 4, a partition's messages of a call written or refused whole, a
+// batch holding a bad message refused as ErrMessageRejected), whose
+// partition 0 has no leader during the calls downDuring says.
+type leaderElectionBroker struct {
+	mu         sync.Mutex
+	calls      int
+	bad        map[string]bool
+	downDuring func(call int) bool
+	order      map[int][]string
+}
+
+func (b *leaderElectionBroker) Publish(_ string, msgs ...*message.Message) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.calls++
+	refused := map[int]error{}
+	if b.downDuring(b.calls) {
+		refused[0] = fmt.Errorf("%w: partition 0 has no leader", inbox.ErrBrokerUnavailable)
+	}
+	for _, m := range msgs {
+		if p := brokerPartition(m); b.bad[m.UUID] && refused[p] == nil {
+			refused[p] = fmt.Errorf("%w: the batch holding %s is too large", inbox.ErrMessageRejected, m.UUID)
+		}
+	}
+	errs := make([]error, len(msgs))
+	n := 0
+	for i, m := range msgs {
+		if err := refused[brokerPartition(m)]; err != nil {
+			errs[i] = err
+			n++
+			continue
+		}
+		b.order[brokerPartition(m)] = append(b.order[brokerPartition(m)], m.UUID)
+	}
+	if n == 0 {
+		return nil
+	}
+	return fmt.Errorf("%d of %d refused: %w", n, len(msgs), &inbox.PublishError{MessageErrors: errs})
+}
+
+func (b *leaderElectionBroker) Close() error { return nil }
+
+// Partition 0's batch (ids 0, 4, 8) is refused whole for its bad message
+// (ids[4]), and the relay tries each alone; while ids[0] is tried, partition
+// 0 has no leader (an election), back for the next publish. ids[8] leaves
+// after ids[0], not ahead of it: the walk stops at a message the broker
+// cannot take now, since the relay does not know whether a message behind
+// it is of its partition.
+func TestOutboxRelayKeepsAPartitionsOrderWhenItsFirstMessageCannotGoAlone(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := &leaderElectionBroker{bad: map[string]bool{}, order: map[int][]string{},
+			downDuring: func(call int) bool { return call == 2 }}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3})
+		ids := writeOutbox(t, db, ob, "payments", 12)
+		broker.bad[ids[4]] = true
+		for range 10 {
+			ob.RelayOnce(context.Background())
+		}
+		broker.mu.Lock()
+		defer broker.mu.Unlock()
+		if got, want := broker.order[0], []string{ids[0], ids[8]}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("partition 0 got %v, want %v", got, want)
+		}
+	})
+}
+
+// Partition 0's batch of 10 is refused whole for a bad message, and right
+// after that call the partition loses its leader. The round stops trying
+// partition 0 at its first "cannot take it now": each publish to a
+// partition without a leader waits for the publisher's retries (about 13 s
+// with kafkaoutbox's defaults), and trying its 10 messages one by one held
+// the round, its transaction and the other topics for minutes.
+func TestOutboxRelayStopsTryingAPartitionThatLostItsLeaderMidRound(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := &leaderElectionBroker{bad: map[string]bool{}, order: map[int][]string{},
+			downDuring: func(call int) bool { return call >= 2 }}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 3})
+		ids := writeOutbox(t, db, ob, "payments", 40) // partition 0: 0, 4, … 36
+		broker.bad[ids[4]] = true
+		ob.RelayOnce(context.Background())
+		broker.mu.Lock()
+		defer broker.mu.Unlock()
+		if broker.calls > 2 {
+			t.Errorf("%d publishes in a round whose partition 0 lost its leader, want 2 (the call, then ids[0] alone)", broker.calls)
+		}
+	})
+}
+
+// A publisher says of two messages of one key that the first cannot go now
+// (ErrBrokerUnavailable) and that the second was refused with an error of
+// neither kind (a request timeout): the second is not tried alone, ahead of
+// the first; both go in order once the broker takes them.
+func TestOutboxRelaySendsNothingBehindAMessageTheBrokerCannotTakeNow(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		var mu sync.Mutex
+		var calls int
+		var acked []string
+		pub := publisherFunc(func(_ string, msgs ...*message.Message) error {
+			mu.Lock()
+			defer mu.Unlock()
+			if calls++; calls == 1 {
+				return &inbox.PublishError{MessageErrors: []error{
+					fmt.Errorf("%w: no leader", inbox.ErrBrokerUnavailable), errors.New("request timed out"),
+				}}
+			}
+			for _, m := range msgs {
+				acked = append(acked, m.UUID)
+			}
+			return nil
+		})
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: pub, MaxAttempts: 5})
+		ids := writeOutbox(t, db, ob, "payments", 2)
+		for range 3 {
+			ob.RelayOnce(context.Background())
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if fmt.Sprint(acked) != fmt.Sprint(ids) {
+			t.Errorf("acked %v, want %v in that order", acked, ids)
+		}
+	})
+}
+
+// A publisher that says of each call's messages, with a PublishError, that
+// each is refused for what it is (ErrMessageRejected in its entry, not on
+// the call's own error): tried alone, each has its own refusal taken from
+// its call's one entry, and both are set aside once they used their
+// attempts. The relay took the error of a call of one message as of
+// neither kind: the first waited for a message behind it to go through,
+// and the second held it back, for good.
+func TestOutboxRelayTakesAOneMessageCallsRefusalFromItsPublishError(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		pub := publisherFunc(func(_ string, msgs ...*message.Message) error {
+			errs := make([]error, len(msgs))
+			for i := range msgs {
+				errs[i] = fmt.Errorf("%w: record too large", inbox.ErrMessageRejected)
+			}
+			return &inbox.PublishError{MessageErrors: errs}
+		})
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: pub, MaxAttempts: 2})
+		writeOutbox(t, db, ob, "payments", 2)
+		for range 4 {
+			ob.RelayOnce(context.Background())
+		}
+		if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 0 || s.DeadLettered != 2 {
+			t.Errorf("after 4 rounds (MaxAttempts 2): %+v (%v), want both messages set aside", s, err)
+		}
 	})
 }

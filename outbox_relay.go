@@ -622,11 +622,12 @@ type walkReads struct {
 //
 // When the first call fails with a PublishError that tells each message's
 // outcome, the messages it acked are sent and the walk takes the refused
-// ones with their own refusals; each then reports true. The order kept is
-// then each partition's, as the publisher's own acks keep it: a message
-// refused with ErrBrokerUnavailable stays in line without ending the walk
-// (its partition's other messages of the call were refused with it), and
-// the walk reads nothing behind the call.
+// ones with their own refusals; each then reports true. A refusal that
+// wraps ErrBrokerUnavailable still ends the walk there: the relay does not
+// know partitions, so a message behind it may be of its partition, refused
+// for another reason (another produce request of the call, a leader
+// election while the message was tried alone) and accepted alone, ahead
+// of it.
 func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
@@ -672,14 +673,9 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			b.failed[w.ID] = fmt.Errorf("%w (its attempts are used up: it is set aside once a message behind it on its topic is accepted)", b.refusals[w.ID])
 		}
 	}
-	// heldBack is set once a message the publisher told was refused for
-	// the broker's state stays in line while the walk goes on with the
-	// call's other refused messages: no message behind the call is read
-	// then, since it may be of that message's partition.
-	heldBack := false
 	for i := 0; ; i++ {
 		if i == len(group) {
-			if len(waiting) == 0 || reads.next == nil || heldBack {
+			if len(waiting) == 0 || reads.next == nil {
 				break
 			}
 			after := max(group[i-1].ID, callEnd)
@@ -730,18 +726,6 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			// message refused beside another partition's bad one waited
 			// for that one's MaxAttempts rounds).
 			b.failed[r.ID] = err
-		case i < len(known) && errors.Is(err, ErrBrokerUnavailable):
-			// The publisher told each message's outcome and says the
-			// broker cannot take this one now (its partition has no
-			// leader, say): it stays in line, no attempt used, and the
-			// walk goes on with the call's other refused messages, which
-			// are of other partitions or refused for other reasons. Ending
-			// the walk here held them back with it: a message refused
-			// beside another partition's oversized one was never tried
-			// alone, and the oversized one never used its attempts, for
-			// as long as the first partition was down.
-			b.failed[r.ID] = err
-			heldBack = true
 		case errors.Is(err, ErrBrokerUnavailable) || !last || errors.Is(err, errNotSettable):
 			// The broker's state, attempts left, or a message that cannot
 			// be set aside: it stays first in line (behind those that wait
