@@ -136,8 +136,8 @@ type Dialect interface {
 	// estimateRowsSQL returns a cheap query for the table's row count (an
 	// estimate where the database keeps one); no row means no such table.
 	estimateRowsSQL(table qualifiedName) (string, []any)
-	// spanSQL returns a query for the smallest and largest processed_at, as
-	// Unix microseconds.
+	// spanSQL returns a query for the smallest and largest processed_at and
+	// the database clock's now, as Unix microseconds.
 	spanSQL(table qualifiedName) string
 	// sizeSQL returns a query for the table's size on disk with its indexes,
 	// in bytes.

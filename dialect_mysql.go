@@ -195,7 +195,8 @@ func (mysqlDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
 // processed_at holds UTC: arithmetic from the epoch, no CONVERT_TZ.
 func (d mysqlDialect) spanSQL(t qualifiedName) string {
 	return "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(processed_at)), " +
-		"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)) FROM " + t.quoted(d)
+		"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(processed_at)), " +
+		"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) FROM " + t.quoted(d)
 }
 
 func (mysqlDialect) sizeSQL(t qualifiedName) (string, []any) {

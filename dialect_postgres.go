@@ -292,7 +292,8 @@ func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
 
 func (d postgresDialect) spanSQL(t qualifiedName) string {
 	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), " +
-		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint), " +
+		"CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint) FROM " + t.quoted(d)
 }
 
 // The table's size with its indexes and TOAST, summed over its partitions

@@ -160,7 +160,7 @@ func (d sqliteDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
 }
 
 func (d sqliteDialect) spanSQL(t qualifiedName) string {
-	return "SELECT MIN(processed_at), MAX(processed_at) FROM " + t.quoted(d)
+	return "SELECT MIN(processed_at), MAX(processed_at), CAST(unixepoch('subsec') * 1000000 AS INTEGER) FROM " + t.quoted(d)
 }
 
 // The whole database file.

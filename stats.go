@@ -47,6 +47,11 @@ type TableStats struct {
 	// Oldest and Newest are the smallest and largest processed_at, in UTC;
 	// zero when the table is empty.
 	Oldest, Newest time.Time
+	// ReadAt is the database clock's time of the read, in UTC: the ages of
+	// Oldest and Newest are ReadAt minus them, by the clock processed_at
+	// and the purge's cutoff go by (a host whose clock is off by hours
+	// measured them by its own).
+	ReadAt time.Time
 	// SizeBytes is the table's size on disk with its indexes, where the
 	// database tells (PostgreSQL: pg_total_relation_size, summed over
 	// partitions; MySQL: information_schema data_length + index_length;
@@ -82,11 +87,13 @@ func readStats(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifie
 		st.Consumers[r.Consumer] = r.N
 		st.Rows += r.N
 	}
-	// Oldest and newest, as Unix microseconds in every dialect.
+	// Oldest, newest and now, as Unix microseconds in every dialect.
 	var lo, hi sql.NullInt64
-	if err := q.QueryRowxContext(ctx, d.spanSQL(t)).Scan(&lo, &hi); err != nil {
+	var now int64
+	if err := q.QueryRowxContext(ctx, d.spanSQL(t)).Scan(&lo, &hi, &now); err != nil {
 		return err
 	}
+	st.ReadAt = time.UnixMicro(now).UTC()
 	if lo.Valid {
 		st.Oldest, st.Newest = time.UnixMicro(lo.Int64).UTC(), time.UnixMicro(hi.Int64).UTC()
 	}

@@ -59,6 +59,14 @@ func TestStatsAndCountExpired(t *testing.T) {
 		if st.SizeBytes <= 0 {
 			t.Errorf("size = %d, want > 0", st.SizeBytes)
 		}
+		// The ages by the database clock, which processed_at and the
+		// purge's cutoff go by (inbox stats' headroom).
+		if skew := time.Since(st.ReadAt); skew < -time.Minute || skew > time.Minute {
+			t.Errorf("read at %v by the database clock, %v from this host's: want about now", st.ReadAt, skew)
+		}
+		if age := st.ReadAt.Sub(st.Oldest); age < 179*time.Minute || age > 181*time.Minute {
+			t.Errorf("oldest %v ago by the database clock, want about 3h", age)
+		}
 		cfg := inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: f.inbox, OlderThan: time.Hour}
 		if n, err := inbox.CountExpired(ctx, cfg); err != nil || n != 30 {
 			t.Errorf("CountExpired = %d, %v; want 30", n, err)

@@ -503,8 +503,8 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fmt.Fprintf(stdout, "table:    %s\n", c.table)
 	fmt.Fprintf(stdout, "rows:     %d\n", st.Rows)
 	if st.Rows > 0 {
-		fmt.Fprintf(stdout, "oldest:   %s (%s ago)\n", st.Oldest.Format(time.RFC3339), time.Since(st.Oldest).Round(time.Second))
-		fmt.Fprintf(stdout, "newest:   %s (%s ago)\n", st.Newest.Format(time.RFC3339), time.Since(st.Newest).Round(time.Second))
+		fmt.Fprintf(stdout, "oldest:   %s (%s ago)\n", st.Oldest.Format(time.RFC3339), st.ReadAt.Sub(st.Oldest).Round(time.Second))
+		fmt.Fprintf(stdout, "newest:   %s (%s ago)\n", st.Newest.Format(time.RFC3339), st.ReadAt.Sub(st.Newest).Round(time.Second))
 	}
 	if st.SizeBytes >= 0 {
 		fmt.Fprintf(stdout, "size:     %s\n", count(st.SizeBytes, "byte"))

@@ -162,7 +162,7 @@ type headroom struct {
 func readHeadroom(ctx context.Context, db *sqlx.DB, table string, st inbox.TableStats, window purgeWindow, lag time.Duration) headroom {
 	h := headroom{purgeWindow: window, empty: st.Rows == 0, lag: lag}
 	if !h.empty {
-		h.oldestAge = max(time.Since(st.Oldest), 0)
+		h.oldestAge = max(st.ReadAt.Sub(st.Oldest), 0) // by the database clock, as the purge's cutoff
 	}
 	if db.DriverName() == "pgx" {
 		// Best effort: a table that is not partitioned has no interval, and
