@@ -253,19 +253,7 @@ func TestRegisterTwice(t *testing.T) {
 // paused, back-offs, and the effective duty cycle; a second round adds to
 // the counters.
 func TestMetricsPurgePacing(t *testing.T) {
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(inbox.Config{DB: db})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	db, reg, m := sqliteInboxTable(t)
 	expire := func(n int) {
 		t.Helper()
 		if _, err := db.Exec(`WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < ?)
@@ -344,19 +332,7 @@ func gathered(t *testing.T, reg *prometheus.Registry, name string) float64 {
 // still reports its window when it had checked it; a round stopped by the
 // purger's own cancellation is not a failure.
 func TestMetricsPurgeRounds(t *testing.T) {
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(inbox.Config{DB: db})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	db, reg, m := sqliteInboxTable(t)
 	retention := &settableWindow{}
 	p, err := inbox.NewPurger(m.InstrumentPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Window: retention}}))
 	if err != nil {
@@ -515,19 +491,7 @@ func labelMap(labels []*dto.LabelPair) map[string]string {
 // InboxPurgeRoundsFailing.
 func TestMetricsPurgersOfConsumersThatShareATableReportApart(t *testing.T) {
 	ctx := context.Background()
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(inbox.Config{DB: db})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(ctx); err != nil {
-		t.Fatal(err)
-	}
+	db, reg, m := sqliteInboxTable(t)
 	for consumer, age := range map[string]time.Duration{"orders": 30 * time.Minute, "ledger": 5 * 24 * time.Hour} {
 		if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES (?, ?, ?)",
 			consumer, "m1", time.Now().Add(-age).UnixMicro()); err != nil {
@@ -581,4 +545,24 @@ func TestMetricsPurgersOfConsumersThatShareATableReportApart(t *testing.T) {
 	if age := got["inbox_oldest_row_age_seconds orders "]; age < 1700 || age > 1900 {
 		t.Errorf("orders' oldest row age = %vs, want about 1800 (its own row, not ledger's 5 days)", age)
 	}
+}
+
+// sqliteInboxTable returns a SQLite database holding the default inbox
+// table, and Metrics registered with a registry of their own.
+func sqliteInboxTable(t *testing.T) (*sqlx.DB, *prometheus.Registry, *metrics.Metrics) {
+	t.Helper()
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return db, reg, m
 }
