@@ -277,23 +277,27 @@ func (d postgresDialect) oldestAgeSQL(t qualifiedName, consumer string) (string,
 }
 
 // The planner's estimate (reltuples: -1 before the first ANALYZE on
-// PostgreSQL 14+, reported as 0), summed over the table's partitions when
-// it has any (pg_partition_tree, PostgreSQL 12+, lists nothing for a table
-// that is not partitioned). A partitioned table's own reltuples stays -1
-// (autovacuum never analyzes it), and this dialect is the one inferred from
-// the driver whatever the table: a partitioned inbox read 0 rows for good.
+// PostgreSQL 14+, reported as 0), summed over the table's partitions at
+// every level when it has any (a partitioned table's own reltuples stays -1:
+// autovacuum never analyzes it), read from the catalog without locking
+// any of them: the table alone when it is not partitioned. Both PostgreSQL
+// dialects, so that the one inferred from the driver, whatever the table,
+// reads a partitioned inbox too (it read 0 rows for good).
 func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	return `SELECT COALESCE(
-				(SELECT SUM(GREATEST(c.reltuples, 0)) FROM pg_partition_tree(to_regclass($1)) AS p
-					JOIN pg_class c ON c.oid = p.relid WHERE p.isleaf),
-				(SELECT GREATEST(reltuples, 0) FROM pg_class WHERE oid = to_regclass($1)))::bigint
-			WHERE to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
+	return `WITH RECURSIVE tree (relid) AS (
+				SELECT to_regclass($1)::oid
+				UNION ALL SELECT i.inhrelid FROM pg_inherits i JOIN tree ON i.inhparent = tree.relid)
+			SELECT COALESCE(SUM(GREATEST(c.reltuples, 0)) FILTER (WHERE c.relkind <> 'p'), 0)::bigint
+			FROM tree JOIN pg_class c ON c.oid = tree.relid HAVING count(*) > 0`, []any{t.quoted(d)}
 }
 
+// The time of the read is clock_timestamp(), the statement's own: now() is
+// the transaction's start, before Stats' COUNT, and the span, read after it
+// at READ COMMITTED, could hold rows newer than that.
 func (d postgresDialect) spanSQL(t qualifiedName) string {
 	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), " +
 		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint), " +
-		"CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint) FROM " + t.quoted(d)
+		"CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS bigint) FROM " + t.quoted(d)
 }
 
 // The table's size with its indexes and TOAST, summed over its partitions

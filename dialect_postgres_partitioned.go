@@ -123,18 +123,6 @@ func (d postgresPartitionedDialect) lockedClaim(ctx context.Context, q sqlx.Quer
 	return "SELECT FROM " + fn + "($1, $2, $3) AS claimed WHERE claimed", nil
 }
 
-// Summed over the partitions: the parent holds no rows.
-func (d postgresPartitionedDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
-	return `SELECT COALESCE(SUM(GREATEST(c.reltuples, 0)), 0)::bigint FROM pg_inherits i
-			JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
-			HAVING to_regclass($1) IS NOT NULL`, []any{t.quoted(d)}
-}
-
-func (d postgresPartitionedDialect) sizeSQL(t qualifiedName) (string, []any) {
-	return "SELECT COALESCE(SUM(pg_total_relation_size(inhrelid)), 0) FROM pg_inherits WHERE inhparent = to_regclass($1)",
-		[]any{t.quoted(d)}
-}
-
 func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
 	// No purge index: purging drops whole partitions. The primary key, led
 	// by (consumer, message_id), serves the claim's lookup in every

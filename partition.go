@@ -958,8 +958,9 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 // while the purge is behind: the start, which a partition's oldest row may
 // be as old as, exceeded the window by up to a partition interval (a
 // week) on every healthy table, and the falling-behind alert fired on
-// them. A partition unbounded on either side, and a DEFAULT partition,
-// have no such bound to go by: their oldest row is read. 0 when every
+// them. A partition unbounded above, and a DEFAULT partition, have no
+// such bound to go by: their oldest row is read (one from MINVALUE is
+// dropped once its end passes the window, as any other). 0 when every
 // partition is empty. With consumer not "", only that consumer's rows count
 // (a purge limited to it; the primary key, led by consumer, finds them).
 func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName, consumer string) (time.Duration, error) {
@@ -992,7 +993,7 @@ func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualified
 	for _, p := range tp.ranges {
 		var age sql.NullInt64
 		q := p.name.quoted(PostgreSQLPartitioned)
-		if !p.bounded() {
+		if p.end.IsZero() { // MAXVALUE: no end to go by
 			where, args := rows(0)
 			err = sqlx.GetContext(ctx, db, &age, ageOfOldestRow+q+where, args...)
 		} else {

@@ -423,3 +423,35 @@ func TestDropPartitions_FindsThePartitionsWhateverTheSearchPath(t *testing.T) {
 			dropped, err, round.DroppedPartitions, round.OldestAge, left, where)
 	}
 }
+
+// A partition from MINVALUE is dropped once its end passes the window, as
+// any other, so a round's oldest row age goes by its end too: it read its
+// oldest row, and a healthy round that rightly dropped nothing reported an
+// age past the window (InboxPurgeFallingBehind fired until the partition's
+// end passed the cutoff).
+func TestPurgerRoundMeasuresAPartitionFromMinvalueByItsEnd(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.OpenPostgres(t, "")
+	table := "inbox_" + randomSuffix()
+	dropLater(t, db, table)
+	if err := inbox.InitializePartitions(ctx, db, table, inbox.PartitionDay); err != nil {
+		t.Fatal(err)
+	}
+	yesterday := dbNow(t, db).UTC().Truncate(24*time.Hour).AddDate(0, 0, -1)
+	exec(t, db, "CREATE TABLE "+table+"_old PARTITION OF "+table+" FOR VALUES FROM (MINVALUE) TO ('"+yesterday.Format(time.RFC3339)+"')")
+	dropLater(t, db, table+"_old")
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "old", 1, 72*time.Hour)
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 48 * time.Hour,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	round := p.RunOnce(ctx)
+	if round.Err != nil || len(round.DroppedPartitions) != 0 {
+		t.Fatalf("round = %+v, want nothing dropped (the partition from MINVALUE ends within the 48h window)", round)
+	}
+	if want := dbNow(t, db).Sub(yesterday); round.OldestAge < want-time.Minute || round.OldestAge > want+time.Minute {
+		t.Errorf("oldest age = %v, want about %v (the partition's end), within the %v window", round.OldestAge, want, round.Window)
+	}
+}

@@ -118,3 +118,34 @@ func TestEstimateRowsAndSizeOfAPartitionedTableUnderTheDriversDialect(t *testing
 		t.Error("missing table: want an error")
 	}
 }
+
+// A partition tree of two levels, in a schema and under names that need
+// quoting, is estimated and sized in full under both PostgreSQL dialects,
+// from its root or from a sub-partitioned partition: the partitioned
+// dialect read one level of pg_inherits, and said 0 rows and 0 bytes.
+func TestEstimateRowsAndSizeOfATwoLevelPartitionTree(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.OpenPostgres(t, "")
+	s := "Inbox_" + randomSuffix()
+	exec(t, db, `CREATE SCHEMA "`+s+`"`)
+	t.Cleanup(func() { _, _ = db.Exec(`DROP SCHEMA "` + s + `" CASCADE`) })
+	exec(t, db, `CREATE TABLE "`+s+`"."Inbox" (consumer text NOT NULL, message_id text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+		PRIMARY KEY (consumer, message_id, processed_at)) PARTITION BY RANGE (processed_at)`)
+	exec(t, db, `CREATE TABLE "`+s+`".y2026 PARTITION OF "`+s+`"."Inbox" FOR VALUES FROM ('2026-01-01') TO ('2027-01-01') PARTITION BY RANGE (processed_at)`)
+	exec(t, db, `CREATE TABLE "`+s+`".h1 PARTITION OF "`+s+`".y2026 FOR VALUES FROM ('2026-01-01') TO ('2026-07-01')`)
+	exec(t, db, `CREATE TABLE "`+s+`".h2 PARTITION OF "`+s+`".y2026 FOR VALUES FROM ('2026-07-01') TO ('2027-01-01')`)
+	exec(t, db, `INSERT INTO "`+s+`"."Inbox" SELECT 'billing', 'm' || g, timestamptz '2026-03-01' + g * interval '1 minute' FROM generate_series(1, 3000) g`)
+	exec(t, db, `INSERT INTO "`+s+`"."Inbox" SELECT 'billing', 'n' || g, timestamptz '2026-08-01' + g * interval '1 minute' FROM generate_series(1, 1000) g`)
+	exec(t, db, `ANALYZE "`+s+`".h1`)
+	exec(t, db, `ANALYZE "`+s+`".h2`)
+	for _, d := range []inbox.Dialect{nil, inbox.PostgreSQLPartitioned} {
+		for table, want := range map[string]int64{s + ".Inbox": 4000, s + ".y2026": 4000, s + ".h2": 1000} {
+			if n, err := inbox.EstimateRows(ctx, db, d, table); err != nil || n != want {
+				t.Errorf("dialect %v, %s: estimate %d (%v), want %d", d, table, n, err, want)
+			}
+			if st, err := inbox.Stats(ctx, db, d, table); err != nil || st.SizeBytes <= 0 {
+				t.Errorf("dialect %v, %s: size %d (%v), want its partitions'", d, table, st.SizeBytes, err)
+			}
+		}
+	}
+}
