@@ -231,19 +231,26 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 	start := time.Now()
 	round := p.round(ctx)
 	round.Duration = time.Since(start)
-	fields := watermill.LogFields{
+	// The table and, for a purge limited to one, the consumer: purgers of
+	// consumers that share a table logged lines told apart only by their
+	// windows.
+	who := watermill.LogFields{"table": p.table.String()}
+	if c := p.cfg.Purge.Consumer; c != "" {
+		who["consumer"] = c
+	}
+	fields := who.Add(watermill.LogFields{
 		"deleted": round.Deleted, "duration": round.Duration.String(), "window": round.Window.String(),
 		"oldest_age": round.OldestAge.String(),
 		"batches":    round.Pacing.Batches, "paused": round.Pacing.Paused.String(),
 		"back_offs": round.Pacing.BackOffs, "duty_cycle": round.Pacing.DutyCycle,
-	}
+	})
 	switch {
 	case round.Err != nil && ctx.Err() == nil:
 		p.cfg.Logger.Error("Inbox purge round failed", round.Err, fields)
 	case round.Err != nil:
 		// Stopping: not an error worth an Error line.
 	case round.Skipped:
-		p.cfg.Logger.Info("Inbox purge round skipped: another instance holds the purge lock", nil)
+		p.cfg.Logger.Info("Inbox purge round skipped: another instance holds the purge lock", who)
 	default:
 		p.cfg.Logger.Info("Inbox purge round", fields)
 	}
@@ -254,7 +261,7 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 }
 
 func (p *Purger) round(ctx context.Context) (round PurgeRound) {
-	lease, got, err := acquirePurgeLock(ctx, p.cfg.Purge.DB, p.dialect, p.table, false)
+	lease, got, err := acquirePurgeLock(ctx, p.cfg.Purge.DB, p.dialect, p.table, p.cfg.Purge.Consumer, false)
 	if err != nil {
 		return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
 	}
@@ -274,10 +281,20 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 	return round
 }
 
-// purgeLockKey is the purge lock key of the resolved table name.
-func purgeLockKey(t qualifiedName) int64 {
+// purgeLockKey is the purge lock key of the resolved table name, and of
+// consumer when the purge is limited to one (PurgeConfig.Consumer) and
+// deletes rows: purgers of consumers that share a table, each with its own
+// window, skipped each other's rounds under the table's one key (one in
+// the same process as often as not). Their batches delete different rows;
+// a purge of every consumer may run beside them as two instances' batches
+// may, each taking the rows the other left. A partitioned table keeps the
+// table's key whatever the consumer: every round maintains its partitions.
+func purgeLockKey(t qualifiedName, consumer string) int64 {
 	h := fnv.New64a()
 	h.Write([]byte("watermill-inbox purge " + t.String()))
+	if consumer != "" {
+		h.Write([]byte("\x00consumer " + consumer))
+	}
 	return int64(h.Sum64())
 }
 
@@ -300,7 +317,8 @@ var errBadConn = driver.ErrBadConn
 // the database resolves it (so instances that spell the table differently
 // still exclude each other), as d does it (Dialect.purgeLock). Without
 // wait, got is false when another instance holds it; with wait, it waits
-// for it (until ctx ends).
-func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, wait bool) (purgeLease, bool, error) {
-	return d.purgeLock(ctx, db, t, wait)
+// for it (until ctx ends). consumer is the consumer the purge is limited
+// to, "" for every consumer (see purgeLockKey).
+func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, consumer string, wait bool) (purgeLease, bool, error) {
+	return d.purgeLock(ctx, db, t, consumer, wait)
 }

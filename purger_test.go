@@ -50,12 +50,12 @@ func TestPurgerRound(t *testing.T) {
 		}
 		var infos int
 		for _, l := range *logger.lines {
-			if l.level == "info" && l.fields["deleted"] == int64(1200) {
+			if l.level == "info" && l.fields["deleted"] == int64(1200) && l.fields["table"] == f.inbox {
 				infos++
 			}
 		}
 		if infos != 1 {
-			t.Errorf("log lines %v, want one Info line with deleted=1200", *logger.lines)
+			t.Errorf("log lines %v, want one Info line with deleted=1200 and the table", *logger.lines)
 		}
 	})
 }
@@ -295,6 +295,66 @@ func TestPurgerRoundLimitedToAConsumerMeasuresItsOwnOldestRow(t *testing.T) {
 		}
 		if n := count(t, db, f.inbox, "consumer = 'ledger'"); n != 10 {
 			t.Errorf("%d of ledger's rows left, want 10", n)
+		}
+	})
+}
+
+// Purgers of consumers that share a table, each limited to its own
+// consumer with its own window, do not skip each other's rounds: the purge
+// lock was the table's, so one skipped whenever the other held it (as
+// often as not in one process, where InboxPurgeNotRunning then fired for
+// the one that lost three rounds in a row). Instances of one consumer's
+// purger still exclude each other, and on a partitioned table, whose every
+// round maintains the partitions, so do the consumers' purgers.
+func TestPurgersOfConsumersThatShareATableDoNotSkipEachOther(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite takes no purge lock: its writers are serialised by the database")
+		}
+		f := newFixture(t, db)
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			f.inbox = lastSixDaysPartitionedTable(t, db)
+		} else {
+			f.newInbox(inbox.Config{})
+		}
+		insertRows(t, db, tdb.Dialect, f.inbox, "orders", "expired", 10, 2*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "ledger", "expired", 10, 3*24*time.Hour)
+		purgerOf := func(consumer string, window time.Duration) *inbox.Purger {
+			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+				DB: db, Dialect: tdb.Dialect, Table: f.inbox, Consumer: consumer, OlderThan: window,
+			}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		orders, ledger := purgerOf("orders", time.Hour), purgerOf("ledger", 2*24*time.Hour)
+		db.SetMaxOpenConns(6)
+		ctx := context.Background()
+		release, got, err := inbox.PurgeLock(ctx, db, orders) // orders' round in progress
+		if !got || err != nil {
+			t.Fatalf("lock: %v %v", got, err)
+		}
+		defer release() //nolint:errcheck // released below; a second release is harmless
+		another := purgerOf("orders", time.Hour)
+		if r := another.RunOnce(ctx); !r.Skipped {
+			t.Errorf("a second instance of orders' purger: %+v, want skipped while the first holds the lock", r)
+		}
+		r := ledger.RunOnce(ctx)
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			if !r.Skipped {
+				t.Errorf("ledger's purger on a partitioned table: %+v, want skipped while orders' round maintains the partitions", r)
+			}
+			return
+		}
+		if r.Skipped || r.Err != nil || r.Deleted != 10 {
+			t.Errorf("ledger's purger while orders' round runs: %+v, want its 10 expired rows deleted", r)
+		}
+		if err := release(); err != nil {
+			t.Fatal(err)
+		}
+		if r := orders.RunOnce(ctx); r.Skipped || r.Err != nil || r.Deleted != 10 {
+			t.Errorf("orders' round: %+v, want its 10 expired rows deleted", r)
 		}
 	})
 }
