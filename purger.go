@@ -92,8 +92,9 @@ type PurgeRound struct {
 // maintained (a DEFAULT partition, say) fails every round with
 // ErrIncompatibleTable rather than grow unnoticed. Several instances
 // of an application may run one against the same table at once: each round
-// first takes a lock keyed by the table name, and an instance that does not
-// get it skips the round instead of competing for the same rows. On
+// first takes a lock keyed by the table name (and PurgeConfig.Consumer, on
+// a table that is not partitioned: see purgeLockKey), and an instance that
+// does not get it skips the round instead of competing for the same rows. On
 // PostgreSQL it is a transaction-scoped advisory lock
 // (pg_try_advisory_xact_lock) in a transaction held open for the round, so
 // the exclusion holds behind a transaction-mode pooler such as PgBouncer;
