@@ -12,8 +12,8 @@ import (
 // EstimateRows returns an estimate of the rows in the inbox table, cheap on
 // large tables: the planner's statistics on PostgreSQL (pg_class.reltuples,
 // summed over the partitions of a partitioned table, whichever PostgreSQL
-// dialect d is; -1 before the first
-// ANALYZE or autovacuum, reported as 0), information_schema.tables.table_rows
+// dialect d is; before a table's first ANALYZE, the statistics system's
+// count of its live rows), information_schema.tables.table_rows
 // on MySQL/MariaDB (InnoDB's estimate, which can be off by 40-50 %), and an
 // exact COUNT(*) on SQLite, which keeps no estimate (SQLite tables are
 // expected to be small enough). A nil d is inferred from db's driver name.

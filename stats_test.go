@@ -149,3 +149,41 @@ func TestEstimateRowsAndSizeOfATwoLevelPartitionTree(t *testing.T) {
 		}
 	}
 }
+
+// Before a table's first ANALYZE (autovacuum off, or not run yet) the
+// estimate counts the live rows the statistics system keeps, on a plain
+// and on a partitioned table: it said 0 however many rows there were,
+// which a dashboard cannot tell from an empty table.
+func TestEstimateRowsBeforeTheFirstAnalyze(t *testing.T) {
+	for _, d := range []inbox.Dialect{inbox.PostgreSQL, inbox.PostgreSQLPartitioned} {
+		t.Run(d.String(), func(t *testing.T) {
+			db := testdb.OpenPostgres(t, "")
+			f := newFixture(t, db)
+			f.newInbox(inbox.Config{Dialect: d})
+			if d == inbox.PostgreSQL { // a partitioned table has no storage parameters: its partitions do
+				exec(t, db, "ALTER TABLE "+f.inbox+" SET (autovacuum_enabled = false)")
+			}
+			var partitions []string
+			if err := db.Select(&partitions, "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = $1::regclass", f.inbox); err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range partitions {
+				exec(t, db, "ALTER TABLE "+p+" SET (autovacuum_enabled = false)")
+			}
+			insertRows(t, db, d, f.inbox, "billing", "m", 1500, time.Minute)
+			// The statistics reach shared memory within a second of the
+			// commit (PostgreSQL 15's pgstat flush).
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				n, err := inbox.EstimateRows(context.Background(), db, nil, f.inbox)
+				if err == nil && n == 1500 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("estimate before the first ANALYZE: %d (%v), want the 1500 live rows", n, err)
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		})
+	}
+}
