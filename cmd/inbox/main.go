@@ -467,8 +467,13 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		" with -brokers/-topics or -nats-url/-nats-stream, checked against the safe window (or, without it, taken from it) as inbox purge does")
 	lag := fs.Duration("purge-lag", defaultPurgeLag, "how far past the window the oldest row may be before stats warns that the purge is falling behind"+
 		" (a partitioned table's partition interval is added)")
+	timeout := fs.Duration("timeout", defaultStatsTimeout, "give up when the reads take longer: a table another session holds a lock on"+
+		" (a migration, an operator's LOCK TABLE) made stats wait for as long as it was held; the error says which read")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if *timeout <= 0 {
+		return fmt.Errorf("%w: -timeout must be positive, got %v", errUsage, *timeout)
 	}
 	if err := win.check(false); err != nil {
 		return err
@@ -481,15 +486,17 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer db.Close()
+	ctx, cancel := context.WithTimeoutCause(ctx, *timeout, fmt.Errorf("the reads took longer than -timeout %v (is a table locked?)", *timeout))
+	defer cancel()
 	st, err := inbox.Stats(ctx, db, d, c.table)
 	if err != nil {
-		return err
+		return withCause(ctx, err)
 	}
 	// Read before printing anything: a failed command prints nothing on
 	// stdout, where a script must not see success.
 	ob, err := readOutbox(ctx, db, d, *outboxTable)
 	if err != nil {
-		return err
+		return withCause(ctx, err)
 	}
 	var room *headroom
 	if win.given() {
@@ -534,6 +541,19 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(ob.DeadLettered, "message"))
 	}
 	return nil
+}
+
+// defaultStatsTimeout bounds inbox stats' reads (-timeout).
+const defaultStatsTimeout = 30 * time.Second
+
+// withCause returns err, with the cause of ctx's end added when ctx has
+// ended (a -timeout says so, where the driver says only that the context
+// ended).
+func withCause(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) && cause != ctx.Err() {
+		return fmt.Errorf("%w: %w", err, cause)
+	}
+	return err
 }
 
 // firstLineOf returns the first line of s, cut at max bytes (with "...").

@@ -155,3 +155,42 @@ func (refuseAll) Publish(string, ...*message.Message) error {
 }
 
 func (refuseAll) Close() error { return nil }
+
+// "inbox stats -timeout" bounds its reads: an outbox table another session
+// holds a lock on (a migration, an operator's LOCK TABLE) made stats wait,
+// silent, for as long as it was held. The command fails, saying that the
+// reads outlived -timeout and which one, and prints nothing on stdout.
+func TestStatsGivesUpOnATableLockedLongerThanItsTimeout(t *testing.T) {
+	for name, c := range dsns(t) {
+		if name == "sqlite" {
+			continue // a WAL database lets readers through any writer's lock
+		}
+		t.Run(name, func(t *testing.T) {
+			table, outbox := "cli_"+testdb.RandomSuffix(), "cli_outbox_"+testdb.RandomSuffix()
+			testdb.DropLater(t, c.db, table)
+			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
+				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
+			}
+			relayWithADeadLetter(t, c.db, outbox, 2)
+			conn, err := c.db.Connx(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			lock := map[string][]string{
+				"postgres": {"BEGIN", "LOCK TABLE " + outbox + " IN ACCESS EXCLUSIVE MODE"},
+				"mysql":    {"LOCK TABLES " + outbox + " WRITE"},
+			}[name]
+			for _, q := range lock {
+				if _, err := conn.ExecContext(context.Background(), q); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var out strings.Builder
+			err = statsCmd(context.Background(), []string{"-db", c.dsn, "-table", table, "-outbox-table", outbox, "-timeout", "1s"}, &out, &strings.Builder{})
+			if err == nil || !strings.Contains(err.Error(), "-timeout 1s") || !strings.Contains(err.Error(), outbox) || out.Len() > 0 {
+				t.Errorf("stats while %s is locked: %v, stdout %q; want an error naming the outbox and -timeout, nothing on stdout", outbox, err, out.String())
+			}
+		})
+	}
+}
