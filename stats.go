@@ -107,6 +107,39 @@ func readStats(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifie
 	return nil
 }
 
+// OldestRowAge returns how long ago the oldest row of the inbox table was
+// processed, of consumer's rows when consumer is not "", by the database
+// clock (the one processed_at and the purge's cutoff go by), and false when
+// there is no such row: what a Purger round limited to that consumer
+// (PurgeConfig.Consumer) measures as PurgeRound.OldestAge on a table that
+// is not partitioned. It reads MIN(processed_at): on a table that consumers
+// with different windows share, give it the index docs/purge.md names.
+// Errors: an invalid consumer wraps ErrInvalidConsumer. d nil: inferred
+// from db; table "": DefaultTable.
+func OldestRowAge(ctx context.Context, db *sqlx.DB, d Dialect, table, consumer string) (time.Duration, bool, error) {
+	if consumer != "" {
+		if err := checkKey(consumer, ErrInvalidConsumer, nil, nil); err != nil {
+			return 0, false, fmt.Errorf("inbox: oldest row: %w", err)
+		}
+	}
+	d, t, err := resolveTarget(db, d, table)
+	if err != nil {
+		return 0, false, err
+	}
+	query, args := d.oldestAgeSQL(t, consumer)
+	var us sql.NullInt64
+	err = withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+		return q.QueryRowxContext(ctx, query, args...).Scan(&us)
+	})
+	if err != nil {
+		return 0, false, fmt.Errorf("inbox: oldest row of %s: %w", t, err)
+	}
+	if !us.Valid {
+		return 0, false, nil
+	}
+	return time.Duration(max(us.Int64, 0)) * time.Microsecond, true, nil
+}
+
 // CountExpired returns how many rows Purge with cfg would delete now (a
 // dry run): rows older than cfg.OlderThan by the database clock, of
 // cfg.Consumer if set. cfg.Window is checked as Purge checks it.

@@ -467,6 +467,8 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		" with -brokers/-topics or -nats-url/-nats-stream, checked against the safe window (or, without it, taken from it) as inbox purge does")
 	lag := fs.Duration("purge-lag", defaultPurgeLag, "how far past the window the oldest row may be before stats warns that the purge is falling behind"+
 		" (a partitioned table's partition interval is added)")
+	consumer := fs.String("consumer", "", "measure the headroom by this consumer's rows: a purge limited to it (inbox purge -consumer,"+
+		" PurgeConfig.Consumer) on a table that consumers with other windows share; default: every consumer's")
 	timeout := fs.Duration("timeout", defaultStatsTimeout, "give up when the reads take longer: a table another session holds a lock on"+
 		" (a migration, an operator's LOCK TABLE) made stats wait for as long as it was held; the error says which read")
 	if err := parse(fs, args); err != nil {
@@ -504,7 +506,10 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err != nil {
 			return err
 		}
-		h := readHeadroom(ctx, db, c.table, st, w, *lag)
+		h, err := readHeadroom(ctx, db, d, c.table, *consumer, st, w, *lag)
+		if err != nil {
+			return withCause(ctx, err)
+		}
 		room = &h
 	}
 	fmt.Fprintf(stdout, "table:    %s\n", c.table)

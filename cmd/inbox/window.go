@@ -150,6 +150,7 @@ const defaultPurgeLag = 3 * inbox.DefaultPurgeInterval
 // row's age against it.
 type headroom struct {
 	purgeWindow
+	consumer  string        // the consumer whose rows it measures (-consumer); "" for every consumer's
 	oldestAge time.Duration // 0 when empty
 	empty     bool
 	lag       time.Duration // how far past the window the oldest row may be before it is a warning
@@ -157,11 +158,21 @@ type headroom struct {
 }
 
 // readHeadroom returns the headroom of the table whose stats are st, under
-// window; on PostgreSQL it reads the table's partition interval, if it has
-// one, which the purge may keep past the window.
-func readHeadroom(ctx context.Context, db *sqlx.DB, table string, st inbox.TableStats, window purgeWindow, lag time.Duration) headroom {
-	h := headroom{purgeWindow: window, empty: st.Rows == 0, lag: lag}
-	if !h.empty {
+// window, of consumer's rows when consumer is not "" (a purge limited to
+// it: on a table that consumers with different windows share, another's
+// older rows are not its purge's to delete); on PostgreSQL it reads the
+// table's partition interval, if it has one, which the purge may keep past
+// the window.
+func readHeadroom(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table, consumer string, st inbox.TableStats, window purgeWindow, lag time.Duration) (headroom, error) {
+	h := headroom{purgeWindow: window, consumer: consumer, empty: st.Rows == 0, lag: lag}
+	switch {
+	case consumer != "":
+		age, ok, err := inbox.OldestRowAge(ctx, db, d, table, consumer)
+		if err != nil {
+			return h, err
+		}
+		h.oldestAge, h.empty = age, !ok
+	case !h.empty:
 		h.oldestAge = max(st.ReadAt.Sub(st.Oldest), 0) // by the database clock, as the purge's cutoff
 	}
 	if db.DriverName() == "pgx" {
@@ -171,7 +182,7 @@ func readHeadroom(ctx context.Context, db *sqlx.DB, table string, st inbox.Table
 			h.partition = map[inbox.PartitionInterval]time.Duration{inbox.PartitionDay: 24 * time.Hour, inbox.PartitionWeek: 7 * 24 * time.Hour}[iv]
 		}
 	}
-	return h
+	return h, nil
 }
 
 // behind reports whether the oldest row is past the window by more than
@@ -185,21 +196,25 @@ func (h headroom) behind() bool {
 // warning.
 func (h headroom) print(w io.Writer) {
 	fmt.Fprintf(w, "window:   %s%s from %s\n", h.window, inDays(h.window), h.from)
+	empty, oldest := "the table is empty", "the oldest row"
+	if h.consumer != "" {
+		empty, oldest = "consumer "+h.consumer+" has no rows", "the oldest row of consumer "+h.consumer
+	}
 	if h.empty {
-		fmt.Fprintf(w, "headroom: %s, the whole window: the table is empty\n", h.window)
+		fmt.Fprintf(w, "headroom: %s, the whole window: %s\n", h.window, empty)
 		return
 	}
 	age := h.oldestAge.Round(time.Second)
 	left := (h.window - h.oldestAge).Round(time.Second)
-	fmt.Fprintf(w, "headroom: %s: the oldest row is %s old, the window %s\n", left, age, h.window)
+	fmt.Fprintf(w, "headroom: %s: %s is %s old, the window %s\n", left, oldest, age, h.window)
 	allowance := fmt.Sprintf("-purge-lag %s", h.lag)
 	if h.partition > 0 {
 		allowance += fmt.Sprintf(" plus the table's partition interval %s (a partition is dropped once all of it is past the window)", h.partition)
 	}
 	switch {
 	case h.behind():
-		fmt.Fprintf(w, "warning:  the oldest row is %s past the window, more than %s: the purge is falling behind or not running"+
-			" (is the purger running, and with this window? see docs/operations.md#alerts)\n", -left, allowance)
+		fmt.Fprintf(w, "warning:  %s is %s past the window, more than %s: the purge is falling behind or not running"+
+			" (is the purger running, and with this window? see docs/operations.md#alerts)\n", oldest, -left, allowance)
 	case left < 0:
 		fmt.Fprintf(w, "          past the window by %s, within %s: normal between two purge rounds\n", -left, allowance)
 	}

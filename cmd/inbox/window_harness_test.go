@@ -18,6 +18,12 @@ import (
 // the database's now, on the database db of dsns(t)[name].
 func insertAged(t *testing.T, db *sqlx.DB, name, table string, n int, ago time.Duration) {
 	t.Helper()
+	insertAgedOf(t, db, name, table, "billing", n, ago)
+}
+
+// insertAgedOf is insertAged for consumer's rows.
+func insertAgedOf(t *testing.T, db *sqlx.DB, name, table, consumer string, n int, ago time.Duration) {
+	t.Helper()
 	us := ago.Microseconds()
 	expr := map[string]string{
 		"sqlite":   fmt.Sprintf("CAST(unixepoch('subsec') * 1000000 AS INTEGER) - %d", us),
@@ -25,7 +31,7 @@ func insertAged(t *testing.T, db *sqlx.DB, name, table string, n int, ago time.D
 		"mysql":    fmt.Sprintf("UTC_TIMESTAMP(6) - INTERVAL %d MICROSECOND", us),
 	}[name]
 	for i := range n {
-		if _, err := db.Exec(db.Rebind("INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES (?, ?, "+expr+")"), "billing", fmt.Sprintf("%s-%d", ago, i)); err != nil {
+		if _, err := db.Exec(db.Rebind("INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES (?, ?, "+expr+")"), consumer, fmt.Sprintf("%s-%d", ago, i)); err != nil {
 			t.Fatal(err)
 		}
 	}

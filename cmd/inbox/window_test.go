@@ -163,3 +163,33 @@ func TestStatsWindowFlagsUsageErrors(t *testing.T) {
 		}
 	}
 }
+
+// "inbox stats -consumer" measures the headroom by that consumer's rows,
+// as a purge limited to it does: on a table that consumers with other
+// windows share, another consumer's older rows made stats warn that a
+// healthy purge was falling behind.
+func TestStatsMeasuresTheHeadroomOfOneConsumer(t *testing.T) {
+	for name, c := range dsns(t) {
+		t.Run(name, func(t *testing.T) {
+			table := "cli_" + testdb.RandomSuffix()
+			testdb.DropLater(t, c.db, table)
+			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
+				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
+			}
+			insertAgedOf(t, c.db, name, table, "orders", 1, 30*time.Minute)
+			insertAgedOf(t, c.db, name, table, "ledger", 1, 5*24*time.Hour)
+			code, out, errOut := cli(t, "stats", "-db", c.dsn, "-table", table, "-older-than", "1h", "-purge-lag", "10m", "-consumer", "orders")
+			if code != 0 || !regexp.MustCompile(`(?m)^headroom: (29m|30m)\d*s?: the oldest row of consumer orders is (29m5\ds|30m\d*s?) old, the window 1h0m0s$`).MatchString(out) ||
+				strings.Contains(out, "warning:") {
+				t.Errorf("stats -consumer orders: exit %d, stderr %q, stdout\n%s\nwant orders' 30m-old row against the 1h window, no warning", code, errOut, out)
+			}
+			code, out, _ = cli(t, "stats", "-db", c.dsn, "-table", table, "-older-than", "1h", "-consumer", "shipping")
+			if code != 0 || !strings.Contains(out, "headroom: 1h0m0s, the whole window: consumer shipping has no rows\n") {
+				t.Errorf("stats -consumer shipping: exit %d, stdout\n%s\nwant the whole window", code, out)
+			}
+			if code, out, _ := cli(t, "stats", "-db", c.dsn, "-table", table, "-older-than", "1h", "-purge-lag", "10m"); code != 0 || !strings.Contains(out, "warning:  the oldest row is ") {
+				t.Errorf("stats of every consumer: exit %d, stdout\n%s\nwant ledger's 5-day-old row to warn", code, out)
+			}
+		})
+	}
+}
