@@ -256,7 +256,7 @@
 //
 // Config.OnProcessed, OnDuplicate and OnFailed are hooks for metrics (the
 // metrics module adapts them to Prometheus); Config.TracerProvider adds one
-// OpenTelemetry span per message; Stats, EstimateRows and CountExpired
+// OpenTelemetry span per message; Stats, EstimateRows, OldestRowAge and CountExpired
 // describe the table; the inbox command (cmd/inbox) prints, applies and
 // verifies the schema, purges and reports statistics from a shell.
 package inbox
