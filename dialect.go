@@ -187,9 +187,8 @@ type Dialect interface {
 	// transaction and returns the rows it deleted and the expired rows it
 	// found (fewer than the batch size: the purge is done).
 	purgeBatch(ctx context.Context, db dbConn, t qualifiedName, q purgeQuery, h *hooks) (deleted, found int64, err error)
-	// purgeLock takes the purge lock of t, for consumer's purge when it is
-	// not "" (see acquirePurgeLock).
-	purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, consumer string, wait bool) (purgeLease, bool, error)
+	// purgeLock takes the purge lock of t (see acquirePurgeLock).
+	purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error)
 	// purgeRound does one Purger round's work on db, under the purge lock.
 	purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound
 

@@ -705,7 +705,7 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 
 // GET_LOCK, a session lock, on one connection taken from the pool for the
 // round; the round's statements run on that connection.
-func (d mysqlDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, consumer string, wait bool) (purgeLease, bool, error) {
+func (d mysqlDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error) {
 	conn, err := db.Connx(ctx)
 	if err != nil {
 		return purgeLease{}, false, fmt.Errorf("connection: %w", err)
@@ -715,10 +715,12 @@ func (d mysqlDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedNam
 		conn.Close()
 		return purgeLease{}, false, err
 	}
-	name := mysqlLockName(purgeLockKey(ct, consumer))
+	name := mysqlLockName(purgeLockKey(ct))
 	timeout := 0
 	if wait {
-		timeout = -1 // forever (until ctx ends)
+		// A year: until ctx ends. Not -1, MySQL's "forever": MariaDB
+		// answers NULL to a negative timeout, at once, without the lock.
+		timeout = 365 * 24 * 3600
 	}
 	var got sql.NullBool
 	if err := conn.QueryRowxContext(ctx, "SELECT GET_LOCK(?, ?) = 1", name, timeout).Scan(&got); err != nil {

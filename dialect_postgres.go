@@ -795,12 +795,12 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 // 1 s) rather than blocking in pg_advisory_xact_lock: a caller blocked on
 // the lock would hold a server connection that the holder may need for its
 // work, which behind a small transaction-mode pool deadlocks the pool.
-func (d postgresDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, consumer string, wait bool) (purgeLease, bool, error) {
+func (d postgresDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, wait bool) (purgeLease, bool, error) {
 	if db.Stats().MaxOpenConnections == 1 {
 		return purgeLease{}, false, fmt.Errorf("%w: on PostgreSQL the purge needs two connections (one holds the lock's transaction), and DB allows one (sql.DB.SetMaxOpenConns)", ErrInvalidConfig)
 	}
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
-		lease, got, err := d.tryPurgeLock(ctx, db, t, consumer)
+		lease, got, err := d.tryPurgeLock(ctx, db, t)
 		if got || err != nil || !wait {
 			return lease, got, err
 		}
@@ -813,7 +813,7 @@ func (d postgresDialect) purgeLock(ctx context.Context, db *sqlx.DB, t qualified
 }
 
 // tryPurgeLock is one attempt of purgeLock.
-func (d postgresDialect) tryPurgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName, consumer string) (purgeLease, bool, error) {
+func (d postgresDialect) tryPurgeLock(ctx context.Context, db *sqlx.DB, t qualifiedName) (purgeLease, bool, error) {
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return purgeLease{}, false, err
@@ -823,21 +823,8 @@ func (d postgresDialect) tryPurgeLock(ctx context.Context, db *sqlx.DB, t qualif
 		tx.Rollback() //nolint:errcheck // the error above is the one to report
 		return purgeLease{}, false, err
 	}
-	if consumer != "" {
-		// A partitioned table's rounds maintain its partitions, whatever
-		// the consumer: they take the table's key (purgeLockKey).
-		var partitioned bool
-		err := tx.QueryRowxContext(ctx, "SELECT EXISTS (SELECT FROM pg_class WHERE oid = to_regclass($1) AND relkind = 'p')", ct.quoted(d)).Scan(&partitioned)
-		if err != nil {
-			tx.Rollback() //nolint:errcheck // the error above is the one to report
-			return purgeLease{}, false, err
-		}
-		if partitioned {
-			consumer = ""
-		}
-	}
 	var got bool
-	if err := tx.QueryRowxContext(ctx, "SELECT pg_try_advisory_xact_lock($1)", purgeLockKey(ct, consumer)).Scan(&got); err != nil || !got {
+	if err := tx.QueryRowxContext(ctx, "SELECT pg_try_advisory_xact_lock($1)", purgeLockKey(ct)).Scan(&got); err != nil || !got {
 		tx.Rollback() //nolint:errcheck // nothing held; err is the one to report
 		return purgeLease{}, false, err
 	}

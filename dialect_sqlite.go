@@ -419,7 +419,7 @@ func (sqliteDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName,
 }
 
 // No lock: every writer is serialised by the database anyway.
-func (sqliteDialect) purgeLock(_ context.Context, db *sqlx.DB, _ qualifiedName, _ string, _ bool) (purgeLease, bool, error) {
+func (sqliteDialect) purgeLock(_ context.Context, db *sqlx.DB, _ qualifiedName, _ bool) (purgeLease, bool, error) {
 	return purgeLease{work: db, release: func() error { return nil }}, true, nil
 }
 

@@ -38,7 +38,7 @@ func CreateTableOnly(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 // PurgeLock takes the purge lock of p through db, as another instance
 // would, and returns the function that releases it.
 func PurgeLock(ctx context.Context, db *sqlx.DB, p *Purger) (release func() error, got bool, err error) {
-	lease, got, err := acquirePurgeLock(ctx, db, p.dialect, p.table, p.cfg.Purge.Consumer, false)
+	lease, got, err := acquirePurgeLock(ctx, db, p.dialect, p.table, false)
 	return lease.release, got, err
 }
 

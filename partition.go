@@ -506,7 +506,7 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 	if _, err := checkWindow(ctx, window, olderThan); err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
-	lease, got, err := acquirePurgeLock(ctx, db, PostgreSQLPartitioned, t, "", true)
+	lease, got, err := acquirePurgeLock(ctx, db, PostgreSQLPartitioned, t, true)
 	if err == nil && !got {
 		err = errors.New("not granted") // cannot happen: it waits
 	}

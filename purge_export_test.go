@@ -35,7 +35,7 @@ func PurgeLockKey(ctx context.Context, db *sqlx.DB, p *Purger) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	return purgeLockKey(ct, ""), nil
+	return purgeLockKey(ct), nil
 }
 
 // MySQLPurgeLockName is the GET_LOCK name of a purge lock key.

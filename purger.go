@@ -41,7 +41,9 @@ type PurgerConfig struct {
 // PurgeRound is the outcome of one round of a Purger.
 type PurgeRound struct {
 	// Skipped is true when another instance held the purge lock, so this
-	// one deleted nothing and measured nothing.
+	// one deleted nothing and measured nothing. A purge limited to one
+	// consumer (PurgeConfig.Consumer) waits for the lock instead, and never
+	// skips.
 	Skipped bool
 	// Deleted is the number of rows deleted (for PostgreSQLPartitioned,
 	// the rows of the dropped partitions).
@@ -92,9 +94,10 @@ type PurgeRound struct {
 // maintained (a DEFAULT partition, say) fails every round with
 // ErrIncompatibleTable rather than grow unnoticed. Several instances
 // of an application may run one against the same table at once: each round
-// first takes a lock keyed by the table name (and PurgeConfig.Consumer, on
-// a table that is not partitioned: see purgeLockKey), and an instance that
-// does not get it skips the round instead of competing for the same rows. On
+// first takes a lock keyed by the table name, and an instance that does not
+// get it skips the round instead of competing for the same rows (a purge
+// limited to one consumer, PurgeConfig.Consumer, waits for it instead: the
+// holder may be another consumer's purge, which does not do its work). On
 // PostgreSQL it is a transaction-scoped advisory lock
 // (pg_try_advisory_xact_lock) in a transaction held open for the round, so
 // the exclusion holds behind a transaction-mode pooler such as PgBouncer;
@@ -262,7 +265,14 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 }
 
 func (p *Purger) round(ctx context.Context) (round PurgeRound) {
-	lease, got, err := acquirePurgeLock(ctx, p.cfg.Purge.DB, p.dialect, p.table, p.cfg.Purge.Consumer, false)
+	// A purge limited to one consumer waits for the lock instead of
+	// skipping: the holder may be another consumer's purge of the table
+	// (consumers with windows of their own), whose round does not do this
+	// one's work; skipping, purgers of consumers sharing a table lost each
+	// other's rounds, in one process as often as not. Waiting polls, holding
+	// no connection between tries (PostgreSQL) or one on which the round
+	// then works (MySQL), so a pool of two connections serves both.
+	lease, got, err := acquirePurgeLock(ctx, p.cfg.Purge.DB, p.dialect, p.table, p.cfg.Purge.Consumer != "")
 	if err != nil {
 		return PurgeRound{Err: fmt.Errorf("inbox: purge lock: %w", err)}
 	}
@@ -282,20 +292,10 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 	return round
 }
 
-// purgeLockKey is the purge lock key of the resolved table name, and of
-// consumer when the purge is limited to one (PurgeConfig.Consumer) and
-// deletes rows: purgers of consumers that share a table, each with its own
-// window, skipped each other's rounds under the table's one key (one in
-// the same process as often as not). Their batches delete different rows;
-// a purge of every consumer may run beside them as two instances' batches
-// may, each taking the rows the other left. A partitioned table keeps the
-// table's key whatever the consumer: every round maintains its partitions.
-func purgeLockKey(t qualifiedName, consumer string) int64 {
+// purgeLockKey is the purge lock key of the resolved table name.
+func purgeLockKey(t qualifiedName) int64 {
 	h := fnv.New64a()
 	h.Write([]byte("watermill-inbox purge " + t.String()))
-	if consumer != "" {
-		h.Write([]byte("\x00consumer " + consumer))
-	}
 	return int64(h.Sum64())
 }
 
@@ -318,8 +318,7 @@ var errBadConn = driver.ErrBadConn
 // the database resolves it (so instances that spell the table differently
 // still exclude each other), as d does it (Dialect.purgeLock). Without
 // wait, got is false when another instance holds it; with wait, it waits
-// for it (until ctx ends). consumer is the consumer the purge is limited
-// to, "" for every consumer (see purgeLockKey).
-func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, consumer string, wait bool) (purgeLease, bool, error) {
-	return d.purgeLock(ctx, db, t, consumer, wait)
+// for it (until ctx ends).
+func acquirePurgeLock(ctx context.Context, db *sqlx.DB, d Dialect, t qualifiedName, wait bool) (purgeLease, bool, error) {
+	return d.purgeLock(ctx, db, t, wait)
 }

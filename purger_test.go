@@ -300,12 +300,12 @@ func TestPurgerRoundLimitedToAConsumerMeasuresItsOwnOldestRow(t *testing.T) {
 }
 
 // Purgers of consumers that share a table, each limited to its own
-// consumer with its own window, do not skip each other's rounds: the purge
-// lock was the table's, so one skipped whenever the other held it (as
-// often as not in one process, where InboxPurgeNotRunning then fired for
-// the one that lost three rounds in a row). Instances of one consumer's
-// purger still exclude each other, and on a partitioned table, whose every
-// round maintains the partitions, so do the consumers' purgers.
+// consumer with its own window, do not skip each other's rounds: a round
+// limited to a consumer waits for the purge lock, which another consumer's
+// round may hold, instead of skipping (one skipped whenever the other held
+// it, as often as not in one process, and InboxPurgeNotRunning fired for
+// the one that lost three rounds in a row). A purge of every consumer still
+// skips while another instance holds the lock.
 func TestPurgersOfConsumersThatShareATableDoNotSkipEachOther(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		if tdb.Dialect == inbox.SQLite {
@@ -335,26 +335,63 @@ func TestPurgersOfConsumersThatShareATableDoNotSkipEachOther(t *testing.T) {
 		if !got || err != nil {
 			t.Fatalf("lock: %v %v", got, err)
 		}
-		defer release() //nolint:errcheck // released below; a second release is harmless
-		another := purgerOf("orders", time.Hour)
-		if r := another.RunOnce(ctx); !r.Skipped {
-			t.Errorf("a second instance of orders' purger: %+v, want skipped while the first holds the lock", r)
+		if r := purgerOf("", 4*24*time.Hour).RunOnce(ctx); !r.Skipped {
+			t.Errorf("a purge of every consumer while another round holds the lock: %+v, want skipped", r)
 		}
-		r := ledger.RunOnce(ctx)
-		if tdb.Dialect == inbox.PostgreSQLPartitioned {
-			if !r.Skipped {
-				t.Errorf("ledger's purger on a partitioned table: %+v, want skipped while orders' round maintains the partitions", r)
-			}
-			return
-		}
-		if r.Skipped || r.Err != nil || r.Deleted != 10 {
-			t.Errorf("ledger's purger while orders' round runs: %+v, want its 10 expired rows deleted", r)
-		}
+		rounds := make(chan inbox.PurgeRound, 2)
+		go func() { rounds <- ledger.RunOnce(ctx) }()
+		go func() { rounds <- orders.RunOnce(ctx) }() // another instance of orders' purger
 		if err := release(); err != nil {
 			t.Fatal(err)
 		}
-		if r := orders.RunOnce(ctx); r.Skipped || r.Err != nil || r.Deleted != 10 {
-			t.Errorf("orders' round: %+v, want its 10 expired rows deleted", r)
+		var deleted int64
+		for range 2 {
+			r := <-rounds
+			if r.Skipped || r.Err != nil {
+				t.Errorf("a consumer's round while another held the lock: %+v, want it to wait and run", r)
+			}
+			deleted += r.Deleted
+		}
+		if deleted != 20 || f.inboxRows() != 0 {
+			t.Errorf("%d deleted, %d rows left; want both consumers' 10 expired rows deleted", deleted, f.inboxRows())
+		}
+	})
+}
+
+// Two purgers of consumers that share a PostgreSQL table, on a pool of two
+// connections (the least a PostgreSQL purge takes: one holds the lock's
+// transaction, the other runs the round), both finish their rounds when
+// they start at once: the one that waits for the lock holds no connection
+// between its tries.
+func TestPurgersOfConsumersThatShareATableFinishOnAPoolOfTwo(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect == inbox.SQLite {
+			t.Skip("SQLite takes no purge lock")
+		}
+		f := newFixture(t, db)
+		f.newInbox(inbox.Config{Dialect: tdb.Dialect})
+		insertRows(t, db, tdb.Dialect, f.inbox, "orders", "expired", 10, 2*time.Hour)
+		insertRows(t, db, tdb.Dialect, f.inbox, "ledger", "expired", 10, 3*24*time.Hour)
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			t.Skip("the rows of the last days need their partitions: TestPurgersOfConsumersThatShareATableDoNotSkipEachOther covers this dialect's waits")
+		}
+		db.SetMaxOpenConns(2)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		rounds := make(chan inbox.PurgeRound, 2)
+		for consumer, window := range map[string]time.Duration{"orders": time.Hour, "ledger": 2 * 24 * time.Hour} {
+			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+				DB: db, Dialect: tdb.Dialect, Table: f.inbox, Consumer: consumer, OlderThan: window,
+			}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			go func() { rounds <- p.RunOnce(ctx) }()
+		}
+		for range 2 {
+			if r := <-rounds; r.Skipped || r.Err != nil || r.Deleted != 10 {
+				t.Errorf("round on a pool of two: %+v, want its consumer's 10 expired rows deleted", r)
+			}
 		}
 	})
 }
