@@ -276,10 +276,11 @@ func (d postgresDialect) oldestAgeSQL(t qualifiedName, consumer string) (string,
 	return q + " WHERE consumer = " + pgStringConstant(consumer), nil
 }
 
-// The planner's estimate (reltuples; before a table's first ANALYZE, -1 on
-// PostgreSQL 14+, the statistics system's count of live rows, which
-// inserts and deletes keep: with autovacuum off, or before it runs, the
-// estimate said 0 rows however many there were), summed over the table's partitions at
+// The planner's estimate (reltuples; where it says none, -1 before a
+// table's first ANALYZE on PostgreSQL 14+ or 0 after a VACUUM of the empty
+// table, the statistics system's count of live rows, which inserts and
+// deletes keep: with autovacuum off, or before it runs, the estimate said 0
+// rows however many there were), summed over the table's partitions at
 // every level when it has any (a partitioned table's own reltuples stays -1:
 // autovacuum never analyzes it), read from the catalog without locking
 // any of them: the table alone when it is not partitioned. Both PostgreSQL
@@ -289,7 +290,7 @@ func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
 	return `WITH RECURSIVE tree (relid) AS (
 				SELECT to_regclass($1)::oid
 				UNION ALL SELECT i.inhrelid FROM pg_inherits i JOIN tree ON i.inhparent = tree.relid)
-			SELECT COALESCE(SUM(CASE WHEN c.reltuples >= 0 THEN c.reltuples
+			SELECT COALESCE(SUM(CASE WHEN c.reltuples > 0 THEN c.reltuples
 					ELSE pg_stat_get_live_tuples(c.oid) END) FILTER (WHERE c.relkind <> 'p'), 0)::bigint
 			FROM tree JOIN pg_class c ON c.oid = tree.relid HAVING count(*) > 0`, []any{t.quoted(d)}
 }

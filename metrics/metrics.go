@@ -162,21 +162,25 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 // Instrument returns cfg with its OnProcessed, OnDuplicate, OnFailed and
 // OnReusedID hooks recording to m (a reused id also counts as failed or
 // duplicate in inbox_messages_total, by what the inbox did with it). Hooks
-// already set in cfg still run, first.
+// already set in cfg still run, first; one that panics is still counted
+// (the inbox logs the panic and changes no outcome: the count stopped with
+// it, and an alert on a failing handler could not fire).
 func (m *Metrics) Instrument(cfg inbox.Config) inbox.Config {
 	cfg.OnProcessed = m.hook(cfg.OnProcessed, OutcomeProcessed)
 	cfg.OnDuplicate = m.hook(cfg.OnDuplicate, OutcomeDuplicate)
 	cfg.OnFailed = m.hook(cfg.OnFailed, OutcomeFailed)
 	next := cfg.OnReusedID
 	cfg.OnReusedID = func(e inbox.Event) {
+		defer func() {
+			action := ReusedIDSkipped
+			if e.Err != nil {
+				action = ReusedIDRefused
+			}
+			m.reusedIDs.WithLabelValues(handlerName(e), e.Consumer, action).Inc()
+		}()
 		if next != nil {
 			next(e)
 		}
-		action := ReusedIDSkipped
-		if e.Err != nil {
-			action = ReusedIDRefused
-		}
-		m.reusedIDs.WithLabelValues(handlerName(e), e.Consumer, action).Inc()
 	}
 	return cfg
 }
@@ -191,19 +195,24 @@ func handlerName(e inbox.Event) string {
 
 func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event) {
 	return func(e inbox.Event) {
+		defer m.count(e, outcome) // also when next panics
 		if next != nil {
 			next(e)
 		}
-		handler := handlerName(e)
-		if _, ok := m.seen.Load([2]string{handler, e.Consumer}); !ok {
-			m.seen.Store([2]string{handler, e.Consumer}, struct{}{})
-			m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDRefused)
-			m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDSkipped)
-		}
-		m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
-		if e.Duration > 0 {
-			m.txSeconds.WithLabelValues(handler, e.Consumer, outcome).Observe(e.Duration.Seconds())
-		}
+	}
+}
+
+// count records e's outcome.
+func (m *Metrics) count(e inbox.Event, outcome string) {
+	handler := handlerName(e)
+	if _, ok := m.seen.Load([2]string{handler, e.Consumer}); !ok {
+		m.seen.Store([2]string{handler, e.Consumer}, struct{}{})
+		m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDRefused)
+		m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDSkipped)
+	}
+	m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
+	if e.Duration > 0 {
+		m.txSeconds.WithLabelValues(handler, e.Consumer, outcome).Observe(e.Duration.Seconds())
 	}
 }
 

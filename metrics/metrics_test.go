@@ -130,31 +130,7 @@ func TestMetricsScrape(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	pubsub := make(chan *message.Message)
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	router.AddMiddleware(ib.Middleware)
-	router.AddConsumerHandler("billing", "orders", &chanSubscriber{ch: pubsub}, func(msg *message.Message) error {
-		if string(msg.Payload) == "fail" {
-			return errors.New("failed")
-		}
-		return nil
-	})
-	go router.Run(context.Background())
-	<-router.Running()
-	defer router.Close()
-	deliver := func(msg *message.Message) {
-		m := msg.Copy()
-		pubsub <- m
-		select {
-		case <-m.Acked():
-		case <-m.Nacked():
-		case <-time.After(10 * time.Second):
-			t.Fatal("not handled")
-		}
-	}
+	deliver := routeThroughInbox(t, ib)
 	a := message.NewMessage(watermill.NewUUID(), nil)
 	deliver(a)
 	deliver(a)
@@ -565,4 +541,79 @@ func sqliteInboxTable(t *testing.T) (*sqlx.DB, *prometheus.Registry, *metrics.Me
 		t.Fatal(err)
 	}
 	return db, reg, m
+}
+
+// routeThroughInbox runs a router (closed when t ends) whose handler
+// "billing" sits behind ib's middleware and fails the messages whose payload
+// is "fail", and returns a function that delivers a copy of a message and
+// waits until it is acked or nacked.
+func routeThroughInbox(t *testing.T, ib *inbox.Inbox) (deliver func(*message.Message)) {
+	t.Helper()
+	pubsub := make(chan *message.Message)
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(ib.Middleware)
+	router.AddConsumerHandler("billing", "orders", &chanSubscriber{ch: pubsub}, func(msg *message.Message) error {
+		if string(msg.Payload) == "fail" {
+			return errors.New("failed")
+		}
+		return nil
+	})
+	go func() { _ = router.Run(context.Background()) }()
+	<-router.Running()
+	t.Cleanup(func() { router.Close() })
+	return func(msg *message.Message) {
+		m := msg.Copy()
+		pubsub <- m
+		select {
+		case <-m.Acked():
+		case <-m.Nacked():
+		case <-time.After(10 * time.Second):
+			t.Fatal("not handled")
+		}
+	}
+}
+
+// A hook of the application's that panics (the inbox logs the panic and
+// changes no outcome) does not stop the metrics' count of its outcome:
+// Instrument's hook ran the application's first and counted after it, so
+// the panic skipped the count, and an alert on a failing handler could not
+// fire.
+func TestMetricsCountWhatAnApplicationHookThatPanicsReports(t *testing.T) {
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db,
+		OnProcessed: func(inbox.Event) { panic("bug in the application's processed hook") },
+		OnFailed:    func(inbox.Event) { panic("bug in the application's failed hook") },
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	deliver := routeThroughInbox(t, ib)
+	deliver(message.NewMessage(watermill.NewUUID(), nil))
+	deliver(message.NewMessage(watermill.NewUUID(), []byte("fail")))
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	counted := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() == "inbox_messages_total" {
+			for _, mt := range mf.Metric {
+				counted[labelMap(mt.GetLabel())["outcome"]] += mt.GetCounter().GetValue()
+			}
+		}
+	}
+	if counted[metrics.OutcomeProcessed] != 1 || counted[metrics.OutcomeFailed] != 1 {
+		t.Errorf("inbox_messages_total by outcome: %v, want 1 processed and 1 failed", counted)
+	}
 }
