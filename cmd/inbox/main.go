@@ -477,6 +477,9 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *timeout <= 0 {
 		return fmt.Errorf("%w: -timeout must be positive, got %v", errUsage, *timeout)
 	}
+	if *consumer != "" && !win.given() {
+		return fmt.Errorf("%w: -consumer measures the headroom, which needs a window: -older-than, -brokers/-topics or -nats-url/-nats-stream", errUsage)
+	}
 	if err := win.check(false); err != nil {
 		return err
 	}
@@ -504,7 +507,7 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if win.given() {
 		w, err := win.resolve(ctx)
 		if err != nil {
-			return err
+			return withCause(ctx, err)
 		}
 		h, err := readHeadroom(ctx, db, d, c.table, *consumer, st, w, *lag)
 		if err != nil {

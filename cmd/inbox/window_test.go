@@ -190,6 +190,9 @@ func TestStatsMeasuresTheHeadroomOfOneConsumer(t *testing.T) {
 			if code, out, _ := cli(t, "stats", "-db", c.dsn, "-table", table, "-older-than", "1h", "-purge-lag", "10m"); code != 0 || !strings.Contains(out, "warning:  the oldest row is ") {
 				t.Errorf("stats of every consumer: exit %d, stdout\n%s\nwant ledger's 5-day-old row to warn", code, out)
 			}
+			if code, out, errOut := cli(t, "stats", "-db", c.dsn, "-table", table, "-consumer", "orders"); code != 2 || out != "" || !strings.Contains(errOut, "-consumer measures the headroom, which needs a window") {
+				t.Errorf("stats -consumer without a window: exit %d, stdout %q, stderr %q; want a usage error", code, out, errOut)
+			}
 		})
 	}
 }
