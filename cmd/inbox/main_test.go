@@ -337,11 +337,7 @@ func TestCountsInSingularAndPlural(t *testing.T) {
 func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
-			table := "cli_" + testdb.RandomSuffix()
-			testdb.DropLater(t, c.db, table)
-			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
-				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-			}
+			table := appliedTable(t, c.dsn, c.db)
 			code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-verify")
 			if want := "inbox table " + table + " is verified\n"; code != 0 || out != want || errOut != "" {
 				t.Errorf("verify a table schema -apply made: exit %d, stdout %q, stderr %q; want 0 and %q", code, out, errOut, want)

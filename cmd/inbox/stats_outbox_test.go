@@ -23,11 +23,7 @@ import (
 func TestStatsShowsTheOutboxTableNamed(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
-			table, outbox := "cli_"+testdb.RandomSuffix(), "cli_outbox_"+testdb.RandomSuffix()
-			testdb.DropLater(t, c.db, table)
-			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
-				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-			}
+			table, outbox := appliedTable(t, c.dsn, c.db), "cli_outbox_"+testdb.RandomSuffix()
 			// Four messages, the first refused for good: one relay round
 			// (MaxAttempts 1) sets it aside and sends the second.
 			relayWithADeadLetter(t, c.db, outbox, 4)
@@ -166,11 +162,7 @@ func TestStatsGivesUpOnATableLockedLongerThanItsTimeout(t *testing.T) {
 			continue // a WAL database lets readers through any writer's lock
 		}
 		t.Run(name, func(t *testing.T) {
-			table, outbox := "cli_"+testdb.RandomSuffix(), "cli_outbox_"+testdb.RandomSuffix()
-			testdb.DropLater(t, c.db, table)
-			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
-				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-			}
+			table, outbox := appliedTable(t, c.dsn, c.db), "cli_outbox_"+testdb.RandomSuffix()
 			relayWithADeadLetter(t, c.db, outbox, 2)
 			conn, err := c.db.Connx(context.Background())
 			if err != nil {

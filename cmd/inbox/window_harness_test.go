@@ -1,7 +1,8 @@
 package main
 
-// Rows of a chosen age in a table of one of the test databases, and a Kafka
-// cluster (kfake) holding a topic of a chosen retention.
+// An inbox table made by "inbox schema -apply", rows of a chosen age in a
+// table of one of the test databases, and a Kafka cluster (kfake) holding a
+// topic of a chosen retention.
 
 import (
 	"fmt"
@@ -12,6 +13,8 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/jmoiron/sqlx"
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // insertAged adds n rows of consumer billing to table, processed ago before
@@ -61,4 +64,17 @@ func kafkaTopic(t *testing.T, retention, segment time.Duration) string {
 		t.Fatal(err)
 	}
 	return strings.Join(cluster.ListenAddrs(), ",")
+}
+
+// appliedTable creates an inbox table of a name of its own with "inbox
+// schema -apply" on the database dsn (db's), dropped when t ends, and
+// returns its name.
+func appliedTable(t *testing.T, dsn string, db *sqlx.DB) string {
+	t.Helper()
+	table := "cli_" + testdb.RandomSuffix()
+	testdb.DropLater(t, db, table)
+	if code, out, errOut := cli(t, "schema", "-db", dsn, "-table", table, "-apply"); code != 0 {
+		t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
+	}
+	return table
 }

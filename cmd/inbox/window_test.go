@@ -18,11 +18,7 @@ import (
 func TestStatsShowsTheHeadroomAgainstThePurgeWindow(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
-			table := "cli_" + testdb.RandomSuffix()
-			testdb.DropLater(t, c.db, table)
-			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
-				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-			}
+			table := appliedTable(t, c.dsn, c.db)
 			stats := func(args ...string) string {
 				t.Helper()
 				code, out, errOut := cli(t, append([]string{"stats", "-db", c.dsn, "-table", table}, args...)...)
@@ -171,11 +167,7 @@ func TestStatsWindowFlagsUsageErrors(t *testing.T) {
 func TestStatsMeasuresTheHeadroomOfOneConsumer(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
-			table := "cli_" + testdb.RandomSuffix()
-			testdb.DropLater(t, c.db, table)
-			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-apply"); code != 0 {
-				t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-			}
+			table := appliedTable(t, c.dsn, c.db)
 			insertAgedOf(t, c.db, name, table, "orders", 1, 30*time.Minute)
 			insertAgedOf(t, c.db, name, table, "ledger", 1, 5*24*time.Hour)
 			code, out, errOut := cli(t, "stats", "-db", c.dsn, "-table", table, "-older-than", "1h", "-purge-lag", "10m", "-consumer", "orders")
