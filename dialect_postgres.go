@@ -376,12 +376,6 @@ const pgPurgeIndexSQL = `SELECT EXISTS (SELECT 1 FROM pg_index i
 	WHERE i.indrelid = to_regclass($1) AND a.attname = 'processed_at'
 		AND i.indisvalid AND i.indpred IS NULL AND am.amname IN ('btree', 'brin'))`
 
-const pgPartitioningSQL = `SELECT pt.partstrat::text AS strategy, pt.partnatts AS columns,
-	COALESCE(a.attname::text, '') AS key
-FROM pg_partitioned_table pt
-LEFT JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
-WHERE pt.partrelid = to_regclass($1)`
-
 func pgReadRelation(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) (pgRelation, error) {
 	var rel pgRelation
 	err := sqlx.GetContext(ctx, q, &rel, pgRelationSQL, t.quoted(d))

@@ -168,25 +168,17 @@ func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.Query
 		ps.add(recreate, "%q is not a table (relkind %q)", t.String(), rel.Kind)
 		return ps, nil
 	}
-	var part struct {
-		Strategy string `db:"strategy"`
-		Columns  int    `db:"columns"`
-		Key      string `db:"key"`
-	}
-	if err := sqlx.GetContext(ctx, q, &part, pgPartitioningSQL, t.quoted(d)); err != nil {
+	// The partition key first: on another column, or a timestamp without
+	// time zone, nothing below means what it would.
+	tp, err := listPartitions(ctx, q, t)
+	if err != nil {
 		return nil, err
 	}
-	if part.Strategy != "r" || part.Columns != 1 || part.Key != processedAt {
-		strategy := map[string]string{"r": "range", "l": "list", "h": "hash"}[part.Strategy]
-		ps.add(recreate, "the table is partitioned by %s on %d column(s), the first %q, not by range on %q alone,"+
-			" so DropPartitions cannot purge it", strategy, part.Columns, part.Key, processedAt)
+	if what := tp.key.problem(); what != "" {
+		ps.add(recreate, "%s", what)
 		return ps, nil
 	}
 	if err := pgCheckCommon(ctx, q, d, t, rel, &ps, partitionedKey, true); err != nil {
-		return nil, err
-	}
-	tp, err := listPartitions(ctx, q, t)
-	if err != nil {
 		return nil, err
 	}
 	if what, fix := tp.problem(t); what != "" {

@@ -846,6 +846,55 @@ type tablePartitions struct {
 	other []qualifiedName
 	// partitioned is whether the table itself is partitioned (relkind p).
 	partitioned bool
+	// key is the table's partition key, as pg_partitioned_table holds it.
+	key partitionKey
+}
+
+// partitionKey is how a partitioned table is partitioned.
+type partitionKey struct {
+	// Strategy is "r" (range), "l" (list) or "h" (hash).
+	Strategy string `db:"strategy"`
+	// Columns is how many columns or expressions the key has.
+	Columns int `db:"columns"`
+	// Column is the key's first column, "" when it is an expression.
+	Column string `db:"key"`
+	// Type is that column's type, as format_type writes it.
+	Type string `db:"key_type"`
+	// Timestamptz is whether that type is timestamptz itself.
+	Timestamptz bool `db:"key_timestamptz"`
+}
+
+// pgPartitionKeySQL reads the partition key of $1 (partitionKey); no row
+// when $1 is not a partitioned table.
+const pgPartitionKeySQL = `SELECT pt.partstrat::text AS strategy, pt.partnatts AS columns,
+	COALESCE(a.attname::text, '') AS key, COALESCE(format_type(a.atttypid, a.atttypmod), '') AS key_type,
+	COALESCE(a.atttypid = 'timestamptz'::regtype, false) AS key_timestamptz
+FROM pg_partitioned_table pt
+LEFT JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+WHERE pt.partrelid = to_regclass($1)`
+
+// problem says why partitions of this key cannot be maintained by their
+// bounds, "" when they can: a range of processed_at alone, of type
+// timestamptz. On any other column the bounds say nothing of the rows'
+// processed_at (a table keyed by another timestamp had its partitions of
+// rows processed a moment ago dropped), and a bound of a timestamp
+// without time zone is a wall-clock time that the catalog read, in UTC,
+// would take hours off or add hours to.
+func (k partitionKey) problem() string {
+	if k.Strategy != "r" || k.Columns != 1 || k.Column != processedAt {
+		strategy := map[string]string{"r": "range", "l": "list", "h": "hash"}[k.Strategy]
+		what := fmt.Sprintf("the column %q", k.Column)
+		if k.Column == "" {
+			what = "an expression"
+		}
+		return fmt.Sprintf("the table is partitioned by %s on %d column(s), the first %s, not by range on %q alone,"+
+			" so its partitions' bounds say nothing of when their rows were processed", strategy, k.Columns, what, processedAt)
+	}
+	if !k.Timestamptz {
+		return fmt.Sprintf("its partition key %q has type %q, not timestamptz: the bounds are wall-clock times of"+
+			" no time zone, which the session's time zone would move by hours", processedAt, k.Type)
+	}
+	return ""
 }
 
 // newest returns the attached range partition that starts last.
@@ -909,11 +958,14 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 		LoUnbounded bool          `db:"lo_unbounded"`
 	}
 	var tp tablePartitions
-	err := sqlx.GetContext(ctx, db, &tp.partitioned,
-		"SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", t.quoted(PostgreSQLPartitioned))
-	if err != nil {
-		return tp, fmt.Errorf("read the table's kind: %w", err)
+	err := sqlx.GetContext(ctx, db, &tp.key, pgPartitionKeySQL, t.quoted(PostgreSQLPartitioned))
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return tp, nil // not partitioned: no partitions
+	case err != nil:
+		return tp, fmt.Errorf("read the table's partition key: %w", err)
 	}
+	tp.partitioned = true
 	if err := sqlx.SelectContext(ctx, db, &rows, pgPartitionsSQL, t.quoted(PostgreSQLPartitioned)); err != nil {
 		return tp, fmt.Errorf("list partitions: %w", err)
 	}
@@ -1024,7 +1076,8 @@ func (tp tablePartitions) check(t qualifiedName) error {
 
 // problem says what keeps the partitions of t from being maintained by
 // their bounds, and how to fix it; "" when nothing does. t is not
-// partitioned; a partition is not a range of processed_at; or t has a
+// partitioned; it is not partitioned by range on processed_at timestamptz
+// alone (partitionKey.problem); a partition is not a range; or t has a
 // DEFAULT partition, which makes every DETACH PARTITION ... CONCURRENTLY
 // fail (SQLSTATE 55000, a restriction PostgreSQL documents) and, once it
 // holds a row of a time that has no partition, makes attaching that time's
@@ -1035,6 +1088,9 @@ func (tp tablePartitions) problem(t qualifiedName) (what, fix string) {
 	case !tp.partitioned:
 		return "the table is not partitioned, so partitions cannot be created or dropped on it",
 			"use the PostgreSQL dialect, or recreate it partitioned (inbox schema -verify -dialect postgres-partitioned)"
+	case tp.key.problem() != "":
+		return tp.key.problem(),
+			"recreate the table partitioned by range on " + processedAt + " timestamptz alone (inbox schema -verify -dialect postgres-partitioned)"
 	case len(tp.other) > 0:
 		return fmt.Sprintf("partition %s is not a range of %s alone", tp.other[0], processedAt),
 			"recreate the table partitioned by range on " + processedAt + " alone (inbox schema -verify -dialect postgres-partitioned)"

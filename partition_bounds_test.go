@@ -114,6 +114,96 @@ func TestPartitionedTableWithADefaultPartitionIsRefused(t *testing.T) {
 	}
 }
 
+// A partitioned table whose bounds say nothing of processed_at: keyed by
+// another column, by an expression, or by a processed_at of type timestamp
+// (wall-clock bounds, which the catalog read in UTC moves by the zone's
+// offset). Verify, DropPartitions, CreatePartitions and Purger rounds of
+// either dialect refuse it with ErrIncompatibleTable, and the row
+// processed a moment ago stays: DropPartitions and the rounds dropped its
+// partition.
+func TestPartitionedTableKeyedByAnythingButProcessedAtTimestamptzIsRefused(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	cases := []struct {
+		name  string
+		setup func(table string)
+	}{
+		{"another timestamptz column", func(table string) {
+			exec(t, db, "CREATE TABLE "+table+` (consumer text COLLATE "C" NOT NULL, message_id text COLLATE "C" NOT NULL,
+				processed_at timestamptz NOT NULL DEFAULT now(), filed_at timestamptz NOT NULL DEFAULT now() - interval '60 days',
+				PRIMARY KEY (consumer, message_id, filed_at)) PARTITION BY RANGE (filed_at)`)
+			exec(t, db, "CREATE TABLE "+table+"_p20000101 PARTITION OF "+table+
+				" FOR VALUES FROM (now() - interval '90 days') TO (now() - interval '30 days')")
+			exec(t, db, "INSERT INTO "+table+" (consumer, message_id) VALUES ('billing', 'recent')")
+		}},
+		{"an expression", func(table string) {
+			// processed_at's wall-clock time 12 hours behind UTC.
+			exec(t, db, "CREATE TABLE "+table+` (consumer text COLLATE "C" NOT NULL, message_id text COLLATE "C" NOT NULL,
+				processed_at timestamptz NOT NULL DEFAULT now()) PARTITION BY RANGE ((processed_at AT TIME ZONE 'Etc/GMT+12'))`)
+			exec(t, db, "DO $$BEGIN EXECUTE format('CREATE TABLE "+table+"_p20000101 PARTITION OF "+table+
+				" FOR VALUES FROM (%L) TO (%L)', now() AT TIME ZONE 'Etc/GMT+12' - interval '1 hour', now() AT TIME ZONE 'Etc/GMT+12' + interval '1 hour'); END$$")
+			exec(t, db, "INSERT INTO "+table+" (consumer, message_id) VALUES ('billing', 'recent')")
+		}},
+		{"processed_at timestamp without time zone", func(table string) {
+			exec(t, db, "CREATE TABLE "+table+` (consumer text COLLATE "C" NOT NULL, message_id text COLLATE "C" NOT NULL,
+				processed_at timestamp NOT NULL, PRIMARY KEY (consumer, message_id, processed_at)) PARTITION BY RANGE (processed_at)`)
+			// Made and written by sessions 12 hours behind UTC: the bounds
+			// are their wall-clock times.
+			tx, err := db.BeginTxx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback()
+			for _, stmt := range []string{
+				"SET LOCAL TimeZone = 'Etc/GMT+12'",
+				"DO $$BEGIN EXECUTE format('CREATE TABLE " + table + "_p20000101 PARTITION OF " + table +
+					" FOR VALUES FROM (%L) TO (%L)', localtimestamp - interval '1 hour', localtimestamp + interval '1 hour'); END$$",
+				"INSERT INTO " + table + " VALUES ('billing', 'recent', localtimestamp)",
+			} {
+				if _, err := tx.ExecContext(ctx, stmt); err != nil {
+					t.Fatalf("%s: %v", stmt, err)
+				}
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			table := "inbox_" + randomSuffix()
+			t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE") })
+			c.setup(table)
+			refused := func(what string, err error) {
+				t.Helper()
+				if !errors.Is(err, inbox.ErrIncompatibleTable) {
+					t.Errorf("%s: %v, want ErrIncompatibleTable", what, err)
+				}
+			}
+			ib, err := inbox.New(inbox.Config{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table})
+			if err != nil {
+				t.Fatal(err)
+			}
+			refused("Verify", ib.Verify(ctx))
+			_, err = inbox.DropPartitions(ctx, db, table, 10*time.Hour, nil)
+			refused("DropPartitions", err)
+			refused("CreatePartitions", inbox.CreatePartitions(ctx, db, table, dbNow(t, db), 3))
+			for _, d := range []inbox.Dialect{nil, inbox.PostgreSQLPartitioned} {
+				p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: d, Table: table,
+					Window: inbox.FixedWindow(10 * time.Hour)}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				refused(fmt.Sprintf("Purger round (dialect %v)", d), p.RunOnce(ctx).Err)
+			}
+			if n := count(t, db, table, "message_id = 'recent'"); n != 1 {
+				t.Errorf("the row processed a moment ago: %d left, want 1", n)
+			}
+		})
+	}
+}
+
 // A plain table replaced by a partitioned one between two batches of a
 // purge: the next batch (a statement by ctid, written for the plain table)
 // deletes no row of the partitioned one, where the same ctid names a recent
