@@ -1327,3 +1327,31 @@ func TestOutboxSaysSoWhenNoRelayRunsInTheProcess(t *testing.T) {
 		})
 	}
 }
+
+// The age of the oldest pending message counts from its write, not from the
+// start of the transaction that wrote it: on PostgreSQL created_at was
+// now(), the transaction's start, so a slow handler's message read as old
+// as the handler's time the moment it committed (and an alert on the age
+// fired on handlers, not on the relay).
+func TestOutboxOldestAgeCountsFromTheWrite(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub()})
+		tx, pub := beginOutbox(t, db, ob)
+		const handler = time.Second // the handler's work before it publishes
+		time.Sleep(handler)
+		written := time.Now()
+		if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("invoice"))); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		stats, err := ob.Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if since := time.Since(written); stats.Pending != 1 || stats.OldestAge > since+handler/2 {
+			t.Errorf("stats %+v, %v after the write: want one message, its age at most about that", stats, since)
+		}
+	})
+}
