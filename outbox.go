@@ -161,7 +161,14 @@ type OutboxRound struct {
 	// Relayed is the number of messages the broker accepted and whose rows
 	// were deleted.
 	Relayed int
-	// Failed is the number of publishes the broker refused.
+	// Failed is the number of messages whose refusal the round recorded:
+	// each counted once however many times the round tried it, whether it
+	// stays first in line or is set aside (DeadLettered counts those
+	// again). A refusal that wraps ErrBrokerUnavailable counts although it
+	// uses none of the message's MaxAttempts; so does a round whose
+	// records the database did not commit (Err says so). The messages
+	// behind a refused one that the round did not try on their own are
+	// not counted, although a call refused whole refused them too.
 	Failed int
 	// DeadLettered is the number of messages set aside in the dead-letter
 	// table.

@@ -286,37 +286,46 @@ func TestOutboxRelayGoesOnPastAMessageRefusedForWhatItIs(t *testing.T) {
 	})
 }
 
-// A call the publisher refused whole, saying of each message that the
-// broker cannot take it now (ErrBrokerUnavailable: a partition without a
-// leader), is not tried again message by message in the same round: with
-// kafkaoutbox each try waits for sarama's retries of that partition
-// (about 13 s), and the walk doubled every round's time while it was down.
+// A call the publisher refused whole as the broker's state
+// (ErrBrokerUnavailable: a partition without a leader), saying so of each
+// message or only of the call, is not tried again message by message in
+// the same round: with kafkaoutbox each try waits for sarama's retries of
+// that partition (about 13 s), and the walk doubled every round's time
+// while it was down.
 func TestOutboxRelayTriesACallRefusedWholeAsUnavailableOncePerRound(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		broker := newPartitionedBroker()
-		broker.whole = true
-		for p := range 4 {
-			broker.down[p] = fmt.Errorf("%w: partition %d has no leader", inbox.ErrBrokerUnavailable, p)
+		for _, each := range []bool{true, false} {
+			t.Run(fmt.Sprintf("each message's refusal told %v", each), func(t *testing.T) {
+				triesACallRefusedWholeAsUnavailableOncePerRound(t, tdb, db, each)
+			})
 		}
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
-		writeOutbox(t, db, ob, "payments", 8)
-		for range 3 {
-			if round := ob.RelayOnce(context.Background()); round.Relayed != 0 || round.DeadLettered != 0 {
-				t.Fatalf("round while every partition is down: %+v, want nothing relayed or set aside", round)
-			}
-		}
-		broker.mu.Lock()
-		calls := broker.calls
-		broker.mu.Unlock()
-		if calls != 3 {
-			t.Errorf("%d Publish calls in 3 rounds, want one a round", calls)
-		}
-		broker.mu.Lock()
-		broker.down = map[int]error{}
-		broker.mu.Unlock()
-		relayUntilEmpty(t, ob)
-		assertOutboxEmpty(t, ob)
 	})
+}
+
+func triesACallRefusedWholeAsUnavailableOncePerRound(t *testing.T, tdb testDB, db *sqlx.DB, each bool) {
+	broker := newPartitionedBroker()
+	broker.whole = each
+	for p := range 4 {
+		broker.down[p] = fmt.Errorf("%w: partition %d has no leader", inbox.ErrBrokerUnavailable, p)
+	}
+	ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 2})
+	writeOutbox(t, db, ob, "payments", 8)
+	for range 3 {
+		if round := ob.RelayOnce(context.Background()); round.Relayed != 0 || round.DeadLettered != 0 || round.Failed != 1 {
+			t.Fatalf("round while every partition is down: %+v, want nothing relayed or set aside, and the refusal of the first message in line", round)
+		}
+	}
+	broker.mu.Lock()
+	calls := broker.calls
+	broker.mu.Unlock()
+	if calls != 3 {
+		t.Errorf("%d Publish calls in 3 rounds, want one a round", calls)
+	}
+	broker.mu.Lock()
+	broker.down = map[int]error{}
+	broker.mu.Unlock()
+	relayUntilEmpty(t, ob)
+	assertOutboxEmpty(t, ob)
 }
 
 // leaderElectionBroker is partitionedBroker's Kafka (partitions by "n"

@@ -696,6 +696,11 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			if len(known) > 1 && !errors.Is(err, ErrBrokerUnavailable) {
 				err = o.publishOne(r)
 			}
+		case i == 0 && errors.Is(err, ErrBrokerUnavailable):
+			// The whole call refused, with no word of each message, as
+			// the broker's state: alone it would wait for the same
+			// retries again (the round's time doubled), and it is not
+			// tried again in this round, as a message said to be so.
 		case i > 0 || len(group) > 1:
 			err = o.publishOne(r)
 		}

@@ -33,7 +33,7 @@ func newOutboxMetrics() outboxMetrics {
 		}, []string{"table"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_outbox_publish_failures_total",
-			Help: "Attempts to publish an outbox message that the broker refused (each counts one of the message's OutboxConfig.MaxAttempts).",
+			Help: "Outbox messages the broker refused, each counted once per relay round that tried it (refusals as the broker's state, which use none of OutboxConfig.MaxAttempts, included).",
 		}, []string{"table"}),
 		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_outbox_messages_dead_lettered_total",
@@ -57,8 +57,9 @@ func (o outboxMetrics) collectors() []prometheus.Collector {
 
 // InstrumentOutbox returns cfg with its OnRound hook recording each relay
 // round, labelled with the outbox table (cfg.Table, DefaultOutboxTable when
-// empty): messages relayed (inbox_outbox_messages_relayed_total), publishes
-// the broker refused (inbox_outbox_publish_failures_total), messages set
+// empty): messages relayed (inbox_outbox_messages_relayed_total), messages
+// the broker refused, once per round that tried each
+// (inbox_outbox_publish_failures_total: OutboxRound.Failed), messages set
 // aside in the dead-letter table
 // (inbox_outbox_messages_dead_lettered_total), failed rounds
 // (inbox_outbox_relay_errors_total) and the round's duration

@@ -118,7 +118,7 @@ inbox_outbox_oldest_pending_age_seconds{table="TABLE"} 0
 # HELP inbox_outbox_pending_messages Outbox messages not yet relayed (the outbox's depth), read at scrape time.
 # TYPE inbox_outbox_pending_messages gauge
 inbox_outbox_pending_messages{table="TABLE"} 0
-# HELP inbox_outbox_publish_failures_total Attempts to publish an outbox message that the broker refused (each counts one of the message's OutboxConfig.MaxAttempts).
+# HELP inbox_outbox_publish_failures_total Outbox messages the broker refused, each counted once per relay round that tried it (refusals as the broker's state, which use none of OutboxConfig.MaxAttempts, included).
 # TYPE inbox_outbox_publish_failures_total counter
 inbox_outbox_publish_failures_total{table="TABLE"} 2
 # HELP inbox_outbox_relay_errors_total Outbox relay rounds that failed: the broker refused a message, or a database statement failed.
