@@ -147,7 +147,8 @@ type OutboxConfig struct {
 	// committed and no relay had started in this process by 5
 	// PollIntervals after the first commit (a relay that started and
 	// stopped since is not told apart: the outbox's depth and age are, in
-	// Stats and the metrics module). Default: watermill.NopLogger.
+	// Stats and the metrics module). Default: the router's logger under
+	// RouterPlugin, otherwise watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every relay round that found
@@ -229,7 +230,7 @@ type Outbox struct {
 	cfg     OutboxConfig
 	dialect Dialect
 	wake    chan struct{}
-	logger  watermill.LoggerAdapter
+	logger  *componentLogger
 
 	// configured is the tables and statements as OutboxConfig.Table names
 	// them; pinned, once set, the ones every statement runs from then on
@@ -282,9 +283,6 @@ func (c *OutboxConfig) setDefaults() {
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = DefaultOutboxMaxBackoff
 	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
 }
 
 // Validate reports every problem of the configuration at once, joined with
@@ -327,15 +325,12 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 
 // newOutbox returns the Outbox of cfg (defaults set) for its table t.
 func newOutbox(cfg OutboxConfig, t qualifiedName) *Outbox {
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NopLogger{}
-	}
 	o := &Outbox{
 		cfg:        cfg,
 		dialect:    cfg.Dialect,
 		configured: newOutboxTarget(cfg.Dialect, t),
 		wake:       make(chan struct{}, 1),
-		logger:     cfg.Logger.With(watermill.LogFields{"outbox_table": t.String()}),
+		logger:     newComponentLogger(cfg.Logger, watermill.LogFields{"outbox_table": t.String()}),
 	}
 	if !o.resolvesSchema() {
 		o.pinned.Store(&o.configured)
@@ -1017,7 +1012,7 @@ func (o *Outbox) warnIfNoRelay() {
 	if o.relayStarted.Load() {
 		return
 	}
-	o.logger.Info("Inbox outbox: messages were committed to the outbox and no relay runs in this process, so they "+
+	o.logger.get().Info("Inbox outbox: messages were committed to the outbox and no relay runs in this process, so they "+
 		"stay in the table until one does: add router.AddPlugin(ob.RouterPlugin) or run ob.Run (ignore this when "+
 		"another process relays this table)", nil) // the logger names the table (outbox_table)
 }

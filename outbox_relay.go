@@ -181,14 +181,17 @@ func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 // every output would fail. The relay starts once the router is running and
 // stops within a second of the router closing, cancelling a round in
 // progress (whose messages are sent again later). Router plugins run once,
-// in router.Run, before its handlers start (a Watermill convention).
+// in router.Run, before its handlers start (a Watermill convention). Without
+// an OutboxConfig.Logger, the relay logs to the router's logger from then
+// on.
 func (o *Outbox) RouterPlugin(r *message.Router) error {
 	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
 	defer cancel()
 	if err := o.Verify(ctx); err != nil {
 		return err
 	}
-	runWhileRouterRuns(r, o.logger, "Inbox outbox relay", func(ctx context.Context) { _ = o.Run(ctx) })
+	o.logger.adoptRouters(r)
+	runWhileRouterRuns(r, o.logger.get(), "Inbox outbox relay", func(ctx context.Context) { _ = o.Run(ctx) })
 	return nil
 }
 
@@ -290,7 +293,7 @@ func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound
 	round := o.relay(ctx, topics)
 	round.Duration = time.Since(start)
 	if round.Err != nil && ctx.Err() == nil {
-		o.logger.Error("Inbox outbox relay round failed", round.Err, watermill.LogFields{
+		o.logger.get().Error("Inbox outbox relay round failed", round.Err, watermill.LogFields{
 			"relayed": round.Relayed, "failed": round.Failed, "dead_lettered": round.DeadLettered,
 		})
 	}
@@ -457,7 +460,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	round.Relayed, round.DeadLettered = len(b.sent), len(b.bury)
 	for id, err := range b.bury {
 		r := b.rows[id]
-		o.logger.Error("Inbox outbox message set aside in the dead-letter table after its last attempt", err, watermill.LogFields{
+		o.logger.get().Error("Inbox outbox message set aside in the dead-letter table after its last attempt", err, watermill.LogFields{
 			"message_uuid": r.UUID, "topic": r.Topic, "attempts": r.Attempts + 1,
 		})
 	}

@@ -313,6 +313,9 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 		pace.stats.BatchTime += took
 		deleted += n // a batch can fail after its delete committed (PostgreSQL's count of the rows left)
 		if err != nil {
+			if terr := purgeTableExists(ctx, db, cfg.Dialect, table); errors.Is(terr, ErrTableNotFound) {
+				return deleted, terr // the driver's "does not exist" says nothing of PurgeConfig.Table
+			}
 			return deleted, fmt.Errorf("inbox: purge %s: delete batch: %w", table, err)
 		}
 		if found < int64(cfg.BatchSize) {
@@ -475,4 +478,20 @@ func checkWindow(ctx context.Context, w WindowSource, olderThan time.Duration) (
 		return 0, fmt.Errorf("%w: %v is shorter than the safe window %v", ErrWindowTooShort, olderThan, safe)
 	}
 	return olderThan, nil
+}
+
+// purgeTableExists returns an error wrapping ErrTableNotFound, naming
+// PurgeConfig.Table, when t does not exist; the error of the catalog read
+// when it failed; nil otherwise. It reads the catalog in a read-only
+// transaction (behind a transaction-mode pooler too).
+func purgeTableExists(ctx context.Context, db dbConn, d Dialect, t qualifiedName) error {
+	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+		_, err := d.checkTable(ctx, q, t)
+		return err
+	})
+	if errors.Is(err, ErrTableNotFound) {
+		return fmt.Errorf("inbox: purge %s: %w: set PurgeConfig.Table to the inbox's table (Config.Table; default %s)",
+			t, err, DefaultTable)
+	}
+	return err
 }

@@ -30,7 +30,8 @@ type PurgerConfig struct {
 	// window purged by, age of the oldest remaining row, batches, time
 	// paused, back-offs and the effective duty cycle, or that another
 	// instance had the lock) and an Error line for a failed round.
-	// Default: watermill.NopLogger.
+	// Default: the router's logger under RouterPlugin, otherwise
+	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every round with its outcome, for
@@ -123,6 +124,7 @@ type Purger struct {
 	cfg     PurgerConfig
 	table   qualifiedName
 	dialect Dialect
+	logger  *componentLogger
 }
 
 // NewPurger checks cfg (the error wraps ErrInvalidConfig) and returns a
@@ -131,9 +133,6 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 	cfg.Purge.setDefaults()
 	if cfg.Interval == 0 {
 		cfg.Interval = DefaultPurgeInterval
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NopLogger{}
 	}
 	errs := []error{cfg.Purge.Validate()}
 	if cfg.Interval < 0 {
@@ -144,7 +143,7 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 	}
 	table, _ := parseTableName(cfg.Purge.Table)
 	p := &Purger{cfg: cfg, table: table, dialect: cfg.Purge.Dialect}
-	p.cfg.Logger = cfg.Logger.With(watermill.LogFields{"table": table.String()})
+	p.logger = newComponentLogger(cfg.Logger, watermill.LogFields{"table": table.String()})
 	return p, nil
 }
 
@@ -182,9 +181,31 @@ const routerPollInterval = 100 * time.Millisecond
 // the plugin, then Close was called), the purger never starts; if it is
 // neither running nor closed within RouterPluginStartTimeout, the purger
 // gives up and never starts either.
+//
+// Before the router starts, it checks that the table exists (bounded by
+// VerifyTimeout): router.Run returns an error wrapping ErrTableNotFound
+// when it does not (PurgeConfig.Table names another table than the
+// inbox's Config.Table), instead of a purger whose every round fails. Any
+// other error of that check is logged, and the rounds go on (a database
+// that is down at startup). Without a PurgerConfig.Logger, the purger logs
+// to the router's logger from then on.
 func (p *Purger) RouterPlugin(r *message.Router) error {
-	runWhileRouterRuns(r, p.cfg.Logger, "Inbox purger", func(ctx context.Context) { _ = p.Run(ctx) })
+	p.logger.adoptRouters(r)
+	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
+	defer cancel()
+	if err := p.checkTableExists(ctx); errors.Is(err, ErrTableNotFound) {
+		return err
+	} else if err != nil {
+		p.logger.get().Error("Inbox purger: could not check that its table exists; its rounds will tell", err, nil)
+	}
+	runWhileRouterRuns(r, p.logger.get(), "Inbox purger", func(ctx context.Context) { _ = p.Run(ctx) })
 	return nil
+}
+
+// checkTableExists returns an error wrapping ErrTableNotFound, naming
+// PurgeConfig.Table, when the purger's table does not exist.
+func (p *Purger) checkTableExists(ctx context.Context) error {
+	return purgeTableExists(ctx, p.cfg.Purge.DB, p.cfg.Purge.Dialect, p.table)
 }
 
 // runWhileRouterRuns runs run in a goroutine of its own from the moment r
@@ -250,13 +271,13 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 	})
 	switch {
 	case round.Err != nil && ctx.Err() == nil:
-		p.cfg.Logger.Error("Inbox purge round failed", round.Err, fields)
+		p.logger.get().Error("Inbox purge round failed", round.Err, fields)
 	case round.Err != nil:
 		// Stopping: not an error worth an Error line.
 	case round.Skipped:
-		p.cfg.Logger.Info("Inbox purge round skipped: another instance holds the purge lock", who)
+		p.logger.get().Info("Inbox purge round skipped: another instance holds the purge lock", who)
 	default:
-		p.cfg.Logger.Info("Inbox purge round", fields)
+		p.logger.get().Info("Inbox purge round", fields)
 	}
 	if p.cfg.OnRound != nil {
 		p.cfg.OnRound(round)

@@ -2,11 +2,14 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 )
@@ -113,3 +116,69 @@ func TestRouterPluginStopsWhenRunFails(t *testing.T) {
 	}
 	_ = r.Close()
 }
+
+// A Purger whose PurgeConfig.Table names no table (the inbox's Config.Table
+// was set and the purge's was not) fails router.Run at once, with an error
+// that matches ErrTableNotFound and names the setting, on every database;
+// it ran every round against the missing table before, each failure logged
+// to no one. Purge itself says the same.
+func TestPurgerPluginFailsTheRouterWhenItsTableDoesNotExist(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		missing := "inbox_missing_" + randomSuffix()
+		_, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: missing, OlderThan: time.Hour})
+		if !errors.Is(err, inbox.ErrTableNotFound) || !strings.Contains(err.Error(), "PurgeConfig.Table") {
+			t.Errorf("Purge of a missing table: %v, want ErrTableNotFound naming PurgeConfig.Table", err)
+		}
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: missing, OlderThan: time.Hour}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddPlugin(p.RouterPlugin)
+		r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		err = r.Run(ctx)
+		_ = r.Close()
+		if !errors.Is(err, inbox.ErrTableNotFound) || !strings.Contains(err.Error(), "PurgeConfig.Table") {
+			t.Errorf("router.Run with a purger of a missing table: %v, want ErrTableNotFound naming PurgeConfig.Table", err)
+		}
+	})
+}
+
+// A Purger and an Outbox given no Logger log, under their RouterPlugin, to
+// the router's logger: a purger whose rounds failed, or a relay that could
+// not publish, logged to watermill.NopLogger, and nothing said so.
+func TestPluginsWithoutALoggerLogToTheRouters(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour},
+		Interval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: refusingPublisher{}, PollInterval: 20 * time.Millisecond})
+	writeOutbox(t, db, ob, "invoices", 1)
+	logger := newCaptureLogger()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(p.RouterPlugin, ob.RouterPlugin)
+	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	go func() { _ = r.Run(context.Background()) }()
+	defer r.Close()
+	waitFor(t, func() bool { return logger.has("Inbox purge round") && logger.has("Inbox outbox relay round failed") })
+}
+
+// refusingPublisher refuses every message.
+type refusingPublisher struct{}
+
+func (refusingPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("the broker refuses the message")
+}
+func (refusingPublisher) Close() error { return nil }

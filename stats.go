@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"time"
 
@@ -61,7 +62,8 @@ type TableStats struct {
 
 // Stats reads TableStats of the inbox table. It scans the primary key index
 // (COUNT per consumer), so on very large tables prefer EstimateRows for
-// dashboards. d nil: inferred from db; table "": DefaultTable.
+// dashboards. d nil: inferred from db; table "": DefaultTable. A table that
+// does not exist is an error wrapping ErrTableNotFound.
 func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStats, error) {
 	d, t, err := resolveTarget(db, d, table)
 	if err != nil {
@@ -70,6 +72,13 @@ func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStat
 	st := TableStats{Consumers: map[string]int64{}, SizeBytes: -1}
 	err = withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error { return readStats(ctx, q, d, t, &st) })
 	if err != nil {
+		// The driver's "does not exist", as an error callers can match.
+		if cerr := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+			_, err := d.checkTable(ctx, q, t)
+			return err
+		}); errors.Is(cerr, ErrTableNotFound) {
+			err = cerr
+		}
 		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
 	}
 	return st, nil

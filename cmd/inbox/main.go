@@ -145,6 +145,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case errors.Is(err, errUsage) || errors.Is(err, inbox.ErrInvalidConfig) || errors.Is(err, inbox.ErrInvalidTableName):
 		fmt.Fprintf(stderr, "%s\nRun \"inbox -h\" for usage.\n", prefixed(err))
 		return 2
+	case errors.Is(err, inbox.ErrTableNotFound):
+		fmt.Fprintf(stderr, "%s\nName the inbox table with -table (default %s), the outbox's with -outbox-table.\n",
+			prefixed(err), inbox.DefaultTable)
+		return 1
 	default:
 		fmt.Fprintln(stderr, prefixed(err))
 		return 1

@@ -186,3 +186,28 @@ func TestStatsGivesUpOnATableLockedLongerThanItsTimeout(t *testing.T) {
 		})
 	}
 }
+
+// "inbox stats" and "inbox purge" on an inbox table that does not exist
+// (the service names its own, and -table was left out) fail with exit 1,
+// an error that matches ErrTableNotFound, and a line that says which flag
+// names the table: they printed the driver's "does not exist" alone.
+func TestCommandsOnAMissingTableSayWhichFlagNamesIt(t *testing.T) {
+	for name, c := range dsns(t) {
+		t.Run(name, func(t *testing.T) {
+			missing := "cli_no_inbox_" + testdb.RandomSuffix()
+			stats := []string{"-db", c.dsn, "-table", missing}
+			if err := statsCmd(context.Background(), stats, &strings.Builder{}, &strings.Builder{}); !errors.Is(err, inbox.ErrTableNotFound) {
+				t.Errorf("stats of a missing inbox table: %v, want ErrTableNotFound", err)
+			}
+			for _, args := range [][]string{
+				append([]string{"stats"}, stats...),
+				{"purge", "-db", c.dsn, "-table", missing, "-older-than", "1h"},
+			} {
+				code, out, errOut := cli(t, args...)
+				if code != 1 || out != "" || !strings.Contains(errOut, missing) || !strings.Contains(errOut, "-table") {
+					t.Errorf("%s on a missing table: exit %d, stdout %q, stderr %q; want 1, the table named and the -table flag", args[0], code, out, errOut)
+				}
+			}
+		})
+	}
+}
