@@ -23,6 +23,7 @@ import (
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/metrics"
+	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
 // An estimate of the inbox table that fails (a pool whose every connection
@@ -615,5 +616,47 @@ func TestMetricsCountWhatAnApplicationHookThatPanicsReports(t *testing.T) {
 	}
 	if counted[metrics.OutcomeProcessed] != 1 || counted[metrics.OutcomeFailed] != 1 {
 		t.Errorf("inbox_messages_total by outcome: %v, want 1 processed and 1 failed", counted)
+	}
+}
+
+// A pgxinbox inbox is instrumented in one call (pgxinbox.Config.Instrument
+// with Instrument): its outcomes are counted as inbox.Inbox's are; users
+// copied the four hooks by hand, and one forgotten went uncounted.
+func TestMetricsCountAPgxInboxInstrumentedInOneCall(t *testing.T) {
+	pool := testdb.OpenPgxPool(t, "")
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	table := "metrics_pgx_" + testdb.RandomSuffix()
+	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Table: table}.Instrument(m.Instrument))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = ib.Close()
+		_, _ = pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+table)
+	})
+	deliver := routeThroughInbox(t, ib.Inbox)
+	a := message.NewMessage(watermill.NewUUID(), nil)
+	deliver(a)
+	deliver(a)
+	deliver(message.NewMessage(watermill.NewUUID(), []byte("fail")))
+	want := `
+# HELP inbox_messages_total Messages seen by the inbox middleware, by outcome: processed (committed), duplicate (skipped and acked) or failed (rolled back: every failed attempt, those the Retry middleware outside the inbox makes before the message is nacked included).
+# TYPE inbox_messages_total counter
+inbox_messages_total{consumer="billing",handler_name="billing",outcome="duplicate"} 1
+inbox_messages_total{consumer="billing",handler_name="billing",outcome="failed"} 1
+inbox_messages_total{consumer="billing",handler_name="billing",outcome="processed"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "inbox_messages_total"); err != nil {
+		t.Error(err)
+	}
+	if n := testutil.CollectAndCount(reg, "inbox_reused_ids_total"); n != 2 {
+		t.Errorf("inbox_reused_ids_total series = %d, want 2 (refused and skipped, at 0)", n)
 	}
 }

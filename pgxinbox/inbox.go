@@ -98,6 +98,26 @@ type Config struct {
 	CommitTimeout time.Duration
 }
 
+// Instrument returns cfg with its outcome hooks (OnProcessed, OnDuplicate,
+// OnFailed and OnReusedID) replaced by those instrument sets on an
+// inbox.Config that holds them: an adapter for hook wrappers written for
+// inbox.Config, the metrics module's Metrics.Instrument first among them:
+//
+//	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool}.Instrument(m.Instrument))
+//
+// Hooks already set in cfg are what instrument receives, so they still
+// run as it runs them. instrument nil returns cfg as it is.
+func (cfg Config) Instrument(instrument func(inbox.Config) inbox.Config) Config {
+	if instrument == nil {
+		return cfg
+	}
+	hooks := instrument(inbox.Config{OnProcessed: cfg.OnProcessed, OnDuplicate: cfg.OnDuplicate,
+		OnFailed: cfg.OnFailed, OnReusedID: cfg.OnReusedID})
+	cfg.OnProcessed, cfg.OnDuplicate, cfg.OnFailed, cfg.OnReusedID =
+		hooks.OnProcessed, hooks.OnDuplicate, hooks.OnFailed, hooks.OnReusedID
+	return cfg
+}
+
 // Inbox is the transactional inbox over a pgx pool. Its Middleware makes a
 // Watermill handler an idempotent consumer exactly as inbox.Inbox's does
 // (the same flow, semantics, errors, hooks and spans; see package inbox),
