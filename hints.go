@@ -113,7 +113,8 @@ func verifyOutboxTables(ctx context.Context, q sqlx.QueryerContext, d Dialect, t
 		switch {
 		case errors.Is(err, ErrTableNotFound):
 			return fmt.Errorf("%w: outbox table %q (Config.OutboxTables) does not exist: create it before the router "+
-				"runs (watermill-sql's publisher cannot create it inside the message's transaction; see docs/outbox.md)",
+				"runs (inbox.Outbox's: InitializeSchema, inbox.OutboxSchemaSQL or \"inbox schema -outbox-table\"; "+
+				"watermill-sql's publisher cannot create its own inside the message's transaction; see docs/outbox.md)",
 				ErrTableNotFound, t.String())
 		case err != nil:
 			return fmt.Errorf("inbox: verify outbox table %q: %w", t.String(), err)

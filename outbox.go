@@ -231,6 +231,7 @@ type Outbox struct {
 	dialect Dialect
 	wake    chan struct{}
 	logger  *componentLogger
+	running runs // RouterPlugin's goroutine, Run calls
 
 	// configured is the tables and statements as OutboxConfig.Table names
 	// them; pinned, once set, the ones every statement runs from then on
@@ -463,6 +464,27 @@ func (o *Outbox) InitializeSchema(ctx context.Context) error {
 // migration tools. It names the tables as OutboxConfig.Table does.
 func (o *Outbox) SchemaSQL() string {
 	return strings.Join(o.configured.sql.create, ";\n\n") + ";\n"
+}
+
+// OutboxSchemaSQL returns the DDL of the outbox table named table (empty:
+// DefaultOutboxTable) and of its dead-letter table for dialect d, exactly
+// as Outbox.SchemaSQL returns it for an Outbox of that table, without an
+// Outbox (whose Publisher, a broker's, may connect when it is made): for
+// migrations written where no broker is reachable, and the inbox command
+// ("inbox schema -outbox-table"). A nil d is an error wrapping
+// ErrUnknownDialect; an invalid name, one wrapping ErrInvalidTableName.
+func OutboxSchemaSQL(d Dialect, table string) (string, error) {
+	if d == nil {
+		return "", fmt.Errorf("%w: nil dialect", ErrUnknownDialect)
+	}
+	if table == "" {
+		table = DefaultOutboxTable
+	}
+	t, err := parseTableName(table)
+	if err != nil {
+		return "", err
+	}
+	return strings.Join(newOutboxTarget(d, t).sql.create, ";\n\n") + ";\n", nil
 }
 
 // Publisher returns a publisher that writes to the outbox in tx: the

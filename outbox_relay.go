@@ -35,6 +35,8 @@ const outboxRetryFirst = 50 * time.Millisecond
 // is forgotten. Run one relay per process; several processes may each run
 // one on the same table (see Outbox).
 func (o *Outbox) Run(ctx context.Context) error {
+	o.running.begin()
+	defer o.running.end()
 	o.relayStarted.Store(true)
 	var backoff time.Duration
 	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
@@ -174,6 +176,16 @@ func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 	return max(first.Sub(now), 0), !first.IsZero()
 }
 
+// WaitStopped returns nil once no relay of the Outbox runs: the one its
+// RouterPlugin started has stopped (within a second of the router closing,
+// its round in progress cancelled: those messages are sent again later)
+// and no Run call is in progress; or the cause of ctx's end, if it ends
+// first. router.Run does not wait for a plugin's goroutine: call it after
+// router.Run returned and before closing OutboxConfig.Publisher and the
+// database. It returns at once when no relay runs. Safe for concurrent
+// use.
+func (o *Outbox) WaitStopped(ctx context.Context) error { return o.running.wait(ctx) }
+
 // RouterPlugin checks the outbox tables (Verify, bounded by VerifyTimeout)
 // and then runs the relay (Run) for as long as the router runs: add it with
 // router.AddPlugin(ob.RouterPlugin), and router.Run returns Verify's error
@@ -191,7 +203,7 @@ func (o *Outbox) RouterPlugin(r *message.Router) error {
 		return err
 	}
 	o.logger.adoptRouters(r)
-	runWhileRouterRuns(r, o.logger.get(), "Inbox outbox relay", func(ctx context.Context) { _ = o.Run(ctx) })
+	runWhileRouterRuns(r, &o.running, o.logger.get(), "Inbox outbox relay", func(ctx context.Context) { _ = o.Run(ctx) })
 	return nil
 }
 

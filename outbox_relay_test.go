@@ -1355,3 +1355,30 @@ func TestOutboxOldestAgeCountsFromTheWrite(t *testing.T) {
 		}
 	})
 }
+
+// inbox.OutboxSchemaSQL gives, without an Outbox (whose publisher may need
+// a broker), the DDL an Outbox of the same table gives; a nil dialect and a
+// bad name are refused.
+func TestOutboxSchemaSQLIsTheOutboxsWithoutABroker(t *testing.T) {
+	for _, d := range []inbox.Dialect{inbox.PostgreSQL, inbox.PostgreSQLPartitioned, inbox.MySQL, inbox.SQLite} {
+		for _, table := range []string{"", "billing.outbox"} {
+			got, err := inbox.OutboxSchemaSQL(d, table)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: sqlx.NewDb(nil, "pgx"), Dialect: d, Table: table, Publisher: newBrokerStub()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := ob.SchemaSQL(); got != want {
+				t.Errorf("OutboxSchemaSQL(%v, %q):\n%s\nwant Outbox.SchemaSQL's:\n%s", d, table, got, want)
+			}
+		}
+	}
+	if _, err := inbox.OutboxSchemaSQL(nil, ""); !errors.Is(err, inbox.ErrUnknownDialect) {
+		t.Errorf("nil dialect: %v, want ErrUnknownDialect", err)
+	}
+	if _, err := inbox.OutboxSchemaSQL(inbox.SQLite, "a.b.c"); !errors.Is(err, inbox.ErrInvalidTableName) {
+		t.Errorf("bad name: %v, want ErrInvalidTableName", err)
+	}
+}

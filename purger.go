@@ -125,6 +125,7 @@ type Purger struct {
 	table   qualifiedName
 	dialect Dialect
 	logger  *componentLogger
+	running runs // RouterPlugin's goroutine, Run calls
 }
 
 // NewPurger checks cfg (the error wraps ErrInvalidConfig) and returns a
@@ -153,6 +154,8 @@ func NewPurger(cfg PurgerConfig) (*Purger, error) {
 // next interval; it does not stop Run. Several Run calls, in one process or
 // many, do not purge at once: each round takes the purge lock or is skipped.
 func (p *Purger) Run(ctx context.Context) error {
+	p.running.begin()
+	defer p.running.end()
 	ticker := time.NewTicker(p.cfg.Interval)
 	defer ticker.Stop()
 	for {
@@ -164,6 +167,15 @@ func (p *Purger) Run(ctx context.Context) error {
 		}
 	}
 }
+
+// WaitStopped returns nil once nothing of the Purger runs: the loop its
+// RouterPlugin started has stopped (within a second of the router closing,
+// its round cancelled) and no Run call is in progress; or the cause of
+// ctx's end, if it ends first. router.Run does not wait for a plugin's
+// goroutine: call it after router.Run returned and before closing the
+// database, whose close would otherwise fail the round in progress. It
+// returns at once when nothing runs. Safe for concurrent use.
+func (p *Purger) WaitStopped(ctx context.Context) error { return p.running.wait(ctx) }
 
 // RouterPluginStartTimeout is how long RouterPlugin waits for the router to
 // start running before it gives up (the router's Run failed).
@@ -198,7 +210,7 @@ func (p *Purger) RouterPlugin(r *message.Router) error {
 	} else if err != nil {
 		p.logger.get().Error("Inbox purger: could not check that its table exists; its rounds will tell", err, nil)
 	}
-	runWhileRouterRuns(r, p.logger.get(), "Inbox purger", func(ctx context.Context) { _ = p.Run(ctx) })
+	runWhileRouterRuns(r, &p.running, p.logger.get(), "Inbox purger", func(ctx context.Context) { _ = p.Run(ctx) })
 	return nil
 }
 
@@ -213,8 +225,14 @@ func (p *Purger) checkTableExists(ctx context.Context) error {
 // it); never if r is closed before it ran, or is neither running nor closed
 // within RouterPluginStartTimeout (logged at Error as what, "... not
 // started").
-func runWhileRouterRuns(r *message.Router, logger watermill.LoggerAdapter, what string, run func(ctx context.Context)) {
+//
+// The goroutine is counted in running from the call on (before the router
+// starts) until it ends, so that WaitStopped after router.Run returned
+// waits for it.
+func runWhileRouterRuns(r *message.Router, running *runs, logger watermill.LoggerAdapter, what string, run func(ctx context.Context)) {
+	running.begin()
 	go func() {
+		defer running.end()
 		poll := time.NewTicker(routerPollInterval)
 		defer poll.Stop()
 		started := time.NewTimer(RouterPluginStartTimeout)

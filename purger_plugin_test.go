@@ -3,7 +3,10 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -182,3 +185,78 @@ func (refusingPublisher) Publish(string, ...*message.Message) error {
 	return errors.New("the broker refuses the message")
 }
 func (refusingPublisher) Close() error { return nil }
+
+// After router.Run returned, WaitStopped returns once the relay and the
+// purger that the plugins started have stopped (router.Run does not wait
+// for them), so that the publisher and the database can be closed under
+// nothing: users slept for "the second" docs/outbox.md spoke of. Here the
+// relay is in a Publish that does not return when the router closes:
+// WaitStopped waits for it, and returns once it has returned.
+func TestWaitStoppedReturnsOnceThePluginsLoopsStopped(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	var rounds atomic.Int32
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour},
+		Interval: 10 * time.Millisecond, OnRound: func(inbox.PurgeRound) { rounds.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	broker := &stuckPublisher{publishing: make(chan struct{}), release: make(chan struct{})}
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, PollInterval: 10 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, c := range []interface{ WaitStopped(context.Context) error }{p, ob} {
+		if err := c.WaitStopped(ctx); err != nil {
+			t.Fatalf("WaitStopped before anything ran: %v, want nil at once", err)
+		}
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(p.RouterPlugin, ob.RouterPlugin)
+	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	runCtx, stop := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- r.Run(runCtx) }()
+	<-r.Running()
+	writeOutbox(t, db, ob, "invoices", 1)
+	<-broker.publishing
+	waitFor(t, func() bool { return rounds.Load() > 0 })
+	stop()
+	if err := <-ran; err != nil {
+		t.Fatal(err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancelShort()
+	if err := ob.WaitStopped(short); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Outbox.WaitStopped while the relay's Publish has not returned: %v, want it to wait (the deadline)", err)
+	}
+	close(broker.release)
+	for _, c := range []interface{ WaitStopped(context.Context) error }{p, ob} {
+		if err := c.WaitStopped(ctx); err != nil {
+			t.Fatalf("WaitStopped once the loops can stop: %v", err)
+		}
+	}
+	after := rounds.Load()
+	time.Sleep(100 * time.Millisecond) // ten intervals
+	if rounds.Load() != after {
+		t.Errorf("%d purge rounds after WaitStopped returned, want 0", rounds.Load()-after)
+	}
+}
+
+// stuckPublisher's Publish says it was called (publishing, once) and
+// returns an error once release is closed, whatever its caller's context.
+type stuckPublisher struct {
+	once       sync.Once
+	publishing chan struct{}
+	release    chan struct{}
+}
+
+func (s *stuckPublisher) Publish(string, ...*message.Message) error {
+	s.once.Do(func() { close(s.publishing) })
+	<-s.release
+	return fmt.Errorf("%w: the broker went away", inbox.ErrBrokerUnavailable)
+}
+func (s *stuckPublisher) Close() error { return nil }

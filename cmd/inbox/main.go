@@ -15,7 +15,9 @@
 // with the problems and the DDL that fixes them when the table is missing or
 // could merge, truncate or reject message ids; with -outbox-table (repeated
 // for several) it also checks that the outbox tables the service writes
-// exist (inbox.Config.OutboxTables).
+// exist (inbox.Config.OutboxTables). Without -verify, -outbox-table prints
+// (or, with -apply, creates) an inbox.Outbox's table and its dead-letter
+// table beside the inbox's, no broker needed.
 //
 // "inbox stats" with the purge window (-older-than, or the Kafka or JetStream
 // flags of "inbox purge") shows the headroom: the oldest row's age against
@@ -48,6 +50,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	_ "github.com/go-sql-driver/mysql"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/jmoiron/sqlx"
@@ -61,9 +64,11 @@ import (
 var usage = `inbox manages the inbox table of github.com/watermill-inbox/inbox.
 
 Usage:
-  inbox schema -dialect D [-table T]            print the DDL (or -db DSN instead of -dialect)
-  inbox schema -db DSN [-dialect D] [-table T] -apply
-                                                create the table (and partitions) if missing
+  inbox schema -dialect D [-table T] [-outbox-table O ...]
+                                                print the DDL (or -db DSN instead of -dialect), with
+                                                that of inbox.Outbox's table O and its dead letters
+  inbox schema -db DSN [-dialect D] [-table T] [-outbox-table O ...] -apply
+                                                create the tables (and partitions) if missing
   inbox schema -db DSN [-dialect D] [-table T] -verify [-outbox-table O ...]
                                                 check that the existing table is one the inbox
                                                 can use (exit 1 with the problems if not)
@@ -328,7 +333,8 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	apply := fs.Bool("apply", false, "create the table (and, partitioned, the partitions) in -db if missing, instead of printing")
 	verify := fs.Bool("verify", false, "check that the table in -db exists and is one the inbox can use, instead of printing")
 	var outboxTables []string
-	fs.Func("outbox-table", "with -verify, also check that this outbox table exists (Config.OutboxTables; repeat for several)", func(v string) error {
+	fs.Func("outbox-table", "also print the DDL of this outbox table and its dead-letter table (inbox.Outbox's), with -apply create them,"+
+		" with -verify check that it exists (Config.OutboxTables); repeat for several", func(v string) error {
 		outboxTables = append(outboxTables, v)
 		return nil
 	})
@@ -337,9 +343,6 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	if *apply && *verify {
 		return fmt.Errorf("%w: -apply and -verify exclude each other", errUsage)
-	}
-	if len(outboxTables) > 0 && !*verify {
-		return fmt.Errorf("%w: -outbox-table needs -verify", errUsage)
 	}
 	if !*apply && !*verify {
 		d, err := c.dialectOrNil()
@@ -362,6 +365,13 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		ddl, err := inbox.SchemaSQL(d, c.table)
 		if err != nil {
 			return err
+		}
+		for _, t := range outboxTables {
+			outbox, err := inbox.OutboxSchemaSQL(d, t)
+			if err != nil {
+				return err
+			}
+			ddl += "\n-- Outbox table " + t + " and its dead-letter table (inbox.Outbox).\n" + outbox
 		}
 		_, err = io.WriteString(stdout, ddl)
 		return err
@@ -399,8 +409,28 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	fmt.Fprintf(stdout, "inbox table %s is ready\n", c.table)
+	for _, t := range outboxTables {
+		// An Outbox needs a publisher to be made, and creating its
+		// tables never calls it.
+		ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: d, Table: t, Publisher: noPublisher{}})
+		if err != nil {
+			return err
+		}
+		if err := ob.InitializeSchema(ctx); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "outbox table %s and its dead-letter table %s are ready\n", t, ob.DeadLetterTable())
+	}
 	return nil
 }
+
+// noPublisher is the publisher of an Outbox made only to create its tables.
+type noPublisher struct{}
+
+func (noPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("inbox command: this outbox only creates its tables")
+}
+func (noPublisher) Close() error { return nil }
 
 func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var c common

@@ -409,7 +409,7 @@ func verifyFails(t *testing.T, dsn, table string, want error) {
 		t.Errorf("schema -verify %s: %v, want an error wrapping %v", table, err, want)
 	}
 	code, out, errOut := cli(t, append([]string{"schema"}, args...)...)
-	if code != 1 || out != "" || errOut != prefixed(err)+"\n" {
+	if code != 1 || out != "" || !strings.HasPrefix(errOut, prefixed(err)+"\n") {
 		t.Errorf("schema -verify %s: exit %d, stdout %q, stderr %q; want 1, nothing on stdout, the error on stderr", table, code, out, errOut)
 	}
 }

@@ -211,3 +211,35 @@ func TestCommandsOnAMissingTableSayWhichFlagNamesIt(t *testing.T) {
 		})
 	}
 }
+
+// "inbox schema -outbox-table O" prints the outbox's DDL beside the inbox's,
+// and with -apply creates the outbox and its dead-letter table, no broker
+// needed: an Outbox, whose SchemaSQL the README pointed migrations at,
+// could not be made without a broker's publisher, which may connect when
+// it is made.
+func TestSchemaPrintsAndAppliesTheOutboxTables(t *testing.T) {
+	for name, c := range dsns(t) {
+		t.Run(name, func(t *testing.T) {
+			outbox := "cli_outbox_" + testdb.RandomSuffix()
+			want, err := inbox.OutboxSchemaSQL(map[string]inbox.Dialect{"sqlite": inbox.SQLite, "postgres": inbox.PostgreSQL, "mysql": inbox.MySQL}[name], outbox)
+			if err != nil {
+				t.Fatal(err)
+			}
+			code, out, errOut := cli(t, "schema", "-db", c.dsn, "-outbox-table", outbox)
+			if code != 0 || !strings.Contains(out, "watermill_inbox") || !strings.HasSuffix(out, want) || !strings.Contains(want, outbox+"_dead") {
+				t.Errorf("schema -outbox-table: exit %d, stderr %q, stdout\n%s\nwant the inbox's DDL, then\n%s", code, errOut, out, want)
+			}
+			table := "cli_" + testdb.RandomSuffix()
+			testdb.DropLater(t, c.db, table)
+			testdb.DropLater(t, c.db, outbox)
+			testdb.DropLater(t, c.db, outbox+"_dead")
+			code, out, errOut = cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply")
+			if code != 0 || !strings.Contains(out, "outbox table "+outbox+" and its dead-letter table "+outbox+"_dead are ready") {
+				t.Fatalf("schema -outbox-table -apply: exit %d, stdout %q, stderr %q", code, out, errOut)
+			}
+			if st, err := inbox.ReadOutboxStats(context.Background(), c.db, nil, outbox); err != nil || st.Pending != 0 {
+				t.Errorf("the outbox -apply made: %+v, %v; want an empty outbox the relay can read", st, err)
+			}
+		})
+	}
+}

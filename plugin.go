@@ -1,6 +1,8 @@
 package inbox
 
 import (
+	"context"
+	"sync"
 	"sync/atomic"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -41,5 +43,51 @@ func (l *componentLogger) adoptRouters(r *message.Router) {
 	}
 	if rl := r.Logger(); rl != nil {
 		l.current.Store(&loggerRef{rl.With(l.fields)})
+	}
+}
+
+// runs counts a component's running loops (its RouterPlugin's goroutine,
+// Run calls), so that WaitStopped can tell when none runs. Safe for
+// concurrent use; the zero value counts none.
+type runs struct {
+	mu   sync.Mutex
+	n    int
+	none chan struct{} // closed when n drops to 0; nil while n is 0
+}
+
+// begin counts one more loop.
+func (r *runs) begin() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.n == 0 {
+		r.none = make(chan struct{})
+	}
+	r.n++
+}
+
+// end counts one loop less.
+func (r *runs) end() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.n--
+	if r.n == 0 {
+		close(r.none)
+		r.none = nil
+	}
+}
+
+// wait returns nil once no loop runs, or ctx's error if it ends first.
+func (r *runs) wait(ctx context.Context) error {
+	r.mu.Lock()
+	none := r.none
+	r.mu.Unlock()
+	if none == nil {
+		return nil
+	}
+	select {
+	case <-none:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
 	}
 }
