@@ -80,6 +80,10 @@ const (
 //     that Retry retries and the poison queue can take;
 //  5. ib.Middleware: the transaction wraps only the handler.
 //
+// Between Retry and Timeout sits one more, of the library's own, which
+// gives each attempt back the message context Timeout replaced, so the
+// slice holds one middleware more than the list above.
+//
 // Middlewares of your own that must see every attempt go before these;
 // ones that must run inside the transaction, after them. It returns an
 // error wrapping ErrInvalidConfig for an invalid cfg. It is safe for
