@@ -23,6 +23,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/prometheus/model/labels"
 	"github.com/prometheus/prometheus/promql/parser"
@@ -86,6 +87,30 @@ func newSeriesSet(mfs []*dto.MetricFamily) seriesSet {
 			}
 		}
 	}
+	sort.Strings(s.families)
+	return s
+}
+
+// withProcessSeries returns s with the series of client_golang's process
+// collector, which prometheus.DefaultRegisterer carries beside the
+// module's (InboxMessageIDReused reads process_start_time_seconds to see a
+// restart).
+func withProcessSeries(t *testing.T, s seriesSet) seriesSet {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newSeriesSet(mfs)
+	for n, l := range p.labels {
+		s.labels[n] = l
+	}
+	for n, f := range p.family {
+		s.family[n] = f
+	}
+	s.families = append(slices.Clone(s.families), p.families...)
 	sort.Strings(s.families)
 	return s
 }

@@ -40,12 +40,13 @@ func TestDashboardAsksOnlyForExportedSeries(t *testing.T) {
 }
 
 // Every alert rule's expression parses and selects series the module
-// exports, by labels and values they carry; the promtool tests feed only
+// exports (or client_golang's process collector, which the default
+// registerer carries), by labels and values they carry; the promtool tests feed only
 // such series, so that they test the rules against what Prometheus will
 // scrape.
 func TestAlertRulesUseOnlyExportedSeries(t *testing.T) {
 	t.Parallel()
-	set := scrapeEverySeries(t)
+	set := withProcessSeries(t, scrapeEverySeries(t))
 	rules, recorded := alertRules(t)
 	c := newSeriesChecker(set)
 	for _, r := range recorded {
