@@ -82,12 +82,7 @@ func TestRouterPluginStopsWithRouter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(p.RouterPlugin)
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	r := pluginRouter(t, watermill.NopLogger{}, p.RouterPlugin)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
 	<-rounds
@@ -136,12 +131,7 @@ func TestPurgerPluginFailsTheRouterWhenItsTableDoesNotExist(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		r.AddPlugin(p.RouterPlugin)
-		r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+		r := pluginRouter(t, watermill.NopLogger{}, p.RouterPlugin)
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		err = r.Run(ctx)
@@ -167,12 +157,7 @@ func TestPluginsWithoutALoggerLogToTheRouters(t *testing.T) {
 	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: refusingPublisher{}, PollInterval: 20 * time.Millisecond})
 	writeOutbox(t, db, ob, "invoices", 1)
 	logger := newCaptureLogger()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(p.RouterPlugin, ob.RouterPlugin)
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	r := pluginRouter(t, logger, p.RouterPlugin, ob.RouterPlugin)
 	go func() { _ = r.Run(context.Background()) }()
 	defer r.Close()
 	waitFor(t, func() bool { return logger.has("Inbox purge round") && logger.has("Inbox outbox relay round failed") })
@@ -211,12 +196,7 @@ func TestWaitStoppedReturnsOnceThePluginsLoopsStopped(t *testing.T) {
 			t.Fatalf("WaitStopped before anything ran: %v, want nil at once", err)
 		}
 	}
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(p.RouterPlugin, ob.RouterPlugin)
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	r := pluginRouter(t, watermill.NopLogger{}, p.RouterPlugin, ob.RouterPlugin)
 	runCtx, stop := context.WithCancel(context.Background())
 	ran := make(chan error, 1)
 	go func() { ran <- r.Run(runCtx) }()
@@ -260,3 +240,16 @@ func (s *stuckPublisher) Publish(string, ...*message.Message) error {
 	return fmt.Errorf("%w: the broker went away", inbox.ErrBrokerUnavailable)
 }
 func (s *stuckPublisher) Close() error { return nil }
+
+// pluginRouter returns a router (not running) that logs to logger, with
+// plugins and one consumer handler that does nothing.
+func pluginRouter(t *testing.T, logger watermill.LoggerAdapter, plugins ...message.RouterPlugin) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(plugins...)
+	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	return r
+}
