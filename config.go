@@ -99,7 +99,9 @@ type Config struct {
 	// logged per processed message (the router logs its ack at Trace), and
 	// errors are returned to the router, which logs them, not logged here.
 	// It must be safe for concurrent use.
-	// Default: watermill.NopLogger{}.
+	// Default: the router's logger from RouterPlugin on (so that a panic in
+	// a hook or an AfterCommit function is logged somewhere), otherwise
+	// watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 
 	// OnProcessed, OnDuplicate and OnFailed report each message's outcome,

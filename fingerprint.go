@@ -174,7 +174,7 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 		return nil
 	}
 	ib.fingerprints.Store(fingerprintsOff)
-	ib.logger.Info("Inbox: the table has no fingerprint column, so a message id reused for other content is skipped as a duplicate"+
+	ib.logger.get().Info("Inbox: the table has no fingerprint column, so a message id reused for other content is skipped as a duplicate"+
 		" (Config.ReusedIDs); add the column, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
 		watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})
 	return nil
@@ -241,7 +241,7 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 	// prepare, and resolve the key lock's claim, without it.
 	_ = closeStmts(&ib.claimStmt, &ib.fpStmt) // their error changes nothing here
 	ib.forgetKeyLocking()
-	ib.logger.Error("Inbox: the table's fingerprint column is gone; a message id reused for other content is skipped as a duplicate"+
+	ib.logger.get().Error("Inbox: the table's fingerprint column is gone; a message id reused for other content is skipped as a duplicate"+
 		" from now on (Config.ReusedIDs); add the column back, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
 		err, watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})
 	return &misconfiguredError{gone}
@@ -324,7 +324,7 @@ func (d *delivery) checkReusedID() error {
 	}
 	f := d.fields()
 	f["stored_fingerprint"], f["fingerprint"] = fmt.Sprintf("%x", stored), fmt.Sprintf("%x", d.fingerprint)
-	d.ib.logger.Info("Inbox: message id reused for other content; skipped as a duplicate (Config.ReusedIDs is ReusedIDsWarn)", f)
+	d.ib.logger.get().Info("Inbox: message id reused for other content; skipped as a duplicate (Config.ReusedIDs is ReusedIDsWarn)", f)
 	return nil
 }
 

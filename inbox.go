@@ -31,7 +31,7 @@ type Inbox struct {
 	consumer    string
 	messageID   func(*message.Message) (string, error)
 	txOptions   *sql.TxOptions
-	logger      watermill.LoggerAdapter
+	logger      *componentLogger
 	onProcessed func(Event)
 	onDuplicate func(Event)
 	onFailed    func(Event)
@@ -68,7 +68,6 @@ type Inbox struct {
 	statuslessNoted     sync.Once
 	locksKeys           bool
 	checksHeld          bool
-	nopLogger           bool // Logger is watermill.NopLogger: skip building log fields
 
 	// claimStmt is claimSQL prepared on DB, on first use (the table may not
 	// exist when New runs). database/sql re-prepares it once per pooled
@@ -306,6 +305,7 @@ func closeStmts(stmts ...**sqlx.Stmt) error {
 // own sentinel (ErrInvalidTableName, ErrUnknownDialect, ErrInvalidConsumer).
 func New(cfg Config) (*Inbox, error) {
 	inferred := cfg.Dialect == nil
+	logger := cfg.Logger // nil: the router's, from RouterPlugin on
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, invalidConfig(err)
@@ -317,7 +317,6 @@ func New(cfg Config) (*Inbox, error) {
 		table:         table,
 		consumer:      cfg.Consumer,
 		messageID:     cfg.MessageID,
-		logger:        cfg.Logger,
 		onProcessed:   cfg.OnProcessed,
 		onDuplicate:   cfg.OnDuplicate,
 		onFailed:      cfg.OnFailed,
@@ -352,13 +351,14 @@ func New(cfg Config) (*Inbox, error) {
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
 	ib.statuslessSQL, _ = cfg.Dialect.statuslessCheck(table)
 	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
-	_, ib.nopLogger = ib.logger.(watermill.NopLogger)
 	if cfg.TracerProvider != nil {
 		ib.tracer = cfg.TracerProvider.Tracer("github.com/watermill-inbox/inbox")
 	}
+	var fields watermill.LogFields
 	if ib.consumer != "" {
-		ib.logger = ib.logger.With(watermill.LogFields{"consumer": ib.consumer})
+		fields = watermill.LogFields{"consumer": ib.consumer}
 	}
+	ib.logger = newComponentLogger(logger, fields)
 	return ib, nil
 }
 
@@ -723,7 +723,7 @@ func (t *sqlTx) endedByClaimRead() bool {
 		return false
 	}
 	t.ib.statuslessNoted.Do(func() {
-		t.ib.logger.Info("Inbox: the database/sql driver connection gives no transaction status (an instrumentation"+
+		t.ib.logger.get().Info("Inbox: the database/sql driver connection gives no transaction status (an instrumentation"+
 			" wrapper that keeps it unexported?): before each COMMIT and outbox write the inbox reads its claim, one"+
 			" round trip more, so that a handler's ROLLBACK is not acked", nil)
 	})
@@ -803,10 +803,10 @@ func (ib *Inbox) maybeLostConn(ctx context.Context, err error) bool {
 // error is a lostConnError, which IsTransient accepts; otherwise it stays
 // as it is. The retry is logged at Debug and recorded on the span.
 func (ib *Inbox) retryBegin(d *delivery, firstErr error) (*sqlx.Conn, *sqlx.Tx, queuedWrite, error) {
-	if !ib.nopLogger {
+	if !ib.logger.nop() {
 		fields := d.fields()
 		fields["error"] = firstErr.Error()
-		ib.logger.Debug("Inbox: BEGIN lost its connection, retrying once", fields)
+		ib.logger.get().Debug("Inbox: BEGIN lost its connection, retrying once", fields)
 	}
 	d.span.AddEvent("inbox.begin_retried", trace.WithAttributes(attribute.String("error", firstErr.Error())))
 	ctx := d.txCtx

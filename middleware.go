@@ -153,7 +153,7 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 		if !returned {
 			d.rememberChangedFingerprint()
 			if rbErr != nil {
-				d.ib.logger.Error("Inbox rollback failed after handler panic", rbErr, d.fields())
+				d.ib.logger.get().Error("Inbox rollback failed after handler panic", rbErr, d.fields())
 			}
 			d.report(fmt.Errorf("inbox: handler panicked on %q/%q", d.consumer, d.id), true)
 			return
@@ -445,7 +445,7 @@ func (d *delivery) runAfterCommit() {
 		func() {
 			defer func() {
 				if r := recover(); r != nil {
-					d.ib.logger.Error("Inbox after-commit function panicked", fmt.Errorf("panic: %v", r), d.fields())
+					d.ib.logger.get().Error("Inbox after-commit function panicked", fmt.Errorf("panic: %v", r), d.fields())
 				}
 			}()
 			f()
@@ -497,8 +497,8 @@ func (d *delivery) report(err error, panicked bool) {
 			d.callHook("OnFailed", ib.onFailed, d.event(err))
 		}
 	case d.duplicate:
-		if !ib.nopLogger {
-			ib.logger.Debug("Inbox: duplicate message skipped", d.fields())
+		if !ib.logger.nop() {
+			ib.logger.get().Debug("Inbox: duplicate message skipped", d.fields())
 		}
 		if ib.onDuplicate != nil {
 			d.callHook("OnDuplicate", ib.onDuplicate, d.event(nil))
@@ -519,7 +519,7 @@ func (d *delivery) report(err error, panicked bool) {
 func (d *delivery) callHook(name string, hook func(Event), e Event) {
 	defer func() {
 		if r := recover(); r != nil {
-			d.ib.logger.Error("Inbox "+name+" hook panicked", fmt.Errorf("panic: %v", r), d.fields())
+			d.ib.logger.get().Error("Inbox "+name+" hook panicked", fmt.Errorf("panic: %v", r), d.fields())
 		}
 	}()
 	hook(e)

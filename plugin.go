@@ -33,6 +33,13 @@ func newComponentLogger(given watermill.LoggerAdapter, fields watermill.LogField
 	return l
 }
 
+// nop reports whether the logger in use is watermill.NopLogger, so that a
+// caller can skip building fields nothing reads.
+func (l *componentLogger) nop() bool {
+	_, ok := l.get().(watermill.NopLogger)
+	return ok
+}
+
 // get returns the logger in use.
 func (l *componentLogger) get() watermill.LoggerAdapter { return l.current.Load().LoggerAdapter }
 

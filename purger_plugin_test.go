@@ -142,13 +142,14 @@ func TestPurgerPluginFailsTheRouterWhenItsTableDoesNotExist(t *testing.T) {
 	})
 }
 
-// A Purger and an Outbox given no Logger log, under their RouterPlugin, to
-// the router's logger: a purger whose rounds failed, or a relay that could
-// not publish, logged to watermill.NopLogger, and nothing said so.
+// A Purger, an Outbox and an Inbox given no Logger log, under their
+// RouterPlugin, to the router's logger: a purger whose rounds failed, a
+// relay that could not publish, an outcome hook that panicked, all logged
+// to watermill.NopLogger, and nothing said so.
 func TestPluginsWithoutALoggerLogToTheRouters(t *testing.T) {
 	db := sqliteDB(t)
 	f := newFixture(t, db)
-	f.newInbox(inbox.Config{})
+	ib := f.newInbox(inbox.Config{OnProcessed: func(inbox.Event) { panic("a bug in the metrics hook") }})
 	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour},
 		Interval: 20 * time.Millisecond})
 	if err != nil {
@@ -157,10 +158,23 @@ func TestPluginsWithoutALoggerLogToTheRouters(t *testing.T) {
 	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: refusingPublisher{}, PollInterval: 20 * time.Millisecond})
 	writeOutbox(t, db, ob, "invoices", 1)
 	logger := newCaptureLogger()
-	r := pluginRouter(t, logger, p.RouterPlugin, ob.RouterPlugin)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(ib.RouterPlugin, p.RouterPlugin, ob.RouterPlugin)
+	r.AddMiddleware(ib.Middleware)
+	in := newFeed()
+	r.AddConsumerHandler("billing", "orders", in, func(*message.Message) error { return nil })
 	go func() { _ = r.Run(context.Background()) }()
 	defer r.Close()
-	waitFor(t, func() bool { return logger.has("Inbox purge round") && logger.has("Inbox outbox relay round failed") })
+	<-r.Running()
+	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("the message was not acked")
+	}
+	for _, line := range []string{"Inbox purge round", "Inbox outbox relay round failed", "Inbox OnProcessed hook panicked"} {
+		waitFor(t, func() bool { return logger.has(line) })
+	}
 }
 
 // refusingPublisher refuses every message.

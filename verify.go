@@ -129,8 +129,10 @@ const VerifyTimeout = 30 * time.Second
 // handlers start (a Watermill convention). A database that refuses writes
 // (ErrDatabaseReadOnly: a failover in progress, or a DSN that reaches a
 // replica) is checked again every second, logged at Info, until it takes
-// them or VerifyTimeout ends.
-func (ib *Inbox) RouterPlugin(*message.Router) error {
+// them or VerifyTimeout ends. Without a Config.Logger, the inbox logs to the
+// router's logger from then on.
+func (ib *Inbox) RouterPlugin(r *message.Router) error {
+	ib.logger.adoptRouters(r)
 	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
 	defer cancel()
 	for {
@@ -138,7 +140,7 @@ func (ib *Inbox) RouterPlugin(*message.Router) error {
 		if !errors.Is(err, ErrDatabaseReadOnly) {
 			return err
 		}
-		ib.logger.Info("Inbox: the database refuses writes; waiting for it to take them (a failover in progress?)",
+		ib.logger.get().Info("Inbox: the database refuses writes; waiting for it to take them (a failover in progress?)",
 			watermill.LogFields{"error": err.Error()})
 		select {
 		case <-ctx.Done():
