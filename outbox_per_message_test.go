@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -286,12 +287,13 @@ func TestOutboxRelayGoesOnPastAMessageRefusedForWhatItIs(t *testing.T) {
 	})
 }
 
-// A call the publisher refused whole as the broker's state
-// (ErrBrokerUnavailable: a partition without a leader), saying so of each
-// message or only of the call, is not tried again message by message in
-// the same round: with kafkaoutbox each try waits for sarama's retries of
-// that partition (about 13 s), and the walk doubled every round's time
-// while it was down.
+// A call the publisher refused whole, saying of each message that the
+// broker cannot take it now (ErrBrokerUnavailable: a partition without a
+// leader), is not tried again message by message in the same round: with
+// kafkaoutbox each try waits for sarama's retries of that partition (about
+// 13 s), and the walk doubled every round's time while it was down. A call
+// refused whole with no word of each message has its first message tried
+// alone once (the call may have been refused for its size), and no more.
 func TestOutboxRelayTriesACallRefusedWholeAsUnavailableOncePerRound(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		for _, each := range []bool{true, false} {
@@ -318,8 +320,8 @@ func triesACallRefusedWholeAsUnavailableOncePerRound(t *testing.T, tdb testDB, d
 	broker.mu.Lock()
 	calls := broker.calls
 	broker.mu.Unlock()
-	if calls != 3 {
-		t.Errorf("%d Publish calls in 3 rounds, want one a round", calls)
+	if want := map[bool]int{true: 3, false: 6}[each]; calls != want {
+		t.Errorf("%d Publish calls in 3 rounds, want %d a round", calls, want/3)
 	}
 	broker.mu.Lock()
 	broker.down = map[int]error{}
@@ -478,3 +480,43 @@ func TestOutboxRelayTakesAOneMessageCallsRefusalFromItsPublishError(t *testing.T
 		}
 	})
 }
+
+// A publisher that refuses a call of several messages as the broker's state
+// (a confirm deadline that a large batch outlasts) and takes each message
+// alone: the relay's first try of the first message alone gets the topic
+// moving, and every message goes. Sending the same call again in every
+// round never moved it.
+func TestOutboxRelayMovesPastACallRefusedWholeForItsSize(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := &sizeLimitedBroker{}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		want := writeOutbox(t, db, ob, "payments", 5)
+		for range 5 {
+			ob.RelayOnce(context.Background())
+		}
+		broker.mu.Lock()
+		defer broker.mu.Unlock()
+		if !slices.Equal(broker.sent, want) {
+			t.Errorf("sent %v after 5 rounds, want %v, in order", broker.sent, want)
+		}
+	})
+}
+
+// sizeLimitedBroker takes a call of one message and refuses a larger one
+// as unavailable, without saying which messages it refused.
+type sizeLimitedBroker struct {
+	mu   sync.Mutex
+	sent []string
+}
+
+func (b *sizeLimitedBroker) Publish(_ string, msgs ...*message.Message) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(msgs) > 1 {
+		return fmt.Errorf("%w: no confirm within the deadline", inbox.ErrBrokerUnavailable)
+	}
+	b.sent = append(b.sent, msgs[0].UUID)
+	return nil
+}
+
+func (b *sizeLimitedBroker) Close() error { return nil }

@@ -711,12 +711,13 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 			if len(known) > 1 && !errors.Is(err, ErrBrokerUnavailable) {
 				err = o.publishOne(r)
 			}
-		case i == 0 && errors.Is(err, ErrBrokerUnavailable):
-			// The whole call refused, with no word of each message, as
-			// the broker's state: alone it would wait for the same
-			// retries again (the round's time doubled), and it is not
-			// tried again in this round, as a message said to be so.
 		case i > 0 || len(group) > 1:
+			// A call refused whole with no word of each message, even as
+			// the broker's state, has its first message tried alone once:
+			// the call may have been refused for its size (a broker whose
+			// deadline a large batch outlasts), and a round that sent the
+			// same call again and again never moved. While the broker is
+			// down that is a second publish per round.
 			err = o.publishOne(r)
 		}
 		if err == nil {
