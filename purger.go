@@ -226,13 +226,15 @@ func (p *Purger) checkTableExists(ctx context.Context) error {
 // within RouterPluginStartTimeout (logged at Error as what, "... not
 // started").
 //
-// The goroutine is counted in running from the call on (before the router
-// starts) until it ends, so that WaitStopped after router.Run returned
-// waits for it.
+// The goroutine is counted in running from the moment it sees the router
+// running until it ends, so that WaitStopped after router.Run returned
+// waits for run: it counts itself, then looks whether the router is
+// closed already (router.Run returns only once it is), and runs nothing
+// if so. While it waits for the router to start it is not counted: a
+// router.Run that failed (a plugin's error) neither closes the router nor
+// starts it, and WaitStopped waited for RouterPluginStartTimeout.
 func runWhileRouterRuns(r *message.Router, running *runs, logger watermill.LoggerAdapter, what string, run func(ctx context.Context)) {
-	running.begin()
 	go func() {
-		defer running.end()
 		poll := time.NewTicker(routerPollInterval)
 		defer poll.Stop()
 		started := time.NewTimer(RouterPluginStartTimeout)
@@ -250,6 +252,11 @@ func runWhileRouterRuns(r *message.Router, running *runs, logger watermill.Logge
 				logger.Error(what+" not started: the router did not start running", nil, nil)
 				return
 			}
+		}
+		running.begin()
+		defer running.end()
+		if r.IsClosed() {
+			return
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		stopped := make(chan struct{})

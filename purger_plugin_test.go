@@ -267,3 +267,38 @@ func pluginRouter(t *testing.T, logger watermill.LoggerAdapter, plugins ...messa
 	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
 	return r
 }
+
+// WaitStopped after a router.Run that failed (a later plugin's error: the
+// router neither starts nor closes) returns at once: nothing ran. It
+// waited for RouterPluginStartTimeout (5 minutes).
+func TestWaitStoppedAfterARouterRunThatFailedReturnsAtOnce(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: newBrokerStub()})
+	missing, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: "inbox_missing_" + randomSuffix(), OlderThan: time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 100 * time.Millisecond}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(p.RouterPlugin, ob.RouterPlugin, missing.RouterPlugin)
+	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	if err := r.Run(context.Background()); !errors.Is(err, inbox.ErrTableNotFound) {
+		t.Fatalf("router.Run: %v, want the missing table's plugin error", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	for _, c := range []interface{ WaitStopped(context.Context) error }{p, ob} {
+		if err := c.WaitStopped(ctx); err != nil {
+			t.Errorf("WaitStopped after a router.Run that failed: %v, want nil at once", err)
+		}
+	}
+	_ = r.Close() // lets the plugins' goroutines go (it times out: no handler ever started)
+}
