@@ -862,13 +862,19 @@ type partitionKey struct {
 	Type string `db:"key_type"`
 	// Timestamptz is whether that type is timestamptz itself.
 	Timestamptz bool `db:"key_timestamptz"`
+	// DefaultOrder is whether the key orders by timestamptz's default
+	// btree operator class: with another (one that sorts backwards), a
+	// partition's TO bound is not its latest instant.
+	DefaultOrder bool `db:"key_default_order"`
 }
 
 // pgPartitionKeySQL reads the partition key of $1 (partitionKey); no row
 // when $1 is not a partitioned table.
 const pgPartitionKeySQL = `SELECT pt.partstrat::text AS strategy, pt.partnatts AS columns,
 	COALESCE(a.attname::text, '') AS key, COALESCE(format_type(a.atttypid, a.atttypmod), '') AS key_type,
-	COALESCE(a.atttypid = 'timestamptz'::regtype, false) AS key_timestamptz
+	COALESCE(a.atttypid = 'timestamptz'::regtype, false) AS key_timestamptz,
+	COALESCE(pt.partclass[0] = (SELECT oc.oid FROM pg_opclass oc JOIN pg_am am ON am.oid = oc.opcmethod
+		WHERE am.amname = 'btree' AND oc.opcintype = 'timestamptz'::regtype AND oc.opcdefault), false) AS key_default_order
 FROM pg_partitioned_table pt
 LEFT JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
 WHERE pt.partrelid = to_regclass($1)`
@@ -890,9 +896,15 @@ func (k partitionKey) problem() string {
 		return fmt.Sprintf("the table is partitioned by %s on %d column(s), the first %s, not by range on %q alone,"+
 			" so its partitions' bounds say nothing of when their rows were processed", strategy, k.Columns, what, processedAt)
 	}
-	if !k.Timestamptz {
+	switch {
+	case !k.Timestamptz && strings.HasPrefix(k.Type, "timestamp without time zone"):
 		return fmt.Sprintf("its partition key %q has type %q, not timestamptz: the bounds are wall-clock times of"+
 			" no time zone, which the session's time zone would move by hours", processedAt, k.Type)
+	case !k.Timestamptz:
+		return fmt.Sprintf("its partition key %q has type %q, not timestamptz itself", processedAt, k.Type)
+	case !k.DefaultOrder:
+		return fmt.Sprintf("its partition key %q orders by an operator class other than timestamptz's default,"+
+			" so a partition's upper bound need not be the latest time it holds", processedAt)
 	}
 	return ""
 }

@@ -145,6 +145,24 @@ func TestPartitionedTableKeyedByAnythingButProcessedAtTimestamptzIsRefused(t *te
 				" FOR VALUES FROM (%L) TO (%L)', now() AT TIME ZONE 'Etc/GMT+12' - interval '1 hour', now() AT TIME ZONE 'Etc/GMT+12' + interval '1 hour'); END$$")
 			exec(t, db, "INSERT INTO "+table+" (consumer, message_id) VALUES ('billing', 'recent')")
 		}},
+		{"a reversed operator class", func(table string) {
+			// A btree operator class that sorts timestamptz backwards: FROM
+			// is then the later bound, and TO, 30 days ago, is not the
+			// partition's latest time.
+			ops, cmp := table+"_rev_ops", table+"_rev_cmp"
+			t.Cleanup(func() {
+				db.Exec("DROP OPERATOR FAMILY IF EXISTS " + ops + " USING btree CASCADE")
+				db.Exec("DROP FUNCTION IF EXISTS " + cmp + "(timestamptz, timestamptz)")
+			})
+			exec(t, db, "CREATE FUNCTION "+cmp+"(timestamptz, timestamptz) RETURNS int LANGUAGE sql IMMUTABLE STRICT AS 'SELECT timestamptz_cmp($2, $1)'")
+			exec(t, db, "CREATE OPERATOR CLASS "+ops+" FOR TYPE timestamptz USING btree AS"+
+				" OPERATOR 1 >, OPERATOR 2 >=, OPERATOR 3 =, OPERATOR 4 <=, OPERATOR 5 <, FUNCTION 1 "+cmp+"(timestamptz, timestamptz)")
+			exec(t, db, "CREATE TABLE "+table+` (consumer text COLLATE "C" NOT NULL, message_id text COLLATE "C" NOT NULL,
+				processed_at timestamptz NOT NULL DEFAULT now()) PARTITION BY RANGE (processed_at `+ops+`)`)
+			exec(t, db, "DO $$BEGIN EXECUTE format('CREATE TABLE "+table+"_p20000101 PARTITION OF "+table+
+				" FOR VALUES FROM (%L) TO (%L)', now() + interval '1 hour', now() - interval '30 days'); END$$")
+			exec(t, db, "INSERT INTO "+table+" (consumer, message_id) VALUES ('billing', 'recent')")
+		}},
 		{"processed_at timestamp without time zone", func(table string) {
 			exec(t, db, "CREATE TABLE "+table+` (consumer text COLLATE "C" NOT NULL, message_id text COLLATE "C" NOT NULL,
 				processed_at timestamp NOT NULL, PRIMARY KEY (consumer, message_id, processed_at)) PARTITION BY RANGE (processed_at)`)
