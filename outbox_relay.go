@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -39,7 +40,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	defer o.running.end()
 	o.relayStarted.Store(true)
 	var backoff time.Duration
-	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
+	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}, busy: &o.abandoned}
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
@@ -108,6 +109,9 @@ func (o *Outbox) Run(ctx context.Context) error {
 type topicBackoff struct {
 	max   time.Duration
 	waits map[string]topicWait
+	// busy, when set, holds the topics whose abandoned Publish call has
+	// not returned: skipped, and left out of the reads, until it has.
+	busy *abandonedCalls
 }
 
 // topicWait is a refused topic's next try and its current wait.
@@ -116,8 +120,12 @@ type topicWait struct {
 	wait  time.Duration
 }
 
-// skip reports whether topic waits for its next try at now.
+// skip reports whether topic waits for its next try at now, or for a
+// call of its that has not returned.
 func (t *topicBackoff) skip(topic string, now time.Time) bool {
+	if t.busy != nil && t.busy.has(topic) {
+		return true
+	}
 	w, ok := t.waits[topic]
 	return ok && now.Before(w.until)
 }
@@ -139,6 +147,13 @@ func (t *topicBackoff) waiting(now time.Time) []any {
 	for topic := range t.waits {
 		if t.skip(topic, now) {
 			topics = append(topics, topic)
+		}
+	}
+	if t.busy != nil {
+		for _, topic := range t.busy.list() {
+			if _, ok := t.waits[topic]; !ok {
+				topics = append(topics, topic)
+			}
 		}
 	}
 	return topics
@@ -182,8 +197,9 @@ func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 // and no Run call is in progress; or the cause of ctx's end, if it ends
 // first. router.Run does not wait for a plugin's goroutine: call it after
 // router.Run returned and before closing OutboxConfig.Publisher and the
-// database. It returns at once when no relay runs. Safe for concurrent
-// use.
+// database. It returns at once when no relay runs. A Publish call that
+// outlasted OutboxConfig.PublishTimeout is not waited for: it may still
+// run, and its messages are in the table still. Safe for concurrent use.
 func (o *Outbox) WaitStopped(ctx context.Context) error { return o.running.wait(ctx) }
 
 // RouterPlugin checks the outbox tables (Verify, bounded by VerifyTimeout)
@@ -572,7 +588,7 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 	now := time.Now()
 	for _, topic := range order {
 		group := byTopic[topic]
-		if topics != nil && topics.skip(topic, now) || ctx.Err() != nil {
+		if topics != nil && topics.skip(topic, now) || o.abandoned.has(topic) || ctx.Err() != nil {
 			b.skipped += len(group)
 			continue
 		}
@@ -841,7 +857,47 @@ func (o *Outbox) publishOne(r outboxRow) error {
 // RouterPlugin starts, would end the whole process, handlers included, and
 // again at every start while the message stays first in line. Counted as a
 // refusal of the messages (an attempt each).
-func (o *Outbox) publishCall(topic string, msgs []*message.Message) (err error) {
+//
+// A call that outlasts PublishTimeout is left to return on its own
+// goroutine: the topic is abandoned until it does (skipped by the rounds),
+// and the relay is woken then.
+func (o *Outbox) publishCall(topic string, msgs []*message.Message) error {
+	if o.abandoned.has(topic) {
+		// No second call beside one that has not returned (a walk's
+		// message tried alone after its call timed out, say): the order.
+		return fmt.Errorf("%w: a publish to %q that outlasted OutboxConfig.PublishTimeout (%v) has not returned",
+			ErrBrokerUnavailable, topic, o.cfg.PublishTimeout)
+	}
+	done := make(chan error, 1)
+	go func() { done <- o.callPublisher(topic, msgs) }()
+	timer := time.NewTimer(o.cfg.PublishTimeout)
+	defer timer.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-timer.C:
+	}
+	o.abandoned.add(topic)
+	go func() {
+		err := <-done
+		o.abandoned.done(topic)
+		fields := watermill.LogFields{"topic": topic, "messages": len(msgs)}
+		if err != nil {
+			fields["error"] = err.Error()
+		}
+		o.logger.get().Info("Inbox outbox relay: a publish that outlasted PublishTimeout returned; its messages go again", fields)
+		select { // the topic's turn again
+		case o.wake <- struct{}{}:
+		default:
+		}
+	}()
+	return fmt.Errorf("%w: the publisher did not return within OutboxConfig.PublishTimeout (%v); %q waits for that call",
+		ErrBrokerUnavailable, o.cfg.PublishTimeout, topic)
+}
+
+// callPublisher calls the publisher, turning a panic in it, or in the
+// Error method of its error, into an error.
+func (o *Outbox) callPublisher(topic string, msgs []*message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("inbox: outbox relay: the publisher panicked publishing to %q: %v", topic, p)
@@ -970,4 +1026,46 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		}
 	}
 	return nil
+}
+
+// abandonedCalls counts, per topic, the Publish calls that outlasted
+// PublishTimeout and have not returned. Safe for concurrent use.
+type abandonedCalls struct {
+	mu     sync.Mutex
+	topics map[string]int
+}
+
+func (a *abandonedCalls) add(topic string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.topics == nil {
+		a.topics = map[string]int{}
+	}
+	a.topics[topic]++
+}
+
+func (a *abandonedCalls) done(topic string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.topics[topic]--; a.topics[topic] <= 0 {
+		delete(a.topics, topic)
+	}
+}
+
+// has reports whether a call of topic has not returned.
+func (a *abandonedCalls) has(topic string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.topics[topic] > 0
+}
+
+// list returns the topics with a call that has not returned.
+func (a *abandonedCalls) list() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	topics := make([]string, 0, len(a.topics))
+	for topic := range a.topics {
+		topics = append(topics, topic)
+	}
+	return topics
 }

@@ -1382,3 +1382,54 @@ func TestOutboxSchemaSQLIsTheOutboxsWithoutABroker(t *testing.T) {
 		t.Errorf("bad name: %v, want ErrInvalidTableName", err)
 	}
 }
+
+// A broker that takes a topic's produce requests and never answers (one
+// node hung) holds that topic alone back: the round stops waiting for the
+// call after PublishTimeout, the other topics go, and no second call of
+// the hung topic starts while the first has not returned. Once it returns,
+// the topic's messages go (again: at least once, with their UUIDs). The
+// call blocked every topic for as long as the publisher's own retries took
+// (sarama: 30 s on each of 11 tries).
+func TestOutboxRelayGoesOnPastAPublishThatDoesNotReturn(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := &hungTopicBroker{hung: "ledger", release: make(chan struct{}), brokerStub: newBrokerStub()}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PublishTimeout: 100 * time.Millisecond,
+			PollInterval: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
+		hung := writeOutbox(t, db, ob, "ledger", 2)
+		mails := writeOutbox(t, db, ob, "mails", 3)
+		stop := runRelay(ob)
+		defer stop()
+		release := sync.OnceFunc(func() { close(broker.release) })
+		defer release() // before stop, which waits for the relay
+		waitFor(t, func() bool { return slices.Equal(broker.uuids("mails"), mails) })
+		time.Sleep(300 * time.Millisecond) // rounds while the ledger call hangs
+		if n := broker.ledgerCalls.Load(); n != 1 {
+			t.Errorf("%d calls of the hung topic while its first had not returned, want 1", n)
+		}
+		release()
+		waitFor(t, func() bool {
+			stats, err := ob.Stats(context.Background())
+			return err == nil && stats.Pending == 0
+		})
+		got := broker.uuids("ledger")
+		if len(got) < 2 || !slices.Equal(got[len(got)-2:], hung) {
+			t.Errorf("ledger sent %v, want %v last, in order", got, hung)
+		}
+	})
+}
+
+// hungTopicBroker is a brokerStub whose first call of topic hung does not
+// return until release is closed (it then takes the messages).
+type hungTopicBroker struct {
+	*brokerStub
+	hung        string
+	release     chan struct{}
+	ledgerCalls atomic.Int32
+}
+
+func (b *hungTopicBroker) Publish(topic string, msgs ...*message.Message) error {
+	if topic == b.hung && b.ledgerCalls.Add(1) == 1 {
+		<-b.release
+	}
+	return b.brokerStub.Publish(topic, msgs...)
+}
