@@ -183,7 +183,10 @@ func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
 // whether one waits.
 func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 	var first time.Time
-	for _, w := range t.waits {
+	for topic, w := range t.waits {
+		if t.busy != nil && t.busy.has(topic) {
+			continue // its call's return wakes the relay; its wait has ended, and Run read the table in a loop
+		}
 		if first.IsZero() || w.until.Before(first) {
 			first = w.until
 		}
@@ -578,8 +581,15 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
 	var order []string // the topics, in the order of their first row
 	byTopic := map[string][]outboxRow{}
+	taken := o.abandoned.taken(rows)
 	for _, r := range rows {
 		b.rows[r.ID] = r
+		if taken[r.ID] {
+			// A call that outlasted PublishTimeout sent it since: deleted
+			// with this round's, not sent again.
+			b.sent = append(b.sent, r.ID)
+			continue
+		}
 		if _, ok := byTopic[r.Topic]; !ok {
 			order = append(order, r.Topic)
 		}
@@ -662,7 +672,7 @@ type walkReads struct {
 func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
-		err = o.publishCall(topic, msgs)
+		err = o.publishCall(topic, msgs, rowIDs(group))
 	}
 	if err == nil {
 		for _, r := range group {
@@ -844,7 +854,7 @@ func (o *Outbox) publishOne(r outboxRow) error {
 	if err != nil {
 		return err
 	}
-	err = o.publishCall(r.Topic, msgs)
+	err = o.publishCall(r.Topic, msgs, []int64{r.ID})
 	if errs, ok := perMessageErrors(err, 1); ok {
 		return errs[0]
 	}
@@ -860,8 +870,12 @@ func (o *Outbox) publishOne(r outboxRow) error {
 //
 // A call that outlasts PublishTimeout is left to return on its own
 // goroutine: the topic is abandoned until it does (skipped by the rounds),
-// and the relay is woken then.
-func (o *Outbox) publishCall(topic string, msgs []*message.Message) error {
+// and the relay is woken then. The messages the broker took in it (all of
+// them when it returned nil; those a PublishError acks) are deleted by the
+// next round that reads them, not sent again: a broker a little slower
+// than PublishTimeout had every call abandoned, its topic sent again and
+// again, never emptied.
+func (o *Outbox) publishCall(topic string, msgs []*message.Message, ids []int64) error {
 	if o.abandoned.has(topic) {
 		// No second call beside one that has not returned (a walk's
 		// message tried alone after its call timed out, say): the order.
@@ -880,6 +894,16 @@ func (o *Outbox) publishCall(topic string, msgs []*message.Message) error {
 	o.abandoned.add(topic)
 	go func() {
 		err := <-done
+		switch errs, each := perMessageErrors(err, len(ids)); {
+		case err == nil:
+			o.abandoned.took(ids)
+		case each:
+			for i, e := range errs {
+				if e == nil {
+					o.abandoned.took(ids[i : i+1])
+				}
+			}
+		}
 		o.abandoned.done(topic)
 		fields := watermill.LogFields{"topic": topic, "messages": len(msgs)}
 		if err != nil {
@@ -1029,10 +1053,54 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 }
 
 // abandonedCalls counts, per topic, the Publish calls that outlasted
-// PublishTimeout and have not returned. Safe for concurrent use.
+// PublishTimeout and have not returned, and keeps the outbox ids of the
+// messages such calls sent once they returned, until a round deletes
+// them (or, when another relay instance did, for abandonedTookKept). Safe
+// for concurrent use.
 type abandonedCalls struct {
 	mu     sync.Mutex
 	topics map[string]int
+	sent   map[int64]time.Time // id -> when its call returned
+}
+
+// abandonedTookKept is how long the id of a message an abandoned call sent
+// is kept for a round to delete its row.
+const abandonedTookKept = 10 * time.Minute
+
+// took keeps ids as sent by a call that outlasted PublishTimeout.
+func (a *abandonedCalls) took(ids []int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.sent == nil {
+		a.sent = map[int64]time.Time{}
+	}
+	now := time.Now()
+	for _, id := range ids {
+		a.sent[id] = now
+	}
+}
+
+// taken returns which of rows such calls sent, and forgets them and the
+// ids kept for longer than abandonedTookKept.
+func (a *abandonedCalls) taken(rows []outboxRow) map[int64]bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.sent) == 0 {
+		return nil
+	}
+	taken := map[int64]bool{}
+	for _, r := range rows {
+		if _, ok := a.sent[r.ID]; ok {
+			taken[r.ID] = true
+			delete(a.sent, r.ID)
+		}
+	}
+	for id, at := range a.sent {
+		if time.Since(at) > abandonedTookKept {
+			delete(a.sent, id)
+		}
+	}
+	return taken
 }
 
 func (a *abandonedCalls) add(topic string) {
@@ -1068,4 +1136,13 @@ func (a *abandonedCalls) list() []string {
 		topics = append(topics, topic)
 	}
 	return topics
+}
+
+// rowIDs returns the ids of rows, in order.
+func rowIDs(rows []outboxRow) []int64 {
+	ids := make([]int64, len(rows))
+	for i, r := range rows {
+		ids[i] = r.ID
+	}
+	return ids
 }

@@ -1433,3 +1433,70 @@ func (b *hungTopicBroker) Publish(topic string, msgs ...*message.Message) error 
 	}
 	return b.brokerStub.Publish(topic, msgs...)
 }
+
+// While a topic's call outlasts PublishTimeout and has not returned, Run
+// waits (its PollInterval, or the call's return, which wakes it) instead of
+// reading the table in a loop: the topic's wait had ended, and a wait
+// that is over made every round start at once (562 reads a second).
+func TestOutboxRelayWaitsWhileACallOutlastsPublishTimeout(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	plain := openSQLite(t, path)
+	reads := &statementLog{}
+	db := openRecording(t, plain.Driver(), "file:"+path+"?"+testdb.SQLiteParams, "sqlite", reads)
+	broker := &hungTopicBroker{hung: "ledger", release: make(chan struct{}), brokerStub: newBrokerStub()}
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, PublishTimeout: 100 * time.Millisecond,
+		PollInterval: 200 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
+	writeOutbox(t, db, ob, "ledger", 2)
+	stop := runRelay(ob)
+	defer stop()
+	release := sync.OnceFunc(func() { close(broker.release) })
+	defer release() // before stop, which waits for the relay
+	waitFor(t, func() bool { return broker.ledgerCalls.Load() >= 1 })
+	time.Sleep(400 * time.Millisecond) // the timeout, and the topic's 50 ms wait over
+	reads.take()
+	time.Sleep(time.Second)
+	selects := 0
+	for _, q := range reads.take() {
+		if strings.HasPrefix(q, "SELECT id, topic") {
+			selects++
+		}
+	}
+	if selects > 15 {
+		t.Errorf("%d reads of the table in a second while a call outlasted PublishTimeout, want about 5 (PollInterval 200 ms)", selects)
+	}
+}
+
+// A broker that takes every call, each a little slower than PublishTimeout
+// (300 ms for a call of 10, against 200 ms): the call that outlasted
+// PublishTimeout and returned nil sent its messages, and the next round
+// deletes their rows instead of sending them again. The relay sent the same
+// batch over and over, and the topic never left the table.
+func TestOutboxRelayDeletesWhatACallThatOutlastedPublishTimeoutSent(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := &slowBroker{brokerStub: newBrokerStub(), perMessage: 30 * time.Millisecond}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PublishTimeout: 200 * time.Millisecond,
+			PollInterval: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
+		want := writeOutbox(t, db, ob, "ledger", 10)
+		stop := runRelay(ob)
+		defer stop()
+		waitFor(t, func() bool {
+			stats, err := ob.Stats(context.Background())
+			return err == nil && stats.Pending == 0
+		})
+		if got := broker.uuids("ledger"); !slices.Equal(got, want) {
+			t.Errorf("the broker took %d messages, want the 10 written, once each, in order", len(got))
+		}
+	})
+}
+
+// slowBroker is a brokerStub that takes perMessage for each message of a
+// call before it takes them.
+type slowBroker struct {
+	*brokerStub
+	perMessage time.Duration
+}
+
+func (b *slowBroker) Publish(topic string, msgs ...*message.Message) error {
+	time.Sleep(time.Duration(len(msgs)) * b.perMessage)
+	return b.brokerStub.Publish(topic, msgs...)
+}
