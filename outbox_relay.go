@@ -896,11 +896,11 @@ func (o *Outbox) publishCall(topic string, msgs []*message.Message, ids []int64)
 		err := <-done
 		switch errs, each := perMessageErrors(err, len(ids)); {
 		case err == nil:
-			o.abandoned.took(ids)
+			o.abandoned.took(ids, msgs)
 		case each:
 			for i, e := range errs {
 				if e == nil {
-					o.abandoned.took(ids[i : i+1])
+					o.abandoned.took(ids[i:i+1], msgs[i:i+1])
 				}
 			}
 		}
@@ -1060,27 +1060,37 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 type abandonedCalls struct {
 	mu     sync.Mutex
 	topics map[string]int
-	sent   map[int64]time.Time // id -> when its call returned
+	sent   map[int64]abandonedSent
+}
+
+// abandonedSent is a message an abandoned call sent: its UUID, so that a
+// row of the same id and another message (the outbox's ids started again)
+// is never taken for it, and when its call returned.
+type abandonedSent struct {
+	uuid string
+	at   time.Time
 }
 
 // abandonedTookKept is how long the id of a message an abandoned call sent
 // is kept for a round to delete its row.
 const abandonedTookKept = 10 * time.Minute
 
-// took keeps ids as sent by a call that outlasted PublishTimeout.
-func (a *abandonedCalls) took(ids []int64) {
+// took keeps ids, the outbox ids of msgs, as sent by a call that outlasted
+// PublishTimeout.
+func (a *abandonedCalls) took(ids []int64, msgs []*message.Message) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.sent == nil {
-		a.sent = map[int64]time.Time{}
+		a.sent = map[int64]abandonedSent{}
 	}
 	now := time.Now()
-	for _, id := range ids {
-		a.sent[id] = now
+	for i, id := range ids {
+		a.sent[id] = abandonedSent{uuid: msgs[i].UUID, at: now}
 	}
 }
 
-// taken returns which of rows such calls sent, and forgets them and the
+// taken returns which of rows such calls sent (the same id and UUID), and
+// forgets them and the
 // ids kept for longer than abandonedTookKept.
 func (a *abandonedCalls) taken(rows []outboxRow) map[int64]bool {
 	a.mu.Lock()
@@ -1090,13 +1100,13 @@ func (a *abandonedCalls) taken(rows []outboxRow) map[int64]bool {
 	}
 	taken := map[int64]bool{}
 	for _, r := range rows {
-		if _, ok := a.sent[r.ID]; ok {
-			taken[r.ID] = true
+		if s, ok := a.sent[r.ID]; ok {
+			taken[r.ID] = s.uuid == r.UUID
 			delete(a.sent, r.ID)
 		}
 	}
-	for id, at := range a.sent {
-		if time.Since(at) > abandonedTookKept {
+	for id, s := range a.sent {
+		if time.Since(s.at) > abandonedTookKept {
 			delete(a.sent, id)
 		}
 	}

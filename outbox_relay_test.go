@@ -1500,3 +1500,39 @@ func (b *slowBroker) Publish(topic string, msgs ...*message.Message) error {
 	time.Sleep(time.Duration(len(msgs)) * b.perMessage)
 	return b.brokerStub.Publish(topic, msgs...)
 }
+
+// The outbox's ids start again (TRUNCATE … RESTART IDENTITY) while a call
+// that outlasted PublishTimeout runs, and a new message takes the id of one
+// that call carries: when the call returns, the new message's row is not
+// taken for the sent one and deleted unsent; it is sent.
+func TestOutboxRelaySendsANewMessageWithTheIdOfOneAnAbandonedCallSent(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := &hungTopicBroker{hung: "ledger", release: make(chan struct{}), brokerStub: newBrokerStub()}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PublishTimeout: 100 * time.Millisecond,
+			PollInterval: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
+		old := writeOutbox(t, db, ob, "ledger", 1)
+		stop := runRelay(ob)
+		defer stop()
+		release := sync.OnceFunc(func() { close(broker.release) })
+		defer release() // before stop, which waits for the relay
+		waitFor(t, func() bool { return broker.ledgerCalls.Load() == 1 })
+		time.Sleep(200 * time.Millisecond) // the call outlasts PublishTimeout; the round records it
+		restart := map[string]string{
+			"postgres": "TRUNCATE TABLE " + ob.Table() + " RESTART IDENTITY",
+			"mysql":    "TRUNCATE TABLE " + ob.Table(),
+			"sqlite":   "DELETE FROM " + ob.Table() + "; DELETE FROM sqlite_sequence WHERE name = '" + ob.Table() + "'",
+		}[strings.SplitN(tdb.Name, "-", 2)[0]]
+		for _, stmt := range strings.Split(restart, "; ") {
+			exec(t, db, stmt)
+		}
+		fresh := writeOutbox(t, db, ob, "ledger", 1) // the old one's id
+		release()
+		waitFor(t, func() bool {
+			stats, err := ob.Stats(context.Background())
+			return err == nil && stats.Pending == 0
+		})
+		if got := broker.uuids("ledger"); !slices.Contains(got, fresh[0]) || !slices.Contains(got, old[0]) {
+			t.Errorf("the broker took %v, want the abandoned call's %s and the new %s", got, old[0], fresh[0])
+		}
+	})
+}
