@@ -1090,8 +1090,7 @@ func (a *abandonedCalls) took(ids []int64, msgs []*message.Message) {
 }
 
 // taken returns which of rows such calls sent (the same id and UUID), and
-// forgets them and the
-// ids kept for longer than abandonedTookKept.
+// forgets them and the ids kept for longer than abandonedTookKept.
 func (a *abandonedCalls) taken(rows []outboxRow) map[int64]bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
