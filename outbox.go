@@ -151,11 +151,14 @@ type OutboxConfig struct {
 	// as a refusal that wraps ErrBrokerUnavailable (no attempt used): the
 	// round records it and goes on, and the call's topic is left out of
 	// every round until the call returns, so that no second call of the
-	// topic runs beside it (the order holds); its messages are then sent
-	// again, with their UUIDs (at least once), whether the call sent them
-	// or not. A broker that takes produce requests and never answers held
-	// every topic back for as long as the publisher's own retries (sarama:
-	// Net.ReadTimeout, 30 s, on each of its tries: minutes). Must not be
+	// topic runs beside it (the order holds). When it returns, the rows of
+	// the messages it sent (all, when it returned nil; those an
+	// inbox.PublishError acks) are deleted by the next round that reads
+	// them; the others are sent again, with their UUIDs. A broker that
+	// takes produce requests and never answers held every topic back for
+	// as long as the publisher's own retries (sarama: Net.ReadTimeout, 30
+	// s, on each of its tries: minutes). Concurrency: a call's goroutine
+	// outlives Run and WaitStopped when the call does. Must not be
 	// negative. Default: DefaultOutboxPublishTimeout (30 s).
 	PublishTimeout time.Duration
 

@@ -162,9 +162,9 @@ func (t *topicBackoff) waiting(now time.Time) []any {
 // forgetAllBut forgets the waits of the topics that have no row in rows
 // and are not in kept.
 func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
-	if len(t.waits) == len(kept) {
-		return
-	}
+	// No shortcut on the counts: kept also holds topics with a call out
+	// that are not in waits, and an expired wait that matched their count
+	// was never forgotten (Run then started every round at once).
 	present := make(map[string]bool, len(kept))
 	for _, topic := range kept {
 		present[topic.(string)] = true
@@ -909,7 +909,7 @@ func (o *Outbox) publishCall(topic string, msgs []*message.Message, ids []int64)
 		if err != nil {
 			fields["error"] = err.Error()
 		}
-		o.logger.get().Info("Inbox outbox relay: a publish that outlasted PublishTimeout returned; its messages go again", fields)
+		o.logger.get().Info("Inbox outbox relay: a publish that outlasted PublishTimeout returned; the next round deletes what it sent and sends the rest", fields)
 		select { // the topic's turn again
 		case o.wake <- struct{}{}:
 		default:

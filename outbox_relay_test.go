@@ -1536,3 +1536,56 @@ func TestOutboxRelaySendsANewMessageWithTheIdOfOneAnAbandonedCallSent(t *testing
 		}
 	})
 }
+
+// A topic whose call outlasted PublishTimeout before this Run started (a
+// RelayOnce, an earlier Run) is not in this Run's waits; another topic's
+// expired wait, whose rows left the table another way, was then never
+// forgotten, and Run started every round at once until the call returned.
+func TestOutboxRelayWaitsWhileACallFromBeforeItsStartRuns(t *testing.T) {
+	for _, earlierRun := range []bool{false, true} {
+		t.Run(map[bool]string{false: "RelayOnce before Run", true: "Run started again"}[earlierRun], func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "outbox.db")
+			plain := openSQLite(t, path)
+			reads := &statementLog{}
+			db := openRecording(t, plain.Driver(), "file:"+path+"?"+testdb.SQLiteParams, "sqlite", reads)
+			broker := &hungTopicBroker{hung: "ledger", release: make(chan struct{}), brokerStub: newBrokerStub()}
+			broker.setRefuse(func(topic string, _ *message.Message) error {
+				if topic == "mails" {
+					return fmt.Errorf("%w: mails has no leader", inbox.ErrBrokerUnavailable)
+				}
+				return nil
+			})
+			release := sync.OnceFunc(func() { close(broker.release) })
+			defer release()
+			ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, PublishTimeout: 100 * time.Millisecond,
+				PollInterval: 200 * time.Millisecond, MaxBackoff: 50 * time.Millisecond})
+			writeOutbox(t, db, ob, "ledger", 1)
+			if earlierRun {
+				stop := runRelay(ob)
+				waitFor(t, func() bool { return broker.ledgerCalls.Load() == 1 })
+				time.Sleep(200 * time.Millisecond) // abandoned
+				stop()
+			} else {
+				ob.RelayOnce(context.Background()) // abandoned
+			}
+			writeOutbox(t, db, ob, "mails", 1)
+			stop := runRelay(ob)
+			defer stop()
+			defer release()                    // before stop, which waits for the relay
+			time.Sleep(150 * time.Millisecond) // mails refused: in Run's waits
+			exec(t, db, "DELETE FROM "+ob.Table()+" WHERE topic = 'mails'")
+			time.Sleep(200 * time.Millisecond)
+			reads.take()
+			time.Sleep(time.Second)
+			selects := 0
+			for _, q := range reads.take() {
+				if strings.HasPrefix(q, "SELECT id, topic") {
+					selects++
+				}
+			}
+			if selects > 15 {
+				t.Errorf("%d reads of the table in a second while a call from before Run's start ran, want about 5 (PollInterval 200 ms)", selects)
+			}
+		})
+	}
+}
