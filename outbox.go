@@ -34,10 +34,6 @@ const (
 	DefaultOutboxLinger = 5 * time.Millisecond
 	// DefaultOutboxMaxBackoff is OutboxConfig.MaxBackoff when it is zero.
 	DefaultOutboxMaxBackoff = 5 * time.Second
-	// DefaultOutboxPublishTimeout is OutboxConfig.PublishTimeout when it is
-	// zero: above kafkaoutbox's retries of a partition without a leader
-	// (about 13 s), so that those end on their own.
-	DefaultOutboxPublishTimeout = 30 * time.Second
 )
 
 // MaxOutboxBatchSize is the largest OutboxConfig.BatchSize.
@@ -146,22 +142,6 @@ type OutboxConfig struct {
 	// be negative. Default: DefaultOutboxMaxBackoff (5 s).
 	MaxBackoff time.Duration
 
-	// PublishTimeout bounds how long a relay round waits for one Publish
-	// call of the publisher. A call that has not returned by then is taken
-	// as a refusal that wraps ErrBrokerUnavailable (no attempt used): the
-	// round records it and goes on, and the call's topic is left out of
-	// every round until the call returns, so that no second call of the
-	// topic runs beside it (the order holds). When it returns, the rows of
-	// the messages it sent (all, when it returned nil; those an
-	// inbox.PublishError acks) are deleted by the next round that reads
-	// them; the others are sent again, with their UUIDs. A broker that
-	// takes produce requests and never answers held every topic back for
-	// as long as the publisher's own retries (sarama: Net.ReadTimeout, 30
-	// s, on each of its tries: minutes). Concurrency: a call's goroutine
-	// outlives Run and WaitStopped when the call does. Must not be
-	// negative. Default: DefaultOutboxPublishTimeout (30 s).
-	PublishTimeout time.Duration
-
 	// Logger receives an Error line for each failed relay round and for
 	// each message set aside, and one Info line when messages were
 	// committed and no relay had started in this process by 5
@@ -252,9 +232,6 @@ type Outbox struct {
 	wake    chan struct{}
 	logger  *componentLogger
 	running runs // RouterPlugin's goroutine, Run calls
-	// abandoned holds the topics of the Publish calls that outlasted
-	// PublishTimeout and have not returned.
-	abandoned abandonedCalls
 
 	// configured is the tables and statements as OutboxConfig.Table names
 	// them; pinned, once set, the ones every statement runs from then on
@@ -307,9 +284,6 @@ func (c *OutboxConfig) setDefaults() {
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = DefaultOutboxMaxBackoff
 	}
-	if c.PublishTimeout == 0 {
-		c.PublishTimeout = DefaultOutboxPublishTimeout
-	}
 }
 
 // Validate reports every problem of the configuration at once, joined with
@@ -334,9 +308,6 @@ func (c OutboxConfig) Validate() error {
 	}
 	if c.MaxBackoff < 0 {
 		errs = append(errs, fmt.Errorf("OutboxConfig.MaxBackoff must not be negative, got %v", c.MaxBackoff))
-	}
-	if c.PublishTimeout < 0 {
-		errs = append(errs, fmt.Errorf("OutboxConfig.PublishTimeout must not be negative, got %v", c.PublishTimeout))
 	}
 	return errors.Join(errs...)
 }

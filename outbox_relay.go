@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -40,7 +39,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	defer o.running.end()
 	o.relayStarted.Store(true)
 	var backoff time.Duration
-	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}, busy: &o.abandoned}
+	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
@@ -109,9 +108,6 @@ func (o *Outbox) Run(ctx context.Context) error {
 type topicBackoff struct {
 	max   time.Duration
 	waits map[string]topicWait
-	// busy, when set, holds the topics whose abandoned Publish call has
-	// not returned: skipped, and left out of the reads, until it has.
-	busy *abandonedCalls
 }
 
 // topicWait is a refused topic's next try and its current wait.
@@ -120,12 +116,8 @@ type topicWait struct {
 	wait  time.Duration
 }
 
-// skip reports whether topic waits for its next try at now, or for a
-// call of its that has not returned.
+// skip reports whether topic waits for its next try at now.
 func (t *topicBackoff) skip(topic string, now time.Time) bool {
-	if t.busy != nil && t.busy.has(topic) {
-		return true
-	}
 	w, ok := t.waits[topic]
 	return ok && now.Before(w.until)
 }
@@ -149,22 +141,15 @@ func (t *topicBackoff) waiting(now time.Time) []any {
 			topics = append(topics, topic)
 		}
 	}
-	if t.busy != nil {
-		for _, topic := range t.busy.list() {
-			if _, ok := t.waits[topic]; !ok {
-				topics = append(topics, topic)
-			}
-		}
-	}
 	return topics
 }
 
 // forgetAllBut forgets the waits of the topics that have no row in rows
 // and are not in kept.
 func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
-	// No shortcut on the counts: kept also holds topics with a call out
-	// that are not in waits, and an expired wait that matched their count
-	// was never forgotten (Run then started every round at once).
+	if len(t.waits) == len(kept) {
+		return
+	}
 	present := make(map[string]bool, len(kept))
 	for _, topic := range kept {
 		present[topic.(string)] = true
@@ -183,10 +168,7 @@ func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
 // whether one waits.
 func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 	var first time.Time
-	for topic, w := range t.waits {
-		if t.busy != nil && t.busy.has(topic) {
-			continue // its call's return wakes the relay; its wait has ended, and Run read the table in a loop
-		}
+	for _, w := range t.waits {
 		if first.IsZero() || w.until.Before(first) {
 			first = w.until
 		}
@@ -200,9 +182,8 @@ func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 // and no Run call is in progress; or the cause of ctx's end, if it ends
 // first. router.Run does not wait for a plugin's goroutine: call it after
 // router.Run returned and before closing OutboxConfig.Publisher and the
-// database. It returns at once when no relay runs. A Publish call that
-// outlasted OutboxConfig.PublishTimeout is not waited for: it may still
-// run, and its messages are in the table still. Safe for concurrent use.
+// database. It returns at once when no relay runs. Safe for concurrent
+// use.
 func (o *Outbox) WaitStopped(ctx context.Context) error { return o.running.wait(ctx) }
 
 // RouterPlugin checks the outbox tables (Verify, bounded by VerifyTimeout)
@@ -581,15 +562,8 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 	b := outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: make(map[int64]outboxRow, len(rows))}
 	var order []string // the topics, in the order of their first row
 	byTopic := map[string][]outboxRow{}
-	taken := o.abandoned.taken(rows)
 	for _, r := range rows {
 		b.rows[r.ID] = r
-		if taken[r.ID] {
-			// A call that outlasted PublishTimeout sent it since: deleted
-			// with this round's, not sent again.
-			b.sent = append(b.sent, r.ID)
-			continue
-		}
 		if _, ok := byTopic[r.Topic]; !ok {
 			order = append(order, r.Topic)
 		}
@@ -598,7 +572,7 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 	now := time.Now()
 	for _, topic := range order {
 		group := byTopic[topic]
-		if topics != nil && topics.skip(topic, now) || o.abandoned.has(topic) || ctx.Err() != nil {
+		if topics != nil && topics.skip(topic, now) || ctx.Err() != nil {
 			b.skipped += len(group)
 			continue
 		}
@@ -672,7 +646,7 @@ type walkReads struct {
 func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
-		err = o.publishCall(topic, msgs, rowIDs(group))
+		err = o.publishCall(topic, msgs)
 	}
 	if err == nil {
 		for _, r := range group {
@@ -854,7 +828,7 @@ func (o *Outbox) publishOne(r outboxRow) error {
 	if err != nil {
 		return err
 	}
-	err = o.publishCall(r.Topic, msgs, []int64{r.ID})
+	err = o.publishCall(r.Topic, msgs)
 	if errs, ok := perMessageErrors(err, 1); ok {
 		return errs[0]
 	}
@@ -867,61 +841,7 @@ func (o *Outbox) publishOne(r outboxRow) error {
 // RouterPlugin starts, would end the whole process, handlers included, and
 // again at every start while the message stays first in line. Counted as a
 // refusal of the messages (an attempt each).
-//
-// A call that outlasts PublishTimeout is left to return on its own
-// goroutine: the topic is abandoned until it does (skipped by the rounds),
-// and the relay is woken then. The messages the broker took in it (all of
-// them when it returned nil; those a PublishError acks) are deleted by the
-// next round that reads them, not sent again: a broker a little slower
-// than PublishTimeout had every call abandoned, its topic sent again and
-// again, never emptied.
-func (o *Outbox) publishCall(topic string, msgs []*message.Message, ids []int64) error {
-	if o.abandoned.has(topic) {
-		// No second call beside one that has not returned (a walk's
-		// message tried alone after its call timed out, say): the order.
-		return fmt.Errorf("%w: a publish to %q that outlasted OutboxConfig.PublishTimeout (%v) has not returned",
-			ErrBrokerUnavailable, topic, o.cfg.PublishTimeout)
-	}
-	done := make(chan error, 1)
-	go func() { done <- o.callPublisher(topic, msgs) }()
-	timer := time.NewTimer(o.cfg.PublishTimeout)
-	defer timer.Stop()
-	select {
-	case err := <-done:
-		return err
-	case <-timer.C:
-	}
-	o.abandoned.add(topic)
-	go func() {
-		err := <-done
-		switch errs, each := perMessageErrors(err, len(ids)); {
-		case err == nil:
-			o.abandoned.took(ids, msgs)
-		case each:
-			for i, e := range errs {
-				if e == nil {
-					o.abandoned.took(ids[i:i+1], msgs[i:i+1])
-				}
-			}
-		}
-		o.abandoned.done(topic)
-		fields := watermill.LogFields{"topic": topic, "messages": len(msgs)}
-		if err != nil {
-			fields["error"] = err.Error()
-		}
-		o.logger.get().Info("Inbox outbox relay: a publish that outlasted PublishTimeout returned; the next round deletes what it sent and sends the rest", fields)
-		select { // the topic's turn again
-		case o.wake <- struct{}{}:
-		default:
-		}
-	}()
-	return fmt.Errorf("%w: the publisher did not return within OutboxConfig.PublishTimeout (%v); %q waits for that call",
-		ErrBrokerUnavailable, o.cfg.PublishTimeout, topic)
-}
-
-// callPublisher calls the publisher, turning a panic in it, or in the
-// Error method of its error, into an error.
-func (o *Outbox) callPublisher(topic string, msgs []*message.Message) (err error) {
+func (o *Outbox) publishCall(topic string, msgs []*message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("inbox: outbox relay: the publisher panicked publishing to %q: %v", topic, p)
@@ -1050,108 +970,4 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		}
 	}
 	return nil
-}
-
-// abandonedCalls counts, per topic, the Publish calls that outlasted
-// PublishTimeout and have not returned, and keeps the outbox ids of the
-// messages such calls sent once they returned, until a round deletes
-// them (or, when another relay instance did, for abandonedTookKept). Safe
-// for concurrent use.
-type abandonedCalls struct {
-	mu     sync.Mutex
-	topics map[string]int
-	sent   map[int64]abandonedSent
-}
-
-// abandonedSent is a message an abandoned call sent: its UUID, so that a
-// row of the same id and another message (the outbox's ids started again)
-// is never taken for it, and when its call returned.
-type abandonedSent struct {
-	uuid string
-	at   time.Time
-}
-
-// abandonedTookKept is how long the id of a message an abandoned call sent
-// is kept for a round to delete its row.
-const abandonedTookKept = 10 * time.Minute
-
-// took keeps ids, the outbox ids of msgs, as sent by a call that outlasted
-// PublishTimeout.
-func (a *abandonedCalls) took(ids []int64, msgs []*message.Message) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.sent == nil {
-		a.sent = map[int64]abandonedSent{}
-	}
-	now := time.Now()
-	for i, id := range ids {
-		a.sent[id] = abandonedSent{uuid: msgs[i].UUID, at: now}
-	}
-}
-
-// taken returns which of rows such calls sent (the same id and UUID), and
-// forgets them and the ids kept for longer than abandonedTookKept.
-func (a *abandonedCalls) taken(rows []outboxRow) map[int64]bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if len(a.sent) == 0 {
-		return nil
-	}
-	taken := map[int64]bool{}
-	for _, r := range rows {
-		if s, ok := a.sent[r.ID]; ok {
-			taken[r.ID] = s.uuid == r.UUID
-			delete(a.sent, r.ID)
-		}
-	}
-	for id, s := range a.sent {
-		if time.Since(s.at) > abandonedTookKept {
-			delete(a.sent, id)
-		}
-	}
-	return taken
-}
-
-func (a *abandonedCalls) add(topic string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.topics == nil {
-		a.topics = map[string]int{}
-	}
-	a.topics[topic]++
-}
-
-func (a *abandonedCalls) done(topic string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.topics[topic]--; a.topics[topic] <= 0 {
-		delete(a.topics, topic)
-	}
-}
-
-// has reports whether a call of topic has not returned.
-func (a *abandonedCalls) has(topic string) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.topics[topic] > 0
-}
-
-// list returns the topics with a call that has not returned.
-func (a *abandonedCalls) list() []string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	topics := make([]string, 0, len(a.topics))
-	for topic := range a.topics {
-		topics = append(topics, topic)
-	}
-	return topics
-}
-
-// rowIDs returns the ids of rows, in order.
-func rowIDs(rows []outboxRow) []int64 {
-	ids := make([]int64, len(rows))
-	for i, r := range rows {
-		ids[i] = r.ID
-	}
-	return ids
 }

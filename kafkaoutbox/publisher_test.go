@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -706,62 +705,4 @@ func keysOfPartitions(t *testing.T, topic string, n int) []string {
 		t.Fatalf("no key for each of %d partitions", n)
 	}
 	return keys
-}
-
-// A broker node that takes produce requests and never answers (hung, not
-// down) leads every partition of one topic; the other topic's partitions
-// are on a healthy node. The relay stops waiting for the hung topic's call
-// after OutboxConfig.PublishTimeout and sends the other topic's messages
-// at once; once the node answers again, the hung topic's go too (at least
-// once). sarama waits Net.ReadTimeout (30 s) on each of its tries, and the
-// call held every topic back for minutes.
-func TestRelayThroughKafkaPublisher_AHungBrokerHoldsBackOnlyItsTopic(t *testing.T) {
-	gate := make(chan struct{})
-	release := sync.OnceFunc(func() { close(gate) })
-	c := controlledCluster(t, 2, func(c *kfake.Cluster, _ *kmsg.ProduceRequest) kmsg.Response {
-		if c.CurrentNode() == 1 {
-			c.SleepControl(func() { <-gate })
-		}
-		return nil
-	}, "audit_hung", "audit_ok")
-	t.Cleanup(release) // before the cluster's and the publisher's close
-	for p := range int32(partitions) {
-		if err := c.MoveTopicPartition("audit_hung", p, 1); err != nil {
-			t.Fatal(err)
-		}
-		if err := c.MoveTopicPartition("audit_ok", p, 0); err != nil {
-			t.Fatal(err)
-		}
-	}
-	brokers := c.ListenAddrs()
-	pub, err := kafkaoutbox.NewPublisher(publisherConfig(brokers, kafkaoutbox.DefaultSaramaConfig()), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pub.Close() })
-	db := sqliteDB(t)
-	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.SQLite, Publisher: pub,
-		PublishTimeout: time.Second, MaxBackoff: 200 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = ob.Run(ctx) }()
-	defer func() { release(); cancel(); <-done }()
-
-	hung, hungWant := customerInvoices(3)
-	writeOutputs(t, db, ob, "audit_hung", hung...)
-	ok, okWant := customerInvoices(3)
-	writeOutputs(t, db, ob, "audit_ok", ok...)
-	collectAll(t, brokers, "audit_ok", okWant)
-	var left int
-	if err := db.Get(&left, "SELECT count(*) FROM "+ob.Table()+" WHERE topic = 'audit_hung'"); err != nil || left != 3 {
-		t.Fatalf("the hung topic's rows: %d (%v), want its 3 still there", left, err)
-	}
-	release()
-	collectAll(t, brokers, "audit_hung", hungWant)
 }
