@@ -131,12 +131,8 @@ func countingPurger(t *testing.T, db *sqlx.DB, table string, interval time.Durat
 // router once its Run has returned that error. The router is not closed.
 func runFailingRouter(t *testing.T, p *inbox.Purger, closeTimeout time.Duration) *message.Router {
 	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: closeTimeout}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(p.RouterPlugin, func(*message.Router) error { return errors.New("metrics plugin: port in use") })
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	r := pluginRouter(t, closeTimeout, watermill.NopLogger{},
+		p.RouterPlugin, func(*message.Router) error { return errors.New("metrics plugin: port in use") })
 	if err := r.Run(context.Background()); err == nil {
 		t.Fatal("want Run to fail")
 	}
@@ -162,4 +158,18 @@ func pluginGoroutines() int {
 		}
 	}
 	return count
+}
+
+// pluginRouter returns a router (not running) that logs to logger and
+// waits closeTimeout for its handlers at Close, with plugins and one
+// consumer handler that does nothing.
+func pluginRouter(t *testing.T, closeTimeout time.Duration, logger watermill.LoggerAdapter, plugins ...message.RouterPlugin) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: closeTimeout}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(plugins...)
+	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	return r
 }

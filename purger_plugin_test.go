@@ -82,7 +82,7 @@ func TestRouterPluginStopsWithRouter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := pluginRouter(t, watermill.NopLogger{}, p.RouterPlugin)
+	r := pluginRouter(t, 10*time.Second, watermill.NopLogger{}, p.RouterPlugin)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
 	<-rounds
@@ -131,7 +131,7 @@ func TestPurgerPluginFailsTheRouterWhenItsTableDoesNotExist(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		r := pluginRouter(t, watermill.NopLogger{}, p.RouterPlugin)
+		r := pluginRouter(t, 10*time.Second, watermill.NopLogger{}, p.RouterPlugin)
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		err = r.Run(ctx)
@@ -210,7 +210,7 @@ func TestWaitStoppedReturnsOnceThePluginsLoopsStopped(t *testing.T) {
 			t.Fatalf("WaitStopped before anything ran: %v, want nil at once", err)
 		}
 	}
-	r := pluginRouter(t, watermill.NopLogger{}, p.RouterPlugin, ob.RouterPlugin)
+	r := pluginRouter(t, 10*time.Second, watermill.NopLogger{}, p.RouterPlugin, ob.RouterPlugin)
 	runCtx, stop := context.WithCancel(context.Background())
 	ran := make(chan error, 1)
 	go func() { ran <- r.Run(runCtx) }()
@@ -255,19 +255,6 @@ func (s *stuckPublisher) Publish(string, ...*message.Message) error {
 }
 func (s *stuckPublisher) Close() error { return nil }
 
-// pluginRouter returns a router (not running) that logs to logger, with
-// plugins and one consumer handler that does nothing.
-func pluginRouter(t *testing.T, logger watermill.LoggerAdapter, plugins ...message.RouterPlugin) *message.Router {
-	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(plugins...)
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
-	return r
-}
-
 // WaitStopped after a router.Run that failed (a later plugin's error: the
 // router neither starts nor closes) returns at once: nothing ran. It
 // waited for RouterPluginStartTimeout (5 minutes).
@@ -284,12 +271,7 @@ func TestWaitStoppedAfterARouterRunThatFailedReturnsAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 100 * time.Millisecond}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddPlugin(p.RouterPlugin, ob.RouterPlugin, missing.RouterPlugin)
-	r.AddConsumerHandler("billing", "orders", newFeed(), func(*message.Message) error { return nil })
+	r := pluginRouter(t, 100*time.Millisecond, watermill.NopLogger{}, p.RouterPlugin, ob.RouterPlugin, missing.RouterPlugin)
 	if err := r.Run(context.Background()); !errors.Is(err, inbox.ErrTableNotFound) {
 		t.Fatalf("router.Run: %v, want the missing table's plugin error", err)
 	}
