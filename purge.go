@@ -481,17 +481,24 @@ func checkWindow(ctx context.Context, w WindowSource, olderThan time.Duration) (
 }
 
 // purgeTableExists returns an error wrapping ErrTableNotFound, naming
-// PurgeConfig.Table, when t does not exist; the error of the catalog read
-// when it failed; nil otherwise. It reads the catalog in a read-only
-// transaction (behind a transaction-mode pooler too).
+// PurgeConfig.Table, when t does not exist; otherwise tableExists's
+// result.
 func purgeTableExists(ctx context.Context, db dbConn, d Dialect, t qualifiedName) error {
-	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
-		_, err := d.checkTable(ctx, q, t)
-		return err
-	})
+	err := tableExists(ctx, db, d, t)
 	if errors.Is(err, ErrTableNotFound) {
 		return fmt.Errorf("inbox: purge %s: %w: set PurgeConfig.Table to the inbox's table (Config.Table; default %s)",
 			t, err, DefaultTable)
 	}
 	return err
+}
+
+// tableExists returns an error wrapping ErrTableNotFound when t does not
+// exist, the error of the catalog read when it failed, nil otherwise; the
+// table's shape is not judged. It reads the catalog in a read-only
+// transaction (behind a transaction-mode pooler too).
+func tableExists(ctx context.Context, db dbConn, d Dialect, t qualifiedName) error {
+	return withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+		_, err := d.checkTable(ctx, q, t)
+		return err
+	})
 }

@@ -73,10 +73,7 @@ func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStat
 	err = withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error { return readStats(ctx, q, d, t, &st) })
 	if err != nil {
 		// The driver's "does not exist", as an error callers can match.
-		if cerr := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
-			_, err := d.checkTable(ctx, q, t)
-			return err
-		}); errors.Is(cerr, ErrTableNotFound) {
+		if cerr := tableExists(ctx, db, d, t); errors.Is(cerr, ErrTableNotFound) {
 			err = cerr
 		}
 		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
