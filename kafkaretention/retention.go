@@ -27,9 +27,10 @@
 // Under CreateTime a record stamped ahead of the broker's clock keeps its
 // segment longer: the window adds the topic's bound on that
 // (message.timestamp.after.max.ms) or Config.FutureTimestamps where it sets
-// none. A window that shrinks (segment.ms lowered) is taken only once the
-// records stored under the longer one are gone, as far as this process saw
-// (Source.SafeWindow). docs/purge.md has the details.
+// none. Settings that change (segment.ms lowered, retention.ms raised) are
+// taken with the earlier ones for as long as records stored under those
+// can be readable, as far as this process saw (Source.SafeWindow).
+// docs/purge.md has the details.
 //
 // It is a package of its own so that the inbox core package does not import
 // a Kafka client; the inbox command uses it for its -brokers flag.
@@ -39,6 +40,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -116,8 +118,8 @@ type Config struct {
 // Source reports the safe purge window of a set of topics. It is safe for
 // concurrent use; every SafeWindow call asks the cluster again, so changed
 // topic configurations are seen at the next purge: a longer window at once,
-// a shorter one only once every record stored under the longer one is gone
-// (see SafeWindow).
+// a shorter one only once every record stored under the earlier settings is
+// gone (see SafeWindow).
 type Source struct {
 	admin     sarama.ClusterAdmin
 	ownsAdmin bool
@@ -125,10 +127,11 @@ type Source struct {
 	margin    time.Duration
 	future    time.Duration
 
-	// seen holds, by topic, the windows SafeWindow found and when it last
-	// found each, for as long as a record stored under it can be readable.
+	// seen holds, by topic, the settings SafeWindow found and since when
+	// each is superseded, for as long as a record stored under them can be
+	// readable.
 	seenMu sync.Mutex
-	seen   map[string][]seenWindow
+	seen   map[string][]seenSettings
 	now    func() time.Time
 
 	closeOnce sync.Once
@@ -156,7 +159,7 @@ func New(cfg Config) (*Source, error) {
 		cfg.FutureTimestamps = DefaultFutureTimestamps
 	}
 	s := &Source{admin: cfg.Admin, topics: cfg.Topics, margin: cfg.Margin, future: cfg.FutureTimestamps,
-		seen: map[string][]seenWindow{}, now: time.Now}
+		seen: map[string][]seenSettings{}, now: time.Now}
 	if s.admin == nil {
 		if len(cfg.Brokers) == 0 {
 			return nil, errors.New("kafkaretention: Config.Brokers or Config.Admin is required")
@@ -287,11 +290,15 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 
 // futureBound returns how far ahead of the broker's clock a record of topic
 // may be stamped: 0 with LogAppendTime (the broker stamps it); with
-// CreateTime message.timestamp.after.max.ms when the broker reports it
-// (Kafka 3.6 and later, where it is the bound the broker checks), else
-// message.timestamp.difference.max.ms, and Config.FutureTimestamps when
-// neither is reported or the one that is sets no bound (Long.MAX_VALUE, or
-// anything beyond inbox.MaxSafeWindow).
+// CreateTime the bound the broker checks, read as Kafka reads it
+// (LogConfig's messageTimestampAfterMaxMs, Kafka 3.6 to 3.9):
+// message.timestamp.after.max.ms unless it is absent (before 3.6) or
+// Long.MAX_VALUE (its default before 4.0), in which case the deprecated
+// message.timestamp.difference.max.ms; Config.FutureTimestamps when
+// neither is reported or the one that counts sets no bound (Long.MAX_VALUE,
+// or anything beyond inbox.MaxSafeWindow). A topic of a 3.6 to 3.9 broker
+// that set only difference.max.ms (2 days) had its after.max.ms reported at
+// Long.MAX_VALUE and was given the 1-hour assumption.
 func (s *Source) futureBound(topic, timestampType, afterMax, differenceMax string) (time.Duration, error) {
 	switch timestampType {
 	case "LogAppendTime":
@@ -301,8 +308,10 @@ func (s *Source) futureBound(topic, timestampType, afterMax, differenceMax strin
 		return 0, fmt.Errorf("kafkaretention: topic %s has message.timestamp.type=%q, which this package does not know", topic, timestampType)
 	}
 	name, value := "message.timestamp.after.max.ms", afterMax
-	if value == "" {
-		name, value = "message.timestamp.difference.max.ms", differenceMax
+	if value == "" || value == strconv.FormatInt(math.MaxInt64, 10) {
+		if differenceMax != "" {
+			name, value = "message.timestamp.difference.max.ms", differenceMax
+		}
 	}
 	if value == "" {
 		return s.future, nil
@@ -349,10 +358,14 @@ func checkCleanupPolicy(topic, policy string) error {
 
 // SafeWindow returns the longest topic window plus the margin: the purge
 // window under which no row of a message the cluster can still deliver is
-// deleted. A topic whose window got shorter since an earlier call (its
-// segment.ms lowered) keeps the longer one until that long has passed
-// since this Source last saw it, since the records written under it stay
-// in segments of the old span (Source.remembered). A topic without a safe window, or a result longer than
+// deleted. A topic whose settings changed since an earlier call keeps, for
+// as long as records stored under the earlier ones can be readable, the
+// longest retention.ms, segment.ms and timestamp bound it had, each on its
+// own (Source.remembered): Kafka applies a topic's current retention.ms to
+// the segments already written, which keep the span of the segment.ms they
+// were written under, so raising retention.ms while lowering segment.ms
+// needs the new retention with the old span, longer than either whole
+// window. A topic without a safe window, or a result longer than
 // inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
 // duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
@@ -364,7 +377,7 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	var longestTopic string
 	now := s.now()
 	for _, w := range windows {
-		if window := s.remembered(w.Topic, w.Window(), now); window > longest {
+		if window := s.remembered(w, now); window > longest {
 			longest, longestTopic = window, w.Topic
 		}
 	}
@@ -376,38 +389,66 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	return safe, nil
 }
 
-// seenWindow is a topic window SafeWindow found, and when it last did.
-type seenWindow struct {
-	window time.Duration
-	at     time.Time
+// seenSettings are a topic's settings that SafeWindow found, and since when
+// they no longer are the topic's (zero while they are).
+type seenSettings struct {
+	retention, segment, future time.Duration
+	superseded                 time.Time
 }
 
-// remembered records that topic's window is window now and returns the
-// longest window the topic had while a record stored under it can still be
-// readable: the records written while a longer window was in force stay in
-// segments of its span (an operator who lowers segment.ms leaves the
-// segments already written as they are, and the one being written rolls only
-// at its next record), so they can be read until one such window after the
-// last time it was seen. Memory of this process only: after a restart the
-// shorter window applies at once (docs/purge.md says how to lower a topic's
-// settings safely).
-func (s *Source) remembered(topic string, window time.Duration, now time.Time) time.Duration {
+// remembered records w as topic w.Topic's settings now and returns the
+// window that covers every record still readable under them or under
+// settings it had earlier: the longest retention.ms, segment.ms and
+// timestamp bound among the settings it remembers, summed. Settings
+// superseded at time T are forgotten once the longest retention plus their
+// own segment span and timestamp bound have passed since T: a record
+// written under them, up to T, sits in a segment of at most their span
+// whose newest timestamp is at most their bound ahead, and Kafka deletes
+// that segment once the newest is older than the retention. (Whole windows
+// were remembered before: settings changed from 1 day / 7 days to 7 days /
+// 1 hour took the old 8 days, while the segments written under the old
+// span stay for 7 + 7.) The longest retention is kept too, which Kafka
+// does not need (it applies a lowered one to the old segments at once) but
+// costs only a longer wait. Memory of this process only: after a restart
+// the current settings apply at once (docs/purge.md says how to change a
+// topic's settings safely).
+func (s *Source) remembered(w TopicWindow, now time.Time) time.Duration {
 	s.seenMu.Lock()
 	defer s.seenMu.Unlock()
-	longest := window
-	kept := s.seen[topic][:0]
-	for _, w := range s.seen[topic] {
+	current := seenSettings{retention: w.Retention, segment: w.Segment, future: w.Future}
+	all := s.seen[w.Topic]
+	found := false
+	for i := range all {
+		e := &all[i]
 		switch {
-		case w.window == window:
-			continue // seen again now, below
-		case now.Sub(w.at) >= w.window:
-			continue // every record stored under it is gone
+		case e.retention == current.retention && e.segment == current.segment && e.future == current.future:
+			e.superseded, found = time.Time{}, true
+		case e.superseded.IsZero():
+			e.superseded = now
 		}
-		kept = append(kept, w)
-		longest = max(longest, w.window)
 	}
-	s.seen[topic] = append(kept, seenWindow{window: window, at: now})
-	return longest
+	if !found {
+		all = append(all, current)
+	}
+	var retention time.Duration
+	for _, e := range all {
+		retention = max(retention, e.retention)
+	}
+	kept := all[:0]
+	var segment, future time.Duration
+	for _, e := range all {
+		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(retention, e.segment), e.future) {
+			continue // every record stored under them is gone
+		}
+		kept = append(kept, e)
+		segment, future = max(segment, e.segment), max(future, e.future)
+	}
+	retention = 0
+	for _, e := range kept {
+		retention = max(retention, e.retention)
+	}
+	s.seen[w.Topic] = kept
+	return duration.Add(duration.Add(retention, segment), future)
 }
 
 // describe runs sarama's DescribeConfigs for every topic in one request and

@@ -2,11 +2,14 @@ package kafkaretention_test
 
 import (
 	"context"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/kafkaretention"
 )
 
@@ -29,17 +32,20 @@ func (a reportingAdmin) DescribeConfigs(resources []*sarama.ConfigResource, opts
 // A record's timestamp under CreateTime is the producer's: Kafka deletes a
 // segment once its newest timestamp is older than retention.ms, so a record
 // stamped ahead keeps its segment readable for as much longer. The window
-// adds the topic's message.timestamp.after.max.ms (or, before Kafka 3.6,
-// message.timestamp.difference.max.ms), Config.FutureTimestamps where the
-// topic sets no bound (Long.MAX_VALUE: Kafka's default before 4.0), and
-// nothing under LogAppendTime. A producer stamping a record 5 days ahead on
-// a 1-day topic had its row purged while Kafka kept it, and the replay
-// processed it twice.
+// adds the bound the broker checks: the topic's
+// message.timestamp.after.max.ms, or message.timestamp.difference.max.ms
+// where after.max.ms is absent (before Kafka 3.6) or Long.MAX_VALUE (Kafka
+// 3.6 to 3.9 then check difference.max.ms: a topic that set it to 2 days was
+// given 1 hour, and the row of a record stamped a day ahead purged);
+// Config.FutureTimestamps where the topic sets no bound (Long.MAX_VALUE:
+// Kafka's default before 4.0), and nothing under LogAppendTime. A producer
+// stamping a record 5 days ahead on a 1-day topic had its row purged while
+// Kafka kept it, and the replay processed it twice.
 func TestSafeWindow_AddsHowFarAheadARecordMayBeStamped(t *testing.T) {
 	t.Parallel()
 	admin, _ := cluster(t)
 	day := map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"}
-	for _, topic := range []string{"unbounded", "after_max", "difference_max", "after_max_long_max", "configured"} {
+	for _, topic := range []string{"unbounded", "after_max", "difference_max", "after_max_long_max", "after_max_long_max_difference_max", "after_max_and_difference_max", "configured"} {
 		createTopic(t, admin, topic, day)
 	}
 	createTopic(t, admin, "log_append_time", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000", "message.timestamp.type": "LogAppendTime"})
@@ -47,6 +53,12 @@ func TestSafeWindow_AddsHowFarAheadARecordMayBeStamped(t *testing.T) {
 		"after_max":          {{Name: "message.timestamp.after.max.ms", Value: "7200000"}, {Name: "message.timestamp.difference.max.ms", Value: "9223372036854775807"}},
 		"difference_max":     {{Name: "message.timestamp.difference.max.ms", Value: "10800000"}},
 		"after_max_long_max": {{Name: "message.timestamp.after.max.ms", Value: "9223372036854775807"}},
+		// What Kafka 3.6 to 3.9 report for a topic that set only the
+		// deprecated difference.max.ms (2 days): after.max.ms at its
+		// default, which makes the broker check difference.max.ms.
+		"after_max_long_max_difference_max": {{Name: "message.timestamp.after.max.ms", Value: "9223372036854775807"}, {Name: "message.timestamp.difference.max.ms", Value: "172800000"}},
+		// Both set: the broker checks after.max.ms.
+		"after_max_and_difference_max": {{Name: "message.timestamp.after.max.ms", Value: "7200000"}, {Name: "message.timestamp.difference.max.ms", Value: "172800000"}},
 	}}
 	const window = 25 * time.Hour // retention.ms + segment.ms
 	cases := []struct {
@@ -59,6 +71,8 @@ func TestSafeWindow_AddsHowFarAheadARecordMayBeStamped(t *testing.T) {
 		{topic: "after_max", want: window + 2*time.Hour + time.Hour},
 		{topic: "difference_max", want: window + 3*time.Hour + time.Hour},
 		{topic: "after_max_long_max", future: 4 * time.Hour, want: window + 4*time.Hour + time.Hour},
+		{topic: "after_max_long_max_difference_max", want: window + 2*24*time.Hour + time.Hour},
+		{topic: "after_max_and_difference_max", want: window + 2*time.Hour + time.Hour},
 		{topic: "log_append_time", future: 5 * 24 * time.Hour, want: window + time.Hour},
 	}
 	for _, tc := range cases {
@@ -124,3 +138,66 @@ func TestSafeWindow_ShrinksOnlyOnceTheLongerWindowsRecordsAreGone(t *testing.T) 
 }
 
 func ptr(s string) *string { return &s }
+
+// Kafka applies a topic's current retention.ms to the segments already
+// written, which keep the span of the segment.ms they were written under.
+// Changed from retention 1 day / segment 7 days to 7 days / 1 hour, a
+// record written at the start of the segment that was active at the change
+// stays readable for 7 + 7 days (and the hour of timestamps ahead): longer
+// than either whole window. SafeWindow kept the longer whole window (8 days)
+// and a purge six days later deleted the row of a 13-day-old record Kafka
+// still held. It now keeps the longest of each setting until the records
+// stored under the old ones are gone.
+func TestSafeWindow_KeepsTheOldSegmentSpanUnderARaisedRetention(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	createTopic(t, admin, "raised", map[string]string{"retention.ms": "86400000", "segment.ms": "604800000"})
+	change := time.Now()
+	now := change
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"raised"}, Margin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kafkaretention.SetClock(src, func() time.Time { return now })
+	const day, future = 24 * time.Hour, kafkaretention.DefaultFutureTimestamps
+	if got, err := src.SafeWindow(context.Background()); err != nil || got != day+7*day+future+time.Hour {
+		t.Fatalf("before: SafeWindow = %v, %v; want %v", got, err, day+7*day+future+time.Hour)
+	}
+	if err := admin.AlterConfig(sarama.TopicResource, "raised", map[string]*string{
+		"retention.ms": ptr("604800000"), "segment.ms": ptr("3600000"),
+	}, false); err != nil {
+		t.Fatal(err)
+	}
+	mixed := 7*day + 7*day + future // the new retention over the old span
+	for _, after := range []time.Duration{0, 6 * day, mixed - time.Second} {
+		now = change.Add(after)
+		if got, err := src.SafeWindow(context.Background()); err != nil || got != mixed+time.Hour {
+			t.Errorf("%v after the change: SafeWindow = %v, %v; want %v", after, got, err, mixed+time.Hour)
+		}
+	}
+
+	// What a purge six days after the change does with it: the row of a
+	// record written 7 days before the change, 13 days old, stays.
+	now = change.Add(6 * day)
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	ib, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ib.Close()
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec("INSERT INTO watermill_inbox (consumer, message_id, processed_at) VALUES ('billing', 'm13d', CAST(unixepoch('subsec') * 1000000 AS INTEGER) - ?)",
+		(13 * day).Microseconds()); err != nil {
+		t.Fatal(err)
+	}
+	if deleted, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Window: src}); err != nil || deleted != 0 {
+		t.Errorf("purge six days after the change: deleted %d, %v; want the 13-day-old row kept", deleted, err)
+	}
+
+	now = change.Add(mixed)
+	if got, err := src.SafeWindow(context.Background()); err != nil || got != 7*day+time.Hour+future+time.Hour {
+		t.Errorf("once the old segments are gone: SafeWindow = %v, %v; want %v", got, err, 7*day+time.Hour+future+time.Hour)
+	}
+}
