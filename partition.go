@@ -760,19 +760,39 @@ var detachWait atomic.Int64
 func init() { detachWait.Store(int64(10 * time.Minute)) }
 
 // holdsOtherConsumers reports whether partition p holds a row of a consumer
-// other than consumer; false without a consumer. Two probes of the primary
-// key, which starts with the consumer.
+// other than consumer; false without a consumer. It first takes p's SHARE
+// lock, which waits for the transactions that are writing to p (a claim
+// whose transaction began before p's end: processed_at is the
+// transaction's start) and keeps new ones out while it looks, so that a row
+// committed after the look cannot be dropped with p. Only committed rows
+// were looked at before, and DETACH PARTITION CONCURRENTLY waited for such a
+// claim to commit and then dropped its row (another consumer's, inside its
+// own window). The wait is bounded by detachWait, as the DETACH's is. Then
+// two probes of the primary key, which starts with the consumer.
 func holdsOtherConsumers(ctx context.Context, db dbConn, p qualifiedName, consumer string) (bool, error) {
 	if consumer == "" {
 		return false, nil
 	}
 	var others bool
 	q := p.quoted(PostgreSQLPartitioned)
-	err := withReadTx(ctx, db, PostgreSQLPartitioned, func(tx sqlx.QueryerContext) error {
+	wait := time.Duration(detachWait.Load())
+	look := func() error {
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback() //nolint:errcheck // it only reads, under its lock
+		// SET LOCAL takes no parameter: the value is ours, in milliseconds.
+		if _, err := tx.ExecContext(ctx, "SET LOCAL lock_timeout = "+strconv.FormatInt(max(wait.Milliseconds(), 1), 10)); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, "LOCK TABLE "+q+" IN SHARE MODE"); err != nil {
+			return fmt.Errorf("waited up to %v for the transactions writing to it (one left open? see pg_stat_activity's xact_start): %w", wait, err)
+		}
 		return sqlx.GetContext(ctx, tx, &others, "SELECT EXISTS (SELECT 1 FROM "+q+" WHERE consumer < $1)"+
 			" OR EXISTS (SELECT 1 FROM "+q+" WHERE consumer > $1)", consumer)
-	})
-	if err != nil {
+	}
+	if err := look(); err != nil {
 		return false, fmt.Errorf("look for other consumers' rows: %w", err)
 	}
 	return others, nil

@@ -339,6 +339,77 @@ func TestConsumerPurgerKeepsPartitionsHoldingOtherConsumersRows(t *testing.T) {
 	}
 }
 
+// A claim's processed_at is its transaction's start, so a claim of another
+// consumer whose transaction began inside a partition's range commits its
+// row there while a round limited to consumer "fast" looks at that
+// partition. The round looked at committed rows only, found none of
+// another consumer's, and its DETACH PARTITION CONCURRENTLY waited for the
+// claim to commit, then dropped the partition with "slow"'s row, inside
+// slow's own window. It now waits for the transactions writing to the
+// partition before it looks.
+func TestConsumerPurgerKeepsARowAnotherConsumerCommitsWhileItLooks(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(8)
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
+		t.Fatal(err)
+	}
+	// The oldest partition, the first the round looks at: a DETACH of
+	// another one would wait for slow's transaction too (DETACH PARTITION
+	// CONCURRENTLY waits for every transaction that uses the table).
+	noon := "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
+	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
+	// slow's handler transaction, its claim in the partition of three days
+	// ago (what a transaction begun then writes), not yet committed.
+	slow, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer slow.Rollback() //nolint:errcheck // no-op after Commit
+	if _, err := slow.ExecContext(ctx, "INSERT INTO "+table+" VALUES ('slow', 's2', "+noon+")"); err != nil {
+		t.Fatal(err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan inbox.PurgeRound, 1)
+	go func() { done <- p.RunOnce(ctx) }()
+	// The round waits on slow's transaction (for its look, or, as before,
+	// for its DETACH) before slow commits.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var waiting int
+		if err := db.GetContext(ctx, &waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0", table); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the round never waited for slow's transaction")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := slow.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	round := <-done
+	if round.Err != nil {
+		t.Fatal(round.Err)
+	}
+	if n := count(t, db, table, "consumer = 'slow'"); n != 1 {
+		t.Errorf("slow's row committed while the round looked: %d left, want 1 (dropped with %v)", n, round.DroppedPartitions)
+	}
+	if n := count(t, db, table, "consumer = 'fast'"); n != 0 || round.Deleted != 1 {
+		t.Errorf("fast's 3-day-old row: %d left, %d deleted; want it deleted", n, round.Deleted)
+	}
+}
+
 // A Purger whose dialect is inferred from the driver (PostgreSQL) on a
 // partitioned table maintains it as PostgreSQLPartitioned does: it drops
 // the partitions past the window and creates the coming days'.
