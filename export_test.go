@@ -100,6 +100,16 @@ const OutboxRetryFirst = outboxRetryFirst
 // drop it, for tests that leave one as an interrupted call would.
 const DetachedPartitionComment = detachedPartitionComment
 
+// DetachedPartitionMark is the comment DropPartitions marks a partition of
+// table (schema-qualified) with before its DETACH.
+func DetachedPartitionMark(table string) string {
+	t, err := parseTableName(table)
+	if err != nil {
+		panic(err)
+	}
+	return detachedMark(t)
+}
+
 // SetDetachWait sets how long a DETACH PARTITION waits for older
 // transactions (dropPartitions) and returns the previous bound.
 func SetDetachWait(d time.Duration) time.Duration { return time.Duration(detachWait.Swap(int64(d))) }

@@ -345,8 +345,8 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 	}
 	err := sqlx.GetContext(ctx, tx, &kind, `SELECT c.oid IS NOT NULL AS exists,
 		COALESCE(c.relkind = 'r' AND NOT c.relispartition AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
-			AND obj_description(c.oid, 'pg_class') = $2, false) AS detached
-		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d), detachedPartitionComment)
+			AND `+markedFor("c", "$2", "$3")+`, false) AS detached
+		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d), t.quoted(d), detachedMark(t))
 	if err != nil {
 		return fmt.Errorf("inbox: create partition %s: %w", p, err)
 	}
@@ -594,7 +594,13 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		}
 		// Marked first, so that a call interrupted between the DETACH and
 		// the DROP leaves a table the next call knows for its own.
-		if _, err := db.ExecContext(ctx, "COMMENT ON TABLE "+p.quoted(d)+" IS '"+detachedPartitionComment+"'"); err != nil {
+		var mark string // quoted by the server: t's schema is the catalog's
+		if err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
+			return sqlx.GetContext(ctx, q, &mark, "SELECT quote_literal($1)", detachedMark(t))
+		}); err != nil {
+			return dropped, fmt.Errorf("inbox: mark partition %s for its drop: %w", p, err)
+		}
+		if _, err := db.ExecContext(ctx, "COMMENT ON TABLE "+p.quoted(d)+" IS "+mark); err != nil {
 			return dropped, fmt.Errorf("inbox: mark partition %s for its drop: %w", p, err)
 		}
 		if err := detachPartition(ctx, db, t, p, detach); err != nil {
@@ -671,8 +677,8 @@ func reattachPending(ctx context.Context, db dbConn, t qualifiedName, part parti
 	d := PostgreSQLPartitioned
 	var ours bool
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
-		return sqlx.GetContext(ctx, q, &ours, "SELECT COALESCE(obj_description(to_regclass($1), 'pg_class') = $2, false)",
-			part.name.quoted(d), detachedPartitionComment)
+		return sqlx.GetContext(ctx, q, &ours, "SELECT COALESCE((SELECT "+markedFor("c", "$2", "$3")+
+			" FROM pg_class c WHERE c.oid = to_regclass($1)), false)", part.name.quoted(d), t.quoted(d), detachedMark(t))
 	})
 	if err != nil {
 		return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
@@ -799,35 +805,59 @@ func holdsOtherConsumers(ctx context.Context, db dbConn, p qualifiedName, consum
 }
 
 // detachedPartitionComment marks a partition of an inbox table that
-// dropPartitions detaches to drop it (COMMENT ON TABLE, before the DETACH):
-// a table left detached by an interrupted call carries it, and is the only
-// kind of detached table the library drops or attaches again. A table
-// detached by anyone else (pg_partman's retention with retention_keep_table
-// keeps them as archives, under names like the library's) is never touched.
+// dropPartitions detaches to drop it (COMMENT ON TABLE, before the DETACH),
+// followed by the inbox table's name (detachedMark): a table left detached
+// by an interrupted call carries it, and is the only kind of detached table
+// the library drops or attaches again. A table detached by anyone else
+// (pg_partman's retention with retention_keep_table keeps them as archives,
+// under names like the library's) is never touched. The comment alone, as
+// earlier versions wrote it, is taken for a partition of the inbox table of
+// that name in the table's own schema.
 const detachedPartitionComment = "inbox: detached by DropPartitions to be dropped"
 
-// detachedPartitions returns the plain tables in t's schema that are named
-// like t's partitions ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"), carry
-// detachedPartitionComment, have a processed_at column and are attached to
-// no table: what a DropPartitions interrupted between its DETACH and its
-// DROP leaves behind.
+// detachedMark returns the comment dropPartitions marks a partition of t
+// (resolved: canonicalTable) with before its DETACH. It names t, so that a
+// partition that was moved to another schema and left detached there is
+// known for t's, and for no other inbox table's of the same name in another
+// schema (only tables in t's schema were looked at before, and such a
+// partition's rows stayed unseen by claims for good).
+func detachedMark(t qualifiedName) string { return detachedPartitionComment + " from " + t.String() }
+
+// markedFor returns an SQL condition on pg_class row c: it carries the mark
+// of a partition of the inbox table whose name (quoted, to_regclass's
+// input) is the parameter table, the mark being the parameter mark
+// (detachedMark), or the comment alone (detachedPartitionComment, written
+// by earlier versions) in that table's schema.
+func markedFor(c, table, mark string) string {
+	desc := "obj_description(" + c + ".oid, 'pg_class')"
+	return "(" + desc + " = " + mark + " OR (" + desc + " = '" + detachedPartitionComment + "' AND " + c +
+		".relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass(" + table + "))))"
+}
+
+// detachedPartitions returns the plain tables, in any schema, that are named
+// like t's partitions ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"), carry t's
+// mark (markedFor), have a processed_at column and are attached to no
+// table: what a DropPartitions interrupted between its DETACH and its DROP
+// leaves behind.
 func detachedPartitions(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]qualifiedName, error) {
-	var names []string
-	err := sqlx.SelectContext(ctx, q, &names, `
-		SELECT c.relname::text FROM pg_class c
-		WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1))
-		  AND c.relkind = 'r' AND NOT c.relispartition AND c.relname ~ $2
-		  AND obj_description(c.oid, 'pg_class') = $3
+	var rows []struct {
+		Schema string `db:"schema"`
+		Name   string `db:"name"`
+	}
+	err := sqlx.SelectContext(ctx, q, &rows, `
+		SELECT n.nspname::text AS schema, c.relname::text AS name FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relkind = 'r' AND NOT c.relispartition AND c.relname ~ $3
+		  AND `+markedFor("c", "$1", "$2")+`
 		  AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
 		  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attname = 'processed_at' AND NOT attisdropped)
-		ORDER BY c.relname`,
-		t.quoted(PostgreSQLPartitioned), "^"+regexp.QuoteMeta(t.name)+"_[pw][0-9]{8}$", detachedPartitionComment)
+		ORDER BY n.nspname, c.relname`,
+		t.quoted(PostgreSQLPartitioned), detachedMark(t), "^"+regexp.QuoteMeta(t.name)+"_[pw][0-9]{8}$")
 	if err != nil {
 		return nil, fmt.Errorf("list detached partitions: %w", err)
 	}
-	parts := make([]qualifiedName, len(names))
-	for i, name := range names {
-		parts[i] = qualifiedName{schema: t.schema, name: name}
+	parts := make([]qualifiedName, len(rows))
+	for i, r := range rows {
+		parts[i] = qualifiedName{schema: r.Schema, name: r.Name}
 	}
 	return parts, nil
 }

@@ -274,3 +274,68 @@ func TestClaimRefusedByAValidationTriggerIsNotTransient(t *testing.T) {
 		})
 	}
 }
+
+// A partition moved to another schema while attached (which the library
+// supports) and left detached there by a DropPartitions interrupted between
+// its DETACH and its DROP, while the window has grown since, holds rows
+// inside the window that claims do not see. Only the parent's schema was
+// searched for such tables: no round attached it back or said anything, and
+// a redelivery of its messages was processed again. The mark names the
+// inbox table, so another inbox table of the same name in a third schema
+// leaves it alone.
+func TestPartitionLeftDetachedInAnotherSchemaIsAttachedBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	plain := testdb.OpenPostgres(t, "")
+	archive, other := "archive_"+randomSuffix(), "other_"+randomSuffix()
+	exec(t, plain, "CREATE SCHEMA "+archive)
+	exec(t, plain, "CREATE SCHEMA "+other)
+	t.Cleanup(func() { plain.Exec("DROP SCHEMA IF EXISTS " + archive + ", " + other + " CASCADE") })
+	table := dailyPartitionedTable(t, plain)
+	if err := inbox.CreatePartitions(ctx, plain, table, time.Date(2026, 10, 5, 0, 0, 0, 0, time.UTC), 1); err != nil {
+		t.Fatal(err)
+	}
+	moved := table + "_p20261005"
+	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'm1', '2026-10-05 12:00:00Z')")
+	exec(t, plain, "ALTER TABLE "+moved+" SET SCHEMA "+archive)
+	// What a DropPartitions interrupted between its DETACH and its DROP leaves.
+	exec(t, plain, "COMMENT ON TABLE "+archive+"."+moved+" IS '"+inbox.DetachedPartitionMark("public."+table)+"'")
+	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+archive+"."+moved)
+	// The window has grown since: the row is inside it.
+	window := dbNow(t, plain).Sub(time.Date(2026, 10, 5, 12, 0, 0, 0, time.UTC)) + 30*day
+
+	// An inbox table of the same name in another schema, maintained with
+	// that window, leaves the table alone: it is not its partition.
+	if err := inbox.InitializePartitions(ctx, plain, other+"."+table, inbox.PartitionDay); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := inbox.DropPartitions(ctx, plain, other+"."+table, window, nil); err != nil {
+		t.Fatal(err)
+	}
+	var attachedTo string
+	parent := func() string {
+		t.Helper()
+		if err := plain.Get(&attachedTo, "SELECT COALESCE((SELECT inhparent::regclass::text FROM pg_inherits WHERE inhrelid = to_regclass($1)), '')", archive+"."+moved); err != nil {
+			t.Fatal(err)
+		}
+		return attachedTo
+	}
+	if got := parent(); got != "" {
+		t.Fatalf("%s.%s was attached to %s, another inbox table of the same name", archive, moved, got)
+	}
+
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table,
+		Window: inbox.FixedWindow(window)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := p.RunOnce(ctx); r.Err != nil || len(r.DroppedPartitions) != 0 {
+		t.Fatalf("round: dropped %v, err %v; want nothing dropped, no error", r.DroppedPartitions, r.Err)
+	}
+	if n := count(t, plain, table, "message_id = 'm1'"); n != 1 {
+		t.Errorf("the row of m1, inside the window, is seen %d times through %s, want 1: a redelivery of m1 would be processed again", n, table)
+	}
+	if got := parent(); got != table {
+		t.Errorf("%s.%s is attached to %q, want %s", archive, moved, got, table)
+	}
+}
