@@ -216,9 +216,9 @@ func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int
 }
 
 // purgeDialect returns the dialect whose batches a purge of t must run: d,
-// unless d is PostgreSQL and t is a partitioned table (a PurgeConfig that
-// left Dialect to be inferred from the driver, which never infers
-// PostgreSQLPartitioned). Then PostgreSQLPartitioned's, which deletes by
+// unless d is PostgreSQL (or PostgreSQLPartitioned) and t is a partitioned
+// table (a PurgeConfig that left Dialect to be inferred from the driver,
+// which never infers PostgreSQLPartitioned). Then PostgreSQLPartitioned's, which deletes by
 // primary key: a ctid names a row in one table only, so PostgreSQL's batch
 // reads and deletes ONLY the parent, which holds no rows of a partitioned
 // table. A plain table with inheritance children is refused with
@@ -227,8 +227,16 @@ func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int
 // relies on them. One catalog read, its name a constant (no bind
 // parameters, as the batches).
 func purgeDialect(ctx context.Context, db dbConn, d Dialect, t qualifiedName) (Dialect, error) {
-	pd, ok := d.(postgresDialect)
-	if !ok {
+	var pd postgresDialect
+	switch x := d.(type) {
+	case postgresDialect:
+		pd = x
+	case postgresPartitionedDialect:
+		// Given for a plain table, its batches delete by primary key from
+		// the table and its inheritance children alike: refused below as
+		// PostgreSQL's are (a purge deleted a child's rows).
+		pd = x.postgresDialect
+	default:
 		return d, nil
 	}
 	var kind struct {
@@ -247,6 +255,8 @@ func purgeDialect(ctx context.Context, db dbConn, d Dialect, t qualifiedName) (D
 	case kind.Partitioned:
 		return postgresPartitionedDialect{pd}, nil
 	case kind.Child.Valid:
+		// A partitioned table's children are its partitions; a plain
+		// table's are not the inbox's.
 		return nil, fmt.Errorf("%w: table %q inherits from the inbox table %s, whose purge deletes only its own rows;"+
 			" detach it (ALTER TABLE %s NO INHERIT %s)", ErrIncompatibleTable, kind.Child.String, t, kind.Child.String, t.quoted(d))
 	}
