@@ -213,7 +213,18 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if err != nil {
 		// The handler's error, so that errors.Is/As match it, with a hint
 		// when it is the symptom of a known mistake.
-		return nil, d.handlerErrorHint(err)
+		err = d.handlerErrorHint(err)
+		if ended := d.sctx.Err(); ended != nil && !errors.Is(err, ended) {
+			// The message context ended before the handler returned (the
+			// router's Close, a deadline), and database/sql rolled the
+			// transaction back then: the handler's error may be only its
+			// symptom (sql.ErrTxDone from a statement run without the
+			// context). The context's end is wrapped too, so that
+			// IsTransient, and with it the poison filter, sees it: a
+			// shutdown had such a message poisoned.
+			err = fmt.Errorf("%w (the message context ended before the handler returned: %w)", err, ended)
+		}
+		return nil, err
 	}
 	if err := d.detach(); err != nil {
 		return nil, err

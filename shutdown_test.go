@@ -2,9 +2,12 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -115,4 +118,74 @@ func TestShutdown_RouterCloseIsTransient(t *testing.T) {
 	if f.businessRows() != 0 || f.inboxRows() != 0 {
 		t.Errorf("business rows %d, inbox rows %d; want 0 and 0", f.businessRows(), f.inboxRows())
 	}
+}
+
+// A handler that does not watch its context (an API call, a computation)
+// when the router closes, and then writes through the transaction with a
+// statement that takes no context (sqlx's Exec): database/sql rolled the
+// transaction back when the message context ended, so the statement fails
+// with sql.ErrTxDone, which the handler returns. The router's error still
+// matches the handler's, and it is transient (context.Canceled reachable):
+// behind the poison queue the README recommends, with no Retry to replace
+// the error, the message was poisoned by the shutdown.
+func TestShutdown_HandlerErrorAfterTheRouterClosedIsTransientNotPoisoned(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		t.Cleanup(func() { pubsub.Close() })
+		poison, sink := poisonUnlessTransient(t)
+		rec := &recorder{}
+		inHandler := make(chan struct{})
+		done := make(chan struct{})
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: caseTimeout}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddMiddleware(rec.Middleware, poison, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
+			if err := f.writeBusinessRow(msg); err != nil {
+				return err
+			}
+			close(inHandler)
+			<-msg.Context().Done()
+			tx, _ := inbox.TxFromContext(msg.Context())
+			// database/sql rolls the transaction back on a goroutine of
+			// its own once the context ended; the handler's work takes
+			// longer than that.
+			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+				if _, err := tx.Exec("SELECT 1"); errors.Is(err, sql.ErrTxDone) {
+					break
+				}
+			}
+			if _, err := tx.Exec(tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"), "line-"+msg.UUID, "billing"); err != nil {
+				return fmt.Errorf("save order line: %w", err)
+			}
+			return nil
+		})
+		go func() { _ = r.Run(context.Background()); close(done) }()
+		<-r.Running()
+		if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-inHandler:
+		case <-done:
+			t.Fatal("the router stopped before the handler ran")
+		}
+		if err := r.Close(); err != nil {
+			t.Fatal(err)
+		}
+		<-done
+		err = rec.last()
+		if !errors.Is(err, sql.ErrTxDone) || !errors.Is(err, context.Canceled) || !inbox.IsTransient(err) {
+			t.Errorf("router got %v (transient %v), want the handler's sql.ErrTxDone and context.Canceled, transient", err, inbox.IsTransient(err))
+		}
+		if n := len(sink.poisoned()); n != 0 {
+			t.Errorf("%d message(s) poisoned by the shutdown, want none", n)
+		}
+		if f.businessRows() != 0 || f.inboxRows() != 0 {
+			t.Errorf("business rows %d, inbox rows %d; want 0 and 0", f.businessRows(), f.inboxRows())
+		}
+	})
 }
