@@ -554,6 +554,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isPrivilegeRefusal(err) {
 			return t, false, d.refusedPrivilegeClaim(err)
 		}
+		if hasSQLState(err, "26000", "42P05") {
+			return t, false, d.staleStatementClaim(err)
+		}
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
@@ -616,6 +619,20 @@ func (d *delivery) refusedPrivilegeClaim(err error) error {
 		" (a missing GRANT: the claim needs SELECT and INSERT on it, and UPDATE on MySQL/MariaDB; or a SET ROLE a handler"+
 		" left on its connection): %w",
 		d.consumer, d.id, d.ib.table, err)}
+}
+
+// staleStatementClaim returns the error of a claim whose prepared
+// statement was missing on the server connection, or already there (26000,
+// 42P05): pgx's statement cache behind a transaction-mode pooler, or a
+// handler's DEALLOCATE ALL or DISCARD ALL on that connection a message
+// before. The message is not at fault, and pgx drops the statement from
+// its cache on the error: the error is transient, with the pooler hint,
+// and the delivery waits as for a read-only claim (readOnlyClaim), so that
+// a misconfigured pooler's claims do not spin. The message was poisoned
+// before.
+func (d *delivery) staleStatementClaim(err error) error {
+	d.waitAfterEnd = &d.ib.refusedClaims
+	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, d.ib.table, poolerHint(err))}
 }
 
 // beginOnConn begins a message's transaction on a connection it holds as a

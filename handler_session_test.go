@@ -1,0 +1,88 @@
+package inbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// A handler runs DEALLOCATE ALL on the inbox transaction (PostgreSQL allows
+// it in a transaction block) and is processed. Under pgx's statement cache
+// (its default mode) the next statements on that connection, the next
+// message's claim and the handler's own INSERT among them, fail once with
+// 26000, after which pgx prepares them afresh. Those messages did nothing
+// wrong: they were failed with a non-transient error, and the poison queue
+// the README recommends took them. Now each is nacked as transient, and
+// its redelivery is processed, once.
+func TestMessagesAfterAHandlerDeallocatedTheStatementsAreNotPoisoned(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(1) // every message on the connection whose statements went
+	dialectOf.Store(db, inbox.PostgreSQL)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	poison, sink := poisonUnlessTransient(t)
+	rec := &outcomes{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, poison, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			if err := f.writeBusinessRow(msg); err != nil {
+				return err
+			}
+			if msg.Metadata.Get("deallocate") == "yes" {
+				tx, _ := inbox.TxFromContext(msg.Context())
+				if _, err := tx.ExecContext(msg.Context(), "DEALLOCATE ALL"); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	send := func(msg *message.Message, label string) bool {
+		t.Helper()
+		acked, err := in.send(ctx, delivery(msg, label))
+		if err != nil {
+			t.Fatalf("%s: %v", label, err)
+		}
+		return acked
+	}
+	for i := range 3 { // the statements prepared and cached
+		if !send(message.NewMessage(watermill.NewUUID(), nil), "warm") {
+			t.Fatalf("warm-up %d nacked: %v", i, rec.last("warm"))
+		}
+	}
+	deallocating := message.NewMessage(watermill.NewUUID(), nil)
+	deallocating.Metadata.Set("deallocate", "yes")
+	if !send(deallocating, "deallocating") {
+		t.Fatalf("the message whose handler deallocated nacked: %v", rec.last("deallocating"))
+	}
+	nacked := 0
+	for i := range 5 {
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		for attempt := 1; !send(msg, "after"); attempt++ {
+			nacked++
+			if err := rec.last("after"); !inbox.IsTransient(err) || attempt == 3 {
+				t.Fatalf("message %d after the DEALLOCATE, delivery %d: %v (transient %v)", i, attempt, err, inbox.IsTransient(err))
+			}
+		}
+	}
+	poisoned := len(sink.poisoned())
+	if nacked+poisoned == 0 {
+		t.Fatal("no message after the DEALLOCATE failed: the case did not happen")
+	}
+	if poisoned != 0 {
+		t.Errorf("%d message(s) poisoned, want none", poisoned)
+	}
+	if b, i := f.businessRows(), f.inboxRows(); b != 9 || i != 9 {
+		t.Errorf("business rows %d, inbox rows %d; want 9 and 9 (each message once)", b, i)
+	}
+}
