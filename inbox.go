@@ -790,9 +790,21 @@ func (t *sqlTx) commit() error {
 
 // rollback ignores sql.ErrTxDone: the transaction committed, was rolled
 // back, or was rolled back by database/sql when its context ended. It gives
-// the connection back to the pool.
+// the connection back to the pool. A ROLLBACK the driver refused to send
+// because the transaction's context had ended (pgx's stdlib: "context
+// already done", before database/sql's own rollback on that context ran)
+// leaves the transaction open on its connection, which is then discarded
+// (Conn.Raw returning driver.ErrBadConn): closing it ends the transaction
+// on the server. Nothing was committed, so nothing is in doubt. It was
+// reported as a failed rollback, which IsTransient accepts, and a handler's
+// permanent error returned after a Timeout middleware's deadline was
+// redelivered for ever instead of poisoned.
 func (t *sqlTx) rollback() error {
 	err := t.tx.Rollback()
+	if err != nil && t.ctx.Err() != nil && errors.Is(err, t.ctx.Err()) {
+		t.conn.Raw(func(any) error { return driver.ErrBadConn }) //nolint:errcheck // it returns the ErrBadConn it is given
+		err = nil
+	}
 	t.conn.Close()
 	t.place.leave()
 	if err != nil && !errors.Is(err, sql.ErrTxDone) && !t.endedEarly.Load() {

@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -214,15 +215,17 @@ func (d *delivery) run() ([]*message.Message, error) {
 		// The handler's error, so that errors.Is/As match it, with a hint
 		// when it is the symptom of a known mistake.
 		err = d.handlerErrorHint(err)
-		if ended := d.sctx.Err(); ended != nil && !errors.Is(err, ended) {
+		if ended := d.sctx.Err(); ended != nil && errors.Is(err, sql.ErrTxDone) && !errors.Is(err, ended) {
 			// The message context ended before the handler returned (the
-			// router's Close, a deadline), and database/sql rolled the
-			// transaction back then: the handler's error may be only its
-			// symptom (sql.ErrTxDone from a statement run without the
-			// context). The context's end is wrapped too, so that
-			// IsTransient, and with it the poison filter, sees it: a
-			// shutdown had such a message poisoned.
-			err = fmt.Errorf("%w (the message context ended before the handler returned: %w)", err, ended)
+			// router's Close, a deadline), database/sql rolled the
+			// transaction back then, and the handler's error is that
+			// rollback's symptom: a statement it ran without the context
+			// found the transaction done. The context's end is wrapped
+			// too, so that IsTransient, and with it the poison filter,
+			// sees it: a shutdown had such a message poisoned. Any other
+			// error stays the handler's own (a permanent refusal returned
+			// after a Timeout middleware's deadline is still poisoned).
+			err = fmt.Errorf("%w (the message context ended before the handler returned, and database/sql rolled the transaction back: %w)", err, ended)
 		}
 		return nil, err
 	}

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 
@@ -186,6 +188,54 @@ func TestShutdown_HandlerErrorAfterTheRouterClosedIsTransientNotPoisoned(t *test
 		}
 		if f.businessRows() != 0 || f.inboxRows() != 0 {
 			t.Errorf("business rows %d, inbox rows %d; want 0 and 0", f.businessRows(), f.inboxRows())
+		}
+	})
+}
+
+// A handler that rejects a message for good after a Timeout middleware's
+// deadline passed (a slow check that does not watch its context, then a
+// refusal that has nothing to do with the deadline) keeps its own error:
+// the poison queue the README recommends takes the message, once. Wrapping
+// every handler error returned after the context ended made it transient,
+// and the same payload was redelivered and refused for ever.
+func TestPermanentHandlerErrorAfterATimeoutIsStillPoisoned(t *testing.T) {
+	errRefused := errors.New("order amount is negative")
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		f := newFixture(t, db)
+		ib := f.newInbox(inbox.Config{})
+		pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		t.Cleanup(func() { pubsub.Close() })
+		poison, sink := poisonUnlessTransient(t)
+		var runs atomic.Int32
+		rec := &recorder{}
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: caseTimeout}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddMiddleware(poison, rec.Middleware, middleware.Timeout(50*time.Millisecond), ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
+			runs.Add(1)
+			<-msg.Context().Done() // a slow check that does not watch its context
+			return errRefused
+		})
+		done := make(chan struct{})
+		go func() { _ = r.Run(context.Background()); close(done) }()
+		t.Cleanup(func() { r.Close(); <-done })
+		<-r.Running()
+		if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(10 * time.Second); len(sink.poisoned()) == 0; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				err := rec.last()
+				t.Fatalf("not poisoned after %d runs; the router got %v (transient %v)", runs.Load(), err, inbox.IsTransient(err))
+			}
+		}
+		if n := runs.Load(); n != 1 {
+			t.Errorf("handler ran %d times, want once: %v", n, rec.Failures())
+		}
+		if err := rec.last(); !errors.Is(err, errRefused) {
+			t.Errorf("router got %v, want the handler's error", err)
 		}
 	})
 }
