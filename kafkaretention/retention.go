@@ -37,6 +37,7 @@
 package kafkaretention
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -224,68 +225,90 @@ func (w TopicWindow) Window() time.Duration {
 // negative) or a value that is not a number gives another error, and a topic
 // the cluster does not have an error wrapping *sarama.DescribeConfigError.
 func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
+	windows, err := s.describeEach(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return windows, nil
+}
+
+// describeEach is Describe that goes on past a topic that fails: it
+// returns the windows of the topics that did not, with the first topic's
+// error (or the request's, with no window at all).
+func (s *Source) describeEach(ctx context.Context) ([]TopicWindow, error) {
 	described, err := s.describe(ctx)
 	if err != nil {
 		return nil, err
 	}
 	var out []TopicWindow
+	var firstErr error
 	for _, topic := range s.topics {
-		entries, err := topicEntries(described, topic)
+		w, err := s.topicWindow(described, topic)
 		if err != nil {
-			return nil, err
-		}
-		w := TopicWindow{Topic: topic, Retention: DefaultRetention, Segment: DefaultSegment, Policy: "delete", TimestampType: "CreateTime"}
-		var afterMax, differenceMax string
-		for _, e := range entries {
-			switch e.Name {
-			case "message.timestamp.type":
-				w.TimestampType = e.Value
-			case "message.timestamp.after.max.ms":
-				afterMax = e.Value
-			case "message.timestamp.difference.max.ms":
-				differenceMax = e.Value
-			case "retention.ms", "segment.ms":
-				ms, err := strconv.ParseInt(e.Value, 10, 64)
-				if err != nil {
-					return nil, fmt.Errorf("kafkaretention: topic %s: %s=%q: %w", topic, e.Name, e.Value, err)
-				}
-				if e.Name == "retention.ms" && ms < 0 {
-					return nil, fmt.Errorf("%w: topic %s has retention.ms=%d (kept forever)", ErrNoSafeWindow, topic, ms)
-				}
-				if e.Name == "segment.ms" && ms <= 0 {
-					// Kafka refuses it (at least 1): a window computed from it
-					// would be shorter than the retention.
-					return nil, fmt.Errorf("kafkaretention: topic %s has segment.ms=%d, which Kafka does not accept (at least 1): fix the topic's configuration", topic, ms)
-				}
-				d, ok := duration.Millis(ms)
-				if !ok {
-					return nil, fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
-						ErrNoSafeWindow, topic, e.Name, ms)
-				}
-				if e.Name == "segment.ms" {
-					w.Segment = d
-				} else {
-					w.Retention = d
-				}
-			case "cleanup.policy":
-				w.Policy = e.Value
-				if err := checkCleanupPolicy(topic, e.Value); err != nil {
-					return nil, err
-				}
-			}
-		}
-		future, err := s.futureBound(topic, w.TimestampType, afterMax, differenceMax)
-		if err != nil {
-			return nil, err
-		}
-		w.Future = future
-		if w.Window() > inbox.MaxSafeWindow {
-			return nil, fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms + timestamps ahead = %v + %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
-				ErrNoSafeWindow, topic, w.Retention, w.Segment, w.Future, inbox.MaxSafeWindow)
+			firstErr = cmp.Or(firstErr, err)
+			continue
 		}
 		out = append(out, w)
 	}
-	return out, nil
+	return out, firstErr
+}
+
+// topicWindow reads one topic's window from the cluster's answer.
+func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, topic string) (TopicWindow, error) {
+	entries, err := topicEntries(described, topic)
+	if err != nil {
+		return TopicWindow{}, err
+	}
+	w := TopicWindow{Topic: topic, Retention: DefaultRetention, Segment: DefaultSegment, Policy: "delete", TimestampType: "CreateTime"}
+	var afterMax, differenceMax string
+	for _, e := range entries {
+		switch e.Name {
+		case "message.timestamp.type":
+			w.TimestampType = e.Value
+		case "message.timestamp.after.max.ms":
+			afterMax = e.Value
+		case "message.timestamp.difference.max.ms":
+			differenceMax = e.Value
+		case "retention.ms", "segment.ms":
+			ms, err := strconv.ParseInt(e.Value, 10, 64)
+			if err != nil {
+				return TopicWindow{}, fmt.Errorf("kafkaretention: topic %s: %s=%q: %w", topic, e.Name, e.Value, err)
+			}
+			if e.Name == "retention.ms" && ms < 0 {
+				return TopicWindow{}, fmt.Errorf("%w: topic %s has retention.ms=%d (kept forever)", ErrNoSafeWindow, topic, ms)
+			}
+			if e.Name == "segment.ms" && ms <= 0 {
+				// Kafka refuses it (at least 1): a window computed from it
+				// would be shorter than the retention.
+				return TopicWindow{}, fmt.Errorf("kafkaretention: topic %s has segment.ms=%d, which Kafka does not accept (at least 1): fix the topic's configuration", topic, ms)
+			}
+			d, ok := duration.Millis(ms)
+			if !ok {
+				return TopicWindow{}, fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
+					ErrNoSafeWindow, topic, e.Name, ms)
+			}
+			if e.Name == "segment.ms" {
+				w.Segment = d
+			} else {
+				w.Retention = d
+			}
+		case "cleanup.policy":
+			w.Policy = e.Value
+			if err := checkCleanupPolicy(topic, e.Value); err != nil {
+				return TopicWindow{}, err
+			}
+		}
+	}
+	future, err := s.futureBound(topic, w.TimestampType, afterMax, differenceMax)
+	if err != nil {
+		return TopicWindow{}, err
+	}
+	w.Future = future
+	if w.Window() > inbox.MaxSafeWindow {
+		return TopicWindow{}, fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms + timestamps ahead = %v + %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
+			ErrNoSafeWindow, topic, w.Retention, w.Segment, w.Future, inbox.MaxSafeWindow)
+	}
+	return w, nil
 }
 
 // futureBound returns how far ahead of the broker's clock a record of topic
@@ -369,17 +392,21 @@ func checkCleanupPolicy(topic, policy string) error {
 // inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
 // duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
-	windows, err := s.Describe(ctx)
-	if err != nil {
-		return 0, err
-	}
+	windows, err := s.describeEach(ctx)
 	var longest time.Duration
 	var longestTopic string
 	now := s.now()
 	for _, w := range windows {
+		// Remembered even when another topic fails the call: settings
+		// read only while some topic had no safe window (the purge paused)
+		// were never remembered, and once it had one again the window was
+		// shorter than the records stored under them.
 		if window := s.remembered(w, now); window > longest {
 			longest, longestTopic = window, w.Topic
 		}
+	}
+	if err != nil {
+		return 0, err
 	}
 	safe := duration.Add(longest, s.margin)
 	if safe > inbox.MaxSafeWindow {

@@ -2,6 +2,7 @@ package kafkaretention_test
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
 	"testing"
 	"time"
@@ -199,5 +200,48 @@ func TestSafeWindow_KeepsTheOldSegmentSpanUnderARaisedRetention(t *testing.T) {
 	now = change.Add(mixed)
 	if got, err := src.SafeWindow(context.Background()); err != nil || got != 7*day+time.Hour+future+time.Hour {
 		t.Errorf("once the old segments are gone: SafeWindow = %v, %v; want %v", got, err, 7*day+time.Hour+future+time.Hour)
+	}
+}
+
+// The settings a call reads are remembered even when another topic fails
+// that call. While topic "forever" kept its records forever for six days
+// (every SafeWindow call returned ErrNoSafeWindow: the purge paused), topic
+// "widened" had its segment.ms raised to 7 days, and then both went back.
+// The records "widened" took in those days sit in a 7-day segment Kafka
+// keeps one more day, but no call had remembered the 7 days (only calls that
+// returned a window did), and the first window after was 1 day / 1 hour.
+func TestSafeWindow_RemembersSettingsReadWhileAnotherTopicHadNoSafeWindow(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	dayHour := map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"}
+	createTopic(t, admin, "widened", dayHour)
+	createTopic(t, admin, "forever", dayHour)
+	start := time.Now()
+	now := start
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"widened", "forever"}, Margin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kafkaretention.SetClock(src, func() time.Time { return now })
+	const day, future = 24 * time.Hour, kafkaretention.DefaultFutureTimestamps
+	alter := func(topic, retention, segment string) {
+		t.Helper()
+		if err := admin.AlterConfig(sarama.TopicResource, topic, map[string]*string{"retention.ms": ptr(retention), "segment.ms": ptr(segment)}, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	alter("forever", "-1", "3600000")
+	alter("widened", "86400000", "604800000")
+	for h := time.Duration(0); h <= 6*day; h += 12 * time.Hour { // the Purger's rounds
+		now = start.Add(h)
+		if _, err := src.SafeWindow(context.Background()); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
+			t.Fatalf("while %q keeps its records forever: %v, want ErrNoSafeWindow", "forever", err)
+		}
+	}
+	alter("widened", "86400000", "3600000")
+	alter("forever", "86400000", "3600000")
+	want := day + 7*day + future + time.Hour
+	if got, err := src.SafeWindow(context.Background()); err != nil || got != want {
+		t.Errorf("after both went back: SafeWindow = %v, %v; want %v (the 7-day segment read while the other topic failed)", got, err, want)
 	}
 }
