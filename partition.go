@@ -606,6 +606,26 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		if err := detachPartition(ctx, db, t, p, detach); err != nil {
 			return dropped, err
 		}
+		if consumer != "" {
+			// The look's lock ends with its transaction: a claim of another
+			// consumer whose transaction began inside the partition's range
+			// and that waited (on its key's lock, behind a delivery the look
+			// waited for) wrote its row after the look, the DETACH waited
+			// for it to commit, and the partition was dropped with it. The
+			// DETACH waited for every transaction writing to the partition,
+			// so this look sees them all.
+			keep, err := holdsOtherConsumers(ctx, db, p, consumer)
+			if err != nil {
+				// Left detached and marked: the next round looks again.
+				return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
+			}
+			if keep {
+				if err := attachBack(ctx, db, t, p, part.start, part.end); err != nil {
+					return dropped, err
+				}
+				continue
+			}
+		}
 		if err := drop(p); err != nil {
 			return dropped, err
 		}
@@ -633,6 +653,9 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			if err != nil {
 				return dropped, fmt.Errorf("inbox: drop detached partition %s: %w", p, err)
 			}
+			// Another consumer's rows, whose window may be longer: seen
+			// through t again (they were left detached, unseen by claims).
+			detachedErr = errors.Join(detachedErr, reattachDetached(ctx, db, t, p))
 			continue
 		}
 		if err := drop(p); err != nil {

@@ -415,6 +415,122 @@ func TestConsumerPurgerKeepsARowAnotherConsumerCommitsWhileItLooks(t *testing.T)
 	}
 }
 
+// The look's lock ends with its transaction, before the DETACH: a claim of
+// another consumer whose transaction began inside the partition's range can
+// still write there after the look. Here the redelivery of slow's message,
+// which waited on the claim's key lock behind the first delivery (the one
+// the look waited for), claims once that one rolls back; the DETACH waited
+// for it to commit and the partition was dropped with its row. The round
+// now looks again once the DETACH is done, and attaches the partition back.
+func TestConsumerPurgerKeepsARowAnotherConsumerWritesAfterItLooked(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(8)
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
+		t.Fatal(err)
+	}
+	noon := "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
+	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
+	key := time.Now().UnixNano() // the claim's key lock of (slow, s3), as the dialect takes it
+	first, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Rollback() //nolint:errcheck // no-op once rolled back
+	for _, stmt := range []string{"SELECT pg_advisory_xact_lock($1)", "INSERT INTO " + table + " VALUES ('slow', 's3', " + noon + ")"} {
+		args := []any{}
+		if strings.Contains(stmt, "$1") {
+			args = append(args, key)
+		}
+		if _, err := first.ExecContext(ctx, stmt, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Holds the DETACH back (it needs this lock on the table; claims do
+	// not) until the redelivery has claimed, which otherwise races the
+	// DETACH's first step for the partition.
+	holdDetach, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holdDetach.Rollback() //nolint:errcheck // no-op once rolled back
+	exec(t, db, "SELECT 1")     // a connection of its own for the count below
+	if _, err := holdDetach.ExecContext(ctx, "LOCK TABLE ONLY "+table+" IN SHARE UPDATE EXCLUSIVE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	// The redelivery, its transaction begun in the same range: it waits for
+	// the key, finds no row, claims, and its handler commits.
+	redelivery, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer redelivery.Rollback() //nolint:errcheck // no-op after Commit
+	claimed := make(chan struct{})
+	redelivered := make(chan error, 1)
+	go func() {
+		var exists bool
+		if _, err := redelivery.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", key); err != nil {
+			redelivered <- err
+			return
+		}
+		if err := redelivery.GetContext(ctx, &exists, "SELECT EXISTS (SELECT 1 FROM "+table+" WHERE consumer = 'slow' AND message_id = 's3')"); err != nil || exists {
+			redelivered <- fmt.Errorf("claim: row exists %v, %v", exists, err)
+			return
+		}
+		if _, err := redelivery.ExecContext(ctx, "INSERT INTO "+table+" VALUES ('slow', 's3', "+noon+")"); err != nil {
+			redelivered <- err
+			return
+		}
+		close(claimed)
+		time.Sleep(100 * time.Millisecond) // the handler
+		redelivered <- redelivery.Commit()
+	}()
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan inbox.PurgeRound, 1)
+	go func() { done <- p.RunOnce(ctx) }()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var waiting int
+		if err := db.GetContext(ctx, &waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"+
+			" AND strpos(query, $1) > 0 AND query LIKE 'LOCK TABLE%'", table); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the round's look never waited for the first delivery")
+		}
+	}
+	if err := first.Rollback(); err != nil { // the first delivery's handler failed
+		t.Fatal(err)
+	}
+	select {
+	case <-claimed:
+	case err := <-redelivered:
+		t.Fatalf("the redelivery's claim: %v", err)
+	}
+	if err := holdDetach.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-redelivered; err != nil {
+		t.Fatal(err)
+	}
+	round := <-done
+	if round.Err != nil {
+		t.Fatal(round.Err)
+	}
+	if n := count(t, db, table, "consumer = 'slow'"); n != 1 {
+		t.Errorf("slow's row, committed after the look: %d seen through the table, want 1 (dropped with %v)", n, round.DroppedPartitions)
+	}
+}
+
 // A Purger whose dialect is inferred from the driver (PostgreSQL) on a
 // partitioned table maintains it as PostgreSQLPartitioned does: it drops
 // the partitions past the window and creates the coming days'.

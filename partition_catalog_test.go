@@ -339,3 +339,37 @@ func TestPartitionLeftDetachedInAnotherSchemaIsAttachedBack(t *testing.T) {
 		t.Errorf("%s.%s is attached to %q, want %s", archive, moved, got, table)
 	}
 }
+
+// A partition that an interrupted DropPartitions left detached, holding
+// another consumer's rows, is attached back by a round limited to one
+// consumer: those rows may be inside their own consumer's window, and a
+// detached table's rows are not seen by claims. It was left detached for
+// good (only a round without a consumer would drop it).
+func TestConsumerPurgerAttachesBackALeftoverHoldingAnotherConsumersRows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	plain := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, plain)
+	if err := inbox.CreatePartitions(ctx, plain, table, time.Date(2026, 1, 2, 0, 0, 0, 0, time.UTC), 1); err != nil {
+		t.Fatal(err)
+	}
+	leftover := table + "_p20260102"
+	exec(t, plain, "INSERT INTO "+table+" VALUES ('slow', 's1', '2026-01-02 12:00:00Z'), ('fast', 'f1', '2026-01-02 12:00:00Z')")
+	// What a DropPartitions interrupted between its DETACH and its DROP leaves.
+	exec(t, plain, "COMMENT ON TABLE "+leftover+" IS '"+inbox.DetachedPartitionMark("public."+table)+"'")
+	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+leftover)
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table,
+		OlderThan: 3 * day, Consumer: "fast"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := p.RunOnce(ctx); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if n := count(t, plain, table, "consumer = 'slow'"); n != 1 {
+		t.Errorf("slow's row in the leftover: seen %d times through %s, want 1", n, table)
+	}
+	if n := count(t, plain, table, "consumer = 'fast'"); n != 0 {
+		t.Errorf("fast's expired row: %d left, want it deleted", n)
+	}
+}
