@@ -456,7 +456,6 @@ func TestConsumerPurgerKeepsARowAnotherConsumerWritesAfterItLooked(t *testing.T)
 		t.Fatal(err)
 	}
 	defer holdDetach.Rollback() //nolint:errcheck // no-op once rolled back
-	exec(t, db, "SELECT 1")     // a connection of its own for the count below
 	if _, err := holdDetach.ExecContext(ctx, "LOCK TABLE ONLY "+table+" IN SHARE UPDATE EXCLUSIVE MODE"); err != nil {
 		t.Fatal(err)
 	}
