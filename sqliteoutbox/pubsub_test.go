@@ -109,6 +109,10 @@ func TestPublishSubscribe(t *testing.T) {
 			ExactlyOnceDelivery: false, // at least once: see the package doc
 			GuaranteedOrder:     true,
 			Persistent:          true,
+			// Under the race detector, SQLite (in this process) takes
+			// minutes over the suite's 5,000 messages to 50
+			// subscribers: the same tests with its short sizes.
+			ForceShort: raceEnabled,
 		},
 		func(t *testing.T) (message.Publisher, message.Subscriber) { return newPubSub(t, "") },
 		newPubSub,

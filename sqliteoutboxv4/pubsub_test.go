@@ -110,6 +110,10 @@ func TestPublishSubscribe(t *testing.T) {
 				ExactlyOnceDelivery: false, // at least once with deferred transactions: see the package doc
 				GuaranteedOrder:     true,
 				Persistent:          true,
+				// Under the race detector, SQLite (in this process) takes
+				// minutes over the suite's 5,000 messages to 50
+				// subscribers: the same tests with its short sizes.
+				ForceShort: raceEnabled,
 			},
 			func(t *testing.T) (message.Publisher, message.Subscriber) {
 				return newPubSub(t, "", schema, offsets)
@@ -134,6 +138,10 @@ func TestPublishSubscribe(t *testing.T) {
 					ExactlyOnceDelivery: false,
 					GuaranteedOrder:     true,
 					Persistent:          true,
+					// Under the race detector, SQLite (in this process) takes
+					// minutes over the suite's 5,000 messages to 50
+					// subscribers: the same tests with its short sizes.
+					ForceShort: raceEnabled,
 				},
 				func(t *testing.T) (message.Publisher, message.Subscriber) {
 					return newPubSub(t, "", schema, offsets)

@@ -1,0 +1,6 @@
+//go:build !race
+
+package sqliteoutboxv4_test
+
+// raceEnabled reports whether the tests are built with -race.
+const raceEnabled = false
