@@ -13,31 +13,43 @@ import (
 )
 
 // A handler runs DEALLOCATE ALL on the inbox transaction (PostgreSQL allows
-// it in a transaction block) and is processed. Under pgx's statement cache
-// (its default mode) the next statements on that connection, the next
-// message's claim and the handler's own INSERT among them, fail once with
-// 26000, after which pgx prepares them afresh. Those messages did nothing
-// wrong: they were failed with a non-transient error, and the poison queue
-// the README recommends took them. Now each is nacked as transient, and
-// its redelivery is processed, once.
+// it in a transaction block) and is processed. The inbox's claim on that
+// connection then fails with 26000: once under pgx's statement cache (pgx
+// prepares it afresh after the error), for good under
+// Config.PrepareStatements (database/sql never prepares a statement again
+// on a connection that has it). Those messages did nothing wrong: they were
+// failed with a non-transient error, and the poison queue the README
+// recommends took them. Now each is nacked as transient, the connection is
+// discarded, and its redelivery is processed, once. (The handler writes
+// with a statement that has no arguments, which pgx does not prepare: its
+// own statements failing so would be its own error.)
 func TestMessagesAfterAHandlerDeallocatedTheStatementsAreNotPoisoned(t *testing.T) {
 	t.Parallel()
+	for name, cfg := range map[string]inbox.Config{"pgx statement cache": {}, "PrepareStatements": {PrepareStatements: true}} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			messagesAfterADeallocate(t, cfg)
+		})
+	}
+}
+
+func messagesAfterADeallocate(t *testing.T, cfg inbox.Config) {
 	db := testdb.OpenPostgres(t, "")
 	db.SetMaxOpenConns(1) // every message on the connection whose statements went
 	dialectOf.Store(db, inbox.PostgreSQL)
 	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
+	ib := f.newInbox(cfg)
 	poison, sink := poisonUnlessTransient(t)
 	rec := &outcomes{}
 	in := newFeed()
 	runRouter(t, func(r *message.Router) {
 		r.AddMiddleware(rec.Middleware, poison, ib.Middleware)
 		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			if err := f.writeBusinessRow(msg); err != nil {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			if _, err := tx.ExecContext(msg.Context(), "INSERT INTO "+f.business+" (id, consumer) VALUES ('"+msg.UUID+"', 'billing')"); err != nil {
 				return err
 			}
 			if msg.Metadata.Get("deallocate") == "yes" {
-				tx, _ := inbox.TxFromContext(msg.Context())
 				if _, err := tx.ExecContext(msg.Context(), "DEALLOCATE ALL"); err != nil {
 					return err
 				}

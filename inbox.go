@@ -555,6 +555,11 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 			return t, false, d.refusedPrivilegeClaim(err)
 		}
 		if hasSQLState(err, "26000", "42P05") {
+			// The connection's prepared statements are not what the
+			// server has (database/sql's, under Config.PrepareStatements,
+			// are never prepared again on it): discarded, so that the
+			// redelivery prepares them on another.
+			t.discardConn = true
 			return t, false, d.staleStatementClaim(err)
 		}
 		// Name the table: a missing one is the most common first error.
@@ -625,11 +630,13 @@ func (d *delivery) refusedPrivilegeClaim(err error) error {
 // statement was missing on the server connection, or already there (26000,
 // 42P05): pgx's statement cache behind a transaction-mode pooler, or a
 // handler's DEALLOCATE ALL or DISCARD ALL on that connection a message
-// before. The message is not at fault, and pgx drops the statement from
-// its cache on the error: the error is transient, with the pooler hint,
-// and the delivery waits as for a read-only claim (readOnlyClaim), so that
-// a misconfigured pooler's claims do not spin. The message was poisoned
-// before.
+// before. The message is not at fault, and the connection is discarded
+// (database/sql; pgx drops the statement from its own cache on the error),
+// so the redelivery prepares its statements afresh: the error is
+// transient, with the pooler hint, and the delivery waits as for a
+// read-only claim (readOnlyClaim), so that a misconfigured pooler's claims
+// do not spin. The message was poisoned before, and under
+// Config.PrepareStatements every later claim on that connection failed.
 func (d *delivery) staleStatementClaim(err error) error {
 	d.waitAfterEnd = &d.ib.refusedClaims
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, d.ib.table, poolerHint(err))}
@@ -681,6 +688,9 @@ type sqlTx struct {
 	// sameFingerprint: the claim found the key stored with the same
 	// fingerprint or none (MySQL/MariaDB), so storedFingerprint need not read.
 	sameFingerprint bool
+	// discardConn is set when the connection must not go back to the pool
+	// (its prepared statements are not the server's: staleStatementClaim).
+	discardConn bool
 	// endedEarly is set when ended found the transaction already ended:
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
 	// transaction) without meaning anything. Atomic: the handler's
@@ -802,8 +812,10 @@ func (t *sqlTx) commit() error {
 func (t *sqlTx) rollback() error {
 	err := t.tx.Rollback()
 	if err != nil && t.ctx.Err() != nil && errors.Is(err, t.ctx.Err()) {
+		t.discardConn, err = true, nil
+	}
+	if t.discardConn {
 		t.conn.Raw(func(any) error { return driver.ErrBadConn }) //nolint:errcheck // it returns the ErrBadConn it is given
-		err = nil
 	}
 	t.conn.Close()
 	t.place.leave()

@@ -45,12 +45,12 @@ import (
 //     statement_timeout), 57P01-57P03 (admin or crash shutdown, cannot
 //     connect now), 53300 (too_many_connections), 25P03
 //     (idle_in_transaction_session_timeout), and the server out of a
-//     resource: 53000, 53100 (disk_full), 58030 (io_error), and a
-//     prepared statement missing or already there on the server connection,
-//     26000 and 42P05 (a handler's DEALLOCATE ALL or DISCARD ALL; a
-//     transaction-mode pooler under pgx's statement cache, which pgx drops
-//     the statement from on the error). PostgreSQL documents 40001 and
-//     40P01 as the errors an application should retry.
+//     resource: 53000, 53100 (disk_full), 58030 (io_error). PostgreSQL documents 40001 and
+//     40P01 as the errors an application should retry. Not 26000 and 42P05
+//     (a prepared statement missing, or already there) in general: a
+//     handler that EXECUTEs a statement it never prepared, or PREPAREs one
+//     twice, fails so on every delivery; the inbox's own claim failing so
+//     is transient (misconfiguredError), and its connection is discarded.
 //   - MySQL and MariaDB through github.com/go-sql-driver/mysql
 //     (*mysql.MySQLError, matched by type without importing the driver):
 //     1213 (ER_LOCK_DEADLOCK), 1205 (ER_LOCK_WAIT_TIMEOUT), 1020
@@ -300,14 +300,6 @@ var (
 		// locks than max_locks_per_transaction allows gets, every time
 		// ("out of shared memory"), nor 53400 (configuration_limit_exceeded).
 		"53000": true, "53100": true, "58030": true,
-		// invalid_sql_statement_name, duplicate_prepared_statement: a
-		// prepared statement missing or already there on the server
-		// connection (a handler's DEALLOCATE ALL or DISCARD ALL, a
-		// transaction-mode pooler under pgx's statement cache). pgx drops
-		// the statement from its cache on the error, so the redelivery
-		// prepares it afresh; the next message on that connection was
-		// poisoned for what the one before did.
-		"26000": true, "42P05": true,
 	}
 	// conflictMySQLErrors: MySQL/MariaDB rolled the statement or
 	// transaction back because it lost a race.
