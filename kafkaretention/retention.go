@@ -233,8 +233,9 @@ func (s *Source) Describe(ctx context.Context) ([]TopicWindow, error) {
 }
 
 // describeEach is Describe that goes on past a topic that fails: it
-// returns the windows of the topics that did not, with the first topic's
-// error (or the request's, with no window at all).
+// returns every topic's window as far as its settings could be read, the
+// failing topics' included, with the first topic's error (or the
+// request's, with no window at all).
 func (s *Source) describeEach(ctx context.Context) ([]TopicWindow, error) {
 	described, err := s.describe(ctx)
 	if err != nil {
@@ -244,21 +245,29 @@ func (s *Source) describeEach(ctx context.Context) ([]TopicWindow, error) {
 	var firstErr error
 	for _, topic := range s.topics {
 		w, err := s.topicWindow(described, topic)
-		if err != nil {
-			firstErr = cmp.Or(firstErr, err)
-			continue
+		firstErr = cmp.Or(firstErr, err)
+		if w.Topic != "" {
+			out = append(out, w)
 		}
-		out = append(out, w)
 	}
 	return out, firstErr
 }
 
-// topicWindow reads one topic's window from the cluster's answer.
+// topicWindow reads one topic's window from the cluster's answer. A topic
+// whose settings give no safe window, or cannot be used, gives an error
+// and the window as far as the rest of its settings go (Topic "" when the
+// cluster has no answer for it): a retention.ms of -1 (forever) is 0 there,
+// since Kafka applies the next finite one to every segment, while the
+// segment span and timestamp bound the records were written under stay
+// (SafeWindow remembers them: records written in 7-day segments while the
+// topic kept everything forever stay 7 days past its new retention).
 func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, topic string) (TopicWindow, error) {
 	entries, err := topicEntries(described, topic)
 	if err != nil {
 		return TopicWindow{}, err
 	}
+	var problem error
+	fail := func(err error) { problem = cmp.Or(problem, err) }
 	w := TopicWindow{Topic: topic, Retention: DefaultRetention, Segment: DefaultSegment, Policy: "delete", TimestampType: "CreateTime"}
 	var afterMax, differenceMax string
 	for _, e := range entries {
@@ -271,21 +280,25 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 			differenceMax = e.Value
 		case "retention.ms", "segment.ms":
 			ms, err := strconv.ParseInt(e.Value, 10, 64)
-			if err != nil {
-				return TopicWindow{}, fmt.Errorf("kafkaretention: topic %s: %s=%q: %w", topic, e.Name, e.Value, err)
-			}
-			if e.Name == "retention.ms" && ms < 0 {
-				return TopicWindow{}, fmt.Errorf("%w: topic %s has retention.ms=%d (kept forever)", ErrNoSafeWindow, topic, ms)
-			}
-			if e.Name == "segment.ms" && ms <= 0 {
+			switch {
+			case err != nil:
+				fail(fmt.Errorf("kafkaretention: topic %s: %s=%q: %w", topic, e.Name, e.Value, err))
+				continue
+			case e.Name == "retention.ms" && ms < 0:
+				fail(fmt.Errorf("%w: topic %s has retention.ms=%d (kept forever)", ErrNoSafeWindow, topic, ms))
+				w.Retention = 0
+				continue
+			case e.Name == "segment.ms" && ms <= 0:
 				// Kafka refuses it (at least 1): a window computed from it
 				// would be shorter than the retention.
-				return TopicWindow{}, fmt.Errorf("kafkaretention: topic %s has segment.ms=%d, which Kafka does not accept (at least 1): fix the topic's configuration", topic, ms)
+				fail(fmt.Errorf("kafkaretention: topic %s has segment.ms=%d, which Kafka does not accept (at least 1): fix the topic's configuration", topic, ms))
+				continue
 			}
 			d, ok := duration.Millis(ms)
 			if !ok {
-				return TopicWindow{}, fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
-					ErrNoSafeWindow, topic, e.Name, ms)
+				fail(fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
+					ErrNoSafeWindow, topic, e.Name, ms))
+				continue
 			}
 			if e.Name == "segment.ms" {
 				w.Segment = d
@@ -295,20 +308,21 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 		case "cleanup.policy":
 			w.Policy = e.Value
 			if err := checkCleanupPolicy(topic, e.Value); err != nil {
-				return TopicWindow{}, err
+				fail(err)
 			}
 		}
 	}
 	future, err := s.futureBound(topic, w.TimestampType, afterMax, differenceMax)
 	if err != nil {
-		return TopicWindow{}, err
+		fail(err)
+		future = s.future
 	}
 	w.Future = future
 	if w.Window() > inbox.MaxSafeWindow {
-		return TopicWindow{}, fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms + timestamps ahead = %v + %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
-			ErrNoSafeWindow, topic, w.Retention, w.Segment, w.Future, inbox.MaxSafeWindow)
+		fail(fmt.Errorf("%w: topic %s keeps records for up to retention.ms + segment.ms + timestamps ahead = %v + %v + %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
+			ErrNoSafeWindow, topic, w.Retention, w.Segment, w.Future, inbox.MaxSafeWindow))
 	}
-	return w, nil
+	return w, problem
 }
 
 // futureBound returns how far ahead of the broker's clock a record of topic

@@ -203,14 +203,15 @@ func TestSafeWindow_KeepsTheOldSegmentSpanUnderARaisedRetention(t *testing.T) {
 	}
 }
 
-// The settings a call reads are remembered even when another topic fails
-// that call. While topic "forever" kept its records forever for six days
-// (every SafeWindow call returned ErrNoSafeWindow: the purge paused), topic
-// "widened" had its segment.ms raised to 7 days, and then both went back.
-// The records "widened" took in those days sit in a 7-day segment Kafka
-// keeps one more day, but no call had remembered the 7 days (only calls that
-// returned a window did), and the first window after was 1 day / 1 hour.
-func TestSafeWindow_RemembersSettingsReadWhileAnotherTopicHadNoSafeWindow(t *testing.T) {
+// The settings a call reads are remembered even when a topic fails that
+// call. While topic "forever" kept its records forever for six days (every
+// SafeWindow call returned ErrNoSafeWindow: the purge paused), it and topic
+// "widened" had their segment.ms raised to 7 days, and then both went back.
+// The records they took in those days sit in 7-day segments Kafka keeps
+// one retention past their newest record, but no call had remembered the 7
+// days (only calls that returned a window did; then only the topics that
+// did not fail), and the first window after was 1 day / 1 hour.
+func TestSafeWindow_RemembersSettingsReadWhileATopicHadNoSafeWindow(t *testing.T) {
 	t.Parallel()
 	admin, _ := cluster(t)
 	dayHour := map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"}
@@ -230,7 +231,7 @@ func TestSafeWindow_RemembersSettingsReadWhileAnotherTopicHadNoSafeWindow(t *tes
 			t.Fatal(err)
 		}
 	}
-	alter("forever", "-1", "3600000")
+	alter("forever", "-1", "604800000") // its own segment.ms widened too
 	alter("widened", "86400000", "604800000")
 	for h := time.Duration(0); h <= 6*day; h += 12 * time.Hour { // the Purger's rounds
 		now = start.Add(h)
@@ -242,6 +243,21 @@ func TestSafeWindow_RemembersSettingsReadWhileAnotherTopicHadNoSafeWindow(t *tes
 	alter("forever", "86400000", "3600000")
 	want := day + 7*day + future + time.Hour
 	if got, err := src.SafeWindow(context.Background()); err != nil || got != want {
-		t.Errorf("after both went back: SafeWindow = %v, %v; want %v (the 7-day segment read while the other topic failed)", got, err, want)
+		t.Errorf("after both went back: SafeWindow = %v, %v; want %v (the 7-day segments read while a topic failed)", got, err, want)
+	}
+
+	// The same with the failing topic alone.
+	src, err = kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"forever"}, Margin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kafkaretention.SetClock(src, func() time.Time { return now })
+	alter("forever", "-1", "604800000")
+	if _, err := src.SafeWindow(context.Background()); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
+		t.Fatalf("while it keeps its records forever: %v, want ErrNoSafeWindow", err)
+	}
+	alter("forever", "86400000", "3600000")
+	if got, err := src.SafeWindow(context.Background()); err != nil || got != want {
+		t.Errorf("the failing topic alone, after it went back: SafeWindow = %v, %v; want %v", got, err, want)
 	}
 }
