@@ -586,6 +586,16 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			if err != nil {
 				return dropped, fmt.Errorf("inbox: drop partition %s: %w", p, err)
 			}
+			if part.pending {
+				// A DETACH of ours that stopped waiting half way (a claim
+				// of another consumer wrote here after the look and held
+				// it): finished and attached back. Left pending, its rows
+				// were unseen by claims, and every later DETACH of the
+				// table failed (one pending detach at a time, 55000).
+				if err := reattachPending(ctx, db, t, part); err != nil {
+					return dropped, err
+				}
+			}
 			continue
 		}
 		detach := " CONCURRENTLY"

@@ -373,3 +373,94 @@ func TestConsumerPurgerAttachesBackALeftoverHoldingAnotherConsumersRows(t *testi
 		t.Errorf("fast's expired row: %d left, want it deleted", n)
 	}
 }
+
+// A round limited to one consumer whose DETACH stopped waiting half way
+// (pending) because a claim of another consumer, begun inside the
+// partition's range, wrote there after the look and held it: the next round
+// found the pending partition holding that row and left it pending, so
+// claims did not see the row (its redelivery was processed again) and every
+// later DETACH of the table failed (55000). It is now finished and attached
+// back.
+func TestConsumerPurgerAttachesBackAPendingPartitionHoldingAnotherConsumersRow(t *testing.T) {
+	defer inbox.SetDetachWait(inbox.SetDetachWait(time.Second))
+	db := testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(10)
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
+		t.Fatal(err)
+	}
+	noon := "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
+	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
+	var part string
+	if err := db.Get(&part, "SELECT tableoid::regclass::text FROM "+table+" WHERE message_id = 'f3'"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + part) })
+	// Holds the round's DETACH at its first step until slow has claimed.
+	holdDetach, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holdDetach.Rollback() //nolint:errcheck // no-op once rolled back
+	if _, err := holdDetach.ExecContext(ctx, "LOCK TABLE ONLY "+table+" IN SHARE UPDATE EXCLUSIVE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan inbox.PurgeRound, 1)
+	go func() { done <- p.RunOnce(ctx) }()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var waiting int
+		if err := db.GetContext(ctx, &waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+			"%DETACH PARTITION%"+part+"%"); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the round's DETACH never waited")
+		}
+	}
+	// slow's claim, its transaction begun in the partition's range, after
+	// the look: it holds the DETACH's second step past its wait.
+	claim, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer claim.Rollback() //nolint:errcheck // no-op after Commit
+	if _, err := claim.ExecContext(ctx, "INSERT INTO "+table+" VALUES ('slow', 's3', "+noon+")"); err != nil {
+		t.Fatal(err)
+	}
+	if err := holdDetach.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if r := <-done; r.Err == nil {
+		t.Fatal("the first round's DETACH did not stop waiting: the case did not happen")
+	}
+	if err := claim.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if r := p.RunOnce(ctx); r.Err != nil {
+		t.Errorf("second round: %v", r.Err)
+	}
+	var state string
+	if err := db.Get(&state, "SELECT COALESCE((SELECT CASE WHEN inhdetachpending THEN 'pending' ELSE 'attached' END"+
+		" FROM pg_inherits WHERE inhrelid = to_regclass($1)), 'detached')", part); err != nil {
+		t.Fatal(err)
+	}
+	if state != "attached" {
+		t.Errorf("the partition holding slow's committed row is %s after the second round, want attached", state)
+	}
+	if n := count(t, db, table, "consumer = 'slow'"); n != 1 {
+		t.Errorf("slow's row: seen %d times through %s, want 1", n, table)
+	}
+	if r := p.RunOnce(ctx); r.Err != nil {
+		t.Errorf("third round: %v", r.Err)
+	}
+}
