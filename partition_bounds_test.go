@@ -354,18 +354,8 @@ func TestConsumerPurgerKeepsPartitionsHoldingOtherConsumersRows(t *testing.T) {
 // partition before it looks.
 func TestConsumerPurgerKeepsARowAnotherConsumerCommitsWhileItLooks(t *testing.T) {
 	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	db.SetMaxOpenConns(8)
+	db, table, noon, p := oldPartitionsForConsumers(t, 8)
 	ctx := context.Background()
-	table := dailyPartitionedTable(t, db)
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
-		t.Fatal(err)
-	}
-	// The oldest partition, the first the round looks at: a DETACH of
-	// another one would wait for slow's transaction too (DETACH PARTITION
-	// CONCURRENTLY waits for every transaction that uses the table).
-	noon := "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
-	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
 	// slow's handler transaction, its claim in the partition of three days
 	// ago (what a transaction begun then writes), not yet committed.
 	slow, err := db.BeginTxx(ctx, nil)
@@ -376,30 +366,11 @@ func TestConsumerPurgerKeepsARowAnotherConsumerCommitsWhileItLooks(t *testing.T)
 	if _, err := slow.ExecContext(ctx, "INSERT INTO "+table+" VALUES ('slow', 's2', "+noon+")"); err != nil {
 		t.Fatal(err)
 	}
-	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
-		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan inbox.PurgeRound, 1)
 	go func() { done <- p.RunOnce(ctx) }()
 	// The round waits on slow's transaction (for its look, or, as before,
 	// for its DETACH) before slow commits.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var waiting int
-		if err := db.GetContext(ctx, &waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0", table); err != nil {
-			t.Fatal(err)
-		}
-		if waiting > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the round never waited for slow's transaction")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitForLockWaiter(t, db, "%"+table+"%")
 	if err := slow.Commit(); err != nil {
 		t.Fatal(err)
 	}
@@ -424,15 +395,8 @@ func TestConsumerPurgerKeepsARowAnotherConsumerCommitsWhileItLooks(t *testing.T)
 // now looks again once the DETACH is done, and attaches the partition back.
 func TestConsumerPurgerKeepsARowAnotherConsumerWritesAfterItLooked(t *testing.T) {
 	t.Parallel()
-	db := testdb.OpenPostgres(t, "")
-	db.SetMaxOpenConns(8)
+	db, table, noon, p := oldPartitionsForConsumers(t, 8)
 	ctx := context.Background()
-	table := dailyPartitionedTable(t, db)
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
-		t.Fatal(err)
-	}
-	noon := "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
-	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
 	key := time.Now().UnixNano() // the claim's key lock of (slow, s3), as the dialect takes it
 	first, err := db.BeginTxx(ctx, nil)
 	if err != nil {
@@ -486,28 +450,10 @@ func TestConsumerPurgerKeepsARowAnotherConsumerWritesAfterItLooked(t *testing.T)
 		time.Sleep(100 * time.Millisecond) // the handler
 		redelivered <- redelivery.Commit()
 	}()
-	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
-		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan inbox.PurgeRound, 1)
 	go func() { done <- p.RunOnce(ctx) }()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		var waiting int
-		if err := db.GetContext(ctx, &waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"+
-			" AND strpos(query, $1) > 0 AND query LIKE 'LOCK TABLE%'", table); err != nil {
-			t.Fatal(err)
-		}
-		if waiting > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the round's look never waited for the first delivery")
-		}
-	}
-	if err := first.Rollback(); err != nil { // the first delivery's handler failed
+	waitForLockWaiter(t, db, "LOCK TABLE %"+table+"%") // the look, waiting for the first delivery
+	if err := first.Rollback(); err != nil {           // the first delivery's handler failed
 		t.Fatal(err)
 	}
 	select {

@@ -383,15 +383,8 @@ func TestConsumerPurgerAttachesBackALeftoverHoldingAnotherConsumersRows(t *testi
 // back.
 func TestConsumerPurgerAttachesBackAPendingPartitionHoldingAnotherConsumersRow(t *testing.T) {
 	defer inbox.SetDetachWait(inbox.SetDetachWait(time.Second))
-	db := testdb.OpenPostgres(t, "")
-	db.SetMaxOpenConns(10)
+	db, table, noon, p := oldPartitionsForConsumers(t, 10)
 	ctx := context.Background()
-	table := dailyPartitionedTable(t, db)
-	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
-		t.Fatal(err)
-	}
-	noon := "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
-	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
 	var part string
 	if err := db.Get(&part, "SELECT tableoid::regclass::text FROM "+table+" WHERE message_id = 'f3'"); err != nil {
 		t.Fatal(err)
@@ -406,27 +399,9 @@ func TestConsumerPurgerAttachesBackAPendingPartitionHoldingAnotherConsumersRow(t
 	if _, err := holdDetach.ExecContext(ctx, "LOCK TABLE ONLY "+table+" IN SHARE UPDATE EXCLUSIVE MODE"); err != nil {
 		t.Fatal(err)
 	}
-	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
-		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan inbox.PurgeRound, 1)
 	go func() { done <- p.RunOnce(ctx) }()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		var waiting int
-		if err := db.GetContext(ctx, &waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
-			"%DETACH PARTITION%"+part+"%"); err != nil {
-			t.Fatal(err)
-		}
-		if waiting > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the round's DETACH never waited")
-		}
-	}
+	waitForLockWaiter(t, db, "%DETACH PARTITION%"+part+"%")
 	// slow's claim, its transaction begun in the partition's range, after
 	// the look: it holds the DETACH's second step past its wait.
 	claim, err := db.BeginTxx(ctx, nil)

@@ -15,6 +15,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // partitionedTable creates an empty partitioned inbox table (no partitions).
@@ -167,4 +168,47 @@ func uncovered(t *testing.T, db *sqlx.DB, table string, first, last int) []strin
 		tx.Rollback()
 	}
 	return gaps
+}
+
+// oldPartitionsForConsumers returns a daily-partitioned table with
+// partitions for the three days before today, consumer "fast"'s row at noon
+// three days ago (in the oldest of them, the first a round looks at: a
+// DETACH of another would wait for an open claim too), that noon as SQL,
+// and a Purger of consumer "fast" with a one-hour window. db keeps up to
+// maxConns connections.
+func oldPartitionsForConsumers(t *testing.T, maxConns int) (db *sqlx.DB, table, noon string, p *inbox.Purger) {
+	t.Helper()
+	db = testdb.OpenPostgres(t, "")
+	db.SetMaxOpenConns(maxConns)
+	table = dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(context.Background(), db, table, dbNow(t, db).AddDate(0, 0, -3), 3); err != nil {
+		t.Fatal(err)
+	}
+	noon = "date_trunc('day', now(), 'UTC') - interval '3 days' + interval '12 hours'"
+	exec(t, db, "INSERT INTO "+table+" VALUES ('fast', 'f3', "+noon+")")
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{
+		DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: time.Hour, Consumer: "fast",
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return db, table, noon, p
+}
+
+// waitForLockWaiter waits until a backend whose query is LIKE like waits
+// on a lock; it fails the test after 30 s.
+func waitForLockWaiter(t *testing.T, db *sqlx.DB, like string) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var waiting int
+		if err := db.Get(&waiting, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1", like); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no statement like %q waited on a lock", like)
+		}
+	}
 }
