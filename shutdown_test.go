@@ -85,7 +85,6 @@ func TestShutdown_RouterCloseIsTransient(t *testing.T) {
 	t.Cleanup(func() { pubsub.Close() })
 	rec := &recorder{}
 	inHandler := make(chan struct{})
-	done := make(chan struct{})
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: caseTimeout}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
@@ -99,20 +98,7 @@ func TestShutdown_RouterCloseIsTransient(t *testing.T) {
 		<-msg.Context().Done()
 		return nil // the handler does not check its context: the inbox does
 	})
-	go func() { _ = r.Run(context.Background()); close(done) }()
-	<-r.Running()
-	if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-inHandler:
-	case <-done:
-		t.Fatal("the router stopped before the handler ran")
-	}
-	if err := r.Close(); err != nil {
-		t.Fatal(err)
-	}
-	<-done
+	closeWhileInHandler(t, r, pubsub, inHandler)
 	err = rec.last()
 	if !errors.Is(err, context.Canceled) || !inbox.IsTransient(err) {
 		t.Errorf("router got %v (transient %v), want context.Canceled, transient", err, inbox.IsTransient(err))
@@ -139,7 +125,6 @@ func TestShutdown_HandlerErrorAfterTheRouterClosedIsTransientNotPoisoned(t *test
 		poison, sink := poisonUnlessTransient(t)
 		rec := &recorder{}
 		inHandler := make(chan struct{})
-		done := make(chan struct{})
 		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: caseTimeout}, watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
@@ -165,20 +150,7 @@ func TestShutdown_HandlerErrorAfterTheRouterClosedIsTransientNotPoisoned(t *test
 			}
 			return nil
 		})
-		go func() { _ = r.Run(context.Background()); close(done) }()
-		<-r.Running()
-		if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case <-inHandler:
-		case <-done:
-			t.Fatal("the router stopped before the handler ran")
-		}
-		if err := r.Close(); err != nil {
-			t.Fatal(err)
-		}
-		<-done
+		closeWhileInHandler(t, r, pubsub, inHandler)
 		err = rec.last()
 		if !errors.Is(err, sql.ErrTxDone) || !errors.Is(err, context.Canceled) || !inbox.IsTransient(err) {
 			t.Errorf("router got %v (transient %v), want the handler's sql.ErrTxDone and context.Canceled, transient", err, inbox.IsTransient(err))
@@ -238,4 +210,27 @@ func TestPermanentHandlerErrorAfterATimeoutIsStillPoisoned(t *testing.T) {
 			t.Errorf("router got %v, want the handler's error", err)
 		}
 	})
+}
+
+// closeWhileInHandler runs r, publishes one message to its "orders" topic
+// on pubsub, closes r once the handler has said so on inHandler (a message
+// in its handler when the process shuts down), and returns when r.Run has
+// returned.
+func closeWhileInHandler(t *testing.T, r *message.Router, pubsub message.Publisher, inHandler <-chan struct{}) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { _ = r.Run(context.Background()); close(done) }()
+	<-r.Running()
+	if err := pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-inHandler:
+	case <-done:
+		t.Fatal("the router stopped before the handler ran")
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	<-done
 }
