@@ -256,8 +256,9 @@ func (s *Source) describeEach(ctx context.Context) ([]TopicWindow, error) {
 // topicWindow reads one topic's window from the cluster's answer. A topic
 // whose settings give no safe window, or cannot be used, gives an error
 // and the window as far as the rest of its settings go (Topic "" when the
-// cluster has no answer for it): a retention.ms of -1 (forever) is 0 there,
-// since Kafka applies the next finite one to every segment, while the
+// cluster has no answer for it): a retention.ms of -1 (forever), or one
+// beyond inbox.MaxSafeWindow, is 0 there, since Kafka applies the next
+// finite one to every segment (the window then still fails), while the
 // segment span and timestamp bound the records were written under stay
 // (SafeWindow remembers them: records written in 7-day segments while the
 // topic kept everything forever stay 7 days past its new retention).
@@ -298,12 +299,20 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 			if !ok {
 				fail(fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
 					ErrNoSafeWindow, topic, e.Name, ms))
+				if e.Name == "retention.ms" {
+					w.Retention = 0
+				}
 				continue
 			}
 			if e.Name == "segment.ms" {
 				w.Segment = d
 			} else {
 				w.Retention = d
+				if d > inbox.MaxSafeWindow {
+					fail(fmt.Errorf("%w: topic %s keeps records for up to retention.ms = %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
+						ErrNoSafeWindow, topic, d, inbox.MaxSafeWindow))
+					w.Retention = 0 // as -1: not remembered
+				}
 			}
 		case "cleanup.policy":
 			w.Policy = e.Value
@@ -397,12 +406,12 @@ func checkCleanupPolicy(topic, policy string) error {
 // window under which no row of a message the cluster can still deliver is
 // deleted. A topic whose settings changed since an earlier call keeps, for
 // as long as records stored under the earlier ones can be readable, the
-// longest retention.ms, segment.ms and timestamp bound it had, each on its
-// own (Source.remembered): Kafka applies a topic's current retention.ms to
-// the segments already written, which keep the span of the segment.ms they
-// were written under, so raising retention.ms while lowering segment.ms
-// needs the new retention with the old span, longer than either whole
-// window. A topic without a safe window, or a result longer than
+// longest segment.ms and timestamp bound it had, each on its own, with its
+// current retention.ms (Source.remembered): Kafka applies a topic's current
+// retention.ms to the segments already written, which keep the span of the
+// segment.ms they were written under, so raising retention.ms while
+// lowering segment.ms needs the new retention with the old span, longer
+// than either whole window. A topic without a safe window, or a result longer than
 // inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
 // duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
@@ -433,36 +442,39 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 // seenSettings are a topic's settings that SafeWindow found, and since when
 // they no longer are the topic's (zero while they are).
 type seenSettings struct {
-	retention, segment, future time.Duration
-	superseded                 time.Time
+	segment, future time.Duration
+	superseded      time.Time
 }
 
 // remembered records w as topic w.Topic's settings now and returns the
 // window that covers every record still readable under them or under
-// settings it had earlier: the longest retention.ms, segment.ms and
-// timestamp bound among the settings it remembers, summed. Settings
-// superseded at time T are forgotten once the longest retention plus their
-// own segment span and timestamp bound have passed since T: a record
-// written under them, up to T, sits in a segment of at most their span
-// whose newest timestamp is at most their bound ahead, and Kafka deletes
-// that segment once the newest is older than the retention. (Whole windows
-// were remembered before: settings changed from 1 day / 7 days to 7 days /
-// 1 hour took the old 8 days, while the segments written under the old
-// span stay for 7 + 7.) The longest retention is kept too, which Kafka
-// does not need (it applies a lowered one to the old segments at once) but
-// costs only a longer wait. Memory of this process only: after a restart
-// the current settings apply at once (docs/purge.md says how to change a
-// topic's settings safely).
+// settings it had earlier: the current retention.ms plus the longest
+// segment.ms and timestamp bound among the settings it remembers. Kafka
+// applies the current retention.ms to every segment, old ones included (a
+// retention check runs every log.retention.check.interval.ms, which the
+// margin covers), but a segment keeps the span and the timestamps it was
+// written with: settings superseded at time T are forgotten once the
+// current retention plus their own segment span and timestamp bound have
+// passed since T (a record written under them, up to T, sits in a segment
+// of at most their span whose newest timestamp is at most their bound
+// ahead, deleted once that newest is older than the retention). Whole
+// windows were remembered before: settings changed from 1 day / 7 days to
+// 7 days / 1 hour took the old 8 days, while the segments written under
+// the old span stay for 7 + 7. A retention that was never finite (-1, or
+// one beyond inbox.MaxSafeWindow) is not remembered at all: remembered, it
+// kept SafeWindow refusing long after the topic had one again. Memory of
+// this process only: after a restart the current settings apply at once
+// (docs/purge.md says how to change a topic's settings safely).
 func (s *Source) remembered(w TopicWindow, now time.Time) time.Duration {
 	s.seenMu.Lock()
 	defer s.seenMu.Unlock()
-	current := seenSettings{retention: w.Retention, segment: w.Segment, future: w.Future}
+	current := seenSettings{segment: w.Segment, future: w.Future}
 	all := s.seen[w.Topic]
 	found := false
 	for i := range all {
 		e := &all[i]
 		switch {
-		case e.retention == current.retention && e.segment == current.segment && e.future == current.future:
+		case e.segment == current.segment && e.future == current.future:
 			e.superseded, found = time.Time{}, true
 		case e.superseded.IsZero():
 			e.superseded = now
@@ -471,25 +483,17 @@ func (s *Source) remembered(w TopicWindow, now time.Time) time.Duration {
 	if !found {
 		all = append(all, current)
 	}
-	var retention time.Duration
-	for _, e := range all {
-		retention = max(retention, e.retention)
-	}
 	kept := all[:0]
 	var segment, future time.Duration
 	for _, e := range all {
-		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(retention, e.segment), e.future) {
+		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(w.Retention, e.segment), e.future) {
 			continue // every record stored under them is gone
 		}
 		kept = append(kept, e)
 		segment, future = max(segment, e.segment), max(future, e.future)
 	}
-	retention = 0
-	for _, e := range kept {
-		retention = max(retention, e.retention)
-	}
 	s.seen[w.Topic] = kept
-	return duration.Add(duration.Add(retention, segment), future)
+	return duration.Add(duration.Add(w.Retention, segment), future)
 }
 
 // describe runs sarama's DescribeConfigs for every topic in one request and

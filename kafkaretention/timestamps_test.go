@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
@@ -259,5 +260,37 @@ func TestSafeWindow_RemembersSettingsReadWhileATopicHadNoSafeWindow(t *testing.T
 	alter("forever", "86400000", "3600000")
 	if got, err := src.SafeWindow(context.Background()); err != nil || got != want {
 		t.Errorf("the failing topic alone, after it went back: SafeWindow = %v, %v; want %v", got, err, want)
+	}
+}
+
+// Kafka applies a topic's current retention.ms to every segment, so a
+// retention that was in force for a while is not remembered: a topic set to
+// keep records forever, or for 200 years, and set back to a day has the
+// day's window at once (with the segment spans it had meanwhile). Once the
+// failing topic's settings were remembered, the 200 years kept SafeWindow
+// refusing for as long, and the purge paused until a restart.
+func TestSafeWindow_ForgetsARetentionThatWasForeverOnceItIsFiniteAgain(t *testing.T) {
+	t.Parallel()
+	admin, _ := cluster(t)
+	createTopic(t, admin, "briefly_forever", map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"})
+	src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{"briefly_forever"}, Margin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const day, future = 24 * time.Hour, kafkaretention.DefaultFutureTimestamps
+	for _, retention := range []string{"-1", strconv.FormatInt((200 * 365 * day).Milliseconds(), 10)} {
+		// AlterConfig sets the whole configuration: segment.ms stays 1 hour.
+		if err := admin.AlterConfig(sarama.TopicResource, "briefly_forever", map[string]*string{"retention.ms": ptr(retention), "segment.ms": ptr("3600000")}, false); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := src.SafeWindow(context.Background()); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
+			t.Fatalf("retention.ms=%s: %v, want ErrNoSafeWindow", retention, err)
+		}
+		if err := admin.AlterConfig(sarama.TopicResource, "briefly_forever", map[string]*string{"retention.ms": ptr("86400000"), "segment.ms": ptr("3600000")}, false); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := src.SafeWindow(context.Background()); err != nil || got != day+time.Hour+future+time.Hour {
+			t.Errorf("back from retention.ms=%s: SafeWindow = %v, %v; want %v", retention, got, err, day+time.Hour+future+time.Hour)
+		}
 	}
 }
