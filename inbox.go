@@ -554,14 +554,6 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isPrivilegeRefusal(err) {
 			return t, false, d.refusedPrivilegeClaim(err)
 		}
-		if hasSQLState(err, "26000", "42P05") {
-			// The connection's prepared statements are not what the
-			// server has (database/sql's, under Config.PrepareStatements,
-			// are never prepared again on it): discarded, so that the
-			// redelivery prepares them on another.
-			t.discardConn = true
-			return t, false, d.staleStatementClaim(err)
-		}
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
@@ -626,20 +618,32 @@ func (d *delivery) refusedPrivilegeClaim(err error) error {
 		d.consumer, d.id, d.ib.table, err)}
 }
 
-// staleStatementClaim returns the error of a claim whose prepared
-// statement was missing on the server connection, or already there (26000,
-// 42P05): pgx's statement cache behind a transaction-mode pooler, or a
-// handler's DEALLOCATE ALL or DISCARD ALL on that connection a message
-// before. The message is not at fault, and the connection is discarded
-// (database/sql; pgx drops the statement from its own cache on the error),
-// so the redelivery prepares its statements afresh: the error is
-// transient, with the pooler hint, and the delivery waits as for a
-// read-only claim (readOnlyClaim), so that a misconfigured pooler's claims
-// do not spin. The message was poisoned before, and under
-// Config.PrepareStatements every later claim on that connection failed.
-func (d *delivery) staleStatementClaim(err error) error {
+// staleStatement returns the error of a delivery whose statements before
+// the handler (the key lock, the table's first check, the catalog reads,
+// the claim) failed on a prepared statement missing on the server
+// connection, or already there (26000, 42P05): pgx's statement cache
+// behind a transaction-mode pooler, or a handler's DEALLOCATE ALL or
+// DISCARD ALL on that connection a message before. The message is not at
+// fault, and the transaction's connection is discarded (database/sql never
+// prepares Config.PrepareStatements' statements again on a connection that
+// has them; pgx drops a failed statement from its own cache), so the
+// redelivery prepares its statements afresh: the error is transient, with
+// the pooler hint, and the delivery waits as for a read-only claim
+// (readOnlyClaim), so that a misconfigured pooler's claims do not spin.
+// The message was poisoned before, and under Config.PrepareStatements
+// every later claim on that connection failed. A handler's own statement
+// failing so stays the handler's error (not transient: one that EXECUTEs a
+// statement it never prepared fails on every delivery).
+func (d *delivery) staleStatement(err error) error {
+	if t, ok := d.tx.(*sqlTx); ok {
+		t.discardConn = true
+	}
+	var misconfigured *misconfiguredError
+	if errors.As(err, &misconfigured) {
+		return err
+	}
 	d.waitAfterEnd = &d.ib.refusedClaims
-	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, d.ib.table, poolerHint(err))}
+	return &misconfiguredError{poolerHint(err)}
 }
 
 // beginOnConn begins a message's transaction on a connection it holds as a

@@ -198,6 +198,9 @@ func (d *delivery) run() ([]*message.Message, error) {
 	}
 	if err != nil {
 		d.claimFailed = d.fingerprint != nil
+		if hasSQLState(err, "26000", "42P05") {
+			err = d.staleStatement(err)
+		}
 		return nil, err
 	}
 	if !claimed {

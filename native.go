@@ -111,8 +111,6 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 			err = d.missingPartitionClaim(err)
 		case step != nil && step.Step == backend.StepClaim && isPrivilegeRefusal(err):
 			err = d.refusedPrivilegeClaim(err)
-		case hasSQLState(err, "26000", "42P05"): // the claim, or the BEGIN batched with it
-			err = d.staleStatementClaim(err)
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 		default:
