@@ -206,6 +206,11 @@ type TopicWindow struct {
 	// message.timestamp.after.max.ms (message.timestamp.difference.max.ms
 	// before Kafka 3.6), or Config.FutureTimestamps where it sets no bound.
 	Future time.Duration
+
+	// deletesNothing: the topic deletes no record by age (retention.ms -1
+	// or beyond inbox.MaxSafeWindow, or a cleanup.policy without "delete"
+	// alone); Retention is 0 then.
+	deletesNothing bool
 }
 
 // Window is how long the topic can redeliver a message: a segment is only
@@ -287,7 +292,7 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 				continue
 			case e.Name == "retention.ms" && ms < 0:
 				fail(fmt.Errorf("%w: topic %s has retention.ms=%d (kept forever)", ErrNoSafeWindow, topic, ms))
-				w.Retention = 0
+				w.Retention, w.deletesNothing = 0, true
 				continue
 			case e.Name == "segment.ms" && ms <= 0:
 				// Kafka refuses it (at least 1): a window computed from it
@@ -300,7 +305,7 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 				fail(fmt.Errorf("%w: topic %s has %s=%d, beyond what a time.Duration holds (about 292 years): records kept forever",
 					ErrNoSafeWindow, topic, e.Name, ms))
 				if e.Name == "retention.ms" {
-					w.Retention = 0
+					w.Retention, w.deletesNothing = 0, true
 				}
 				continue
 			}
@@ -311,13 +316,14 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 				if d > inbox.MaxSafeWindow {
 					fail(fmt.Errorf("%w: topic %s keeps records for up to retention.ms = %v, beyond inbox.MaxSafeWindow (%v): records kept forever in practice",
 						ErrNoSafeWindow, topic, d, inbox.MaxSafeWindow))
-					w.Retention = 0 // as -1: not remembered
+					w.Retention, w.deletesNothing = 0, true // as -1
 				}
 			}
 		case "cleanup.policy":
 			w.Policy = e.Value
 			if err := checkCleanupPolicy(topic, e.Value); err != nil {
 				fail(err)
+				w.deletesNothing = true
 			}
 		}
 	}
@@ -406,12 +412,12 @@ func checkCleanupPolicy(topic, policy string) error {
 // window under which no row of a message the cluster can still deliver is
 // deleted. A topic whose settings changed since an earlier call keeps, for
 // as long as records stored under the earlier ones can be readable, the
-// longest segment.ms and timestamp bound it had, each on its own, with its
-// current retention.ms (Source.remembered): Kafka applies a topic's current
-// retention.ms to the segments already written, which keep the span of the
-// segment.ms they were written under, so raising retention.ms while
-// lowering segment.ms needs the new retention with the old span, longer
-// than either whole window. A topic without a safe window, or a result longer than
+// longest finite retention.ms, segment.ms and timestamp bound it had, each
+// on its own (Source.remembered): Kafka applies a topic's retention.ms to
+// the segments already written, which keep the span of the segment.ms they
+// were written under, so raising retention.ms while lowering segment.ms
+// needs the new retention with the old span, longer than either whole
+// window. A topic without a safe window, or a result longer than
 // inbox.MaxSafeWindow, gives an error wrapping ErrNoSafeWindow, never a
 // duration. It implements inbox.WindowSource.
 func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
@@ -440,60 +446,73 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 }
 
 // seenSettings are a topic's settings that SafeWindow found, and since when
-// they no longer are the topic's (zero while they are).
+// they no longer are the topic's (zero while they are). retention is 0 for
+// settings under which the topic deletes nothing by age.
 type seenSettings struct {
-	segment, future time.Duration
-	superseded      time.Time
+	retention, segment, future time.Duration
+	superseded                 time.Time
 }
 
 // remembered records w as topic w.Topic's settings now and returns the
 // window that covers every record still readable under them or under
-// settings it had earlier: the current retention.ms plus the longest
-// segment.ms and timestamp bound among the settings it remembers. Kafka
-// applies the current retention.ms to every segment, old ones included (a
-// retention check runs every log.retention.check.interval.ms, which the
-// margin covers), but a segment keeps the span and the timestamps it was
-// written with: settings superseded at time T are forgotten once the
-// current retention plus their own segment span and timestamp bound have
-// passed since T (a record written under them, up to T, sits in a segment
-// of at most their span whose newest timestamp is at most their bound
-// ahead, deleted once that newest is older than the retention). Whole
-// windows were remembered before: settings changed from 1 day / 7 days to
-// 7 days / 1 hour took the old 8 days, while the segments written under
-// the old span stay for 7 + 7. A retention that was never finite (-1, or
-// one beyond inbox.MaxSafeWindow) is not remembered at all: remembered, it
-// kept SafeWindow refusing long after the topic had one again. Memory of
-// this process only: after a restart the current settings apply at once
-// (docs/purge.md says how to change a topic's settings safely).
+// settings it had earlier: the longest finite retention.ms plus the longest
+// segment.ms and the longest timestamp bound among the settings it
+// remembers. A segment keeps the span and the timestamps it was written
+// with, and Kafka deletes it once its newest record is older than the
+// retention in force at its next retention check: settings superseded at
+// time T are forgotten once the longest retention plus their own segment
+// span and timestamp bound have passed since T. The longest, not the
+// current: a retention lowered and raised again before a check ran
+// (log.retention.check.interval.ms) deletes nothing, and forgetting by the
+// lowered one dropped a 7-day span whose records were still there. While
+// the topic deletes nothing by age (retention -1 or beyond
+// inbox.MaxSafeWindow, or a compacting policy), superseded settings do not
+// age: the records stored under them stay, and forgetting them meanwhile
+// gave a window days short once the topic deleted by age again. A
+// retention that was never finite is not counted: counted, one set to 200
+// years for a minute kept SafeWindow refusing for as long. (Whole windows
+// were remembered before: settings changed from 1 day / 7 days to 7 days /
+// 1 hour took the old 8 days, while the segments written under the old
+// span stay for 7 + 7.) Memory of this process only: after a restart the
+// current settings apply at once (docs/purge.md says how to change a
+// topic's settings safely).
 func (s *Source) remembered(w TopicWindow, now time.Time) time.Duration {
 	s.seenMu.Lock()
 	defer s.seenMu.Unlock()
-	current := seenSettings{segment: w.Segment, future: w.Future}
+	current := seenSettings{retention: w.Retention, segment: w.Segment, future: w.Future}
 	all := s.seen[w.Topic]
 	found := false
 	for i := range all {
 		e := &all[i]
 		switch {
-		case e.segment == current.segment && e.future == current.future:
+		case e.retention == current.retention && e.segment == current.segment && e.future == current.future:
 			e.superseded, found = time.Time{}, true
-		case e.superseded.IsZero():
+		case e.superseded.IsZero() || w.deletesNothing:
 			e.superseded = now
 		}
 	}
 	if !found {
 		all = append(all, current)
 	}
+	var retention time.Duration
+	for _, e := range all {
+		retention = max(retention, e.retention)
+	}
 	kept := all[:0]
 	var segment, future time.Duration
 	for _, e := range all {
-		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(w.Retention, e.segment), e.future) {
+		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(retention, e.segment), e.future) {
 			continue // every record stored under them is gone
 		}
 		kept = append(kept, e)
 		segment, future = max(segment, e.segment), max(future, e.future)
 	}
+	retention = 0
+	for _, e := range kept {
+		retention = max(retention, e.retention)
+	}
 	s.seen[w.Topic] = kept
-	return duration.Add(duration.Add(w.Retention, segment), future)
+	return duration.Add(duration.Add(retention, segment), future)
 }
 
 // describe runs sarama's DescribeConfigs for every topic in one request and

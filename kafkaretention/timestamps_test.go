@@ -294,3 +294,80 @@ func TestSafeWindow_ForgetsARetentionThatWasForeverOnceItIsFiniteAgain(t *testin
 		}
 	}
 }
+
+// A retention lowered by mistake and put back before Kafka's retention
+// check ran (log.retention.check.interval.ms) deletes nothing, so the
+// segment spans remembered from before stay: forgetting them by the lowered
+// retention gave a window 7 days short. And while a topic deletes nothing by
+// age (retention -1, a compacting policy), the settings superseded before do
+// not age: forgetting them meanwhile did the same once it deleted by age
+// again.
+func TestSafeWindow_KeepsOldSegmentSpansThroughALoweredRetentionAndAPause(t *testing.T) {
+	t.Parallel()
+	const day, future = 24 * time.Hour, kafkaretention.DefaultFutureTimestamps
+	admin, _ := cluster(t)
+	createTopic(t, admin, "lowered_once", map[string]string{"retention.ms": "2592000000", "segment.ms": "604800000"})
+	createTopic(t, admin, "paused", map[string]string{"retention.ms": "86400000", "segment.ms": "604800000"})
+	change := time.Now()
+	now := change
+	alter := func(topic string, cfg map[string]string) {
+		t.Helper()
+		set := map[string]*string{}
+		for k, v := range cfg {
+			set[k] = ptr(v)
+		}
+		if err := admin.AlterConfig(sarama.TopicResource, topic, set, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	window := func(src *kafkaretention.Source) (time.Duration, error) {
+		return src.SafeWindow(context.Background())
+	}
+	newSource := func(topic string) *kafkaretention.Source {
+		src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{topic}, Margin: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		kafkaretention.SetClock(src, func() time.Time { return now })
+		if _, err := window(src); err != nil {
+			t.Fatal(err)
+		}
+		return src
+	}
+
+	lowered := newSource("lowered_once")
+	alter("lowered_once", map[string]string{"retention.ms": "2592000000", "segment.ms": "3600000"})
+	if got, err := window(lowered); err != nil || got != 30*day+7*day+future+time.Hour {
+		t.Fatalf("segment.ms lowered: SafeWindow = %v, %v; want %v", got, err, 30*day+7*day+future+time.Hour)
+	}
+	now = change.Add(8 * day)
+	alter("lowered_once", map[string]string{"retention.ms": "3600000", "segment.ms": "3600000"}) // the mistake
+	if _, err := window(lowered); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(time.Minute)
+	alter("lowered_once", map[string]string{"retention.ms": "2592000000", "segment.ms": "3600000"}) // put back
+	if got, err := window(lowered); err != nil || got != 30*day+7*day+future+time.Hour {
+		t.Errorf("retention put back: SafeWindow = %v, %v; want %v", got, err, 30*day+7*day+future+time.Hour)
+	}
+
+	now = change
+	paused := newSource("paused")
+	for _, keep := range []map[string]string{
+		{"retention.ms": "-1", "segment.ms": "3600000"},
+		{"retention.ms": "86400000", "segment.ms": "3600000", "cleanup.policy": "compact"},
+	} {
+		alter("paused", keep)
+		for _, at := range []time.Duration{0, 4 * day, 9 * day} {
+			now = change.Add(at)
+			if _, err := window(paused); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
+				t.Fatalf("%v while it deletes nothing by age: %v, want ErrNoSafeWindow", keep, err)
+			}
+		}
+		alter("paused", map[string]string{"retention.ms": "2592000000", "segment.ms": "3600000"})
+		if got, err := window(paused); err != nil || got != 30*day+7*day+future+time.Hour {
+			t.Errorf("after %v for 9 days: SafeWindow = %v, %v; want %v", keep, got, err, 30*day+7*day+future+time.Hour)
+		}
+		change = now
+	}
+}
