@@ -211,6 +211,9 @@ type TopicWindow struct {
 	// or beyond inbox.MaxSafeWindow, or a cleanup.policy without "delete"
 	// alone); Retention is 0 then.
 	deletesNothing bool
+	// segmentUnbounded: segment.ms is beyond inbox.MaxSafeWindow (Long.MAX,
+	// "never roll by time"); Segment is 0 then.
+	segmentUnbounded bool
 }
 
 // Window is how long the topic can redeliver a message: a segment is only
@@ -306,11 +309,20 @@ func (s *Source) topicWindow(described map[string]*sarama.ConfigResourceResult, 
 					ErrNoSafeWindow, topic, e.Name, ms))
 				if e.Name == "retention.ms" {
 					w.Retention, w.deletesNothing = 0, true
+				} else {
+					w.Segment, w.segmentUnbounded = 0, true
 				}
 				continue
 			}
 			if e.Name == "segment.ms" {
 				w.Segment = d
+				if d > inbox.MaxSafeWindow {
+					// Never rolls by time in practice (the window below
+					// fails): remembered by how long it was seen.
+					w.Segment, w.segmentUnbounded = 0, true
+					fail(fmt.Errorf("%w: topic %s has segment.ms = %v, beyond inbox.MaxSafeWindow (%v): its segments roll only by size",
+						ErrNoSafeWindow, topic, d, inbox.MaxSafeWindow))
+				}
 			} else {
 				w.Retention = d
 				if d > inbox.MaxSafeWindow {
@@ -445,12 +457,31 @@ func (s *Source) SafeWindow(ctx context.Context) (time.Duration, error) {
 	return safe, nil
 }
 
-// seenSettings are a topic's settings that SafeWindow found, and since when
-// they no longer are the topic's (zero while they are). retention is 0 for
-// settings under which the topic deletes nothing by age.
+// seenSettings are a topic's settings that SafeWindow found, when it first
+// found them, and since when they no longer are the topic's (zero while
+// they are). retention is 0 for settings under which the topic deletes
+// nothing by age; unbounded marks a segment.ms beyond inbox.MaxSafeWindow,
+// whose span is how long the settings were seen (span).
 type seenSettings struct {
 	retention, segment, future time.Duration
-	superseded                 time.Time
+	unbounded                  bool
+	firstSeen, superseded      time.Time
+}
+
+// span is how long a segment written under e can span, at now: its
+// segment.ms, or for one that never rolls by time the time e was seen in
+// force (the active segment rolls at its first write after that). A
+// segment.ms of Long.MAX_VALUE for 30 days was remembered as the default 7
+// days, and one of 200 years for a minute as 200 years.
+func (e seenSettings) span(now time.Time) time.Duration {
+	if !e.unbounded {
+		return e.segment
+	}
+	until := now
+	if !e.superseded.IsZero() {
+		until = e.superseded
+	}
+	return until.Sub(e.firstSeen)
 }
 
 // remembered records w as topic w.Topic's settings now and returns the
@@ -479,13 +510,13 @@ type seenSettings struct {
 func (s *Source) remembered(w TopicWindow, now time.Time) time.Duration {
 	s.seenMu.Lock()
 	defer s.seenMu.Unlock()
-	current := seenSettings{retention: w.Retention, segment: w.Segment, future: w.Future}
+	current := seenSettings{retention: w.Retention, segment: w.Segment, future: w.Future, unbounded: w.segmentUnbounded, firstSeen: now}
 	all := s.seen[w.Topic]
 	found := false
 	for i := range all {
 		e := &all[i]
 		switch {
-		case e.retention == current.retention && e.segment == current.segment && e.future == current.future:
+		case e.retention == current.retention && e.segment == current.segment && e.future == current.future && e.unbounded == current.unbounded:
 			e.superseded, found = time.Time{}, true
 		case e.superseded.IsZero() || w.deletesNothing:
 			e.superseded = now
@@ -501,11 +532,11 @@ func (s *Source) remembered(w TopicWindow, now time.Time) time.Duration {
 	kept := all[:0]
 	var segment, future time.Duration
 	for _, e := range all {
-		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(retention, e.segment), e.future) {
+		if !e.superseded.IsZero() && now.Sub(e.superseded) >= duration.Add(duration.Add(retention, e.span(now)), e.future) {
 			continue // every record stored under them is gone
 		}
 		kept = append(kept, e)
-		segment, future = max(segment, e.segment), max(future, e.future)
+		segment, future = max(segment, e.span(now)), max(future, e.future)
 	}
 	retention = 0
 	for _, e := range kept {

@@ -371,3 +371,52 @@ func TestSafeWindow_KeepsOldSegmentSpansThroughALoweredRetentionAndAPause(t *tes
 		change = now
 	}
 }
+
+// A segment.ms beyond inbox.MaxSafeWindow (Long.MAX_VALUE: "never roll by
+// time") keeps the active segment open for as long as it is in force, and
+// once set back Kafka rolls it at its next write: the span to remember is
+// how long it was seen. Long.MAX_VALUE for 30 days was remembered as the
+// default 7 days (a window 23 days short), and 200 years for a minute as 200
+// years (SafeWindow refused for as long).
+func TestSafeWindow_RemembersASegmentThatNeverRolledByHowLongItWasSeen(t *testing.T) {
+	t.Parallel()
+	const day, future = 24 * time.Hour, kafkaretention.DefaultFutureTimestamps
+	admin, _ := cluster(t)
+	for name, c := range map[string]struct {
+		segment string
+		lasted  time.Duration
+	}{
+		"long_max_30d":  {"9223372036854775807", 30 * day},
+		"200y_a_minute": {strconv.FormatInt((200 * 365 * day).Milliseconds(), 10), time.Minute},
+	} {
+		createTopic(t, admin, name, map[string]string{"retention.ms": "86400000", "segment.ms": "3600000"})
+		start := time.Now()
+		now := start
+		src, err := kafkaretention.New(kafkaretention.Config{Admin: admin, Topics: []string{name}, Margin: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		kafkaretention.SetClock(src, func() time.Time { return now })
+		if _, err := src.SafeWindow(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.AlterConfig(sarama.TopicResource, name, map[string]*string{"retention.ms": ptr("86400000"), "segment.ms": ptr(c.segment)}, false); err != nil {
+			t.Fatal(err)
+		}
+		for at := time.Duration(0); at <= c.lasted; at += max(c.lasted/4, time.Second) {
+			now = start.Add(at)
+			if _, err := src.SafeWindow(context.Background()); !errors.Is(err, kafkaretention.ErrNoSafeWindow) {
+				t.Fatalf("%s: segment.ms=%s: %v, want ErrNoSafeWindow", name, c.segment, err)
+			}
+		}
+		if err := admin.AlterConfig(sarama.TopicResource, name, map[string]*string{"retention.ms": ptr("86400000"), "segment.ms": ptr("3600000")}, false); err != nil {
+			t.Fatal(err)
+		}
+		// Seen from start to start+lasted: the segment active then spans
+		// that, or the hour of the segment.ms now, whichever is longer.
+		want := day + max(c.lasted, time.Hour) + future + time.Hour
+		if got, err := src.SafeWindow(context.Background()); err != nil || got != want {
+			t.Errorf("%s, set back: SafeWindow = %v, %v; want %v", name, got, err, want)
+		}
+	}
+}
