@@ -421,6 +421,9 @@ func TestConsumerPurgerAttachesBackAPendingPartitionHoldingAnotherConsumersRow(t
 	if err := claim.Commit(); err != nil {
 		t.Fatal(err)
 	}
+	// The next rounds' DETACH FINALIZE waits for every older snapshot in
+	// the database: another test process's transactions too.
+	inbox.SetDetachWait(time.Minute)
 	if r := p.RunOnce(ctx); r.Err != nil {
 		t.Errorf("second round: %v", r.Err)
 	}
