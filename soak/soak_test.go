@@ -273,7 +273,16 @@ func (s *soak) supervise() {
 			if len(s.live) == 0 {
 				break
 			}
+			// Not the doomed worker, when another is live: it was the
+			// oldest one, and leaving it took the run's SIGKILL after a
+			// commit away (a run injected none).
 			w := s.live[0]
+			for _, l := range s.live {
+				if l.killAfter == 0 {
+					w = l
+					break
+				}
+			}
 			s.logf("%s leaves the groups (graceful stop), a new worker joins", w.Name)
 			s.stop(w)
 			s.leaves++
