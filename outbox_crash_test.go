@@ -328,6 +328,10 @@ func TestOutboxRelayStoppedMidRoundPublishesNoFurtherTopic(t *testing.T) {
 				t.Errorf("the stopped relay published %d messages of %q after its context ended, want none", len(got), topic)
 			}
 		}
+		// Its transaction ends on the server after Run returned (database/sql
+		// rolls it back when its context ends): until then the next round
+		// skips the rows it locked and reads an empty outbox.
+		waitFor(t, func() bool { return relayStopping(t, db, tdb.Dialect, ob) })
 		relayUntilEmpty(t, ob)
 		for _, topic := range topics {
 			var first []string // each message's first arrival, in order
