@@ -358,14 +358,7 @@ func TestConsumerPurgerKeepsARowAnotherConsumerCommitsWhileItLooks(t *testing.T)
 	ctx := context.Background()
 	// slow's handler transaction, its claim in the partition of three days
 	// ago (what a transaction begun then writes), not yet committed.
-	slow, err := db.BeginTxx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer slow.Rollback() //nolint:errcheck // no-op after Commit
-	if _, err := slow.ExecContext(ctx, "INSERT INTO "+table+" VALUES ('slow', 's2', "+noon+")"); err != nil {
-		t.Fatal(err)
-	}
+	slow := openSlowClaim(t, db, table, "s2", noon)
 	done := make(chan inbox.PurgeRound, 1)
 	go func() { done <- p.RunOnce(ctx) }()
 	// The round waits on slow's transaction (for its look, or, as before,

@@ -404,14 +404,7 @@ func TestConsumerPurgerAttachesBackAPendingPartitionHoldingAnotherConsumersRow(t
 	waitForLockWaiter(t, db, "%DETACH PARTITION%"+part+"%")
 	// slow's claim, its transaction begun in the partition's range, after
 	// the look: it holds the DETACH's second step past its wait.
-	claim, err := db.BeginTxx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer claim.Rollback() //nolint:errcheck // no-op after Commit
-	if _, err := claim.ExecContext(ctx, "INSERT INTO "+table+" VALUES ('slow', 's3', "+noon+")"); err != nil {
-		t.Fatal(err)
-	}
+	claim := openSlowClaim(t, db, table, "s3", noon)
 	if err := holdDetach.Rollback(); err != nil {
 		t.Fatal(err)
 	}

@@ -212,3 +212,19 @@ func waitForLockWaiter(t *testing.T, db *sqlx.DB, like string) {
 		}
 	}
 }
+
+// openSlowClaim begins consumer "slow"'s claim of id in table with
+// processed_at noon (what a transaction begun in that old partition's range
+// writes) and leaves it open: the test commits or rolls it back.
+func openSlowClaim(t *testing.T, db *sqlx.DB, table, id, noon string) *sqlx.Tx {
+	t.Helper()
+	tx, err := db.BeginTxx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tx.Rollback() }) //nolint:errcheck // no-op once ended
+	if _, err := tx.Exec("INSERT INTO "+table+" VALUES ('slow', $1, "+noon+")", id); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
