@@ -692,8 +692,9 @@ type sqlTx struct {
 	// sameFingerprint: the claim found the key stored with the same
 	// fingerprint or none (MySQL/MariaDB), so storedFingerprint need not read.
 	sameFingerprint bool
-	// discardConn is set when the connection must not go back to the pool
-	// (its prepared statements are not the server's: staleStatementClaim).
+	// discardConn is set when the connection must not go back to the pool:
+	// its prepared statements are not the server's (staleStatement), or its
+	// ROLLBACK was refused on the ended context (rollback).
 	discardConn bool
 	// endedEarly is set when ended found the transaction already ended:
 	// the final ROLLBACK may then fail (lib/pq refuses one outside a
