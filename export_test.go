@@ -101,13 +101,23 @@ const OutboxRetryFirst = outboxRetryFirst
 const DetachedPartitionComment = detachedPartitionComment
 
 // DetachedPartitionMark is the comment DropPartitions marks a partition of
-// table (schema-qualified) with before its DETACH.
-func DetachedPartitionMark(table string) string {
+// table (schema-qualified) for [start, end) with before its DETACH.
+func DetachedPartitionMark(table string, start, end time.Time) string {
 	t, err := parseTableName(table)
 	if err != nil {
 		panic(err)
 	}
-	return detachedMark(t)
+	return detachedMark(t, start, end)
+}
+
+// DetachedPartitionMarkWithoutRange is the mark of the version before
+// DetachedPartitionMark's, which named the inbox table but not the range.
+func DetachedPartitionMarkWithoutRange(table string) string {
+	t, err := parseTableName(table)
+	if err != nil {
+		panic(err)
+	}
+	return detachedPartitionComment + " from " + t.String()
 }
 
 // SetDetachWait sets how long a DETACH PARTITION waits for older

@@ -344,9 +344,9 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		Detached bool `db:"detached"`
 	}
 	err := sqlx.GetContext(ctx, tx, &kind, `SELECT c.oid IS NOT NULL AS exists,
-		COALESCE(c.relkind = 'r' AND NOT c.relispartition AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
+		COALESCE(c.relkind IN ('r', 'p') AND NOT c.relispartition AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
 			AND `+markedFor("c", "$2", "$3")+`, false) AS detached
-		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d), t.quoted(d), detachedMark(t))
+		FROM (SELECT to_regclass($1) AS oid) r LEFT JOIN pg_class c ON c.oid = r.oid`, p.quoted(d), t.quoted(d), detachedMarkPattern(t))
 	if err != nil {
 		return fmt.Errorf("inbox: create partition %s: %w", p, err)
 	}
@@ -534,7 +534,7 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 	d := PostgreSQLPartitioned
 	var cutoffMicros int64 // pgNowMicros, whatever the DateStyle
 	var tp tablePartitions
-	var detached []qualifiedName
+	var detached []detachedTable
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) (err error) {
 		if t, err = canonicalTable(ctx, q, d, t); err != nil {
 			return err
@@ -606,7 +606,7 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		// the DROP leaves a table the next call knows for its own.
 		var mark string // quoted by the server: t's schema is the catalog's
 		if err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
-			return sqlx.GetContext(ctx, q, &mark, "SELECT quote_literal($1)", detachedMark(t))
+			return sqlx.GetContext(ctx, q, &mark, "SELECT quote_literal($1)", detachedMark(t, part.start, part.end))
 		}); err != nil {
 			return dropped, fmt.Errorf("inbox: mark partition %s for its drop: %w", p, err)
 		}
@@ -641,9 +641,10 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 		}
 	}
 	var detachedErr error
-	for _, p := range detached {
+	for _, left := range detached {
 		// Left detached by an interrupted call: the catalog no longer
 		// holds its range, so its rows decide.
+		p := left.name
 		var recent int64
 		err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
 			return sqlx.GetContext(ctx, q, &recent,
@@ -656,7 +657,7 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			// Past the window when it was detached; the window has grown
 			// since, and its rows are not seen through t (duplicates of
 			// them would be processed again): attached back.
-			detachedErr = errors.Join(detachedErr, reattachDetached(ctx, db, t, p))
+			detachedErr = errors.Join(detachedErr, reattachDetached(ctx, db, t, left))
 			continue
 		}
 		if keep, err := holdsOtherConsumers(ctx, db, p, consumer); err != nil || keep {
@@ -665,7 +666,7 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 			}
 			// Another consumer's rows, whose window may be longer: seen
 			// through t again (they were left detached, unseen by claims).
-			detachedErr = errors.Join(detachedErr, reattachDetached(ctx, db, t, p))
+			detachedErr = errors.Join(detachedErr, reattachDetached(ctx, db, t, left))
 			continue
 		}
 		if err := drop(p); err != nil {
@@ -711,7 +712,7 @@ func reattachPending(ctx context.Context, db dbConn, t qualifiedName, part parti
 	var ours bool
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
 		return sqlx.GetContext(ctx, q, &ours, "SELECT COALESCE((SELECT "+markedFor("c", "$2", "$3")+
-			" FROM pg_class c WHERE c.oid = to_regclass($1)), false)", part.name.quoted(d), t.quoted(d), detachedMark(t))
+			" FROM pg_class c WHERE c.oid = to_regclass($1)), false)", part.name.quoted(d), t.quoted(d), detachedMarkPattern(t))
 	})
 	if err != nil {
 		return fmt.Errorf("inbox: attach partition %s again: %w", part.name, err)
@@ -725,13 +726,21 @@ func reattachPending(ctx context.Context, db dbConn, t qualifiedName, part parti
 	return attachBack(ctx, db, t, part.name, part.start, part.end)
 }
 
-// reattachDetached attaches back p, a table an interrupted DropPartitions
-// detached whole (its DETACH went on on the server after the round stopped
-// waiting), that holds rows inside the window (grown since): for the slot
-// of its interval (its name's kind letter) holding its oldest row, which
-// must hold its newest too; PostgreSQL checks every row against it.
-func reattachDetached(ctx context.Context, db dbConn, t, p qualifiedName) error {
+// reattachDetached attaches back left, a table an interrupted
+// DropPartitions detached whole (its DETACH went on on the server after the
+// round stopped waiting), that holds rows inside the window (grown since)
+// or another consumer's: for the range its mark holds, or, marked by an
+// earlier version without it, for the slot of its interval (its name's
+// kind letter) holding its oldest row, which must hold its newest too.
+// PostgreSQL checks every row against the range. A table whose range
+// cannot be told (an earlier version's mark on a name not of the library)
+// is ErrIncompatibleTable, with the statements that attach it by hand.
+func reattachDetached(ctx context.Context, db dbConn, t qualifiedName, left detachedTable) error {
 	d := PostgreSQLPartitioned
+	p := left.name
+	if left.ranged {
+		return attachBack(ctx, db, t, p, left.start, left.end)
+	}
 	var oldest, newest sql.NullTime
 	err := withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error {
 		return q.QueryRowxContext(ctx, "SELECT min(processed_at), max(processed_at) FROM "+p.quoted(d)).Scan(&oldest, &newest)
@@ -739,18 +748,36 @@ func reattachDetached(ctx context.Context, db dbConn, t, p qualifiedName) error 
 	if err != nil {
 		return fmt.Errorf("inbox: attach partition %s again: %w", p, err)
 	}
-	iv := PartitionDay
-	if strings.HasPrefix(p.name[len(t.name):], "_"+PartitionWeek.letter()) {
+	var iv PartitionInterval
+	switch {
+	case libraryPartitionName(t, p, PartitionDay):
+		iv = PartitionDay
+	case libraryPartitionName(t, p, PartitionWeek):
 		iv = PartitionWeek
 	}
-	start, end := iv.slot(oldest.Time)
-	if !oldest.Valid || !newest.Time.Before(end) {
+	var start, end time.Time
+	if iv != "" {
+		start, end = iv.slot(oldest.Time)
+	}
+	if iv == "" || !oldest.Valid || !newest.Time.Before(end) {
 		return fmt.Errorf("%w: %s was detached by an interrupted DropPartitions and holds rows inside the window (it has grown"+
-			" since), which claims do not see, but not within one %s: attach it back to %s by hand (ALTER TABLE %s ATTACH"+
+			" since) or another consumer's, which claims do not see, but its range cannot be told from its mark or its name"+
+			" (one day or week holding them all): attach it back to %s by hand (ALTER TABLE %s ATTACH"+
 			" PARTITION %s FOR VALUES FROM (…) TO (…); COMMENT ON TABLE %s IS NULL)",
-			ErrIncompatibleTable, p, iv, t, t.quoted(d), p.quoted(d), p.quoted(d))
+			ErrIncompatibleTable, p, t, t.quoted(d), p.quoted(d), p.quoted(d))
 	}
 	return attachBack(ctx, db, t, p, start, end)
+}
+
+// libraryPartitionName reports whether p is named as the library names t's
+// partitions of interval iv ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD").
+func libraryPartitionName(t, p qualifiedName, iv PartitionInterval) bool {
+	rest, ok := strings.CutPrefix(p.name, t.name+"_"+iv.letter())
+	if !ok || len(rest) != len("20060102") {
+		return false
+	}
+	_, err := time.Parse("20060102", rest)
+	return err == nil
 }
 
 // attachBack attaches p, a table DropPartitions detached and marked, back
@@ -839,58 +866,101 @@ func holdsOtherConsumers(ctx context.Context, db dbConn, p qualifiedName, consum
 
 // detachedPartitionComment marks a partition of an inbox table that
 // dropPartitions detaches to drop it (COMMENT ON TABLE, before the DETACH),
-// followed by the inbox table's name (detachedMark): a table left detached
-// by an interrupted call carries it, and is the only kind of detached table
-// the library drops or attaches again. A table detached by anyone else
-// (pg_partman's retention with retention_keep_table keeps them as archives,
-// under names like the library's) is never touched. The comment alone, as
-// earlier versions wrote it, is taken for a partition of the inbox table of
-// that name in the table's own schema.
+// followed by the partition's range and the inbox table's name
+// (detachedMark): a table left detached by an interrupted call carries it,
+// and is the only kind of detached table the library drops or attaches
+// again, whatever its name (the library's, pg_partman's, a hand-made one)
+// and whether or not it is partitioned itself. A table detached by anyone
+// else (pg_partman's retention with retention_keep_table keeps them as
+// archives, under names like the library's) is never touched. The comment
+// alone, as earlier versions wrote it, is taken for a partition of the
+// inbox table of that name in the table's own schema.
 const detachedPartitionComment = "inbox: detached by DropPartitions to be dropped"
 
 // detachedMark returns the comment dropPartitions marks a partition of t
-// (resolved: canonicalTable) with before its DETACH. It names t, so that a
-// partition that was moved to another schema and left detached there is
-// known for t's, and for no other inbox table's of the same name in another
-// schema (only tables in t's schema were looked at before, and such a
-// partition's rows stayed unseen by claims for good).
-func detachedMark(t qualifiedName) string { return detachedPartitionComment + " from " + t.String() }
+// (resolved: canonicalTable) for [start, end) with before its DETACH. It
+// names t, so that a partition that was moved to another schema and left
+// detached there is known for t's, and for no other inbox table's of the
+// same name in another schema (only tables in t's schema were looked at
+// before, and such a partition's rows stayed unseen by claims for good).
+// It holds the range, which the catalog forgets with the DETACH, so that
+// the table can be attached back for exactly it whatever its name says
+// (only names of the library's were found again before, by their kind
+// letter: a pg_partman or hand-made partition left detached stayed so,
+// its rows unseen by claims).
+func detachedMark(t qualifiedName, start, end time.Time) string {
+	return detachedPartitionComment + ", range [" + markBound(start) + ", " + markBound(end) + ") from " + t.String()
+}
+
+// markBound formats a bound of a partition's range for detachedMark (UTC,
+// RFC 3339; MINVALUE's zero time is year 1, below any processed_at).
+func markBound(x time.Time) string { return x.UTC().Format(time.RFC3339Nano) }
+
+// detachedMarkPattern returns a regular expression (PostgreSQL's ~ and
+// Go's regexp alike) that matches the marks of t's partitions: with their
+// range (detachedMark) or without it ("… from <schema>.<table>", as the
+// version before wrote them); submatches 1 and 2 are the range's bounds.
+func detachedMarkPattern(t qualifiedName) string {
+	const bound = `([0-9]{4,6}-[0-9]{2}-[0-9]{2}T[0-9:.]+Z)`
+	return "^" + regexp.QuoteMeta(detachedPartitionComment) + `(?:, range \[` + bound + `, ` + bound + `\))? from ` +
+		regexp.QuoteMeta(t.String()) + "$"
+}
 
 // markedFor returns an SQL condition on pg_class row c: it carries the mark
 // of a partition of the inbox table whose name (quoted, to_regclass's
-// input) is the parameter table, the mark being the parameter mark
-// (detachedMark), or the comment alone (detachedPartitionComment, written
-// by earlier versions) in that table's schema.
-func markedFor(c, table, mark string) string {
+// input) is the parameter table, the parameter pattern being
+// detachedMarkPattern's, or the comment alone (detachedPartitionComment,
+// written by earlier versions) in that table's schema.
+func markedFor(c, table, pattern string) string {
 	desc := "obj_description(" + c + ".oid, 'pg_class')"
-	return "(" + desc + " = " + mark + " OR (" + desc + " = '" + detachedPartitionComment + "' AND " + c +
+	return "(" + desc + " ~ " + pattern + " OR (" + desc + " = '" + detachedPartitionComment + "' AND " + c +
 		".relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass(" + table + "))))"
 }
 
-// detachedPartitions returns the plain tables, in any schema, that are named
-// like t's partitions ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"), carry t's
-// mark (markedFor), have a processed_at column and are attached to no
-// table: what a DropPartitions interrupted between its DETACH and its DROP
-// leaves behind.
-func detachedPartitions(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]qualifiedName, error) {
+// detachedTable is a table an interrupted DropPartitions left detached,
+// with the range it had as a partition when its mark holds it.
+type detachedTable struct {
+	name       qualifiedName
+	start, end time.Time
+	ranged     bool
+}
+
+// detachedPartitions returns the tables, plain or partitioned, in any
+// schema, that carry t's mark (markedFor), have a processed_at column and
+// are attached to no table: what a DropPartitions interrupted between its
+// DETACH and its DROP leaves behind.
+func detachedPartitions(ctx context.Context, q sqlx.QueryerContext, t qualifiedName) ([]detachedTable, error) {
 	var rows []struct {
-		Schema string `db:"schema"`
-		Name   string `db:"name"`
+		Schema  string `db:"schema"`
+		Name    string `db:"name"`
+		Comment string `db:"comment"`
 	}
+	pattern := detachedMarkPattern(t)
 	err := sqlx.SelectContext(ctx, q, &rows, `
-		SELECT n.nspname::text AS schema, c.relname::text AS name FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-		WHERE c.relkind = 'r' AND NOT c.relispartition AND c.relname ~ $3
+		SELECT n.nspname::text AS schema, c.relname::text AS name, obj_description(c.oid, 'pg_class') AS comment
+		FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
 		  AND `+markedFor("c", "$1", "$2")+`
 		  AND NOT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = c.oid)
 		  AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = c.oid AND attname = 'processed_at' AND NOT attisdropped)
 		ORDER BY n.nspname, c.relname`,
-		t.quoted(PostgreSQLPartitioned), detachedMark(t), "^"+regexp.QuoteMeta(t.name)+"_[pw][0-9]{8}$")
+		t.quoted(PostgreSQLPartitioned), pattern)
 	if err != nil {
 		return nil, fmt.Errorf("list detached partitions: %w", err)
 	}
-	parts := make([]qualifiedName, len(rows))
+	re := regexp.MustCompile(pattern)
+	parts := make([]detachedTable, len(rows))
 	for i, r := range rows {
-		parts[i] = qualifiedName{schema: r.Schema, name: r.Name}
+		parts[i].name = qualifiedName{schema: r.Schema, name: r.Name}
+		m := re.FindStringSubmatch(r.Comment)
+		if m == nil || m[1] == "" {
+			continue // marked without its range (an earlier version)
+		}
+		start, err1 := time.Parse(time.RFC3339Nano, m[1])
+		end, err2 := time.Parse(time.RFC3339Nano, m[2])
+		if err1 == nil && err2 == nil && start.Before(end) {
+			parts[i].start, parts[i].end, parts[i].ranged = start, end, true
+		}
 	}
 	return parts, nil
 }

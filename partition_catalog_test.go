@@ -299,7 +299,7 @@ func TestPartitionLeftDetachedInAnotherSchemaIsAttachedBack(t *testing.T) {
 	exec(t, plain, "INSERT INTO "+table+" VALUES ('c', 'm1', '2026-10-05 12:00:00Z')")
 	exec(t, plain, "ALTER TABLE "+moved+" SET SCHEMA "+archive)
 	// What a DropPartitions interrupted between its DETACH and its DROP leaves.
-	exec(t, plain, "COMMENT ON TABLE "+archive+"."+moved+" IS '"+inbox.DetachedPartitionMark("public."+table)+"'")
+	exec(t, plain, "COMMENT ON TABLE "+archive+"."+moved+" IS '"+inbox.DetachedPartitionMarkWithoutRange("public."+table)+"'")
 	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+archive+"."+moved)
 	// The window has grown since: the row is inside it.
 	window := dbNow(t, plain).Sub(time.Date(2026, 10, 5, 12, 0, 0, 0, time.UTC)) + 30*day
@@ -356,7 +356,7 @@ func TestConsumerPurgerAttachesBackALeftoverHoldingAnotherConsumersRows(t *testi
 	leftover := table + "_p20260102"
 	exec(t, plain, "INSERT INTO "+table+" VALUES ('slow', 's1', '2026-01-02 12:00:00Z'), ('fast', 'f1', '2026-01-02 12:00:00Z')")
 	// What a DropPartitions interrupted between its DETACH and its DROP leaves.
-	exec(t, plain, "COMMENT ON TABLE "+leftover+" IS '"+inbox.DetachedPartitionMark("public."+table)+"'")
+	exec(t, plain, "COMMENT ON TABLE "+leftover+" IS '"+inbox.DetachedPartitionMarkWithoutRange("public."+table)+"'")
 	exec(t, plain, "ALTER TABLE "+table+" DETACH PARTITION "+leftover)
 	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: plain, Dialect: inbox.PostgreSQLPartitioned, Table: table,
 		OlderThan: 3 * day, Consumer: "fast"}})
