@@ -925,32 +925,41 @@ func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any,
 		if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
 			return nil, fmt.Errorf("message UUID %q: %w", m.UUID, err)
 		}
-		meta, err := encodeOutboxMetadata(m.Metadata)
+		meta, err := encodeOutboxMetadata(m.Metadata, m.Payload == nil)
 		if err != nil {
 			return nil, fmt.Errorf("inbox: outbox: metadata of message %s: %w", m.UUID, err)
 		}
 		payload := []byte(m.Payload)
 		if payload == nil {
-			payload = []byte{} // NOT NULL: an empty payload is stored empty
+			payload = []byte{} // NOT NULL: the metadata says it was nil
 		}
 		args = append(args, topic, m.UUID, payload, meta)
 	}
 	return args, nil
 }
 
-// outboxBinaryMetadata is the first element of the outbox's encoding of
-// metadata with a key or value that is not valid UTF-8 (a binary Kafka
-// header a handler copied onto its output): the JSON array
-// ["base64", {<key>: <value>, …}] with every key and value in standard
-// base64. Any other metadata is stored as a JSON object of its strings, which
-// no array can be mistaken for. encoding/json would put U+FFFD in place of
-// bytes that are not UTF-8, and the message would reach the broker changed;
-// refusing them failed the handler on every redelivery.
-const outboxBinaryMetadata = "base64"
+// outboxBinaryMetadata and outboxNilPayload are the flags of the outbox's
+// array encoding of metadata, the JSON array [<flags>, {<key>: <value>, …}]
+// whose first element holds them, separated by spaces: outboxBinaryMetadata
+// when a key or value is not valid UTF-8 (a binary Kafka header a handler
+// copied onto its output), every key and value then in standard base64;
+// outboxNilPayload when the message's payload was nil, not empty (a Kafka
+// tombstone, which compaction reads as the key's deletion: the payload
+// column is NOT NULL, and the relay sent a record of 0 bytes instead, so
+// the key was never deleted). Any other metadata is stored as a JSON object
+// of its strings, which no array can be mistaken for. encoding/json would
+// put U+FFFD in place of bytes that are not UTF-8, and the message would
+// reach the broker changed; refusing them failed the handler on every
+// redelivery.
+const (
+	outboxBinaryMetadata = "base64"
+	outboxNilPayload     = "nil-payload"
+)
 
-// encodeOutboxMetadata returns md as the outbox stores it: a JSON object,
-// or outboxBinaryMetadata's array when a key or value is not valid UTF-8.
-func encodeOutboxMetadata(md message.Metadata) ([]byte, error) {
+// encodeOutboxMetadata returns md as the outbox stores it, for a message
+// whose payload is nil when nilPayload: a JSON object, or the array
+// encoding (outboxBinaryMetadata) with its flags.
+func encodeOutboxMetadata(md message.Metadata, nilPayload bool) ([]byte, error) {
 	binary := false
 	for k, v := range md {
 		if !utf8.ValidString(k) || !utf8.ValidString(v) {
@@ -958,52 +967,80 @@ func encodeOutboxMetadata(md message.Metadata) ([]byte, error) {
 			break
 		}
 	}
-	if !binary {
+	if !binary && !nilPayload {
 		return json.Marshal(md)
 	}
+	var flags []string
 	encoded := make(map[string]string, len(md))
 	for k, v := range md {
-		encoded[base64.StdEncoding.EncodeToString([]byte(k))] = base64.StdEncoding.EncodeToString([]byte(v))
+		encoded[k] = v
 	}
-	return json.Marshal([]any{outboxBinaryMetadata, encoded})
+	if binary {
+		flags = append(flags, outboxBinaryMetadata)
+		clear(encoded)
+		for k, v := range md {
+			encoded[base64.StdEncoding.EncodeToString([]byte(k))] = base64.StdEncoding.EncodeToString([]byte(v))
+		}
+	}
+	if nilPayload {
+		flags = append(flags, outboxNilPayload)
+	}
+	return json.Marshal([]any{strings.Join(flags, " "), encoded})
 }
 
-// decodeOutboxMetadata reads metadata that encodeOutboxMetadata stored.
-func decodeOutboxMetadata(b []byte) (message.Metadata, error) {
-	md := message.Metadata{}
+// decodeOutboxMetadata reads metadata that encodeOutboxMetadata stored,
+// and whether the message's payload was nil.
+func decodeOutboxMetadata(b []byte) (md message.Metadata, nilPayload bool, err error) {
+	md = message.Metadata{}
 	if trimmed := bytes.TrimLeft(b, " \t\r\n"); len(trimmed) == 0 || trimmed[0] != '[' {
 		if err := json.Unmarshal(b, &md); err != nil {
-			return nil, err
+			return nil, false, err
 		}
 		if md == nil { // a stored JSON null
 			md = message.Metadata{}
 		}
-		return md, nil
+		return md, false, nil
 	}
 	var parts []json.RawMessage
 	var mark string
 	var encoded map[string]string
 	if err := json.Unmarshal(b, &parts); err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	if len(parts) != 2 || json.Unmarshal(parts[0], &mark) != nil || mark != outboxBinaryMetadata {
-		return nil, errors.New(`metadata array is not ["base64", {…}]`)
+	if len(parts) != 2 || json.Unmarshal(parts[0], &mark) != nil {
+		return nil, false, errors.New(`metadata array is not [<flags>, {…}]`)
+	}
+	binary := false
+	for _, flag := range strings.Fields(mark) {
+		switch flag {
+		case outboxBinaryMetadata:
+			binary = true
+		case outboxNilPayload:
+			nilPayload = true
+		default:
+			return nil, false, fmt.Errorf("metadata array's flag %q is not one of %q, %q (written by a later version?)",
+				flag, outboxBinaryMetadata, outboxNilPayload)
+		}
 	}
 	if err := json.Unmarshal(parts[1], &encoded); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	for k, v := range encoded {
+		if !binary {
+			md[k] = v
+			continue
+		}
 		key, err := base64.StdEncoding.DecodeString(k)
 		if err != nil {
-			return nil, fmt.Errorf("metadata key %q: %w", k, err)
+			return nil, false, fmt.Errorf("metadata key %q: %w", k, err)
 		}
 		value, err := base64.StdEncoding.DecodeString(v)
 		if err != nil {
-			return nil, fmt.Errorf("metadata value of %q: %w", key, err)
+			return nil, false, fmt.Errorf("metadata value of %q: %w", key, err)
 		}
 		md[string(key)] = string(value)
 	}
-	return md, nil
+	return md, nilPayload, nil
 }
 
 // Close does nothing: the writer holds nothing of its own.

@@ -237,3 +237,41 @@ func TestOutboxRelaysMetadataThatIsNotUTF8Unchanged(t *testing.T) {
 		}
 	})
 }
+
+// A message whose payload is nil (a Kafka tombstone: compaction deletes its
+// key) reaches the broker with a nil payload, and one whose payload is empty
+// with an empty one, whatever its metadata: the payload column is NOT NULL,
+// and the relay sent a tombstone as a record of 0 bytes, which compaction
+// keeps as the key's value for good.
+func TestOutboxRelaysANilPayloadAsNil(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		tombstone := message.NewMessage(watermill.NewUUID(), nil)
+		tombstone.Metadata.Set("key", "customer-1")
+		binaryTombstone := message.NewMessage(watermill.NewUUID(), nil)
+		binaryTombstone.Metadata.Set("sig", "\xff\xfe")
+		empty := message.NewMessage(watermill.NewUUID(), []byte{})
+		empty.Metadata.Set("key", "customer-2")
+		bare := message.NewMessage(watermill.NewUUID(), nil)
+		tx, pub := beginOutbox(t, db, ob)
+		if err := pub.Publish("customers", tombstone, binaryTombstone, empty, bare); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		relayUntilEmpty(t, ob)
+		got := broker.messages("customers")
+		if len(got) != 4 {
+			t.Fatalf("sent %d messages, want 4", len(got))
+		}
+		for i, want := range []*message.Message{tombstone, binaryTombstone, empty, bare} {
+			if got[i].UUID != want.UUID || (got[i].Payload == nil) != (want.Payload == nil) || len(got[i].Payload) != 0 ||
+				!reflect.DeepEqual(got[i].Metadata, want.Metadata) {
+				t.Errorf("message %d sent as %s, payload nil %v, metadata %q; want %s, payload nil %v, metadata %q", i,
+					got[i].UUID, got[i].Payload == nil, got[i].Metadata, want.UUID, want.Payload == nil, want.Metadata)
+			}
+		}
+	})
+}

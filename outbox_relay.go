@@ -859,11 +859,18 @@ func (o *Outbox) publishCall(topic string, msgs []*message.Message) (err error) 
 func decodeOutboxRows(rows []outboxRow) ([]*message.Message, error) {
 	msgs := make([]*message.Message, len(rows))
 	for i, r := range rows {
-		m := message.NewMessage(r.UUID, r.Payload)
-		md, err := decodeOutboxMetadata(r.Metadata)
+		md, nilPayload, err := decodeOutboxMetadata(r.Metadata)
 		if err != nil {
 			return nil, fmt.Errorf("metadata of message %s (outbox id %d): %w", r.UUID, r.ID, err)
 		}
+		payload := message.Payload(r.Payload)
+		switch {
+		case nilPayload:
+			payload = nil // a tombstone stays one
+		case payload == nil:
+			payload = message.Payload{} // an empty blob, which a driver may read as nil (modernc.org/sqlite)
+		}
+		m := message.NewMessage(r.UUID, payload)
 		m.Metadata = md
 		msgs[i] = m
 	}
