@@ -349,9 +349,12 @@ func (d *delivery) detach() error {
 	// follower, which then never ends the transaction's context.
 	if !d.followMessage() || d.sctx.Err() != nil {
 		// The transaction is rolled back: database/sql did it when its
-		// context ended; otherwise end does.
+		// context ended; otherwise end does. The context's error with its
+		// cause: a cause alone (context.WithTimeoutCause in a middleware
+		// outside the inbox) wraps neither DeadlineExceeded nor Canceled,
+		// and the message was poisoned for a deadline.
 		return fmt.Errorf("inbox: commit %q/%q: the message context ended before the handler returned: %w",
-			d.consumer, d.id, context.Cause(d.sctx))
+			d.consumer, d.id, withCause(d.sctx, d.sctx.Err()))
 	}
 	d.commitBound = time.AfterFunc(d.ib.commitTimeout, func() { d.cancelTx(ErrCommitTimeout) })
 	return nil

@@ -43,8 +43,12 @@ import (
 //     (deadlock_detected), 40003 (statement_completion_unknown), 55P03
 //     (lock_not_available), 57014 (query_canceled, which includes
 //     statement_timeout), 57P01-57P03 (admin or crash shutdown, cannot
-//     connect now), 53300 (too_many_connections), 25P03
-//     (idle_in_transaction_session_timeout), and the server out of a
+//     connect now), 57P05 (idle_session_timeout closed a pooled session),
+//     53300 (too_many_connections), 25P03
+//     (idle_in_transaction_session_timeout), 25P04 (transaction_timeout,
+//     PostgreSQL 17), 0A000 when its routine is RevalidateCachedQuery
+//     ("cached plan must not change result type": a statement prepared
+//     before a schema change; the driver prepares it again), and the server out of a
 //     resource: 53000, 53100 (disk_full), 58030 (io_error). PostgreSQL documents 40001 and
 //     40P01 as the errors an application should retry. Not 26000 and 42P05
 //     (a prepared statement missing, or already there) in general: a
@@ -58,7 +62,9 @@ import (
 //     ON by default since 11.6, rolled back a REPEATABLE READ transaction
 //     that wrote a row changed since its snapshot), 3101 (MySQL Group
 //     Replication rolled back a transaction that failed certification),
-//     1040 (too many connections), 1053 (server shutdown), 1317 (query
+//     1040 (too many connections), 1203 and 1226 (the user's connection or
+//     query limit: max_user_connections, MAX_USER_CONNECTIONS,
+//     MAX_QUERIES_PER_HOUR), 1053 (server shutdown), 1317 (query
 //     interrupted by KILL QUERY, as 57014 on PostgreSQL), 1927 (MariaDB
 //     connection killed), 1969 (MariaDB max_statement_time exceeded), 3024
 //     (MySQL max_execution_time exceeded) and 4031 (MySQL 8.0.24+ closed
@@ -294,6 +300,9 @@ var (
 	// matched by its prefix).
 	transientSQLStates = map[string]bool{
 		"40003": true, "57014": true, "57P01": true, "57P02": true, "57P03": true, "53300": true, "25P03": true,
+		// idle_session_timeout (PostgreSQL 14+) closed a pooled session
+		// that sat idle; transaction_timeout (PostgreSQL 17+).
+		"57P05": true, "25P04": true,
 		// insufficient_resources, disk_full, io_error: the server's state,
 		// not the message's (an outage drained topics). Not 53200
 		// (out_of_memory), which is also what a transaction that takes more
@@ -312,6 +321,8 @@ var (
 	// transientMySQLErrors: the rest of IsTransient's list.
 	transientMySQLErrors = map[uint64]bool{
 		1040: true, // ER_CON_COUNT_ERROR
+		1203: true, // ER_TOO_MANY_USER_CONNECTIONS (max_user_connections)
+		1226: true, // ER_USER_LIMIT_REACHED (the user's MAX_USER_CONNECTIONS, MAX_QUERIES_PER_HOUR, …)
 		1053: true, // ER_SERVER_SHUTDOWN
 		1317: true, // ER_QUERY_INTERRUPTED (KILL QUERY)
 		1927: true, // ER_CONNECTION_KILLED (MariaDB)
@@ -361,7 +372,7 @@ func classifyDriverError(err error) (conflict, transient, coded bool) {
 		if conflictSQLStates[state] {
 			return true, true, true
 		}
-		return false, transientSQLStates[state] || (len(state) == 5 && state[:2] == "08"), true
+		return false, transientSQLStates[state] || (len(state) == 5 && state[:2] == "08") || isStalePlan(v, state), true
 	}
 	if e, ok := err.(interface{ SafeToRetry() bool }); ok && e.SafeToRetry() {
 		return false, true, false
@@ -377,6 +388,22 @@ func classifyDriverError(err error) (conflict, transient, coded bool) {
 		return busy, busy || code == sqliteFull || code == sqliteIOErr || code == sqliteNoMem, true
 	}
 	return false, false, false
+}
+
+// isStalePlan reports whether a PostgreSQL error (v, the struct err points
+// to, with SQLSTATE state) is "cached plan must not change result type":
+// 0A000 from the server's RevalidateCachedQuery, for a statement prepared
+// before a schema change (ALTER TABLE … ADD COLUMN during a deploy) that
+// now returns other columns. The driver drops the statement (pgx's cache
+// does), so a redelivery succeeds; 0A000 alone is feature_not_supported,
+// which it does not. Told by the error's Routine field (pgx's PgError,
+// lib/pq's Error), never by its text.
+func isStalePlan(v reflect.Value, state string) bool {
+	if state != "0A000" || v.Kind() != reflect.Struct {
+		return false
+	}
+	routine, ok := stringField(v, "Routine")
+	return ok && routine == "RevalidateCachedQuery"
 }
 
 // driverStruct returns the struct that err (not its chain) points to, and

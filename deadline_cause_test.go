@@ -1,0 +1,70 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+var errHandlerDeadline = errors.New("handler took longer than 100ms")
+
+// timeoutWithCause is middleware.Timeout written with Go 1.21's
+// context.WithTimeoutCause, so that logs say which deadline fired.
+func timeoutWithCause(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx, cancel := context.WithTimeoutCause(msg.Context(), 100*time.Millisecond, errHandlerDeadline)
+		defer cancel()
+		msg.SetContext(ctx)
+		return h(msg)
+	}
+}
+
+// TestDeadlineWithACauseIsTransient: the message's deadline, set outside
+// the inbox with a cause, ends before the handler returns; the handler
+// returns nil (it did not watch the context). The inbox nacks, correctly,
+// but its error carries only context.Cause, not context.DeadlineExceeded: a
+// deadline (transient for every other path: a statement under the same
+// context fails with DeadlineExceeded) becomes a permanent error that
+// !IsTransient poisons. Same deadline without a cause: transient.
+func TestDeadlineWithACauseIsTransient(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	var calls int
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, timeoutWithCause, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			calls++
+			if err := f.writeBusinessRow(msg); err != nil {
+				return err
+			}
+			if calls == 1 {
+				time.Sleep(300 * time.Millisecond) // slow, e.g. a remote call without the context
+			}
+			return nil
+		})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	if in.deliver(t, msg) {
+		t.Fatal("acked after the deadline ended the transaction")
+	}
+	err := rec.last()
+	t.Logf("first delivery: %v (IsTransient=%v, Is DeadlineExceeded=%v)", err, inbox.IsTransient(err), errors.Is(err, context.DeadlineExceeded))
+	if !inbox.IsTransient(err) {
+		t.Errorf("a deadline is nacked with a non-transient error (poisoned by !IsTransient): %v", err)
+	}
+	if !in.deliver(t, msg) {
+		t.Fatal("redelivery nacked")
+	}
+	if f.businessRows() != 1 || f.inboxRows() != 1 || calls != 2 {
+		t.Errorf("business rows %d, inbox rows %d, calls %d; want 1, 1, 2", f.businessRows(), f.inboxRows(), calls)
+	}
+}
