@@ -103,7 +103,13 @@ type OutboxConfig struct {
 
 	// BatchSize is the most messages one relay transaction reads, publishes
 	// and deletes; between 1 and MaxOutboxBatchSize. Larger batches relay
-	// faster, and after a crash send up to a batch again.
+	// faster, and after a crash send up to a batch again. A read that the
+	// database stops for its statement timeout (PostgreSQL's
+	// statement_timeout, MariaDB's max_statement_time, MySQL's
+	// max_execution_time: large messages) has the relay read half as many
+	// rows, down to one, and twice as many again, up to BatchSize, once a
+	// minute has passed without such a timeout (a relay that read BatchSize
+	// rows every round failed every round, and sent nothing).
 	// Default: DefaultOutboxBatchSize (500).
 	BatchSize int
 
@@ -260,6 +266,12 @@ type Outbox struct {
 	// warnIfNoRelay.
 	relayStarted atomic.Bool
 	noRelayCheck sync.Once
+	// readLimit is the most rows a round reads now, below cfg.BatchSize
+	// after a read stopped by a statement timeout (0: cfg.BatchSize), and
+	// readTimedOut the time of the last such read, in Unix nanoseconds
+	// (see OutboxConfig.BatchSize).
+	readLimit    atomic.Int64
+	readTimedOut atomic.Int64
 }
 
 func (c *OutboxConfig) setDefaults() {

@@ -60,7 +60,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 			// refuses waits per topic, and the next round leaves it out.
 			backoff = min(max(2*backoff, outboxRetryFirst), o.cfg.MaxBackoff)
 			wait, wake = backoff, nil // a commit does not cut a backoff short
-		case round.read >= o.cfg.BatchSize && round.skipped < round.read:
+		case round.read >= round.limit && round.skipped < round.read:
 			backoff = 0
 			continue // a full round: more may be waiting
 		case round.DeadLettered > 0:
@@ -295,6 +295,8 @@ func (o *Outbox) RelayOnce(ctx context.Context) OutboxRound {
 type relayRound struct {
 	OutboxRound
 	read, skipped int
+	// limit is how many rows the round's read asked for (readLimit).
+	limit int
 	// unrecorded: the round published, then failed to record it.
 	unrecorded bool
 }
@@ -376,18 +378,23 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		waiting = topics.waiting(time.Now())
 	}
 	var rows []outboxRow
-	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(o.cfg.BatchSize, len(waiting), idleTimeouts)), waiting...)
+	limit := o.readLimitNow()
+	round.limit = limit
+	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(waiting), idleTimeouts)), waiting...)
 	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
 		// MySQL: no idle-transaction timeouts to turn off. (The failed
 		// statement leaves MySQL's transaction as it was.)
 		o.noIdleTimeoutVars.Store(true)
 		rows, idleTimeouts = nil, false
-		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(o.cfg.BatchSize, len(waiting), false)), waiting...)
+		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(waiting), false)), waiting...)
 	}
 	if err != nil {
-		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
+		if ctx.Err() == nil && isStatementTimeout(err) {
+			o.readTimedOutAt(limit)
+		}
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read %d rows: %w", limit, err)}}
 	}
-	if topics != nil && len(rows) < o.cfg.BatchSize {
+	if topics != nil && len(rows) < limit {
 		// The read saw every row of the topics it did not leave out: a
 		// refused topic with none left (sent by another relay instance,
 		// deleted by hand) has nothing to wait for.
@@ -396,7 +403,10 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	if len(rows) > 0 && o.target().sql.stillThere != nil {
 		var err error
 		if rows, err = o.keepExisting(ctx, read, rows); err != nil {
-			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read: %w", err)}}
+			if ctx.Err() == nil && isStatementTimeout(err) {
+				o.readTimedOutAt(limit) // its locking read of the rows also times out
+			}
+			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read again %d rows under a lock: %w", limit, err)}}
 		}
 	}
 	if len(rows) == 0 {
@@ -491,6 +501,51 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		round.Err = errors.Join(round.Err, fmt.Errorf("inbox: outbox relay: %w", errors.Join(b.errs...)))
 	}
 	return round
+}
+
+// readLimitHold is how long the relay reads fewer rows after a read its
+// statement timeout stopped, before it reads twice as many again.
+const readLimitHold = time.Minute
+
+// readLimitNow returns how many rows the next round reads: BatchSize, or
+// less after a read stopped by a statement timeout (readTimedOutAt), twice
+// as many for each round once readLimitHold has passed since.
+func (o *Outbox) readLimitNow() int {
+	limit := o.readLimit.Load()
+	if limit == 0 {
+		return o.cfg.BatchSize
+	}
+	if time.Since(time.Unix(0, o.readTimedOut.Load())) < readLimitHold {
+		return int(limit)
+	}
+	next := min(2*limit, int64(o.cfg.BatchSize))
+	stored := next
+	if next == int64(o.cfg.BatchSize) {
+		stored = 0 // back to BatchSize
+	}
+	o.readLimit.CompareAndSwap(limit, stored)
+	return int(next)
+}
+
+// readTimedOutAt records that a read of limit rows was stopped by the
+// database's statement timeout: the next rounds read half as many, down to
+// one (a relay that read BatchSize rows of large messages failed every
+// round, and sent nothing).
+func (o *Outbox) readTimedOutAt(limit int) {
+	o.readTimedOut.Store(time.Now().UnixNano())
+	half := int64(max(limit/2, 1))
+	if o.readLimit.Swap(half) != half {
+		o.logger.get().Info("Inbox outbox relay: a read timed out (the database's statement timeout); reading fewer rows per round",
+			watermill.LogFields{"rows": half, "batch_size": o.cfg.BatchSize})
+	}
+}
+
+// isStatementTimeout reports whether err is the database stopping a
+// statement for its time limit: PostgreSQL's 57014 (statement_timeout;
+// also a cancel, which the caller tells apart by its context), MariaDB's
+// 1969 (max_statement_time), MySQL's 3024 (max_execution_time).
+func isStatementTimeout(err error) bool {
+	return hasSQLState(err, "57014") || hasMySQLNumber(err, 1969) || hasMySQLNumber(err, 3024)
 }
 
 // unrecorded is the outcome of a round whose publishes the database did
@@ -789,10 +844,38 @@ func perMessageErrors(err error, n int) ([]error, bool) {
 		if e == nil || isNilPointer(e) { // a typed nil pointer says acked too
 			continue
 		}
-		errs[i], refused = e, true
+		errs[i], refused = readOnce(e), true
 	}
 	return errs, refused
 }
+
+// readOnce returns err with the text its Error method gives now, read
+// once, under recover: an entry of a PublishError is the publisher's, and
+// its Error method may panic (a nil detail it formats), later, in the
+// relay's record or its round's error, where nothing recovers it
+// (publishCall reads only the call's own error, whose text is its first
+// entry's): the round panicked, and under Run or RouterPlugin the process
+// ended, again at every start. errors.Is and As still see err.
+func readOnce(err error) error {
+	text := func() (text string) {
+		defer func() {
+			if p := recover(); p != nil {
+				text = fmt.Sprintf("the publisher's error (%T) panicked in its Error method: %v", err, p)
+			}
+		}()
+		return err.Error()
+	}()
+	return textOf{err: err, text: text}
+}
+
+// textOf is an error with a text of its own, wrapping err.
+type textOf struct {
+	err  error
+	text string
+}
+
+func (e textOf) Error() string { return e.text }
+func (e textOf) Unwrap() error { return e.err }
 
 // errNotSettable marks the refusal of a message that cannot be set aside
 // now: its id is in the dead-letter table already, or the read that tells
