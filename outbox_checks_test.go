@@ -275,3 +275,24 @@ func TestOutboxRelaysANilPayloadAsNil(t *testing.T) {
 		}
 	})
 }
+
+// An outbox table whose id sequence caches several values per session
+// (ALTER TABLE … ALTER COLUMN id SET CACHE 20, a tuning for tables that
+// take many inserts) is refused, with the statement that fixes it: each
+// pooled connection drew ids from a range of its own, so one writer's later
+// transaction took a smaller id than its earlier one, and the relay, which
+// sends in id order, sent them the other way round.
+func TestOutboxVerifyRefusesAnIDSequenceThatCachesValuesPerSession(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
+	table := relayTable(t, ob)
+	exec(t, db, "ALTER TABLE "+table+" ALTER COLUMN id SET CACHE 20")
+	err := ob.Verify(context.Background())
+	if !errors.Is(err, inbox.ErrIncompatibleTable) || !strings.Contains(err.Error(), "SET CACHE 1") {
+		t.Fatalf("Verify of an outbox whose id sequence caches 20 values: %v, want ErrIncompatibleTable with the fix", err)
+	}
+	exec(t, db, "ALTER TABLE "+table+" ALTER COLUMN id SET CACHE 1")
+	if err := ob.Verify(context.Background()); err != nil {
+		t.Fatalf("Verify after the fix: %v", err)
+	}
+}

@@ -228,6 +228,11 @@ func (o *Outbox) Verify(ctx context.Context) error {
 					" with your migrations", ErrTableNotFound, t.String())
 			}
 		}
+		if o.dialect.server() == serverPostgreSQL {
+			if err := checkOutboxIDCache(ctx, q, target.table.quoted(o.dialect)); err != nil {
+				return err
+			}
+		}
 		rows, err := q.QueryxContext(ctx, target.sql.probe)
 		if err != nil {
 			return fmt.Errorf("inbox: outbox table %q cannot be read by the relay (compare with Outbox.SchemaSQL): %w", target.table, err)
@@ -249,6 +254,28 @@ func (o *Outbox) Verify(ctx context.Context) error {
 		return nil
 	})
 	return poolerHint(err)
+}
+
+// checkOutboxIDCache refuses, with ErrIncompatibleTable, a PostgreSQL
+// outbox table (quoted) whose id sequence hands each session a cache of
+// several values (ALTER TABLE … ALTER COLUMN id SET CACHE n, a tuning for
+// tables that take many inserts): each pooled connection then draws ids from
+// a range of its own, so one writer's later transaction can take a smaller
+// id than its earlier one, and the relay, which sends in id order, sent them
+// the other way round.
+func checkOutboxIDCache(ctx context.Context, q sqlx.QueryerContext, table string) error {
+	var cache sql.NullInt64
+	err := sqlx.GetContext(ctx, q, &cache, `SELECT (SELECT seqcache FROM pg_sequence
+		WHERE seqrelid = to_regclass(pg_get_serial_sequence($1, 'id')))`, table)
+	if err != nil {
+		return fmt.Errorf("inbox: outbox table %s: read its id sequence: %w", table, err)
+	}
+	if cache.Valid && cache.Int64 > 1 {
+		return fmt.Errorf("%w: outbox table %s: its id sequence caches %d values per session, so that one writer's later"+
+			" message can take a smaller id than its earlier one, and the relay sends in id order: ALTER TABLE %s ALTER COLUMN id SET CACHE 1",
+			ErrIncompatibleTable, table, cache.Int64, table)
+	}
+	return nil
 }
 
 // outboxRow is one message read by the relay.
