@@ -305,10 +305,11 @@ type outboxBatch struct {
 	errs []error
 }
 
-// RelayOnce runs one relay round now: read up to BatchSize messages, publish
-// them, delete the rows of those the broker accepted, count a failed
-// attempt for the others (setting aside those that used their last one),
-// and report the outcome to OnRound. On PostgreSQL and MySQL/MariaDB it all
+// RelayOnce runs one relay round now: read up to BatchSize messages (fewer
+// for a while after a read that a statement timeout stopped: see
+// OutboxConfig.BatchSize), publish them, delete the rows of those the
+// broker accepted, count a failed attempt for the others (setting aside
+// those that used their last one), and report the outcome to OnRound. On PostgreSQL and MySQL/MariaDB it all
 // happens in one transaction that locks the rows it read (FOR UPDATE SKIP
 // LOCKED), so a relay that dies before the commit leaves them to be sent
 // again; on SQLite the rows are read without a lock and deleted in a short
