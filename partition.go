@@ -910,11 +910,16 @@ func detachedMarkPattern(t qualifiedName) string {
 // of a partition of the inbox table whose name (quoted, to_regclass's
 // input) is the parameter table, the parameter pattern being
 // detachedMarkPattern's, or the comment alone (detachedPartitionComment,
-// written by earlier versions) in that table's schema.
+// written by earlier versions), which does not say whose it is, on a table
+// in that table's schema named as the library names its partitions
+// ("<table>_pYYYYMMDD", "<table>_wYYYYMMDD"): another inbox table's
+// leftover in the same schema carries the same comment.
 func markedFor(c, table, pattern string) string {
 	desc := "obj_description(" + c + ".oid, 'pg_class')"
-	return "(" + desc + " ~ " + pattern + " OR (" + desc + " = '" + detachedPartitionComment + "' AND " + c +
-		".relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass(" + table + "))))"
+	parent := "(SELECT %s FROM pg_class WHERE oid = to_regclass(" + table + "))"
+	return "(" + desc + " ~ " + pattern + " OR (" + desc + " = '" + detachedPartitionComment + "' AND " +
+		c + ".relnamespace = " + fmt.Sprintf(parent, "relnamespace") + " AND " +
+		c + ".relname ~ '_[pw][0-9]{8}$' AND left(" + c + ".relname, -10) = " + fmt.Sprintf(parent, "relname::text") + "))"
 }
 
 // detachedTable is a table an interrupted DropPartitions left detached,

@@ -160,3 +160,39 @@ func TestLeftoverWithAnotherNameAndNoRangeInItsMarkIsReported(t *testing.T) {
 		t.Errorf("the row of m1 in %s: %d, want 1", part, n)
 	}
 }
+
+// The mark of earlier versions, the comment alone, does not say whose
+// leftover a table is: only a table named as the library names the inbox
+// table's partitions is taken for its own, and another inbox table's
+// leftover in the same schema is left to it.
+func TestLeftoverWithTheBareMarkOfEarlierVersionsIsLeftToItsOwnTable(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	mine, theirs := dailyPartitionedTable(t, db), dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(context.Background(), db, theirs, october5[0], 1); err != nil {
+		t.Fatal(err)
+	}
+	left := theirs + "_p20261005"
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + left) })
+	exec(t, db, "INSERT INTO "+theirs+" VALUES ('c', 'm1', '2026-10-05 12:00:00Z')")
+	leaveDetached(t, db, theirs, left, inbox.DetachedPartitionComment)
+
+	if r := fixedWindowRound(t, db, mine, 2*day); r.Err != nil || len(r.DroppedPartitions) != 0 {
+		t.Fatalf("%s's round: dropped %v, err %v; want nothing of %s's dropped", mine, r.DroppedPartitions, r.Err, theirs)
+	}
+	if r := fixedWindowRound(t, db, mine, windowReaching(t, db)); r.Err != nil {
+		t.Fatalf("%s's round with a longer window: %v", mine, r.Err)
+	}
+	if n := count(t, db, left, "message_id = 'm1'"); n != 1 {
+		t.Fatalf("%s's leftover holds %d rows of m1 after %s's rounds, want 1", theirs, n, mine)
+	}
+	if n := count(t, db, mine, "message_id = 'm1'"); n != 0 {
+		t.Errorf("%s's leftover was attached to %s", theirs, mine)
+	}
+	if r := fixedWindowRound(t, db, theirs, windowReaching(t, db)); r.Err != nil {
+		t.Fatalf("%s's round: %v", theirs, r.Err)
+	}
+	if n := count(t, db, theirs, "message_id = 'm1'"); n != 1 {
+		t.Errorf("%s's row of m1, inside its window, is seen %d times through it, want 1", theirs, n)
+	}
+}
