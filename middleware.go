@@ -349,12 +349,19 @@ func (d *delivery) detach() error {
 	// follower, which then never ends the transaction's context.
 	if !d.followMessage() || d.sctx.Err() != nil {
 		// The transaction is rolled back: database/sql did it when its
-		// context ended; otherwise end does. The context's error with its
-		// cause: a cause alone (context.WithTimeoutCause in a middleware
-		// outside the inbox) wraps neither DeadlineExceeded nor Canceled,
-		// and the message was poisoned for a deadline.
+		// context ended; otherwise end does. Its cause, and for a deadline
+		// DeadlineExceeded too: a deadline set with a cause of its own
+		// (context.WithTimeoutCause in a middleware outside the inbox) was
+		// its cause alone, not transient, and the message was poisoned for
+		// a deadline. A cancellation keeps its cause alone: one given on
+		// purpose (context.WithCancelCause) says why, and may say the
+		// message is to be given up.
+		ended := context.Cause(d.sctx)
+		if err := d.sctx.Err(); errors.Is(err, context.DeadlineExceeded) {
+			ended = withCause(d.sctx, err)
+		}
 		return fmt.Errorf("inbox: commit %q/%q: the message context ended before the handler returned: %w",
-			d.consumer, d.id, withCause(d.sctx, d.sctx.Err()))
+			d.consumer, d.id, ended)
 	}
 	d.commitBound = time.AfterFunc(d.ib.commitTimeout, func() { d.cancelTx(ErrCommitTimeout) })
 	return nil
