@@ -257,28 +257,46 @@ func (o *Outbox) Verify(ctx context.Context) error {
 }
 
 // checkOutboxIDCache refuses, with ErrIncompatibleTable, a PostgreSQL
-// outbox table (quoted) whose id sequence hands each session a cache of
-// several values (ALTER TABLE … ALTER COLUMN id SET CACHE n, a tuning for
-// tables that take many inserts): each pooled connection then draws ids from
-// a range of its own, so one writer's later transaction can take a smaller
-// id than its earlier one, and the relay, which sends in id order, sent them
-// the other way round.
+// outbox table (quoted) whose id column takes its values from a sequence
+// that hands each session a cache of several values (ALTER TABLE … ALTER
+// COLUMN id SET CACHE n, a tuning for tables that take many inserts): each
+// pooled connection then draws ids from a range of its own, so one writer's
+// later transaction can take a smaller id than its earlier one, and the
+// relay, which sends in id order, sent them the other way round. The
+// sequence is the identity's, the one a serial column owns, or the one its
+// default calls (a sequence of its own, not owned by the column); the error
+// gives the statement that fixes it for each.
 func checkOutboxIDCache(ctx context.Context, q sqlx.QueryerContext, table string) error {
-	var cache sql.NullInt64
-	err := sqlx.GetContext(ctx, q, &cache, `SELECT (SELECT seqcache FROM pg_sequence
-		WHERE seqrelid = to_regclass(pg_get_serial_sequence($1, 'id')))`, table)
+	var seqs []struct {
+		Cache    int64  `db:"cache"`
+		Sequence string `db:"sequence"`
+		Identity bool   `db:"identity"`
+	}
+	err := sqlx.SelectContext(ctx, q, &seqs, `SELECT s.seqcache AS cache, s.seqrelid::regclass::text AS sequence,
+			a.attidentity <> '' AS identity
+		FROM pg_attribute a JOIN pg_sequence s ON s.seqrelid IN (
+			SELECT objid FROM pg_depend WHERE classid = 'pg_class'::regclass AND refclassid = 'pg_class'::regclass
+				AND refobjid = a.attrelid AND refobjsubid = a.attnum AND deptype IN ('a', 'i')
+			UNION
+			SELECT dep.refobjid FROM pg_attrdef d JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass
+				AND dep.objid = d.oid AND dep.refclassid = 'pg_class'::regclass
+			WHERE d.adrelid = a.attrelid AND d.adnum = a.attnum)
+		WHERE a.attrelid = to_regclass($1) AND a.attname = 'id' AND NOT a.attisdropped AND s.seqcache > 1`, table)
 	if err != nil {
 		return fmt.Errorf("inbox: outbox table %s: read its id sequence: %w", table, err)
 	}
-	if cache.Valid && cache.Int64 > 1 {
-		return fmt.Errorf("%w: outbox table %s: its id sequence caches %d values per session, so that one writer's later"+
-			" message can take a smaller id than its earlier one, and the relay sends in id order: ALTER TABLE %s ALTER COLUMN id SET CACHE 1",
-			ErrIncompatibleTable, table, cache.Int64, table)
+	if len(seqs) == 0 {
+		return nil
 	}
-	return nil
+	fix := "ALTER SEQUENCE " + seqs[0].Sequence + " CACHE 1"
+	if seqs[0].Identity {
+		fix = "ALTER TABLE " + table + " ALTER COLUMN id SET CACHE 1"
+	}
+	return fmt.Errorf("%w: outbox table %s: its id sequence %s caches %d values per session, so that one writer's later"+
+		" message can take a smaller id than its earlier one, and the relay sends in id order: %s",
+		ErrIncompatibleTable, table, seqs[0].Sequence, seqs[0].Cache, fix)
 }
 
-// outboxRow is one message read by the relay.
 type outboxRow struct {
 	ID       int64  `db:"id"`
 	Topic    string `db:"topic"`
