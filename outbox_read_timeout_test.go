@@ -96,13 +96,17 @@ func (e lazyRefusal) Error() string { return "partition unavailable: " + e.detai
 func (e lazyRefusal) Unwrap() error { return inbox.ErrBrokerUnavailable }
 
 // perMessagePublisher refuses every call of several messages with a
-// PublishError from refusals, and takes every message alone.
+// PublishError from refusals (or with whole), and takes every message alone.
 type perMessagePublisher struct {
 	*brokerStub
 	refusals func(n int) []error
+	whole    error // when set, the refusal of a call of several, instead of a PublishError
 }
 
 func (p perMessagePublisher) Publish(topic string, msgs ...*message.Message) error {
+	if len(msgs) > 1 && p.whole != nil {
+		return p.whole
+	}
 	if len(msgs) > 1 {
 		return &inbox.PublishError{MessageErrors: p.refusals(len(msgs))}
 	}
@@ -147,4 +151,66 @@ func TestOutboxRelaySurvivesAPerMessageErrorWhoseErrorMethodPanics(t *testing.T)
 			t.Errorf("sent %v, want a then b (each alone)", got)
 		}
 	})
+}
+
+// unwrapReadsNil is a per-message refusal whose text is fine but whose
+// Unwrap reads a nil detail (a broker client's error struct holding a
+// response it did not get): its Unwrap panics.
+type unwrapReadsNil struct{ resp *struct{ err error } }
+
+func (e unwrapReadsNil) Error() string { return "partition unavailable" }
+func (e unwrapReadsNil) Unwrap() error { return e.resp.err }
+
+// isReadsNil: the same, with an Is method that reads the nil detail.
+type isReadsNil struct{ resp *struct{ code int } }
+
+func (e isReadsNil) Error() string { return "request refused" }
+func (e isReadsNil) Is(target error) bool {
+	return e.resp.code == 3 && target == inbox.ErrBrokerUnavailable
+}
+
+// An error of the publisher (a PublishError's entry, or the call's own)
+// whose Unwrap or Is method panics refuses its message as any refusal: the
+// relay classifies refusals with errors.Is (ErrBrokerUnavailable,
+// ErrMessageRejected), which ended the round, and under Run or RouterPlugin
+// the process, again at every start while the row stayed first in line.
+func TestOutboxRelaySurvivesAPublishersErrorWhoseUnwrapOrIsPanics(t *testing.T) {
+	for name, bad := range map[string]error{"Unwrap": unwrapReadsNil{}, "Is": isReadsNil{}} {
+		for _, whole := range []bool{false, true} {
+			name := fmt.Sprintf("%s/entry=%v", name, !whole)
+			t.Run(name, func(t *testing.T) {
+				forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+					pub := perMessagePublisher{brokerStub: newBrokerStub(), refusals: func(n int) []error {
+						errs := make([]error, n)
+						errs[0] = fmt.Errorf("request refused")
+						errs[1] = bad
+						return errs
+					}}
+					if whole {
+						pub.whole = bad
+					}
+					ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: pub})
+					tx, w := beginOutbox(t, db, ob)
+					if err := w.Publish("orders", message.NewMessage("a", []byte("a")), message.NewMessage("b", []byte("b"))); err != nil {
+						t.Fatal(err)
+					}
+					if err := tx.Commit(); err != nil {
+						t.Fatal(err)
+					}
+					func() {
+						defer func() {
+							if p := recover(); p != nil {
+								t.Fatalf("the relay round panicked on a per-message error whose %s method panics: %v", name, p)
+							}
+						}()
+						ob.RelayOnce(context.Background())
+					}()
+					relayUntilEmpty(t, ob)
+					if got := pub.messages("orders"); len(got) != 2 || got[0].UUID != "a" || got[1].UUID != "b" {
+						t.Errorf("sent %v, want a then b (each alone)", got)
+					}
+				})
+			})
+		}
+	}
 }

@@ -896,23 +896,37 @@ func perMessageErrors(err error, n int) ([]error, bool) {
 }
 
 // readOnce returns err with the text its Error method gives now, read
-// once, under recover: an entry of a PublishError is the publisher's, and
-// its Error method may panic (a nil detail it formats), later, in the
-// relay's record or its round's error, where nothing recovers it
-// (publishCall reads only the call's own error, whose text is its first
-// entry's): the round panicked, and under Run or RouterPlugin the process
-// ended, again at every start. errors.Is and As still see err.
+// once, and its chain walked once (every Unwrap and Is method), under
+// recover. The error is the publisher's, and its methods may panic (a nil
+// detail they read), later, where nothing recovers them: in the walk's
+// errors.Is (ErrBrokerUnavailable, ErrMessageRejected), the relay's record
+// or its round's error. The round panicked, and under Run or RouterPlugin
+// the process ended, again at every start while the message stayed first
+// in line. An error whose chain cannot be walked is kept as its text alone,
+// a refusal of no kind (it uses an attempt); otherwise errors.Is and As
+// still see err.
 func readOnce(err error) error {
-	text := func() (text string) {
-		defer func() {
-			if p := recover(); p != nil {
-				text = fmt.Sprintf("the publisher's error (%T) panicked in its Error method: %v", err, p)
-			}
-		}()
-		return err.Error()
+	text, textPanic := func() (text string, p any) {
+		defer func() { p = recover() }()
+		return err.Error(), nil
 	}()
+	if textPanic != nil {
+		text = fmt.Sprintf("the publisher's error (%T) panicked in its Error method: %v", err, textPanic)
+	}
+	walkPanic := func() (p any) {
+		defer func() { p = recover() }()
+		errors.Is(err, errChainWalk) // calls every Unwrap and Is method of the chain
+		return nil
+	}()
+	if walkPanic != nil {
+		return fmt.Errorf("%s (the publisher's error, %T, panicked when its chain was read: %v)", text, err, walkPanic)
+	}
 	return textOf{err: err, text: text}
 }
+
+// errChainWalk is no error anything returns: errors.Is(err, errChainWalk)
+// visits all of err's chain.
+var errChainWalk = errors.New("inbox: no error")
 
 // textOf is an error with a text of its own, wrapping err.
 type textOf struct {
@@ -965,12 +979,13 @@ func (o *Outbox) publishOne(r outboxRow) error {
 	return err
 }
 
-// publishCall calls the publisher, turning a panic in it, or in the Error
-// method of the error it returns (a typed nil pointer whose method reads its
-// receiver), into an error: a panic on the relay's goroutine, which
-// RouterPlugin starts, would end the whole process, handlers included, and
-// again at every start while the message stays first in line. Counted as a
-// refusal of the messages (an attempt each).
+// publishCall calls the publisher, turning a panic in it, or in a method
+// of the error it returns (readOnce: a typed nil pointer whose Error method
+// reads its receiver, an Unwrap that reads a nil detail), into an error: a
+// panic on the relay's goroutine, which RouterPlugin starts, would end the
+// whole process, handlers included, and again at every start while the
+// message stays first in line. Counted as a refusal of the messages (an
+// attempt each).
 func (o *Outbox) publishCall(topic string, msgs []*message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
@@ -978,9 +993,9 @@ func (o *Outbox) publishCall(topic string, msgs []*message.Message) (err error) 
 		}
 	}()
 	if err = o.cfg.Publisher.Publish(topic, msgs...); err != nil {
-		_ = err.Error() // a panic here is the publisher's, and recovered above
+		return readOnce(err)
 	}
-	return err
+	return nil
 }
 
 // decodeOutboxRows returns the messages of rows, with their UUIDs, payloads
