@@ -1085,7 +1085,26 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		}
 	}
 	for id, perr := range b.bury {
-		res, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.bury), lastErrorText(perr), id, id)
+		var res sql.Result
+		err := o.readInWalk(ctx, tx, func() (err error) {
+			res, err = tx.ExecContext(ctx, tx.Rebind(o.target().sql.bury), lastErrorText(perr), id, id)
+			return err
+		})
+		if err != nil && ctx.Err() == nil {
+			// The dead-letter table refuses the row (a column added to it
+			// by hand that is NOT NULL, a CHECK, a narrower type): failing
+			// the round sent its other messages again in every round, and
+			// moved nothing past this one. It stays first in line, with the
+			// reason as its last error, and the round records the rest (on
+			// PostgreSQL the INSERT ran under a savepoint, rolled back to).
+			kept := fmt.Errorf("%w; %w: moving it to %s failed: %w", perr, errNotSettable, o.target().dead, err)
+			delete(b.bury, id)
+			b.failed[id] = kept
+			if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(kept), id); err != nil {
+				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
+			}
+			continue
+		}
 		if err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		}
