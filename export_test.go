@@ -123,3 +123,9 @@ func DetachedPartitionMarkWithoutRange(table string) string {
 // SetDetachWait sets how long a DETACH PARTITION waits for older
 // transactions (dropPartitions) and returns the previous bound.
 func SetDetachWait(d time.Duration) time.Duration { return time.Duration(detachWait.Swap(int64(d))) }
+
+// SetRouterStartWarning sets after how long a RouterPlugin logs that the
+// router is not running yet, and returns the previous value.
+func SetRouterStartWarning(d time.Duration) time.Duration {
+	return time.Duration(routerStartWarning.Swap(int64(d)))
+}

@@ -191,7 +191,8 @@ func (o *Outbox) WaitStopped(ctx context.Context) error { return o.running.wait(
 // and then runs the relay (Run) for as long as the router runs: add it with
 // router.AddPlugin(ob.RouterPlugin), and router.Run returns Verify's error
 // (errors.Is matches ErrTableNotFound) instead of starting handlers whose
-// every output would fail. The relay starts once the router is running and
+// every output would fail. The relay starts once the router is running
+// (however long its start takes: see RouterPluginStartTimeout) and
 // stops within a second of the router closing, cancelling a round in
 // progress (whose messages are sent again later). Router plugins run once,
 // in router.Run, before its handlers start (a Watermill convention). Without

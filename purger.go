@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -177,9 +178,19 @@ func (p *Purger) Run(ctx context.Context) error {
 // returns at once when nothing runs. Safe for concurrent use.
 func (p *Purger) WaitStopped(ctx context.Context) error { return p.running.wait(ctx) }
 
-// RouterPluginStartTimeout is how long RouterPlugin waits for the router to
-// start running before it gives up (the router's Run failed).
+// RouterPluginStartTimeout is how long the RouterPlugin of a Purger or an
+// Outbox waits for the router to start running before it logs at Error
+// that it has not (the router's Run failed, or a plugin before it takes
+// that long: migrations, a leader lock); it goes on waiting, and starts
+// once the router runs. (It gave up for good: a router that took longer to
+// start never got its outbox relayed nor its inbox purged.)
 const RouterPluginStartTimeout = 5 * time.Minute
+
+// routerStartWarning is RouterPluginStartTimeout in nanoseconds, shorter in
+// tests.
+var routerStartWarning atomic.Int64
+
+func init() { routerStartWarning.Store(int64(RouterPluginStartTimeout)) }
 
 // routerPollInterval is how often RouterPlugin checks whether the router
 // was closed (Watermill offers no channel for it).
@@ -191,8 +202,8 @@ const routerPollInterval = 100 * time.Millisecond
 // cancelling a round in progress, and nothing of it is left running then.
 // If the router is closed before it ever ran (its Run failed after loading
 // the plugin, then Close was called), the purger never starts; if it is
-// neither running nor closed within RouterPluginStartTimeout, the purger
-// gives up and never starts either.
+// neither running nor closed within RouterPluginStartTimeout, that is logged
+// at Error and the purger starts whenever the router runs.
 //
 // Before the router starts, it checks that the table exists (bounded by
 // VerifyTimeout): router.Run returns an error wrapping ErrTableNotFound
@@ -222,9 +233,9 @@ func (p *Purger) checkTableExists(ctx context.Context) error {
 
 // runWhileRouterRuns runs run in a goroutine of its own from the moment r
 // is running until r is closed (then cancels run's context and waits for
-// it); never if r is closed before it ran, or is neither running nor closed
-// within RouterPluginStartTimeout (logged at Error as what, "... not
-// started").
+// it); never if r is closed before it ran. A router neither running nor
+// closed within RouterPluginStartTimeout is logged at Error once (as what,
+// "... not started yet"), and waited for still.
 //
 // The goroutine is counted in running from the moment it sees the router
 // running until it ends, so that WaitStopped after router.Run returned
@@ -237,7 +248,7 @@ func runWhileRouterRuns(r *message.Router, running *runs, logger watermill.Logge
 	go func() {
 		poll := time.NewTicker(routerPollInterval)
 		defer poll.Stop()
-		started := time.NewTimer(RouterPluginStartTimeout)
+		started := time.NewTimer(time.Duration(routerStartWarning.Load()))
 		defer started.Stop()
 	waitForRunning:
 		for {
@@ -249,8 +260,8 @@ func runWhileRouterRuns(r *message.Router, running *runs, logger watermill.Logge
 					return
 				}
 			case <-started.C:
-				logger.Error(what+" not started: the router did not start running", nil, nil)
-				return
+				logger.Error(what+" not started yet: the router is not running after "+time.Duration(routerStartWarning.Load()).String()+
+					" (did its Run fail? then close it); it starts once the router runs", nil, nil)
 			}
 		}
 		running.begin()
