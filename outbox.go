@@ -272,6 +272,8 @@ type Outbox struct {
 	// (see OutboxConfig.BatchSize).
 	readLimit    atomic.Int64
 	readTimedOut atomic.Int64
+	// relaying holds a token while a Run relays (capacity 1).
+	relaying chan struct{}
 }
 
 func (c *OutboxConfig) setDefaults() {
@@ -343,6 +345,7 @@ func newOutbox(cfg OutboxConfig, t qualifiedName) *Outbox {
 		dialect:    cfg.Dialect,
 		configured: newOutboxTarget(cfg.Dialect, t),
 		wake:       make(chan struct{}, 1),
+		relaying:   make(chan struct{}, 1),
 		logger:     newComponentLogger(cfg.Logger, watermill.LogFields{"outbox_table": t.String()}),
 	}
 	if !o.resolvesSchema() {

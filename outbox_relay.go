@@ -33,11 +33,29 @@ const outboxRetryFirst = 50 * time.Millisecond
 // many of its messages are first in the table; a refused topic whose
 // messages left the table another way (another relay instance sent them)
 // is forgotten. Run one relay per process; several processes may each run
-// one on the same table (see Outbox).
+// one on the same table (see Outbox). A Run called while another Run of
+// the same Outbox relays (two routers that each add ob.RouterPlugin) waits,
+// logged at Info, and takes over when that one stops: one at a time keeps
+// a writer's order, which two side by side broke.
 func (o *Outbox) Run(ctx context.Context) error {
 	o.running.begin()
 	defer o.running.end()
 	o.relayStarted.Store(true)
+	// One relay of this Outbox at a time: a second Run (two routers that
+	// each add ob.RouterPlugin) waits to take over when the first stops.
+	// Two at once sent one writer's messages out of order (their batches
+	// side by side), and on SQLite twice.
+	select {
+	case o.relaying <- struct{}{}:
+	default:
+		o.logger.get().Info("Inbox outbox relay: another Run of this Outbox relays in this process; this one waits to take over", nil)
+		select {
+		case o.relaying <- struct{}{}:
+		case <-ctx.Done():
+			return nil
+		}
+	}
+	defer func() { <-o.relaying }()
 	var backoff time.Duration
 	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
 	timer := time.NewTimer(0)
