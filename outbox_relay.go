@@ -914,14 +914,15 @@ func perMessageErrors(err error, n int) ([]error, bool) {
 	return errs, refused
 }
 
-// readOnce returns err with the text its Error method gives now, read
-// once, and its chain walked once (every Unwrap and Is method), under
-// recover. The error is the publisher's, and its methods may panic (a nil
-// detail they read), later, where nothing recovers them: in the walk's
-// errors.Is (ErrBrokerUnavailable, ErrMessageRejected), the relay's record
-// or its round's error. The round panicked, and under Run or RouterPlugin
-// the process ended, again at every start while the message stayed first
-// in line. An error whose chain cannot be walked is kept as its text alone,
+// readOnce returns err with the text its Error method gives now, and
+// asks it, once and under recover, every question the relay asks of a
+// refusal later (errors.Is ErrBrokerUnavailable and ErrMessageRejected,
+// errors.As *PublishError), so that a method of its that panics (a nil
+// detail it reads: Error, Unwrap, Is or As) does so here. The error is the
+// publisher's, and such a panic later, where nothing recovers it (the walk,
+// the relay's record, its round's error), ended the round, and under Run
+// or RouterPlugin the process, again at every start while the message
+// stayed first in line. An error that panics so is kept as its text alone,
 // a refusal of no kind (it uses an attempt); otherwise errors.Is and As
 // still see err.
 func readOnce(err error) error {
@@ -932,20 +933,17 @@ func readOnce(err error) error {
 	if textPanic != nil {
 		text = fmt.Sprintf("the publisher's error (%T) panicked in its Error method: %v", err, textPanic)
 	}
-	walkPanic := func() (p any) {
+	askPanic := func() (p any) {
 		defer func() { p = recover() }()
-		errors.Is(err, errChainWalk) // calls every Unwrap and Is method of the chain
+		var pe *PublishError
+		_, _, _ = errors.Is(err, ErrBrokerUnavailable), errors.Is(err, ErrMessageRejected), errors.As(err, &pe)
 		return nil
 	}()
-	if walkPanic != nil {
-		return fmt.Errorf("%s (the publisher's error, %T, panicked when its chain was read: %v)", text, err, walkPanic)
+	if askPanic != nil {
+		return fmt.Errorf("%s (the publisher's error, %T, panicked when its chain was read: %v)", text, err, askPanic)
 	}
 	return textOf{err: err, text: text}
 }
-
-// errChainWalk is no error anything returns: errors.Is(err, errChainWalk)
-// visits all of err's chain.
-var errChainWalk = errors.New("inbox: no error")
 
 // textOf is an error with a text of its own, wrapping err.
 type textOf struct {

@@ -37,7 +37,7 @@ func TestTwoRoutersSharingOneOutboxRelayOneAtATime(t *testing.T) {
 	for range 2 {
 		routers = append(routers, runRouter(t, func(r *message.Router) {
 			r.AddPlugin(ob.RouterPlugin)
-			r.AddNoPublisherHandler("idle", "nothing", newFeed(), func(*message.Message) error { return nil })
+			r.AddConsumerHandler("idle", "nothing", newFeed(), func(*message.Message) error { return nil })
 		}))
 	}
 	var written []string
