@@ -272,7 +272,7 @@ type Outbox struct {
 	// (see OutboxConfig.BatchSize).
 	readLimit    atomic.Int64
 	readTimedOut atomic.Int64
-	// relaying holds a token while a Run relays (capacity 1).
+	// relaying holds a token while a round runs (capacity 1).
 	relaying chan struct{}
 }
 

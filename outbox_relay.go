@@ -33,29 +33,14 @@ const outboxRetryFirst = 50 * time.Millisecond
 // many of its messages are first in the table; a refused topic whose
 // messages left the table another way (another relay instance sent them)
 // is forgotten. Run one relay per process; several processes may each run
-// one on the same table (see Outbox). A Run called while another Run of
-// the same Outbox relays (two routers that each add ob.RouterPlugin) waits,
-// logged at Info, and takes over when that one stops: one at a time keeps
-// a writer's order, which two side by side broke.
+// one on the same table (see Outbox). The rounds of one Outbox run one at a
+// time, whoever runs them: two Runs (two routers that each add
+// ob.RouterPlugin) and RelayOnce calls take turns, which keeps a writer's
+// order; side by side they broke it, and on SQLite sent twice.
 func (o *Outbox) Run(ctx context.Context) error {
 	o.running.begin()
 	defer o.running.end()
 	o.relayStarted.Store(true)
-	// One relay of this Outbox at a time: a second Run (two routers that
-	// each add ob.RouterPlugin) waits to take over when the first stops.
-	// Two at once sent one writer's messages out of order (their batches
-	// side by side), and on SQLite twice.
-	select {
-	case o.relaying <- struct{}{}:
-	default:
-		o.logger.get().Info("Inbox outbox relay: another Run of this Outbox relays in this process; this one waits to take over", nil)
-		select {
-		case o.relaying <- struct{}{}:
-		case <-ctx.Done():
-			return nil
-		}
-	}
-	defer func() { <-o.relaying }()
 	var backoff time.Duration
 	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
 	timer := time.NewTimer(0)
@@ -342,15 +327,18 @@ type outboxBatch struct {
 	errs []error
 }
 
-// RelayOnce runs one relay round now: read up to BatchSize messages (fewer
-// for a while after a read that a statement timeout stopped: see
+// RelayOnce runs one relay round now, once the round of this Outbox in
+// progress (Run's) has ended: read up to BatchSize messages (fewer for a
+// while after a read that a statement timeout stopped: see
 // OutboxConfig.BatchSize), publish them, delete the rows of those the
 // broker accepted, count a failed attempt for the others (setting aside
-// those that used their last one), and report the outcome to OnRound. On PostgreSQL and MySQL/MariaDB it all
-// happens in one transaction that locks the rows it read (FOR UPDATE SKIP
-// LOCKED), so a relay that dies before the commit leaves them to be sent
-// again; on SQLite the rows are read without a lock and deleted in a short
-// transaction after the publishes.
+// those that used their last one), and report the outcome to OnRound. On
+// PostgreSQL and MySQL/MariaDB it all happens in one transaction that
+// locks the rows it read (FOR UPDATE SKIP LOCKED), so a relay that dies
+// before the commit leaves them to be sent again; on SQLite the rows are
+// read without a lock and deleted in a short transaction after the
+// publishes. If ctx ends while it waits for its turn, it returns ctx's
+// error in OutboxRound.Err, having done nothing.
 func (o *Outbox) RelayOnce(ctx context.Context) OutboxRound {
 	return o.relayOnce(ctx, nil).OutboxRound
 }
@@ -369,6 +357,12 @@ type relayRound struct {
 // relayOnce is RelayOnce, skipping the topics that wait in topics (nil:
 // none) and recording in it which topics the broker refused.
 func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound {
+	select { // one round of this Outbox at a time (see Run)
+	case o.relaying <- struct{}{}:
+	case <-ctx.Done():
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: waiting for the round in progress: %w", ctx.Err())}}
+	}
+	defer func() { <-o.relaying }()
 	start := time.Now()
 	round := o.relay(ctx, topics)
 	round.Duration = time.Since(start)
