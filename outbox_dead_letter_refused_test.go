@@ -5,11 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // A dead-letter table altered by hand after startup (an operator added a
@@ -73,4 +77,54 @@ func TestOutboxRelayKeepsAMessageTheDeadLetterTableRefusesAndRecordsTheRest(t *t
 			})
 		}
 	})
+}
+
+// countingRefuser refuses every message with ErrMessageRejected and counts
+// the calls.
+type countingRefuser struct{ calls atomic.Int64 }
+
+func (c *countingRefuser) Publish(string, ...*message.Message) error {
+	c.calls.Add(1)
+	return fmt.Errorf("%w: too large", inbox.ErrMessageRejected)
+}
+func (c *countingRefuser) Close() error { return nil }
+
+// A message that the dead-letter table refuses is kept first in line, and
+// its topic waits as a refused one does: the topic had counted as taken,
+// and Run's "full round" branch started the next round at once, the relay
+// publishing the refused message and writing its attempt as fast as it
+// could (323 times a second at BatchSize 1).
+func TestOutboxRelayBacksOffAMessageTheDeadLetterTableRefuses(t *testing.T) {
+	for name, cfg := range map[string]inbox.OutboxConfig{
+		"BatchSize=1":       {MaxAttempts: 1, BatchSize: 1, PollInterval: time.Hour, MaxBackoff: 10 * time.Second},
+		"PollInterval=10ms": {MaxAttempts: 1, PollInterval: 10 * time.Millisecond, MaxBackoff: 10 * time.Second},
+	} {
+		t.Run(name, func(t *testing.T) { deadLetterRefusedSpin(t, cfg) })
+	}
+}
+
+func deadLetterRefusedSpin(t *testing.T, cfg inbox.OutboxConfig) {
+	db := testdb.OpenPostgres(t, "")
+	pub := &countingRefuser{}
+	cfg.Publisher = pub
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, cfg)
+	tbl := ob.Table()
+	exec(t, db, "ALTER TABLE "+tbl+"_dead ADD COLUMN reviewed_by varchar(64) NOT NULL")
+	tx, w := beginOutbox(t, db, ob)
+	if err := w.Publish("payments", message.NewMessage("a", []byte("a"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	stop := runRelay(ob)
+	time.Sleep(time.Second)
+	stop()
+	var attempts int
+	if err := db.Get(&attempts, "SELECT attempts FROM "+tbl); err != nil {
+		t.Fatal(err)
+	}
+	if n := pub.calls.Load(); n > 10 {
+		t.Errorf("in 1 s the relay published the refused message %d times (attempts now %d); a refused message's topic backs off (50 ms doubling)", n, attempts)
+	}
 }

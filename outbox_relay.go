@@ -325,6 +325,36 @@ type outboxBatch struct {
 	refusals map[int64]error
 	// errs are the reads of publishTopic's evidence that failed.
 	errs []error
+	// kept are the messages record could not set aside (the dead-letter
+	// table refused them, or holds their id): first in line still.
+	kept []int64
+	// accepted are the topics the broker took, whose waits settleTopics
+	// ends.
+	accepted []string
+}
+
+// settleTopics ends the waits of the topics the broker took in b, and has
+// the topics of the messages record could not set aside wait as refused
+// ones do, their waits doubling: such a topic counted as taken (a message
+// behind the refused one went), and the next round read it again at once,
+// each round a publish and an attempt (hundreds a second at BatchSize 1).
+func (b *outboxBatch) settleTopics(topics *topicBackoff) {
+	if topics == nil {
+		return
+	}
+	kept := make(map[string]bool, len(b.kept))
+	for _, id := range b.kept {
+		kept[b.rows[id].Topic] = true
+	}
+	for _, topic := range b.accepted {
+		if !kept[topic] {
+			topics.accepted(topic)
+		}
+	}
+	now := time.Now()
+	for topic := range kept {
+		topics.refused(topic, now)
+	}
 }
 
 // RelayOnce runs one relay round now, once the round of this Outbox in
@@ -513,6 +543,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		},
 	}
 	b := o.publish(ctx, rows, topics, reads)
+	defer func() { b.settleTopics(topics) }() // after record, whatever the round's end
 	round.Failed, round.skipped = len(b.failed)+len(b.bury), b.skipped
 	if tx == nil {
 		// SQLite: queued behind this process's other writers (see
@@ -702,7 +733,7 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 			if len(b.failed) > failedBefore && (len(b.sent) == sentBefore || !each) {
 				topics.refused(topic, time.Now())
 			} else {
-				topics.accepted(topic)
+				b.accepted = append(b.accepted, topic) // once recorded: see settleTopics
 			}
 		}
 	}
@@ -1111,6 +1142,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			kept := fmt.Errorf("%w; %w: moving it to %s failed: %w", perr, errNotSettable, o.target().dead, err)
 			delete(b.bury, id)
 			b.failed[id] = kept
+			b.kept = append(b.kept, id)
 			if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(kept), id); err != nil {
 				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 			}
@@ -1142,6 +1174,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.target().dead, id)
 			delete(b.bury, id)
 			b.failed[id] = kept
+			b.kept = append(b.kept, id)
 			if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(kept), id); err != nil {
 				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 			}
