@@ -114,3 +114,74 @@ func TestContextCancelledWithACauseOfItsOwnKeepsItsCause(t *testing.T) {
 		t.Errorf("a context cancelled with a permanent cause is transient: redelivered for ever under PoisonQueue(!IsTransient): %v", err)
 	}
 }
+
+// The same cancellation with a cause of its own as
+// TestContextCancelledWithACauseOfItsOwnKeepsItsCause, the handler then
+// running a statement without the context (tx.Exec) and returning its
+// sql.ErrTxDone: the error carries the cause, not context.Canceled (with
+// which IsTransient said true, and a PoisonQueue filtered with !IsTransient
+// redelivered the message for ever).
+func TestContextCancelledWithACauseOfItsOwnKeepsItsCauseWhenTheHandlerFindsTheTxDone(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, cancelOnInvalid, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			time.Sleep(200 * time.Millisecond) // does not watch the context
+			tx, _ := inbox.TxFromContext(msg.Context())
+			_, err := tx.Exec(tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"), "billing:"+msg.UUID, "billing")
+			return err
+		})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	if in.deliver(t, msg) {
+		t.Fatal("acked after the context was cancelled")
+	}
+	err := rec.last()
+	t.Logf("error: %v (Is cause %v, IsTransient %v)", err, errors.Is(err, errInvalidByAnOuterMiddleware), inbox.IsTransient(err))
+	if inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
+		t.Errorf("a context cancelled with a permanent cause: transient %v, carries the cause %v (want false, true): %v",
+			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
+	}
+}
+
+// cancelledBeforeInbox: a middleware outside the inbox that found the
+// message invalid before passing it on cancels its context with a
+// permanent cause (e.g. an async validation that finished first).
+func cancelledBeforeInbox(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx, cancel := context.WithCancelCause(msg.Context())
+		cancel(errInvalidByAnOuterMiddleware)
+		msg.SetContext(ctx)
+		return h(msg)
+	}
+}
+
+// A message context cancelled with a cause of its own before the inbox
+// begins: BEGIN fails on the ended transaction context, with the cause and
+// not context.Canceled beside it (IsTransient said true, and the message
+// was redelivered for ever under PoisonQueue(!IsTransient)).
+func TestContextCancelledWithACauseOfItsOwnBeforeTheInboxBeganKeepsItsCause(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	in := newFeed()
+	calls := 0
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, cancelledBeforeInbox, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { calls++; return nil })
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	if in.deliver(t, msg) {
+		t.Fatal("acked after the context was cancelled")
+	}
+	err := rec.last()
+	t.Logf("calls %d, error: %v", calls, err)
+	if inbox.IsTransient(err) {
+		t.Errorf("a context cancelled with a permanent cause before the inbox began is transient (redelivered for ever under PoisonQueue(!IsTransient)): %v", err)
+	}
+}

@@ -218,7 +218,7 @@ func (d *delivery) run() ([]*message.Message, error) {
 		// The handler's error, so that errors.Is/As match it, with a hint
 		// when it is the symptom of a known mistake.
 		err = d.handlerErrorHint(err)
-		if ended := d.sctx.Err(); ended != nil && errors.Is(err, sql.ErrTxDone) && !errors.Is(err, ended) {
+		if d.sctx.Err() != nil && errors.Is(err, sql.ErrTxDone) && !errors.Is(err, context.Cause(d.sctx)) {
 			// The message context ended before the handler returned (the
 			// router's Close, a deadline), database/sql rolled the
 			// transaction back then, and the handler's error is that
@@ -228,7 +228,7 @@ func (d *delivery) run() ([]*message.Message, error) {
 			// sees it: a shutdown had such a message poisoned. Any other
 			// error stays the handler's own (a permanent refusal returned
 			// after a Timeout middleware's deadline is still poisoned).
-			err = fmt.Errorf("%w (the message context ended before the handler returned, and database/sql rolled the transaction back: %w)", err, ended)
+			err = fmt.Errorf("%w (the message context ended before the handler returned, and database/sql rolled the transaction back: %w)", err, d.contextEnd())
 		}
 		return nil, err
 	}
@@ -341,6 +341,35 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 
 // detach ends the message context's hold on the transaction once the
 // handler returned nil, and starts the commit bound.
+// contextEnd returns why the message context ended: its cause, and for a
+// deadline context.DeadlineExceeded too. A deadline set with a cause of its
+// own (context.WithTimeoutCause in a middleware outside the inbox) was its
+// cause alone, not transient, and the message was poisoned for a deadline.
+// A cancellation keeps its cause alone, without context.Canceled beside it:
+// one given on purpose (context.WithCancelCause) says why, and may say the
+// message is to be given up (with Canceled, IsTransient said true, and a
+// poison filter built on it redelivered the message for ever). The router's
+// Close gives no cause: the cause is then context.Canceled itself.
+func (d *delivery) contextEnd() error {
+	cause := context.Cause(d.sctx)
+	if err := d.sctx.Err(); errors.Is(err, context.DeadlineExceeded) && !errors.Is(cause, err) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return cause
+}
+
+// endedContextError returns err, from BEGIN on the transaction's context,
+// as contextEnd when the message context has ended and err is that end's
+// symptom (context.Canceled or DeadlineExceeded: the transaction's context
+// follows the message's with a cancellation), with err's text; otherwise
+// err joined with the transaction context's cause (withCause).
+func (d *delivery) endedContextError(err error) error {
+	if d.sctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		return fmt.Errorf("%w (%v)", d.contextEnd(), err)
+	}
+	return withCause(d.txCtx, err)
+}
+
 func (d *delivery) detach() error {
 	// Stopped in time or not, a context that has ended by now ended before
 	// the handler returned, or as it did: the context package closes a
@@ -349,19 +378,9 @@ func (d *delivery) detach() error {
 	// follower, which then never ends the transaction's context.
 	if !d.followMessage() || d.sctx.Err() != nil {
 		// The transaction is rolled back: database/sql did it when its
-		// context ended; otherwise end does. Its cause, and for a deadline
-		// DeadlineExceeded too: a deadline set with a cause of its own
-		// (context.WithTimeoutCause in a middleware outside the inbox) was
-		// its cause alone, not transient, and the message was poisoned for
-		// a deadline. A cancellation keeps its cause alone: one given on
-		// purpose (context.WithCancelCause) says why, and may say the
-		// message is to be given up.
-		ended := context.Cause(d.sctx)
-		if err := d.sctx.Err(); errors.Is(err, context.DeadlineExceeded) {
-			ended = withCause(d.sctx, err)
-		}
+		// context ended; otherwise end does.
 		return fmt.Errorf("inbox: commit %q/%q: the message context ended before the handler returned: %w",
-			d.consumer, d.id, ended)
+			d.consumer, d.id, d.contextEnd())
 	}
 	d.commitBound = time.AfterFunc(d.ib.commitTimeout, func() { d.cancelTx(ErrCommitTimeout) })
 	return nil
