@@ -75,3 +75,30 @@ func TestOutboxVerifyGivesAFixThatWorksForABigserialID(t *testing.T) {
 		t.Fatalf("Verify after the fix: %v", err)
 	}
 }
+
+// A default that names its sequence as text (nextval('seq'::text), the
+// late-binding form PostgreSQL documents, common in older dumps and
+// migration tools) records no dependency in pg_depend: it is read from the
+// default's text (a CACHE 20 sequence passed Verify).
+func TestOutboxVerifyRefusesACachingSequenceNamedAsText(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := "outbox_" + randomSuffix()
+	seq := table + "_ids"
+	t.Cleanup(func() { db.Exec("DROP SEQUENCE IF EXISTS " + seq) })
+	dropLater(t, db, table)
+	dropLater(t, db, table+"_dead")
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: inbox.PostgreSQL, Table: table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.InitializeSchema(ctx); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "CREATE SEQUENCE "+seq+" CACHE 20")
+	exec(t, db, "ALTER TABLE "+table+" ALTER COLUMN id DROP IDENTITY")
+	exec(t, db, "ALTER TABLE "+table+" ALTER COLUMN id SET DEFAULT nextval('"+seq+"'::text)")
+	if err := ob.Verify(ctx); !errors.Is(err, inbox.ErrIncompatibleTable) {
+		t.Errorf("Verify: %v, want ErrIncompatibleTable (the id's default draws from %s, CACHE 20)", err, seq)
+	}
+}

@@ -268,8 +268,10 @@ func (o *Outbox) Verify(ctx context.Context) error {
 // later transaction can take a smaller id than its earlier one, and the
 // relay, which sends in id order, sent them the other way round. The
 // sequence is the identity's, the one a serial column owns, or the one its
-// default calls (a sequence of its own, not owned by the column); the error
-// gives the statement that fixes it for each.
+// default calls (a sequence of its own, not owned by the column, named as
+// a regclass or as text: nextval('s'::text) records no dependency); the
+// error gives the statement that fixes it for each. A sequence a trigger
+// or a function picks is not seen.
 func checkOutboxIDCache(ctx context.Context, q sqlx.QueryerContext, table string) error {
 	var seqs []struct {
 		Cache    int64  `db:"cache"`
@@ -284,7 +286,10 @@ func checkOutboxIDCache(ctx context.Context, q sqlx.QueryerContext, table string
 			UNION
 			SELECT dep.refobjid FROM pg_attrdef d JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass
 				AND dep.objid = d.oid AND dep.refclassid = 'pg_class'::regclass
-			WHERE d.adrelid = a.attrelid AND d.adnum = a.attnum)
+			WHERE d.adrelid = a.attrelid AND d.adnum = a.attnum
+			UNION
+			SELECT to_regclass(substring(pg_get_expr(d.adbin, d.adrelid) from 'nextval\(\(?''([^'']+)'''))::oid
+			FROM pg_attrdef d WHERE d.adrelid = a.attrelid AND d.adnum = a.attnum)
 		WHERE a.attrelid = to_regclass($1) AND a.attname = 'id' AND NOT a.attisdropped AND s.seqcache > 1`, table)
 	if err != nil {
 		return fmt.Errorf("inbox: outbox table %s: read its id sequence: %w", table, err)
