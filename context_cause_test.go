@@ -3,11 +3,13 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/watermill-inbox/inbox"
 )
@@ -69,11 +71,10 @@ func TestDeadlineWithACauseIsTransient(t *testing.T) {
 	}
 }
 
-var errInvalidByAnOuterMiddleware = errors.New("the message failed validation: it can never succeed")
+var errInvalidByAnOuterMiddleware = errors.New("an outer middleware gave up on the message")
 
 // cancelOnInvalid is a middleware outside the inbox that cancels the
-// message's context with a permanent cause (an asynchronous check of the
-// message found it invalid while the handler ran).
+// message's context with a cause of its own while the handler runs.
 func cancelOnInvalid(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx, cancel := context.WithCancelCause(msg.Context())
@@ -85,13 +86,11 @@ func cancelOnInvalid(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // A message context cancelled with a cause of its own (context.WithCancelCause
-// in a middleware outside the inbox) ends the transaction with that cause
-// alone, not context.Canceled beside it: a cause given on purpose may say
-// the message is to be given up, and with Canceled IsTransient said true and
-// a PoisonQueue filtered with !IsTransient redelivered it for ever. (A
-// deadline with a cause wraps DeadlineExceeded too:
-// TestDeadlineWithACauseIsTransient.)
-func TestContextCancelledWithACauseOfItsOwnKeepsItsCause(t *testing.T) {
+// in a middleware outside the inbox, errgroup.WithContext at a shutdown) ends
+// the transaction with that cause and context.Canceled both: transient, as a
+// shutdown's messages must be (a cancellation is no way to give a message up:
+// return an error), and the cause still there for errors.Is and the logs.
+func TestContextCancelledWithACauseIsTransientAndKeepsItsCause(t *testing.T) {
 	db := sqliteDB(t)
 	f := newFixture(t, db)
 	ib := f.newInbox(inbox.Config{})
@@ -110,18 +109,16 @@ func TestContextCancelledWithACauseOfItsOwnKeepsItsCause(t *testing.T) {
 	}
 	err := rec.last()
 	t.Logf("error: %v (Is cause %v, Is Canceled %v, IsTransient %v)", err, errors.Is(err, errInvalidByAnOuterMiddleware), errors.Is(err, context.Canceled), inbox.IsTransient(err))
-	if inbox.IsTransient(err) {
-		t.Errorf("a context cancelled with a permanent cause is transient: redelivered for ever under PoisonQueue(!IsTransient): %v", err)
+	if !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
+		t.Errorf("a cancelled message context: transient %v, carries the cause %v (want both): %v",
+			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
 	}
 }
 
-// The same cancellation with a cause of its own as
-// TestContextCancelledWithACauseOfItsOwnKeepsItsCause, the handler then
-// running a statement without the context (tx.Exec) and returning its
-// sql.ErrTxDone: the error carries the cause, not context.Canceled (with
-// which IsTransient said true, and a PoisonQueue filtered with !IsTransient
-// redelivered the message for ever).
-func TestContextCancelledWithACauseOfItsOwnKeepsItsCauseWhenTheHandlerFindsTheTxDone(t *testing.T) {
+// The same cancellation as TestContextCancelledWithACauseIsTransientAndKeepsItsCause,
+// the handler then running a statement without the context (tx.Exec) and
+// returning its sql.ErrTxDone: transient, with the cause.
+func TestContextCancelledWithACauseIsTransientWhenTheHandlerFindsTheTxDone(t *testing.T) {
 	db := sqliteDB(t)
 	f := newFixture(t, db)
 	ib := f.newInbox(inbox.Config{})
@@ -142,15 +139,15 @@ func TestContextCancelledWithACauseOfItsOwnKeepsItsCauseWhenTheHandlerFindsTheTx
 	}
 	err := rec.last()
 	t.Logf("error: %v (Is cause %v, IsTransient %v)", err, errors.Is(err, errInvalidByAnOuterMiddleware), inbox.IsTransient(err))
-	if inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
-		t.Errorf("a context cancelled with a permanent cause: transient %v, carries the cause %v (want false, true): %v",
+	if !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
+		t.Errorf("a cancelled message context: transient %v, carries the cause %v (want both): %v",
 			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
 	}
 }
 
 // cancelledBeforeInbox: a middleware outside the inbox that found the
 // message invalid before passing it on cancels its context with a
-// permanent cause (e.g. an async validation that finished first).
+// cause of its own.
 func cancelledBeforeInbox(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx, cancel := context.WithCancelCause(msg.Context())
@@ -161,10 +158,9 @@ func cancelledBeforeInbox(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // A message context cancelled with a cause of its own before the inbox
-// begins: BEGIN fails on the ended transaction context, with the cause and
-// not context.Canceled beside it (IsTransient said true, and the message
-// was redelivered for ever under PoisonQueue(!IsTransient)).
-func TestContextCancelledWithACauseOfItsOwnBeforeTheInboxBeganKeepsItsCause(t *testing.T) {
+// begins: BEGIN fails on the ended transaction context, transient, with the
+// cause.
+func TestContextCancelledWithACauseBeforeTheInboxBeganIsTransient(t *testing.T) {
 	db := sqliteDB(t)
 	f := newFixture(t, db)
 	ib := f.newInbox(inbox.Config{})
@@ -181,7 +177,84 @@ func TestContextCancelledWithACauseOfItsOwnBeforeTheInboxBeganKeepsItsCause(t *t
 	}
 	err := rec.last()
 	t.Logf("calls %d, error: %v", calls, err)
-	if inbox.IsTransient(err) {
-		t.Errorf("a context cancelled with a permanent cause before the inbox began is transient (redelivered for ever under PoisonQueue(!IsTransient)): %v", err)
+	if !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
+		t.Errorf("a message context cancelled before the inbox began: transient %v, carries the cause %v (want both): %v",
+			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
+	}
+}
+
+// A router run under errgroup.WithContext beside another service (an HTTP
+// server) that fails: the group's context is cancelled with that failure as
+// its cause, and the messages in flight end with it. They are transient, not
+// poisoned: the cause alone (no context.Canceled beside it) made
+// Inbox.Middlewares' PoisonQueue(!IsTransient) poison every message in flight
+// at such a shutdown.
+func TestShutdownWithACauseIsTransient(t *testing.T) {
+	for _, txDone := range []bool{false, true} {
+		name := map[bool]string{false: "handler returns nil", true: "handler finds the tx done"}[txDone]
+		t.Run(name, func(t *testing.T) { shutdownWithACause(t, txDone) })
+	}
+}
+
+func shutdownWithACause(t *testing.T, txDone bool) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	logger := watermill.NopLogger{}
+	pubSub := gochannel.NewGoChannel(gochannel.Config{}, logger)
+	defer pubSub.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var got []error
+	record := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			mu.Lock()
+			got = append(got, err)
+			mu.Unlock()
+			return out, err
+		}
+	}
+	started := make(chan struct{}, 10)
+	router.AddMiddleware(record, ib.Middleware)
+	router.AddConsumerHandler("billing", "orders", pubSub, func(msg *message.Message) error {
+		started <- struct{}{}
+		time.Sleep(300 * time.Millisecond) // a remote call that does not watch the context
+		if txDone {                        // then a statement without the context (tx.Exec)
+			tx, _ := inbox.TxFromContext(msg.Context())
+			_, err := tx.Exec(tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"), "billing:"+msg.UUID, "billing")
+			return err
+		}
+		return nil // its work was a remote call: nothing to write
+	})
+	// What errgroup.WithContext does when another service of the group
+	// fails: it cancels the group's context with that failure as its cause.
+	group, shutdown := context.WithCancelCause(context.Background())
+	defer shutdown(nil)
+	ran := make(chan struct{})
+	go func() { defer close(ran); _ = router.Run(group) }()
+	errHTTP := errors.New("http server: listen tcp :8080: bind: address already in use")
+	<-router.Running()
+	if err := pubSub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	<-started
+	shutdown(errHTTP) // the other service fails while the handler runs: the process shuts down
+	<-ran
+	mu.Lock()
+	defer mu.Unlock()
+	if len(got) == 0 {
+		t.Fatal("no outcome recorded")
+	}
+	err = got[0]
+	t.Logf("in-flight message at shutdown: %v (IsTransient %v, Is Canceled %v)", err, inbox.IsTransient(err), errors.Is(err, context.Canceled))
+	if err == nil {
+		t.Skip("the handler's commit won the race")
+	}
+	if !inbox.IsTransient(err) {
+		t.Errorf("a message in flight at a shutdown is poisoned by PoisonQueue(!IsTransient): %v", err)
 	}
 }

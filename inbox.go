@@ -520,7 +520,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isReadOnlyRefusal(err) { // SQLite's BEGIN IMMEDIATE takes the write lock
 			return nil, false, d.readOnlyClaim(err)
 		}
-		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, d.endedContextError(err))
+		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
 	}
 	t := &d.sqlTx
 	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt}

@@ -341,34 +341,16 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 
 // detach ends the message context's hold on the transaction once the
 // handler returned nil, and starts the commit bound.
-// contextEnd returns why the message context ended: its cause, and for a
-// deadline context.DeadlineExceeded too. A deadline set with a cause of its
-// own (context.WithTimeoutCause in a middleware outside the inbox) was its
-// cause alone, not transient, and the message was poisoned for a deadline.
-// A cancellation keeps its cause alone, without context.Canceled beside it:
-// one given on purpose (context.WithCancelCause) says why, and may say the
-// message is to be given up (with Canceled, IsTransient said true, and a
-// poison filter built on it redelivered the message for ever). The router's
-// Close gives no cause: the cause is then context.Canceled itself.
-func (d *delivery) contextEnd() error {
-	cause := context.Cause(d.sctx)
-	if err := d.sctx.Err(); errors.Is(err, context.DeadlineExceeded) && !errors.Is(cause, err) {
-		return fmt.Errorf("%w: %w", cause, err)
-	}
-	return cause
-}
-
-// endedContextError returns err, from BEGIN on the transaction's context,
-// as contextEnd when the message context has ended and err is that end's
-// symptom (context.Canceled or DeadlineExceeded: the transaction's context
-// follows the message's with a cancellation), with err's text; otherwise
-// err joined with the transaction context's cause (withCause).
-func (d *delivery) endedContextError(err error) error {
-	if d.sctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
-		return fmt.Errorf("%w (%v)", d.contextEnd(), err)
-	}
-	return withCause(d.txCtx, err)
-}
+// contextEnd returns why the message context ended: its error
+// (context.Canceled or DeadlineExceeded) and its cause, when it has one of
+// its own. Both, so that IsTransient sees the end: a deadline set with a
+// cause (context.WithTimeoutCause in a middleware outside the inbox) was
+// its cause alone, not transient, and the message was poisoned for a
+// deadline; and a cancellation with a cause is most often a shutdown
+// (errgroup.WithContext cancels with the error of the service that failed
+// first), whose messages were poisoned too. To give a message up, return
+// an error; a cancellation is not one.
+func (d *delivery) contextEnd() error { return withCause(d.sctx, d.sctx.Err()) }
 
 func (d *delivery) detach() error {
 	// Stopped in time or not, a context that has ended by now ended before

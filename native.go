@@ -114,7 +114,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 		default:
-			err = fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, d.endedContextError(poolerHint(err)))
+			err = fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, poolerHint(err)))
 		}
 		if t == nil {
 			return nil, false, err // not a nil *nativeTx in a non-nil claimedTx

@@ -159,7 +159,8 @@ type OutboxConfig struct {
 
 	// OnRound, if set, is called after every relay round that found
 	// messages or failed, with its outcome, for metrics. It runs on the
-	// relay's goroutine. Default: nil.
+	// relay's goroutine, after the round's turn ended: it may call
+	// RelayOnce. Default: nil.
 	OnRound func(OutboxRound)
 }
 
@@ -274,6 +275,8 @@ type Outbox struct {
 	readTimedOut atomic.Int64
 	// relaying holds a token while a round runs (capacity 1).
 	relaying chan struct{}
+	// topics is the Runs' memory of the topics the broker refused.
+	topics *topicBackoff
 }
 
 func (c *OutboxConfig) setDefaults() {
@@ -346,6 +349,7 @@ func newOutbox(cfg OutboxConfig, t qualifiedName) *Outbox {
 		configured: newOutboxTarget(cfg.Dialect, t),
 		wake:       make(chan struct{}, 1),
 		relaying:   make(chan struct{}, 1),
+		topics:     &topicBackoff{max: cfg.MaxBackoff, waits: map[string]topicWait{}},
 		logger:     newComponentLogger(cfg.Logger, watermill.LogFields{"outbox_table": t.String()}),
 	}
 	if !o.resolvesSchema() {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -42,7 +43,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	defer o.running.end()
 	o.relayStarted.Store(true)
 	var backoff time.Duration
-	topics := &topicBackoff{max: o.cfg.MaxBackoff, waits: map[string]topicWait{}}
+	topics := o.topics // shared by every Run of this Outbox, whose rounds take turns
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
@@ -103,12 +104,15 @@ func (o *Outbox) Run(ctx context.Context) error {
 	}
 }
 
-// topicBackoff is Run's memory of the topics whose messages the broker
-// refused: each is skipped until its wait is over (doubling from
-// outboxRetryFirst up to MaxBackoff), so that a topic the broker keeps
-// refusing (one that does not exist, a partition without a leader) does
-// not slow the others down. Run's goroutine only.
+// topicBackoff is the Outbox's memory of the topics whose messages the
+// broker refused, shared by its Runs: each is skipped until its wait is
+// over (doubling from outboxRetryFirst up to MaxBackoff), so that a topic
+// the broker keeps refusing (one that does not exist, a partition without
+// a leader) does not slow the others down. (Each Run kept its own, and two
+// Runs, whose rounds take turns, tried such a topic twice as often.) Safe
+// for concurrent use.
 type topicBackoff struct {
+	mu    sync.Mutex
 	max   time.Duration
 	waits map[string]topicWait
 }
@@ -121,12 +125,20 @@ type topicWait struct {
 
 // skip reports whether topic waits for its next try at now.
 func (t *topicBackoff) skip(topic string, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.skipLocked(topic, now)
+}
+
+func (t *topicBackoff) skipLocked(topic string, now time.Time) bool {
 	w, ok := t.waits[topic]
 	return ok && now.Before(w.until)
 }
 
 // refused doubles topic's wait and starts it at now.
 func (t *topicBackoff) refused(topic string, now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	w := t.waits[topic]
 	w.wait = min(max(2*w.wait, outboxRetryFirst), t.max)
 	w.until = now.Add(w.wait)
@@ -134,13 +146,19 @@ func (t *topicBackoff) refused(topic string, now time.Time) {
 }
 
 // accepted forgets topic's wait.
-func (t *topicBackoff) accepted(topic string) { delete(t.waits, topic) }
+func (t *topicBackoff) accepted(topic string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.waits, topic)
+}
 
 // waiting returns the topics that wait for their next try at now.
 func (t *topicBackoff) waiting(now time.Time) []any {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	var topics []any
 	for topic := range t.waits {
-		if t.skip(topic, now) {
+		if t.skipLocked(topic, now) {
 			topics = append(topics, topic)
 		}
 	}
@@ -150,6 +168,8 @@ func (t *topicBackoff) waiting(now time.Time) []any {
 // forgetAllBut forgets the waits of the topics that have no row in rows
 // and are not in kept.
 func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	if len(t.waits) == len(kept) {
 		return
 	}
@@ -170,6 +190,8 @@ func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
 // next returns how long until the first waiting topic may be tried, and
 // whether one waits.
 func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	var first time.Time
 	for _, w := range t.waits {
 		if first.IsZero() || w.until.Before(first) {
@@ -394,13 +416,25 @@ type relayRound struct {
 func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound {
 	select { // one round of this Outbox at a time (see Run)
 	case o.relaying <- struct{}{}:
-	case <-ctx.Done():
-		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: waiting for the round in progress: %w", ctx.Err())}}
+	default:
+		select {
+		case o.relaying <- struct{}{}:
+		case <-ctx.Done():
+			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: waiting for the round in progress: %w", ctx.Err())}}
+		}
 	}
-	defer func() { <-o.relaying }()
+	turn := true
+	endTurn := func() {
+		if turn {
+			turn = false
+			<-o.relaying
+		}
+	}
+	defer endTurn()
 	start := time.Now()
 	round := o.relay(ctx, topics)
 	round.Duration = time.Since(start)
+	endTurn() // before OnRound, which may call RelayOnce
 	if round.Err != nil && ctx.Err() == nil {
 		o.logger.get().Error("Inbox outbox relay round failed", round.Err, watermill.LogFields{
 			"relayed": round.Relayed, "failed": round.Failed, "dead_lettered": round.DeadLettered,

@@ -2,9 +2,11 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -160,5 +162,71 @@ func TestRelayOnceBesideRunTakesTurns(t *testing.T) {
 	}
 	if inversions > 0 || len(got) != len(written) {
 		t.Errorf("%d arrivals for %d messages, %d of them before an earlier commit of the same writer", len(got), len(written), inversions)
+	}
+}
+
+// An OnRound that starts another round with RelayOnce (here: drain at once
+// after a round that relayed a full batch) gets its turn: the round's turn
+// ends before OnRound. It waited for the turn its own round held, and with
+// context.Background() the relay (Run, RouterPlugin) hung for ever, and
+// WaitStopped with it; here the inner call has a deadline.
+func TestRelayOnceFromOnRoundGetsItsTurn(t *testing.T) {
+	db := sqliteDB(t)
+	var ob *inbox.Outbox
+	var inner []inbox.OutboxRound
+	broker := newBrokerStub()
+	ob = newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{
+		Publisher: broker, BatchSize: 2,
+		OnRound: func(r inbox.OutboxRound) {
+			if r.Relayed == 2 && len(inner) < 5 {
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				defer cancel()
+				inner = append(inner, ob.RelayOnce(ctx))
+			}
+		},
+	})
+	ids := writeOutbox(t, db, ob, "orders", 3)
+	r := ob.RelayOnce(context.Background())
+	t.Logf("outer round: %+v", r)
+	for _, in := range inner {
+		if in.Err != nil {
+			t.Fatalf("RelayOnce from OnRound: %v (it waits for the round that called OnRound: a deadlock with context.Background)", in.Err)
+		}
+	}
+	if got := broker.uuids("orders"); len(got) != len(ids) {
+		t.Errorf("sent %d of %d", len(got), len(ids))
+	}
+}
+
+// Two Runs of one Outbox (two routers that each add ob.RouterPlugin) share
+// its memory of the topics the broker refuses: each kept its own, and a
+// topic one Run left out for its wait the other read and published at once,
+// about twice as often as one Run, its attempts used up twice as fast.
+func TestTwoRunsShareOneTopicBackoff(t *testing.T) {
+	count := func(runs int) int64 {
+		db := sqliteDB(t)
+		broker := newBrokerStub()
+		var tries atomic.Int64
+		broker.setRefuse(func(topic string, m *message.Message) error {
+			tries.Add(1)
+			return errors.New("no leader")
+		})
+		ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1000,
+			MaxBackoff: 400 * time.Millisecond, PollInterval: 10 * time.Millisecond})
+		writeOutbox(t, db, ob, "refused", 1)
+		var stops []func()
+		for range runs {
+			stops = append(stops, runRelay(ob))
+		}
+		time.Sleep(2 * time.Second)
+		for _, stop := range stops {
+			stop()
+		}
+		return tries.Load()
+	}
+	one, two := count(1), count(2)
+	t.Logf("publishes of the refused topic in 2 s: one Run %d, two Runs %d", one, two)
+	if two > one*3/2+2 {
+		t.Errorf("two Runs tried the refused topic %d times, one Run %d: the topic's backoff is per Run", two, one)
 	}
 }
