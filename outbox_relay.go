@@ -356,8 +356,8 @@ type outboxBatch struct {
 	// table refused them, or holds their id): first in line still.
 	kept []int64
 	// accepted are the topics the broker took, whose waits settleTopics
-	// ends.
-	accepted []string
+	// ends; refused, those whose waits publish started (doubled).
+	accepted, refused []string
 }
 
 // settleTopics ends the waits of the topics the broker took in b, and has
@@ -372,6 +372,9 @@ func (b *outboxBatch) settleTopics(topics *topicBackoff) {
 	kept := make(map[string]bool, len(b.kept))
 	for _, id := range b.kept {
 		kept[b.rows[id].Topic] = true
+	}
+	for _, topic := range b.refused {
+		delete(kept, topic) // its wait doubled once already this round
 	}
 	for _, topic := range b.accepted {
 		if !kept[topic] {
@@ -771,6 +774,7 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 			// beside the ones written since (their partitions' turn).
 			if len(b.failed) > failedBefore && (len(b.sent) == sentBefore || !each) {
 				topics.refused(topic, time.Now())
+				b.refused = append(b.refused, topic)
 			} else {
 				b.accepted = append(b.accepted, topic) // once recorded: see settleTopics
 			}
