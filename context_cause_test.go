@@ -73,15 +73,22 @@ func TestDeadlineWithACauseIsTransient(t *testing.T) {
 
 var errInvalidByAnOuterMiddleware = errors.New("an outer middleware gave up on the message")
 
-// cancelOnInvalid is a middleware outside the inbox that cancels the
-// message's context with a cause of its own while the handler runs.
-func cancelOnInvalid(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx, cancel := context.WithCancelCause(msg.Context())
-		defer cancel(nil)
-		msg.SetContext(ctx)
-		time.AfterFunc(50*time.Millisecond, func() { cancel(errInvalidByAnOuterMiddleware) })
-		return h(msg)
+// cancelWithACause is a middleware outside the inbox that cancels the
+// message's context with a cause of its own after wait (0: before the
+// inbox runs).
+func cancelWithACause(wait time.Duration) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			ctx, cancel := context.WithCancelCause(msg.Context())
+			defer cancel(nil)
+			msg.SetContext(ctx)
+			if wait == 0 {
+				cancel(errInvalidByAnOuterMiddleware)
+			} else {
+				time.AfterFunc(wait, func() { cancel(errInvalidByAnOuterMiddleware) })
+			}
+			return h(msg)
+		}
 	}
 }
 
@@ -89,97 +96,49 @@ func cancelOnInvalid(h message.HandlerFunc) message.HandlerFunc {
 // in a middleware outside the inbox, errgroup.WithContext at a shutdown) ends
 // the transaction with that cause and context.Canceled both: transient, as a
 // shutdown's messages must be (a cancellation is no way to give a message up:
-// return an error), and the cause still there for errors.Is and the logs.
+// return an error), and the cause still there for errors.Is and the logs;
+// whether the context ends before the inbox begins, while the handler runs,
+// or while it runs a statement without the context (tx.Exec, which returns
+// sql.ErrTxDone).
 func TestContextCancelledWithACauseIsTransientAndKeepsItsCause(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
-	rec := &recorder{}
-	in := newFeed()
-	runRouter(t, func(r *message.Router) {
-		r.AddMiddleware(rec.Middleware, cancelOnInvalid, ib.Middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			time.Sleep(200 * time.Millisecond) // does not watch the context
-			return nil
+	for _, tc := range []struct {
+		name   string
+		wait   time.Duration
+		txDone bool
+	}{
+		{"before the inbox began", 0, false},
+		{"while the handler runs", 50 * time.Millisecond, false},
+		{"the handler then finds the transaction done", 50 * time.Millisecond, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			db := sqliteDB(t)
+			f := newFixture(t, db)
+			ib := f.newInbox(inbox.Config{})
+			rec := &recorder{}
+			in := newFeed()
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(rec.Middleware, cancelWithACause(tc.wait), ib.Middleware)
+				r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+					time.Sleep(200 * time.Millisecond) // does not watch the context
+					if !tc.txDone {
+						return nil
+					}
+					tx, _ := inbox.TxFromContext(msg.Context())
+					_, err := tx.Exec(tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"), "billing:"+msg.UUID, "billing")
+					return err
+				})
+			})
+			if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatal("acked after the context was cancelled")
+			}
+			if err := rec.last(); !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
+				t.Errorf("a cancelled message context: transient %v, carries the cause %v (want both): %v",
+					inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
+			}
+			if f.businessRows() != 0 || f.inboxRows() != 0 {
+				t.Errorf("business rows %d, inbox rows %d; want none", f.businessRows(), f.inboxRows())
+			}
 		})
-	})
-	msg := message.NewMessage(watermill.NewUUID(), nil)
-	if in.deliver(t, msg) {
-		t.Fatal("acked after the context was cancelled")
-	}
-	err := rec.last()
-	t.Logf("error: %v (Is cause %v, Is Canceled %v, IsTransient %v)", err, errors.Is(err, errInvalidByAnOuterMiddleware), errors.Is(err, context.Canceled), inbox.IsTransient(err))
-	if !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
-		t.Errorf("a cancelled message context: transient %v, carries the cause %v (want both): %v",
-			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
-	}
-}
-
-// The same cancellation as TestContextCancelledWithACauseIsTransientAndKeepsItsCause,
-// the handler then running a statement without the context (tx.Exec) and
-// returning its sql.ErrTxDone: transient, with the cause.
-func TestContextCancelledWithACauseIsTransientWhenTheHandlerFindsTheTxDone(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
-	rec := &recorder{}
-	in := newFeed()
-	runRouter(t, func(r *message.Router) {
-		r.AddMiddleware(rec.Middleware, cancelOnInvalid, ib.Middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
-			time.Sleep(200 * time.Millisecond) // does not watch the context
-			tx, _ := inbox.TxFromContext(msg.Context())
-			_, err := tx.Exec(tx.Rebind("INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)"), "billing:"+msg.UUID, "billing")
-			return err
-		})
-	})
-	msg := message.NewMessage(watermill.NewUUID(), nil)
-	if in.deliver(t, msg) {
-		t.Fatal("acked after the context was cancelled")
-	}
-	err := rec.last()
-	t.Logf("error: %v (Is cause %v, IsTransient %v)", err, errors.Is(err, errInvalidByAnOuterMiddleware), inbox.IsTransient(err))
-	if !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
-		t.Errorf("a cancelled message context: transient %v, carries the cause %v (want both): %v",
-			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
-	}
-}
-
-// cancelledBeforeInbox: a middleware outside the inbox that found the
-// message invalid before passing it on cancels its context with a
-// cause of its own.
-func cancelledBeforeInbox(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx, cancel := context.WithCancelCause(msg.Context())
-		cancel(errInvalidByAnOuterMiddleware)
-		msg.SetContext(ctx)
-		return h(msg)
-	}
-}
-
-// A message context cancelled with a cause of its own before the inbox
-// begins: BEGIN fails on the ended transaction context, transient, with the
-// cause.
-func TestContextCancelledWithACauseBeforeTheInboxBeganIsTransient(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
-	rec := &recorder{}
-	in := newFeed()
-	calls := 0
-	runRouter(t, func(r *message.Router) {
-		r.AddMiddleware(rec.Middleware, cancelledBeforeInbox, ib.Middleware)
-		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error { calls++; return nil })
-	})
-	msg := message.NewMessage(watermill.NewUUID(), nil)
-	if in.deliver(t, msg) {
-		t.Fatal("acked after the context was cancelled")
-	}
-	err := rec.last()
-	t.Logf("calls %d, error: %v", calls, err)
-	if !inbox.IsTransient(err) || !errors.Is(err, errInvalidByAnOuterMiddleware) {
-		t.Errorf("a message context cancelled before the inbox began: transient %v, carries the cause %v (want both): %v",
-			inbox.IsTransient(err), errors.Is(err, errInvalidByAnOuterMiddleware), err)
 	}
 }
 

@@ -64,20 +64,7 @@ func TestTwoRoutersSharingOneOutboxRelayOneAtATime(t *testing.T) {
 	inOrder := func() {
 		t.Helper()
 		waitFor(t, func() bool { return len(broker.uuids("payments")) >= len(written) })
-		got := broker.uuids("payments")
-		pos := map[string]int{}
-		for i, id := range written {
-			pos[id] = i
-		}
-		inversions := 0
-		for i := 1; i < len(got); i++ {
-			if pos[got[i]] < pos[got[i-1]] {
-				inversions++
-			}
-		}
-		if inversions > 0 || len(got) != len(written) {
-			t.Errorf("%d arrivals for %d messages, %d of them before an earlier commit of the same writer", len(got), len(written), inversions)
-		}
+		sentOnceInOrder(t, written, broker.uuids("payments"))
 	}
 	write(400)
 	inOrder()
@@ -149,20 +136,7 @@ func TestRelayOnceBesideRunTakesTurns(t *testing.T) {
 	waitFor(t, func() bool { return count(t, db, ob.Table(), "1=1") == 0 })
 	close(done)
 	wg.Wait()
-	got := broker.uuids("payments")
-	pos := map[string]int{}
-	for i, id := range written {
-		pos[id] = i
-	}
-	inversions := 0
-	for i := 1; i < len(got); i++ {
-		if pos[got[i]] < pos[got[i-1]] {
-			inversions++
-		}
-	}
-	if inversions > 0 || len(got) != len(written) {
-		t.Errorf("%d arrivals for %d messages, %d of them before an earlier commit of the same writer", len(got), len(written), inversions)
-	}
+	sentOnceInOrder(t, written, broker.uuids("payments"))
 }
 
 // An OnRound that starts another round with RelayOnce (here: drain at once
@@ -228,5 +202,25 @@ func TestTwoRunsShareOneTopicBackoff(t *testing.T) {
 	t.Logf("publishes of the refused topic in 2 s: one Run %d, two Runs %d", one, two)
 	if two > one*3/2+2 {
 		t.Errorf("two Runs tried the refused topic %d times, one Run %d: the topic's backoff is per Run", two, one)
+	}
+}
+
+// sentOnceInOrder checks that got, the UUIDs the broker took, are written,
+// the UUIDs one writer committed one transaction after another, each once
+// and in that order.
+func sentOnceInOrder(t *testing.T, written, got []string) {
+	t.Helper()
+	pos := map[string]int{}
+	for i, id := range written {
+		pos[id] = i
+	}
+	inversions := 0
+	for i := 1; i < len(got); i++ {
+		if pos[got[i]] < pos[got[i-1]] {
+			inversions++
+		}
+	}
+	if inversions > 0 || len(got) != len(written) {
+		t.Errorf("%d arrivals for %d messages, %d of them before an earlier commit of the same writer", len(got), len(written), inversions)
 	}
 }
