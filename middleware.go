@@ -230,6 +230,12 @@ func (d *delivery) run() ([]*message.Message, error) {
 			// after a Timeout middleware's deadline is still poisoned).
 			err = fmt.Errorf("%w (the message context ended before the handler returned, and database/sql rolled the transaction back: %w)", err, d.contextEnd())
 		}
+		// A handler that watches its context and returns why it ended
+		// (context.Cause(ctx), wrapped or not) returns a cause of its own
+		// alone when the context has one (errgroup.WithContext at a
+		// shutdown, context.WithTimeoutCause): the context's end is added,
+		// so that IsTransient sees it (such messages were poisoned).
+		err = withContextEnd(d.sctx, err)
 		return nil, err
 	}
 	if err := d.detach(); err != nil {

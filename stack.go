@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -80,9 +81,12 @@ const (
 //     that Retry retries and the poison queue can take;
 //  5. ib.Middleware: the transaction wraps only the handler.
 //
-// Between Retry and Timeout sits one more, of the library's own, which
-// gives each attempt back the message context Timeout replaced, so the
-// slice holds one middleware more than the list above.
+// Two more of the library's own sit among them, so the slice holds two
+// middlewares more than the list above: between Retry and Timeout, one
+// that gives each attempt back the message context Timeout replaced; and
+// between the poison queue and Retry, one that keeps the end of the message
+// context in the error when the error is that end's cause alone (Retry
+// returns it so once the context has ended: see keepContextEnd).
 //
 // Middlewares of your own that must see every attempt go before these;
 // ones that must run inside the transaction, after them. It returns an
@@ -107,6 +111,7 @@ func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware
 	case cfg.PoisonTopic != "" || cfg.ShouldPoison != nil:
 		return nil, fmt.Errorf("%w: MiddlewaresConfig.PoisonTopic and ShouldPoison need a PoisonQueue publisher", ErrInvalidConfig)
 	}
+	mws = append(mws, keepContextEnd) // inside the poison queue, whose filter must see the end
 	if r := cfg.Retry; r.MaxRetries >= 0 {
 		if r.MaxRetries == 0 {
 			r.MaxRetries = DefaultRetries
@@ -155,4 +160,31 @@ func restoreContext(h message.HandlerFunc) message.HandlerFunc {
 		defer msg.SetContext(ctx)
 		return h(msg)
 	}
+}
+
+// keepContextEnd adds the message context's end (context.Canceled or
+// DeadlineExceeded) to an error that is that context's cause alone, so that
+// IsTransient, and the poison queue's default filter with it, sees the end:
+// Retry (cenkalti/backoff) returns context.Cause(ctx) alone once the
+// message context has ended, and a cause of its own (errgroup.WithContext
+// cancels the router's context with the error of the service that failed
+// first; context.WithTimeoutCause) is no transient error: every message in
+// flight at such a shutdown was poisoned. An error that does not wrap the
+// cause is left as it is: the handler's own refusal stays permanent.
+func keepContextEnd(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		out, err := h(msg)
+		return out, withContextEnd(ctx, err)
+	}
+}
+
+// withContextEnd returns err with ctx's error added when ctx has ended and
+// err wraps its cause but not its error (see keepContextEnd).
+func withContextEnd(ctx context.Context, err error) error {
+	ended := ctx.Err()
+	if err == nil || ended == nil || errors.Is(err, ended) || !errors.Is(err, context.Cause(ctx)) {
+		return err
+	}
+	return fmt.Errorf("%w (the message context ended: %w)", err, ended)
 }
