@@ -374,11 +374,31 @@ func (d *delivery) detach() error {
 	return nil
 }
 
+// routerNilPublisher is the publisher name Watermill's router puts in a
+// message's context (message.PublisherNameFromCtx) for a handler added with
+// a nil publisher: the "%T" of nil.
+const routerNilPublisher = "<nil>"
+
 // publishToOutbox publishes the handler's returned messages through the
 // outbox of its transaction, to the handler's publish topic, with
-// Config.Outbox; without it they go back to the router.
+// Config.Outbox; without it they go back to the router, unless the handler
+// has no publisher there (a misconfiguration: transient, ErrInvalidConfig).
 func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Message, error) {
-	if !d.ib.hasOutbox || len(produced) == 0 {
+	if len(produced) == 0 {
+		return produced, nil
+	}
+	if !d.ib.hasOutbox {
+		if message.PublisherNameFromCtx(d.msg.Context()) == routerNilPublisher {
+			// The router would refuse them after the commit
+			// (ErrOutputInNoPublisherHandler), and the redelivery is a
+			// duplicate: they were lost for good. Refused before it, with
+			// the transaction rolled back.
+			d.waitAfterEnd = &d.ib.refusedClaims
+			return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %d messages, but the inbox has no"+
+				" Config.Outbox to write them to and the handler no publisher (router.AddHandler with nil): set Config.Outbox"+
+				" (ob.Publisher; pgxinbox: OutboxPublisher(ob)), or give the handler a publisher",
+				ErrInvalidConfig, d.consumer, d.id, len(produced))}
+		}
 		return produced, nil
 	}
 	topic := message.PublishTopicFromCtx(d.msg.Context())

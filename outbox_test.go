@@ -125,3 +125,36 @@ func TestReturnedMessagesLostWithoutOutbox(t *testing.T) {
 			first, second, routerPub.published)
 	}
 }
+
+// A handler that returns messages, added with a nil publisher
+// (router.AddHandler(…, "invoices", nil, …), as for the outbox) to an inbox
+// with no Config.Outbox: the messages have nowhere to go. The router
+// refused them after the commit, and the redelivery was skipped as a
+// duplicate: lost for good. The inbox refuses them before the commit: the
+// transaction rolls back, the error is transient and wraps ErrInvalidConfig
+// (a poison filter keeps the message until the inbox is configured).
+func TestReturnedMessagesWithNeitherOutboxNorPublisherAreRefusedBeforeTheCommit(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "invoices", nil, func(msg *message.Message) ([]*message.Message, error) {
+			if err := f.writeBusinessRow(msg); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("invoice"))}, nil
+		})
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("acked: the returned message is lost")
+	}
+	if err := rec.last(); !errors.Is(err, inbox.ErrInvalidConfig) || !inbox.IsTransient(err) {
+		t.Errorf("error %v: want ErrInvalidConfig, transient", err)
+	}
+	if f.businessRows() != 0 || f.inboxRows() != 0 {
+		t.Errorf("business rows %d, inbox rows %d; want none: the transaction rolls back", f.businessRows(), f.inboxRows())
+	}
+}
