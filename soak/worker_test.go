@@ -172,10 +172,10 @@ func TestSoakWorker(t *testing.T) {
 // consumerConfig is the sarama configuration of the workers' subscribers.
 func consumerConfig(clientID string) *sarama.Config {
 	c := kafka.DefaultSaramaSubscriberConfig()
-	c.Version = sarama.V2_8_0_0 // with sarama >= v1.61.1: see NOTES (kfake)
+	c.Version = sarama.V2_8_0_0 // with sarama >= v1.61.1: see docs/brokers.md
 	c.ClientID = clientID
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest
-	c.Consumer.MaxWaitTime = 10 * time.Millisecond // commit latency: see NOTES
+	c.Consumer.MaxWaitTime = 10 * time.Millisecond // commit latency: see docs/brokers.md
 	c.Consumer.Offsets.AutoCommit.Interval = time.Second
 	// A killed member's partitions move once its session expires; kfake
 	// runs with a 1 s minimum so that this takes 3 s, not 10.
