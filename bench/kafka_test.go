@@ -60,7 +60,7 @@ func runKafka(b *testing.B, h message.HandlerFunc) {
 	saramaCfg := kafka.DefaultSaramaSubscriberConfig()
 	saramaCfg.Version = sarama.V2_8_0_0
 	saramaCfg.Consumer.Offsets.Initial = sarama.OffsetOldest
-	saramaCfg.Consumer.MaxWaitTime = 10 * time.Millisecond // see NOTES: commit waits behind the fetch long-poll
+	saramaCfg.Consumer.MaxWaitTime = 10 * time.Millisecond // commit waits behind the fetch long-poll: see docs/brokers.md
 	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers:               brokers,
 		Unmarshaler:           kafka.DefaultMarshaler{},
