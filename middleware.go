@@ -275,7 +275,8 @@ func (d *delivery) validate() error {
 	if stateFromContext(d.ctx) != nil {
 		// The inner claim would wait forever on the outer transaction's
 		// uncommitted row of the same key.
-		return fmt.Errorf("%w (message %q)", ErrNestedInbox, msg.UUID)
+		return fmt.Errorf("%w (message %q): add it once, to the router or to the handler; Inbox.Middlewares already"+
+			" holds ib.Middleware, so add either the one or the other", ErrNestedInbox, msg.UUID)
 	}
 	d.consumer = ib.consumer
 	if d.consumer == "" {
