@@ -129,3 +129,14 @@ func SetDetachWait(d time.Duration) time.Duration { return time.Duration(detachW
 func SetRouterStartWarning(d time.Duration) time.Duration {
 	return time.Duration(routerStartWarning.Swap(int64(d)))
 }
+
+// RelayRoundWhileTopicsWait runs one relay round of Run's kind, with
+// topics waiting for their next try (a minute from now), and returns its
+// outcome.
+func (o *Outbox) RelayRoundWhileTopicsWait(ctx context.Context, topics []string) OutboxRound {
+	until := time.Now().Add(time.Minute)
+	for _, topic := range topics {
+		o.topics.waits[topic] = topicWait{until: until, wait: time.Minute}
+	}
+	return o.relayOnce(ctx, o.topics).OutboxRound
+}

@@ -159,8 +159,11 @@ type OutboxConfig struct {
 
 	// OnRound, if set, is called after every relay round that found
 	// messages or failed, with its outcome, for metrics. It runs on the
-	// relay's goroutine, after the round's turn ended: it may call
-	// RelayOnce. Default: nil.
+	// goroutine of the round's caller (Run's, RelayOnce's), after the
+	// round's turn ended: it may call RelayOnce, and the rounds of several
+	// Runs or RelayOnce calls may have it called at the same time, so it
+	// must be safe for concurrent use (the metrics module's is).
+	// Default: nil.
 	OnRound func(OutboxRound)
 }
 

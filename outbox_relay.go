@@ -507,6 +507,14 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	var waiting []any
 	if topics != nil {
 		waiting = topics.waiting(time.Now())
+		if len(waiting) > maxExcludedTopics {
+			// One bind parameter each: thousands of waiting topics (one per
+			// tenant, none of which exists) passed the database's limit
+			// (SQLite 32766, PostgreSQL and MySQL 65535), and every read
+			// failed, the healthy topics' too. The rest of the waiting
+			// topics' rows are read and left untouched (publish skips them).
+			waiting = waiting[:maxExcludedTopics]
+		}
 	}
 	var rows []outboxRow
 	limit := o.readLimitNow()
@@ -634,6 +642,10 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	return round
 }
+
+// maxExcludedTopics bounds how many waiting topics a round's read leaves
+// out by name (topic NOT IN (…), one bind parameter each).
+const maxExcludedTopics = 1000
 
 // readLimitHold is how long the relay reads fewer rows after a read its
 // statement timeout stopped, before it reads twice as many again.
