@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -505,27 +506,27 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	// the read, so that a topic the broker refuses, however many rows it
 	// has at the head of the table, leaves the batch to the others.
 	var waiting []any
+	var skipArgs []any // waiting as the read's one bind parameter: a JSON array
 	if topics != nil {
 		waiting = topics.waiting(time.Now())
-		if len(waiting) > maxExcludedTopics {
-			// One bind parameter each: thousands of waiting topics (one per
-			// tenant, none of which exists) passed the database's limit
-			// (SQLite 32766, PostgreSQL and MySQL 65535), and every read
-			// failed, the healthy topics' too. The rest of the waiting
-			// topics' rows are read and left untouched (publish skips them).
-			waiting = waiting[:maxExcludedTopics]
+		if len(waiting) > 0 {
+			list, err := json.Marshal(waiting)
+			if err != nil {
+				return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: list the waiting topics: %w", err)}}
+			}
+			skipArgs = []any{string(list)}
 		}
 	}
 	var rows []outboxRow
 	limit := o.readLimitNow()
 	round.limit = limit
-	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(waiting), idleTimeouts)), waiting...)
+	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, idleTimeouts)), skipArgs...)
 	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
 		// MySQL: no idle-transaction timeouts to turn off. (The failed
 		// statement leaves MySQL's transaction as it was.)
 		o.noIdleTimeoutVars.Store(true)
 		rows, idleTimeouts = nil, false
-		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(waiting), false)), waiting...)
+		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, false)), skipArgs...)
 	}
 	if err != nil {
 		if ctx.Err() == nil && isStatementTimeout(err) {
@@ -642,10 +643,6 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	return round
 }
-
-// maxExcludedTopics bounds how many waiting topics a round's read leaves
-// out by name (topic NOT IN (…), one bind parameter each).
-const maxExcludedTopics = 1000
 
 // readLimitHold is how long the relay reads fewer rows after a read its
 // statement timeout stopped, before it reads twice as many again.

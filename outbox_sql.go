@@ -33,13 +33,13 @@ type outboxSQL struct {
 	claimedInsert func(inboxTable string, n int, inTx bool) string
 	// selectBatch returns the oldest n rows not yet relayed (id, topic,
 	// uuid, payload, metadata, attempts), ordered by id; locked (FOR UPDATE
-	// SKIP LOCKED) when locks. With skipTopics > 0 it leaves out the rows of
-	// that many topics, bind parameters in order. With idleTimeouts, and
+	// SKIP LOCKED) when locks. With skipTopics it leaves out the rows of the
+	// topics its one bind parameter lists, a JSON array of strings. With idleTimeouts, and
 	// idleTimeoutsOff set, every row also carries idle_timeouts, the sum of
 	// the session's idle-transaction timeouts. On PostgreSQL it turns off
 	// the transaction's idle_in_transaction_session_timeout (SET LOCAL, in
 	// a one-time condition: no round trip of its own).
-	selectBatch func(n, skipTopics int, idleTimeouts bool) string
+	selectBatch func(n int, skipTopics, idleTimeouts bool) string
 	// idleTimeoutsOff, when set (MariaDB), turns off the session's
 	// idle-transaction timeouts and keeps their values in user variables;
 	// idleTimeoutsBack puts them back. A relay round holds its transaction
@@ -122,14 +122,26 @@ const outboxColumns = "id, topic, uuid, payload, metadata"
 // lock after it: guard, when set, is a condition without a column that the
 // read tests too (once), and idleColumns, when set, the columns read beside
 // every row when the caller asks for the idle timeouts.
-func outboxBatchRead(q, lock, guard, idleColumns string) func(n, skipTopics int, idleTimeouts bool) string {
-	return func(n, skipTopics int, idleTimeouts bool) string {
+func outboxBatchRead(d Dialect, q, lock, guard, idleColumns string) func(n int, skipTopics, idleTimeouts bool) string {
+	// The topics to leave out come as one bind parameter, a JSON array of
+	// strings, whatever their number: one parameter each passed the
+	// database's limit (SQLite 32766, PostgreSQL and MySQL 65535) when
+	// thousands waited, and every read failed, the healthy topics' too.
+	skip := "topic NOT IN (SELECT value FROM json_each(?))" // SQLite
+	switch d.server() {
+	case serverPostgreSQL:
+		skip = "topic NOT IN (SELECT jsonb_array_elements_text(CAST(? AS jsonb)))"
+	case serverMySQL:
+		// topic is varbinary: the JSON strings compared as their bytes.
+		skip = "topic NOT IN (SELECT CAST(j.t AS BINARY) FROM JSON_TABLE(?, '$[*]' COLUMNS (t VARCHAR(1024) PATH '$')) AS j)"
+	}
+	return func(n int, skipTopics, idleTimeouts bool) string {
 		var conditions []string
 		if guard != "" {
 			conditions = append(conditions, guard)
 		}
-		if skipTopics > 0 {
-			conditions = append(conditions, "topic NOT IN ("+strings.TrimSuffix(strings.Repeat("?, ", skipTopics), ", ")+")")
+		if skipTopics {
+			conditions = append(conditions, skip)
 		}
 		where := ""
 		if len(conditions) > 0 {
@@ -154,7 +166,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		},
 		insertPrefix: "INSERT INTO " + q + " (topic, uuid, payload, metadata, created_at) VALUES ",
 		insertRow:    "(?, ?, ?, ?, " + now + ")",
-		selectBatch:  outboxBatchRead(q, lock, "", ""),
+		selectBatch:  outboxBatchRead(d, q, lock, "", ""),
 		nextOfTopic: "SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
 			" WHERE id > ? ORDER BY id LIMIT " + strconv.Itoa(outboxWalkWindow) + ") AS w WHERE w.topic = ? ORDER BY w.id LIMIT 1)" + lock,
 		deadHas: "SELECT id FROM " + dq + " WHERE id = ?",
@@ -222,7 +234,7 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// only): a session's 'escape' (a role's or database's setting, or one
 	// a handler left on a pooled connection) read as text, as pgx's
 	// simple protocol reads it, failed every round ("invalid hex format").
-	s.selectBatch = outboxBatchRead(t.quoted(d), " FOR UPDATE SKIP LOCKED",
+	s.selectBatch = outboxBatchRead(d, t.quoted(d), " FOR UPDATE SKIP LOCKED",
 		"(SELECT set_config('idle_in_transaction_session_timeout', '0', true) || set_config('bytea_output', 'hex', true)) IS NOT NULL", "")
 	return s
 }
@@ -257,7 +269,7 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// set, and only then does the round turn them off while it publishes
 	// and put them back before its commit (the session goes back to the
 	// pool).
-	s.selectBatch = outboxBatchRead(t.quoted(d), " FOR UPDATE SKIP LOCKED", "",
+	s.selectBatch = outboxBatchRead(d, t.quoted(d), " FOR UPDATE SKIP LOCKED", "",
 		"@@session.idle_transaction_timeout + @@session.idle_write_transaction_timeout"+
 			" + @@session.idle_readonly_transaction_timeout AS idle_timeouts")
 	s.idleTimeoutsOff = "SET @inbox_outbox_idle = @@session.idle_transaction_timeout," +

@@ -6,17 +6,18 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 	"modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
 )
 
 // Thousands of topics waiting for their next try at once (one per tenant,
-// none of which the broker has) are left out of a round's read only up to
-// a bound: each took a bind parameter, and past the database's limit
-// (SQLite 32766, PostgreSQL and MySQL 65535) every read failed, the
-// healthy topics' too. Here the connection's limit is lowered to 1,100 and
-// 1,200 topics wait.
+// none of which the broker has) are left out of a round's read with one
+// bind parameter: each took one, and past the database's limit (SQLite
+// 32766, PostgreSQL and MySQL 65535) every read failed, the healthy topics'
+// too. Here the connection's limit is lowered to 1,100 and 1,200 topics
+// wait.
 func TestOutboxRelayReadsWhileMoreTopicsWaitThanTheDatabaseTakesParameters(t *testing.T) {
 	db := sqliteDB(t)
 	db.SetMaxOpenConns(1)
@@ -45,4 +46,38 @@ func TestOutboxRelayReadsWhileMoreTopicsWaitThanTheDatabaseTakesParameters(t *te
 	if r := ob.RelayRoundWhileTopicsWait(context.Background(), waiting); r.Err != nil || r.Relayed != 1 {
 		t.Fatalf("round with %d topics waiting: %+v, want the healthy message relayed", len(waiting), r)
 	}
+}
+
+// However many topics wait, each with rows written before a healthy topic's
+// message, the read leaves them all out and reaches the healthy one, on
+// every database: when only some were left out, the others' rows filled
+// the batch, all skipped, and the healthy topic waited as long as they did.
+func TestOutboxRelayReachesAHealthyTopicBehindThousandsOfWaitingOnes(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		waiting := make([]string, 1600)
+		tx, pub := beginOutbox(t, db, ob)
+		for i := range waiting {
+			waiting[i] = fmt.Sprintf("tenant-%d/ü", i) // not only ASCII
+			if err := pub.Publish(waiting[i], message.NewMessage(fmt.Sprintf("w-%d", i), []byte("p"))); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := pub.Publish("payments", message.NewMessage("healthy", []byte("p"))); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if r := ob.RelayRoundWhileTopicsWait(context.Background(), waiting); r.Err != nil || r.Relayed != 1 {
+			t.Fatalf("round with %d topics waiting: %+v, want the healthy message relayed", len(waiting), r)
+		}
+		if got := broker.uuids("payments"); len(got) != 1 {
+			t.Errorf("sent to payments: %v", got)
+		}
+		if n := count(t, db, relayTable(t, ob), "1=1"); n != len(waiting) {
+			t.Errorf("%d rows left, want the %d of the waiting topics", n, len(waiting))
+		}
+	})
 }
