@@ -383,17 +383,20 @@ const routerNilPublisher = "<nil>"
 // publishToOutbox publishes the handler's returned messages through the
 // outbox of its transaction, to the handler's publish topic, with
 // Config.Outbox; without it they go back to the router, unless the handler
-// has no publisher there (a misconfiguration: transient, ErrInvalidConfig).
+// has a publish topic and no publisher there (a misconfiguration:
+// transient, ErrInvalidConfig).
 func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Message, error) {
 	if len(produced) == 0 {
 		return produced, nil
 	}
 	if !d.ib.hasOutbox {
-		if message.PublisherNameFromCtx(d.msg.Context()) == routerNilPublisher {
-			// The router would refuse them after the commit
-			// (ErrOutputInNoPublisherHandler), and the redelivery is a
-			// duplicate: they were lost for good. Refused before it, with
-			// the transaction rolled back.
+		if ctx := d.msg.Context(); message.PublisherNameFromCtx(ctx) == routerNilPublisher && message.PublishTopicFromCtx(ctx) != "" {
+			// A publish topic and no publisher (AddHandler(…, "invoices",
+			// nil, h), as for the outbox): the router would refuse them
+			// after the commit (ErrOutputInNoPublisherHandler), and the
+			// redelivery is a duplicate: they were lost for good. Refused
+			// before it, with the transaction rolled back. Without a publish
+			// topic, a middleware outside may route them itself.
 			d.waitAfterEnd = &d.ib.refusedClaims
 			return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %d messages, but the inbox has no"+
 				" Config.Outbox to write them to and the handler no publisher (router.AddHandler with nil): set Config.Outbox"+

@@ -158,3 +158,44 @@ func TestReturnedMessagesWithNeitherOutboxNorPublisherAreRefusedBeforeTheCommit(
 		t.Errorf("business rows %d, inbox rows %d; want none: the transaction rolls back", f.businessRows(), f.inboxRows())
 	}
 }
+
+// A handler added with neither a publish topic nor a publisher
+// (AddHandler(…, "", nil, h)) whose returned messages a router middleware
+// outside the inbox publishes itself (routing by metadata) is not refused:
+// only a publish topic without a publisher says they have nowhere to go.
+func TestReturnedMessagesRoutedByAMiddlewareWithoutAPublishTopicAreNotRefused(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	out := &recordingPublisher{}
+	route := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			produced, err := h(msg)
+			if err != nil {
+				return nil, err
+			}
+			for _, m := range produced {
+				if err := out.Publish(m.Metadata.Get("topic"), m); err != nil {
+					return nil, err
+				}
+			}
+			return nil, nil
+		}
+	}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, route, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "", nil, func(msg *message.Message) ([]*message.Message, error) {
+			m := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
+			m.Metadata.Set("topic", "invoices-eu")
+			return []*message.Message{m}, nil
+		})
+	})
+	if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatalf("nacked (%v), want acked and the invoice published by the routing middleware", rec.last())
+	}
+	if out.published != 1 {
+		t.Errorf("published %d, want 1", out.published)
+	}
+}
