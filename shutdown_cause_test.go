@@ -248,3 +248,53 @@ func TestInboxMiddlewaresDoNotPoisonADeadlineWithACause(t *testing.T) {
 		t.Logf("not poisoned; calls %d, business rows %d", calls.Load(), f.businessRows())
 	}
 }
+
+// A per-message deadline set with a cause by a middleware of the user's
+// before Inbox.Middlewares (the documented place). The handler refuses the
+// message at once, for good (its own error, which the poison queue's
+// default filter poisons), and Retry's backoff outlasts the deadline:
+// cenkalti/backoff returns the deadline's cause instead of the handler's
+// error, and the stack gives the poison queue the last attempt's error, so
+// the message is poisoned. It was nacked and redelivered for ever.
+func TestInboxMiddlewaresPoisonARefusalWhoseRetryOutlastedADeadline(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	logger := watermill.NopLogger{}
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
+	defer ps.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(timeoutWithCause) // 100 ms, cause errHandlerDeadline
+	router.AddMiddleware(mws...)
+	calls := 0
+	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
+		calls++
+		return errors.New("order refers to an unknown customer") // permanent, returned at once
+	})
+	poisoned, err := ps.Subscribe(context.Background(), "poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = router.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	<-router.Running()
+	if err := ps.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case p := <-poisoned:
+		p.Ack()
+		t.Logf("poisoned: %q", p.Metadata.Get(middleware.ReasonForPoisonedKey))
+	case <-time.After(3 * time.Second):
+		t.Errorf("a message its handler refuses for good was not poisoned in 3 s: nacked and redelivered for ever")
+	}
+}

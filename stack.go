@@ -153,31 +153,56 @@ func retryableInPlace(err error) bool {
 // restoreContext gives the message the context it came in with once the
 // middlewares inside have returned: middleware.Timeout leaves its ended
 // context on the message, and without this a retried attempt, or the
-// poison queue's publish, would start with a context already done.
+// poison queue's publish, would start with a context already done. It also
+// records each attempt's error for keepContextEnd.
 func restoreContext(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		defer msg.SetContext(ctx)
-		return h(msg)
+		out, err := h(msg)
+		if attempt, ok := ctx.Value(lastAttemptKey{}).(*lastAttempt); ok {
+			attempt.err = err // Retry runs its attempts one after the other
+		}
+		return out, err
 	}
 }
 
-// keepContextEnd adds the message context's end (context.Canceled or
-// DeadlineExceeded) to an error that is that context's cause alone, so that
-// IsTransient, and the poison queue's default filter with it, sees the end:
-// Retry (cenkalti/backoff) returns context.Cause(ctx) alone once the
-// message context has ended, and a cause of its own (errgroup.WithContext
+// keepContextEnd gives the poison queue the error that says what became of
+// the message, when Retry (cenkalti/backoff) returned the message context's
+// cause or error because the context ended (a shutdown, a deadline) rather
+// than an attempt's error: the last attempt's error (restoreContext
+// records it), so that a message its handler refused for good is still
+// poisoned (Retry dropped that refusal once a deadline passed during its
+// backoff, and the message looped for ever); and, when there was none, the
+// cause with the context's end added (context.Canceled or
+// DeadlineExceeded), so that IsTransient, and the poison queue's default
+// filter with it, sees the end: a cause of its own (errgroup.WithContext
 // cancels the router's context with the error of the service that failed
-// first; context.WithTimeoutCause) is no transient error: every message in
-// flight at such a shutdown was poisoned. An error that does not wrap the
-// cause is left as it is: the handler's own refusal stays permanent.
+// first; context.WithTimeoutCause) is no transient error, and every message
+// in flight at such a shutdown was poisoned.
 func keepContextEnd(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
+		attempt := &lastAttempt{}
+		msg.SetContext(context.WithValue(ctx, lastAttemptKey{}, attempt))
+		defer msg.SetContext(ctx)
 		out, err := h(msg)
+		if err != nil && ctx.Err() != nil && attempt.err != nil && !errors.Is(attempt.err, err) &&
+			(errors.Is(err, context.Cause(ctx)) || errors.Is(err, ctx.Err())) {
+			// Retry gave up on the context, not on an attempt.
+			err = fmt.Errorf("%w (then the message context ended: %v)", attempt.err, err)
+		}
 		return out, withContextEnd(ctx, err)
 	}
 }
+
+// lastAttempt holds the error of the last attempt Retry ran
+// (restoreContext records it), for keepContextEnd.
+type lastAttempt struct{ err error }
+
+// lastAttemptKey is the message context key of keepContextEnd's
+// lastAttempt.
+type lastAttemptKey struct{}
 
 // withContextEnd returns err with ctx's error added when ctx has ended and
 // err wraps its cause but not its error (see keepContextEnd).
