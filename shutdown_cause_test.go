@@ -298,3 +298,119 @@ func TestInboxMiddlewaresPoisonARefusalWhoseRetryOutlastedADeadline(t *testing.T
 		t.Errorf("a message its handler refuses for good was not poisoned in 3 s: nacked and redelivered for ever")
 	}
 }
+
+// An errgroup-style shutdown while a handler's remote call runs; the call
+// returns an error of its own that does not wrap context.Canceled (gRPC's
+// status.Error(codes.Canceled, ...) does so). An attempt the context's end
+// cut short says nothing of the message: it is not poisoned (a first
+// version of the last-attempt rule gave the poison queue that attempt's
+// error, and poisoned it).
+func TestInboxMiddlewaresDoNotPoisonAShutdownThatCutAnAttemptShort(t *testing.T) {
+	shutdownCase(t, "gochannel", func(ib *inbox.Inbox, poison message.Publisher) []message.HandlerMiddleware {
+		mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: poison, PoisonTopic: "poison"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return mws
+	}, func(ctx context.Context) error {
+		<-ctx.Done()                                            // a call that watches ctx
+		return errors.New("payment service: request cancelled") // its own error, like gRPC's codes.Canceled
+	})
+}
+
+// The same with a per-message deadline with a cause (timeoutWithCause, 100
+// ms, before Inbox.Middlewares as documented) that cuts the attempt short:
+// redelivered, not poisoned.
+func TestInboxMiddlewaresDoNotPoisonADeadlineThatCutAnAttemptShort(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	logger := watermill.NopLogger{}
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
+	defer ps.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(timeoutWithCause)
+	router.AddMiddleware(mws...)
+	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
+		<-msg.Context().Done()
+		return errors.New("payment service: request cancelled")
+	})
+	poisoned, err := ps.Subscribe(context.Background(), "poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = router.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	<-router.Running()
+	if err := ps.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case p := <-poisoned:
+		p.Ack()
+		t.Errorf("poisoned at a deadline: %q", p.Metadata.Get(middleware.ReasonForPoisonedKey))
+	case <-time.After(1 * time.Second):
+	}
+}
+
+// A handler that refuses the message for good, at once, except that its
+// lookup is slow on Retry's 4th attempt, which the per-message deadline
+// (timeoutWithCause, 100 ms, cause) cuts; Retry InitialInterval 1 ms. The
+// poison queue gets the last refusal made before the deadline, and poisons
+// the message: with the last attempt's error (the deadline) it was nacked,
+// the same on every redelivery, never poisoned.
+func TestInboxMiddlewaresPoisonARefusalWhoseLastAttemptADeadlineCutShort(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	logger := watermill.NopLogger{}
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
+	defer ps.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison",
+		Retry: middleware.Retry{InitialInterval: time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(timeoutWithCause) // 100 ms, cause errHandlerDeadline
+	router.AddMiddleware(mws...)
+	var attempts atomic.Int32
+	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
+		if attempts.Add(1)%4 == 0 { // Retry's 4th attempt: the lookup is slow this time
+			<-msg.Context().Done()
+			return msg.Context().Err()
+		}
+		return errors.New("order refers to an unknown customer") // permanent, at once
+	})
+	poisoned, err := ps.Subscribe(context.Background(), "poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = router.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	<-router.Running()
+	if err := ps.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case p := <-poisoned:
+		p.Ack()
+		t.Logf("poisoned: %q", p.Metadata.Get(middleware.ReasonForPoisonedKey))
+	case <-time.After(3 * time.Second):
+		t.Errorf("a message its handler refuses for good was not poisoned in 3 s (%d attempts): nacked and redelivered for ever", attempts.Load())
+	}
+}

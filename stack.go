@@ -160,8 +160,8 @@ func restoreContext(h message.HandlerFunc) message.HandlerFunc {
 		ctx := msg.Context()
 		defer msg.SetContext(ctx)
 		out, err := h(msg)
-		if attempt, ok := ctx.Value(lastAttemptKey{}).(*lastAttempt); ok {
-			attempt.err = err // Retry runs its attempts one after the other
+		if attempt, ok := ctx.Value(lastAttemptKey{}).(*lastAttempt); ok && err != nil && ctx.Err() == nil {
+			attempt.beforeEnd = err // Retry runs its attempts one after the other
 		}
 		return out, err
 	}
@@ -170,8 +170,9 @@ func restoreContext(h message.HandlerFunc) message.HandlerFunc {
 // keepContextEnd gives the poison queue the error that says what became of
 // the message, when Retry (cenkalti/backoff) returned the message context's
 // cause or error because the context ended (a shutdown, a deadline) rather
-// than an attempt's error: the last attempt's error (restoreContext
-// records it), so that a message its handler refused for good is still
+// than an attempt's error: the error of the last attempt that failed
+// before the context ended (restoreContext records it), so that a message
+// its handler refused for good is still
 // poisoned (Retry dropped that refusal once a deadline passed during its
 // backoff, and the message looped for ever); and, when there was none, the
 // cause with the context's end added (context.Canceled or
@@ -187,18 +188,23 @@ func keepContextEnd(h message.HandlerFunc) message.HandlerFunc {
 		msg.SetContext(context.WithValue(ctx, lastAttemptKey{}, attempt))
 		defer msg.SetContext(ctx)
 		out, err := h(msg)
-		if err != nil && ctx.Err() != nil && attempt.err != nil && !errors.Is(attempt.err, err) &&
+		if err != nil && ctx.Err() != nil && attempt.beforeEnd != nil && !errors.Is(attempt.beforeEnd, err) &&
 			(errors.Is(err, context.Cause(ctx)) || errors.Is(err, ctx.Err())) {
-			// Retry gave up on the context, not on an attempt.
-			err = fmt.Errorf("%w (then the message context ended: %v)", attempt.err, err)
+			// Retry gave up on the context, not on an attempt: the last
+			// attempt that failed before the context ended says what
+			// became of the message. (One the context's end cut short
+			// says nothing of it: a handler's own "request cancelled"
+			// poisoned a message at a shutdown.)
+			err = fmt.Errorf("%w (then the message context ended: %v)", attempt.beforeEnd, err)
 		}
 		return out, withContextEnd(ctx, err)
 	}
 }
 
-// lastAttempt holds the error of the last attempt Retry ran
-// (restoreContext records it), for keepContextEnd.
-type lastAttempt struct{ err error }
+// lastAttempt holds the error of the last attempt Retry ran that failed
+// while the message context had not ended (restoreContext records it), for
+// keepContextEnd.
+type lastAttempt struct{ beforeEnd error }
 
 // lastAttemptKey is the message context key of keepContextEnd's
 // lastAttempt.
