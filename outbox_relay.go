@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf16"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -514,7 +515,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 			if err != nil {
 				return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: list the waiting topics: %w", err)}}
 			}
-			skipArgs = []any{string(list)}
+			skipArgs = []any{asciiJSON(list)}
 		}
 	}
 	var rows []outboxRow
@@ -1113,6 +1114,28 @@ func decodeOutboxRows(rows []outboxRow) ([]*message.Message, error) {
 		msgs[i] = m
 	}
 	return msgs, nil
+}
+
+// asciiJSON returns the JSON text b with every character outside ASCII
+// written as \uXXXX (a surrogate pair beyond the BMP), which every JSON
+// reader decodes as the character: a connection whose character set lacks
+// 4-byte characters (MySQL's utf8mb3, charset=utf8) broke them on the way,
+// and the server refused the whole list.
+func asciiJSON(b []byte) string {
+	var out strings.Builder
+	out.Grow(len(b))
+	for _, r := range string(b) {
+		switch {
+		case r < utf8.RuneSelf:
+			out.WriteRune(r)
+		case r > 0xFFFF:
+			hi, lo := utf16.EncodeRune(r)
+			fmt.Fprintf(&out, "\\u%04x\\u%04x", hi, lo)
+		default:
+			fmt.Fprintf(&out, "\\u%04x", r)
+		}
+	}
+	return out.String()
 }
 
 // maxLastError bounds, in bytes, the refusal text that the relay stores in

@@ -133,7 +133,10 @@ func outboxBatchRead(d Dialect, q, lock, guard, idleColumns string) func(n int, 
 		skip = "topic NOT IN (SELECT jsonb_array_elements_text(CAST(? AS jsonb)))"
 	case serverMySQL:
 		// topic is varbinary: the JSON strings compared as their bytes.
-		skip = "topic NOT IN (SELECT CAST(j.t AS BINARY) FROM JSON_TABLE(?, '$[*]' COLUMNS (t VARCHAR(1024) PATH '$')) AS j)"
+		// The list comes in ASCII (asciiJSON): a connection in utf8mb3
+		// (charset=utf8) broke a 4-byte character in it, and JSON_TABLE
+		// refused the whole list (4035), every read with it.
+		skip = "topic NOT IN (SELECT CAST(j.t AS BINARY) FROM JSON_TABLE(?, '$[*]' COLUMNS (t VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$')) AS j)"
 	}
 	return func(n int, skipTopics, idleTimeouts bool) string {
 		var conditions []string

@@ -10,6 +10,7 @@ import (
 	"modernc.org/sqlite"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // Thousands of topics waiting for their next try at once (one per tenant,
@@ -59,7 +60,7 @@ func TestOutboxRelayReachesAHealthyTopicBehindThousandsOfWaitingOnes(t *testing.
 		waiting := make([]string, 1600)
 		tx, pub := beginOutbox(t, db, ob)
 		for i := range waiting {
-			waiting[i] = fmt.Sprintf("tenant-%d/ü", i) // not only ASCII
+			waiting[i] = fmt.Sprintf("tenant-%d/ü😀", i) // not only ASCII, nor only the BMP
 			if err := pub.Publish(waiting[i], message.NewMessage(fmt.Sprintf("w-%d", i), []byte("p"))); err != nil {
 				t.Fatal(err)
 			}
@@ -80,4 +81,28 @@ func TestOutboxRelayReachesAHealthyTopicBehindThousandsOfWaitingOnes(t *testing.
 			t.Errorf("%d rows left, want the %d of the waiting topics", n, len(waiting))
 		}
 	})
+}
+
+// MariaDB/MySQL with the common DSN setting charset=utf8 (utf8mb3): a topic
+// with a 4-byte character (an emoji) is written to the varbinary column,
+// and once it waits the read still leaves it out: the JSON list of waiting
+// topics broke on the way in, JSON_TABLE refused it (4035), and every read
+// failed, the healthy topics' too.
+func TestOutboxRelayLeavesOutAWaitingTopicBeyondTheBMPOnAUTF8mb3Connection(t *testing.T) {
+	db := testdb.OpenMySQL(t, "charset=utf8")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker})
+	tx, pub := beginOutbox(t, db, ob)
+	if err := pub.Publish("tenant-😀", message.NewMessage("waiting", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("payments", message.NewMessage("healthy", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if r := ob.RelayRoundWhileTopicsWait(context.Background(), []string{"tenant-😀"}); r.Err != nil || r.Relayed != 1 {
+		t.Fatalf("round while tenant-😀 waits: %+v, want the healthy message relayed", r)
+	}
 }
