@@ -152,14 +152,14 @@ func shutdownCase(t *testing.T, broker string, stack func(*inbox.Inbox, message.
 		t.Fatal(err)
 	}
 	mws := stack(ib, pub)
-	var inboxErr atomic.Value
+	var inboxErr atomic.Pointer[error] // errors of different types: atomic.Value panicked on the second
 	last := len(mws) - 1
 	router.AddMiddleware(mws[:last]...)
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
 			if err != nil {
-				inboxErr.Store(err)
+				inboxErr.Store(&err)
 			}
 			return out, err
 		}
@@ -189,7 +189,8 @@ func shutdownCase(t *testing.T, broker string, stack func(*inbox.Inbox, message.
 	shutdown(errors.New("metrics exporter: invalid configuration"))
 	<-ran
 
-	if e, ok := inboxErr.Load().(error); ok {
+	if p := inboxErr.Load(); p != nil {
+		e := *p
 		t.Logf("the inbox returned: %v (IsTransient %v)", e, inbox.IsTransient(e))
 	}
 	for _, p := range poisoned() {

@@ -189,7 +189,7 @@ func shutdownWithACause(t *testing.T, broker, backend string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var inboxErr atomic.Value
+	var inboxErr atomic.Pointer[error] // errors of different types: atomic.Value panicked on the second
 	last := len(mws) - 1
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -203,7 +203,7 @@ func shutdownWithACause(t *testing.T, broker, backend string) {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
 			if err != nil {
-				inboxErr.Store(err)
+				inboxErr.Store(&err)
 			}
 			return out, err
 		}
@@ -240,7 +240,8 @@ func shutdownWithACause(t *testing.T, broker, backend string) {
 	<-ran
 	_ = sub.Close()
 
-	if e, ok := inboxErr.Load().(error); ok {
+	if p := inboxErr.Load(); p != nil {
+		e := *p
 		t.Logf("the inbox returned: %v (IsTransient %v)", e, inbox.IsTransient(e))
 	}
 	var businessRows, inboxRows int
