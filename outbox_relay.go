@@ -1201,6 +1201,17 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}
+	// keep leaves a message that could not be set aside first in line, its
+	// reason as its last error and an attempt counted.
+	keep := func(id int64, reason error) error {
+		delete(b.bury, id)
+		b.failed[id] = reason
+		b.kept = append(b.kept, id)
+		if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(reason), id); err != nil {
+			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
+		}
+		return nil
+	}
 	for id, perr := range b.bury {
 		var res sql.Result
 		err := o.readInWalk(ctx, tx, func() (err error) {
@@ -1214,12 +1225,8 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			// moved nothing past this one. It stays first in line, with the
 			// reason as its last error, and the round records the rest (on
 			// PostgreSQL the INSERT ran under a savepoint, rolled back to).
-			kept := fmt.Errorf("%w; %w: moving it to %s failed: %w", perr, errNotSettable, o.target().dead, err)
-			delete(b.bury, id)
-			b.failed[id] = kept
-			b.kept = append(b.kept, id)
-			if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(kept), id); err != nil {
-				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
+			if err := keep(id, fmt.Errorf("%w; %w: moving it to %s failed: %w", perr, errNotSettable, o.target().dead, err)); err != nil {
+				return err
 			}
 			continue
 		}
@@ -1246,12 +1253,8 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			// would send its other messages again in every round; the
 			// message stays first in line instead, with the reason as its
 			// last error.
-			kept := fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.target().dead, id)
-			delete(b.bury, id)
-			b.failed[id] = kept
-			b.kept = append(b.kept, id)
-			if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(kept), id); err != nil {
-				return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
+			if err := keep(id, fmt.Errorf("%w; %w: %s already holds outbox id %d (did the outbox's ids start again?)", perr, errNotSettable, o.target().dead, id)); err != nil {
+				return err
 			}
 			continue
 		}
