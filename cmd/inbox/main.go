@@ -14,8 +14,10 @@
 // (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
 // with the problems and the DDL that fixes them when the table is missing or
 // could merge, truncate or reject message ids; with -outbox-table (repeated
-// for several) it also checks that the outbox tables the service writes
-// exist (inbox.Config.OutboxTables). Without -verify, -outbox-table prints
+// for several) it also checks the outbox tables the service writes: an
+// inbox.Outbox's as its relay uses it (Outbox.Verify: its dead-letter table,
+// its columns, its id sequence), another outbox's (watermill-sql's,
+// inbox.Config.OutboxTables) only that it exists. Without -verify, -outbox-table prints
 // (or, with -apply, creates) an inbox.Outbox's table and its dead-letter
 // table beside the inbox's, no broker needed.
 //
@@ -334,7 +336,7 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	verify := fs.Bool("verify", false, "check that the table in -db exists and is one the inbox can use, instead of printing")
 	var outboxTables []string
 	fs.Func("outbox-table", "also print the DDL of this outbox table and its dead-letter table (inbox.Outbox's), with -apply create them,"+
-		" with -verify check that it exists (Config.OutboxTables); repeat for several", func(v string) error {
+		" with -verify check it as the relay uses it (an inbox.Outbox's) or that it exists (another outbox's, Config.OutboxTables); repeat for several", func(v string) error {
 		outboxTables = append(outboxTables, v)
 		return nil
 	})
@@ -401,7 +403,22 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 				inbox.AddFingerprintColumnSQL(d, c.table))
 		}
 		for _, t := range outboxTables {
-			fmt.Fprintf(stdout, "outbox table %s exists\n", t)
+			relayed, err := isRelayedOutbox(ctx, db, t)
+			if err != nil {
+				return err
+			}
+			if !relayed {
+				fmt.Fprintf(stdout, "outbox table %s exists\n", t)
+				continue
+			}
+			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: d, Table: t, Publisher: noPublisher{}})
+			if err != nil {
+				return err
+			}
+			if err := ob.Verify(ctx); err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "outbox table %s and its dead-letter table %s are verified (inbox.Outbox)\n", t, ob.DeadLetterTable())
 		}
 		return nil
 	}
@@ -422,6 +439,39 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fmt.Fprintf(stdout, "outbox table %s and its dead-letter table %s are ready\n", t, ob.DeadLetterTable())
 	}
 	return nil
+}
+
+// isRelayedOutbox reports whether table, which exists, is an inbox.Outbox
+// table (it has the relay's topic and attempts columns), which "schema
+// -verify" then checks as the relay uses it (Outbox.Verify). A table of
+// another outbox (watermill-sql's, Config.OutboxTables) has neither, and
+// is only checked to exist: how it is relayed is not the inbox's to know.
+// The name is one Config.OutboxTables accepted (letters, digits and
+// underscores, an optional schema), quoted as the library quotes it.
+func isRelayedOutbox(ctx context.Context, db *sqlx.DB, table string) (bool, error) {
+	quote := func(s string) string { return `"` + s + `"` }
+	if db.DriverName() == "mysql" {
+		quote = func(s string) string { return "`" + s + "`" }
+	}
+	parts := strings.Split(table, ".")
+	for i, p := range parts {
+		parts[i] = quote(p)
+	}
+	rows, err := db.QueryContext(ctx, "SELECT * FROM "+strings.Join(parts, ".")+" WHERE 1 = 0")
+	if err != nil {
+		return false, fmt.Errorf("inbox command: read the columns of outbox table %s: %w", table, err)
+	}
+	defer rows.Close()
+	columns, err := rows.Columns()
+	if err != nil {
+		return false, fmt.Errorf("inbox command: read the columns of outbox table %s: %w", table, err)
+	}
+	var topic, attempts bool
+	for _, c := range columns {
+		topic = topic || strings.EqualFold(c, "topic")
+		attempts = attempts || strings.EqualFold(c, "attempts")
+	}
+	return topic && attempts, rows.Close()
 }
 
 // noPublisher is the publisher of an Outbox made only to create its tables.
