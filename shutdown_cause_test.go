@@ -205,48 +205,16 @@ func shutdownCase(t *testing.T, broker string, stack func(*inbox.Inbox, message.
 // alone, the stack adds DeadlineExceeded back, and the message is not
 // poisoned for a deadline.
 func TestInboxMiddlewaresDoNotPoisonADeadlineWithACause(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
-	logger := watermill.NopLogger{}
-	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
-	defer ps.Close()
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	router.AddMiddleware(timeoutWithCause) // 100 ms, cause errHandlerDeadline
-	router.AddMiddleware(mws...)
+	f := newFixture(t, sqliteDB(t))
 	var calls atomic.Int32
-	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
+	if p := poisonedBehindADeadline(t, f, middleware.Retry{}, 2*time.Second, func(msg *message.Message) error {
 		if calls.Add(1) == 1 {
 			time.Sleep(300 * time.Millisecond) // slow once
 		}
 		return f.writeBusinessRow(msg)
-	})
-	poisoned, err := ps.Subscribe(context.Background(), "poison")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = router.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	<-router.Running()
-	if err := ps.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case p := <-poisoned:
-		p.Ack()
+	}); p != nil {
 		t.Errorf("message poisoned for a deadline (reason %q); business rows %d, inbox rows %d, calls %d: acked, never processed",
 			p.Metadata.Get(middleware.ReasonForPoisonedKey), f.businessRows(), f.inboxRows(), calls.Load())
-	case <-time.After(2 * time.Second):
-		t.Logf("not poisoned; calls %d, business rows %d", calls.Load(), f.businessRows())
 	}
 }
 
@@ -258,44 +226,10 @@ func TestInboxMiddlewaresDoNotPoisonADeadlineWithACause(t *testing.T) {
 // error, and the stack gives the poison queue the last attempt's error, so
 // the message is poisoned. It was nacked and redelivered for ever.
 func TestInboxMiddlewaresPoisonARefusalWhoseRetryOutlastedADeadline(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
-	logger := watermill.NopLogger{}
-	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
-	defer ps.Close()
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	router.AddMiddleware(timeoutWithCause) // 100 ms, cause errHandlerDeadline
-	router.AddMiddleware(mws...)
-	calls := 0
-	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
-		calls++
+	f := newFixture(t, sqliteDB(t))
+	if p := poisonedBehindADeadline(t, f, middleware.Retry{}, 3*time.Second, func(*message.Message) error {
 		return errors.New("order refers to an unknown customer") // permanent, returned at once
-	})
-	poisoned, err := ps.Subscribe(context.Background(), "poison")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = router.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	<-router.Running()
-	if err := ps.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case p := <-poisoned:
-		p.Ack()
-		t.Logf("poisoned: %q", p.Metadata.Get(middleware.ReasonForPoisonedKey))
-	case <-time.After(3 * time.Second):
+	}); p == nil {
 		t.Errorf("a message its handler refuses for good was not poisoned in 3 s: nacked and redelivered for ever")
 	}
 }
@@ -323,43 +257,12 @@ func TestInboxMiddlewaresDoNotPoisonAShutdownThatCutAnAttemptShort(t *testing.T)
 // ms, before Inbox.Middlewares as documented) that cuts the attempt short:
 // redelivered, not poisoned.
 func TestInboxMiddlewaresDoNotPoisonADeadlineThatCutAnAttemptShort(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{})
-	logger := watermill.NopLogger{}
-	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
-	defer ps.Close()
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	router.AddMiddleware(timeoutWithCause)
-	router.AddMiddleware(mws...)
-	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
+	f := newFixture(t, sqliteDB(t))
+	if p := poisonedBehindADeadline(t, f, middleware.Retry{}, time.Second, func(msg *message.Message) error {
 		<-msg.Context().Done()
 		return errors.New("payment service: request cancelled")
-	})
-	poisoned, err := ps.Subscribe(context.Background(), "poison")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = router.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	<-router.Running()
-	if err := ps.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case p := <-poisoned:
-		p.Ack()
+	}); p != nil {
 		t.Errorf("poisoned at a deadline: %q", p.Metadata.Get(middleware.ReasonForPoisonedKey))
-	case <-time.After(1 * time.Second):
 	}
 }
 
@@ -370,8 +273,25 @@ func TestInboxMiddlewaresDoNotPoisonADeadlineThatCutAnAttemptShort(t *testing.T)
 // the message: with the last attempt's error (the deadline) it was nacked,
 // the same on every redelivery, never poisoned.
 func TestInboxMiddlewaresPoisonARefusalWhoseLastAttemptADeadlineCutShort(t *testing.T) {
-	db := sqliteDB(t)
-	f := newFixture(t, db)
+	f := newFixture(t, sqliteDB(t))
+	var attempts atomic.Int32
+	if p := poisonedBehindADeadline(t, f, middleware.Retry{InitialInterval: time.Millisecond}, 3*time.Second, func(msg *message.Message) error {
+		if attempts.Add(1)%4 == 0 { // Retry's 4th attempt: the lookup is slow this time
+			<-msg.Context().Done()
+			return msg.Context().Err()
+		}
+		return errors.New("order refers to an unknown customer") // permanent, at once
+	}); p == nil {
+		t.Errorf("a message its handler refuses for good was not poisoned in 3 s (%d attempts): nacked and redelivered for ever", attempts.Load())
+	}
+}
+
+// poisonedBehindADeadline runs handler on a router with f's inbox through
+// Inbox.Middlewares (poison queue on a gochannel, retry its Retry) behind
+// timeoutWithCause (100 ms, a cause), publishes one message, and returns
+// what the poison queue got within wait, or nil.
+func poisonedBehindADeadline(t *testing.T, f *fixture, retry middleware.Retry, wait time.Duration, handler message.NoPublishHandlerFunc) *message.Message {
+	t.Helper()
 	ib := f.newInbox(inbox.Config{})
 	logger := watermill.NopLogger{}
 	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
@@ -380,21 +300,13 @@ func TestInboxMiddlewaresPoisonARefusalWhoseLastAttemptADeadlineCutShort(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
-	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison",
-		Retry: middleware.Retry{InitialInterval: time.Millisecond}})
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: ps, PoisonTopic: "poison", Retry: retry})
 	if err != nil {
 		t.Fatal(err)
 	}
 	router.AddMiddleware(timeoutWithCause) // 100 ms, cause errHandlerDeadline
 	router.AddMiddleware(mws...)
-	var attempts atomic.Int32
-	router.AddConsumerHandler("billing", "orders", ps, func(msg *message.Message) error {
-		if attempts.Add(1)%4 == 0 { // Retry's 4th attempt: the lookup is slow this time
-			<-msg.Context().Done()
-			return msg.Context().Err()
-		}
-		return errors.New("order refers to an unknown customer") // permanent, at once
-	})
+	router.AddConsumerHandler("billing", "orders", ps, handler)
 	poisoned, err := ps.Subscribe(context.Background(), "poison")
 	if err != nil {
 		t.Fatal(err)
@@ -411,7 +323,8 @@ func TestInboxMiddlewaresPoisonARefusalWhoseLastAttemptADeadlineCutShort(t *test
 	case p := <-poisoned:
 		p.Ack()
 		t.Logf("poisoned: %q", p.Metadata.Get(middleware.ReasonForPoisonedKey))
-	case <-time.After(3 * time.Second):
-		t.Errorf("a message its handler refuses for good was not poisoned in 3 s (%d attempts): nacked and redelivered for ever", attempts.Load())
+		return p
+	case <-time.After(wait):
+		return nil
 	}
 }
