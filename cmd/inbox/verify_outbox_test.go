@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jmoiron/sqlx"
+
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
@@ -18,13 +20,7 @@ import (
 func TestSchemaVerifyChecksAnOutboxTableAsTheRelayUsesIt(t *testing.T) {
 	for name, c := range dsns(t) {
 		t.Run(name, func(t *testing.T) {
-			table := appliedTable(t, c.dsn, c.db)
-			outbox := "cli_outbox_" + testdb.RandomSuffix()
-			testdb.DropLater(t, c.db, outbox)
-			testdb.DropLater(t, c.db, outbox+"_dead")
-			if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
-				t.Fatalf("schema -apply: exit %d, stdout %q, stderr %q", code, out, errOut)
-			}
+			table, outbox := appliedOutbox(t, c.dsn, c.db)
 
 			code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-verify")
 			want := "outbox table " + outbox + " and its dead-letter table " + outbox + "_dead are verified (inbox.Outbox)\n"
@@ -68,13 +64,7 @@ func TestSchemaVerifyChecksAnOutboxTableAsTheRelayUsesIt(t *testing.T) {
 // writer's messages out of order), with the statement that fixes it.
 func TestSchemaVerifyRefusesAnOutboxWhoseIDSequenceCaches(t *testing.T) {
 	c := dsns(t)["postgres"]
-	table := appliedTable(t, c.dsn, c.db)
-	outbox := "cli_outbox_" + testdb.RandomSuffix()
-	testdb.DropLater(t, c.db, outbox)
-	testdb.DropLater(t, c.db, outbox+"_dead")
-	if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
-		t.Fatalf("schema -apply: exit %d, stdout %q, stderr %q", code, out, errOut)
-	}
+	table, outbox := appliedOutbox(t, c.dsn, c.db)
 	if _, err := c.db.Exec("ALTER TABLE " + outbox + " ALTER COLUMN id SET CACHE 20"); err != nil {
 		t.Fatal(err)
 	}
@@ -83,4 +73,17 @@ func TestSchemaVerifyRefusesAnOutboxWhoseIDSequenceCaches(t *testing.T) {
 		!strings.Contains(err.Error(), "SET CACHE 1") {
 		t.Errorf("verify an outbox whose id sequence caches 20: %v, want ErrIncompatibleTable with the fix", err)
 	}
+}
+
+// appliedOutbox makes an inbox table and an inbox.Outbox table with
+// "inbox schema -apply", dropped after the test, and returns their names.
+func appliedOutbox(t *testing.T, dsn string, db *sqlx.DB) (table, outbox string) {
+	t.Helper()
+	table, outbox = appliedTable(t, dsn, db), "cli_outbox_"+testdb.RandomSuffix()
+	testdb.DropLater(t, db, outbox)
+	testdb.DropLater(t, db, outbox+"_dead")
+	if code, out, errOut := cli(t, "schema", "-db", dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
+		t.Fatalf("schema -apply: exit %d, stdout %q, stderr %q", code, out, errOut)
+	}
+	return table, outbox
 }
