@@ -52,8 +52,12 @@ func (d postgresDialect) storedFingerprintSQL(t qualifiedName) string {
 
 func (postgresDialect) fingerprintColumn() string { return "fingerprint  bytea" }
 
+// The type, followed by fingerprintNotGranted when the session's user may
+// not both read and write the column: a column-level GRANT made before the
+// column was added does not cover it (a table-level one does).
 func (d postgresDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
-	return "SELECT format_type(atttypid, atttypmod) FROM pg_attribute" +
+	return "SELECT format_type(atttypid, atttypmod) || CASE WHEN has_column_privilege(attrelid, attnum, 'SELECT')" +
+		" AND has_column_privilege(attrelid, attnum, 'INSERT') THEN '' ELSE '" + fingerprintNotGranted + "' END FROM pg_attribute" +
 		" WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped", []any{t.quoted(d)}
 }
 

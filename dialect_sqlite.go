@@ -44,16 +44,17 @@ func (d sqliteDialect) storedFingerprintSQL(t qualifiedName) string {
 func (sqliteDialect) fingerprintColumn() string { return "fingerprint  BLOB" }
 
 func (sqliteDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
-	schema := t.schema
-	if schema == "" {
-		schema = "main"
-	}
-	// SQLite compares column names without case (FINGERPRINT is the same
-	// column); pragma_table_info gives the name as it was declared. The
-	// type says whether the table is STRICT (pragma_table_list, SQLite
-	// 3.37+), where the declared type is enforced.
-	return "SELECT type || CASE WHEN (SELECT strict FROM pragma_table_list(?) WHERE schema = ?) THEN '" + sqliteStrictSuffix + "' ELSE '' END" +
-		" FROM pragma_table_info(?, ?) WHERE lower(name) = 'fingerprint'", []any{t.name, schema, t.name, schema}
+	// The table an unqualified name resolves to, as SQLite resolves it
+	// (temp, main, then the attached databases in order: sqliteTableSQL);
+	// "main" alone turned the check off, in silence, for a table in an
+	// attached database. SQLite compares column names without case
+	// (FINGERPRINT is the same column); pragma_table_info gives the name as
+	// it was declared. The type says whether the table is STRICT
+	// (pragma_table_list, SQLite 3.37+), where the declared type is
+	// enforced.
+	return "SELECT ti.type || CASE WHEN tl.strict THEN '" + sqliteStrictSuffix + "' ELSE '' END" +
+			" FROM (" + sqliteResolvedTableSQL + ") tl, pragma_table_info(?1, tl.schema) ti WHERE lower(ti.name) = 'fingerprint'",
+		[]any{t.name, t.schema}
 }
 
 // sqliteStrictSuffix follows the fingerprint column's type, in what
@@ -181,7 +182,12 @@ type sqliteColumn struct {
 // The schema that an unqualified name resolves to (temp, main, then the
 // attached databases in order) or the given one (parameter 2, "" for
 // unqualified), and what the object is there.
-const sqliteTableSQL = `SELECT tl.schema AS schema, tl.type AS type
+const sqliteTableSQL = `SELECT schema, type FROM (` + sqliteResolvedTableSQL + `)`
+
+// sqliteResolvedTableSQL is the pragma_table_list row of table ?1 in
+// schema ?2, or with ?2 = ” of the table the unqualified name resolves to:
+// in temp, main, then the attached databases in the order of their ATTACH.
+const sqliteResolvedTableSQL = `SELECT tl.schema AS schema, tl.type AS type, tl.strict AS strict
 FROM pragma_table_list(?1) tl LEFT JOIN pragma_database_list dl ON dl.name = tl.schema
 WHERE ?2 = '' OR tl.schema = ?2 COLLATE NOCASE
 ORDER BY CASE tl.schema WHEN 'temp' THEN -1 ELSE COALESCE(dl.seq, 1000) END LIMIT 1`

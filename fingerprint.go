@@ -145,6 +145,45 @@ func (d *delivery) rememberChangedFingerprint() {
 	}
 }
 
+// hiddenFingerprintColumn reports whether reading the table's fingerprint
+// column, which the catalog did not show, is refused for a privilege:
+// MySQL/MariaDB hide from information_schema a column on which the user has
+// no privilege (ER_COLUMNACCESS_DENIED_ERROR tells it is there), and the
+// check was off in silence. Elsewhere the column was not there.
+func (ib *Inbox) hiddenFingerprintColumn(ctx context.Context) bool {
+	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
+		rows, err := q.QueryxContext(ctx, "SELECT fingerprint FROM "+ib.table.quoted(ib.dialect)+" WHERE 1 = 0")
+		if err == nil {
+			err = rows.Close()
+		}
+		return err
+	})
+	return isPrivilegeRefusal(err)
+}
+
+// fingerprintNotGrantedError is the error of a fingerprint column (of type
+// typ, "" when the catalog hid it) that the database user may not read and
+// write: the inbox does not start its check, nor skip it, until it may.
+// It wraps ErrInvalidConfig: per message transient, nacked after a wait.
+func (ib *Inbox) fingerprintNotGrantedError(typ string) error {
+	if typ != "" {
+		typ = " (" + typ + ")"
+	}
+	grant := "SELECT (fingerprint), INSERT (fingerprint)"
+	if ib.dialect.server() == serverMySQL {
+		grant += ", UPDATE (fingerprint)" // its claim's ON DUPLICATE KEY UPDATE reads it
+	}
+	return fmt.Errorf("%w: the database user may not read and write %s.fingerprint%s (a column-level GRANT made before the"+
+		" column was added does not cover it): GRANT %s ON %s TO <the service's user or role>; or set Config.ReusedIDs to"+
+		" ReusedIDsOff", ErrInvalidConfig, ib.table, typ, grant, ib.table.quoted(ib.dialect))
+}
+
+// fingerprintNotGranted follows the fingerprint column's type, in what
+// fingerprintColumnSQL reads, when the session's user may not read and
+// write it (PostgreSQL); alone, when the catalog hid the column but reading
+// it was refused for a privilege (MySQL/MariaDB).
+const fingerprintNotGranted = " not granted"
+
 // resolveFingerprints decides, once, before the inbox's first claim and
 // after the table check, whether the table has the fingerprint column:
 // with it the fingerprints are on for good; without it they are off for
@@ -164,7 +203,13 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 	if err != nil {
 		return poolerHint(fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err))
 	}
+	if len(types) == 0 && ib.hiddenFingerprintColumn(ctx) {
+		types = []string{fingerprintNotGranted}
+	}
 	if len(types) > 0 {
+		if typ, notGranted := strings.CutSuffix(types[0], fingerprintNotGranted); notGranted {
+			return ib.fingerprintNotGrantedError(typ) // not resolved: every check until it is granted says so
+		}
 		if fix, ok := ib.dialect.fingerprintColumnFits(ib.table, types[0]); !ok {
 			// Not resolved: every check until it is fixed says so.
 			return fmt.Errorf("%w: %s.fingerprint is %s, which does not store a 16-byte fingerprint as it is given;"+
@@ -296,6 +341,14 @@ func (d *delivery) checkReusedID() error {
 		// as the new event it is after the purge.
 		return fmt.Errorf("inbox: %q/%q: %w; redeliver to claim it again", d.consumer, d.id, errKeyPurged)
 	}
+	if isPrivilegeRefusal(err) {
+		// A GRANT taken back while the inbox ran: the message is not at
+		// fault (transient, as a claim refused so; it was poisoned).
+		d.waitAfterEnd = &d.ib.refusedClaims
+		return &misconfiguredError{fmt.Errorf("inbox: %q/%q: read the stored fingerprint: the database user lacks SELECT on"+
+			" %s.fingerprint (GRANT SELECT (fingerprint) ON %s TO <the service's user or role>): %w",
+			d.consumer, d.id, d.ib.table, d.ib.table.quoted(d.ib.dialect), err)}
+	}
 	if err != nil {
 		return fmt.Errorf("inbox: %q/%q: read the stored fingerprint: %w", d.consumer, d.id, d.commitTimedOut(err))
 	}
@@ -348,6 +401,7 @@ func (ib *Inbox) settleOddFingerprint(d *delivery) error {
 		return fmt.Errorf("inbox: %q/%q: %w; read the fingerprint column's type: %w", d.consumer, d.id, errOddFingerprint, poolerHint(err))
 	}
 	if len(types) > 0 {
+		types[0], _ = strings.CutSuffix(types[0], fingerprintNotGranted) // its read just worked
 		if fix, ok := ib.dialect.fingerprintColumnFits(ib.table, types[0]); !ok {
 			d.waitAfterEnd = &ib.tableFailures
 			return &misconfiguredError{fmt.Errorf("inbox: %q/%q: %w: %s.fingerprint is now %s, which does not store a 16-byte"+
