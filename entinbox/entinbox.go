@@ -27,8 +27,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
+	"weak"
 
 	"entgo.io/ent/dialect"
 	entsql "entgo.io/ent/dialect/sql"
@@ -53,9 +55,12 @@ import (
 // is a savepoint in the inbox transaction: client.Tx (and client.BeginTx
 // without options) runs SAVEPOINT; the ent Tx's Commit releases it, and its
 // Rollback rolls back to it, undoing what was written through that Tx.
-// While it is open, the client itself refuses statements and transactions
-// (ErrTxOpen): its Rollback would undo them too, which on a pool would have
-// been apart from it.
+// While it is open, the client itself and every other client on the same
+// message's transaction refuse statements and transactions (ErrTxOpen): its
+// Rollback would undo them too, which on a pool would have been apart from
+// it. The raw transaction (inbox.TxFromContext) and inbox.OutboxFromContext
+// are not guarded: what they write while the Tx is open is undone by its
+// Rollback as well, so write through the Tx then.
 // Whatever the savepoints hold commits or rolls back with the inbox row in
 // the end. ent's own builders start such a transaction for statements that
 // span several statements (UpdateOne, Update, a Create with edges stored in
@@ -83,8 +88,9 @@ import (
 // runs their statements one at a time), but a savepoint spans the whole
 // transaction: while one goroutine's transaction is open (client.Tx, or
 // the one ent's builders open for UpdateOne, Update and a Create with
-// edges), another's statements on the client fail with ErrTxOpen. Make one
-// client per message and call it from one goroutine at a time.
+// edges), another's statements fail with ErrTxOpen, on that client or any
+// other of the message. Make one client per message and call it from one
+// goroutine at a time.
 func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
 	switch dialectName {
 	case dialect.Postgres, dialect.MySQL, dialect.SQLite:
@@ -95,7 +101,42 @@ func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
 	if !ok {
 		return nil, inbox.MissingTxError(ctx)
 	}
-	return &txDriver{Conn: entsql.Conn{ExecQuerier: tx.Tx}, tx: tx.Tx, dialect: dialectName}, nil
+	return &txDriver{Conn: entsql.Conn{ExecQuerier: tx.Tx}, tx: tx.Tx, dialect: dialectName, guard: guardOf(tx.Tx)}, nil
+}
+
+// txGuard is what every driver on one inbox transaction shares: a savepoint
+// spans the whole transaction, so while one driver's transaction is open
+// the statements of every other client of the message are refused too. A
+// guard per driver let a second client (a repository that takes its own
+// with Client(ctx, …)) write while another's Tx was open, and that Tx's
+// Rollback undid the write, which had returned nil: the message was acked
+// without it.
+type txGuard struct {
+	// mu is held shared by the clients' statements while they run, and
+	// exclusively while a transaction starts or ends, so that no statement
+	// runs across a savepoint's start or end.
+	mu sync.RWMutex
+	// open is whether a transaction (a savepoint) started on a driver of
+	// the inbox transaction is not yet committed or rolled back. Under mu.
+	open bool
+}
+
+// txGuards holds each inbox transaction's guard, by a weak pointer to its
+// *sql.Tx: an entry goes once the transaction is garbage (runtime.AddCleanup),
+// so the map holds no transaction alive and does not grow per message.
+var txGuards sync.Map // weak.Pointer[sql.Tx] -> *txGuard
+
+// guardOf returns the guard of the inbox transaction tx.
+func guardOf(tx *sql.Tx) *txGuard {
+	key := weak.Make(tx)
+	if g, ok := txGuards.Load(key); ok {
+		return g.(*txGuard)
+	}
+	g, loaded := txGuards.LoadOrStore(key, &txGuard{})
+	if !loaded {
+		runtime.AddCleanup(tx, func(k weak.Pointer[sql.Tx]) { txGuards.Delete(k) }, key)
+	}
+	return g.(*txGuard)
 }
 
 // Client returns the application's generated ent client on the inbox
@@ -119,8 +160,8 @@ func Client[C any](ctx context.Context, dialectName string, newClient func(diale
 }
 
 // ErrTxOpen is wrapped by the error of a statement or transaction started on
-// the client (the driver of Driver) while a transaction started on it is
-// still open: that transaction is a savepoint, and its Rollback would undo
+// a client of the message (a driver of Driver on its inbox transaction)
+// while a transaction started on that client or another is still open: that transaction is a savepoint, and its Rollback would undo
 // the statement too, which on a pool would have been apart from it and
 // kept. Run the statement through the Tx (tx.Client()), or after its Commit
 // or Rollback. ent's builders start such a transaction themselves for
@@ -136,21 +177,15 @@ type txDriver struct {
 	entsql.Conn // Exec and Query, on tx
 	tx          *sql.Tx
 	dialect     string
-	// mu is held shared by the client's statements while they run, and
-	// exclusively while a transaction starts or ends, so that no statement
-	// of the client runs across a savepoint's start or end.
-	mu sync.RWMutex
-	// open is whether a transaction (a savepoint) started on the driver is
-	// not yet committed or rolled back. Under mu.
-	open bool
+	guard       *txGuard // the inbox transaction's, shared with its other drivers
 }
 
 // Exec runs a statement of the client in the inbox transaction, unless a
 // transaction of the client is open (ErrTxOpen).
 func (d *txDriver) Exec(ctx context.Context, query string, args, v any) error {
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.open {
+	d.guard.mu.RLock()
+	defer d.guard.mu.RUnlock()
+	if d.guard.open {
 		return errTxOpen()
 	}
 	return d.Conn.Exec(ctx, query, args, v)
@@ -159,9 +194,9 @@ func (d *txDriver) Exec(ctx context.Context, query string, args, v any) error {
 // Query runs a query of the client in the inbox transaction, unless a
 // transaction of the client is open (ErrTxOpen).
 func (d *txDriver) Query(ctx context.Context, query string, args, v any) error {
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.open {
+	d.guard.mu.RLock()
+	defer d.guard.mu.RUnlock()
+	if d.guard.open {
 		return errTxOpen()
 	}
 	return d.Conn.Query(ctx, query, args, v)
@@ -190,16 +225,16 @@ var savepoints atomic.Uint64
 // ended (database/sql would roll back a transaction of the pool then); end
 // every Tx.
 func (d *txDriver) Tx(ctx context.Context) (dialect.Tx, error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.open {
+	d.guard.mu.Lock()
+	defer d.guard.mu.Unlock()
+	if d.guard.open {
 		return nil, errTxOpen()
 	}
 	sp := &savepoint{Conn: d.Conn, tx: d.tx, ctx: ctx, name: fmt.Sprintf("entinbox_%d", savepoints.Add(1)), drv: d}
 	if _, err := d.tx.ExecContext(ctx, "SAVEPOINT "+sp.name); err != nil {
 		return nil, fmt.Errorf("entinbox: savepoint: %w", err)
 	}
-	d.open = true
+	d.guard.open = true
 	return sp, nil
 }
 
@@ -322,9 +357,9 @@ func (s *savepoint) end() bool {
 // savepoint's end has run: before it, a client statement could run between
 // the end and its ROLLBACK TO, and be undone.
 func (s *savepoint) finish() {
-	s.drv.mu.Lock()
-	s.drv.open = false
-	s.drv.mu.Unlock()
+	s.drv.guard.mu.Lock()
+	s.drv.guard.open = false
+	s.drv.guard.mu.Unlock()
 }
 
 var (

@@ -59,7 +59,12 @@ var ErrTxOwnedByInbox = errors.New("gorminbox: the session runs in the inbox tra
 //   - Commit and Rollback refuse with ErrTxOwnedByInbox (the middleware ends
 //     the transaction); Begin fails with gorm.ErrInvalidTransaction, and the
 //     session's DB() and Connection with gorm.ErrInvalidDB, so that no
-//     handler code reaches the pool through the session.
+//     handler code reaches the pool through the session. Except on a session
+//     made from it with PrepareStmt (db.Session(&gorm.Session{PrepareStmt:
+//     true})): its statements still run in the inbox transaction, but GORM's
+//     PreparedStmtTX, which wraps the transaction, returns the application's
+//     pool from DB(), and Connection runs on that pool, outside the inbox
+//     transaction. Do not call them on such a session.
 //
 // db must be opened on the same database as the inbox's Config.DB; open it
 // over that very *sql.DB (postgres.New(postgres.Config{Conn: sqlDB}),
@@ -80,8 +85,14 @@ var ErrTxOwnedByInbox = errors.New("gorminbox: the session runs in the inbox tra
 //
 // The session is valid until the handler returns, like the transaction. It
 // may be used from goroutines the handler starts and waits for (a *sql.Tx
-// runs their statements one at a time); it is not safe for use after the
-// handler returned.
+// runs their statements one at a time), but not while one of them runs
+// Transaction: the savepoint spans the whole inbox transaction, and when fc
+// fails, what another goroutine wrote meanwhile (through the session,
+// inbox.TxFromContext or inbox.OutboxFromContext) is undone with it although
+// its statement returned nil, and the message is acked without it. GORM
+// gives fc the same connection pool, so nothing can tell its statements from
+// the others' and refuse them. It is not safe for use after the handler
+// returned.
 func DB(ctx context.Context, db *gorm.DB) (*gorm.DB, error) {
 	if db == nil {
 		return nil, errors.New("gorminbox: nil *gorm.DB: pass the application's *gorm.DB")
