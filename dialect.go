@@ -44,6 +44,11 @@ type Dialect interface {
 	// fingerprintColumnSQL returns a catalog query for the type of table's
 	// fingerprint column as the catalog spells it: no row without one.
 	fingerprintColumnSQL(table qualifiedName) (string, []any)
+	// fingerprintWriteProbeSQL returns a statement that writes nothing and
+	// that the database refuses (isPrivilegeRefusal) when the session's
+	// user may not read and write the fingerprint column as the claims do;
+	// "" where fingerprintColumnSQL tells it already.
+	fingerprintWriteProbeSQL(table qualifiedName) string
 	// fingerprintColumnFits reports whether a fingerprint column of type
 	// typ (as fingerprintColumnSQL reads it) stores 16 bytes exactly as
 	// given, and otherwise returns the statement that makes it so.

@@ -164,6 +164,15 @@ func (d mysqlDialect) writeProbeSQL(t qualifiedName) string {
 	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT '', '', UTC_TIMESTAMP(6) FROM DUAL WHERE 1 = 0"
 }
 
+// The claim's column privileges (claimFingerprintSQL: INSERT, and in its ON
+// DUPLICATE KEY UPDATE SELECT and UPDATE): MySQL/MariaDB check them when the
+// statement is prepared, whatever it writes. A column the user may use in
+// part is visible in information_schema, and every claim failed on it.
+func (d mysqlDialect) fingerprintWriteProbeSQL(t qualifiedName) string {
+	return "INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at, fingerprint) SELECT '', '', UTC_TIMESTAMP(6), NULL" +
+		" FROM DUAL WHERE 1 = 0 ON DUPLICATE KEY UPDATE processed_at = processed_at, fingerprint = fingerprint"
+}
+
 // MySQL has no SET LOCAL, and lock_wait_timeout would outlive the transaction.
 func (mysqlDialect) writeProbeLockTimeout() string { return "" }
 

@@ -872,3 +872,6 @@ func (d postgresDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeCon
 	}
 	return purgeRows(ctx, d, db, cfg, t)
 }
+
+// fingerprintWriteProbeSQL: none, has_column_privilege in fingerprintColumnSQL tells.
+func (postgresDialect) fingerprintWriteProbeSQL(qualifiedName) string { return "" }

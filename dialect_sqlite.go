@@ -432,3 +432,6 @@ func (sqliteDialect) purgeLock(_ context.Context, db *sqlx.DB, _ qualifiedName, 
 func (d sqliteDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) PurgeRound {
 	return purgeRows(ctx, d, db, cfg, t)
 }
+
+// fingerprintWriteProbeSQL: none, SQLite has no privileges.
+func (sqliteDialect) fingerprintWriteProbeSQL(qualifiedName) string { return "" }

@@ -145,43 +145,42 @@ func (d *delivery) rememberChangedFingerprint() {
 	}
 }
 
-// hiddenFingerprintColumn reports whether reading the table's fingerprint
-// column, which the catalog did not show, is refused for a privilege:
-// MySQL/MariaDB hide from information_schema a column on which the user has
-// no privilege (ER_COLUMNACCESS_DENIED_ERROR tells it is there), and the
-// check was off in silence. Elsewhere the column was not there.
-func (ib *Inbox) hiddenFingerprintColumn(ctx context.Context) bool {
-	err := withReadTx(ctx, ib.db, ib.dialect, func(q sqlx.QueryerContext) error {
-		rows, err := q.QueryxContext(ctx, "SELECT fingerprint FROM "+ib.table.quoted(ib.dialect)+" WHERE 1 = 0")
-		if err == nil {
-			err = rows.Close()
-		}
-		return err
-	})
-	return isPrivilegeRefusal(err)
-}
-
-// fingerprintNotGrantedError is the error of a fingerprint column (of type
-// typ, "" when the catalog hid it) that the database user may not read and
-// write: the inbox does not start its check, nor skip it, until it may.
-// It wraps ErrInvalidConfig: per message transient, nacked after a wait.
-func (ib *Inbox) fingerprintNotGrantedError(typ string) error {
-	if typ != "" {
-		typ = " (" + typ + ")"
-	}
+// fingerprintNotGrantedError is the error of a fingerprint column that the
+// database user may not read and write as the claims do (err: the refusal,
+// or nil when the catalog told): the inbox does not start its check, nor
+// skip it, until it may. It wraps ErrIncompatibleTable, as a fingerprint
+// column of a wrong type does: per message transient, nacked after a wait.
+func (ib *Inbox) fingerprintNotGrantedError(err error) error {
 	grant := "SELECT (fingerprint), INSERT (fingerprint)"
 	if ib.dialect.server() == serverMySQL {
-		grant += ", UPDATE (fingerprint)" // its claim's ON DUPLICATE KEY UPDATE reads it
+		grant += ", UPDATE (fingerprint)" // its claim's ON DUPLICATE KEY UPDATE reads and writes it
 	}
-	return fmt.Errorf("%w: the database user may not read and write %s.fingerprint%s (a column-level GRANT made before the"+
+	msg := fmt.Errorf("%w: the database user may not read and write %s.fingerprint (a column-level GRANT made before the"+
 		" column was added does not cover it): GRANT %s ON %s TO <the service's user or role>; or set Config.ReusedIDs to"+
-		" ReusedIDsOff", ErrInvalidConfig, ib.table, typ, grant, ib.table.quoted(ib.dialect))
+		" ReusedIDsOff", ErrIncompatibleTable, ib.table, grant, ib.table.quoted(ib.dialect))
+	if err != nil {
+		return fmt.Errorf("%w: %w", msg, err)
+	}
+	return msg
+}
+
+// hiddenNote is what the log of a missing fingerprint column adds on
+// MySQL/MariaDB, which hide from information_schema a column the database
+// user has no privilege on (a column-level GRANT made before the column was
+// added), and then refuse a read of it as they refuse a read of a column
+// that does not exist: the inbox cannot tell the two apart.
+func hiddenNote(d Dialect) string {
+	if d.server() != serverMySQL {
+		return ""
+	}
+	return " (or one the database user has no privilege on, which MySQL/MariaDB hide: grant SELECT, INSERT and UPDATE on it)"
 }
 
 // fingerprintNotGranted follows the fingerprint column's type, in what
 // fingerprintColumnSQL reads, when the session's user may not read and
-// write it (PostgreSQL); alone, when the catalog hid the column but reading
-// it was refused for a privilege (MySQL/MariaDB).
+// write it (PostgreSQL; MySQL/MariaDB tell it by the write probe of Verify,
+// verifyWritable, and hide from information_schema a column the user has no
+// privilege on at all, which the inbox then takes for missing).
 const fingerprintNotGranted = " not granted"
 
 // resolveFingerprints decides, once, before the inbox's first claim and
@@ -203,12 +202,9 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 	if err != nil {
 		return poolerHint(fmt.Errorf("inbox: look for the fingerprint column of %s: %w", ib.table, err))
 	}
-	if len(types) == 0 && ib.hiddenFingerprintColumn(ctx) {
-		types = []string{fingerprintNotGranted}
-	}
 	if len(types) > 0 {
-		if typ, notGranted := strings.CutSuffix(types[0], fingerprintNotGranted); notGranted {
-			return ib.fingerprintNotGrantedError(typ) // not resolved: every check until it is granted says so
+		if _, notGranted := strings.CutSuffix(types[0], fingerprintNotGranted); notGranted {
+			return ib.fingerprintNotGrantedError(nil) // not resolved: every check until it is granted says so
 		}
 		if fix, ok := ib.dialect.fingerprintColumnFits(ib.table, types[0]); !ok {
 			// Not resolved: every check until it is fixed says so.
@@ -219,7 +215,7 @@ func (ib *Inbox) resolveFingerprints(ctx context.Context) error {
 		return nil
 	}
 	ib.fingerprints.Store(fingerprintsOff)
-	ib.logger.get().Info("Inbox: the table has no fingerprint column, so a message id reused for other content is skipped as a duplicate"+
+	ib.logger.get().Info("Inbox: the table has no fingerprint column"+hiddenNote(ib.dialect)+", so a message id reused for other content is skipped as a duplicate"+
 		" (Config.ReusedIDs); add the column, and restart, to detect it: "+AddFingerprintColumnSQL(ib.dialect, ib.table.String()),
 		watermill.LogFields{"table": ib.table.String(), "reused_ids": ib.reusedIDs.String()})
 	return nil

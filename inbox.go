@@ -613,7 +613,7 @@ func (d *delivery) missingPartitionClaim(err error) error {
 func (d *delivery) refusedPrivilegeClaim(err error) error {
 	d.waitAfterEnd = &d.ib.refusedClaims
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: the database user lacks a privilege on it"+
-		" (a missing GRANT: the claim needs SELECT and INSERT on it, and UPDATE on MySQL/MariaDB; or a SET ROLE a handler"+
+		" (a missing GRANT: the claim needs SELECT and INSERT on it, and UPDATE on MySQL/MariaDB, on the fingerprint column too when it has one; or a SET ROLE a handler"+
 		" left on its connection): %w",
 		d.consumer, d.id, d.ib.table, err)}
 }

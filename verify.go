@@ -80,12 +80,27 @@ func (ib *Inbox) verifyWritable(ctx context.Context) error {
 				return err
 			}
 		}
-		_, err := tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table))
-		return err
+		if _, err := tx.ExecContext(ctx, ib.dialect.writeProbeSQL(ib.table)); err != nil {
+			return err
+		}
+		if ib.fingerprints.Load() != fingerprintsOn {
+			return nil
+		}
+		if probe := ib.dialect.fingerprintWriteProbeSQL(ib.table); probe != "" {
+			if _, err := tx.ExecContext(ctx, probe); err != nil {
+				if isPrivilegeRefusal(err) {
+					return ib.fingerprintNotGrantedError(err)
+				}
+				return err
+			}
+		}
+		return nil
 	})
 	switch {
 	case err == nil:
 		return nil
+	case errors.Is(err, ErrIncompatibleTable):
+		return err // the fingerprint column's privileges
 	case isConflict(err) || hasSQLState(err, "57014"):
 		// Busy or locked (SQLite while another process writes, a lock
 		// wait PostgreSQL or MySQL gave up on, by the dialect's bound or a

@@ -64,4 +64,3 @@ func TestDriver_every_client_of_the_message_refuses_statements_while_a_Tx_is_ope
 		}
 	})
 }
-

@@ -87,3 +87,69 @@ func appliedOutbox(t *testing.T, dsn string, db *sqlx.DB) (table, outbox string)
 	}
 	return table, outbox
 }
+
+// A service whose user may only INSERT into another outbox's table (a
+// watermill-sql publisher only inserts; its relay reads the table as another
+// user): "inbox schema -verify -outbox-table" says that the table exists and
+// exits 0, as it did before it read the columns of an outbox table to tell
+// an inbox.Outbox's (that read's refusal failed the command).
+func TestSchemaVerifyOfAnotherOutboxTheUserMayOnlyWriteSaysItExists(t *testing.T) {
+	c := dsns(t)["postgres"]
+	table := appliedTable(t, c.dsn, c.db)
+	other := "cli_wsql_" + testdb.RandomSuffix()
+	testdb.DropLater(t, c.db, other)
+	role := "cli_svc_" + testdb.RandomSuffix()
+	for _, s := range []string{
+		`CREATE TABLE ` + other + ` ("offset" BIGSERIAL PRIMARY KEY, uuid VARCHAR(36) NOT NULL, payload JSON, metadata JSON,` +
+			` transaction_id xid8 NOT NULL DEFAULT pg_current_xact_id(), created_at TIMESTAMP NOT NULL DEFAULT now())`,
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT SELECT, INSERT, DELETE ON " + table + " TO " + role,
+		"GRANT INSERT ON " + other + " TO " + role,
+	} {
+		if _, err := c.db.Exec(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = c.db.Exec("DROP OWNED BY " + role)
+		_, _ = c.db.Exec("DROP ROLE " + role)
+	})
+	dsn := strings.Replace(c.dsn, "postgres@", role+"@", 1)
+	code, out, errOut := cli(t, "schema", "-db", dsn, "-table", table, "-outbox-table", other, "-verify")
+	if code != 0 || !strings.Contains(out, "outbox table "+other+" exists") {
+		t.Errorf("verify another outbox the user may only write: exit %d, stdout %q, stderr %q; want 0 and that it exists", code, out, errOut)
+	}
+}
+
+// A fingerprint column the user may not read and write makes "inbox schema
+// -verify" exit 1 (the database needs fixing) with the GRANT, not 2 and the
+// usage hint (the command line needs fixing).
+func TestSchemaVerifyOfAFingerprintColumnNotGrantedExitsOne(t *testing.T) {
+	c := dsns(t)["postgres"]
+	table := "cli_fg_" + testdb.RandomSuffix()
+	testdb.DropLater(t, c.db, table)
+	role := "cli_fgr_" + testdb.RandomSuffix()
+	cols := "(consumer, message_id, processed_at)"
+	for _, s := range []string{
+		"CREATE TABLE " + table + " (consumer text NOT NULL, message_id text NOT NULL," +
+			" processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (consumer, message_id))",
+		"CREATE INDEX " + table + "_processed_at_idx ON " + table + " (processed_at)",
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT DELETE, SELECT " + cols + ", INSERT " + cols + " ON " + table + " TO " + role,
+		"ALTER TABLE " + table + " ADD COLUMN fingerprint bytea",
+	} {
+		if _, err := c.db.Exec(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = c.db.Exec("DROP OWNED BY " + role)
+		_, _ = c.db.Exec("DROP ROLE " + role)
+	})
+	dsn := strings.Replace(c.dsn, "postgres@", role+"@", 1)
+	code, out, errOut := cli(t, "schema", "-db", dsn, "-table", table, "-verify")
+	if code != 1 || strings.Contains(errOut, "for usage") || !strings.Contains(errOut, "GRANT SELECT (fingerprint)") {
+		t.Errorf("verify with the fingerprint column not granted: exit %d, stdout %q, stderr %q; want 1 with the GRANT, no usage hint",
+			code, out, errOut)
+	}
+}
