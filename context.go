@@ -79,6 +79,10 @@ type txState struct {
 	tx        *sqlx.Tx          // with the database/sql backend
 	handle    any               // with a native backend: its transaction (a pgx.Tx)
 	publisher message.Publisher // from the outbox factory; nil without one
+	// writers are the outbox writers of this package that the factory made
+	// for the transaction: publisher itself, or the ones it wraps (a
+	// decorator). The middleware binds them to the delivery.
+	writers []txBoundPublisher
 
 	mu          sync.Mutex
 	afterCommit []func()

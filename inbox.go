@@ -705,13 +705,10 @@ type sqlTx struct {
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
 	s.tx = t.tx
-	if ib.outbox != nil {
-		var err error
-		if s.publisher, err = ib.outbox(t.tx); err != nil {
-			return err
-		}
+	if ib.outbox == nil {
+		return nil
 	}
-	return nil
+	return s.setPublisher(t.tx, func() (message.Publisher, error) { return ib.outbox(t.tx) })
 }
 
 func (t *sqlTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {

@@ -244,8 +244,8 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if produced, err = d.publishToOutbox(produced); err != nil {
 		return nil, err
 	}
-	if p, ok := d.state.publisher.(txBoundPublisher); ok {
-		if err := p.refusedWrite(); err != nil {
+	for _, w := range d.state.writers {
+		if err := w.refusedWrite(); err != nil {
 			// An output the handler published was refused for the
 			// outbox table and the handler went on: committing would
 			// lose it.
@@ -258,8 +258,8 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if err := d.commit(); err != nil {
 		return nil, err
 	}
-	if p, ok := d.state.publisher.(txBoundPublisher); ok {
-		p.committed() // wakes this process's outbox relay
+	for _, w := range d.state.writers {
+		w.committed() // wakes this process's outbox relay
 	}
 	if d.fingerprint != nil {
 		d.ib.recentFingerprints.remember(d.consumer, d.id, d.fingerprint)
@@ -335,12 +335,12 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		return nil, fmt.Errorf("inbox: outbox publisher for %q/%q: %w", d.consumer, d.id, err)
 	}
 	d.state = &d.stateValue
-	if p, ok := d.state.publisher.(txBoundPublisher); ok {
+	for _, w := range d.state.writers {
 		var claim *outboxClaim
 		if d.ib.checksHeld {
 			claim = &outboxClaim{table: d.ib.table.quoted(d.ib.dialect), consumer: d.consumer, id: d.id}
 		}
-		p.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
+		w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)
@@ -412,6 +412,9 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 	}
 	p, bound := d.state.publisher.(txBoundPublisher)
 	if !bound {
+		// Another publisher, or this package's writer behind a decorator
+		// (bound all the same: its checks hold, and the pre-commit check
+		// reads the claim).
 		return nil, d.outboxPublishError(topic, d.state.publisher.Publish(topic, produced...))
 	}
 	if c, batches := d.tx.(lastStatementCommitter); batches {

@@ -25,6 +25,11 @@ func init() {
 			w.lookUp = queryRow // run by bindTx, before the handler
 		}
 	}
+	backend.MadeFor = func(p message.Publisher, handle any) {
+		if w, ok := p.(*outboxWriter); ok {
+			writerMadeFor(handle, w)
+		}
+	}
 	backend.HandleFromContext = func(ctx context.Context) (any, bool) {
 		s := stateFromContext(ctx)
 		if s == nil || s.handle == nil {
@@ -134,12 +139,7 @@ type nativeTx struct{ tx backend.Tx }
 
 func (t *nativeTx) newState(_ *Inbox, s *txState) error {
 	s.handle = t.tx.Handle()
-	p, err := t.tx.Publisher()
-	if err != nil {
-		return err
-	}
-	s.publisher = p
-	return nil
+	return s.setPublisher(s.handle, t.tx.Publisher)
 }
 
 func (t *nativeTx) stillClaimed(ctx context.Context, consumer, id string) (bool, error) {

@@ -534,7 +534,60 @@ func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 	w.lookUp = func(ctx context.Context, query string, args []any, dest ...any) error {
 		return tx.QueryRowxContext(ctx, tx.Rebind(query), args...).Scan(dest...)
 	}
+	writerMadeFor(tx, w)
 	return w, nil
+}
+
+// factoryWriters holds, while the inbox calls its outbox factory for a
+// delivery's transaction, the outbox writers made for that transaction
+// (Publisher, or PublisherOn that a backend marked with backend.MadeFor),
+// by the transaction (*sqlx.Tx, or the backend's handle). A factory that
+// wraps the writer in a decorator (Watermill's
+// MessageTransformPublisherDecorator, a tracing one) returns a publisher the
+// inbox cannot see through: unbound, the writer wrote after a deadlock the
+// handler ignored (in autocommit on MySQL/MariaDB: an output sent for a
+// nacked delivery, and again under a new UUID by its redelivery), and its
+// commits did not wake the relay. An entry lives only for the factory call.
+var factoryWriters sync.Map // transaction -> *madeWriters
+
+// madeWriters are the writers made for one transaction during its factory
+// call.
+type madeWriters struct {
+	mu      sync.Mutex
+	writers []txBoundPublisher
+}
+
+// writerMadeFor records w as made for tx, when the inbox is calling its
+// outbox factory for tx.
+func writerMadeFor(tx any, w *outboxWriter) {
+	if m, ok := factoryWriters.Load(tx); ok {
+		m := m.(*madeWriters)
+		m.mu.Lock()
+		m.writers = append(m.writers, w)
+		m.mu.Unlock()
+	}
+}
+
+// setPublisher calls factory, the outbox factory, for the delivery's
+// transaction tx and keeps what it returns, and the outbox writers of this
+// package it made for tx: the publisher itself, or those a decorator wraps.
+func (s *txState) setPublisher(tx any, factory func() (message.Publisher, error)) error {
+	made := &madeWriters{}
+	factoryWriters.Store(tx, made)
+	p, err := factory()
+	factoryWriters.Delete(tx)
+	if err != nil {
+		return err
+	}
+	s.publisher = p
+	if w, ok := p.(txBoundPublisher); ok {
+		s.writers = []txBoundPublisher{w}
+		return nil
+	}
+	made.mu.Lock()
+	s.writers = made.writers
+	made.mu.Unlock()
+	return nil
 }
 
 // lookUpTarget has the writer name the outbox table by its schema

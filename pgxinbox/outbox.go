@@ -28,7 +28,8 @@ func OutboxPublisher(ob *inbox.Outbox) func(tx pgx.Tx) (message.Publisher, error
 			_, err := tx.Exec(ctx, query, args...)
 			return err
 		})
-		backend.WritesInTx(p) // the messages a handler returns may go with COMMIT
+		backend.WritesInTx(p)  // the messages a handler returns may go with COMMIT
+		backend.MadeFor(p, tx) // bound to the delivery even behind a decorator
 		// The inbox looks the outbox table's schema up through it, in the
 		// message's transaction before the handler runs (no connection
 		// more), until the Outbox has pinned it.

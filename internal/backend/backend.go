@@ -156,6 +156,13 @@ var WritesInTx func(p message.Publisher)
 // set by package inbox's init.
 var ReadsInTx func(p message.Publisher, queryRow func(ctx context.Context, query string, args []any, dest ...any) error)
 
+// MadeFor tells package inbox that p, an outbox publisher of its
+// (Outbox.PublisherOn), was made for the transaction whose Tx.Handle is
+// handle: a factory that wraps p in a decorator returns a publisher the
+// inbox cannot see through, and the inbox still binds p to the delivery;
+// set by package inbox's init.
+var MadeFor func(p message.Publisher, handle any)
+
 // HandleFromContext returns the Tx.Handle of the claimed delivery whose
 // message context ctx is, and true; set by package inbox's init.
 var HandleFromContext func(ctx context.Context) (any, bool)
