@@ -272,7 +272,14 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// set, and only then does the round turn them off while it publishes
 	// and put them back before its commit (the session goes back to the
 	// pool).
-	s.selectBatch = outboxBatchRead(d, t.quoted(d), " FOR UPDATE SKIP LOCKED", "",
+	// The batch is read from the statement's snapshot, not under locks, and
+	// then locked (stillThere, FOR UPDATE SKIP LOCKED): InnoDB's locking
+	// read checks each row's lock as its scan reaches it, so a transaction
+	// that committed during the scan had its first row skipped (still
+	// locked then) and its later ones read, and the relay sent them first,
+	// nothing crashing (7 in 3,000 transactions of two messages). Read
+	// COMMITTED's snapshot holds a transaction's rows all or none.
+	s.selectBatch = outboxBatchRead(d, t.quoted(d), "", "",
 		"@@session.idle_transaction_timeout + @@session.idle_write_transaction_timeout"+
 			" + @@session.idle_readonly_transaction_timeout AS idle_timeouts")
 	s.idleTimeoutsOff = "SET @inbox_outbox_idle = @@session.idle_transaction_timeout," +
@@ -283,6 +290,9 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 		" SESSION idle_write_transaction_timeout = @inbox_outbox_idle_write," +
 		" SESSION idle_readonly_transaction_timeout = @inbox_outbox_idle_readonly"
 	s.stillThere = mysqlStillThere(t)
+	// The walk's read of a topic's next message the same way (stillThere
+	// follows it).
+	s.nextOfTopic = strings.TrimSuffix(s.nextOfTopic, " FOR UPDATE SKIP LOCKED")
 	s.deleteIDs = mysqlDeleteIDs(t)
 	s.probeStatements[len(s.probeStatements)-1] = s.deleteIDs(nil)
 	s.claimedInsert = mysqlClaimedInsert(t)
