@@ -97,7 +97,11 @@ type Config struct {
 	// comma-separated). Required unless JetStream is set.
 	URL string
 	// Options are passed to nats.Connect with URL (credentials, TLS,
-	// timeouts). Default: none (nats.go's defaults).
+	// timeouts), after nats.MaxReconnects(-1), which they may override: a
+	// Source lives as long as its Purger, and with nats.go's default of 60
+	// reconnects 2 s apart an outage of over 2 minutes closed its connection
+	// for good, every later purge round failing until a restart. Default:
+	// none (nats.go's defaults, reconnecting for ever).
 	Options []nats.Option
 	// JetStream, if set, is used instead of connecting to URL; Close then
 	// does not close its connection, which stays the caller's.
@@ -149,7 +153,7 @@ func New(cfg Config) (*Source, error) {
 		if cfg.URL == "" {
 			return nil, errors.New("jetstreamretention: Config.URL or Config.JetStream is required")
 		}
-		nc, err := nats.Connect(cfg.URL, cfg.Options...)
+		nc, err := nats.Connect(cfg.URL, append([]nats.Option{nats.MaxReconnects(-1)}, cfg.Options...)...)
 		if err != nil {
 			return nil, fmt.Errorf("jetstreamretention: connect to %s: %w", cfg.URL, err)
 		}
