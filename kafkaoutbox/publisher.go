@@ -27,7 +27,8 @@
 // least once, and a partition that refuses its messages holds back none of
 // the other partitions' and has none of theirs sent again. A refusal of
 // the message itself (over the size limits, a corrupt or invalid record, a
-// timestamp the topic refuses, a message the marshaler refuses) wraps
+// timestamp of the message's own that the topic refuses, a message the
+// marshaler refuses) wraps
 // inbox.ErrMessageRejected, and the relay sets the message aside once it
 // used its attempts; every other refusal (no leader for the partition, a
 // timeout, not enough replicas, a producer fenced or out of sequence, an
@@ -262,6 +263,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	errs := make([]error, len(msgs))
 	batch := make([]*sarama.ProducerMessage, 0, len(msgs))
 	index := make(map[*sarama.ProducerMessage]int, len(msgs)) // in msgs
+	var hostStamped map[*sarama.ProducerMessage]bool          // no timestamp of their own: sarama stamps them
 	for i, msg := range msgs {
 		m, err := p.marshaler.Marshal(topic, msg)
 		if err != nil {
@@ -270,6 +272,12 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		}
 		index[m] = i
 		batch = append(batch, m)
+		if m.Timestamp.IsZero() {
+			if hostStamped == nil {
+				hostStamped = make(map[*sarama.ProducerMessage]bool, len(msgs))
+			}
+			hostStamped[m] = true
+		}
 	}
 	p.mu.Lock()
 	if p.closed {
@@ -291,7 +299,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 				if !ok { // not one of this call's: say nothing of each
 					return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
 				}
-				errs[i] = p.refusal(e, msgs[i].UUID)
+				errs[i] = p.refusal(e, msgs[i].UUID, hostStamped[e.Msg])
 			}
 			sendErr = err
 		}
@@ -301,9 +309,18 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 
 // refusal is the error of a message the broker refused with e: wrapping
 // inbox.ErrMessageRejected when e is of the message itself, and
-// inbox.ErrBrokerUnavailable for every other refusal.
-func (p *Publisher) refusal(e *sarama.ProducerError, uuid string) error {
+// inbox.ErrBrokerUnavailable for every other refusal. An invalid timestamp
+// is the message's own when the marshaler gave it one; when sarama stamped
+// it (hostStamped: kafka.DefaultMarshaler sets none) it is this host's
+// clock against the broker's and the topic's message.timestamp.*.max.ms,
+// which a clock that ran off (NTP down, a VM resumed) fails for every
+// message: set aside, the whole outbox went to the dead-letter table.
+func (p *Publisher) refusal(e *sarama.ProducerError, uuid string, hostStamped bool) error {
 	err := fmt.Errorf("kafkaoutbox: message %s not acked: %w", uuid, e.Err)
+	if hostStamped && errors.Is(e.Err, sarama.ErrInvalidTimestamp) {
+		return fmt.Errorf("%w: %w (the timestamp sarama gave it from this host's clock: check the clock against the broker's)",
+			inbox.ErrBrokerUnavailable, err)
+	}
 	if oneOf(e.Err, rejected) || e.Msg.ByteSize(p.recordVersion) > p.maxMessageBytes {
 		return fmt.Errorf("%w: %w", inbox.ErrMessageRejected, err)
 	}
@@ -371,8 +388,9 @@ func validTopic(topic string) error {
 // message.max.bytes (sarama's ErrMessageSizeTooLarge, for both), a record
 // batch larger than the topic's segment.bytes (RECORD_LIST_TOO_LARGE,
 // sarama's ErrMessageSetSizeTooLarge: Kafka does not retry it), a record
-// the broker finds corrupt or invalid, a timestamp outside the topic's
-// message.timestamp.difference.max.ms, a topic name the broker refuses. A
+// the broker finds corrupt or invalid, a timestamp the marshaler set outside
+// the topic's message.timestamp.*.max.ms (one sarama set from this host's
+// clock is the clock's fault: ErrBrokerUnavailable), a topic name the broker refuses. A
 // message refused with one of them is set aside by the relay once it used
 // its attempts, without waiting for the next message of its topic
 // (inbox.ErrMessageRejected). Every other refusal is taken as the broker's
