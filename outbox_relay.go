@@ -1186,18 +1186,39 @@ func lastErrorText(err error) string {
 // record deletes the sent rows, counts the failed attempts and moves the
 // rows set aside to the dead-letter table, in tx.
 func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error {
+	stmts := o.target().sql
+	// key is the bind parameters that find the row of id: its id, and its
+	// uuid where the statements check it too (byUUID).
+	key := func(id int64) []any {
+		if stmts.byUUID {
+			return []any{id, b.rows[id].UUID}
+		}
+		return []any{id}
+	}
+	deleteRows := func(ids []int64) error {
+		if !stmts.byUUID {
+			_, err := tx.ExecContext(ctx, stmts.deleteIDs(ids))
+			return err
+		}
+		args := make([]any, 0, 2*len(ids))
+		for _, id := range ids {
+			args = append(args, key(id)...)
+		}
+		_, err := tx.ExecContext(ctx, tx.Rebind(stmts.deleteKeyed(ids)), args...)
+		return err
+	}
 	for start := 0; start < len(b.sent); start += outboxInsertChunk {
 		ids := b.sent[start:min(len(b.sent), start+outboxInsertChunk)]
-		if _, err := tx.ExecContext(ctx, o.target().sql.deleteIDs(ids)); err != nil {
+		if err := deleteRows(ids); err != nil {
 			return fmt.Errorf("inbox: outbox relay: delete %d relayed rows: %w", len(ids), err)
 		}
 	}
 	for id, perr := range b.failed {
-		stmt := o.target().sql.failed
+		stmt := stmts.failed
 		if errors.Is(perr, ErrBrokerUnavailable) {
-			stmt = o.target().sql.waited // the broker's state: no attempt used
+			stmt = stmts.waited // the broker's state: no attempt used
 		}
-		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), lastErrorText(perr), id); err != nil {
+		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), append([]any{lastErrorText(perr)}, key(id)...)...); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}
@@ -1207,7 +1228,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		delete(b.bury, id)
 		b.failed[id] = reason
 		b.kept = append(b.kept, id)
-		if _, err := tx.ExecContext(ctx, tx.Rebind(o.target().sql.failed), lastErrorText(reason), id); err != nil {
+		if _, err := tx.ExecContext(ctx, tx.Rebind(stmts.failed), append([]any{lastErrorText(reason)}, key(id)...)...); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 		return nil
@@ -1215,7 +1236,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 	for id, perr := range b.bury {
 		var res sql.Result
 		err := o.readInWalk(ctx, tx, func() (err error) {
-			res, err = tx.ExecContext(ctx, tx.Rebind(o.target().sql.bury), lastErrorText(perr), id, id)
+			res, err = tx.ExecContext(ctx, tx.Rebind(stmts.bury), append(append([]any{lastErrorText(perr)}, key(id)...), id)...)
 			return err
 		})
 		if err != nil && ctx.Err() == nil {
@@ -1258,7 +1279,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 			}
 			continue
 		}
-		if _, err := tx.ExecContext(ctx, o.target().sql.deleteIDs([]int64{id})); err != nil {
+		if err := deleteRows([]int64{id}); err != nil {
 			return fmt.Errorf("inbox: outbox relay: set aside outbox id %d: %w", id, err)
 		}
 	}

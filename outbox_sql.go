@@ -67,6 +67,15 @@ type outboxSQL struct {
 	stillThere func(ids []int64) string
 	// deleteIDs returns the DELETE of the rows whose ids are listed.
 	deleteIDs func(ids []int64) string
+	// byUUID: the statements that record a round's outcome (failed, waited,
+	// bury, deleteKeyed) find a row by its id and its uuid, bound after the
+	// id, and not by its id alone: SQLite's relay holds no lock while it
+	// publishes, and an id reset meanwhile (the table re-created) gave the
+	// round's ids to new messages, which its DELETE removed unsent.
+	byUUID bool
+	// deleteKeyed, with byUUID, returns the DELETE of the rows of ids by
+	// their id and uuid, bound in pairs in the order of ids.
+	deleteKeyed func(ids []int64) string
 	// failed records a failed attempt: bind parameters last error, id.
 	failed string
 	// waited records a refusal that wraps ErrBrokerUnavailable, which is no
@@ -370,6 +379,24 @@ func (mysqlDialect) createOutbox(ctx context.Context, db *sqlx.DB, _ qualifiedNa
 // without locking, and a second relay on the same database may send a
 // message again (at least once, as after a crash).
 func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
+	s := d.outboxByID(t, dead)
+	q, dq := t.quoted(d), dead.quoted(d)
+	s.byUUID = true
+	s.failed = "UPDATE " + q + " SET attempts = attempts + 1, last_error = ? WHERE id = ? AND uuid = ?"
+	s.waited = "UPDATE " + q + " SET last_error = ? WHERE id = ? AND uuid = ?"
+	now := "CAST(unixepoch('subsec') * 1000000 AS INTEGER)"
+	s.bury = "INSERT INTO " + dq + " (" + outboxColumns + ", created_at, attempts, last_error, dead_at) SELECT " + outboxColumns +
+		", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND uuid = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)"
+	s.deleteKeyed = func(ids []int64) string {
+		// The ids first, so that SQLite finds the rows by their rowid.
+		return "DELETE FROM " + q + " WHERE id IN (" + idList(ids) + ") AND (id, uuid) IN (VALUES " +
+			strings.TrimSuffix(strings.Repeat("(?, ?), ", len(ids)), ", ") + ")"
+	}
+	return s
+}
+
+// outboxByID is the SQLite outbox's statements before byUUID.
+func (d sqliteDialect) outboxByID(t, dead qualifiedName) outboxSQL {
 	row := []string{
 		"topic      TEXT    NOT NULL",
 		"uuid       TEXT    NOT NULL",
