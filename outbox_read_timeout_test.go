@@ -16,7 +16,9 @@ import (
 // statement_timeout, MariaDB's max_statement_time) shorter than reading one
 // batch of large messages stopped every round's read: the relay read
 // BatchSize rows again after each failure, and sent nothing while the
-// broker worked. It reads fewer rows after such a timeout, and sends them.
+// broker worked. It reads fewer rows after such a timeout, and sends them;
+// and after a DELETE of rows it sent that timed out too (it sent them again,
+// every round).
 func TestOutboxRelayReadsFewerRowsWhenItsReadTimesOut(t *testing.T) {
 	const messages, size = 200, 1 << 20
 	payload := make([]byte, size)
@@ -60,13 +62,22 @@ func TestOutboxRelayReadsFewerRowsWhenItsReadTimesOut(t *testing.T) {
 			var timedOut int
 			// Under load even a few rows can outlast the timeout, and the
 			// relay then reads one row a round: rounds enough for that.
-			for round := 0; round < 5*messages && len(broker.messages("large")) < messages; round++ {
+			for round := 0; round < 5*messages && count(t, writer, relayTable(t, ob), "1=1") > 0; round++ {
 				if r := relay.RelayOnce(context.Background()); r.Err != nil {
 					timedOut++
 					t.Logf("round %d: %v", round, r.Err)
 				}
 			}
-			got := broker.messages("large")
+			// A round whose DELETE timed out sent its messages again (at
+			// least once): each message's first sending counts.
+			var got []*message.Message
+			seen := map[string]bool{}
+			for _, m := range broker.messages("large") {
+				if !seen[m.UUID] {
+					seen[m.UUID] = true
+					got = append(got, m)
+				}
+			}
 			if len(got) != messages {
 				t.Fatalf("sent %d of %d messages in %d rounds", len(got), messages, 5*messages)
 			}
@@ -82,5 +93,35 @@ func TestOutboxRelayReadsFewerRowsWhenItsReadTimesOut(t *testing.T) {
 				t.Errorf("%d rows left in the outbox, want none", n)
 			}
 		})
+	}
+}
+
+// The relay's DELETE of the rows it sent outlasts a statement timeout (here
+// a trigger takes 10 ms a row, 300 ms allowed) while its reads do not: it
+// reads, and so deletes, fewer rows after such a round, and the outbox
+// empties. Each round failed after its publishes and sent them all again,
+// for ever.
+func TestOutboxRelayDeletesFewerRowsWhenItsDeleteTimesOut(t *testing.T) {
+	writer := testdb.OpenPostgres(t, "")
+	relayDB := testdb.OpenPostgres(t, "options=-c%20statement_timeout%3D300")
+	ob := newTestOutbox(t, writer, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
+	table := relayTable(t, ob)
+	slow := table + "_slow_delete"
+	exec(t, writer, "CREATE FUNCTION "+slow+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.01); RETURN OLD; END $$")
+	t.Cleanup(func() { _, _ = writer.Exec("DROP FUNCTION IF EXISTS " + slow + "() CASCADE") })
+	exec(t, writer, "CREATE TRIGGER "+slow+" BEFORE DELETE ON "+table+" FOR EACH ROW EXECUTE FUNCTION "+slow+"()")
+	writeOutbox(t, writer, ob, "t", 100)
+	broker := newBrokerStub()
+	relay, err := inbox.NewOutbox(inbox.OutboxConfig{DB: relayDB, Dialect: inbox.PostgreSQL, Table: table, Publisher: broker})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for round := 0; round < 30 && count(t, writer, table, "1=1") > 0; round++ {
+		if r := relay.RelayOnce(context.Background()); r.Err != nil {
+			t.Logf("round %d: %v", round, r.Err)
+		}
+	}
+	if n := count(t, writer, table, "1=1"); n != 0 {
+		t.Errorf("%d of 100 rows left after 30 rounds (%d messages sent): every round's DELETE timed out", n, len(broker.uuids("t")))
 	}
 }

@@ -611,6 +611,13 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	}
 	if err := o.record(ctx, tx, &b); err != nil {
+		if ctx.Err() == nil && isStatementTimeout(err) {
+			// The DELETE of large rows outlasts the statement timeout as
+			// their read does: the round's messages go again, and the
+			// next rounds read, and so delete, fewer rows (they failed
+			// after their publishes, every round, before).
+			o.readTimedOutAt(round.limit)
+		}
 		return unrecorded(round, b, err)
 	}
 	if timeoutsOff {
@@ -1142,6 +1149,32 @@ func asciiJSON(b []byte) string {
 // a row's last_error.
 const maxLastError = 4096
 
+// noteRefusal runs stmt (outboxSQL.failed or waited) for the row of key,
+// with reason as its last error. A last_error column narrower than the text
+// (varchar(255) from a migration tool: PostgreSQL's 22001, MySQL/MariaDB's
+// 1406 in strict mode) gets it cut to shortLastError bytes, or NULL: the
+// failed UPDATE failed the round after its publishes, every round, so that
+// the accepted messages were sent again and again and the refused one never
+// used an attempt. On PostgreSQL each try runs under a savepoint (a failed
+// statement aborts the transaction).
+func (o *Outbox) noteRefusal(ctx context.Context, tx *sqlx.Tx, stmt string, reason error, key []any) error {
+	var err error
+	for _, text := range []any{lastErrorText(reason), lastErrorTextCut(reason, shortLastError), nil} {
+		err = o.readInWalk(ctx, tx, func() error {
+			_, err := tx.ExecContext(ctx, tx.Rebind(stmt), append([]any{text}, key...)...)
+			return err
+		})
+		if err == nil || !(hasSQLState(err, "22001") || hasMySQLNumber(err, 1406)) {
+			return err
+		}
+	}
+	return err
+}
+
+// shortLastError is the length, in bytes, a last error is cut to when the
+// last_error column refuses the whole text.
+const shortLastError = 200
+
 // lastErrorText returns err's text as the relay stores it in last_error:
 // printable ASCII, newlines and tabs, with every other byte or rune written
 // as a Go escape
@@ -1154,7 +1187,10 @@ const maxLastError = 4096
 // and MariaDB's text holds 65,535 bytes (1406). Such a refusal failed the
 // round after its publishes, so the message never used an attempt nor was
 // set aside, and every message of the round was sent again in every round.
-func lastErrorText(err error) string {
+func lastErrorText(err error) string { return lastErrorTextCut(err, maxLastError) }
+
+// lastErrorTextCut is lastErrorText cut at max bytes.
+func lastErrorTextCut(err error, maxLastError int) string {
 	// cutRoom is kept free for the note that says where the text was cut.
 	const cutRoom = 64
 	s := err.Error()
@@ -1218,7 +1254,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		if errors.Is(perr, ErrBrokerUnavailable) {
 			stmt = stmts.waited // the broker's state: no attempt used
 		}
-		if _, err := tx.ExecContext(ctx, tx.Rebind(stmt), append([]any{lastErrorText(perr)}, key(id)...)...); err != nil {
+		if err := o.noteRefusal(ctx, tx, stmt, perr, key(id)); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}
@@ -1228,7 +1264,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		delete(b.bury, id)
 		b.failed[id] = reason
 		b.kept = append(b.kept, id)
-		if _, err := tx.ExecContext(ctx, tx.Rebind(stmts.failed), append([]any{lastErrorText(reason)}, key(id)...)...); err != nil {
+		if err := o.noteRefusal(ctx, tx, stmts.failed, reason, key(id)); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 		return nil
