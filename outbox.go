@@ -44,6 +44,32 @@ const MaxOutboxBatchSize = 10000
 // PostgreSQL and MySQL, 32,766 on SQLite).
 const outboxInsertChunk = 1000
 
+// outboxInsertBytes is about the most payload and metadata bytes one outbox
+// INSERT carries (a message larger alone goes alone): with
+// go-sql-driver/mysql's interpolateParams a statement is one packet, its
+// binary escaped up to twice its size, and outputs whose sum passed
+// MariaDB's max_allowed_packet (16 MiB by default) failed every delivery
+// of their message.
+const outboxInsertBytes = 4 << 20
+
+// insertChunkEnd returns where the INSERT of msgs from start ends: at most
+// outboxInsertChunk messages and, past the first, outboxInsertBytes of
+// payload and metadata.
+func insertChunkEnd(msgs []*message.Message, start int) int {
+	size := 0
+	for i := start; i < len(msgs) && i < start+outboxInsertChunk; i++ {
+		m := msgs[i]
+		size += len(m.Payload)
+		for k, v := range m.Metadata {
+			size += len(k) + len(v)
+		}
+		if i > start && size > outboxInsertBytes {
+			return i
+		}
+	}
+	return min(len(msgs), start+outboxInsertChunk)
+}
+
 // maxOutboxTopic is the longest topic the outbox stores, in bytes.
 const maxOutboxTopic = 1024
 
@@ -931,8 +957,9 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		return err
 	}
 	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
-	for start := 0; start < len(msgs); start += outboxInsertChunk {
-		chunk := msgs[start:min(len(msgs), start+outboxInsertChunk)]
+	for start, end := 0, 0; start < len(msgs); start = end {
+		end = insertChunkEnd(msgs, start)
+		chunk := msgs[start:end]
 		var err error
 		if args, err = appendOutboxRows(args[:0], topic, chunk); err != nil {
 			return err
@@ -957,7 +984,7 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 
 // stageLast implements txBoundPublisher.
 func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string, []any, bool, error) {
-	if !w.inTx || w.claim != nil || w.missing || len(msgs) > outboxInsertChunk {
+	if !w.inTx || w.claim != nil || w.missing || insertChunkEnd(msgs, 0) < len(msgs) {
 		return "", nil, false, nil
 	}
 	if err := w.writable(topic); err != nil {

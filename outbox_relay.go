@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
@@ -1109,7 +1110,10 @@ func decodeOutboxRows(rows []outboxRow) ([]*message.Message, error) {
 		if err != nil {
 			return nil, fmt.Errorf("metadata of message %s (outbox id %d): %w", r.UUID, r.ID, err)
 		}
-		payload := message.Payload(r.Payload)
+		// A copy: a publisher that transforms a payload in place (an
+		// encrypting decorator) changed the row's bytes, which the walk
+		// sends again one by one after a failed call.
+		payload := message.Payload(bytes.Clone(r.Payload))
 		switch {
 		case nilPayload:
 			payload = nil // a tombstone stays one
