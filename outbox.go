@@ -151,7 +151,8 @@ type OutboxConfig struct {
 	// one round instead of one round each, which spares the database a
 	// transaction per message while the handlers are busy. It adds up to
 	// Linger to the time from commit to broker when the relay was idle.
-	// Must not be negative; 0 reads at once.
+	// Must not be negative; 0 takes the default (time.Nanosecond reads
+	// all but at once).
 	// Default: DefaultOutboxLinger (5 ms).
 	Linger time.Duration
 
