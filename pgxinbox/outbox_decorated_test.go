@@ -1,18 +1,13 @@
 package pgxinbox_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/jmoiron/sqlx"
 
-	"github.com/watermill-inbox/inbox"
-	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
@@ -24,18 +19,8 @@ func TestOutboxPublisherBehindADecoratorWakesTheRelay(t *testing.T) {
 	t.Parallel()
 	pool := openPool(t, "", "outbox_decorated", nil)
 	f := newFixture(t, pool)
-	db := sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx")
-	t.Cleanup(func() { db.Close() })
 	broker := &countingBroker{}
-	table := "pgx_outbox_" + testdb.RandomSuffix()
-	f.dropLater(table, table+"_dead")
-	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: broker, PollInterval: time.Hour})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	ob := f.newRelayOutbox(broker)
 	factory := pgxinbox.OutboxPublisher(ob)
 	ib := f.newInbox(pgxinbox.Config{Outbox: func(tx pgx.Tx) (message.Publisher, error) {
 		p, err := factory(tx)

@@ -57,18 +57,8 @@ func TestOutboxRelay_EveryQueryModeWritesAndRelays(t *testing.T) {
 			t.Parallel()
 			pool := openPool(t, "", "outbox_"+name, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
 			f := newFixture(t, pool)
-			db := sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx")
-			t.Cleanup(func() { db.Close() })
 			broker := &countingBroker{}
-			table := "pgx_outbox_" + testdb.RandomSuffix()
-			f.dropLater(table, table+"_dead")
-			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: broker, PollInterval: time.Hour})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := ob.InitializeSchema(context.Background()); err != nil {
-				t.Fatal(err)
-			}
+			ob := f.newRelayOutbox(broker)
 			ib := f.newInbox(pgxinbox.Config{Outbox: pgxinbox.OutboxPublisher(ob)})
 			in := newFeed()
 			runRouter(t, func(r *message.Router) {
@@ -104,4 +94,23 @@ func TestOutboxRelay_EveryQueryModeWritesAndRelays(t *testing.T) {
 			}
 		})
 	}
+}
+
+// newRelayOutbox returns an Outbox on a table of its own on f's pool
+// (through pgx's database/sql adapter), created, relaying to broker, whose
+// relay polls once an hour (woken by commits).
+func (f *fixture) newRelayOutbox(broker message.Publisher) *inbox.Outbox {
+	f.t.Helper()
+	db := sqlx.NewDb(stdlib.OpenDBFromPool(f.pool), "pgx")
+	f.t.Cleanup(func() { db.Close() })
+	table := "pgx_outbox_" + testdb.RandomSuffix()
+	f.dropLater(table, table+"_dead")
+	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: broker, PollInterval: time.Hour})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		f.t.Fatal(err)
+	}
+	return ob
 }
