@@ -24,7 +24,8 @@ func TestTxGuardsGoWithTheirTransactions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if guardOf(tx) != guardOf(tx) {
+		first, again := guardOf(tx), guardOf(tx)
+		if first != again {
 			t.Fatal("two guards for one transaction")
 		}
 		if err := tx.Rollback(); err != nil {

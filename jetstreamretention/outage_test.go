@@ -78,7 +78,7 @@ func TestSourceFindsTheWindowAgainAfterAnOutageLongerThanNATSReconnects(t *testi
 	}
 	stop()
 	time.Sleep(3 * time.Second) // 60 reconnects 20 ms apart took 1.2 s
-	url, stop = ownNATSServer(t, dir, port)
+	_, stop = ownNATSServer(t, dir, port) // the same URL
 	var last error
 	for deadline := time.Now().Add(waitTimeout); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
 		wctx, wcancel := context.WithTimeout(ctx, 5*time.Second)
