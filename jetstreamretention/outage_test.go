@@ -77,7 +77,7 @@ func TestSourceFindsTheWindowAgainAfterAnOutageLongerThanNATSReconnects(t *testi
 		t.Fatalf("SafeWindow before the outage: %v", err)
 	}
 	stop()
-	time.Sleep(3 * time.Second) // 60 reconnects 20 ms apart took 1.2 s
+	time.Sleep(3 * time.Second)           // 60 reconnects 20 ms apart took 1.2 s
 	_, stop = ownNATSServer(t, dir, port) // the same URL
 	var last error
 	for deadline := time.Now().Add(waitTimeout); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
