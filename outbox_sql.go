@@ -298,6 +298,10 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	s.idleTimeoutsBack = "SET SESSION idle_transaction_timeout = @inbox_outbox_idle," +
 		" SESSION idle_write_transaction_timeout = @inbox_outbox_idle_write," +
 		" SESSION idle_readonly_transaction_timeout = @inbox_outbox_idle_readonly"
+	// An empty payload goes as x'' when the session's EMPTY_STRING_IS_NULL
+	// (MariaDB) makes NULL of the empty bind parameter, which the NOT NULL
+	// column refused: every output without a payload failed its delivery.
+	s.insertRow = "(?, ?, IFNULL(?, x''), ?, UTC_TIMESTAMP(6))"
 	s.stillThere = mysqlStillThere(t)
 	// The walk's read of a topic's next message the same way (stillThere
 	// follows it).
@@ -323,11 +327,11 @@ func mysqlClaimedInsert(t qualifiedName) func(inboxTable string, n int, inTx boo
 			open = " AND @@in_transaction = 1"
 		}
 		if n == 1 {
-			return prefix + "?, ?, ?, ?, UTC_TIMESTAMP(6) FROM " + inboxTable +
+			return prefix + "?, ?, IFNULL(?, x''), ?, UTC_TIMESTAMP(6) FROM " + inboxTable +
 				" WHERE consumer = ? AND message_id = ?" + open + " FOR UPDATE"
 		}
 		var b strings.Builder
-		b.WriteString(prefix + "r.topic, r.uuid, r.payload, r.metadata, UTC_TIMESTAMP(6) FROM (" +
+		b.WriteString(prefix + "r.topic, r.uuid, IFNULL(r.payload, x''), r.metadata, UTC_TIMESTAMP(6) FROM (" +
 			"SELECT CAST(? AS BINARY) AS topic, CAST(? AS BINARY) AS uuid, CAST(? AS BINARY) AS payload, CAST(? AS BINARY) AS metadata, 0 AS seq")
 		for i := 1; i < n; i++ {
 			b.WriteString(" UNION ALL SELECT CAST(? AS BINARY), CAST(? AS BINARY), CAST(? AS BINARY), CAST(? AS BINARY), " + strconv.Itoa(i))
