@@ -192,19 +192,28 @@ func (t *pgxTx) CommitWith(query string, args []any) (stmtErr, commitErr error) 
 // bound, not the transaction's context, which may have ended (the
 // message's deadline): a ROLLBACK that could not be sent would make pgx
 // close a healthy connection. A transaction already ended (committed, rolled
-// back by the handler, never begun: pgx.ErrTxClosed) is not an error, nor
-// is a connection that was already closed, which ends the transaction on
-// the server. After Commit or Rollback it does nothing: the connection is
-// back in the pool.
+// back by the handler, never begun: pgx.ErrTxClosed) is not an error; a
+// connection closed before the transaction ended is (errConnLost), so that
+// the delivery's error is transient. After Commit or Rollback it does
+// nothing: the connection is back in the pool.
 func (t *pgxTx) Rollback() error {
 	if t.conn == nil {
 		return nil
 	}
 	defer t.release()
-	if t.tx == nil || t.conn.Conn().IsClosed() || t.conn.Conn().PgConn().TxStatus() == 'I' {
-		// Never begun, a connection the server closed, or no transaction
-		// open on it any more (StoredFingerprint's batch rolled it back,
-		// or the handler ended it): nothing to roll back.
+	if t.tx != nil && t.conn.Conn().IsClosed() {
+		// The connection went before the transaction ended (a pooler
+		// killed, a network cut): the server rolls back what was not
+		// committed, and the error says the message is not at fault. A
+		// handler's statement then failed with a bare io.ErrUnexpectedEOF,
+		// which nothing else marks transient, and the message was
+		// poisoned unprocessed.
+		return errConnLost
+	}
+	if t.tx == nil || t.conn.Conn().PgConn().TxStatus() == 'I' {
+		// Never begun, or no transaction open on the connection any more
+		// (StoredFingerprint's batch rolled it back, or the handler ended
+		// it): nothing to roll back.
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), t.b.rollbackTimeout)
@@ -214,6 +223,10 @@ func (t *pgxTx) Rollback() error {
 	}
 	return nil
 }
+
+// errConnLost is Rollback's error for a transaction whose connection was
+// closed before it ended: the inbox makes a rollback's error transient.
+var errConnLost = errors.New("pgxinbox: the connection was closed before the transaction ended (lost: nothing of it committed but a COMMIT already sent)")
 
 // release gives the connection back to the pool, which destroys it if it
 // is closed, busy or still in a transaction (a handler's BEGIN statement).
