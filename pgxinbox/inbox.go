@@ -230,11 +230,17 @@ func (ib *Inbox) Close() error {
 
 // DB wraps pool for the parts of package inbox that take a *sqlx.DB
 // (Purge, NewPurger, Stats, CountExpired, inbox.New itself): the one-line
-// adapter sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx"). The result
-// borrows pool's connections and keeps none idle; closing it does not close
-// pool. Keep one per pool rather than one per call.
+// adapter sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx"), whose
+// SetMaxOpenConns is pool's MaxConns. The result borrows pool's connections
+// and keeps none idle; closing it does not close pool. Keep one per pool
+// rather than one per call. database/sql reports the pool's limit (the
+// adapter alone reports none): a purge round, which needs two connections
+// at once, is refused on a pool of one (inbox.ErrInvalidConfig) instead of
+// waiting for a second one for ever, the pool's only connection held.
 func DB(pool *pgxpool.Pool) *sqlx.DB {
-	return sqlx.NewDb(stdlib.OpenDBFromPool(pool), "pgx")
+	db := stdlib.OpenDBFromPool(pool)
+	db.SetMaxOpenConns(int(pool.Config().MaxConns))
+	return sqlx.NewDb(db, "pgx")
 }
 
 // TxFromContext returns the pgx transaction that the middleware opened for
