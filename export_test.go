@@ -140,3 +140,11 @@ func (o *Outbox) RelayRoundWhileTopicsWait(ctx context.Context, topics []string)
 	}
 	return o.relayOnce(ctx, o.topics).OutboxRound
 }
+
+// OutboxFactoryCalls returns how many transactions' outbox factory calls
+// the registry of writers holds (setPublisher): none once they returned.
+func OutboxFactoryCalls() int {
+	n := 0
+	factoryWriters.Range(func(_, _ any) bool { n++; return true })
+	return n
+}

@@ -601,8 +601,10 @@ func writerMadeFor(tx any, w *outboxWriter) {
 func (s *txState) setPublisher(tx any, factory func() (message.Publisher, error)) error {
 	made := &madeWriters{}
 	factoryWriters.Store(tx, made)
-	p, err := factory()
-	factoryWriters.Delete(tx)
+	p, err := func() (message.Publisher, error) {
+		defer factoryWriters.Delete(tx) // also when the factory panics
+		return factory()
+	}()
 	if err != nil {
 		return err
 	}

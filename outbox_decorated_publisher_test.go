@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -104,4 +105,35 @@ func TestDecoratedOutboxPublisherWakesTheRelay(t *testing.T) {
 			t.Errorf("10 s after the commit the relay had sent %d invoices, want 1: not woken, left for its next poll in an hour", n)
 		}
 	})
+}
+
+// An outbox factory that panics after it made the Outbox's writer (a
+// decorator misconfigured) leaves nothing behind in the registry of the
+// writers made during factory calls: every delivery of a message that
+// kept being redelivered left its transaction there, held for good.
+func TestPanickingOutboxFactoryLeavesNoWriterBehind(t *testing.T) {
+	db := sqliteDB(t)
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+		p, err := ob.Publisher(tx)
+		if err != nil {
+			return nil, err
+		}
+		var decorate func(message.Publisher) (message.Publisher, error) // never set
+		return decorate(p)
+	}})
+	before := inbox.OutboxFactoryCalls()
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(middleware.Recoverer, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "invoices", nil, func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	})
+	for range 5 {
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("order"))) {
+			t.Fatal("acked a delivery whose outbox factory panicked")
+		}
+	}
+	if n := inbox.OutboxFactoryCalls() - before; n != 0 {
+		t.Errorf("after 5 deliveries whose outbox factory panicked, the registry holds %d entries more, want none", n)
+	}
 }

@@ -101,7 +101,7 @@ type Config struct {
 	// Source lives as long as its Purger, and with nats.go's default of 60
 	// reconnects 2 s apart an outage of over 2 minutes closed its connection
 	// for good, every later purge round failing until a restart. Default:
-	// none (nats.go's defaults, reconnecting for ever).
+	// none: nats.go's defaults, but reconnecting for ever.
 	Options []nats.Option
 	// JetStream, if set, is used instead of connecting to URL; Close then
 	// does not close its connection, which stays the caller's.
