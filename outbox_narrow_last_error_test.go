@@ -14,8 +14,9 @@ import (
 )
 
 // An outbox table whose last_error column a migration tool made
-// varchar(255): a refusal's text longer than that is cut to fit, or left
-// out, and the round records what it sent. The failed UPDATE failed the
+// varchar(255), and its dead-letter table's too: a refusal's text longer
+// than that is cut to fit, or left out, the round records what it sent, and
+// the refused message is set aside. The failed UPDATE failed the
 // round after its publishes: the messages the broker took were sent again
 // in every round, and the refused one never used an attempt, never set
 // aside.
@@ -24,14 +25,24 @@ func TestOutboxRelayRecordsARoundWhenLastErrorIsNarrowerThanTheRefusal(t *testin
 		if tdb.Dialect == inbox.SQLite {
 			t.Skip("SQLite does not enforce a declared length")
 		}
-		for _, width := range []int{255, 20} {
+		for _, c := range []struct {
+			width    int
+			deadToo bool // the dead-letter table's too (the same DDL)
+		}{{255, false}, {20, false}, {255, true}, {20, true}} {
+			width := c.width
 			broker := newBrokerStub()
 			ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour, MaxAttempts: 3})
-			alter := "ALTER TABLE " + ob.Table() + " ALTER COLUMN last_error TYPE varchar(" + strconv.Itoa(width) + ")"
-			if tdb.Dialect == inbox.MySQL {
-				alter = "ALTER TABLE " + ob.Table() + " MODIFY last_error varchar(" + strconv.Itoa(width) + ")"
+			tables := []string{ob.Table()}
+			if c.deadToo {
+				tables = append(tables, ob.DeadLetterTable())
 			}
-			exec(t, db, alter)
+			for _, table := range tables {
+				alter := "ALTER TABLE " + table + " ALTER COLUMN last_error TYPE varchar(" + strconv.Itoa(width) + ")"
+				if tdb.Dialect == inbox.MySQL {
+					alter = "ALTER TABLE " + table + " MODIFY last_error varchar(" + strconv.Itoa(width) + ")"
+				}
+				exec(t, db, alter)
+			}
 			ids := writeOutbox(t, db, ob, "t", 3)
 			broker.setRefuse(refuseUUIDs(errors.New("broker says: "+strings.Repeat("the record is refused; ", 20)), ids[1]))
 			for range 5 {
@@ -49,8 +60,9 @@ func TestOutboxRelayRecordsARoundWhenLastErrorIsNarrowerThanTheRefusal(t *testin
 			}
 			// Sent in the refused call, then alone, and its row deleted.
 			if sends > 2 || st.DeadLettered != 1 {
-				t.Errorf("last_error varchar(%d): message %s, which the broker took, was sent %d times in 5 rounds; outbox %+v;"+
-					" want it sent at most twice and the refused message set aside after its 3 attempts", width, ids[0], sends, st)
+				t.Errorf("last_error varchar(%d) (the dead-letter table's too: %v): message %s, which the broker took, was sent %d times"+
+					" in 5 rounds; outbox %+v; want it sent at most twice and the refused message set aside after its 3 attempts",
+					width, c.deadToo, ids[0], sends, st)
 			}
 		}
 	})

@@ -1153,26 +1153,26 @@ func asciiJSON(b []byte) string {
 // a row's last_error.
 const maxLastError = 4096
 
-// noteRefusal runs stmt (outboxSQL.failed or waited) for the row of key,
-// with reason as its last error. A last_error column narrower than the text
+// noteRefusal runs stmt (outboxSQL.failed, waited or bury) with reason as
+// its last error, then args. A last_error column narrower than the text
 // (varchar(255) from a migration tool: PostgreSQL's 22001, MySQL/MariaDB's
 // 1406 in strict mode) gets it cut to shortLastError bytes, or NULL: the
 // failed UPDATE failed the round after its publishes, every round, so that
 // the accepted messages were sent again and again and the refused one never
-// used an attempt. On PostgreSQL each try runs under a savepoint (a failed
-// statement aborts the transaction).
-func (o *Outbox) noteRefusal(ctx context.Context, tx *sqlx.Tx, stmt string, reason error, key []any) error {
-	var err error
+// used an attempt; in the dead-letter table, the message was never set
+// aside. On PostgreSQL each try runs under a savepoint (a failed statement
+// aborts the transaction).
+func (o *Outbox) noteRefusal(ctx context.Context, tx *sqlx.Tx, stmt string, reason error, args []any) (res sql.Result, err error) {
 	for _, text := range []any{lastErrorText(reason), lastErrorTextCut(reason, shortLastError), nil} {
-		err = o.readInWalk(ctx, tx, func() error {
-			_, err := tx.ExecContext(ctx, tx.Rebind(stmt), append([]any{text}, key...)...)
+		err = o.readInWalk(ctx, tx, func() (err error) {
+			res, err = tx.ExecContext(ctx, tx.Rebind(stmt), append([]any{text}, args...)...)
 			return err
 		})
 		if err == nil || !(hasSQLState(err, "22001") || hasMySQLNumber(err, 1406)) {
-			return err
+			return res, err
 		}
 	}
-	return err
+	return res, err
 }
 
 // shortLastError is the length, in bytes, a last error is cut to when the
@@ -1258,7 +1258,7 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		if errors.Is(perr, ErrBrokerUnavailable) {
 			stmt = stmts.waited // the broker's state: no attempt used
 		}
-		if err := o.noteRefusal(ctx, tx, stmt, perr, key(id)); err != nil {
+		if _, err := o.noteRefusal(ctx, tx, stmt, perr, key(id)); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 	}
@@ -1268,17 +1268,13 @@ func (o *Outbox) record(ctx context.Context, tx *sqlx.Tx, b *outboxBatch) error 
 		delete(b.bury, id)
 		b.failed[id] = reason
 		b.kept = append(b.kept, id)
-		if err := o.noteRefusal(ctx, tx, stmts.failed, reason, key(id)); err != nil {
+		if _, err := o.noteRefusal(ctx, tx, stmts.failed, reason, key(id)); err != nil {
 			return fmt.Errorf("inbox: outbox relay: count a failed attempt: %w", err)
 		}
 		return nil
 	}
 	for id, perr := range b.bury {
-		var res sql.Result
-		err := o.readInWalk(ctx, tx, func() (err error) {
-			res, err = tx.ExecContext(ctx, tx.Rebind(stmts.bury), append(append([]any{lastErrorText(perr)}, key(id)...), id)...)
-			return err
-		})
+		res, err := o.noteRefusal(ctx, tx, stmts.bury, perr, append(key(id), id))
 		if err != nil && ctx.Err() == nil {
 			// The dead-letter table refuses the row (a column added to it
 			// by hand that is NOT NULL, a CHECK, a narrower type): failing
