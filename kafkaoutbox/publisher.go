@@ -294,12 +294,19 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			if !errors.As(err, &refused) || len(refused) == 0 {
 				return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
 			}
+			// Kafka refuses a partition's record batch whole: when a message
+			// with a timestamp of its own was refused for it, the ones sarama
+			// stamped beside it may have been refused for it too.
+			ownRefused := false
+			for _, e := range refused {
+				ownRefused = ownRefused || !hostStamped[e.Msg] && errors.Is(e.Err, sarama.ErrInvalidTimestamp)
+			}
 			for _, e := range refused {
 				i, ok := index[e.Msg]
 				if !ok { // not one of this call's: say nothing of each
 					return fmt.Errorf("kafkaoutbox: publish %d messages to %s: %w", len(msgs), topic, err)
 				}
-				errs[i] = p.refusal(e, msgs[i].UUID, hostStamped[e.Msg])
+				errs[i] = p.refusal(e, msgs[i].UUID, hostStamped[e.Msg], ownRefused)
 			}
 			sendErr = err
 		}
@@ -315,9 +322,20 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 // clock against the broker's and the topic's message.timestamp.*.max.ms,
 // which a clock that ran off (NTP down, a VM resumed) fails for every
 // message: set aside, the whole outbox went to the dead-letter table.
-func (p *Publisher) refusal(e *sarama.ProducerError, uuid string, hostStamped bool) error {
+//
+// ownRefused says that a message of the call with a timestamp of its own was
+// refused for it: Kafka refuses a partition's record batch whole, so a
+// message sarama stamped beside it may be refused for the other's
+// timestamp, and its refusal says neither (the relay then tries it alone,
+// and the one with the refused timestamp is set aside once it used its
+// attempts). Taken for the clock, it ended the relay's walk before the
+// other was tried alone, and the partition never moved again.
+func (p *Publisher) refusal(e *sarama.ProducerError, uuid string, hostStamped, ownRefused bool) error {
 	err := fmt.Errorf("kafkaoutbox: message %s not acked: %w", uuid, e.Err)
 	if hostStamped && errors.Is(e.Err, sarama.ErrInvalidTimestamp) {
+		if ownRefused {
+			return fmt.Errorf("%w (its record batch held a message whose own timestamp the topic refused)", err)
+		}
 		return fmt.Errorf("%w: %w (the timestamp sarama gave it from this host's clock: check the clock against the broker's)",
 			inbox.ErrBrokerUnavailable, err)
 	}
