@@ -2,12 +2,14 @@ package inbox
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"database/sql"
 	"database/sql/driver"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -542,7 +544,19 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		// deleted by hand) has nothing to wait for.
 		topics.forgetAllBut(rows, waiting)
 	}
-	if len(rows) > 0 && o.target().sql.stillThere != nil {
+	var idleSet bool // the session has idle-transaction timeouts (read with the batch)
+	if len(rows) > 0 {
+		idleSet = rows[0].IdleTimeouts.Int64 > 0
+	}
+	if len(rows) > 0 && o.target().sql.lockedUpTo != nil {
+		var err error
+		if rows, err = o.lockUpToBatchEnd(ctx, read, rows, skipArgs); err != nil {
+			if ctx.Err() == nil && isStatementTimeout(err) {
+				o.readTimedOutAt(limit)
+			}
+			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: read again %d rows under a lock: %w", limit, err)}}
+		}
+	} else if len(rows) > 0 && o.target().sql.stillThere != nil {
 		var err error
 		if rows, err = o.keepExisting(ctx, read, rows); err != nil {
 			if ctx.Err() == nil && isStatementTimeout(err) {
@@ -558,7 +572,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	// idle-transaction timeouts (MariaDB) are off until just before the
 	// commit, or after the rollback (deferred above), and then put back as
 	// they were.
-	if idleTimeouts && rows[0].IdleTimeouts.Int64 > 0 {
+	if idleTimeouts && idleSet {
 		timeoutsOff = true // even when the SET fails: it may have been applied
 		if _, err := tx.ExecContext(ctx, o.target().sql.idleTimeoutsOff); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: turn the session's idle-transaction timeouts off while it publishes: %w", err)}}
@@ -730,6 +744,47 @@ func (o *Outbox) readInWalk(ctx context.Context, tx *sqlx.Tx, read func() error)
 	}
 	_, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT inbox_outbox_walk")
 	return err
+}
+
+// lockUpToBatchEnd runs the locking read lockedUpTo after the batch's read
+// (rows, in id order; skipArgs its waiting topics): it keeps the rows still
+// there, and adds, in id order, the rows before the batch's last that the
+// read skipped and that are now free (see mysqlLockedUpTo).
+func (o *Outbox) lockUpToBatchEnd(ctx context.Context, q sqlx.QueryerContext, rows []outboxRow, skipArgs []any) ([]outboxRow, error) {
+	stmts := o.target().sql
+	var locked []int64
+	args := append([]any{rows[len(rows)-1].ID}, skipArgs...)
+	if err := sqlx.SelectContext(ctx, q, &locked, o.cfg.DB.Rebind(stmts.lockedUpTo(len(skipArgs) > 0)), args...); err != nil {
+		return nil, err
+	}
+	read := make(map[int64]bool, len(rows))
+	for _, r := range rows {
+		read[r.ID] = true
+	}
+	there := make(map[int64]bool, len(locked))
+	var skipped []int64
+	for _, id := range locked {
+		there[id] = true
+		if !read[id] {
+			skipped = append(skipped, id)
+		}
+	}
+	kept := rows[:0]
+	for _, r := range rows {
+		if there[r.ID] {
+			kept = append(kept, r)
+		}
+	}
+	if len(skipped) == 0 {
+		return kept, nil
+	}
+	var more []outboxRow
+	if err := sqlx.SelectContext(ctx, q, &more, stmts.rowsByID(skipped)); err != nil {
+		return nil, err
+	}
+	kept = append(kept, more...)
+	slices.SortFunc(kept, func(a, b outboxRow) int { return cmp.Compare(a.ID, b.ID) })
+	return kept, nil
 }
 
 // keepExisting returns the rows that the locking read stillThere finds.

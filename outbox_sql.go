@@ -65,6 +65,14 @@ type outboxSQL struct {
 	// back from it (seen here on 10.11: two relays sent 5-15 % of the
 	// messages twice); read again under the lock, it is gone.
 	stillThere func(ids []int64) string
+	// lockedUpTo, when set, returns the locking read (SKIP LOCKED) of the
+	// ids of the rows up to a bound, bind parameters the bound then the
+	// waiting topics (skipTopics), run right after selectBatch in its place
+	// of stillThere: the rows of the batch still there, and the rows before
+	// its last that the batch's read skipped, locked by a transaction that
+	// committed during it (see mysqlLockedUpTo). rowsByID reads the latter.
+	lockedUpTo func(skipTopics bool) string
+	rowsByID   func(ids []int64) string
 	// deleteIDs returns the DELETE of the rows whose ids are listed.
 	deleteIDs func(ids []int64) string
 	// byUUID: the statements that record a round's outcome (failed, waited,
@@ -132,21 +140,7 @@ const outboxColumns = "id, topic, uuid, payload, metadata"
 // read tests too (once), and idleColumns, when set, the columns read beside
 // every row when the caller asks for the idle timeouts.
 func outboxBatchRead(d Dialect, q, lock, guard, idleColumns string) func(n int, skipTopics, idleTimeouts bool) string {
-	// The topics to leave out come as one bind parameter, a JSON array of
-	// strings, whatever their number: one parameter each passed the
-	// database's limit (SQLite 32766, PostgreSQL and MySQL 65535) when
-	// thousands waited, and every read failed, the healthy topics' too.
-	skip := "topic NOT IN (SELECT value FROM json_each(?))" // SQLite
-	switch d.server() {
-	case serverPostgreSQL:
-		skip = "topic NOT IN (SELECT jsonb_array_elements_text(CAST(? AS jsonb)))"
-	case serverMySQL:
-		// topic is varbinary: the JSON strings compared as their bytes.
-		// The list comes in ASCII (asciiJSON): a connection in utf8mb3
-		// (charset=utf8) broke a 4-byte character in it, and JSON_TABLE
-		// refused the whole list (4035), every read with it.
-		skip = "topic NOT IN (SELECT CAST(j.t AS BINARY) FROM JSON_TABLE(?, '$[*]' COLUMNS (t VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$')) AS j)"
-	}
+	skip := skipTopicsCondition(d)
 	return func(n int, skipTopics, idleTimeouts bool) string {
 		var conditions []string
 		if guard != "" {
@@ -165,6 +159,25 @@ func outboxBatchRead(d Dialect, q, lock, guard, idleColumns string) func(n int, 
 		}
 		return "SELECT " + outboxColumns + ", attempts" + extra + " FROM " + q + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + lock
 	}
+}
+
+// skipTopicsCondition is the condition that leaves the waiting topics out of
+// a read. They come as one bind parameter, a JSON array of strings,
+// whatever their number: one parameter each passed the database's limit
+// (SQLite 32766, PostgreSQL and MySQL 65535) when thousands waited, and
+// every read failed, the healthy topics' too.
+func skipTopicsCondition(d Dialect) string {
+	switch d.server() {
+	case serverPostgreSQL:
+		return "topic NOT IN (SELECT jsonb_array_elements_text(CAST(? AS jsonb)))"
+	case serverMySQL:
+		// topic is varbinary: the JSON strings compared as their bytes.
+		// The list comes in ASCII (asciiJSON): a connection in utf8mb3
+		// (charset=utf8) broke a 4-byte character in it, and JSON_TABLE
+		// refused the whole list (4035), every read with it.
+		return "topic NOT IN (SELECT CAST(j.t AS BINARY) FROM JSON_TABLE(?, '$[*]' COLUMNS (t VARCHAR(1024) CHARACTER SET utf8mb4 PATH '$')) AS j)"
+	}
+	return "topic NOT IN (SELECT value FROM json_each(?))" // SQLite
 }
 
 // newOutboxSQL builds the statements shared by every dialect around what
@@ -281,14 +294,7 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// set, and only then does the round turn them off while it publishes
 	// and put them back before its commit (the session goes back to the
 	// pool).
-	// The batch is read from the statement's snapshot, not under locks, and
-	// then locked (stillThere, FOR UPDATE SKIP LOCKED): InnoDB's locking
-	// read checks each row's lock as its scan reaches it, so a transaction
-	// that committed during the scan had its first row skipped (still
-	// locked then) and its later ones read, and the relay sent them first,
-	// nothing crashing (7 in 3,000 transactions of two messages). Read
-	// COMMITTED's snapshot holds a transaction's rows all or none.
-	s.selectBatch = outboxBatchRead(d, t.quoted(d), "", "",
+	s.selectBatch = outboxBatchRead(d, t.quoted(d), " FOR UPDATE SKIP LOCKED", "",
 		"@@session.idle_transaction_timeout + @@session.idle_write_transaction_timeout"+
 			" + @@session.idle_readonly_transaction_timeout AS idle_timeouts")
 	s.idleTimeoutsOff = "SET @inbox_outbox_idle = @@session.idle_transaction_timeout," +
@@ -303,8 +309,14 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// column refused: every output without a payload failed its delivery.
 	s.insertRow = "(?, ?, IFNULL(?, x''), ?, UTC_TIMESTAMP(6))"
 	s.stillThere = mysqlStillThere(t)
-	// The walk's read of a topic's next message the same way (stillThere
-	// follows it).
+	s.lockedUpTo = mysqlLockedUpTo(d, t)
+	s.rowsByID = func(ids []int64) string {
+		return "SELECT " + outboxColumns + ", attempts FROM " + t.quoted(d) + " WHERE id IN (" + idList(ids) + ") ORDER BY id"
+	}
+	// The walk's read of a topic's next message is read from the
+	// statement's snapshot, then locked (stillThere follows it), for the
+	// reason lockedUpTo gives; a row another relay holds ends the walk
+	// there, which is safe.
 	s.nextOfTopic = strings.TrimSuffix(s.nextOfTopic, " FOR UPDATE SKIP LOCKED")
 	s.deleteIDs = mysqlDeleteIDs(t)
 	s.probeStatements[len(s.probeStatements)-1] = s.deleteIDs(nil)
@@ -354,6 +366,25 @@ func mysqlStillThere(t qualifiedName) func(ids []int64) string {
 	q := t.quoted(MySQL)
 	return func(ids []int64) string {
 		return "SELECT id FROM " + q + " WHERE id IN (" + idList(ids) + ") FOR UPDATE SKIP LOCKED"
+	}
+}
+
+// mysqlLockedUpTo is outboxSQL.lockedUpTo on MySQL/MariaDB. InnoDB's locking
+// read checks each row's lock as its scan reaches it: a transaction that
+// committed during the batch's read had its first row skipped (still locked
+// then) and its later ones read, and the relay sent them a round before the
+// first, nothing crashing (7 in 3,000 transactions of two messages). Read
+// again under a lock up to the batch's last id, such a row is there, free:
+// the round takes it, in id order. (Reading the batch from a snapshot and
+// locking it after stalled a relay whose first BatchSize rows another relay
+// held: it read those and found them all locked, every round.)
+func mysqlLockedUpTo(d Dialect, t qualifiedName) func(skipTopics bool) string {
+	read := "SELECT id FROM " + t.quoted(d) + " WHERE id <= ?"
+	return func(skipTopics bool) string {
+		if skipTopics {
+			return read + " AND " + skipTopicsCondition(d) + " ORDER BY id FOR UPDATE SKIP LOCKED"
+		}
+		return read + " ORDER BY id FOR UPDATE SKIP LOCKED"
 	}
 }
 
