@@ -26,7 +26,7 @@ func TestOutboxRelayRecordsARoundWhenLastErrorIsNarrowerThanTheRefusal(t *testin
 			t.Skip("SQLite does not enforce a declared length")
 		}
 		for _, c := range []struct {
-			width    int
+			width   int
 			deadToo bool // the dead-letter table's too (the same DDL)
 		}{{255, false}, {20, false}, {255, true}, {20, true}} {
 			width := c.width
