@@ -548,9 +548,9 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	if len(rows) > 0 {
 		idleSet = rows[0].IdleTimeouts.Int64 > 0
 	}
-	if len(rows) > 0 && o.target().sql.lockedUpTo != nil {
+	if len(rows) > 0 && o.target().sql.visibleUpTo != nil {
 		var err error
-		if rows, err = o.lockUpToBatchEnd(ctx, read, rows, skipArgs); err != nil {
+		if rows, err = o.completeBatch(ctx, read, rows, skipArgs); err != nil {
 			if ctx.Err() == nil && isStatementTimeout(err) {
 				o.readTimedOutAt(limit)
 			}
@@ -746,24 +746,27 @@ func (o *Outbox) readInWalk(ctx context.Context, tx *sqlx.Tx, read func() error)
 	return err
 }
 
-// lockUpToBatchEnd runs the locking read lockedUpTo after the batch's read
-// (rows, in id order; skipArgs its waiting topics): it keeps the rows still
-// there, and adds, in id order, the rows before the batch's last that the
-// read skipped and that are now free (see mysqlLockedUpTo).
-func (o *Outbox) lockUpToBatchEnd(ctx context.Context, q sqlx.QueryerContext, rows []outboxRow, skipArgs []any) ([]outboxRow, error) {
+// completeBatch runs after the batch's locking read (rows, in id order;
+// skipArgs its waiting topics): it reads from a snapshot the rows up to the
+// batch's last (visibleUpTo), keeps the batch's rows among them (a row
+// another relay deleted while the batch's read ran can come back from it on
+// MariaDB), and locks and adds, in id order, the others that are free: rows
+// the batch's read skipped, of a transaction that committed during it (see
+// mysqlVisibleUpTo). The rows another relay holds stay its own.
+func (o *Outbox) completeBatch(ctx context.Context, q sqlx.QueryerContext, rows []outboxRow, skipArgs []any) ([]outboxRow, error) {
 	stmts := o.target().sql
-	var locked []int64
+	var visible []int64
 	args := append([]any{rows[len(rows)-1].ID}, skipArgs...)
-	if err := sqlx.SelectContext(ctx, q, &locked, o.cfg.DB.Rebind(stmts.lockedUpTo(len(skipArgs) > 0)), args...); err != nil {
+	if err := sqlx.SelectContext(ctx, q, &visible, o.cfg.DB.Rebind(stmts.visibleUpTo(len(skipArgs) > 0)), args...); err != nil {
 		return nil, err
 	}
 	read := make(map[int64]bool, len(rows))
 	for _, r := range rows {
 		read[r.ID] = true
 	}
-	there := make(map[int64]bool, len(locked))
+	there := make(map[int64]bool, len(visible))
 	var skipped []int64
-	for _, id := range locked {
+	for _, id := range visible {
 		there[id] = true
 		if !read[id] {
 			skipped = append(skipped, id)
@@ -778,8 +781,15 @@ func (o *Outbox) lockUpToBatchEnd(ctx context.Context, q sqlx.QueryerContext, ro
 	if len(skipped) == 0 {
 		return kept, nil
 	}
+	var free []int64
+	if err := sqlx.SelectContext(ctx, q, &free, stmts.stillThere(skipped)); err != nil {
+		return nil, err
+	}
+	if len(free) == 0 {
+		return kept, nil
+	}
 	var more []outboxRow
-	if err := sqlx.SelectContext(ctx, q, &more, stmts.rowsByID(skipped)); err != nil {
+	if err := sqlx.SelectContext(ctx, q, &more, stmts.rowsByID(free)); err != nil {
 		return nil, err
 	}
 	kept = append(kept, more...)

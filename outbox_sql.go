@@ -65,14 +65,15 @@ type outboxSQL struct {
 	// back from it (seen here on 10.11: two relays sent 5-15 % of the
 	// messages twice); read again under the lock, it is gone.
 	stillThere func(ids []int64) string
-	// lockedUpTo, when set, returns the locking read (SKIP LOCKED) of the
-	// ids of the rows up to a bound, bind parameters the bound then the
-	// waiting topics (skipTopics), run right after selectBatch in its place
-	// of stillThere: the rows of the batch still there, and the rows before
-	// its last that the batch's read skipped, locked by a transaction that
-	// committed during it (see mysqlLockedUpTo). rowsByID reads the latter.
-	lockedUpTo func(skipTopics bool) string
-	rowsByID   func(ids []int64) string
+	// visibleUpTo, when set, returns the read from the statement's
+	// snapshot of the ids of the rows up to a bound, bind parameters the
+	// bound then the waiting topics (skipTopics), run right after
+	// selectBatch in its place of stillThere: the rows of the batch still
+	// there, and the rows before its last that the batch's read skipped,
+	// of a transaction that committed during it (see mysqlVisibleUpTo),
+	// which stillThere then locks and rowsByID reads.
+	visibleUpTo func(skipTopics bool) string
+	rowsByID    func(ids []int64) string
 	// deleteIDs returns the DELETE of the rows whose ids are listed.
 	deleteIDs func(ids []int64) string
 	// byUUID: the statements that record a round's outcome (failed, waited,
@@ -309,7 +310,7 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// column refused: every output without a payload failed its delivery.
 	s.insertRow = "(?, ?, IFNULL(?, x''), ?, UTC_TIMESTAMP(6))"
 	s.stillThere = mysqlStillThere(t)
-	s.lockedUpTo = mysqlLockedUpTo(d, t)
+	s.visibleUpTo = mysqlVisibleUpTo(d, t)
 	s.rowsByID = func(ids []int64) string {
 		return "SELECT " + outboxColumns + ", attempts FROM " + t.quoted(d) + " WHERE id IN (" + idList(ids) + ") ORDER BY id"
 	}
@@ -369,22 +370,24 @@ func mysqlStillThere(t qualifiedName) func(ids []int64) string {
 	}
 }
 
-// mysqlLockedUpTo is outboxSQL.lockedUpTo on MySQL/MariaDB. InnoDB's locking
-// read checks each row's lock as its scan reaches it: a transaction that
-// committed during the batch's read had its first row skipped (still locked
-// then) and its later ones read, and the relay sent them a round before the
-// first, nothing crashing (7 in 3,000 transactions of two messages). Read
-// again under a lock up to the batch's last id, such a row is there, free:
-// the round takes it, in id order. (Reading the batch from a snapshot and
-// locking it after stalled a relay whose first BatchSize rows another relay
-// held: it read those and found them all locked, every round.)
-func mysqlLockedUpTo(d Dialect, t qualifiedName) func(skipTopics bool) string {
+// mysqlVisibleUpTo is outboxSQL.visibleUpTo on MySQL/MariaDB. InnoDB's
+// locking read checks each row's lock as its scan reaches it: a transaction
+// that committed during the batch's read had its first row skipped (still
+// locked then) and its later ones read, and the relay sent them a round
+// before the first, nothing crashing (7 in 3,000 transactions of two
+// messages); a second locking read up to the batch's end has the same race.
+// A read from the statement's snapshot, after the batch's, sees such a
+// transaction whole: its rows the batch skipped are there, and free to lock
+// (stillThere), unless another relay holds them. (Reading the batch itself
+// from a snapshot stalled a relay whose first BatchSize rows another relay
+// held: it read those, found them locked, and sent nothing, every round.)
+func mysqlVisibleUpTo(d Dialect, t qualifiedName) func(skipTopics bool) string {
 	read := "SELECT id FROM " + t.quoted(d) + " WHERE id <= ?"
 	return func(skipTopics bool) string {
 		if skipTopics {
-			return read + " AND " + skipTopicsCondition(d) + " ORDER BY id FOR UPDATE SKIP LOCKED"
+			return read + " AND " + skipTopicsCondition(d) + " ORDER BY id"
 		}
-		return read + " ORDER BY id FOR UPDATE SKIP LOCKED"
+		return read + " ORDER BY id"
 	}
 }
 

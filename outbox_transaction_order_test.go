@@ -2,7 +2,10 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
+	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -84,5 +87,79 @@ func TestOutboxRelaySendsOneTransactionsMessagesInTheOrderItWroteThem(t *testing
 			}
 		}
 		t.Logf("%d transactions, %d sent out of the order they wrote", txs.Load(), reordered)
+	})
+}
+
+// The same with rows another transaction holds between a transaction's two
+// messages (another relay's batch, a handler's large uncommitted write) and
+// rows committed behind them: the transaction commits while the relay's
+// round reads. A second locking read up to the batch's last id had the
+// first one's race: the first message still locked when its scan passed
+// it, the second free when it reached it, and the second sent a round
+// before the first (8 to 18 of 40 transactions).
+func TestOutboxRelayKeepsOneTransactionsOrderWhileRowsBetweenItsMessagesAreHeld(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Dialect != inbox.MySQL {
+			t.Skip("MySQL/MariaDB's locking reads; PostgreSQL's read from the statement's snapshot")
+		}
+		broker := newBrokerStub()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Millisecond})
+		table := relayTable(t, ob)
+		stopRelay := runRelay(ob)
+		defer stopRelay()
+		var stop atomic.Bool
+		var wg sync.WaitGroup
+		defer func() { stop.Store(true); wg.Wait() }()
+		wg.Go(func() { // rows keep coming behind: each round's batch ends past the transaction's rows
+			for i := 0; !stop.Load(); i++ {
+				tx, pub := beginOutbox(t, db, ob)
+				if pub.Publish("filler", message.NewMessage(fmt.Sprintf("filler-%d", i), nil)) != nil || tx.Commit() != nil {
+					_ = tx.Rollback()
+					return
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+		ctx := context.Background()
+		reordered := 0
+		for i := range 20 {
+			tx, pub := beginOutbox(t, db, ob)
+			created, updated := fmt.Sprintf("order-%d-created", i), fmt.Sprintf("order-%d-updated", i)
+			if err := pub.Publish("orders", message.NewMessage(created, nil)); err != nil {
+				t.Fatal(err)
+			}
+			holder, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := holder.Exec("INSERT INTO " + table + " (topic, uuid, payload, metadata, created_at)" +
+				" SELECT 'held', CONCAT('held-', seq), x'', '{}', UTC_TIMESTAMP(6) FROM seq_1_to_20000"); err != nil {
+				t.Fatal(err)
+			}
+			if err := pub.Publish("orders", message.NewMessage(updated, nil)); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(time.Duration(rand.IntN(40)) * time.Millisecond)
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(time.Millisecond) {
+				sent := broker.uuids("orders")
+				c, u := slices.Index(sent, created), slices.Index(sent, updated)
+				if c >= 0 && u >= 0 {
+					if u < c {
+						if reordered++; reordered <= 3 {
+							t.Errorf("%s sent before %s, which its transaction wrote first", updated, created)
+						}
+					}
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("%s and %s not both sent in 30 s", created, updated)
+				}
+			}
+			_ = holder.Rollback()
+		}
+		t.Logf("%d of 20 transactions sent out of the order they wrote", reordered)
 	})
 }
