@@ -105,7 +105,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		txSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "inbox_transaction_seconds",
 			Help:    "Time from BEGIN to the end of COMMIT or ROLLBACK of the inbox transaction, handler included.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14), // 0.5 ms to ~4 s
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18), // 0.5 ms to ~65 s: past the default Timeout of an attempt (30 s)
 		}, []string{"handler_name", "consumer", "outcome"}),
 		purgeDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_rows_deleted_total",

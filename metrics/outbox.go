@@ -46,7 +46,7 @@ func newOutboxMetrics() outboxMetrics {
 		roundSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "inbox_outbox_relay_round_seconds",
 			Help:    "Duration of the outbox relay rounds that found messages or failed: read, publish, delete and commit.",
-			Buckets: prometheus.ExponentialBuckets(0.001, 2, 15), // 1 ms to ~16 s
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 17), // 1 ms to ~65 s: a round that waits out a broker's timeouts
 		}, []string{"table"}),
 	}
 }
