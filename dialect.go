@@ -453,12 +453,22 @@ func purgeRows(ctx context.Context, d Dialect, db dbConn, cfg PurgeConfig, t qua
 	if round.Deleted, round.Err = purge(ctx, db, cfg); round.Err != nil {
 		return round
 	}
-	var us sql.NullInt64
-	query, args := d.oldestAgeSQL(t, cfg.Consumer)
-	if err := db.QueryRowxContext(ctx, query, args...).Scan(&us); err != nil {
-		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", t, err)
+	oldest := func(consumer string) (time.Duration, error) {
+		var us sql.NullInt64
+		query, args := d.oldestAgeSQL(t, consumer)
+		if err := db.QueryRowxContext(ctx, query, args...).Scan(&us); err != nil {
+			return 0, fmt.Errorf("inbox: oldest row age of %s: %w", t, err)
+		}
+		return time.Duration(max(us.Int64, 0)) * time.Microsecond, nil
+	}
+	if round.OldestAge, round.Err = oldest(cfg.Consumer); round.Err != nil {
 		return round
 	}
-	round.OldestAge = time.Duration(max(us.Int64, 0)) * time.Microsecond
+	round.TableOldestAge = round.OldestAge
+	if cfg.Consumer != "" {
+		if round.TableOldestAge, round.Err = oldest(""); round.Err != nil {
+			round.OldestAge, round.TableOldestAge = 0, 0
+		}
+	}
 	return round
 }

@@ -309,10 +309,15 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 		}
 	}
 	err = d.readTx(ctx, db, func(q sqlx.QueryerContext) (err error) {
-		round.OldestAge, err = oldestPartitionAge(ctx, q, t, cfg.Consumer)
+		if round.OldestAge, err = oldestPartitionAge(ctx, q, t, cfg.Consumer); err != nil || cfg.Consumer == "" {
+			round.TableOldestAge = round.OldestAge
+			return err
+		}
+		round.TableOldestAge, err = oldestPartitionAge(ctx, q, t, "")
 		return err
 	})
 	if err != nil {
+		round.OldestAge, round.TableOldestAge = 0, 0
 		round.Err = fmt.Errorf("inbox: oldest row age of %s: %w", t, err)
 	}
 	return round

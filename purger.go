@@ -78,6 +78,15 @@ type PurgeRound struct {
 	// as a deleting round's passes it only while rows it should have
 	// deleted are.
 	OldestAge time.Duration
+	// TableOldestAge is OldestAge of the whole table, every consumer's rows
+	// counted: what another consumer's rows that no purge deletes (a table
+	// shared with a consumer whose purger is missing or down) make grow
+	// past every window, which OldestAge of a purge limited to one
+	// consumer cannot show. Measured as OldestAge, by one more read when
+	// the purge is limited to a consumer (an end of the processed_at index;
+	// for PostgreSQLPartitioned, the partitions' bounds); equal to
+	// OldestAge otherwise. Set on a round that ended without error only.
+	TableOldestAge time.Duration
 	// Pacing is how the round paced its batches (PurgeConfig.DutyCycle):
 	// batches, time in batches, time paused, back-offs and the effective
 	// duty cycle. Zero for a skipped round and for PostgreSQLPartitioned,
@@ -305,6 +314,9 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 		"batches":    round.Pacing.Batches, "paused": round.Pacing.Paused.String(),
 		"back_offs": round.Pacing.BackOffs, "duty_cycle": round.Pacing.DutyCycle,
 	})
+	if p.cfg.Purge.Consumer != "" {
+		fields["table_oldest_age"] = round.TableOldestAge.String()
+	}
 	switch {
 	case round.Err != nil && ctx.Err() == nil:
 		p.logger.get().Error("Inbox purge round failed", round.Err, fields)

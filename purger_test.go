@@ -265,8 +265,11 @@ func skipPartitionedRounds(t *testing.T, tdb testDB) {
 // share a table with windows of their own) measures the oldest row of that
 // consumer: another consumer's older rows are not its to delete. The whole
 // table's oldest row made such a purge look behind its window for good
-// (InboxPurgeFallingBehind fired, the headroom read -119h).
-func TestPurgerRoundLimitedToAConsumerMeasuresItsOwnOldestRow(t *testing.T) {
+// (InboxPurgeFallingBehind fired, the headroom read -119h). The whole
+// table's oldest row is measured apart (TableOldestAge): rows of a consumer
+// that no purge deletes grow past every window, and a consumer's own oldest
+// row could not show them.
+func TestPurgerRoundLimitedToAConsumerMeasuresItsOwnOldestRowAndTheTables(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		f := newFixture(t, db)
 		if tdb.Dialect == inbox.PostgreSQLPartitioned {
@@ -295,6 +298,15 @@ func TestPurgerRoundLimitedToAConsumerMeasuresItsOwnOldestRow(t *testing.T) {
 		}
 		if n := count(t, db, f.inbox, "consumer = 'ledger'"); n != 10 {
 			t.Errorf("%d of ledger's rows left, want 10", n)
+		}
+		// ledger's rows, 5 days old; on the partitioned table, how long ago
+		// their daily partition ended.
+		lo, hi := 5*24*time.Hour-time.Minute, 5*24*time.Hour+time.Minute
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			lo = 4*24*time.Hour - time.Minute
+		}
+		if round.TableOldestAge < lo || round.TableOldestAge > hi {
+			t.Errorf("table's oldest age = %v, want between %v and %v (ledger's rows)", round.TableOldestAge, lo, hi)
 		}
 	})
 }

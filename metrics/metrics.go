@@ -77,15 +77,17 @@ type Metrics struct {
 	txSeconds    *prometheus.HistogramVec
 	purgeDeleted *prometheus.CounterVec
 	oldestAge    *prometheus.GaugeVec
-	batches      *prometheus.CounterVec
-	batchSeconds *prometheus.CounterVec
-	pausedSecs   *prometheus.CounterVec
-	backOffs     *prometheus.CounterVec
-	dutyCycle    *prometheus.GaugeVec
-	rounds       *prometheus.CounterVec
-	lastSuccess  *prometheus.GaugeVec
-	window       *prometheus.GaugeVec
-	outbox       outboxMetrics
+	// tableOldestAge is oldestAge of the whole table, every consumer's rows.
+	tableOldestAge *prometheus.GaugeVec
+	batches        *prometheus.CounterVec
+	batchSeconds   *prometheus.CounterVec
+	pausedSecs     *prometheus.CounterVec
+	backOffs       *prometheus.CounterVec
+	dutyCycle      *prometheus.GaugeVec
+	rounds         *prometheus.CounterVec
+	lastSuccess    *prometheus.GaugeVec
+	window         *prometheus.GaugeVec
+	outbox         outboxMetrics
 }
 
 // New creates the collectors and registers them with reg (for example
@@ -114,6 +116,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		oldestAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_oldest_row_age_seconds",
 			Help: "Age of the oldest inbox row after the last purge round, by the database clock (a partitioned table: how long ago its oldest non-empty partition ended); 0 when empty.",
+		}, []string{"table", "consumer"}),
+		tableOldestAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "inbox_table_oldest_row_age_seconds",
+			Help: "Age of the oldest row of the whole inbox table, every consumer's, after the last purge round (as inbox_oldest_row_age_seconds, which counts only the consumer a purge is limited to); 0 when empty.",
 		}, []string{"table", "consumer"}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_batches_total",
@@ -150,7 +156,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	m.outbox = newOutboxMetrics()
 	for _, c := range append([]prometheus.Collector{m.messages, m.reusedIDs, m.txSeconds, m.purgeDeleted, m.oldestAge,
-		m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle, m.rounds, m.lastSuccess, m.window},
+		m.tableOldestAge, m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle, m.rounds, m.lastSuccess, m.window},
 		m.outbox.collectors()...) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -229,7 +235,9 @@ func (m *Metrics) count(e inbox.Event, outcome string) {
 //   - the time a round last ended without error
 //     (inbox_purge_last_success_timestamp_seconds), rows deleted
 //     (inbox_purge_rows_deleted_total) and the oldest row's age
-//     (inbox_oldest_row_age_seconds), of such rounds only;
+//     (inbox_oldest_row_age_seconds; inbox_table_oldest_row_age_seconds
+//     for the whole table, every consumer's rows: PurgeRound.TableOldestAge),
+//     of such rounds only;
 //   - the window the last round purged by (inbox_purge_window_seconds,
 //     PurgeRound.Window), also when it failed after checking its window;
 //   - the pacing of every round that ran batches, failed and cancelled
@@ -278,6 +286,7 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 		lastSuccess.SetToCurrentTime()
 		m.purgeDeleted.WithLabelValues(table, consumer).Add(float64(r.Deleted))
 		m.oldestAge.WithLabelValues(table, consumer).Set(r.OldestAge.Seconds())
+		m.tableOldestAge.WithLabelValues(table, consumer).Set(r.TableOldestAge.Seconds())
 	}
 	return cfg
 }
