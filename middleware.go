@@ -335,6 +335,11 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		return nil, fmt.Errorf("inbox: outbox publisher for %q/%q: %w", d.consumer, d.id, err)
 	}
 	d.state = &d.stateValue
+	if d.state.publisher != nil && len(d.state.writers) == 0 {
+		// Another package's outbox publisher (watermill-sql's): it writes
+		// whatever the transaction's state, so the inbox checks it first.
+		d.state.publisher = &claimCheckedPublisher{next: d.state.publisher, check: d.checkStillClaimed}
+	}
 	for _, w := range d.state.writers {
 		var claim *outboxClaim
 		if d.ib.checksHeld {
@@ -433,6 +438,36 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 	}
 	return nil, nil // sent by the outbox, not by the router
 }
+
+// claimCheckedPublisher is an outbox publisher of another package (a
+// watermill-sql publisher on the delivery's transaction, from
+// Config.Outbox), behind the inbox's check that the transaction is still
+// open and holds the claim (delivery.checkStillClaimed) before each
+// Publish: such a publisher writes whatever the transaction's state, so
+// after a handler's ROLLBACK (or, on MySQL/MariaDB, a deadlock whose error
+// the handler ignored) it wrote the outputs in autocommit, and the relay
+// sent them for a delivery that was nacked, and again under new UUIDs for
+// its redeliveries. This package's writers check in their own statements.
+// The check is the pre-commit check: free where the driver reports the
+// transaction status, one read of the claim on MySQL/MariaDB. Safe for
+// concurrent use as next is.
+type claimCheckedPublisher struct {
+	next  message.Publisher
+	check func() error
+}
+
+// Publish publishes msgs through next once the check passed, or returns the
+// check's error (wrapping ErrTxRolledBack or ErrTransactionEnded) and
+// writes nothing.
+func (p *claimCheckedPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.check(); err != nil {
+		return fmt.Errorf("inbox: outbox publish to %q refused: %w", topic, err)
+	}
+	return p.next.Publish(topic, msgs...)
+}
+
+// Close closes next.
+func (p *claimCheckedPublisher) Close() error { return p.next.Close() }
 
 // outboxPublishError is err, from writing the returned messages to the
 // outbox, with the delivery and topic; nil for nil.
