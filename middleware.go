@@ -341,10 +341,9 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		d.state.publisher = &claimCheckedPublisher{next: d.state.publisher, check: d.checkStillClaimed}
 	}
 	for _, w := range d.state.writers {
-		var claim *outboxClaim
-		if d.ib.checksHeld {
-			claim = &outboxClaim{table: d.ib.table.quoted(d.ib.dialect), consumer: d.consumer, id: d.id}
-		}
+		// Checked by the writers of the dialects whose inserts can read it
+		// (outboxSQL.claimedInsert).
+		claim := &outboxClaim{table: d.ib.table.quoted(d.ib.dialect), consumer: d.consumer, id: d.id}
 		w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))

@@ -779,8 +779,9 @@ type txBoundPublisher interface {
 }
 
 // outboxClaim is the inbox claim that an outbox writer's inserts check
-// (outboxSQL.claimedInsert), on the dialects whose pre-commit check reads
-// the claim's row (MySQL/MariaDB).
+// (outboxSQL.claimedInsert), on the dialects whose inserts read it:
+// MySQL/MariaDB, whose pre-commit check reads the claim's row, and SQLite,
+// whose driver reports no transaction status.
 type outboxClaim struct {
 	table        string // the inbox table, quoted
 	consumer, id string

@@ -21,7 +21,7 @@ type outboxSQL struct {
 	// insertPrefix, then insertRow once per message joined by ", ". A row's
 	// bind parameters: topic, uuid, payload, metadata.
 	insertPrefix, insertRow string
-	// claimedInsert, when set (MySQL/MariaDB), returns the INSERT of n
+	// claimedInsert, when set (MySQL/MariaDB, SQLite), returns the INSERT of n
 	// messages that writes them only while the inbox transaction holds its
 	// claim in inboxTable (quoted): its row is read with a locking read, as
 	// the pre-commit check reads it, in the same statement, so that nothing
@@ -419,6 +419,7 @@ func (mysqlDialect) createOutbox(ctx context.Context, db *sqlx.DB, _ qualifiedNa
 func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 	s := d.outboxByID(t, dead)
 	q, dq := t.quoted(d), dead.quoted(d)
+	s.claimedInsert = sqliteClaimedInsert(t)
 	s.byUUID = true
 	s.failed = "UPDATE " + q + " SET attempts = attempts + 1, last_error = ? WHERE id = ? AND uuid = ?"
 	s.waited = "UPDATE " + q + " SET last_error = ? WHERE id = ? AND uuid = ?"
@@ -431,6 +432,37 @@ func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 			strings.TrimSuffix(strings.Repeat("(?, ?), ", len(ids)), ", ") + ")"
 	}
 	return s
+}
+
+// sqliteClaimedInsert is outboxSQL.claimedInsert on SQLite: the claim's row
+// read in the same statement. modernc.org/sqlite reports no transaction
+// status, and SQLite rolls a whole transaction back on its own (a trigger's
+// RAISE(ROLLBACK), a constraint declared ON CONFLICT ROLLBACK, SQLITE_FULL)
+// as on a handler's ROLLBACK: an insert after that ran in autocommit, the
+// COMMIT then failed (no transaction), and each redelivery wrote the
+// outputs again under new UUIDs, which the relay sent for a message never
+// processed. Without the claim's row, which went with the rollback, it
+// writes nothing. SQLite has no row locks to take: its write lock, held
+// since the claim, keeps the row. Several messages go through VALUES rows
+// numbered in their order, so that their ids follow it.
+func sqliteClaimedInsert(t qualifiedName) func(inboxTable string, n int, inTx bool) string {
+	const now = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)"
+	prefix := "INSERT INTO " + t.quoted(SQLite) + " (topic, uuid, payload, metadata, created_at) SELECT "
+	return func(inboxTable string, n int, _ bool) string {
+		if n == 1 {
+			return prefix + "?, ?, ?, ?, " + now + " FROM " + inboxTable + " WHERE consumer = ? AND message_id = ?"
+		}
+		var b strings.Builder
+		b.WriteString(prefix + "r.column1, r.column2, r.column3, r.column4, " + now + " FROM (VALUES ")
+		for i := range n {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			b.WriteString("(?, ?, ?, ?, " + strconv.Itoa(i) + ")")
+		}
+		b.WriteString(") AS r JOIN " + inboxTable + " AS c ON c.consumer = ? AND c.message_id = ? ORDER BY r.column5")
+		return b.String()
+	}
 }
 
 // outboxByID is the SQLite outbox's statements before byUUID.
