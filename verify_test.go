@@ -392,6 +392,8 @@ var badTables = map[string][]badTable{
 			mention: []string{`"message_id"(100)`, "prefix"}, fix: "ALTER TABLE `{t}` DROP PRIMARY KEY, ADD PRIMARY KEY (consumer, message_id)"},
 		{name: "MyISAM has no transactions", ddl: []string{myTable("varbinary(255)", myRest) + " ENGINE=MyISAM"},
 			mention: []string{`"MyISAM"`}, fix: "ALTER TABLE `{t}` ENGINE=InnoDB"},
+		{name: "system-versioned table keeps every deleted row", ddl: []string{myTable("varbinary(255)", myRest) + " WITH SYSTEM VERSIONING"},
+			mention: []string{`"SYSTEM VERSIONED"`, "ErrUnexpectedRowsAffected"}, fix: "ALTER TABLE `{t}` DROP SYSTEM VERSIONING"},
 		{name: "unique index instead of primary key", ddl: []string{myTable("varbinary(255)", "UNIQUE KEY uniq (consumer, message_id), INDEX (processed_at)")},
 			mention: []string{"no primary key", "gap locks"}, fix: "ALTER TABLE `{t}` DROP INDEX `uniq`, ADD PRIMARY KEY (consumer, message_id)"},
 		{name: "primary key in the wrong order", ddl: []string{myTable("varbinary(255)", "PRIMARY KEY (message_id, consumer), INDEX (processed_at)")},
@@ -867,5 +869,25 @@ func TestDialect_serverCheckedOncePerInbox(t *testing.T) {
 		if n := probes(); n != want {
 			t.Fatalf("message %d: %d server probes, want %d", i, n, want)
 		}
+	}
+}
+
+// A MariaDB system-versioned inbox table (WITH SYSTEM VERSIONING) is
+// refused, and the fix printed makes it pass: it was accepted, and every
+// redelivery of a processed message failed (its claim affected 3 rows:
+// ErrUnexpectedRowsAffected, not transient, so the poison filter took the
+// duplicates), while the purge's DELETE kept every row as history.
+func TestVerifyRefusesASystemVersionedTableUntilItsFixIsApplied(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	table := "inbox_" + randomSuffix()
+	dropLater(t, db, table)
+	exec(t, db, expand(myTable("varbinary(255)", myRest)+" WITH SYSTEM VERSIONING", table))
+	err := verifyInbox(t, db, inbox.MySQL, table).Verify(context.Background())
+	if !errors.Is(err, inbox.ErrIncompatibleTable) {
+		t.Fatalf("Verify: %v, want ErrIncompatibleTable", err)
+	}
+	exec(t, db, expand("ALTER TABLE `{t}` DROP SYSTEM VERSIONING", table))
+	if err := verifyInbox(t, db, inbox.MySQL, table).Verify(context.Background()); err != nil {
+		t.Fatalf("Verify after the fix: %v", err)
 	}
 }
