@@ -462,6 +462,19 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w: outbox table %s is not on the search_path:"+
 			" run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations", ErrTableNotFound, o.configured.table)}}
 	}
+	// The round's statements run on sctx, which ctx's end does not cut
+	// short until relayStopGrace later: cut mid-statement, database/sql
+	// rolled the transaction back on a goroutine of its own and the
+	// driver dropped the connection, so the round returned, and handed
+	// its turn over, while the server still held its row locks; the next
+	// round's SKIP LOCKED read skipped a transaction's first message and
+	// sent its second one first. The rollback below (deferred) is then the
+	// round's own, done before the turn passes. ctx is checked between the
+	// statements, and the broker's publish runs on it.
+	sctx, cancelStatements := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelStatements() // registered first: runs after the rollback
+	stopGrace := context.AfterFunc(ctx, func() { time.AfterFunc(relayStopGrace, cancelStatements) })
+	defer stopGrace()
 	db := o.cfg.DB
 	var read sqlx.QueryerContext = db
 	var tx *sqlx.Tx
@@ -500,7 +513,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 			begin = conn.BeginTxx
 		}
 		var err error
-		if tx, err = begin(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}); err != nil {
+		if tx, err = begin(sctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: begin: %w", err)}}
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
@@ -521,16 +534,19 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 			skipArgs = []any{asciiJSON(list)}
 		}
 	}
+	if ctx.Err() != nil {
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w", ctx.Err())}}
+	}
 	var rows []outboxRow
 	limit := o.readLimitNow()
 	round.limit = limit
-	err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, idleTimeouts)), skipArgs...)
+	err := sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, idleTimeouts)), skipArgs...)
 	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
 		// MySQL: no idle-transaction timeouts to turn off. (The failed
 		// statement leaves MySQL's transaction as it was.)
 		o.noIdleTimeoutVars.Store(true)
 		rows, idleTimeouts = nil, false
-		err = sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, false)), skipArgs...)
+		err = sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, false)), skipArgs...)
 	}
 	if err != nil {
 		if ctx.Err() == nil && isStatementTimeout(err) {
@@ -550,7 +566,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	if len(rows) > 0 && o.target().sql.visibleUpTo != nil {
 		var err error
-		if rows, err = o.completeBatch(ctx, read, rows, skipArgs); err != nil {
+		if rows, err = o.completeBatch(sctx, read, rows, skipArgs); err != nil {
 			if ctx.Err() == nil && isStatementTimeout(err) {
 				o.readTimedOutAt(limit)
 			}
@@ -558,7 +574,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		}
 	} else if len(rows) > 0 && o.target().sql.stillThere != nil {
 		var err error
-		if rows, err = o.keepExisting(ctx, read, rows); err != nil {
+		if rows, err = o.keepExisting(sctx, read, rows); err != nil {
 			if ctx.Err() == nil && isStatementTimeout(err) {
 				o.readTimedOutAt(limit) // its locking read of the rows also times out
 			}
@@ -574,21 +590,21 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	// they were.
 	if idleTimeouts && idleSet {
 		timeoutsOff = true // even when the SET fails: it may have been applied
-		if _, err := tx.ExecContext(ctx, o.target().sql.idleTimeoutsOff); err != nil {
+		if _, err := tx.ExecContext(sctx, o.target().sql.idleTimeoutsOff); err != nil {
 			return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: turn the session's idle-transaction timeouts off while it publishes: %w", err)}}
 		}
 	}
 	round.read = len(rows)
 	reads := walkReads{
 		next: func(topic string, after int64) (r outboxRow, ok bool, err error) {
-			err = o.readInWalk(ctx, tx, func() error {
+			err = o.readInWalk(sctx, tx, func() error {
 				var rows []outboxRow
-				if err := sqlx.SelectContext(ctx, read, &rows, db.Rebind(o.target().sql.nextOfTopic), after, topic); err != nil || len(rows) == 0 {
+				if err := sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.nextOfTopic), after, topic); err != nil || len(rows) == 0 {
 					return err
 				}
 				if o.target().sql.stillThere != nil {
 					var err error
-					if rows, err = o.keepExisting(ctx, read, rows); err != nil || len(rows) == 0 {
+					if rows, err = o.keepExisting(sctx, read, rows); err != nil || len(rows) == 0 {
 						return err
 					}
 				}
@@ -598,9 +614,9 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 			return r, ok && err == nil, err
 		},
 		deadTaken: func(id int64) (taken bool, err error) {
-			err = o.readInWalk(ctx, tx, func() error {
+			err = o.readInWalk(sctx, tx, func() error {
 				var ids []int64
-				if err := sqlx.SelectContext(ctx, read, &ids, db.Rebind(o.target().sql.deadHas), id); err != nil {
+				if err := sqlx.SelectContext(sctx, read, &ids, db.Rebind(o.target().sql.deadHas), id); err != nil {
 					return err
 				}
 				taken = len(ids) > 0
@@ -609,8 +625,17 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 			return taken, err
 		},
 	}
+	if ctx.Err() != nil {
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w", ctx.Err())}}
+	}
 	b := o.publish(ctx, rows, topics, reads)
 	defer func() { b.settleTopics(topics) }() // after record, whatever the round's end
+	if ctx.Err() != nil {
+		// Stopped: what the broker said may be the stop's doing (a
+		// publish cut short), so nothing of it is recorded; the rows go
+		// again (at least once).
+		return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: stopped before recording its publishes: %w", ctx.Err()))
+	}
 	round.Failed, round.skipped = len(b.failed)+len(b.bury), b.skipped
 	if tx == nil {
 		// SQLite: queued behind this process's other writers (see
@@ -625,7 +650,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		}
 		defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	}
-	if err := o.record(ctx, tx, &b); err != nil {
+	if err := o.record(sctx, tx, &b); err != nil {
 		if ctx.Err() == nil && isStatementTimeout(err) {
 			// The DELETE of large rows outlasts the statement timeout as
 			// their read does: the round's messages go again, and the
@@ -636,7 +661,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		return unrecorded(round, b, err)
 	}
 	if timeoutsOff {
-		if _, err := tx.ExecContext(ctx, o.target().sql.idleTimeoutsBack); err != nil {
+		if _, err := tx.ExecContext(sctx, o.target().sql.idleTimeoutsBack); err != nil {
 			return unrecorded(round, b, fmt.Errorf("inbox: outbox relay: put the session's idle-transaction timeouts back: %w", err))
 		}
 		timeoutsOff = false
@@ -666,6 +691,12 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	return round
 }
+
+// relayStopGrace is how long a relay round's statement in progress may run
+// on once the round's context has ended (a router's shutdown), so that the
+// round ends its transaction itself before the next round of its Outbox
+// starts (see relay).
+const relayStopGrace = 5 * time.Second
 
 // readLimitHold is how long the relay reads fewer rows after a read its
 // statement timeout stopped, before it reads twice as many again.
