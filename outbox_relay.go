@@ -209,7 +209,9 @@ func (t *topicBackoff) next(now time.Time) (time.Duration, bool) {
 // WaitStopped returns nil once no relay of the Outbox runs: the one its
 // RouterPlugin started has stopped (within a second of the router closing,
 // its round in progress cancelled: those messages are sent again later; a
-// Publish call in progress, which takes no context, is waited for) and no
+// Publish call in progress, which takes no context, is waited for, and so is
+// a database statement in progress, for up to 5 s, so that the round rolls
+// its transaction back before anything else reads its rows) and no
 // Run call is in progress; or the cause of ctx's end, if it ends
 // first. router.Run does not wait for a plugin's goroutine: call it after
 // router.Run returned and before closing OutboxConfig.Publisher and the
