@@ -810,6 +810,10 @@ type outboxWriter struct {
 	// statement (outboxSQL.claimedInsert): an insert that succeeded found
 	// it held.
 	claim *outboxClaim
+	// key is the delivery's claim (bindTx), which a write refused for an
+	// ended transaction reads to tell the handler's COMMIT from a rollback
+	// (endedError); nil for a writer the inbox did not bind.
+	key   *outboxClaim
 	wrote atomic.Bool
 	// lookUp reads a row in the writer's transaction, for lookUpTarget
 	// (nil: the writer cannot read there). tgt, when set, is the target the
@@ -846,7 +850,7 @@ type outboxWriter struct {
 // of committing on its own.
 func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
 	w.ctx, w.ended = ctx, ended
-	w.bound = true
+	w.bound, w.key = true, claim
 	w.lookUpTarget(ctx, true) // before the handler runs
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
 	if w.tx != nil && w.target().sql.claimedInsert != nil {
@@ -884,6 +888,9 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 		case err != nil:
 			return err
 		case rows == 0:
+			// Not claimCommitted: the transaction is open as far as the
+			// driver knows (writable asked), so the claim is gone with a
+			// rollback, and a row there now is another delivery's.
 			return fmt.Errorf("%w: the transaction no longer holds the claim of %q/%q (the database rolled it back"+
 				" after an error the handler ignored, or the handler ended it)", ErrTxRolledBack, w.claim.consumer, w.claim.id)
 		case rows != int64(n):
@@ -1012,6 +1019,10 @@ func (w *outboxWriter) writable(topic string) error {
 		// The statement would run outside any transaction and commit on
 		// its own: sent although the message is not processed, and sent
 		// again by the redelivery under the handler's new UUIDs.
+		if w.claimCommitted() {
+			return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the handler's COMMIT, or a statement that commits"+
+				" implicitly, committed the message's claim and effects before its outputs)", ErrTransactionEnded, topic)
+		}
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
 			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
 	}
@@ -1022,6 +1033,26 @@ func (w *outboxWriter) writable(topic string) error {
 		return fmt.Errorf("%w; nothing written to %q", w.lookUpErr, topic)
 	}
 	return nil
+}
+
+// claimCommitted reports whether the delivery's claim is committed, once a
+// write found its transaction ended by the handler (the driver reports no
+// transaction; a deadlock leaves it reporting one): the handler committed it
+// (its COMMIT, or a statement that commits implicitly) rather than rolled it
+// back. That is the handler's mistake, ErrTransactionEnded,
+// not transient: reported as ErrTxRolledBack, which is, the redelivery was
+// skipped as a duplicate and its outputs lost with nothing to tell. A read
+// on the writer's connection, in autocommit since the transaction ended;
+// false when it cannot tell (a writer the inbox did not bind, a native
+// backend's, a failed read).
+func (w *outboxWriter) claimCommitted() bool {
+	if w.tx == nil || w.key == nil {
+		return false
+	}
+	var one int
+	err := w.tx.QueryRowxContext(w.ctx, w.rebind("SELECT 1 FROM "+w.key.table+" WHERE consumer = ? AND message_id = ?"),
+		w.key.consumer, w.key.id).Scan(&one)
+	return err == nil
 }
 
 // appendOutboxRows appends to args the bind parameters of msgs' rows
