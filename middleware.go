@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -338,7 +339,7 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 	if d.state.publisher != nil && len(d.state.writers) == 0 {
 		// Another package's outbox publisher (watermill-sql's): it writes
 		// whatever the transaction's state, so the inbox checks it first.
-		d.state.publisher = &claimCheckedPublisher{next: d.state.publisher, check: d.checkStillClaimed}
+		d.state.publisher = &claimCheckedPublisher{next: d.state.publisher, check: d.checkBeforeForeignPublish}
 	}
 	for _, w := range d.state.writers {
 		// Checked by the writers of the dialects whose inserts can read it
@@ -450,19 +451,54 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 // The check is the pre-commit check: free where the driver reports the
 // transaction status, one read of the claim on MySQL/MariaDB. Safe for
 // concurrent use as next is.
+//
+// The check and the publish run under one lock: on MySQL/MariaDB the check
+// is a read, and database/sql holds the connection for a call, not for the
+// rows it left unread, so another goroutine's publish between the read and
+// its Scan broke the connection (go-sql-driver/mysql), and every delivery
+// whose handler published from several goroutines failed.
 type claimCheckedPublisher struct {
 	next  message.Publisher
 	check func() error
+	mu    sync.Mutex
 }
 
 // Publish publishes msgs through next once the check passed, or returns the
 // check's error (wrapping ErrTxRolledBack or ErrTransactionEnded) and
 // writes nothing.
 func (p *claimCheckedPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	if err := p.check(); err != nil {
 		return fmt.Errorf("inbox: outbox publish to %q refused: %w", topic, err)
 	}
 	return p.next.Publish(topic, msgs...)
+}
+
+// checkBeforeForeignPublish is the check of claimCheckedPublisher: the
+// pre-commit check (checkStillClaimed), and on SQLite, where that check has
+// nothing to go by (modernc.org/sqlite reports no transaction status), a
+// read of the claim's row, gone with a rollback (the handler's, or one
+// SQLite made itself): this package's SQLite outbox reads it in its INSERT,
+// another package's cannot.
+func (d *delivery) checkBeforeForeignPublish() error {
+	if err := d.checkStillClaimed(); err != nil {
+		return err
+	}
+	t, ok := d.tx.(*sqlTx)
+	if !ok || d.ib.dialect != SQLite {
+		return nil
+	}
+	var n int
+	if err := t.tx.GetContext(d.txCtx, &n, t.tx.Rebind("SELECT COUNT(*) FROM "+d.ib.table.quoted(d.ib.dialect)+
+		" WHERE consumer = ? AND message_id = ?"), d.consumer, d.id); err != nil {
+		return fmt.Errorf("inbox: %q/%q: check the claim: %w", d.consumer, d.id, err)
+	}
+	if n == 0 {
+		return fmt.Errorf("inbox: %q/%q: %w: the transaction no longer holds the claim (the database rolled it back after"+
+			" an error the handler ignored, or the handler ended it)", d.consumer, d.id, ErrTxRolledBack)
+	}
+	return nil
 }
 
 // Close closes next.
