@@ -226,7 +226,9 @@ func (o *Outbox) WaitStopped(ctx context.Context) error { return o.running.wait(
 // every output would fail. The relay starts once the router is running
 // (however long its start takes: see RouterPluginStartTimeout) and
 // stops within a second of the router closing, cancelling a round in
-// progress (whose messages are sent again later). Router plugins run once,
+// progress (whose messages are sent again later; a database statement in
+// progress is let finish, for up to 5 s, so that the round rolls back
+// itself: see WaitStopped). Router plugins run once,
 // in router.Run, before its handlers start (a Watermill convention). Without
 // an OutboxConfig.Logger, the relay logs to the router's logger from then
 // on.
@@ -405,7 +407,10 @@ func (b *outboxBatch) settleTopics(topics *topicBackoff) {
 // before the commit leaves them to be sent again; on SQLite the rows are
 // read without a lock and deleted in a short transaction after the
 // publishes. If ctx ends while it waits for its turn, it returns ctx's
-// error in OutboxRound.Err, having done nothing.
+// error in OutboxRound.Err, having done nothing; if it ends during the
+// round, the round's database statement in progress is let finish, for up
+// to 5 s past ctx's end, and the round rolls back (so that the next round
+// finds no row still locked by it), and returns ctx's error.
 func (o *Outbox) RelayOnce(ctx context.Context) OutboxRound {
 	return o.relayOnce(ctx, nil).OutboxRound
 }
