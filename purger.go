@@ -83,8 +83,9 @@ type PurgeRound struct {
 	// shared with a consumer whose purger is missing or down) make grow
 	// past every window, which OldestAge of a purge limited to one
 	// consumer cannot show. Measured as OldestAge, by one more read when
-	// the purge is limited to a consumer (an end of the processed_at index;
-	// for PostgreSQLPartitioned, the partitions' bounds); equal to
+	// the purge is limited to a consumer (an end of the processed_at index,
+	// which a BRIN index on PostgreSQL cannot give: the read then scans the
+	// table; for PostgreSQLPartitioned, the partitions' bounds); equal to
 	// OldestAge otherwise. Set on a round that ended without error only.
 	TableOldestAge time.Duration
 	// Pacing is how the round paced its batches (PurgeConfig.DutyCycle):
