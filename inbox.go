@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -764,6 +765,77 @@ func (t *sqlTx) endedByClaimRead() bool {
 		return false
 	}
 	return n == 0
+}
+
+// claimHeldOnConn runs query, a count of the claim's row (bind parameters:
+// consumer, id), on the transaction's driver connection inside Conn.Raw, so
+// that database/sql holds the connection from the query to the last row
+// read: through the Tx, it gives the connection back once the query is
+// sent, and a statement another goroutine runs on the transaction before
+// the rows are read breaks a go-sql-driver/mysql connection. It reports
+// whether the count is above 0.
+func (t *sqlTx) claimHeldOnConn(ctx context.Context, query, consumer, id string) (held bool, err error) {
+	rawErr := t.conn.Raw(func(dc any) error {
+		var n int64
+		n, err = driverQueryCount(ctx, dc, query, consumer, id)
+		held = n > 0
+		return nil
+	})
+	if rawErr != nil {
+		return false, rawErr
+	}
+	return held, err
+}
+
+// driverQueryCount runs query, whose one row's first column is a count, on
+// the driver connection dc with args, and returns the count: through the
+// connection's QueryerContext, or, when it declines (driver.ErrSkip, as
+// go-sql-driver/mysql does for arguments without interpolateParams), a
+// statement it prepares.
+func driverQueryCount(ctx context.Context, dc any, query string, args ...string) (int64, error) {
+	named := make([]driver.NamedValue, len(args))
+	for i, a := range args {
+		named[i] = driver.NamedValue{Ordinal: i + 1, Value: a}
+	}
+	var rows driver.Rows
+	err := driver.ErrSkip
+	if q, ok := dc.(driver.QueryerContext); ok {
+		rows, err = q.QueryContext(ctx, query, named)
+	}
+	if errors.Is(err, driver.ErrSkip) {
+		p, ok := dc.(driver.ConnPrepareContext)
+		if !ok {
+			return 0, fmt.Errorf("inbox: the driver connection %T can neither query nor prepare with a context", dc)
+		}
+		stmt, perr := p.PrepareContext(ctx, query)
+		if perr != nil {
+			return 0, perr
+		}
+		defer stmt.Close()
+		sq, ok := stmt.(driver.StmtQueryContext)
+		if !ok {
+			return 0, fmt.Errorf("inbox: the driver statement %T cannot query with a context", stmt)
+		}
+		rows, err = sq.QueryContext(ctx, named)
+	}
+	if err != nil {
+		return 0, err
+	}
+	defer rows.Close()
+	dest := make([]driver.Value, len(rows.Columns()))
+	if err := rows.Next(dest); err != nil {
+		return 0, err // io.EOF included: a count has a row
+	}
+	switch v := dest[0].(type) {
+	case int64:
+		return v, nil
+	case []byte:
+		return strconv.ParseInt(string(v), 10, 64)
+	case string:
+		return strconv.ParseInt(v, 10, 64)
+	default:
+		return 0, fmt.Errorf("inbox: a count of type %T", dest[0])
+	}
 }
 
 // ended asks the driver connection, through Conn.Raw, what the server last

@@ -476,27 +476,35 @@ func (p *claimCheckedPublisher) Publish(topic string, msgs ...*message.Message) 
 }
 
 // checkBeforeForeignPublish is the check of claimCheckedPublisher: the
-// pre-commit check (checkStillClaimed), and on SQLite, where that check has
-// nothing to go by (modernc.org/sqlite reports no transaction status), a
-// read of the claim's row, gone with a rollback (the handler's, or one
-// SQLite made itself): this package's SQLite outbox reads it in its INSERT,
-// another package's cannot.
+// pre-commit check (checkStillClaimed), with its read of the claim's row
+// (MySQL/MariaDB) made on the driver connection under database/sql's lock
+// of it for the whole read (sqlTx.claimHeldOnConn), and on SQLite, where
+// that check has nothing to go by (modernc.org/sqlite reports no
+// transaction status), the same read: the row is gone with a rollback (the
+// handler's, or one SQLite made itself). This package's outbox reads the
+// claim in its own INSERT; another package's cannot. Through database/sql,
+// a read leaves its rows to be read after the call, and another goroutine's
+// statement on the transaction in between (the handler's own Exec beside
+// its publish) broke the go-sql-driver/mysql connection.
 func (d *delivery) checkBeforeForeignPublish() error {
-	if err := d.checkStillClaimed(); err != nil {
-		return err
-	}
 	t, ok := d.tx.(*sqlTx)
-	if !ok || d.ib.dialect != SQLite {
-		return nil
+	if !ok || (!d.ib.checksHeld && d.ib.dialect != SQLite) {
+		return d.checkStillClaimed() // reads nothing, or by an Exec (endedByClaimRead)
 	}
-	var n int
-	if err := t.tx.GetContext(d.txCtx, &n, t.tx.Rebind("SELECT COUNT(*) FROM "+d.ib.table.quoted(d.ib.dialect)+
-		" WHERE consumer = ? AND message_id = ?"), d.consumer, d.id); err != nil {
-		return fmt.Errorf("inbox: %q/%q: check the claim: %w", d.consumer, d.id, err)
+	query := d.ib.heldSQL
+	if !d.ib.checksHeld {
+		query = "SELECT COUNT(*) FROM " + d.ib.table.quoted(d.ib.dialect) + " WHERE consumer = ? AND message_id = ?"
 	}
-	if n == 0 {
+	ended := d.txCtx.Err() == nil && d.tx.ended()
+	held, err := t.claimHeldOnConn(d.txCtx, query, d.consumer, d.id)
+	switch {
+	case err != nil && !ended:
+		return fmt.Errorf("inbox: %q/%q: check the claim: %w", d.consumer, d.id, d.commitTimedOut(err))
+	case err == nil && !held:
 		return fmt.Errorf("inbox: %q/%q: %w: the transaction no longer holds the claim (the database rolled it back after"+
 			" an error the handler ignored, or the handler ended it)", d.consumer, d.id, ErrTxRolledBack)
+	case ended:
+		return fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, ErrTransactionEnded)
 	}
 	return nil
 }

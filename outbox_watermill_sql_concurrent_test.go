@@ -1,6 +1,7 @@
 package inbox_test
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -75,5 +76,63 @@ func TestWatermillSQLOutboxTakesPublishesFromSeveralGoroutines(t *testing.T) {
 				t.Errorf("%d outputs, want %d", n, (msgs-nacked)*G*N)
 			}
 		})
+	}
+}
+
+// A handler that publishes through a watermill-sql outbox in one goroutine
+// while another writes its business rows on the same transaction (plain
+// Execs, safe on a database/sql Tx) has every delivery acked: the inbox's
+// read of the claim before each such publish (MySQL/MariaDB) left its rows
+// to be read after database/sql gave the connection back, and the other
+// goroutine's Exec in between broke it (18 of 20 deliveries nacked,
+// "invalid connection").
+func TestWatermillSQLOutboxPublishesBesideTheHandlersOwnStatements(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	o := newSQLOutbox(t, outboxV4, db, false)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{Outbox: o.factory, OutboxTables: []string{o.table}})
+	in := newFeed()
+	rec := &recorder{}
+	const n, deliveries = 30, 20
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			pub, _ := inbox.OutboxFromContext(msg.Context())
+			tx, _ := inbox.TxFromContext(msg.Context())
+			var wg sync.WaitGroup
+			var pubErr, execErr error
+			wg.Go(func() {
+				for i := range n {
+					if err := pub.Publish("invoices", message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), nil)); err != nil {
+						pubErr = err
+						return
+					}
+				}
+			})
+			wg.Go(func() {
+				for i := range n {
+					if _, err := tx.ExecContext(msg.Context(), "INSERT INTO "+f.business+" (id, consumer) VALUES (?, ?)",
+						fmt.Sprintf("%s-%d", msg.UUID, i), "billing"); err != nil {
+						execErr = err
+						return
+					}
+				}
+			})
+			wg.Wait()
+			return errors.Join(pubErr, execErr)
+		})
+	})
+	nacked := 0
+	for range deliveries {
+		if !in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			nacked++
+			t.Logf("nacked: %v", rec.last())
+		}
+	}
+	if nacked > 0 {
+		t.Errorf("%d of %d deliveries nacked", nacked, deliveries)
+	}
+	if got := o.rows(t); got != (deliveries-nacked)*n {
+		t.Errorf("%d outputs, want %d", got, (deliveries-nacked)*n)
 	}
 }
