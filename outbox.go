@@ -1019,12 +1019,13 @@ func (w *outboxWriter) writable(topic string) error {
 		// The statement would run outside any transaction and commit on
 		// its own: sent although the message is not processed, and sent
 		// again by the redelivery under the handler's new UUIDs.
-		if w.claimCommitted() {
+		if committed, known := w.claimCommitted(); committed || !known {
 			return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the handler's COMMIT, or a statement that commits"+
-				" implicitly, committed the message's claim and effects before its outputs)", ErrTransactionEnded, topic)
+				" implicitly, committed the message's claim and effects before its outputs, or the handler ended the"+
+				" transaction in a way the inbox cannot read)", ErrTransactionEnded, topic)
 		}
-		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the database rolled the transaction back after"+
-			" an error the handler ignored, or the handler ended it)", ErrTxRolledBack, topic)
+		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the handler's ROLLBACK, or the database's after an"+
+			" error the handler ignored, removed the message's claim)", ErrTxRolledBack, topic)
 	}
 	if !w.bound {
 		w.lookUpTarget(w.ctx, false) // a writer the inbox did not bind, at its first write
@@ -1037,22 +1038,37 @@ func (w *outboxWriter) writable(topic string) error {
 
 // claimCommitted reports whether the delivery's claim is committed, once a
 // write found its transaction ended by the handler (the driver reports no
-// transaction; a deadlock leaves it reporting one): the handler committed it
-// (its COMMIT, or a statement that commits implicitly) rather than rolled it
-// back. That is the handler's mistake, ErrTransactionEnded,
-// not transient: reported as ErrTxRolledBack, which is, the redelivery was
-// skipped as a duplicate and its outputs lost with nothing to tell. A read
-// on the writer's connection, in autocommit since the transaction ended;
-// false when it cannot tell (a writer the inbox did not bind, a native
-// backend's, a failed read).
-func (w *outboxWriter) claimCommitted() bool {
-	if w.tx == nil || w.key == nil {
-		return false
+// transaction; a deadlock leaves it reporting one), and whether it could
+// tell: the handler committed it (its COMMIT, or a statement that commits
+// implicitly) rather than rolled it back. That is the handler's mistake,
+// ErrTransactionEnded, not transient: reported as ErrTxRolledBack, which
+// is, the redelivery was skipped as a duplicate and its outputs lost with
+// nothing to tell. A read on the writer's connection, in autocommit since
+// the transaction ended (database/sql's, or a native backend's look-up).
+// It cannot tell when the read fails (a LOCK TABLES still in force, a
+// transaction the driver closed: tx.Commit) or the writer has no way to
+// read (one the inbox did not bind); the caller then takes the handler's
+// end for a commit, since poisoning a message that was rolled back can be
+// undone, and a duplicate skipped for good cannot.
+func (w *outboxWriter) claimCommitted() (committed, known bool) {
+	if w.key == nil {
+		return false, false
 	}
-	var one int
-	err := w.tx.QueryRowxContext(w.ctx, w.rebind("SELECT 1 FROM "+w.key.table+" WHERE consumer = ? AND message_id = ?"),
-		w.key.consumer, w.key.id).Scan(&one)
-	return err == nil
+	query := w.rebind("SELECT COUNT(*) FROM " + w.key.table + " WHERE consumer = ? AND message_id = ?")
+	var n int64
+	var err error
+	switch {
+	case w.tx != nil:
+		err = w.tx.QueryRowxContext(w.ctx, query, w.key.consumer, w.key.id).Scan(&n)
+	case w.lookUp != nil:
+		err = w.lookUp(w.ctx, query, []any{w.key.consumer, w.key.id}, &n)
+	default:
+		return false, false
+	}
+	if err != nil {
+		return false, false
+	}
+	return n > 0, true
 }
 
 // appendOutboxRows appends to args the bind parameters of msgs' rows

@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -21,8 +22,19 @@ import (
 // redelivery was skipped as a duplicate and the output lost with nothing
 // to tell.
 func TestOutputAfterAnImplicitCommitFailsAsTheHandlersEndOfTheTransaction(t *testing.T) {
-	for _, stmt := range []string{"ANALYZE TABLE {business}", "LOCK TABLES {business} WRITE"} {
-		t.Run(stmt, func(t *testing.T) {
+	for _, c := range []struct {
+		stmt   string
+		unlock bool
+	}{
+		{"ANALYZE TABLE {business}", false},
+		{"LOCK TABLES {business} WRITE", true},
+		// Left in force: the writer's read of the claim is then refused
+		// (1100, a table not locked): it cannot tell a commit from a
+		// rollback, and takes the handler's end for a commit.
+		{"LOCK TABLES {business} WRITE", false},
+	} {
+		stmt := c.stmt
+		t.Run(fmt.Sprintf("%s/unlock=%v", stmt, c.unlock), func(t *testing.T) {
 			db := testdb.OpenMySQL(t, "")
 			f := newFixture(t, db)
 			ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: newBrokerStub()})
@@ -39,7 +51,9 @@ func TestOutputAfterAnImplicitCommitFailsAsTheHandlersEndOfTheTransaction(t *tes
 					if _, err := tx.ExecContext(msg.Context(), expand2(stmt, f.business)); err != nil {
 						return nil, err
 					}
-					_, _ = tx.ExecContext(msg.Context(), "UNLOCK TABLES")
+					if c.unlock {
+						_, _ = tx.ExecContext(msg.Context(), "UNLOCK TABLES")
+					}
 					return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("invoice"))}, nil
 				})
 			})
