@@ -803,20 +803,29 @@ func driverQueryCount(ctx context.Context, dc any, query string, args ...string)
 		rows, err = q.QueryContext(ctx, query, named)
 	}
 	if errors.Is(err, driver.ErrSkip) {
-		p, ok := dc.(driver.ConnPrepareContext)
-		if !ok {
-			return 0, fmt.Errorf("inbox: the driver connection %T can neither query nor prepare with a context", dc)
+		var stmt driver.Stmt
+		var perr error
+		if p, ok := dc.(driver.ConnPrepareContext); ok {
+			stmt, perr = p.PrepareContext(ctx, query)
+		} else if c, ok := dc.(driver.Conn); ok {
+			stmt, perr = c.Prepare(query)
+		} else {
+			return 0, fmt.Errorf("inbox: the driver connection %T cannot prepare a statement", dc)
 		}
-		stmt, perr := p.PrepareContext(ctx, query)
 		if perr != nil {
 			return 0, perr
 		}
 		defer stmt.Close()
-		sq, ok := stmt.(driver.StmtQueryContext)
-		if !ok {
-			return 0, fmt.Errorf("inbox: the driver statement %T cannot query with a context", stmt)
+		if sq, ok := stmt.(driver.StmtQueryContext); ok {
+			rows, err = sq.QueryContext(ctx, named)
+		} else {
+			values := make([]driver.Value, len(args))
+			for i, a := range args {
+				values[i] = a
+			}
+			//lint:ignore SA1019 a driver statement without StmtQueryContext has only this
+			rows, err = stmt.Query(values)
 		}
-		rows, err = sq.QueryContext(ctx, named)
 	}
 	if err != nil {
 		return 0, err

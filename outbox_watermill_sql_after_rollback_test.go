@@ -28,6 +28,10 @@ func TestWatermillSQLOutboxWritesNothingAfterTheHandlersRollback(t *testing.T) {
 			{"pgx", true, func(t *testing.T) *sqlx.DB { return testdb.OpenPostgres(t, "") }},
 			{"libpq", true, func(t *testing.T) *sqlx.DB { return testdb.OpenPostgresWith(t, "postgres", "") }},
 			{"mariadb", false, func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") }},
+			// The check's read runs on the driver connection: here otelsql's.
+			{"mariadb-otelsql", false, func(t *testing.T) *sqlx.DB {
+				return sqlx.NewDb(testdb.OpenMySQLWith(t, otelsqlMySQL(t), "").DB, "mysql")
+			}},
 		} {
 			t.Run(kind.name+"/"+be.name, func(t *testing.T) {
 				db := be.open(t)

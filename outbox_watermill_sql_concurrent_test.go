@@ -27,6 +27,9 @@ func TestWatermillSQLOutboxTakesPublishesFromSeveralGoroutines(t *testing.T) {
 		open func(t *testing.T) *sqlx.DB
 	}{
 		{"mariadb", false, func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") }},
+		{"mariadb-otelsql", false, func(t *testing.T) *sqlx.DB {
+			return sqlx.NewDb(testdb.OpenMySQLWith(t, otelsqlMySQL(t), "").DB, "mysql")
+		}},
 		{"pgx", true, func(t *testing.T) *sqlx.DB { return testdb.OpenPostgres(t, "") }},
 		{"libpq", true, func(t *testing.T) *sqlx.DB { return testdb.OpenPostgresWith(t, "postgres", "") }},
 	} {
