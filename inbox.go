@@ -787,6 +787,15 @@ func (t *sqlTx) claimHeldOnConn(ctx context.Context, query, consumer, id string)
 	return held, err
 }
 
+// doneByDatabaseSQL reports whether database/sql has ended the Tx (the
+// handler's tx.Commit or tx.Rollback): a statement on it is then refused
+// with sql.ErrTxDone before anything is sent. Otherwise the statement, a
+// SELECT 1, runs: a round trip, so only where a failure is already known.
+func (t *sqlTx) doneByDatabaseSQL(ctx context.Context) bool {
+	_, err := t.tx.ExecContext(ctx, "SELECT 1")
+	return errors.Is(err, sql.ErrTxDone)
+}
+
 // driverQueryCount runs query, whose one row's first column is a count, on
 // the driver connection dc with args, and returns the count: through the
 // connection's QueryerContext, or, when it declines (driver.ErrSkip, as

@@ -500,6 +500,10 @@ func (d *delivery) checkBeforeForeignPublish() error {
 	switch {
 	case err != nil && !ended:
 		return fmt.Errorf("inbox: %q/%q: check the claim: %w", d.consumer, d.id, d.commitTimedOut(err))
+	case err == nil && !held && d.txCtx.Err() == nil && t.doneByDatabaseSQL(d.txCtx):
+		// The handler's tx.Rollback: the read on the connection, which
+		// outlives the Tx, found the claim gone, as after a deadlock.
+		return fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, ErrTransactionEnded)
 	case err == nil && !held:
 		return fmt.Errorf("inbox: %q/%q: %w: the transaction no longer holds the claim (the database rolled it back after"+
 			" an error the handler ignored, or the handler ended it)", d.consumer, d.id, ErrTxRolledBack)
