@@ -299,6 +299,13 @@ func (q qualifiedName) String() string {
 }
 
 // quoted returns the name quoted for d, schema included.
+// claimCountSQL counts the rows of the claim of a key in quotedTable, an
+// inbox table: 1 while it is there, 0 once a rollback took it. Bind
+// parameters ("?"): consumer, message id.
+func claimCountSQL(quotedTable string) string {
+	return "SELECT COUNT(*) FROM " + quotedTable + " WHERE consumer = ? AND message_id = ?"
+}
+
 func (q qualifiedName) quoted(d Dialect) string {
 	if q.schema == "" {
 		return d.quote(q.name)

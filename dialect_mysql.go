@@ -135,7 +135,7 @@ func (mysqlDialect) preparesByDefault() bool { return true }
 func (mysqlDialect) statuslessCheck(qualifiedName) (string, bool) { return "", false }
 
 func (d mysqlDialect) preCommitCheck(t qualifiedName) (string, bool) {
-	return "SELECT COUNT(*) FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id = ? FOR UPDATE", true
+	return claimCountSQL(t.quoted(d)) + " FOR UPDATE", true
 }
 
 func (mysqlDialect) expiredSQL(byConsumer bool) string {

@@ -65,10 +65,17 @@ type Inbox struct {
 	storedFingerprint   string // the query of a key's stored fingerprint
 	keyLockSQL          string // with locksKeys: the dialect's key lock, taken before the claim
 	heldSQL             string // with checksHeld: the dialect's pre-commit check
-	statuslessSQL       string // without checksHeld: the dialect's check for a driver that gives no status
-	statuslessNoted     sync.Once
-	locksKeys           bool
-	checksHeld          bool
+	// quotedTable is the inbox table as the outbox writers' claim names it
+	// (outboxClaim.table).
+	quotedTable string
+	// foreignCheckSQL is the read of the claim before a Publish through
+	// another package's outbox publisher (checkBeforeForeignPublish):
+	// heldSQL where checksHeld, the claim's count on SQLite, "" otherwise.
+	foreignCheckSQL string
+	statuslessSQL   string // without checksHeld: the dialect's check for a driver that gives no status
+	statuslessNoted sync.Once
+	locksKeys       bool
+	checksHeld      bool
 
 	// claimStmt is claimSQL prepared on DB, on first use (the table may not
 	// exist when New runs). database/sql re-prepares it once per pooled
@@ -350,6 +357,13 @@ func New(cfg Config) (*Inbox, error) {
 	}
 	ib.keyLockSQL, ib.locksKeys = cfg.Dialect.keyLock()
 	ib.heldSQL, ib.checksHeld = cfg.Dialect.preCommitCheck(table)
+	ib.quotedTable = table.quoted(cfg.Dialect)
+	switch {
+	case ib.checksHeld:
+		ib.foreignCheckSQL = ib.heldSQL
+	case cfg.Dialect == SQLite:
+		ib.foreignCheckSQL = claimCountSQL(ib.quotedTable)
+	}
 	ib.statuslessSQL, _ = cfg.Dialect.statuslessCheck(table)
 	ib.txOptions = cfg.Dialect.txOptions(cfg.TxOptions)
 	if cfg.TracerProvider != nil {

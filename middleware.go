@@ -341,11 +341,14 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		// whatever the transaction's state, so the inbox checks it first.
 		d.state.publisher = &claimCheckedPublisher{next: d.state.publisher, check: d.checkBeforeForeignPublish}
 	}
-	for _, w := range d.state.writers {
+	if len(d.state.writers) > 0 {
 		// Checked by the writers of the dialects whose inserts can read it
-		// (outboxSQL.claimedInsert).
-		claim := &outboxClaim{table: d.ib.table.quoted(d.ib.dialect), consumer: d.consumer, id: d.id}
-		w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
+		// (outboxSQL.claimedInsert), and read by any after the handler
+		// ended the transaction (outboxWriter.claimCommitted).
+		claim := &outboxClaim{table: d.ib.quotedTable, consumer: d.consumer, id: d.id}
+		for _, w := range d.state.writers {
+			w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
+		}
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
 	return d.handler(d.msg)
@@ -452,11 +455,9 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 // transaction status, one read of the claim on MySQL/MariaDB. Safe for
 // concurrent use as next is.
 //
-// The check and the publish run under one lock: on MySQL/MariaDB the check
-// is a read, and database/sql holds the connection for a call, not for the
-// rows it left unread, so another goroutine's publish between the read and
-// its Scan broke the connection (go-sql-driver/mysql), and every delivery
-// whose handler published from several goroutines failed.
+// The check and the publish run under one lock, so that the check a
+// publish passed is the last one before it. (The check's read runs on the
+// driver connection inside Conn.Raw: see checkBeforeForeignPublish.)
 type claimCheckedPublisher struct {
 	next  message.Publisher
 	check func() error
@@ -488,15 +489,11 @@ func (p *claimCheckedPublisher) Publish(topic string, msgs ...*message.Message) 
 // its publish) broke the go-sql-driver/mysql connection.
 func (d *delivery) checkBeforeForeignPublish() error {
 	t, ok := d.tx.(*sqlTx)
-	if !ok || (!d.ib.checksHeld && d.ib.dialect != SQLite) {
+	if !ok || d.ib.foreignCheckSQL == "" {
 		return d.checkStillClaimed() // reads nothing, or by an Exec (endedByClaimRead)
 	}
-	query := d.ib.heldSQL
-	if !d.ib.checksHeld {
-		query = "SELECT COUNT(*) FROM " + d.ib.table.quoted(d.ib.dialect) + " WHERE consumer = ? AND message_id = ?"
-	}
 	ended := d.txCtx.Err() == nil && d.tx.ended()
-	held, err := t.claimHeldOnConn(d.txCtx, query, d.consumer, d.id)
+	held, err := t.claimHeldOnConn(d.txCtx, d.ib.foreignCheckSQL, d.consumer, d.id)
 	switch {
 	case err != nil && !ended:
 		return fmt.Errorf("inbox: %q/%q: check the claim: %w", d.consumer, d.id, d.commitTimedOut(err))

@@ -1054,7 +1054,7 @@ func (w *outboxWriter) claimCommitted() (committed, known bool) {
 	if w.key == nil {
 		return false, false
 	}
-	query := w.rebind("SELECT COUNT(*) FROM " + w.key.table + " WHERE consumer = ? AND message_id = ?")
+	query := w.rebind(claimCountSQL(w.key.table))
 	var n int64
 	var err error
 	switch {

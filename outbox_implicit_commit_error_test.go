@@ -3,7 +3,6 @@ package inbox_test
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -26,12 +25,12 @@ func TestOutputAfterAnImplicitCommitFailsAsTheHandlersEndOfTheTransaction(t *tes
 		stmt   string
 		unlock bool
 	}{
-		{"ANALYZE TABLE {business}", false},
-		{"LOCK TABLES {business} WRITE", true},
+		{"ANALYZE TABLE {t}", false},
+		{"LOCK TABLES {t} WRITE", true},
 		// Left in force: the writer's read of the claim is then refused
 		// (1100, a table not locked): it cannot tell a commit from a
 		// rollback, and takes the handler's end for a commit.
-		{"LOCK TABLES {business} WRITE", false},
+		{"LOCK TABLES {t} WRITE", false},
 	} {
 		stmt := c.stmt
 		t.Run(fmt.Sprintf("%s/unlock=%v", stmt, c.unlock), func(t *testing.T) {
@@ -48,7 +47,7 @@ func TestOutputAfterAnImplicitCommitFailsAsTheHandlersEndOfTheTransaction(t *tes
 						return nil, err
 					}
 					tx, _ := inbox.TxFromContext(msg.Context())
-					if _, err := tx.ExecContext(msg.Context(), expand2(stmt, f.business)); err != nil {
+					if _, err := tx.ExecContext(msg.Context(), expand(stmt, f.business)); err != nil {
 						return nil, err
 					}
 					if c.unlock {
@@ -69,9 +68,6 @@ func TestOutputAfterAnImplicitCommitFailsAsTheHandlersEndOfTheTransaction(t *tes
 		})
 	}
 }
-
-// expand2 replaces {business} in s with table.
-func expand2(s, table string) string { return strings.ReplaceAll(s, "{business}", table) }
 
 // A handler that commits the transaction itself and then publishes an
 // output through OutboxFromContext gets ErrTransactionEnded (not
