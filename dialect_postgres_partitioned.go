@@ -283,13 +283,20 @@ func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, window int64
 // consumer's own expired rows in it are deleted in batches, by primary key,
 // as Purge does.
 func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
+	// The coming partitions first, whatever the window: a window refused
+	// (a topic kept for ever, a broker that cannot be reached, a retention
+	// raised past OlderThan) pauses the deletes, but claims need the
+	// partitions all the same, and a long-running process gets them only
+	// from its rounds; they ran out after DefaultPartitionsAhead days and
+	// every claim failed.
+	schemaErr := d.maintainSchema(ctx, db, t)
 	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
 	if err != nil {
-		round.Err = fmt.Errorf("inbox: purge %s: %w", t, err)
+		round.Err = errors.Join(fmt.Errorf("inbox: purge %s: %w", t, err), schemaErr)
 		return round
 	}
 	round.Window = olderThan
-	if round.Err = d.maintainSchema(ctx, db, t); round.Err != nil {
+	if round.Err = schemaErr; round.Err != nil {
 		return round
 	}
 	dropped, err := dropPartitions(ctx, db, t, olderThan, cfg.Consumer)

@@ -314,11 +314,8 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 		// Partitions made otherwise need not fall on whole days: the new
 		// one fills only the free range around x.
 		start, end = freeRange(parts, x, start, end)
-		p, err := partitionName(t, piv, start)
+		p, err := attachFreeName(ctx, tx, t, piv, start, end)
 		if err != nil {
-			return err
-		}
-		if err := attachPartition(ctx, tx, t, p, start, end); err != nil {
 			return err
 		}
 		parts = append(parts, partition{name: p, start: start, end: end, interval: piv})
@@ -331,10 +328,48 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 	return nil
 }
 
+// attachFreeName attaches a partition of t for [start, end) under the
+// library's name for it (partitionName), or, when a table of that name is
+// there already and is not one an interrupted DropPartitions left (a
+// partition of another range: renamed by an operator, made by hand under
+// that name, or the first of two free ranges of one day around a
+// partition made by hand), under that name with "_2" to "_9" appended,
+// the first that is free. It returned ErrIncompatibleTable before, in
+// every round, and no partition was created for any day any more. Names go
+// by nothing else: the catalog's bounds are what counts (see
+// DropPartitions).
+func attachFreeName(ctx context.Context, tx *sqlx.Tx, t qualifiedName, iv PartitionInterval, start, end time.Time) (qualifiedName, error) {
+	p, err := partitionName(t, iv, start)
+	if err != nil {
+		return qualifiedName{}, err
+	}
+	taken := []string{}
+	for n := 1; ; n++ {
+		candidate := p
+		if n > 1 {
+			candidate.name = p.name + "_" + strconv.Itoa(n)
+		}
+		err := attachPartition(ctx, tx, t, candidate, start, end)
+		if !errors.Is(err, errPartitionNameTaken) {
+			return candidate, err
+		}
+		taken = append(taken, candidate.name)
+		if n == 9 || len(p.name)+len("_2") > 63 {
+			return qualifiedName{}, fmt.Errorf("%w: inbox: create partition of %s for [%s, %s): the tables %s exist and"+
+				" are not partitions of %s for that range; rename or drop one of them", ErrIncompatibleTable, t,
+				markBound(start), markBound(end), strings.Join(taken, ", "), t)
+		}
+	}
+}
+
+// errPartitionNameTaken is attachPartition's error for a name another
+// table has.
+var errPartitionNameTaken = errors.New("partition name taken")
+
 // attachPartition creates p as a plain table, or takes the table of that
 // name that an interrupted DropPartitions left detached (marked with
 // detachedPartitionComment), and attaches it to t for [start, end). Another
-// table of that name is ErrIncompatibleTable.
+// table of that name is errPartitionNameTaken, and nothing is changed.
 func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start, end time.Time) error {
 	d := PostgreSQLPartitioned
 	// Bounds are formatted by us from a time.Time, never user input.
@@ -350,7 +385,7 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 	if err != nil {
 		return fmt.Errorf("inbox: create partition %s: %w", p, err)
 	}
-	create := "CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+	create := "CREATE TABLE " + p.quoted(d) + " (LIKE " + t.quoted(d) + " INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING GENERATED)"
 	switch {
 	case kind.Detached:
 		// Left detached by a DropPartitions interrupted before its DROP
@@ -378,8 +413,7 @@ func attachPartition(ctx context.Context, tx *sqlx.Tx, t, p qualifiedName, start
 		_, err = tx.ExecContext(ctx, "RELEASE SAVEPOINT inbox_reattach")
 		return err
 	case kind.Exists:
-		return fmt.Errorf("%w: inbox: create partition %s of %s: a table or partition of that name exists and is not one"+
-			" of %s's partitions; rename or drop it", ErrIncompatibleTable, p, t, t)
+		return errPartitionNameTaken
 	}
 	return attachStatements(ctx, tx, t, p, lo, hi, create, "")
 }
