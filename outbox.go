@@ -189,7 +189,8 @@ type OutboxConfig struct {
 	// goroutine of the round's caller (Run's, RelayOnce's), after the
 	// round's turn ended: it may call RelayOnce, and the rounds of several
 	// Runs or RelayOnce calls may have it called at the same time, so it
-	// must be safe for concurrent use (the metrics module's is).
+	// must be safe for concurrent use (the metrics module's is). A panic
+	// in it is recovered and logged (Logger); the round's outcome stands.
 	// Default: nil.
 	OnRound func(OutboxRound)
 }

@@ -456,9 +456,25 @@ func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound
 		})
 	}
 	if o.cfg.OnRound != nil && (round.Relayed+round.Failed+round.DeadLettered > 0 || round.Err != nil) {
-		o.cfg.OnRound(round.OutboxRound)
+		o.callOnRound(round.OutboxRound)
 	}
 	return round
+}
+
+// callOnRound calls OnRound with r. A panic in it is logged, not
+// propagated: under RouterPlugin the relay runs on a goroutine of its own,
+// where a panic ended the whole process (every handler in flight with it),
+// and again at every start while outputs were waiting; the round's outcome
+// is final either way.
+func (o *Outbox) callOnRound(r OutboxRound) {
+	defer func() {
+		if p := recover(); p != nil {
+			o.logger.get().Error("Inbox outbox OnRound panicked", fmt.Errorf("panic: %v", p), watermill.LogFields{
+				"relayed": r.Relayed, "failed": r.Failed, "dead_lettered": r.DeadLettered,
+			})
+		}
+	}()
+	o.cfg.OnRound(r)
 }
 
 func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRound) {

@@ -36,7 +36,8 @@ type PurgerConfig struct {
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every round with its outcome, for
-	// metrics. It runs on the purger's goroutine.
+	// metrics. It runs on the purger's goroutine. A panic in it is
+	// recovered and logged (Logger). Default: nil.
 	OnRound func(PurgeRound)
 }
 
@@ -329,9 +330,21 @@ func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 		p.logger.get().Info("Inbox purge round", fields)
 	}
 	if p.cfg.OnRound != nil {
-		p.cfg.OnRound(round)
+		p.callOnRound(round)
 	}
 	return round
+}
+
+// callOnRound calls OnRound with r. A panic in it is logged, not
+// propagated: Run's goroutine is the purger's own (under RouterPlugin
+// too), where a panic ended the whole process.
+func (p *Purger) callOnRound(r PurgeRound) {
+	defer func() {
+		if v := recover(); v != nil {
+			p.logger.get().Error("Inbox purge OnRound panicked", fmt.Errorf("panic: %v", v), watermill.LogFields{"deleted": r.Deleted})
+		}
+	}()
+	p.cfg.OnRound(r)
 }
 
 func (p *Purger) round(ctx context.Context) (round PurgeRound) {
