@@ -101,7 +101,9 @@ var (
 	// processes it. IsTransient reports true. (PostgreSQL and SQLite report
 	// this at COMMIT, with their own error.) A handler's ROLLBACK statement
 	// on MySQL/MariaDB removes the inbox row in the same way and cannot be
-	// told apart from it: it is reported with this error too.
+	// told apart from it: it is reported with this error too, and so is an
+	// outbox write or publish refused there for a claim gone (on PostgreSQL
+	// and SQLite that refusal is ErrTransactionEnded, as their COMMIT is).
 	ErrTxRolledBack = errors.New("inbox: the database rolled the transaction back before the commit")
 
 	// ErrUnexpectedRowsAffected means the claim statement reported a number
@@ -175,7 +177,9 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // error to roll back, and run DDL outside the handler. IsTransient reports
 // false: a redelivery runs the same handler. Whatever the handler committed
 // stays committed; if that included the inbox row, the redelivery is skipped
-// as a duplicate.
+// as a duplicate. An outbox write or publish after the handler's end fails
+// with it too (on PostgreSQL and SQLite also after its ROLLBACK, as at the
+// COMMIT), and writes nothing.
 //
 // It is detected before COMMIT from the transaction status the server sent
 // with its last response (no round trip): with pgxinbox, and with
@@ -324,4 +328,23 @@ func (e *wrapped) Unwrap() []error {
 // wrapping ErrInvalidConfig and every problem (and so its sentinel).
 func invalidConfig(problems error) error {
 	return &wrapped{msg: ErrInvalidConfig.Error(), also: ErrInvalidConfig, err: problems}
+}
+
+// claimGoneError is what a write or a publish refused because the
+// transaction no longer holds the delivery's claim wraps, on a transaction
+// of dialect d: the error the same handler's delivery gets at the COMMIT
+// when it writes no output. On MySQL/MariaDB ErrTxRolledBack (transient): a
+// deadlock or a lock wait timeout the handler ignored rolled it back, and
+// the handler's own ROLLBACK looks the same. PostgreSQL never ends a
+// transaction on its own (an error leaves it failed until the client ends
+// it; a timeout closes the session), so there the claim is gone with the
+// handler's ROLLBACK; and SQLite's COMMIT finds no transaction after any
+// rollback: ErrTransactionEnded (not transient) on both, which a poison
+// queue filter takes instead of a redelivery that rolls back again for
+// ever.
+func claimGoneError(d Dialect) error {
+	if d != nil && d.server() == serverMySQL {
+		return ErrTxRolledBack
+	}
+	return ErrTransactionEnded
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/watermill-inbox/inbox/internal/backend"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -57,9 +58,10 @@ import (
 //   - the message context's cause (context.DeadlineExceeded,
 //     context.Canceled) when it ended before h returned;
 //   - database errors, wrapped with the operation and the key, so that
-//     errors.As reaches the driver's error type; outbox errors, wrapped,
-//     and the error for messages h returned without a publish topic while
-//     Config.Outbox is set.
+//     errors.As reaches the driver's error type; outbox errors, wrapped;
+//     ErrInvalidConfig (transient: the message waits for the fix) for
+//     messages h returned without a publish topic while Config.Outbox is
+//     set, or with a publish topic and no publisher while it is not.
 //
 // IsTransient tells the errors worth a redelivery from the others. An error
 // means the transaction did not commit or, for a COMMIT in doubt
@@ -413,10 +415,28 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 		}
 		return produced, nil
 	}
+	// Watermill's middleware.CorrelationID gives the messages a handler
+	// returns the consumed message's correlation ID. Added to the router
+	// before the inbox (outside it: the order of a router that had it
+	// first), it now sees none of them, written to the outbox here, and
+	// they reached the broker without it. The inbox gives it to those that
+	// have none (one inside the inbox has set it already).
+	if id := middleware.MessageCorrelationID(d.msg); id != "" {
+		for _, m := range produced {
+			if middleware.MessageCorrelationID(m) == "" {
+				middleware.SetCorrelationID(id, m)
+			}
+		}
+	}
 	topic := message.PublishTopicFromCtx(d.msg.Context())
 	if topic == "" {
-		return nil, fmt.Errorf("inbox: %q/%q: handler returned %d messages but has no publish topic (add it with router.AddHandler)",
-			d.consumer, d.id, len(produced))
+		// A configuration mistake, as the case above, not the message's:
+		// it was not transient, and a poison queue filter drained the
+		// whole topic into the poison queue. It waits for the fix instead.
+		d.waitAfterEnd = &d.ib.refusedClaims
+		return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %d messages but has no publish"+
+			" topic to write them to in the outbox: add the handler with router.AddHandler and a publish topic",
+			ErrInvalidConfig, d.consumer, d.id, len(produced))}
 	}
 	p, bound := d.state.publisher.(txBoundPublisher)
 	if !bound {
@@ -503,7 +523,7 @@ func (d *delivery) checkBeforeForeignPublish() error {
 		return fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, ErrTransactionEnded)
 	case err == nil && !held:
 		return fmt.Errorf("inbox: %q/%q: %w: the transaction no longer holds the claim (the database rolled it back after"+
-			" an error the handler ignored, or the handler ended it)", d.consumer, d.id, ErrTxRolledBack)
+			" an error the handler ignored, or the handler ended it)", d.consumer, d.id, claimGoneError(d.ib.dialect))
 	case ended:
 		return fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, ErrTransactionEnded)
 	}

@@ -893,7 +893,7 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 			// driver knows (writable asked), so the claim is gone with a
 			// rollback, and a row there now is another delivery's.
 			return fmt.Errorf("%w: the transaction no longer holds the claim of %q/%q (the database rolled it back"+
-				" after an error the handler ignored, or the handler ended it)", ErrTxRolledBack, w.claim.consumer, w.claim.id)
+				" after an error the handler ignored, or the handler ended it)", claimGoneError(w.o.dialect), w.claim.consumer, w.claim.id)
 		case rows != int64(n):
 			return fmt.Errorf("%w: %d, writing %d messages", ErrUnexpectedRowsAffected, rows, n)
 		}
@@ -1026,7 +1026,7 @@ func (w *outboxWriter) writable(topic string) error {
 				" transaction in a way the inbox cannot read)", ErrTransactionEnded, topic)
 		}
 		return fmt.Errorf("inbox: outbox: %w: nothing written to %q (the handler's ROLLBACK, or the database's after an"+
-			" error the handler ignored, removed the message's claim)", ErrTxRolledBack, topic)
+			" error the handler ignored, removed the message's claim)", claimGoneError(w.o.dialect), topic)
 	}
 	if !w.bound {
 		w.lookUpTarget(w.ctx, false) // a writer the inbox did not bind, at its first write

@@ -1140,8 +1140,12 @@ func TestOutboxWritesNothingOnceTheTransactionEnded(t *testing.T) {
 		if acked, err := in.send(ctx, message.NewMessage(watermill.NewUUID(), nil)); err != nil || acked {
 			t.Fatalf("delivery: acked %v (%v), want a nack", acked, err)
 		}
-		if !errors.Is(publishErr, inbox.ErrTxRolledBack) {
-			t.Errorf("publish after ROLLBACK: %v, want ErrTxRolledBack", publishErr)
+		want := inbox.ErrTransactionEnded // as at the COMMIT without outputs
+		if tdb.Dialect == inbox.MySQL {
+			want = inbox.ErrTxRolledBack // a ROLLBACK looks like a deadlock the handler ignored
+		}
+		if !errors.Is(publishErr, want) {
+			t.Errorf("publish after ROLLBACK: %v, want %v", publishErr, want)
 		}
 		relayUntilEmpty(t, ob)
 		if got := broker.uuids("mails"); len(got) != 0 {
