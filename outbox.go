@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -44,31 +45,48 @@ const MaxOutboxBatchSize = 10000
 // PostgreSQL and MySQL, 32,766 on SQLite).
 const outboxInsertChunk = 1000
 
-// outboxInsertBytes is about the most payload and metadata bytes one outbox
-// INSERT carries (a message larger alone goes alone): with
-// go-sql-driver/mysql's interpolateParams a statement is one packet, its
-// binary escaped up to twice its size, and outputs whose sum passed
-// MariaDB's max_allowed_packet (16 MiB by default) failed every delivery
-// of their message.
-const outboxInsertBytes = 4 << 20
+// outboxInsertBytes is the most bytes one outbox INSERT carries at worst
+// (outboxRowBytes; a message larger alone goes alone): with
+// go-sql-driver/mysql's interpolateParams a statement is one packet, and
+// outputs whose sum passed MariaDB's max_allowed_packet (16 MiB by
+// default) failed every delivery of their message. Counted from the
+// stored values, not the message: metadata is stored as JSON, where a
+// control character or <, > and & take 6 bytes, and counting the raw
+// metadata let 6 outputs of 600 KiB go in one INSERT of about 25 MiB.
+const outboxInsertBytes = 8 << 20
 
-// insertChunkEnd returns where the INSERT of msgs from start ends: at most
-// outboxInsertChunk messages and, past the first, outboxInsertBytes of
-// payload and metadata.
-func insertChunkEnd(msgs []*message.Message, start int) int {
+// outboxRowBytes returns the bytes row i of args (appendOutboxRows's: topic,
+// UUID, payload, metadata) takes in an INSERT at worst: the payload and the
+// metadata twice (interpolateParams escapes a NUL, a quote or a backslash
+// as two bytes), the topic and the UUID once more than their length.
+func outboxRowBytes(args []any, i int) int {
+	topic, _ := args[4*i].(string)
+	uuid, _ := args[4*i+1].(string)
+	payload, _ := args[4*i+2].([]byte)
+	meta, _ := args[4*i+3].([]byte)
+	return 2*(len(topic)+len(uuid)) + 2*(len(payload)+len(meta)) + 16
+}
+
+// insertChunkEnd returns where the INSERT of the rows of args (4 values
+// each) from row start ends: at most outboxInsertChunk rows and, past the
+// first, limit bytes at worst (outboxRowBytes).
+func insertChunkEnd(args []any, start, limit int) int {
+	rows := len(args) / 4
 	size := 0
-	for i := start; i < len(msgs) && i < start+outboxInsertChunk; i++ {
-		m := msgs[i]
-		size += len(m.Payload)
-		for k, v := range m.Metadata {
-			size += len(k) + len(v)
-		}
-		if i > start && size > outboxInsertBytes {
+	for i := start; i < rows && i < start+outboxInsertChunk; i++ {
+		size += outboxRowBytes(args, i)
+		if i > start && size > limit {
 			return i
 		}
 	}
-	return min(len(msgs), start+outboxInsertChunk)
+	return min(rows, start+outboxInsertChunk)
 }
+
+// outboxLargeBytes is the size at worst (outboxRowBytes) of a publish's
+// rows past which a writer on MySQL/MariaDB reads the session's
+// max_allowed_packet (mysqlPacketLimit): one round trip, for outputs of a
+// megabyte or more only.
+const outboxLargeBytes = 1 << 20
 
 // maxOutboxTopic is the longest topic the outbox stores, in bytes.
 const maxOutboxTopic = 1024
@@ -76,7 +94,9 @@ const maxOutboxTopic = 1024
 // ErrOutboxMessage is wrapped by the error an outbox publisher returns for a
 // message it cannot store: an empty or over-long topic, a message UUID
 // that is empty, over MaxKeyLength bytes or not valid UTF-8 (the next
-// consumer's inbox could not deduplicate it). Nothing is written then, and
+// consumer's inbox could not deduplicate it), on MySQL/MariaDB a payload or
+// stored metadata over the server's max_allowed_packet. Not transient
+// (IsTransient). Nothing is written then, and
 // the inbox rolls the message's transaction back. Metadata keys and values
 // may hold any bytes: those that are not valid UTF-8 are stored in base64
 // and reach the broker unchanged.
@@ -865,7 +885,7 @@ const erUnknownSystemVariable = 1193
 
 // insertClaimed runs the claimed INSERT (outboxSQL.claimedInsert) of the
 // messages whose values are args.
-func (w *outboxWriter) insertClaimed(n int, args []any) error {
+func (w *outboxWriter) insertClaimed(n int, args []any, prepare bool) error {
 	args = append(args, w.claim.consumer, w.claim.id)
 	for {
 		inTx := !w.o.noInTxVar.Load()
@@ -874,6 +894,8 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 		var err error
 		if stmt := w.o.preparedClaimedInsert(query, n == 1 && w.prepared); stmt != nil {
 			res, err = w.tx.StmtxContext(w.ctx, stmt).ExecContext(w.ctx, args...)
+		} else if prepare {
+			res, err = w.execPreparedResult(query, args)
 		} else {
 			res, err = w.tx.ExecContext(w.ctx, query, args...)
 		}
@@ -899,6 +921,59 @@ func (w *outboxWriter) insertClaimed(n int, args []any) error {
 		}
 		return nil
 	}
+}
+
+// execPrepared runs query with args as a statement prepared on the
+// writer's transaction (w.tx), and closes it: with go-sql-driver/mysql
+// each value then goes on its own (COM_STMT_SEND_LONG_DATA), where
+// interpolateParams would put them all, escaped, in one packet.
+func (w *outboxWriter) execPrepared(query string, args []any) error {
+	_, err := w.execPreparedResult(query, args)
+	return err
+}
+
+func (w *outboxWriter) execPreparedResult(query string, args []any) (sql.Result, error) {
+	stmt, err := w.tx.PreparexContext(w.ctx, query)
+	if err != nil {
+		return nil, err
+	}
+	res, err := stmt.ExecContext(w.ctx, args...)
+	if cerr := stmt.Close(); err == nil && cerr != nil {
+		return nil, cerr
+	}
+	return res, err
+}
+
+// mysqlPacketLimit reads the session's max_allowed_packet in the writer's
+// transaction and returns the most bytes at worst (outboxRowBytes) an
+// INSERT of several rows may carry, and the size at worst past which a row
+// goes alone as a prepared statement (execPrepared), whose values MySQL
+// and MariaDB limit one by one to max_allowed_packet. A payload or metadata
+// over that limit can never be stored: ErrOutboxMessage, not transient
+// (the server answered 1153, ER_NET_PACKET_TOO_LARGE, and dropped the
+// connection; the failed rollback made the error transient, and the
+// message was redelivered for ever). Without a transaction of its own to
+// read in (a writer of PublisherOn), the defaults stand.
+func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone int, err error) {
+	if w.tx == nil {
+		return outboxInsertBytes, math.MaxInt, nil
+	}
+	var packet int64
+	if err := w.tx.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
+		return 0, 0, fmt.Errorf("inbox: outbox: read max_allowed_packet: %w", err)
+	}
+	const overhead = 64 << 10 // the statement's text and the packets' headers
+	value := int(packet) - 1024
+	for i := range len(args) / 4 {
+		payload, _ := args[4*i+2].([]byte)
+		meta, _ := args[4*i+3].([]byte)
+		if len(payload) > value || len(meta) > value {
+			return 0, 0, fmt.Errorf("%w: message %v to %q: its payload (%d bytes) or stored metadata (%d bytes) is over"+
+				" the server's max_allowed_packet (%d bytes), which limits each value an INSERT sends: raise it, or keep"+
+				" large content elsewhere and send a reference", ErrOutboxMessage, args[4*i+1], topic, len(payload), len(meta), packet)
+		}
+	}
+	return max(min(outboxInsertBytes, int(packet)-overhead), 0), max(int(packet)-overhead, 0), nil
 }
 
 // preparedClaimedInsert returns query prepared on cfg.DB when prepare, or
@@ -931,9 +1006,12 @@ func (o *Outbox) preparedClaimedInsert(query string, prepare bool) *sqlx.Stmt {
 }
 
 // insert runs the INSERT of the messages whose values are args.
-func (w *outboxWriter) insert(n int, args []any) error {
+func (w *outboxWriter) insert(n int, args []any, prepare bool) error {
 	if w.claim != nil {
-		return w.insertClaimed(n, args)
+		return w.insertClaimed(n, args, prepare)
+	}
+	if prepare && w.tx != nil {
+		return w.execPrepared(w.target().sql.insert(n), args)
 	}
 	if n == 1 && w.prepared {
 		if stmt := w.o.insertOne.Load(); stmt != nil {
@@ -968,15 +1046,28 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		}
 		return err
 	}
-	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk))
-	for start, end := 0, 0; start < len(msgs); start = end {
-		end = insertChunkEnd(msgs, start)
-		chunk := msgs[start:end]
-		var err error
-		if args, err = appendOutboxRows(args[:0], topic, chunk); err != nil {
+	all, err := appendOutboxRows(make([]any, 0, 4*len(msgs)), topic, msgs)
+	if err != nil {
+		return err
+	}
+	limit, alone := outboxInsertBytes, math.MaxInt
+	total := 0
+	for i := range len(msgs) {
+		total += outboxRowBytes(all, i)
+	}
+	if w.o.dialect.server() == serverMySQL && total > outboxLargeBytes {
+		if limit, alone, err = w.mysqlPacketLimit(all, topic); err != nil {
 			return err
 		}
-		if err := w.insert(len(chunk), args); err != nil {
+	}
+	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk)+2)
+	for start, end := 0, 0; start < len(msgs); start = end {
+		end = insertChunkEnd(all, start, limit)
+		chunk := msgs[start:end]
+		// A copy: insertClaimed appends the claim's key to it.
+		args = append(args[:0], all[4*start:4*end]...)
+		prepare := len(chunk) == 1 && outboxRowBytes(args, 0) > alone
+		if err := w.insert(len(chunk), args, prepare); err != nil {
 			if w.missing {
 				// Nothing about the message is wrong: transient. The
 				// failed INSERT ended the transaction, and refuse keeps a
@@ -996,14 +1087,14 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 
 // stageLast implements txBoundPublisher.
 func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string, []any, bool, error) {
-	if !w.inTx || w.claim != nil || w.missing || insertChunkEnd(msgs, 0) < len(msgs) {
+	if !w.inTx || w.claim != nil || w.missing {
 		return "", nil, false, nil
 	}
-	if err := w.writable(topic); err != nil {
-		return "", nil, false, err
-	}
 	args, err := appendOutboxRows(make([]any, 0, 4*len(msgs)), topic, msgs)
-	if err != nil {
+	if err != nil || insertChunkEnd(args, 0, outboxInsertBytes) < len(msgs) {
+		return "", nil, false, nil // Publish writes them, or returns the error
+	}
+	if err := w.writable(topic); err != nil {
 		return "", nil, false, err
 	}
 	w.wrote.Store(true) // for committed: the query runs with the COMMIT

@@ -1,0 +1,118 @@
+package inbox_test
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// packetLimitRouter runs a router on MariaDB (DSN parameters params) whose
+// handler returns outputs(msg), the inbox outermost but for a recorder and
+// a poison filter that takes what is not transient.
+func packetLimitRouter(t *testing.T, params string, outputs func(msg *message.Message) []*message.Message) (*feed, *outcomes, *poisonSink, *inbox.Outbox, *brokerStub) {
+	t.Helper()
+	db := testdb.OpenMySQL(t, params)
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: ob.Publisher})
+	poison, sink := poisonUnlessTransient(t)
+	in, out := newFeed(), &outcomes{}
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, poison, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
+			return outputs(msg), nil
+		})
+	})
+	return in, out, sink, ob, broker
+}
+
+// An output whose payload is over the server's max_allowed_packet (16 MiB
+// here) can never be stored: the server answered 1153 and dropped the
+// connection, the failed rollback made the error transient, and the
+// message was redelivered for ever. It fails with ErrOutboxMessage, not
+// transient, before anything is sent. One whose escaped form alone passes
+// the limit (9 MiB of NUL bytes under interpolateParams: 18 MiB) is
+// written as a prepared statement, whose values go one by one: it failed
+// its first delivery, and succeeded only once the Outbox's own prepared
+// statement existed.
+func TestOutputOverMaxAllowedPacketIsRefusedAndOneThatFitsIsWritten(t *testing.T) {
+	for _, c := range []struct {
+		name, params string
+		size         int
+		fill         byte
+		fits         bool
+	}{
+		{"prepared-17MiB", "", 17 << 20, 'a', false},
+		{"interpolated-17MiB", "interpolateParams=true", 17 << 20, 'a', false},
+		{"interpolated-9MiB-of-NUL", "interpolateParams=true", 9 << 20, 0, true},
+		{"prepared-15MiB", "", 15 << 20, '\\', true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			payload := bytes.Repeat([]byte{c.fill}, c.size)
+			in, out, sink, ob, broker := packetLimitRouter(t, c.params, func(msg *message.Message) []*message.Message {
+				return []*message.Message{message.NewMessage(msg.UUID+"-out", payload)}
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("order"))
+			acked := in.deliver(t, delivery(msg, "1"))
+			relayUntilEmpty(t, ob)
+			broker.mu.Lock()
+			got := broker.accepted["documents"]
+			broker.mu.Unlock()
+			if c.fits {
+				if !acked || len(got) != 1 || !bytes.Equal(got[0].Payload, payload) {
+					t.Fatalf("first delivery acked %v (%v), relayed %d; want it acked and the output relayed unchanged", acked, out.last("1"), len(got))
+				}
+				return
+			}
+			if len(sink.poisoned()) != 1 || len(got) != 0 {
+				t.Fatalf("poisoned %d, relayed %d (router got %v); want the message poisoned and nothing relayed",
+					len(sink.poisoned()), len(got), out.last("1"))
+			}
+		})
+	}
+}
+
+// Outputs that each fit go in as few INSERTs as the packet limit allows,
+// counted by what the INSERT sends (metadata as stored: JSON, where a
+// control character or <, > and & take 6 bytes, escaped again by
+// interpolateParams) rather than by the raw metadata: 8 outputs of 600 KiB
+// metadata each made 6 of them one INSERT of about 25 MiB, and every
+// delivery failed with 1153.
+func TestOutputsWhoseStoredMetadataPassesAPacketTogetherGoInSeveralInserts(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		fill byte
+	}{{"control-characters", 0x01}, {"angle-brackets", '<'}} {
+		t.Run(c.name, func(t *testing.T) {
+			value := string(bytes.Repeat([]byte{c.fill}, 600<<10))
+			in, out, _, ob, broker := packetLimitRouter(t, "interpolateParams=true", func(msg *message.Message) []*message.Message {
+				var res []*message.Message
+				for i := range 8 {
+					m := message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), []byte("p"))
+					m.Metadata.Set("doc", value)
+					res = append(res, m)
+				}
+				return res
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("order"))
+			if !in.deliver(t, delivery(msg, "1")) {
+				err := out.last("1")
+				t.Fatalf("nacked: %.300v (transient %v, ErrOutboxMessage %v)", err, inbox.IsTransient(err), errors.Is(err, inbox.ErrOutboxMessage))
+			}
+			relayUntilEmpty(t, ob)
+			broker.mu.Lock()
+			defer broker.mu.Unlock()
+			if got := broker.accepted["documents"]; len(got) != 8 || got[7].Metadata.Get("doc") != value {
+				t.Errorf("relayed %d outputs, want 8 with their metadata unchanged", len(got))
+			}
+		})
+	}
+}
