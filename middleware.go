@@ -349,7 +349,7 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		// ended the transaction (outboxWriter.claimCommitted).
 		claim := &outboxClaim{table: d.ib.quotedTable, consumer: d.consumer, id: d.id}
 		for _, w := range d.state.writers {
-			w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim)
+			w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim, d.ib.logger)
 		}
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))

@@ -201,7 +201,10 @@ type OutboxConfig struct {
 	// PollIntervals after the first commit (a relay that started and
 	// stopped since is not told apart: the outbox's depth and age are, in
 	// Stats and the metrics module). Default: the router's logger under
-	// RouterPlugin, otherwise watermill.NopLogger.
+	// RouterPlugin, otherwise watermill.NopLogger; the no-relay line then
+	// goes to the logger of the inbox that wrote the messages (its
+	// Config.Logger, or its router's under Inbox.RouterPlugin), so that a
+	// relay never added is not silent.
 	Logger watermill.LoggerAdapter
 
 	// OnRound, if set, is called after every relay round that found
@@ -318,6 +321,11 @@ type Outbox struct {
 	// warnIfNoRelay.
 	relayStarted atomic.Bool
 	noRelayCheck sync.Once
+	// inboxLogger is the logger of the first inbox that wrote here
+	// (bindTx), where warnIfNoRelay says so when the Outbox has no logger of
+	// its own: without RouterPlugin it never gets the router's, and the
+	// warning about a relay never added went nowhere.
+	inboxLogger atomic.Pointer[componentLogger]
 	// readLimit is the most rows a round reads now, below cfg.BatchSize
 	// after a read stopped by a statement timeout (0: cfg.BatchSize), and
 	// readTimedOut the time of the last such read, in Unix nanoseconds
@@ -778,7 +786,7 @@ func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 // txBoundPublisher is an outbox publisher of this package (outboxWriter)
 // that the middleware tells of its transaction's context, claim and commit.
 type txBoundPublisher interface {
-	bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim)
+	bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger)
 	// publishLast is Publish for the messages the handler returned, the
 	// transaction's last statements before the pre-commit check: it
 	// reports whether they checked that the transaction still holds its
@@ -869,7 +877,10 @@ type outboxWriter struct {
 // handler ignored (the database rolled the transaction back, and the
 // connection's last status still says it is open) writes nothing instead
 // of committing on its own.
-func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim) {
+func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger) {
+	if w.o.inboxLogger.Load() == nil {
+		w.o.inboxLogger.CompareAndSwap(nil, logger)
+	}
 	w.ctx, w.ended = ctx, ended
 	w.bound, w.key = true, claim
 	w.lookUpTarget(ctx, true) // before the handler runs
@@ -1316,7 +1327,11 @@ func (o *Outbox) warnIfNoRelay() {
 	if o.relayStarted.Load() {
 		return
 	}
-	o.logger.get().Info("Inbox outbox: messages were committed to the outbox and no relay runs in this process, so they "+
+	logger := o.logger.get()
+	if il := o.inboxLogger.Load(); il != nil && o.logger.nop() {
+		logger = il.get().With(o.logger.fields)
+	}
+	logger.Info("Inbox outbox: messages were committed to the outbox and no relay runs in this process, so they "+
 		"stay in the table until one does: add router.AddPlugin(ob.RouterPlugin) or run ob.Run (ignore this when "+
 		"another process relays this table)", nil) // the logger names the table (outbox_table)
 }
