@@ -102,7 +102,8 @@ Usage:
 
 DSN forms:
   postgres://user@host:5432/db?sslmode=disable  PostgreSQL (pgx)
-  mysql://user:pass@tcp(host:3306)/db           MySQL / MariaDB (go-sql-driver DSN after mysql://)
+  mysql://user:pass@tcp(host:3306)/db           MySQL / MariaDB (go-sql-driver DSN after mysql://),
+  mysql://user:pass@host:3306/db                or the URL form; mariadb:// alike
   sqlite:///path/to/file.db  or  file:path.db   SQLite (modernc.org/sqlite); the file must exist,
                                                 except for "schema -apply", which creates it
 
@@ -251,8 +252,11 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 			}
 			dsn += sep + "default_query_exec_mode=exec"
 		}
-	case strings.HasPrefix(dsn, "mysql://"):
-		driver, dsn = "mysql", strings.TrimPrefix(dsn, "mysql://")
+	case strings.HasPrefix(dsn, "mysql://"), strings.HasPrefix(dsn, "mariadb://"):
+		driver = "mysql"
+		if dsn, err = mysqlDSN(dsn); err != nil {
+			return nil, nil, err
+		}
 	case strings.HasPrefix(dsn, "sqlite://"):
 		driver, dsn = "sqlite", "file:"+strings.TrimPrefix(dsn, "sqlite://")
 	case strings.HasPrefix(dsn, "file:"):
@@ -276,6 +280,44 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 		return nil, nil, fmt.Errorf("connect: %w", err)
 	}
 	return db, d, nil
+}
+
+// mysqlDSN returns the go-sql-driver/mysql DSN of -db s (mysql:// or
+// mariadb://): what follows the scheme when it is one
+// (user:pass@tcp(host:3306)/db?params), or a URL's parts in that form
+// (mysql://user:pass@host:3306/db?params, as most tools write it), which
+// the driver took for a network named "host:3306" and refused at connect
+// time ("default addr for network ... unknown").
+func mysqlDSN(s string) (string, error) {
+	_, rest, _ := strings.Cut(s, "://")
+	if cfg, err := mysql.ParseDSN(rest); err == nil && (cfg.Net == "tcp" || cfg.Net == "unix" || cfg.Addr != "") {
+		return rest, nil
+	}
+	u, err := url.Parse(s)
+	if err != nil || u.Host == "" || u.Opaque != "" {
+		return "", fmt.Errorf("%w: -db %q is neither a go-sql-driver DSN after mysql:// (mysql://user:pass@tcp(host:3306)/db)"+
+			" nor a URL (mysql://user:pass@host:3306/db)", errUsage, s)
+	}
+	cfg := mysql.NewConfig()
+	cfg.User = u.User.Username()
+	cfg.Passwd, _ = u.User.Password()
+	cfg.Net, cfg.Addr = "tcp", u.Host
+	if u.Port() == "" {
+		cfg.Addr += ":3306"
+	}
+	cfg.DBName = strings.TrimPrefix(u.Path, "/")
+	dsn := cfg.FormatDSN()
+	if u.RawQuery != "" {
+		sep := "?"
+		if strings.Contains(dsn, "?") {
+			sep = "&"
+		}
+		dsn += sep + u.RawQuery
+	}
+	if _, err := mysql.ParseDSN(dsn); err != nil {
+		return "", fmt.Errorf("%w: -db %q: %w", errUsage, s, err)
+	}
+	return dsn, nil
 }
 
 // existingSQLite checks that the file a SQLite URI (file:...) names exists,

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -557,5 +559,34 @@ func TestPartitionsCommand(t *testing.T) {
 		if code, _, errOut := cli(t, append([]string{"partitions", "-db", dsn.dsn, "-table", table}, args...)...); code != 2 {
 			t.Errorf("%q: exit %d (%s), want 2", args, code, errOut)
 		}
+	}
+}
+
+// A MySQL DSN in the URL form most tools write (mysql://user@host:port/db)
+// works as the go-sql-driver form does, mariadb:// too: the driver took
+// "host:port" for a network name, and the CLI failed with "default addr
+// for network ... unknown", saying nothing of the form it wants.
+func TestMySQLDSNInTheURLForm(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	table := "cli_" + testdb.RandomSuffix()
+	testdb.DropLater(t, db, table)
+	cfg, err := mysql.ParseDSN(testdb.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := url.URL{Scheme: "mysql", User: url.UserPassword(cfg.User, cfg.Passwd), Host: cfg.Addr, Path: "/" + cfg.DBName, RawQuery: "parseTime=true"}
+	if cfg.Passwd == "" {
+		u.User = url.User(cfg.User)
+	}
+	for _, dsn := range []string{u.String(), "mariadb" + strings.TrimPrefix(u.String(), "mysql")} {
+		if code, out, errOut := cli(t, "schema", "-db", dsn, "-table", table, "-apply"); code != 0 || !strings.Contains(out, "is ready") {
+			t.Fatalf("schema -apply -db %s: %d %q %q", dsn, code, out, errOut)
+		}
+		if code, out, errOut := cli(t, "stats", "-db", dsn, "-table", table); code != 0 || !strings.Contains(out, "rows:") {
+			t.Fatalf("stats -db %s: %d %q %q", dsn, code, out, errOut)
+		}
+	}
+	if code, _, errOut := cli(t, "stats", "-db", "mysql://no slash", "-table", table); code != 2 || !strings.Contains(errOut, "nor a URL") {
+		t.Errorf("stats -db mysql://no slash: exit %d %q; want a usage error naming both forms", code, errOut)
 	}
 }
