@@ -9,7 +9,10 @@
 //	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool})
 //	if err != nil { … }
 //	if err := ib.InitializeSchema(ctx); err != nil { … }
-//	router.AddMiddleware(ib.Middleware)
+//	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{}) // Retry, Timeout, Recoverer, then the inbox
+//	if err != nil { … }
+//	router.AddMiddleware(mws...)
+//	router.AddPlugin(ib.RouterPlugin) // checks the table before the first message
 //
 //	func handle(msg *message.Message) error {
 //		tx, ok := pgxinbox.TxFromContext(msg.Context())

@@ -15,7 +15,8 @@ import (
 // through inbox.OutboxFromContext are written in the message's pgx
 // transaction and sent by ob's relay once it commits.
 //
-//	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: kafkaPublisher}) // db: the pool's *sqlx.DB
+//	db := pgxinbox.DB(pool) // once per pool; the purge can take it too
+//	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Publisher: kafkaPublisher})
 //	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Outbox: pgxinbox.OutboxPublisher(ob)})
 //	router.AddPlugin(ob.RouterPlugin)
 //
