@@ -155,7 +155,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s\nRun \"inbox -h\" for usage.\n", prefixed(err))
 		return 2
 	case errors.Is(err, inbox.ErrTableNotFound):
-		fmt.Fprintf(stderr, "%s\nName the inbox table with -table (default %s), the outbox's with -outbox-table.\n",
+		fmt.Fprintf(stderr, "%s\nName the inbox table with -table (default %s), the outbox's with -outbox-table;"+
+			" from here, \"inbox schema -apply\" with the same -db and names creates them (-h for its options).\n",
 			prefixed(err), inbox.DefaultTable)
 		return 1
 	default:

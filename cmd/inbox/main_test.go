@@ -355,8 +355,13 @@ func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 				t.Errorf("verify a table without the fingerprint column: exit %d, stdout %q, stderr %q; want 0 and the ALTER TABLE", code, out, errOut)
 			}
 
-			// A missing table wraps ErrTableNotFound.
-			verifyFails(t, c.dsn, "cli_missing_"+testdb.RandomSuffix(), inbox.ErrTableNotFound)
+			// A missing table wraps ErrTableNotFound, and the CLI says how
+			// to create it from the CLI.
+			missing := "cli_missing_" + testdb.RandomSuffix()
+			verifyFails(t, c.dsn, missing, inbox.ErrTableNotFound)
+			if _, _, errOut := cli(t, "stats", "-db", c.dsn, "-table", missing); !strings.Contains(errOut, "inbox schema -apply") {
+				t.Errorf("stats on a missing table: stderr %q; want it to name inbox schema -apply", errOut)
+			}
 
 			// A primary key on message_id alone would merge two consumers'
 			// rows: ErrIncompatibleTable.
