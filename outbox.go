@@ -155,7 +155,9 @@ type OutboxConfig struct {
 	// max_execution_time: large messages) has the relay read half as many
 	// rows, down to one, and twice as many again, up to BatchSize, once a
 	// minute has passed without such a timeout (a relay that read BatchSize
-	// rows every round failed every round, and sent nothing).
+	// rows every round failed every round, and sent nothing). A round holds
+	// its messages in memory until the broker has them: with outputs of
+	// megabytes, lower it (500 outputs of 4 MiB hold 2 GiB).
 	// Default: DefaultOutboxBatchSize (500).
 	BatchSize int
 
