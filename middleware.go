@@ -423,9 +423,13 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 	// have none (one inside the inbox has set it already).
 	if id := middleware.MessageCorrelationID(d.msg); id != "" {
 		for _, m := range produced {
-			if middleware.MessageCorrelationID(m) == "" {
-				middleware.SetCorrelationID(id, m)
+			if m == nil || middleware.MessageCorrelationID(m) != "" {
+				continue
 			}
+			if m.Metadata == nil { // a message made as a struct literal: Set would panic
+				m.Metadata = message.Metadata{}
+			}
+			middleware.SetCorrelationID(id, m)
 		}
 	}
 	topic := message.PublishTopicFromCtx(d.msg.Context())
@@ -585,6 +589,9 @@ func (d *delivery) commit() error {
 	} else {
 		err = d.tx.commit()
 	}
+	if err != nil && commitFoundNoTx(err) {
+		err = d.endedOrRolledBack(err)
+	}
 	if err != nil {
 		if d.ib.maybeLostConn(d.txCtx, err) {
 			// The COMMIT was sent, or it would have failed with
@@ -595,6 +602,35 @@ func (d *delivery) commit() error {
 	}
 	d.span.AddEvent("inbox.committed")
 	return nil
+}
+
+// endedOrRolledBack tells, for a COMMIT that found no transaction (SQLite:
+// err wraps ErrTransactionEnded), the handler's COMMIT from a rollback by
+// reading the claim: committed, it is the handler's end (err); gone, SQLite
+// rolled the transaction back by itself (a full disk, an interrupted
+// statement, a constraint declared ON CONFLICT ROLLBACK, after an error the
+// handler ignored) or the handler's ROLLBACK did, which looks the same:
+// ErrTxRolledBack, transient, as on MySQL/MariaDB. It was
+// ErrTransactionEnded, and a message a retry would process went to the
+// poison queue. A claim that cannot be read leaves err.
+func (d *delivery) endedOrRolledBack(err error) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(d.txCtx), 5*time.Second)
+	defer cancel()
+	var n int64
+	db := d.ib.db
+	if rerr := db.QueryRowxContext(ctx, db.Rebind(claimCountSQL(d.ib.quotedTable)), d.consumer, d.id).Scan(&n); rerr != nil || n > 0 {
+		return err
+	}
+	driverErr := err // sqlTx.commit's: ErrTransactionEnded and the driver's
+	if m, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range m.Unwrap() {
+			if e != ErrTransactionEnded {
+				driverErr = e
+			}
+		}
+	}
+	return fmt.Errorf("%w: COMMIT found the transaction ended and its claim gone (the database rolled it back after an"+
+		" error the handler ignored, or the handler's ROLLBACK): %w", ErrTxRolledBack, driverErr)
 }
 
 // runAfterCommit runs the functions registered with AfterCommit. The

@@ -60,7 +60,10 @@ func TestReturnedMessagesKeepTheCorrelationIDThroughTheOutbox(t *testing.T) {
 		r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
 			own := message.NewMessage(msg.UUID+"-own", []byte("y"))
 			middleware.SetCorrelationID("set-by-the-handler", own)
-			return []*message.Message{message.NewMessage(msg.UUID+"-out", []byte("x")), own}, nil
+			// A message made as a struct literal has nil Metadata: giving it
+			// the correlation ID panicked ("assignment to entry in nil map").
+			literal := &message.Message{UUID: msg.UUID + "-literal", Payload: []byte("z")}
+			return []*message.Message{message.NewMessage(msg.UUID+"-out", []byte("x")), own, literal}, nil
 		})
 	})
 	msg := message.NewMessage(watermill.NewUUID(), []byte("order"))
@@ -75,7 +78,7 @@ func TestReturnedMessagesKeepTheCorrelationIDThroughTheOutbox(t *testing.T) {
 		got[m.UUID] = middleware.MessageCorrelationID(m)
 	}
 	broker.mu.Unlock()
-	want := map[string]string{msg.UUID + "-out": "corr-42", msg.UUID + "-own": "set-by-the-handler"}
+	want := map[string]string{msg.UUID + "-out": "corr-42", msg.UUID + "-own": "set-by-the-handler", msg.UUID + "-literal": "corr-42"}
 	for id, c := range want {
 		if got[id] != c {
 			t.Errorf("relayed %s with correlation ID %q, want %q (all: %v)", id, got[id], c, got)
