@@ -50,7 +50,7 @@
 //     ROLLBACK statement, no MySQL statement that commits implicitly (DDL,
 //     LOCK TABLES). Return nil to commit, an error to roll back. A handler
 //     that ends it and returns nil is nacked with ErrTransactionEnded (not
-//     transient; on MySQL/MariaDB a ROLLBACK is ErrTxRolledBack, step 7);
+//     transient; on MySQL/MariaDB and SQLite a ROLLBACK is ErrTxRolledBack, step 7);
 //     what it committed itself stays committed, the inbox row included.
 //   - Add the middleware once (ErrNestedInbox).
 //
@@ -133,8 +133,11 @@
 //     transaction back there, its later statements ran outside any
 //     transaction, and COMMIT would succeed with nothing to commit. The
 //     error is then ErrTxRolledBack, also for a handler's ROLLBACK, which
-//     MySQL reports alike. PostgreSQL and SQLite report a rollback by the
-//     database at COMMIT with their own error.
+//     MySQL reports alike. PostgreSQL reports an error of the transaction
+//     at COMMIT with its own error; on SQLite, whose COMMIT then finds no
+//     transaction, the inbox reads the claim: gone, it is ErrTxRolledBack
+//     (a rollback SQLite made itself, or the handler's ROLLBACK), committed
+//     by the handler, ErrTransactionEnded.
 //  8. Commit. COMMIT makes the inbox row and the handler's writes durable
 //     together.
 //  9. After-commit. The functions registered with AfterCommit run (a panic

@@ -98,12 +98,16 @@ var (
 	// snapshot-isolation conflict (1020) ends the whole transaction, and a
 	// handler that ignores that error runs its later statements outside any
 	// transaction (they are kept). The message is nacked, and its redelivery
-	// processes it. IsTransient reports true. (PostgreSQL and SQLite report
-	// this at COMMIT, with their own error.) A handler's ROLLBACK statement
-	// on MySQL/MariaDB removes the inbox row in the same way and cannot be
-	// told apart from it: it is reported with this error too, and so is an
-	// outbox write or publish refused there for a claim gone (on PostgreSQL
-	// and SQLite that refusal is ErrTransactionEnded, as their COMMIT is).
+	// processes it. IsTransient reports true. SQLite rolls a transaction
+	// back by itself too (a full disk, an interrupted statement, a
+	// constraint declared ON CONFLICT ROLLBACK): its COMMIT then finds no
+	// transaction and the inbox reads the claim, gone, which is this error.
+	// (PostgreSQL reports an error of the transaction at COMMIT, with its
+	// own error.) A handler's ROLLBACK statement on MySQL/MariaDB and SQLite
+	// removes the inbox row in the same way and cannot be told apart from
+	// it: it is reported with this error too, and so is an outbox write or
+	// publish refused there for a claim gone (on PostgreSQL that refusal is
+	// ErrTransactionEnded).
 	ErrTxRolledBack = errors.New("inbox: the database rolled the transaction back before the commit")
 
 	// ErrUnexpectedRowsAffected means the claim statement reported a number
@@ -178,7 +182,7 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // false: a redelivery runs the same handler. Whatever the handler committed
 // stays committed; if that included the inbox row, the redelivery is skipped
 // as a duplicate. An outbox write or publish after the handler's end fails
-// with it too (on PostgreSQL and SQLite also after its ROLLBACK, as at the
+// with it too (on PostgreSQL also after its ROLLBACK statement, as at the
 // COMMIT), and writes nothing.
 //
 // It is detected before COMMIT from the transaction status the server sent
@@ -333,18 +337,18 @@ func invalidConfig(problems error) error {
 // claimGoneError is what a write or a publish refused because the
 // transaction no longer holds the delivery's claim wraps, on a transaction
 // of dialect d: the error the same handler's delivery gets at the COMMIT
-// when it writes no output. On MySQL/MariaDB ErrTxRolledBack (transient): a
-// deadlock or a lock wait timeout the handler ignored rolled it back, and
-// the handler's own ROLLBACK looks the same. PostgreSQL never ends a
-// transaction on its own (an error leaves it failed until the client ends
-// it; a timeout closes the session), so there the claim is gone with the
-// handler's ROLLBACK; and SQLite's COMMIT finds no transaction after any
-// rollback: ErrTransactionEnded (not transient) on both, which a poison
-// queue filter takes instead of a redelivery that rolls back again for
-// ever.
+// when it writes no output. PostgreSQL never ends a transaction on its own
+// (an error leaves it failed until the client ends it; a timeout closes
+// the session), so there the claim is gone with the handler's ROLLBACK:
+// ErrTransactionEnded, not transient, which a poison queue filter takes
+// instead of a redelivery that rolls back again for ever. On MySQL/MariaDB
+// (a deadlock or a lock wait timeout the handler ignored) and SQLite (a
+// full disk, an interrupted statement, a constraint declared ON CONFLICT
+// ROLLBACK) the database rolls back by itself, which the handler's ROLLBACK
+// looks the same as: ErrTxRolledBack, transient.
 func claimGoneError(d Dialect) error {
-	if d != nil && d.server() == serverMySQL {
-		return ErrTxRolledBack
+	if d != nil && d.server() == serverPostgreSQL {
+		return ErrTransactionEnded
 	}
-	return ErrTransactionEnded
+	return ErrTxRolledBack
 }

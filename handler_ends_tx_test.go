@@ -19,9 +19,10 @@ import (
 // nacked, never acked: its writes and the inbox row were not committed
 // together by the inbox. The error wraps ErrTransactionEnded and is not
 // transient. Rows: what the handler itself committed stays (business row and
-// inbox row together), what it rolled back is gone. On MySQL/MariaDB a
-// ROLLBACK removes the inbox row and cannot be told from a deadlock the
-// handler ignored: ErrTxRolledBack.
+// inbox row together), what it rolled back is gone. On MySQL/MariaDB and
+// SQLite a ROLLBACK statement removes the inbox row and cannot be told from
+// a rollback the database made itself after an error the handler ignored
+// (a deadlock; a full disk): ErrTxRolledBack.
 func TestHandlerEndsTransaction_IsNackedWithErrTransactionEnded(t *testing.T) {
 	t.Parallel()
 	dbs := append([]testDB{{Name: "postgres-libpq", Dialect: inbox.PostgreSQL, Open: func(tb testing.TB) *sqlx.DB {
@@ -47,7 +48,7 @@ func TestHandlerEndsTransaction_IsNackedWithErrTransactionEnded(t *testing.T) {
 				name           string
 				end            func(ctx context.Context, tx *sqlx.Tx, f *fixture) error
 				committed      bool // the handler's own end committed its row and the inbox row
-				mysqlRolledBak bool // on MySQL/MariaDB: reported as ErrTxRolledBack
+				mysqlRolledBak bool // on MySQL/MariaDB and SQLite: reported as ErrTxRolledBack
 			}{
 				{name: "ROLLBACK statement", end: func(ctx context.Context, tx *sqlx.Tx, _ *fixture) error {
 					_, err := tx.ExecContext(ctx, "ROLLBACK")
@@ -110,7 +111,7 @@ func TestHandlerEndsTransaction_IsNackedWithErrTransactionEnded(t *testing.T) {
 						t.Fatalf("acked a message whose handler ended the transaction itself (router got %v)", got)
 					}
 					want := inbox.ErrTransactionEnded
-					if mysqlDB && c.mysqlRolledBak {
+					if (mysqlDB || tdb.Dialect == inbox.SQLite) && c.mysqlRolledBak {
 						want = inbox.ErrTxRolledBack
 					}
 					if !errors.Is(got, want) {

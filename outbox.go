@@ -94,8 +94,9 @@ const maxOutboxTopic = 1024
 // ErrOutboxMessage is wrapped by the error an outbox publisher returns for a
 // message it cannot store: an empty or over-long topic, a message UUID
 // that is empty, over MaxKeyLength bytes or not valid UTF-8 (the next
-// consumer's inbox could not deduplicate it), on MySQL/MariaDB a payload or
-// stored metadata over the server's max_allowed_packet. Not transient
+// consumer's inbox could not deduplicate it), on MySQL/MariaDB a payload and
+// stored metadata over the server's max_allowed_packet less 64 KiB
+// together. Not transient
 // (IsTransient). Nothing is written then, and
 // the inbox rolls the message's transaction back. Metadata keys and values
 // may hold any bytes: those that are not valid UTF-8 are stored in base64
@@ -960,9 +961,10 @@ func (w *outboxWriter) execPreparedResult(query string, args []any) (sql.Result,
 // mysqlPacketLimit reads the session's max_allowed_packet in the writer's
 // transaction and returns the most bytes at worst (outboxRowBytes) an
 // INSERT of several rows may carry, and the size at worst past which a row
-// goes alone as a prepared statement (execPrepared), whose values MySQL
-// and MariaDB limit one by one to max_allowed_packet. A payload or metadata
-// over that limit can never be stored: ErrOutboxMessage, not transient
+// goes alone as a prepared statement (execPrepared), whose values are not
+// escaped. A payload and metadata over that limit together (less 64 KiB
+// for the rest of the statement) are not stored: ErrOutboxMessage, not
+// transient
 // (the server answered 1153, ER_NET_PACKET_TOO_LARGE, and dropped the
 // connection; the failed rollback made the error transient, and the
 // message was redelivered for ever). Without a transaction of its own to
@@ -975,15 +977,20 @@ func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone 
 	if err := w.tx.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
 		return 0, 0, fmt.Errorf("inbox: outbox: read max_allowed_packet: %w", err)
 	}
-	const overhead = 64 << 10 // the statement's text and the packets' headers
-	value := int(packet) - 1024
+	const overhead = 64 << 10 // the statement's text, its other values and the packets' headers
 	for i := range len(args) / 4 {
 		payload, _ := args[4*i+2].([]byte)
 		meta, _ := args[4*i+3].([]byte)
-		if len(payload) > value || len(meta) > value {
-			return 0, 0, fmt.Errorf("%w: message %v to %q: its payload (%d bytes) or stored metadata (%d bytes) is over"+
-				" the server's max_allowed_packet (%d bytes), which limits each value an INSERT sends: raise it, or keep"+
-				" large content elsewhere and send a reference", ErrOutboxMessage, args[4*i+1], topic, len(payload), len(meta), packet)
+		// Together, not each: go-sql-driver/mysql sends a value on its own
+		// (COM_STMT_SEND_LONG_DATA) only from its own maxAllowedPacket
+		// divided by the statement's values plus one (9 MiB at its default
+		// 64 MiB and 6 values), and smaller ones in one packet, so that a
+		// payload of 8.5 MiB with metadata of 8 MiB got 1153 like one over
+		// the limit.
+		if len(payload)+len(meta) > int(packet)-overhead {
+			return 0, 0, fmt.Errorf("%w: message %v to %q: its payload (%d bytes) and stored metadata (%d bytes) are over"+
+				" the server's max_allowed_packet (%d bytes) less 64 KiB, which bounds a row an INSERT sends: raise it,"+
+				" or keep large content elsewhere and send a reference", ErrOutboxMessage, args[4*i+1], topic, len(payload), len(meta), packet)
 		}
 	}
 	return max(min(outboxInsertBytes, int(packet)-overhead), 0), max(int(packet)-overhead, 0), nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -34,8 +35,8 @@ func packetLimitRouter(t *testing.T, params string, outputs func(msg *message.Me
 	return in, out, sink, ob, broker
 }
 
-// An output whose payload is over the server's max_allowed_packet (16 MiB
-// here) can never be stored: the server answered 1153 and dropped the
+// An output whose payload and metadata are over the server's
+// max_allowed_packet (16 MiB here) together is not stored: the server answered 1153 and dropped the
 // connection, the failed rollback made the error transient, and the
 // message was redelivered for ever. It fails with ErrOutboxMessage, not
 // transient, before anything is sent. One whose escaped form alone passes
@@ -46,19 +47,28 @@ func packetLimitRouter(t *testing.T, params string, outputs func(msg *message.Me
 func TestOutputOverMaxAllowedPacketIsRefusedAndOneThatFitsIsWritten(t *testing.T) {
 	for _, c := range []struct {
 		name, params string
-		size         int
+		size, meta   int
 		fill         byte
 		fits         bool
 	}{
-		{"prepared-17MiB", "", 17 << 20, 'a', false},
-		{"interpolated-17MiB", "interpolateParams=true", 17 << 20, 'a', false},
-		{"interpolated-9MiB-of-NUL", "interpolateParams=true", 9 << 20, 0, true},
-		{"prepared-15MiB", "", 15 << 20, '\\', true},
+		{"prepared-17MiB", "", 17 << 20, 0, 'a', false},
+		{"interpolated-17MiB", "interpolateParams=true", 17 << 20, 0, 'a', false},
+		{"interpolated-9MiB-of-NUL", "interpolateParams=true", 9 << 20, 0, 0, true},
+		{"prepared-15MiB", "", 15 << 20, 0, '\\', true},
+		// Each value under the limit, together over it: the driver sends
+		// values under its own maxAllowedPacket/7 in one packet.
+		{"prepared-8.5MiB-and-8MiB-of-metadata", "", 8<<20 + 512<<10, 8 << 20, 'a', false},
+		{"interpolated-8.5MiB-and-8MiB-of-metadata", "interpolateParams=true", 8<<20 + 512<<10, 8 << 20, 'a', false},
+		{"driver-limit-128MiB-16MiB-and-40KiB-of-metadata", "maxAllowedPacket=134217728", 16<<20 - 32<<10, 40 << 10, 'a', false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			payload := bytes.Repeat([]byte{c.fill}, c.size)
 			in, out, sink, ob, broker := packetLimitRouter(t, c.params, func(msg *message.Message) []*message.Message {
-				return []*message.Message{message.NewMessage(msg.UUID+"-out", payload)}
+				m := message.NewMessage(msg.UUID+"-out", payload)
+				if c.meta > 0 {
+					m.Metadata.Set("doc", strings.Repeat("m", c.meta))
+				}
+				return []*message.Message{m}
 			})
 			msg := message.NewMessage(watermill.NewUUID(), []byte("order"))
 			acked := in.deliver(t, delivery(msg, "1"))

@@ -83,8 +83,8 @@ func TestSQLiteOutboxWritesNothingAfterTheTransactionWasRolledBack(t *testing.T)
 						t.Fatalf("delivery %d acked; want nacked: its transaction was rolled back", i+1)
 					}
 				}
-				if output == "published" && !errors.Is(published, inbox.ErrTransactionEnded) {
-					t.Errorf("Publish after the rollback = %v, want an error wrapping ErrTransactionEnded", published)
+				if output == "published" && !errors.Is(published, inbox.ErrTxRolledBack) {
+					t.Errorf("Publish after the rollback = %v, want an error wrapping ErrTxRolledBack", published)
 				}
 				if n := count(t, db, ob.Table(), ""); n != 0 {
 					t.Errorf("%d outputs in the outbox for an order never processed (business rows %d); want 0",

@@ -334,7 +334,8 @@ func createPartitions(ctx context.Context, db dbConn, t qualifiedName, want Part
 // partition of another range: renamed by an operator, made by hand under
 // that name, or the first of two free ranges of one day around a
 // partition made by hand), under that name with "_2" to "_9" appended,
-// the first that is free. It returned ErrIncompatibleTable before, in
+// the first that is free (with the year in two digits when the table's
+// name is too long for that: "<table>_p261208_2"). It returned ErrIncompatibleTable before, in
 // every round, and no partition was created for any day any more. Names go
 // by nothing else: the catalog's bounds are what counts (see
 // DropPartitions).
@@ -348,15 +349,20 @@ func attachFreeName(ctx context.Context, tx *sqlx.Tx, t qualifiedName, iv Partit
 		candidate := p
 		if n > 1 {
 			candidate.name = p.name + "_" + strconv.Itoa(n)
+			if len(candidate.name) > 63 {
+				// A table name of 52 or 53 bytes: the year in two digits
+				// leaves room (PostgreSQL would cut the name at 63 bytes).
+				candidate.name = t.name + "_" + iv.letter() + start.UTC().Format("060102") + "_" + strconv.Itoa(n)
+			}
 		}
 		err := attachPartition(ctx, tx, t, candidate, start, end)
 		if !errors.Is(err, errPartitionNameTaken) {
 			return candidate, err
 		}
 		taken = append(taken, candidate.name)
-		if n == 9 || len(p.name)+len("_2") > 63 {
+		if n == 9 {
 			return qualifiedName{}, fmt.Errorf("%w: inbox: create partition of %s for [%s, %s): the tables %s exist and"+
-				" are not partitions of %s for that range; rename or drop one of them", ErrIncompatibleTable, t,
+				" none is a partition of %s for that range; rename or drop one of them", ErrIncompatibleTable, t,
 				markBound(start), markBound(end), strings.Join(taken, ", "), t)
 		}
 	}

@@ -81,8 +81,8 @@ func TestWatermillSQLOutboxOnSQLiteWritesNothingAfterTheHandlersRollback(t *test
 			}
 			time.Sleep(100 * time.Millisecond)
 			if how == "published" {
-				if err, _ := pubErr.Load().(error); !errors.Is(err, inbox.ErrTransactionEnded) {
-					t.Errorf("Publish after the ROLLBACK = %v, want an error wrapping ErrTransactionEnded", err)
+				if err, _ := pubErr.Load().(error); !errors.Is(err, inbox.ErrTxRolledBack) {
+					t.Errorf("Publish after the ROLLBACK = %v, want an error wrapping ErrTxRolledBack", err)
 				}
 			}
 			if left := queuedUUIDs(t, db, topic); len(left) != 0 {
