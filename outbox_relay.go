@@ -902,7 +902,7 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 			continue
 		}
 		failedBefore, sentBefore := len(b.failed), len(b.sent)
-		each := o.publishTopic(&b, topic, group, reads)
+		each := o.publishTopic(ctx, &b, topic, group, reads)
 		if topics != nil {
 			// A topic waits for its next try when the broker refused its
 			// first message in line. A call whose publisher told each
@@ -969,7 +969,7 @@ type walkReads struct {
 // for another reason (another produce request of the call, a leader
 // election while the message was tried alone) and accepted alone, ahead
 // of it.
-func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
+func (o *Outbox) publishTopic(ctx context.Context, b *outboxBatch, topic string, group []outboxRow, reads walkReads) (each bool) {
 	msgs, err := decodeOutboxRows(group)
 	if err == nil {
 		err = o.publishCall(topic, msgs)
@@ -1015,6 +1015,14 @@ func (o *Outbox) publishTopic(b *outboxBatch, topic string, group []outboxRow, r
 		}
 	}
 	for i := 0; ; i++ {
+		if i > 0 && ctx.Err() != nil {
+			// The relay is stopping: the round records nothing of what it
+			// sends now, so each publish would only be sent again, and the
+			// stop waited for the whole walk, one broker round trip a
+			// message (BatchSize of them behind a slow broker).
+			wait()
+			return each
+		}
 		if i == len(group) {
 			if len(waiting) == 0 || reads.next == nil {
 				break

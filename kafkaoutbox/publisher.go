@@ -155,7 +155,11 @@ func WithCloseTimeout(d time.Duration) Option {
 //     12 s, and the relay's round with it);
 //   - Producer.Flush.Frequency 5 ms (see the package documentation).
 //
-// Start from it to change other settings.
+// Start from it to change other settings. Producer.MaxMessageBytes stays
+// sarama's 1,000,000: keep it at or below your topics' max.message.bytes,
+// or a partition's batch over the topic's limit is refused whole and every
+// relay round falls back to one publish per message (docs/outbox.md,
+// Order).
 func DefaultSaramaConfig() *sarama.Config {
 	cfg := kafka.DefaultSaramaSyncPublisherConfig()
 	cfg.Producer.RequiredAcks = sarama.WaitForAll
