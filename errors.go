@@ -183,7 +183,10 @@ var ErrCommitTimeout = errors.New("inbox: commit timed out")
 // stays committed; if that included the inbox row, the redelivery is skipped
 // as a duplicate. An outbox write or publish after the handler's end fails
 // with it too (on PostgreSQL also after its ROLLBACK statement, as at the
-// COMMIT), and writes nothing.
+// COMMIT), and writes nothing; on SQLite, whose driver reports no
+// transaction status, one after the handler's COMMIT finds the claim
+// committed and is written on its own, once, and relayed, as the handler's
+// committed work is kept.
 //
 // It is detected before COMMIT from the transaction status the server sent
 // with its last response (no round trip): with pgxinbox, and with

@@ -612,13 +612,16 @@ func (d *delivery) commit() error {
 // handler ignored) or the handler's ROLLBACK did, which looks the same:
 // ErrTxRolledBack, transient, as on MySQL/MariaDB. It was
 // ErrTransactionEnded, and a message a retry would process went to the
-// poison queue. A claim that cannot be read leaves err.
+// poison queue. A claim that cannot be read is ErrTxRolledBack too. (A
+// claim another delivery of the message committed meanwhile is taken for
+// the handler's: that delivery processed the message.)
 func (d *delivery) endedOrRolledBack(err error) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(d.txCtx), 5*time.Second)
 	defer cancel()
 	var n int64
 	db := d.ib.db
-	if rerr := db.QueryRowxContext(ctx, db.Rebind(claimCountSQL(d.ib.quotedTable)), d.consumer, d.id).Scan(&n); rerr != nil || n > 0 {
+	rerr := db.QueryRowxContext(ctx, db.Rebind(claimCountSQL(d.ib.quotedTable)), d.consumer, d.id).Scan(&n)
+	if rerr == nil && n > 0 {
 		return err
 	}
 	driverErr := err // sqlTx.commit's: ErrTransactionEnded and the driver's
@@ -628,6 +631,14 @@ func (d *delivery) endedOrRolledBack(err error) error {
 				driverErr = e
 			}
 		}
+	}
+	if rerr != nil {
+		// Unknown: transient, since nothing is lost either way (a claim
+		// the handler committed makes the redelivery a duplicate; there
+		// were no outputs to refuse), where a rollback SQLite made itself
+		// taken for the handler's end went to the poison queue.
+		return fmt.Errorf("%w: COMMIT found the transaction ended, and the claim could not be read (%v) to tell the"+
+			" handler's COMMIT from a rollback: %w", ErrTxRolledBack, rerr, driverErr)
 	}
 	return fmt.Errorf("%w: COMMIT found the transaction ended and its claim gone (the database rolled it back after an"+
 		" error the handler ignored, or the handler's ROLLBACK): %w", ErrTxRolledBack, driverErr)

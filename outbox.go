@@ -324,7 +324,7 @@ type Outbox struct {
 	// warnIfNoRelay.
 	relayStarted atomic.Bool
 	noRelayCheck sync.Once
-	// inboxLogger is the logger of the first inbox that wrote here
+	// inboxLogger is the logger of an inbox that wrote here and logs
 	// (bindTx), where warnIfNoRelay says so when the Outbox has no logger of
 	// its own: without RouterPlugin it never gets the router's, and the
 	// warning about a relay never added went nowhere.
@@ -881,8 +881,8 @@ type outboxWriter struct {
 // connection's last status still says it is open) writes nothing instead
 // of committing on its own.
 func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger) {
-	if w.o.inboxLogger.Load() == nil {
-		w.o.inboxLogger.CompareAndSwap(nil, logger)
+	if il := w.o.inboxLogger.Load(); il != logger && (il == nil || il.nop()) && logger != nil && !logger.nop() {
+		w.o.inboxLogger.Store(logger) // an inbox that logs, rather than the first to write
 	}
 	w.ctx, w.ended = ctx, ended
 	w.bound, w.key = true, claim
@@ -967,14 +967,18 @@ func (w *outboxWriter) execPreparedResult(query string, args []any) (sql.Result,
 // transient
 // (the server answered 1153, ER_NET_PACKET_TOO_LARGE, and dropped the
 // connection; the failed rollback made the error transient, and the
-// message was redelivered for ever). Without a transaction of its own to
-// read in (a writer of PublisherOn), the defaults stand.
+// message was redelivered for ever). A writer of PublisherOn, which has no
+// transaction to read in, reads on the Outbox's database.
 func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone int, err error) {
-	if w.tx == nil {
-		return outboxInsertBytes, math.MaxInt, nil
-	}
 	var packet int64
-	if err := w.tx.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
+	var q sqlx.QueryerContext = w.tx
+	if w.tx == nil {
+		// A writer of PublisherOn: read on another connection of the
+		// Outbox's database (the server's value; MariaDB's session value
+		// cannot be changed). Its rows cannot go as a prepared statement.
+		q = w.o.cfg.DB
+	}
+	if err := q.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
 		return 0, 0, fmt.Errorf("inbox: outbox: read max_allowed_packet: %w", err)
 	}
 	const overhead = 64 << 10 // the statement's text, its other values and the packets' headers
@@ -993,7 +997,11 @@ func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone 
 				" or keep large content elsewhere and send a reference", ErrOutboxMessage, args[4*i+1], topic, len(payload), len(meta), packet)
 		}
 	}
-	return max(min(outboxInsertBytes, int(packet)-overhead), 0), max(int(packet)-overhead, 0), nil
+	alone = max(int(packet)-overhead, 0)
+	if w.tx == nil {
+		alone = math.MaxInt
+	}
+	return max(min(outboxInsertBytes, int(packet)-overhead), 0), alone, nil
 }
 
 // preparedClaimedInsert returns query prepared on cfg.DB when prepare, or
@@ -1186,7 +1194,12 @@ func (w *outboxWriter) claimCommitted() (committed, known bool) {
 // appendOutboxRows appends to args the bind parameters of msgs' rows
 // (outboxSQL.insertRow's: topic, uuid, payload, metadata).
 func appendOutboxRows(args []any, topic string, msgs []*message.Message) ([]any, error) {
-	for _, m := range msgs {
+	for i, m := range msgs {
+		if m == nil {
+			// A nil in a handler's returned slice: it panicked here, on
+			// every delivery.
+			return nil, fmt.Errorf("%w: message %d of %d to %q is nil", ErrOutboxMessage, i+1, len(msgs), topic)
+		}
 		if err := checkKey(m.UUID, ErrOutboxMessage, nil, nil); err != nil {
 			return nil, fmt.Errorf("message UUID %q: %w", m.UUID, err)
 		}

@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -124,5 +126,32 @@ func TestOutputsWhoseStoredMetadataPassesAPacketTogetherGoInSeveralInserts(t *te
 				t.Errorf("relayed %d outputs, want 8 with their metadata unchanged", len(got))
 			}
 		})
+	}
+}
+
+// A writer of Outbox.PublisherOn (an exec of the caller's, no *sqlx.Tx to
+// read in) on MariaDB bounds its outputs too: it sent a 17 MiB output, the
+// server dropped the connection, and the message was redelivered for ever.
+func TestOutputOverMaxAllowedPacketThroughPublisherOnIsRefused(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+		return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
+			_, err := tx.ExecContext(ctx, q, args...)
+			return err
+		}), nil
+	}})
+	in, out := newFeed(), &outcomes{}
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
+			return []*message.Message{message.NewMessage(msg.UUID+"-out", bytes.Repeat([]byte{'a'}, 17<<20))}, nil
+		})
+	})
+	if in.deliver(t, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1")) {
+		t.Fatal("acked")
+	}
+	if err := out.last("1"); !errors.Is(err, inbox.ErrOutboxMessage) || inbox.IsTransient(err) {
+		t.Errorf("router got %.300v (transient %v); want ErrOutboxMessage, not transient", err, inbox.IsTransient(err))
 	}
 }

@@ -85,3 +85,30 @@ func TestReturnedMessagesKeepTheCorrelationIDThroughTheOutbox(t *testing.T) {
 		}
 	}
 }
+
+// A nil message in the slice a handler returns is refused with
+// ErrOutboxMessage, not transient: the outbox write panicked on it, on
+// every delivery.
+func TestReturnedNilMessageIsRefused(t *testing.T) {
+	db := sqliteDB(t)
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: ob.Publisher})
+	in, out := newFeed(), &outcomes{}
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
+			return []*message.Message{message.NewMessage(msg.UUID+"-out", []byte("x")), nil}, nil
+		})
+	})
+	msg := message.NewMessage(watermill.NewUUID(), []byte("order"))
+	middleware.SetCorrelationID("corr-42", msg)
+	if in.deliver(t, delivery(msg, "1")) {
+		t.Fatal("acked")
+	}
+	if err := out.last("1"); !errors.Is(err, inbox.ErrOutboxMessage) || inbox.IsTransient(err) {
+		t.Errorf("router got %v (transient %v); want ErrOutboxMessage, not transient", err, inbox.IsTransient(err))
+	}
+	if n := count(t, db, ob.Table(), ""); n != 0 {
+		t.Errorf("%d outputs in the outbox", n)
+	}
+}

@@ -95,3 +95,32 @@ func TestSQLiteRollbackOfItsOwnIsTransient(t *testing.T) {
 		})
 	}
 }
+
+// When the claim cannot be read after a COMMIT that found no transaction
+// (here: the handler rolled back and renamed the inbox table), the
+// delivery fails with ErrTxRolledBack, transient: nothing is lost either
+// way, where ErrTransactionEnded poisoned a message a retry would process.
+func TestSQLiteCommitThatFindsNoTransactionAndCannotReadTheClaimIsTransient(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	in, out := newFeed(), &outcomes{}
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			if _, err := tx.ExecContext(msg.Context(), "ROLLBACK"); err != nil {
+				return err
+			}
+			_, err := tx.ExecContext(msg.Context(), "ALTER TABLE "+f.inbox+" RENAME TO "+f.inbox+"_away")
+			dropLater(t, db, f.inbox+"_away")
+			return err
+		})
+	})
+	if in.deliver(t, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1")) {
+		t.Fatal("acked")
+	}
+	if err := out.last("1"); !errors.Is(err, inbox.ErrTxRolledBack) || !inbox.IsTransient(err) {
+		t.Errorf("router got %v (transient %v); want ErrTxRolledBack, transient", err, inbox.IsTransient(err))
+	}
+}

@@ -300,6 +300,11 @@ func mysqlDSN(s string) (string, error) {
 			" nor a URL (mysql://user:pass@host:3306/db)", errUsage, s)
 	}
 	cfg := mysql.NewConfig()
+	if strings.Contains(u.User.Username(), ":") {
+		// go-sql-driver/mysql's DSN cannot carry it: the first ':' ends the
+		// user name.
+		return "", fmt.Errorf("%w: -db %q: a MySQL user name with ':' cannot be passed; use another user", errUsage, s)
+	}
 	cfg.User = u.User.Username()
 	cfg.Passwd, _ = u.User.Password()
 	cfg.Net, cfg.Addr = "tcp", u.Host
@@ -309,11 +314,17 @@ func mysqlDSN(s string) (string, error) {
 	cfg.DBName = strings.TrimPrefix(u.Path, "/")
 	dsn := cfg.FormatDSN()
 	if u.RawQuery != "" {
+		query, err := url.ParseQuery(u.RawQuery)
+		if err != nil {
+			return "", fmt.Errorf("%w: -db %q: %w", errUsage, s, err)
+		}
 		sep := "?"
 		if strings.Contains(dsn, "?") {
 			sep = "&"
 		}
-		dsn += sep + u.RawQuery
+		// Encoded again: a '/' a URL may leave raw in a value (loc=Europe/Paris)
+		// is the driver's database separator.
+		dsn += sep + query.Encode()
 	}
 	if _, err := mysql.ParseDSN(dsn); err != nil {
 		return "", fmt.Errorf("%w: -db %q: %w", errUsage, s, err)

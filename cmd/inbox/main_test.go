@@ -591,6 +591,18 @@ func TestMySQLDSNInTheURLForm(t *testing.T) {
 			t.Fatalf("stats -db %s: %d %q %q", dsn, code, out, errOut)
 		}
 	}
+	// A raw '/' in a query value, legal in a URL, is the driver's database
+	// separator: encoded again.
+	withLoc := u
+	withLoc.RawQuery = "parseTime=true&loc=Europe/Paris"
+	if code, out, errOut := cli(t, "stats", "-db", withLoc.String(), "-table", table); code != 0 || !strings.Contains(out, "rows:") {
+		t.Errorf("stats -db %s: %d %q %q", withLoc.String(), code, out, errOut)
+	}
+	// A user name with ':' cannot be passed to the driver: refused, not
+	// cut into a user and a password.
+	if code, _, errOut := cli(t, "stats", "-db", "mysql://app%3Aro:secret@127.0.0.1:3306/test", "-table", table); code != 2 || !strings.Contains(errOut, "user name") {
+		t.Errorf("a user name with ':': exit %d %q; want a usage error", code, errOut)
+	}
 	if code, _, errOut := cli(t, "stats", "-db", "mysql://no slash", "-table", table); code != 2 || !strings.Contains(errOut, "nor a URL") {
 		t.Errorf("stats -db mysql://no slash: exit %d %q; want a usage error naming both forms", code, errOut)
 	}
