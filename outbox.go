@@ -319,6 +319,10 @@ type Outbox struct {
 	// (MySQL; MariaDB has them), found by the relay's first read that named
 	// them (outboxSQL.idleTimeoutsOff).
 	noIdleTimeoutVars atomic.Bool
+	// maxAllowedPacket is MySQL's max_allowed_packet as a writer last read
+	// it (mysqlPacketLimit; 0: never read), for the writers of PublisherOn,
+	// which have no transaction to read in.
+	maxAllowedPacket atomic.Int64
 	// relayStarted is set by the first Run; noRelayCheck schedules, at the
 	// first commit that wakes no relay, the one-time check of
 	// warnIfNoRelay.
@@ -968,18 +972,29 @@ func (w *outboxWriter) execPreparedResult(query string, args []any) (sql.Result,
 // (the server answered 1153, ER_NET_PACKET_TOO_LARGE, and dropped the
 // connection; the failed rollback made the error transient, and the
 // message was redelivered for ever). A writer of PublisherOn, which has no
-// transaction to read in, reads on the Outbox's database.
+// transaction to read in, takes the value another writer read, or reads it
+// on the Outbox's database, waiting at most a second for a connection.
 func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone int, err error) {
 	var packet int64
-	var q sqlx.QueryerContext = w.tx
-	if w.tx == nil {
-		// A writer of PublisherOn: read on another connection of the
-		// Outbox's database (the server's value; MariaDB's session value
-		// cannot be changed). Its rows cannot go as a prepared statement.
-		q = w.o.cfg.DB
-	}
-	if err := q.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
-		return 0, 0, fmt.Errorf("inbox: outbox: read max_allowed_packet: %w", err)
+	if w.tx != nil {
+		if err := w.tx.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
+			return 0, 0, fmt.Errorf("inbox: outbox: read max_allowed_packet: %w", err)
+		}
+		w.o.maxAllowedPacket.Store(packet)
+	} else if packet = w.o.maxAllowedPacket.Load(); packet == 0 {
+		// A writer of PublisherOn: no transaction to read in. The value a
+		// writer read before, or one read on another connection of the
+		// Outbox's database (the server's; MariaDB's session value cannot
+		// be changed), waiting at most a second for one: a pool whose
+		// connections the handlers' transactions all hold would have it
+		// wait for ever. Without it, the rows go unbounded, as before.
+		ctx, cancel := context.WithTimeout(w.ctx, time.Second)
+		err := w.o.cfg.DB.QueryRowxContext(ctx, "SELECT @@max_allowed_packet").Scan(&packet)
+		cancel()
+		if err != nil {
+			return outboxInsertBytes, math.MaxInt, nil
+		}
+		w.o.maxAllowedPacket.Store(packet)
 	}
 	const overhead = 64 << 10 // the statement's text, its other values and the packets' headers
 	for i := range len(args) / 4 {

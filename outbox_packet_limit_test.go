@@ -155,3 +155,38 @@ func TestOutputOverMaxAllowedPacketThroughPublisherOnIsRefused(t *testing.T) {
 		t.Errorf("router got %.300v (transient %v); want ErrOutboxMessage, not transient", err, inbox.IsTransient(err))
 	}
 }
+
+// A writer of PublisherOn reads max_allowed_packet on another connection;
+// with every connection of the pool held by the handlers' transactions (a
+// pool of one here), it waits at most a second for one and then writes
+// unbounded: it waited for ever.
+func TestLargeOutputThroughPublisherOnWithEveryConnectionHeldIsWritten(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+	db.SetMaxOpenConns(1)
+	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+		return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
+			_, err := tx.ExecContext(ctx, q, args...)
+			return err
+		}), nil
+	}})
+	payload := bytes.Repeat([]byte{'a'}, 2<<20)
+	in, out := newFeed(), &outcomes{}
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(out.Middleware, ib.Middleware)
+		r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
+			return []*message.Message{message.NewMessage(msg.UUID+"-out", payload)}, nil
+		})
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1"))
+	if err != nil || !acked {
+		t.Fatalf("delivery: acked %v, %v (router got %v); want it acked", acked, err, out.last("1"))
+	}
+	relayUntilEmpty(t, ob)
+	if got := broker.uuids("documents"); len(got) != 1 {
+		t.Errorf("relayed %v, want the output", got)
+	}
+}
