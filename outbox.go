@@ -1012,11 +1012,22 @@ func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone 
 				" or keep large content elsewhere and send a reference", ErrOutboxMessage, args[4*i+1], topic, len(payload), len(meta), packet)
 		}
 	}
-	alone = max(int(packet)-overhead, 0)
 	if w.tx == nil {
-		alone = math.MaxInt
+		// No statement of its own to prepare: a row goes in the caller's
+		// statement, which go-sql-driver/mysql's interpolateParams may
+		// escape to twice its size (9 MiB of NUL bytes got 1153, and the
+		// message was redelivered for ever). Its size at worst must fit.
+		for i := range len(args) / 4 {
+			if outboxRowBytes(args, i) > int(packet)-overhead {
+				return 0, 0, fmt.Errorf("%w: message %v to %q: through Outbox.PublisherOn its row may be sent escaped (%d"+
+					" bytes at worst), over the server's max_allowed_packet (%d bytes) less 64 KiB: write it through"+
+					" Outbox.Publisher, which prepares such a row, or keep large content elsewhere", ErrOutboxMessage,
+					args[4*i+1], topic, outboxRowBytes(args, i), packet)
+			}
+		}
+		return max(min(outboxInsertBytes, int(packet)-overhead), 0), math.MaxInt, nil
 	}
-	return max(min(outboxInsertBytes, int(packet)-overhead), 0), alone, nil
+	return max(min(outboxInsertBytes, int(packet)-overhead), 0), max(int(packet)-overhead, 0), nil
 }
 
 // preparedClaimedInsert returns query prepared on cfg.DB when prepare, or
@@ -1083,6 +1094,13 @@ func (w *outboxWriter) publishLast(topic string, msgs []*message.Message) (bool,
 
 // Publish writes msgs to the outbox in the writer's transaction.
 func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
+	for i, m := range msgs {
+		if m == nil {
+			// A nil in a handler's returned slice: the write (or its
+			// refusal, which names each message) panicked on it.
+			return fmt.Errorf("inbox: outbox: %w: message %d of %d to %q is nil", ErrOutboxMessage, i+1, len(msgs), topic)
+		}
+	}
 	if err := w.writable(topic); err != nil {
 		if w.lookUpErr != nil {
 			return w.refuse(err, topic, msgs)

@@ -133,7 +133,21 @@ func TestOutputsWhoseStoredMetadataPassesAPacketTogetherGoInSeveralInserts(t *te
 // read in) on MariaDB bounds its outputs too: it sent a 17 MiB output, the
 // server dropped the connection, and the message was redelivered for ever.
 func TestOutputOverMaxAllowedPacketThroughPublisherOnIsRefused(t *testing.T) {
-	db := testdb.OpenMySQL(t, "")
+	for _, c := range []struct {
+		name, params string
+		payload      []byte
+	}{
+		{"17MiB", "", bytes.Repeat([]byte{'a'}, 17<<20)},
+		// Through PublisherOn a row goes in the caller's statement, which
+		// interpolateParams escapes: 9 MiB of NUL bytes are 18 MiB there.
+		{"interpolated-9MiB-of-NUL", "interpolateParams=true", make([]byte, 9<<20)},
+	} {
+		t.Run(c.name, func(t *testing.T) { publisherOnOverThePacket(t, c.params, c.payload) })
+	}
+}
+
+func publisherOnOverThePacket(t *testing.T, params string, payload []byte) {
+	db := testdb.OpenMySQL(t, params)
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
 	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
 		return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
@@ -145,7 +159,7 @@ func TestOutputOverMaxAllowedPacketThroughPublisherOnIsRefused(t *testing.T) {
 	runRouter(t, func(r *message.Router) {
 		r.AddMiddleware(out.Middleware, ib.Middleware)
 		r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
-			return []*message.Message{message.NewMessage(msg.UUID+"-out", bytes.Repeat([]byte{'a'}, 17<<20))}, nil
+			return []*message.Message{message.NewMessage(msg.UUID+"-out", payload)}, nil
 		})
 	})
 	if in.deliver(t, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1")) {

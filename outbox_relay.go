@@ -1015,7 +1015,7 @@ func (o *Outbox) publishTopic(ctx context.Context, b *outboxBatch, topic string,
 		}
 	}
 	for i := 0; ; i++ {
-		if i > 0 && ctx.Err() != nil {
+		if ctx.Err() != nil {
 			// The relay is stopping: the round records nothing of what it
 			// sends now, so each publish would only be sent again, and the
 			// stop waited for the whole walk, one broker round trip a

@@ -21,10 +21,17 @@ type walkingBroker struct {
 	single int // single-message publishes so far
 	first  chan struct{}
 	once   sync.Once
+	// call, when set, is closed as a call of several messages starts, and
+	// that call waits for release before it is refused.
+	call, release chan struct{}
 }
 
 func (b *walkingBroker) Publish(_ string, msgs ...*message.Message) error {
 	if len(msgs) > 1 {
+		if b.call != nil {
+			close(b.call)
+			<-b.release
+		}
 		return errors.New("the request is refused whole")
 	}
 	b.once.Do(func() { close(b.first) })
@@ -67,5 +74,26 @@ func TestOutboxRelayStoppedMidWalkStopsWalking(t *testing.T) {
 	}
 	if s, err := ob.Stats(context.Background()); err != nil || s.Pending != 200 {
 		t.Errorf("pending %d (%v), want the 200 messages kept for the next round (a stopped round records nothing)", s.Pending, err)
+	}
+}
+
+// A stop while the call of several messages is in progress starts no walk
+// at all after it: the walk's first single publish started after the stop,
+// and Run waited one more broker round trip (a broker's whole timeout,
+// behind one that does not answer).
+func TestOutboxRelayStoppedDuringTheCallStartsNoWalk(t *testing.T) {
+	db := sqliteDB(t)
+	broker := &walkingBroker{first: make(chan struct{}), call: make(chan struct{}), release: make(chan struct{})}
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, BatchSize: 20})
+	writeOutbox(t, db, ob, "documents", 20)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ob.Run(ctx) }()
+	<-broker.call
+	cancel()
+	close(broker.release)
+	<-done
+	if n := broker.singles(); n != 0 {
+		t.Errorf("%d single publishes after the stop, want none", n)
 	}
 }

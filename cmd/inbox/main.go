@@ -314,17 +314,15 @@ func mysqlDSN(s string) (string, error) {
 	cfg.DBName = strings.TrimPrefix(u.Path, "/")
 	dsn := cfg.FormatDSN()
 	if u.RawQuery != "" {
-		query, err := url.ParseQuery(u.RawQuery)
-		if err != nil {
-			return "", fmt.Errorf("%w: -db %q: %w", errUsage, s, err)
-		}
 		sep := "?"
 		if strings.Contains(dsn, "?") {
 			sep = "&"
 		}
-		// Encoded again: a '/' a URL may leave raw in a value (loc=Europe/Paris)
-		// is the driver's database separator.
-		dsn += sep + query.Encode()
+		// As written, but for a '/' a URL may leave raw in a value
+		// (loc=Europe/Paris), which is the driver's database separator (the
+		// driver unescapes values; encoding them all would also encode the
+		// ',' of charset=utf8mb4,utf8, which it splits unescaped).
+		dsn += sep + strings.ReplaceAll(u.RawQuery, "/", "%2F")
 	}
 	if _, err := mysql.ParseDSN(dsn); err != nil {
 		return "", fmt.Errorf("%w: -db %q: %w", errUsage, s, err)
