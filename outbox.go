@@ -67,19 +67,43 @@ func outboxRowBytes(args []any, i int) int {
 	return 2*(len(topic)+len(uuid)) + 2*(len(payload)+len(meta)) + 16
 }
 
-// insertChunkEnd returns where the INSERT of the rows of args (4 values
-// each) from row start ends: at most outboxInsertChunk rows and, past the
-// first, limit bytes at worst (outboxRowBytes).
-func insertChunkEnd(args []any, start, limit int) int {
-	rows := len(args) / 4
+// outboxRowSizes returns the size at worst (outboxRowBytes) of each row of
+// args.
+func outboxRowSizes(args []any) []int {
+	sizes := make([]int, len(args)/4)
+	for i := range sizes {
+		sizes[i] = outboxRowBytes(args, i)
+	}
+	return sizes
+}
+
+// insertChunkEnd returns where the INSERT of the rows of sizes (each row's
+// bytes in the statement) from row start ends: at most outboxInsertChunk
+// rows and, past the first, limit bytes.
+func insertChunkEnd(sizes []int, start, limit int) int {
 	size := 0
-	for i := start; i < rows && i < start+outboxInsertChunk; i++ {
-		size += outboxRowBytes(args, i)
+	for i := start; i < len(sizes) && i < start+outboxInsertChunk; i++ {
+		size += sizes[i]
 		if i > start && size > limit {
 			return i
 		}
 	}
-	return min(rows, start+outboxInsertChunk)
+	return min(len(sizes), start+outboxInsertChunk)
+}
+
+// mysqlEscapedLen returns the bytes b takes in a statement that
+// go-sql-driver/mysql's interpolateParams wrote: it escapes NUL, \n, \r,
+// \x1a, ', " and \ as two bytes each (with NO_BACKSLASH_ESCAPES only ',
+// so this is then at most).
+func mysqlEscapedLen(b []byte) int {
+	n := len(b)
+	for _, c := range b {
+		switch c {
+		case 0, '\n', '\r', 0x1a, '\'', '"', '\\':
+			n++
+		}
+	}
+	return n
 }
 
 // outboxLargeBytes is the size at worst (outboxRowBytes) of a publish's
@@ -95,7 +119,7 @@ const maxOutboxTopic = 1024
 // message it cannot store: an empty or over-long topic, a message UUID
 // that is empty, over MaxKeyLength bytes or not valid UTF-8 (the next
 // consumer's inbox could not deduplicate it), on MySQL/MariaDB a payload and
-// stored metadata over the server's max_allowed_packet less 64 KiB
+// stored metadata over the server's max_allowed_packet less 16 KiB
 // together. Not transient
 // (IsTransient). Nothing is written then, and
 // the inbox rolls the message's transaction back. Metadata keys and values
@@ -320,8 +344,8 @@ type Outbox struct {
 	// them (outboxSQL.idleTimeoutsOff).
 	noIdleTimeoutVars atomic.Bool
 	// maxAllowedPacket is MySQL's max_allowed_packet as a writer last read
-	// it (mysqlPacketLimit; 0: never read), for the writers of PublisherOn,
-	// which have no transaction to read in.
+	// it (mysqlPacketLimit; 0: never read), for a writer of PublisherOn that
+	// cannot read it now.
 	maxAllowedPacket atomic.Int64
 	// relayStarted is set by the first Run; noRelayCheck schedules, at the
 	// first commit that wakes no relay, the one-time check of
@@ -962,73 +986,74 @@ func (w *outboxWriter) execPreparedResult(query string, args []any) (sql.Result,
 	return res, err
 }
 
-// mysqlPacketLimit reads the session's max_allowed_packet in the writer's
-// transaction and returns the most bytes at worst (outboxRowBytes) an
-// INSERT of several rows may carry, and the size at worst past which a row
-// goes alone as a prepared statement (execPrepared), whose values are not
-// escaped. A payload and metadata over that limit together (less 64 KiB
-// for the rest of the statement) are not stored: ErrOutboxMessage, not
-// transient
-// (the server answered 1153, ER_NET_PACKET_TOO_LARGE, and dropped the
+// mysqlPacketLimit reads the session's max_allowed_packet and returns the
+// most bytes an INSERT of several rows may carry and the size past which a
+// row goes alone as a prepared statement (execPrepared), whose values are
+// not escaped; it sets sizes to each row's size once escaped by
+// interpolateParams (mysqlEscapedLen), the size of the statement that
+// carries it. A row whose payload and metadata together pass the packet
+// less packetMargin is not stored: ErrOutboxMessage, not transient (the
+// server answered 1153, ER_NET_PACKET_TOO_LARGE, and dropped the
 // connection; the failed rollback made the error transient, and the
-// message was redelivered for ever). A writer of PublisherOn, which has no
-// transaction to read in, takes the value another writer read, or reads it
-// on the Outbox's database, waiting at most a second for a connection.
-func (w *outboxWriter) mysqlPacketLimit(args []any, topic string) (limit, alone int, err error) {
+// message was redelivered for ever). Together, not each: go-sql-driver/mysql
+// sends a value on its own (COM_STMT_SEND_LONG_DATA) only from its own
+// maxAllowedPacket divided by the statement's values plus one (9 MiB at its
+// default), and smaller ones in one packet.
+//
+// A writer of PublisherOn has no transaction to read in, nor a statement of
+// its own to prepare: it reads on the Outbox's database, waiting at most a
+// second for a connection (a pool whose connections the handlers'
+// transactions all hold made it wait until the CommitTimeout), or takes the
+// value read last when it cannot; and its rows must fit once escaped.
+// Without any value read, the rows go unbounded, as before.
+func (w *outboxWriter) mysqlPacketLimit(args []any, sizes []int, topic string) (limit, alone int, err error) {
 	var packet int64
 	if w.tx != nil {
 		if err := w.tx.QueryRowxContext(w.ctx, "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
 			return 0, 0, fmt.Errorf("inbox: outbox: read max_allowed_packet: %w", err)
 		}
-		w.o.maxAllowedPacket.Store(packet)
-	} else if packet = w.o.maxAllowedPacket.Load(); packet == 0 {
-		// A writer of PublisherOn: no transaction to read in. The value a
-		// writer read before, or one read on another connection of the
-		// Outbox's database (the server's; MariaDB's session value cannot
-		// be changed), waiting at most a second for one: a pool whose
-		// connections the handlers' transactions all hold would have it
-		// wait for ever. Without it, the rows go unbounded, as before.
+	} else {
 		ctx, cancel := context.WithTimeout(w.ctx, time.Second)
 		err := w.o.cfg.DB.QueryRowxContext(ctx, "SELECT @@max_allowed_packet").Scan(&packet)
 		cancel()
 		if err != nil {
-			return outboxInsertBytes, math.MaxInt, nil
-		}
-		w.o.maxAllowedPacket.Store(packet)
-	}
-	const overhead = 64 << 10 // the statement's text, its other values and the packets' headers
-	for i := range len(args) / 4 {
-		payload, _ := args[4*i+2].([]byte)
-		meta, _ := args[4*i+3].([]byte)
-		// Together, not each: go-sql-driver/mysql sends a value on its own
-		// (COM_STMT_SEND_LONG_DATA) only from its own maxAllowedPacket
-		// divided by the statement's values plus one (9 MiB at its default
-		// 64 MiB and 6 values), and smaller ones in one packet, so that a
-		// payload of 8.5 MiB with metadata of 8 MiB got 1153 like one over
-		// the limit.
-		if len(payload)+len(meta) > int(packet)-overhead {
-			return 0, 0, fmt.Errorf("%w: message %v to %q: its payload (%d bytes) and stored metadata (%d bytes) are over"+
-				" the server's max_allowed_packet (%d bytes) less 64 KiB, which bounds a row an INSERT sends: raise it,"+
-				" or keep large content elsewhere and send a reference", ErrOutboxMessage, args[4*i+1], topic, len(payload), len(meta), packet)
-		}
-	}
-	if w.tx == nil {
-		// No statement of its own to prepare: a row goes in the caller's
-		// statement, which go-sql-driver/mysql's interpolateParams may
-		// escape to twice its size (9 MiB of NUL bytes got 1153, and the
-		// message was redelivered for ever). Its size at worst must fit.
-		for i := range len(args) / 4 {
-			if outboxRowBytes(args, i) > int(packet)-overhead {
-				return 0, 0, fmt.Errorf("%w: message %v to %q: through Outbox.PublisherOn its row may be sent escaped (%d"+
-					" bytes at worst), over the server's max_allowed_packet (%d bytes) less 64 KiB: write it through"+
-					" Outbox.Publisher, which prepares such a row, or keep large content elsewhere", ErrOutboxMessage,
-					args[4*i+1], topic, outboxRowBytes(args, i), packet)
+			if packet = w.o.maxAllowedPacket.Load(); packet == 0 {
+				return outboxInsertBytes, math.MaxInt, nil
 			}
 		}
-		return max(min(outboxInsertBytes, int(packet)-overhead), 0), math.MaxInt, nil
 	}
-	return max(min(outboxInsertBytes, int(packet)-overhead), 0), max(int(packet)-overhead, 0), nil
+	w.o.maxAllowedPacket.Store(packet)
+	room := int(packet) - packetMargin
+	for i := range sizes {
+		topicS, _ := args[4*i].(string)
+		uuid, _ := args[4*i+1].(string)
+		payload, _ := args[4*i+2].([]byte)
+		meta, _ := args[4*i+3].([]byte)
+		sizes[i] = mysqlEscapedLen([]byte(topicS)) + mysqlEscapedLen([]byte(uuid)) + mysqlEscapedLen(payload) + mysqlEscapedLen(meta) + 16
+		if len(payload)+len(meta) > room {
+			return 0, 0, fmt.Errorf("%w: message %v to %q: its payload (%d bytes) and stored metadata (%d bytes) are over"+
+				" the server's max_allowed_packet (%d bytes) less %d, which bounds a row an INSERT sends: raise it,"+
+				" or keep large content elsewhere and send a reference", ErrOutboxMessage, uuid, topic, len(payload), len(meta),
+				packet, packetMargin)
+		}
+		if w.tx == nil && sizes[i] > room {
+			return 0, 0, fmt.Errorf("%w: message %v to %q: through Outbox.PublisherOn its row goes in your statement, which"+
+				" interpolateParams escapes (%d bytes then), over the server's max_allowed_packet (%d bytes) less %d: write"+
+				" it through Outbox.Publisher, which prepares such a row, or keep large content elsewhere", ErrOutboxMessage,
+				uuid, topic, sizes[i], packet, packetMargin)
+		}
+	}
+	alone = max(room, 0)
+	if w.tx == nil {
+		alone = math.MaxInt
+	}
+	return max(min(outboxInsertBytes, room), 0), alone, nil
 }
+
+// packetMargin is what mysqlPacketLimit leaves of max_allowed_packet for
+// the rest of a row's statement: its text, its other values (the topic, at
+// most 1 KiB, the UUID, the claim's key) and the packets' headers.
+const packetMargin = 16 << 10
 
 // preparedClaimedInsert returns query prepared on cfg.DB when prepare, or
 // nil until it is: the first call prepares it in a goroutine of its own,
@@ -1112,22 +1137,23 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		return err
 	}
 	limit, alone := outboxInsertBytes, math.MaxInt
+	sizes := outboxRowSizes(all)
 	total := 0
-	for i := range len(msgs) {
-		total += outboxRowBytes(all, i)
+	for _, n := range sizes {
+		total += n
 	}
 	if w.o.dialect.server() == serverMySQL && total > outboxLargeBytes {
-		if limit, alone, err = w.mysqlPacketLimit(all, topic); err != nil {
+		if limit, alone, err = w.mysqlPacketLimit(all, sizes, topic); err != nil {
 			return err
 		}
 	}
 	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk)+2)
 	for start, end := 0, 0; start < len(msgs); start = end {
-		end = insertChunkEnd(all, start, limit)
+		end = insertChunkEnd(sizes, start, limit)
 		chunk := msgs[start:end]
 		// A copy: insertClaimed appends the claim's key to it.
 		args = append(args[:0], all[4*start:4*end]...)
-		prepare := len(chunk) == 1 && outboxRowBytes(args, 0) > alone
+		prepare := len(chunk) == 1 && sizes[start] > alone
 		if err := w.insert(len(chunk), args, prepare); err != nil {
 			if w.missing {
 				// Nothing about the message is wrong: transient. The
@@ -1152,7 +1178,7 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 		return "", nil, false, nil
 	}
 	args, err := appendOutboxRows(make([]any, 0, 4*len(msgs)), topic, msgs)
-	if err != nil || insertChunkEnd(args, 0, outboxInsertBytes) < len(msgs) {
+	if err != nil || insertChunkEnd(outboxRowSizes(args), 0, outboxInsertBytes) < len(msgs) {
 		return "", nil, false, nil // Publish writes them, or returns the error
 	}
 	if err := w.writable(topic); err != nil {

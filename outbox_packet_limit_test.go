@@ -62,6 +62,10 @@ func TestOutputOverMaxAllowedPacketIsRefusedAndOneThatFitsIsWritten(t *testing.T
 		{"prepared-8.5MiB-and-8MiB-of-metadata", "", 8<<20 + 512<<10, 8 << 20, 'a', false},
 		{"interpolated-8.5MiB-and-8MiB-of-metadata", "interpolateParams=true", 8<<20 + 512<<10, 8 << 20, 'a', false},
 		{"driver-limit-128MiB-16MiB-and-40KiB-of-metadata", "maxAllowedPacket=134217728", 16<<20 - 32<<10, 40 << 10, 'a', false},
+		// Just under the packet: written, as before the bound (a margin of
+		// 64 KiB refused it).
+		{"prepared-16MiB-less-48KiB", "", 16<<20 - 48<<10, 0, 'a', true},
+		{"interpolated-16MiB-less-48KiB", "interpolateParams=true", 16<<20 - 48<<10, 0, 'a', true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			payload := bytes.Repeat([]byte{c.fill}, c.size)
@@ -143,6 +147,49 @@ func TestOutputOverMaxAllowedPacketThroughPublisherOnIsRefused(t *testing.T) {
 		{"interpolated-9MiB-of-NUL", "interpolateParams=true", make([]byte, 9<<20)},
 	} {
 		t.Run(c.name, func(t *testing.T) { publisherOnOverThePacket(t, c.params, c.payload) })
+	}
+}
+
+// Ordinary text through PublisherOn that fits the packet is written, with
+// or without interpolateParams (which escapes none of it): a bound that
+// charged every row twice its size refused it, and the message was
+// poisoned.
+func TestOutputUnderMaxAllowedPacketThroughPublisherOnIsWritten(t *testing.T) {
+	for _, c := range []struct {
+		name, params string
+		size         int
+	}{
+		{"prepared-12MiB", "", 12 << 20},
+		{"prepared-8MiB", "", 8<<20 - 16<<10},
+		{"interpolated-8MiB", "interpolateParams=true", 8<<20 - 16<<10},
+		{"interpolated-15MiB", "interpolateParams=true", 15 << 20},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			db := testdb.OpenMySQL(t, c.params)
+			broker := newBrokerStub()
+			ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
+			ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+				return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
+					_, err := tx.ExecContext(ctx, q, args...)
+					return err
+				}), nil
+			}})
+			payload := bytes.Repeat([]byte{'a'}, c.size)
+			in, out := newFeed(), &outcomes{}
+			runRouter(t, func(r *message.Router) {
+				r.AddMiddleware(out.Middleware, ib.Middleware)
+				r.AddHandler("billing", "orders", in, "documents", nil, func(msg *message.Message) ([]*message.Message, error) {
+					return []*message.Message{message.NewMessage(msg.UUID+"-out", payload)}, nil
+				})
+			})
+			if !in.deliver(t, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1")) {
+				t.Fatalf("nacked: %.300v", out.last("1"))
+			}
+			relayUntilEmpty(t, ob)
+			if got := broker.uuids("documents"); len(got) != 1 {
+				t.Errorf("relayed %v, want the output", got)
+			}
+		})
 	}
 }
 
