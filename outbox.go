@@ -77,6 +77,23 @@ func outboxRowSizes(args []any) []int {
 	return sizes
 }
 
+// outboxOneInsert reports whether the rows of args go in one INSERT
+// (insertChunkEnd would not split them), without building their sizes.
+func outboxOneInsert(args []any, limit int) bool {
+	rows := len(args) / 4
+	return rows <= 1 || rows <= outboxInsertChunk && outboxRowsBytes(args) <= limit
+}
+
+// outboxRowsBytes returns the size at worst (outboxRowBytes) of all the
+// rows of args.
+func outboxRowsBytes(args []any) int {
+	total := 0
+	for i := range len(args) / 4 {
+		total += outboxRowBytes(args, i)
+	}
+	return total
+}
+
 // insertChunkEnd returns where the INSERT of the rows of sizes (each row's
 // bytes in the statement) from row start ends: at most outboxInsertChunk
 // rows and, past the first, limit bytes.
@@ -1132,28 +1149,31 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		}
 		return err
 	}
-	all, err := appendOutboxRows(make([]any, 0, 4*len(msgs)), topic, msgs)
+	// Room for the claim's key, which insertClaimed appends.
+	all, err := appendOutboxRows(make([]any, 0, 4*len(msgs)+2), topic, msgs)
 	if err != nil {
 		return err
 	}
 	limit, alone := outboxInsertBytes, math.MaxInt
-	sizes := outboxRowSizes(all)
-	total := 0
-	for _, n := range sizes {
-		total += n
-	}
-	if w.o.dialect.server() == serverMySQL && total > outboxLargeBytes {
+	var sizes []int // nil: one INSERT of all, the common case
+	if w.o.dialect.server() == serverMySQL && outboxRowsBytes(all) > outboxLargeBytes {
+		sizes = outboxRowSizes(all)
 		if limit, alone, err = w.mysqlPacketLimit(all, sizes, topic); err != nil {
 			return err
 		}
+	} else if !outboxOneInsert(all, limit) {
+		sizes = outboxRowSizes(all)
 	}
-	args := make([]any, 0, 4*min(len(msgs), outboxInsertChunk)+2)
-	for start, end := 0, 0; start < len(msgs); start = end {
-		end = insertChunkEnd(sizes, start, limit)
+	var buf []any
+	for start, end := 0, len(msgs); start < len(msgs); start = end {
+		args, prepare := all, false
+		if sizes != nil {
+			end = insertChunkEnd(sizes, start, limit)
+			// A copy: insertClaimed appends the claim's key to it.
+			buf = append(buf[:0], all[4*start:4*end]...)
+			args, prepare = buf, end-start == 1 && sizes[start] > alone
+		}
 		chunk := msgs[start:end]
-		// A copy: insertClaimed appends the claim's key to it.
-		args = append(args[:0], all[4*start:4*end]...)
-		prepare := len(chunk) == 1 && sizes[start] > alone
 		if err := w.insert(len(chunk), args, prepare); err != nil {
 			if w.missing {
 				// Nothing about the message is wrong: transient. The
@@ -1178,7 +1198,7 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 		return "", nil, false, nil
 	}
 	args, err := appendOutboxRows(make([]any, 0, 4*len(msgs)), topic, msgs)
-	if err != nil || insertChunkEnd(outboxRowSizes(args), 0, outboxInsertBytes) < len(msgs) {
+	if err != nil || !outboxOneInsert(args, outboxInsertBytes) {
 		return "", nil, false, nil // Publish writes them, or returns the error
 	}
 	if err := w.writable(topic); err != nil {
