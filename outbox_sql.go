@@ -108,6 +108,25 @@ type outboxSQL struct {
 	// microseconds (NULL when empty), the number of dead letters and the
 	// first row's last_error (NULL when empty or not refused).
 	stats string
+	// deadLast reads the largest id of the dead-letter table (NULL when
+	// empty), the bound of a requeue by topic or of all.
+	deadLast string
+	// deadPick returns the locking read of up to n ids of the dead-letter
+	// table, ordered: with ids, those of ids; without, those above the
+	// first bind parameter and up to the second; byTopic adds a bind
+	// parameter, the topic.
+	deadPick func(ids []int64, n int, byTopic bool) string
+	// requeue returns the INSERT that copies the dead letters of ids back
+	// into the outbox, in the order of their ids, as new messages (new
+	// ids, no attempts, written now); deadDelete, the DELETE of those
+	// dead letters.
+	requeue, deadDelete func(ids []int64) string
+	// deadWriteLock, when set (SQLite), is the requeue transaction's first
+	// statement: it writes nothing and takes the write lock, which a
+	// deferred transaction that read first could not take once another
+	// connection had written (SQLITE_BUSY_SNAPSHOT, 517: "database is
+	// locked", whatever the busy timeout).
+	deadWriteLock string
 }
 
 // outboxWalkWindow is how many rows past a message the relay's walk looks
@@ -214,6 +233,30 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)",
 		stats: "SELECT (SELECT count(*) FROM " + q + "), (SELECT " + ageMicros + " FROM " + q + "), (SELECT count(*) FROM " + dq + ")," +
 			" (SELECT last_error FROM " + q + " ORDER BY id LIMIT 1)",
+		deadLast: "SELECT MAX(id) FROM " + dq,
+		deadPick: func(ids []int64, n int, byTopic bool) string {
+			where := "id > ? AND id <= ?"
+			if ids != nil {
+				where = "id IN (" + idList(ids) + ")"
+			}
+			if byTopic {
+				where += " AND topic = ?"
+			}
+			deadLock := ""
+			if lock != "" {
+				// Waits for the rows another requeue holds (SKIP LOCKED
+				// would leave them, a requeue rolled back included).
+				deadLock = " FOR UPDATE"
+			}
+			return "SELECT id FROM " + dq + " WHERE " + where + " ORDER BY id LIMIT " + strconv.Itoa(n) + deadLock
+		},
+		requeue: func(ids []int64) string {
+			return "INSERT INTO " + q + " (topic, uuid, payload, metadata, created_at) SELECT topic, uuid, payload, metadata, " + now +
+				" FROM " + dq + " WHERE id IN (" + idList(ids) + ") ORDER BY id"
+		},
+		deadDelete: func(ids []int64) string {
+			return "DELETE FROM " + dq + " WHERE id IN (" + idList(ids) + ")"
+		},
 	}
 }
 
@@ -426,6 +469,7 @@ func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 	now := "CAST(unixepoch('subsec') * 1000000 AS INTEGER)"
 	s.bury = "INSERT INTO " + dq + " (" + outboxColumns + ", created_at, attempts, last_error, dead_at) SELECT " + outboxColumns +
 		", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND uuid = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)"
+	s.deadWriteLock = "DELETE FROM " + dq + " WHERE 0"
 	s.deleteKeyed = func(ids []int64) string {
 		// The ids first, so that SQLite finds the rows by their rowid.
 		return "DELETE FROM " + q + " WHERE id IN (" + idList(ids) + ") AND (id, uuid) IN (VALUES " +

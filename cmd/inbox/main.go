@@ -9,6 +9,7 @@
 //	inbox stats -db "$DATABASE_URL"
 //	inbox stats -db "$DATABASE_URL" -outbox-table billing_outbox
 //	inbox stats -db "$DATABASE_URL" -older-than 360h
+//	inbox requeue -db "$DATABASE_URL" -topic payments
 //
 // "inbox schema -verify" checks a table that your migrations made with
 // (*inbox.Inbox).Verify: it exits 0 when the inbox can use the table, and 1
@@ -29,6 +30,11 @@
 // "inbox stats" also shows the outbox of inbox.Outbox (messages pending, the
 // age of the oldest, dead letters): of the table -outbox-table names, which
 // must exist, or without it of the default outbox table when that exists.
+//
+// "inbox requeue" moves the dead letters of an inbox.Outbox (the messages
+// its relay set aside after the broker refused them MaxAttempts times)
+// back to the outbox table once the cause is fixed: by id (-id), by topic
+// (-topic) or all (-all), with inbox.RequeueDeadLetters.
 //
 // Only "inbox schema -apply" creates anything: every other command refuses a
 // SQLite database file that does not exist (a mistyped path would otherwise
@@ -99,6 +105,10 @@ Usage:
                                                 postgres-partitioned: list the partitions and their
                                                 interval; -interval gives a new table that interval,
                                                 -migrate switches an existing one (default: week)
+  inbox requeue -db DSN [-outbox-table O] (-id N[,N...] | -topic T | -all)
+                                                move dead letters of inbox.Outbox's table O (default
+                                                ` + inbox.DefaultOutboxTable + `) from O_dead back to O, once the
+                                                broker takes them: the relay sends them with their UUIDs
 
 DSN forms:
   postgres://user@host:5432/db?sslmode=disable  PostgreSQL (pgx)
@@ -143,6 +153,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = statsCmd(ctx, args[1:], stdout, stderr)
 	case "partitions":
 		err = partitionsCmd(ctx, args[1:], stdout, stderr)
+	case "requeue":
+		err = requeueCmd(ctx, args[1:], stdout, stderr)
 	default:
 		err = fmt.Errorf("%w: unknown command %q", errUsage, args[0])
 	}
