@@ -42,6 +42,30 @@ func (d *delivery) handlerErrorHint(err error) error {
 	return err
 }
 
+// failedTxHint is the hint for a transaction that a statement of the
+// handler failed in, while the handler returned nil: PostgreSQL aborts the
+// transaction at the failed statement, refuses every later one (SQLSTATE
+// 25P02) and turns the COMMIT into ROLLBACK, and the error the inbox then
+// met (the COMMIT's "commit unexpectedly resulted in rollback", an outbox
+// write's 25P02) did not name the cause.
+const failedTxHint = "a statement of the handler failed and the handler returned nil without its error, and PostgreSQL " +
+	"aborts the transaction at a failed statement: nothing was written, and the message is redelivered; return the " +
+	"statement's error, or run a statement that may fail inside a SAVEPOINT and roll back to it"
+
+// failedTxError returns err, from the COMMIT or an outbox write after the
+// handler returned nil, with failedTxHint when the transaction had failed:
+// the pre-commit check saw PostgreSQL's failed status ('E'), or the write
+// got 25P02. Any other error comes back as it is.
+func (d *delivery) failedTxError(err error) error {
+	if err == nil {
+		return nil
+	}
+	if a, ok := d.tx.(interface{ abortedBeforeCommit() bool }); (ok && a.abortedBeforeCommit()) || hasSQLState(err, "25P02") {
+		return fmt.Errorf("%w (the transaction had failed before the COMMIT: %s)", err, failedTxHint)
+	}
+	return err
+}
+
 // poolWasFull reports whether every connection of the pool was in use when
 // the message's context ended (or, if that has not been recorded yet, is
 // now: the transaction still holds its connection then). Checked in this

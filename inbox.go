@@ -716,7 +716,16 @@ type sqlTx struct {
 	// transaction) without meaning anything. Atomic: the handler's
 	// goroutines may publish to the outbox, which asks ended, at once.
 	endedEarly atomic.Bool
+	// failedSeen is set when ended found the transaction failed
+	// (PostgreSQL's 'E': a statement failed in it, and COMMIT will roll it
+	// back), so that the COMMIT's error can say why.
+	failedSeen atomic.Bool
 }
+
+// abortedBeforeCommit reports whether the pre-commit check found the
+// transaction failed (a statement of the handler failed and the handler
+// returned nil without its error).
+func (t *sqlTx) abortedBeforeCommit() bool { return t.failedSeen.Load() }
 
 func (t *sqlTx) newState(ib *Inbox, s *txState) error {
 	s.tx = t.tx
@@ -874,11 +883,16 @@ func driverQueryCount(ctx context.Context, dc any, query string, args ...string)
 // said about its transaction (see driverTxEnded); where it cannot tell,
 // endedByClaimRead decides.
 func (t *sqlTx) ended() bool {
-	var ended, known bool
+	var status byte
+	var known bool
 	_ = t.conn.Raw(func(dc any) error {
-		ended, known = driverTxEnded(dc)
+		status, known = driverTxStatus(dc)
 		return nil
 	})
+	ended := known && status == 'I'
+	if known && status == 'E' {
+		t.failedSeen.Store(true)
+	}
 	if !known {
 		ended = t.endedByClaimRead()
 	}

@@ -543,7 +543,7 @@ func (d *delivery) outboxPublishError(topic string, err error) error {
 	if err == nil {
 		return nil
 	}
-	return fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, topic, d.commitTimedOut(err))
+	return fmt.Errorf("inbox: %q/%q: outbox publish to %q: %w", d.consumer, d.id, topic, d.commitTimedOut(d.failedTxError(err)))
 }
 
 // checkStillClaimed checks that the transaction is still open and holds the
@@ -597,6 +597,8 @@ func (d *delivery) commit() error {
 			// The COMMIT was sent, or it would have failed with
 			// driver.ErrBadConn: it is in doubt.
 			err = &lostConnError{err}
+		} else {
+			err = d.failedTxError(err)
 		}
 		return fmt.Errorf("inbox: commit %q/%q: %w", d.consumer, d.id, d.commitTimedOut(err))
 	}

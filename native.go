@@ -150,7 +150,14 @@ func (t *nativeTx) storedFingerprint(ctx context.Context, consumer, id string) (
 	return t.tx.StoredFingerprint(ctx, consumer, id)
 }
 
-func (t *nativeTx) ended() bool   { return t.tx.Ended() }
+func (t *nativeTx) ended() bool { return t.tx.Ended() }
+
+// abortedBeforeCommit reports whether the backend's pre-commit check found
+// the transaction failed (pgxinbox: PostgreSQL's 'E').
+func (t *nativeTx) abortedBeforeCommit() bool {
+	f, ok := t.tx.(interface{ Failed() bool })
+	return ok && f.Failed()
+}
 func (t *nativeTx) commit() error { return t.tx.Commit() }
 
 func (t *nativeTx) commitWith(query string, args []any) (stmtErr, commitErr error) {

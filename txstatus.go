@@ -45,9 +45,11 @@ import (
 // inbox then reads its claim before each COMMIT (Dialect.statuslessCheck,
 // one round trip more), as it does on MySQL/MariaDB for every driver.
 
-// txProbe reads whether a driver connection's transaction has ended, and
-// whether it could tell.
-type txProbe func(dc reflect.Value) (ended, known bool)
+// txProbe reads a driver connection's transaction status, as PostgreSQL's
+// ReadyForQuery says it ('I': none open, 'T': open, 'E': open and failed,
+// which COMMIT turns into ROLLBACK; MySQL/MariaDB and SQLite drivers tell
+// 'I' or 'T'), and whether it could tell.
+type txProbe func(dc reflect.Value) (status byte, known bool)
 
 // txProbes caches, by driver connection type, its probe (nil: none).
 var txProbes sync.Map // reflect.Type -> txProbe
@@ -56,8 +58,16 @@ var txProbes sync.Map // reflect.Type -> txProbe
 // says that the server has no transaction open on it, and whether it can
 // tell at all (known): a driver that cannot reports false, false.
 func driverTxEnded(dc any) (ended, known bool) {
+	status, known := driverTxStatus(dc)
+	return known && status == 'I', known
+}
+
+// driverTxStatus returns the transaction status of the driver connection
+// dc (from Conn.Raw), as txProbe tells it, and whether it can tell at all
+// (known): a driver that cannot reports 0, false.
+func driverTxStatus(dc any) (status byte, known bool) {
 	if c, ok := dc.(interface{ AutoCommit() bool }); ok { // mattn/go-sqlite3
-		return c.AutoCommit(), true
+		return inTx(!c.AutoCommit()), true
 	}
 	t := reflect.TypeOf(dc)
 	p, ok := txProbes.Load(t)
@@ -66,9 +76,18 @@ func driverTxEnded(dc any) (ended, known bool) {
 	}
 	probe := p.(txProbe)
 	if probe == nil {
-		return false, false
+		return 0, false
 	}
 	return probe(reflect.ValueOf(dc))
+}
+
+// inTx is the status of a driver that tells only whether a transaction is
+// open: 'T' or 'I'.
+func inTx(open bool) byte {
+	if open {
+		return 'T'
+	}
+	return 'I'
 }
 
 // newTxProbe returns the probe for driver connection type t, or nil;
@@ -83,13 +102,13 @@ func newTxProbe(t reflect.Type, depth int) txProbe {
 		return pgxStdlibProbe(t)
 	case s.PkgPath() == "github.com/lib/pq" && s.Name() == "conn":
 		if f, ok := s.FieldByName("txnStatus"); ok && f.Type.Kind() == reflect.Uint8 {
-			return func(v reflect.Value) (bool, bool) { return v.Elem().FieldByIndex(f.Index).Uint() == 'I', true }
+			return func(v reflect.Value) (byte, bool) { return byte(v.Elem().FieldByIndex(f.Index).Uint()), true }
 		}
 	case s.PkgPath() == "github.com/go-sql-driver/mysql" && s.Name() == "mysqlConn":
 		if f, ok := s.FieldByName("status"); ok && f.Type.Kind() == reflect.Uint16 {
 			const serverStatusInTrans = 1
-			return func(v reflect.Value) (bool, bool) {
-				return v.Elem().FieldByIndex(f.Index).Uint()&serverStatusInTrans == 0, true
+			return func(v reflect.Value) (byte, bool) {
+				return inTx(v.Elem().FieldByIndex(f.Index).Uint()&serverStatusInTrans != 0), true
 			}
 		}
 	default:
@@ -109,20 +128,20 @@ func wrapperProbe(s reflect.Type, depth int) txProbe {
 			continue
 		}
 		if f.Type == reflect.TypeFor[driver.Conn]() {
-			return func(v reflect.Value) (bool, bool) {
+			return func(v reflect.Value) (byte, bool) {
 				inner := v.Elem().Field(i)
 				if inner.IsNil() {
-					return false, false
+					return 0, false
 				}
-				return driverTxEnded(inner.Interface())
+				return driverTxStatus(inner.Interface())
 			}
 		}
 		if f.Anonymous && depth < 2 && f.Type.Kind() == reflect.Pointer && f.Type.Elem().Kind() == reflect.Struct {
 			if probe := newTxProbe(f.Type, depth+1); probe != nil {
-				return func(v reflect.Value) (bool, bool) {
+				return func(v reflect.Value) (byte, bool) {
 					embedded := v.Elem().Field(i)
 					if embedded.IsNil() {
-						return false, false
+						return 0, false
 					}
 					return probe(embedded)
 				}
@@ -145,16 +164,16 @@ func pgxStdlibProbe(t reflect.Type) txProbe {
 		!pgConn.Type.Out(0).Implements(reflect.TypeFor[txStatuser]()) {
 		return nil
 	}
-	return func(v reflect.Value) (bool, bool) {
+	return func(v reflect.Value) (byte, bool) {
 		c := conn.Func.Call([]reflect.Value{v})[0]
 		if c.IsNil() {
-			return false, false
+			return 0, false
 		}
 		pc := pgConn.Func.Call([]reflect.Value{c})[0]
 		if pc.IsNil() {
-			return false, false
+			return 0, false
 		}
-		return pc.Interface().(txStatuser).TxStatus() == 'I', true
+		return pc.Interface().(txStatuser).TxStatus(), true
 	}
 }
 

@@ -3,6 +3,7 @@ package pgxinbox
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -94,6 +95,11 @@ type pgxTx struct {
 	lock, claim pgx.QueuedQuery
 	lockArgs    [1]any
 	claimArgs   [3]any
+	// failedSeen: Ended found the transaction failed ('E'), so that the
+	// COMMIT's pgx.ErrTxCommitRollback can say why (Failed). Atomic: the
+	// handler's goroutines may publish to the outbox, which asks Ended, at
+	// once.
+	failedSeen atomic.Bool
 }
 
 func (t *pgxTx) Handle() any { return t.tx }
@@ -145,8 +151,19 @@ func (t *pgxTx) StoredFingerprint(ctx context.Context, consumer, id string) ([]b
 // statement. No round trip. A failed transaction ('E') is not ended: its
 // COMMIT reports pgx.ErrTxCommitRollback.
 func (t *pgxTx) Ended() bool {
-	return t.conn != nil && t.conn.Conn().PgConn().TxStatus() == 'I'
+	if t.conn == nil {
+		return false
+	}
+	status := t.conn.Conn().PgConn().TxStatus()
+	if status == 'E' {
+		t.failedSeen.Store(true)
+	}
+	return status == 'I'
 }
+
+// Failed reports whether Ended found the transaction failed (pgconn's
+// TxStatus 'E': a statement failed in it, and COMMIT rolls it back).
+func (t *pgxTx) Failed() bool { return t.failedSeen.Load() }
 
 // Commit commits under the transaction's context, which the commit bound
 // ends, and releases the connection. pgx closes the connection when COMMIT

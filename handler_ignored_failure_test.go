@@ -1,0 +1,64 @@
+package inbox_test
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// On PostgreSQL a handler that ignores a failed statement (a "duplicate key
+// is fine" pattern) and returns nil has its transaction aborted: the COMMIT
+// rolls it back, or an output's outbox INSERT fails with 25P02. The error
+// that reaches the router names that cause and the fix; it said only
+// "commit unexpectedly resulted in rollback", or blamed the outbox. It still
+// matches the driver's error, nothing is written, and the redelivery runs
+// the handler again.
+func TestHandlerThatIgnoresAFailedStatementIsToldWhy(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if !isPostgres(tdb.Dialect) {
+			t.Skip("only PostgreSQL aborts a transaction after a failed statement")
+		}
+		for _, output := range []bool{false, true} {
+			t.Run(map[bool]string{false: "no-output", true: "output"}[output], func(t *testing.T) {
+				f := newFixture(t, db)
+				ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+				ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+				rec := &recorder{}
+				in := newFeed()
+				runRouter(t, func(r *message.Router) {
+					r.AddMiddleware(rec.Middleware, ib.Middleware)
+					r.AddHandler("billing", "orders", in, "invoices", nil, func(msg *message.Message) ([]*message.Message, error) {
+						tx, _ := inbox.TxFromContext(msg.Context())
+						// The mistake: the error of a failed statement ignored.
+						_, _ = tx.ExecContext(msg.Context(), "INSERT INTO "+f.business+" (id, consumer) VALUES ($1, NULL)", msg.UUID)
+						if output {
+							return []*message.Message{message.NewMessage(msg.UUID+"-invoice", nil)}, nil
+						}
+						return nil, nil
+					})
+				})
+				if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+					t.Fatal("acked a message whose transaction PostgreSQL aborted")
+				}
+				err := rec.last()
+				if !strings.Contains(err.Error(), "a statement of the handler failed and the handler returned nil without its error") {
+					t.Errorf("router got %q, want the hint that the handler ignored a failed statement", err)
+				}
+				if !output && !errors.Is(err, pgx.ErrTxCommitRollback) {
+					t.Errorf("router got %v, want it to match pgx.ErrTxCommitRollback still", err)
+				}
+				if b, i, o := f.businessRows(), f.inboxRows(), count(t, db, ob.Table(), ""); b != 0 || i != 0 || o != 0 {
+					t.Errorf("%d business rows, %d inbox rows, %d outputs; want none", b, i, o)
+				}
+			})
+		}
+	})
+}
