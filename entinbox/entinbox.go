@@ -65,7 +65,9 @@ import (
 // the end. ent's own builders start such a transaction for statements that
 // span several statements (UpdateOne, Update, a Create with edges stored in
 // other tables), so that a failure undoes all of them: that costs two round
-// trips (SAVEPOINT, RELEASE) more than on the pool. BeginTx with an
+// trips (SAVEPOINT, RELEASE) more than on the pool. A Tx's OnCommit hooks
+// run at its Commit, the savepoint's release, before the inbox commits:
+// for effects after the commit use inbox.AfterCommit. BeginTx with an
 // isolation level or read-only mode fails: a savepoint has neither (the
 // inbox's Config.TxOptions sets them for the whole transaction). Close
 // (client.Close) does nothing, leaving the transaction and the pool to the

@@ -55,7 +55,10 @@ var ErrTxOwnedByInbox = errors.New("gorminbox: the session runs in the inbox tra
 //   - Transaction(fc) is nested: it runs fc after a SAVEPOINT and, when fc
 //     returns an error or panics, rolls back to that savepoint only, as
 //     GORM documents for nested transactions; the rest of the handler's
-//     writes stay and commit with the inbox row.
+//     writes stay and commit with the inbox row. Also when db has
+//     DisableNestedTransaction (the session turns it off). Its
+//     *sql.TxOptions are ignored, as GORM ignores them for any nested
+//     transaction: set them with the inbox's Config.TxOptions.
 //   - Commit and Rollback refuse with ErrTxOwnedByInbox (the middleware ends
 //     the transaction); Begin fails with gorm.ErrInvalidTransaction, and the
 //     session's DB() and Connection with gorm.ErrInvalidDB, so that no
@@ -105,6 +108,12 @@ func DB(ctx context.Context, db *gorm.DB) (*gorm.DB, error) {
 	// ConnPool is the transaction. NewDB keeps it there for every chain.
 	session := db.Session(&gorm.Session{NewDB: true, Context: ctx})
 	session.Statement.ConnPool = &inboxTx{Tx: tx.Tx}
+	// Nested Transaction calls are savepoints even when db has
+	// DisableNestedTransaction (the session's Config is its own copy): with
+	// it, GORM ran fc with no savepoint, and fc's writes committed with
+	// the message although fc failed, where outside the inbox the same
+	// Transaction is a transaction of its own and undoes them.
+	session.Config.DisableNestedTransaction = false
 	return session, nil
 }
 

@@ -143,11 +143,26 @@ func TestDB_handler_error_rolls_back_gorm_writes_with_the_inbox_row(t *testing.T
 // A Transaction inside the handler is a savepoint: when its function fails
 // (here on a duplicate key, which on PostgreSQL aborts the transaction until
 // the rollback to the savepoint), only its writes are undone; the handler
-// goes on, and everything else commits with the inbox row.
+// goes on, and everything else commits with the inbox row. Also when the
+// application's *gorm.DB has DisableNestedTransaction, which made GORM run
+// the function with no savepoint: its writes committed although it failed
+// (outside the inbox that Transaction is a transaction of its own).
 func TestDB_nested_Transaction_rolls_back_to_its_savepoint(t *testing.T) {
 	forEachDB(t, func(t *testing.T, fx *fixture) {
+		for name, app := range map[string]*gorm.DB{
+			"default":                  fx.gdb,
+			"DisableNestedTransaction": fx.gdb.Session(&gorm.Session{DisableNestedTransaction: true}),
+		} {
+			t.Run(name, func(t *testing.T) { testNestedTransactionRollsBackToItsSavepoint(t, fx, app) })
+		}
+	})
+}
+
+func testNestedTransactionRollsBackToItsSavepoint(t *testing.T, fx *fixture, app *gorm.DB) {
+	before := fx.inboxRows()
+	{
 		in, out := fx.router(true, func(msg *message.Message) error {
-			db, err := gorminbox.DB(msg.Context(), fx.gdb)
+			db, err := gorminbox.DB(msg.Context(), app)
 			if err != nil {
 				return err
 			}
@@ -180,10 +195,10 @@ func TestDB_nested_Transaction_rolls_back_to_its_savepoint(t *testing.T) {
 				t.Errorf("%s: invoices %d, lines %d, audit rows %d; want %d, %d, %d", oid, inv, lines, audits, n, 2*n, n)
 			}
 		}
-		if n := fx.inboxRows(); n != 1 {
-			t.Errorf("inbox rows: %d, want 1", n)
+		if n := fx.inboxRows() - before; n != 1 {
+			t.Errorf("inbox rows: %d more, want 1", n)
 		}
-	})
+	}
 }
 
 // The session cannot end the inbox transaction or reach the pool: Commit and
