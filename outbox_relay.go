@@ -257,10 +257,14 @@ func (o *Outbox) Verify(ctx context.Context) error {
 		return err
 	}
 	err = withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
-		for _, t := range []qualifiedName{target.table, target.dead} {
+		for i, t := range []qualifiedName{target.table, target.dead} {
 			if _, err := o.dialect.checkTable(ctx, q, t); errors.Is(err, ErrTableNotFound) {
-				return fmt.Errorf("%w: outbox table %q does not exist: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL"+
-					" with your migrations", ErrTableNotFound, t.String())
+				what := "outbox table"
+				if i == 1 {
+					what = "the dead-letter table of outbox table " + strconv.Quote(target.table.String()) + ","
+				}
+				return fmt.Errorf("%w: %s %q does not exist: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL"+
+					" with your migrations", ErrTableNotFound, what, t.String())
 			}
 		}
 		if o.dialect.server() == serverPostgreSQL {

@@ -755,12 +755,26 @@ func readOutbox(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table string)
 	}
 	st, err := inbox.ReadOutboxStats(ctx, db, d, table)
 	switch {
-	case errors.Is(err, inbox.ErrTableNotFound) && !named:
+	case errors.Is(err, inbox.ErrTableNotFound) && !named && !tableExists(ctx, db, table):
 		return nil, nil // no outbox, or one under another name (-outbox-table)
 	case err != nil:
+		// The default outbox table exists and its dead-letter table does
+		// not: an outbox whose relay cannot set a message aside, whose
+		// messages may be waiting; silent, it looked like no outbox.
 		return nil, err
 	}
 	return &outboxState{table: table, OutboxStats: st}, nil
+}
+
+// tableExists reports whether a statement can read table (an unquoted
+// name) on db: the default outbox table, whose dead-letter table
+// ReadOutboxStats may have found missing.
+func tableExists(ctx context.Context, db *sqlx.DB, table string) bool {
+	rows, err := db.QueryContext(ctx, "SELECT 1 FROM "+table+" WHERE 1 = 0")
+	if err != nil {
+		return false
+	}
+	return rows.Close() == nil
 }
 
 // count returns n and the noun, in the plural unless n is 1: "1 row", "2 rows".

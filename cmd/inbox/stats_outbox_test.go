@@ -243,3 +243,24 @@ func TestSchemaPrintsAndAppliesTheOutboxTables(t *testing.T) {
 		})
 	}
 }
+
+// The default outbox table with a message pending and no dead-letter table
+// (dropped, or a migration that made only the outbox) fails "inbox stats"
+// (exit 1, naming the dead-letter table): it printed no outbox at all, as
+// for a service without one, and the waiting message stayed hidden.
+func TestStatsFailsOnTheDefaultOutboxWithoutItsDeadLetterTable(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	db := testdb.OpenSQLite(t, path)
+	dsn := "sqlite://" + path + "?" + testdb.SQLiteParams
+	if code, _, errOut := cli(t, "schema", "-db", dsn, "-outbox-table", inbox.DefaultOutboxTable, "-apply"); code != 0 {
+		t.Fatal(errOut)
+	}
+	relayWithADeadLetter(t, db, "", 3)
+	if _, err := db.Exec("DROP TABLE " + inbox.DefaultOutboxTable + "_dead"); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := cli(t, "stats", "-db", dsn)
+	if code != 1 || out != "" || !strings.Contains(errOut, "dead-letter table") || !strings.Contains(errOut, inbox.DefaultOutboxTable+"_dead") {
+		t.Errorf("stats: exit %d, stdout %q, stderr %q; want 1, nothing on stdout, and the missing dead-letter table named", code, out, errOut)
+	}
+}
