@@ -111,7 +111,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"handler_name", "consumer", "outcome"}),
 		purgeDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_rows_deleted_total",
-			Help: "Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions).",
+			Help: "Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions), the committed batches of rounds that failed later included.",
 		}, []string{"table", "consumer"}),
 		oldestAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_oldest_row_age_seconds",
@@ -232,9 +232,10 @@ func (m *Metrics) count(e inbox.Event, outcome string) {
 //   - every round by outcome (inbox_purge_rounds_total: ok, failed or
 //     skipped); a round cut short by the purger's own stop (an error
 //     wrapping context.Canceled, as at router shutdown) is not counted;
+//   - rows deleted (inbox_purge_rows_deleted_total) by every round, a
+//     failed or cancelled one's committed batches included;
 //   - the time a round last ended without error
-//     (inbox_purge_last_success_timestamp_seconds), rows deleted
-//     (inbox_purge_rows_deleted_total) and the oldest row's age
+//     (inbox_purge_last_success_timestamp_seconds) and the oldest row's age
 //     (inbox_oldest_row_age_seconds; inbox_table_oldest_row_age_seconds
 //     for the whole table, every consumer's rows: PurgeRound.TableOldestAge),
 //     of such rounds only;
@@ -276,6 +277,8 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 			m.backOffs.WithLabelValues(table, consumer).Add(float64(pc.BackOffs))
 			m.dutyCycle.WithLabelValues(table, consumer).Set(pc.DutyCycle)
 		}
+		// Committed batches stay deleted whatever ends the round.
+		m.purgeDeleted.WithLabelValues(table, consumer).Add(float64(r.Deleted))
 		if r.Err != nil {
 			if !errors.Is(r.Err, context.Canceled) {
 				failed.Inc()
@@ -284,7 +287,6 @@ func (m *Metrics) InstrumentPurger(cfg inbox.PurgerConfig) inbox.PurgerConfig {
 		}
 		ok.Inc()
 		lastSuccess.SetToCurrentTime()
-		m.purgeDeleted.WithLabelValues(table, consumer).Add(float64(r.Deleted))
 		m.oldestAge.WithLabelValues(table, consumer).Set(r.OldestAge.Seconds())
 		m.tableOldestAge.WithLabelValues(table, consumer).Set(r.TableOldestAge.Seconds())
 	}
