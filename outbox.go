@@ -939,6 +939,28 @@ func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn 
 }
 
 // erUnknownSystemVariable is MySQL's ER_UNKNOWN_SYSTEM_VARIABLE, what
+// erNoSuchTable is MySQL/MariaDB's ER_NO_SUCH_TABLE.
+const erNoSuchTable = 1146
+
+// tableMissing reports whether err, from a statement on the outbox table of
+// t, comes from that table being missing: MySQL/MariaDB's 1146,
+// PostgreSQL's 42P01 (undefined_table), and on SQLite, whose "no such
+// table" has the generic code SQLITE_ERROR, the catalog read on q (the
+// failed statement leaves SQLite's transaction open).
+func (o *Outbox) tableMissing(ctx context.Context, q sqlx.QueryerContext, t *outboxTarget, err error) bool {
+	switch o.dialect.server() {
+	case serverMySQL:
+		return hasMySQLNumber(err, erNoSuchTable)
+	case serverPostgreSQL:
+		return hasSQLState(err, "42P01")
+	}
+	if ctx.Err() != nil {
+		return false
+	}
+	_, cerr := o.dialect.checkTable(ctx, q, t.table)
+	return errors.Is(cerr, ErrTableNotFound)
+}
+
 // MySQL answers to MariaDB's @@in_transaction.
 const erUnknownSystemVariable = 1193
 
@@ -1175,6 +1197,15 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		}
 		chunk := msgs[start:end]
 		if err := w.insert(len(chunk), args, prepare); err != nil {
+			if !w.missing && w.tx != nil && w.o.tableMissing(w.ctx, w.tx, w.target(), err) {
+				// MySQL/MariaDB and SQLite: the table is missing (the
+				// look-up before the handler is PostgreSQL's search path
+				// only). Transient, as there: a poison filter drained the
+				// topic for a migration not yet run.
+				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s does not exist"+
+					" (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
+					len(chunk), topic, ErrTableNotFound, w.target().table, err)}, topic, chunk)
+			}
 			if w.missing {
 				// Nothing about the message is wrong: transient. The
 				// failed INSERT ended the transaction, and refuse keeps a
