@@ -14,6 +14,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // deadLetterIDs returns the ids in ob's dead-letter table, in order.
@@ -117,10 +118,13 @@ func TestRequeuedDeadLettersAreSentWithTheirUUIDsAndMetadata(t *testing.T) {
 	})
 }
 
-// Requeues that run at the same time, by id and of all (an operator's
-// command beside a service's), move each dead letter once: the outbox then
-// holds each message once, and the dead-letter table none. A move of more
-// than one transaction's worth (500) goes in several.
+// Requeues that run at the same time (an operator's commands beside a
+// service's), of all, of two topics whose dead letters alternate, and of
+// the odd and the even ids, move each dead letter once: the outbox then
+// holds each message once, and the dead-letter table none. On MariaDB two
+// requeues of other ids deadlocked (each scanned the rows the other had
+// locked) and failed; a chunk that loses such a race is tried again. A
+// move of more than one transaction's worth (500) goes in several.
 func TestConcurrentRequeuesMoveEachDeadLetterOnce(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		broker := newBrokerStub()
@@ -128,31 +132,36 @@ func TestConcurrentRequeuesMoveEachDeadLetterOnce(t *testing.T) {
 			return fmt.Errorf("%w: invalid record", inbox.ErrMessageRejected)
 		})
 		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
-		const n = 1100
-		written := writeOutbox(t, db, ob, "payments", n)
+		var written []string
+		for range 22 {
+			written = append(written, writeOutbox(t, db, ob, "payments", 25)...)
+			written = append(written, writeOutbox(t, db, ob, "refunds", 25)...)
+		}
+		n := len(written)
 		deadLetterAll(t, db, ob, n)
 		dead := deadLetterIDs(t, db, ob)
+		var odd, even []int64
+		for i, id := range dead {
+			if i%2 == 0 {
+				even = append(even, id)
+			} else {
+				odd = append(odd, id)
+			}
+		}
+		sels := []inbox.DeadLetterSelection{{All: true}, {IDs: even}, {IDs: odd}, {Topic: "payments"}, {Topic: "refunds"}}
+		names := []string{"all", "the even ids", "the odd ids", "payments", "refunds"}
 
 		var wg sync.WaitGroup
-		moved := make([]int, 4)
-		errs := make([]error, 4)
-		for i := range moved {
-			wg.Go(func() {
-				sel := inbox.DeadLetterSelection{All: true}
-				switch i {
-				case 1:
-					sel = inbox.DeadLetterSelection{IDs: dead}
-				case 2:
-					sel = inbox.DeadLetterSelection{Topic: "payments"}
-				}
-				moved[i], errs[i] = ob.RequeueDeadLetters(context.Background(), sel)
-			})
+		moved := make([]int, len(sels))
+		errs := make([]error, len(sels))
+		for i, sel := range sels {
+			wg.Go(func() { moved[i], errs[i] = ob.RequeueDeadLetters(context.Background(), sel) })
 		}
 		wg.Wait()
 		total := 0
 		for i := range moved {
 			if errs[i] != nil {
-				t.Errorf("requeue %d: %v (after moving %d)", i, errs[i], moved[i])
+				t.Errorf("requeue of %s: %v (after moving %d)", names[i], errs[i], moved[i])
 			}
 			total += moved[i]
 		}
@@ -217,5 +226,48 @@ func TestSQLiteRequeuesFromTwoProcessesWithDeferredTransactions(t *testing.T) {
 	}
 	if moved[0]+moved[1] != n || count(t, db, ob.Table(), "") != n || len(deadLetterIDs(t, db, ob)) != 0 {
 		t.Errorf("moved %v, the outbox holds %d, the dead-letter table %d; want %d moved once", moved, count(t, db, ob.Table(), ""), len(deadLetterIDs(t, db, ob)), n)
+	}
+}
+
+// Dead letters too large to move 500 in one statement before the
+// statement timeout (they are often the messages the broker refused for
+// their size) are moved in smaller chunks: the chunk halves after each
+// timeout, as the relay's reads do. A move by topic or of all failed at
+// the same 500 every time.
+func TestRequeueOfDeadLettersThatOutlastTheStatementTimeoutMovesSmallerChunks(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "statement_timeout=600")
+	broker := newBrokerStub()
+	broker.setRefuse(func(string, *message.Message) error {
+		return fmt.Errorf("%w: too large", inbox.ErrMessageRejected)
+	})
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+	const n = 60
+	writeOutbox(t, db, ob, "payments", n)
+	deadLetterAll(t, db, ob, n)
+	// Each row copied back takes 30 ms: 60 in one statement outlast the
+	// 600 ms statement timeout; 15 do not.
+	fn := ob.Table() + "_slow"
+	exec(t, db, "CREATE FUNCTION "+fn+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.03); RETURN NEW; END $$")
+	t.Cleanup(func() { _, _ = db.Exec("DROP FUNCTION IF EXISTS " + fn + "() CASCADE") })
+	exec(t, db, "CREATE TRIGGER slow BEFORE INSERT ON "+ob.Table()+" FOR EACH ROW EXECUTE FUNCTION "+fn+"()")
+
+	for _, byID := range []bool{false, true} {
+		sel := inbox.DeadLetterSelection{Topic: "payments"}
+		if byID {
+			sel = inbox.DeadLetterSelection{IDs: deadLetterIDs(t, db, ob)}
+		}
+		moved, err := ob.RequeueDeadLetters(context.Background(), sel)
+		if err != nil || moved != n {
+			t.Fatalf("RequeueDeadLetters(topic %q, %d ids) = %d, %v; want %d moved", sel.Topic, len(sel.IDs), moved, err, n)
+		}
+		if c := count(t, db, ob.Table(), ""); c != n {
+			t.Fatalf("the outbox holds %d, want %d", c, n)
+		}
+		if !byID { // back to the dead-letter table for the next selection
+			exec(t, db, "DROP TRIGGER slow ON "+ob.Table())
+			deadLetterAll(t, db, ob, n)
+			exec(t, db, "CREATE TRIGGER slow BEFORE INSERT ON "+ob.Table()+" FOR EACH ROW EXECUTE FUNCTION "+fn+"()")
+		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 )
@@ -48,11 +49,17 @@ const requeueChunk = 500
 // none is lost nor left in both tables; a dead letter that another
 // RequeueDeadLetters moves at the same time is moved once (the second waits
 // for the first's row locks and then finds it gone; SQLite takes the write
-// lock first). By Topic or All it moves the dead letters present when it
-// began, not the ones set aside during the move (a topic still refused
-// would come back to the dead-letter table and be moved again, without
-// end). Ids that are not in the table are left out of the count; a
-// selection that finds nothing moves nothing and returns 0 and nil.
+// lock first). A transaction that loses a race (a deadlock, a lock wait
+// timeout, SQLite busy) is tried again, up to 8 times; one that outlasts
+// the statement timeout is tried again with half as many dead letters. By
+// Topic or All it moves the dead letters whose ids are at most the largest
+// id present when it began: a message set aside during the move gets the
+// id it had in the outbox, so one written before the move began (an older
+// message that used its last attempt meanwhile) is moved too, and one
+// written later is not (a topic still refused would otherwise come back to
+// the dead-letter table and be moved again, without end). Ids that are not
+// in the table are left out of the count; a selection that finds nothing
+// moves nothing and returns 0 and nil.
 //
 // Errors: an empty selection, or All beside IDs or Topic, wraps
 // ErrInvalidConfig; a missing table wraps ErrTableNotFound (run
@@ -123,28 +130,72 @@ func (sel DeadLetterSelection) validate() error {
 	return nil
 }
 
-// requeue moves sel's dead letters in chunks of requeueChunk, each in a
-// transaction of its own, and returns how many it moved.
+// requeue moves sel's dead letters in chunks of up to requeueChunk, each
+// in a transaction of its own, and returns how many it moved. A chunk
+// that lost a race (a deadlock with another requeue on MySQL/MariaDB,
+// where a locking read scans rows the other holds; SQLite busy) is rolled
+// back whole and tried again, up to requeueConflictTries times; one that
+// outlasted the statement timeout (large dead letters: they are often the
+// messages refused for their size) is tried again at half the size, as
+// the relay's reads are (Outbox.readTimedOutAt), down to one.
 func (o *Outbox) requeue(ctx context.Context, t *outboxTarget, sel DeadLetterSelection) (int, error) {
 	db := o.cfg.DB
 	byTopic := sel.Topic != ""
+	size := requeueChunk
 	moved := 0
+	// chunk moves one chunk: the ids of ids (IDs), or the first size ids
+	// after after (Topic, All); it returns how many it moved and the
+	// largest, once it succeeded or gave up.
+	chunk := func(ids []int64, after, last int64) (int, int64, error) {
+		for tries := 1; ; tries++ {
+			var pick string
+			args := []any{}
+			if ids != nil {
+				pick = t.sql.deadPick(ids, len(ids), byTopic)
+			} else {
+				pick = t.sql.deadPick(nil, size, byTopic)
+				args = append(args, after, last)
+			}
+			if byTopic {
+				args = append(args, sel.Topic)
+			}
+			n, end, err := o.requeueChunk(ctx, db, t, db.Rebind(pick), args)
+			switch {
+			case err == nil || ctx.Err() != nil:
+				return n, end, err
+			case isStatementTimeout(err) && size > 1 && (ids == nil || len(ids) > 1):
+				size = max(size/2, 1)
+				if ids != nil {
+					// The caller goes on with the rest at the new size.
+					return 0, 0, errChunkTooLarge
+				}
+				tries = 0
+			case isConflict(err) && tries < requeueConflictTries:
+				select {
+				case <-ctx.Done():
+					return 0, 0, err
+				case <-time.After(time.Duration(tries) * 20 * time.Millisecond):
+				}
+			default:
+				return n, end, err
+			}
+		}
+	}
 	if len(sel.IDs) > 0 {
 		ids := slices.Clone(sel.IDs)
 		slices.Sort(ids)
 		ids = slices.Compact(ids)
 		for len(ids) > 0 {
-			chunk := ids[:min(len(ids), requeueChunk)]
-			ids = ids[len(chunk):]
-			args := []any{}
-			if byTopic {
-				args = append(args, sel.Topic)
+			part := ids[:min(len(ids), size)]
+			n, _, err := chunk(part, 0, 0)
+			if errors.Is(err, errChunkTooLarge) {
+				continue // again, at the smaller size
 			}
-			n, _, err := o.requeueChunk(ctx, db, t, db.Rebind(t.sql.deadPick(chunk, len(chunk), byTopic)), args)
 			moved += n
 			if err != nil {
 				return moved, err
 			}
+			ids = ids[len(part):]
 		}
 		return moved, nil
 	}
@@ -156,14 +207,9 @@ func (o *Outbox) requeue(ctx context.Context, t *outboxTarget, sel DeadLetterSel
 	if !last.Valid {
 		return 0, nil
 	}
-	pick := db.Rebind(t.sql.deadPick(nil, requeueChunk, byTopic))
 	after := int64(math.MinInt64)
 	for {
-		args := []any{after, last.Int64}
-		if byTopic {
-			args = append(args, sel.Topic)
-		}
-		n, end, err := o.requeueChunk(ctx, db, t, pick, args)
+		n, end, err := chunk(nil, after, last.Int64)
 		moved += n
 		if err != nil || n == 0 {
 			return moved, err
@@ -171,6 +217,14 @@ func (o *Outbox) requeue(ctx context.Context, t *outboxTarget, sel DeadLetterSel
 		after = end
 	}
 }
+
+// requeueConflictTries bounds the tries of a requeue's chunk that keeps
+// losing races.
+const requeueConflictTries = 8
+
+// errChunkTooLarge tells requeue's loop over listed ids that the chunk
+// outlasted the statement timeout and is to be tried again smaller.
+var errChunkTooLarge = errors.New("inbox: requeue chunk too large for the statement timeout")
 
 // requeueChunk moves, in one transaction, the dead letters that pick (a
 // locking read of their ids, with args) returns: copied into the outbox in

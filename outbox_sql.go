@@ -365,6 +365,23 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	s.deleteIDs = mysqlDeleteIDs(t)
 	s.probeStatements[len(s.probeStatements)-1] = s.deleteIDs(nil)
 	s.claimedInsert = mysqlClaimedInsert(t)
+	// A requeue's listed dead letters are read and deleted by primary-key
+	// lookups too (see mysqlDeleteIDs): with "WHERE id IN (…)" two requeues
+	// of other ids scanned each other's locked rows and deadlocked.
+	s.deadDelete = mysqlDeleteIDs(dead)
+	pick := s.deadPick
+	s.deadPick = func(ids []int64, n int, byTopic bool) string {
+		if ids == nil {
+			return pick(nil, n, byTopic)
+		}
+		where := ""
+		if byTopic {
+			where = " WHERE d.topic = ?"
+		}
+		return "SELECT d.id FROM JSON_TABLE('[" + strings.ReplaceAll(idList(ids), " ", "") +
+			"]', '$[*]' COLUMNS (id BIGINT PATH '$')) AS picked STRAIGHT_JOIN " + dead.quoted(d) +
+			" AS d ON d.id = picked.id" + where + " ORDER BY d.id FOR UPDATE"
+	}
 	return s
 }
 

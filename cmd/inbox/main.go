@@ -54,6 +54,7 @@ import (
 	"os"
 	"os/signal"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -282,6 +283,16 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 			return nil, nil, err
 		}
 	}
+	if driver == "sqlite" && !strings.Contains(dsn, "busy_timeout") {
+		// Beside a running service, which holds the write lock for each
+		// message: wait for it as the service's own connections do (the
+		// README's DSN), rather than fail at once with SQLITE_BUSY.
+		sep := "?"
+		if strings.Contains(dsn, "?") {
+			sep = "&"
+		}
+		dsn += sep + "_busy_timeout=" + strconv.Itoa(defaultSQLiteBusyTimeoutMillis)
+	}
 	db, err := sqlx.Open(driver, dsn)
 	if err != nil {
 		return nil, nil, err
@@ -294,6 +305,10 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 	}
 	return db, d, nil
 }
+
+// defaultSQLiteBusyTimeoutMillis is the busy timeout the command gives a
+// SQLite DSN that sets none: 10 s, the README's.
+const defaultSQLiteBusyTimeoutMillis = 10000
 
 // mysqlDSN returns the go-sql-driver/mysql DSN of -db s (mysql:// or
 // mariadb://): what follows the scheme when it is one

@@ -42,7 +42,7 @@ func requeueCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs := flag.NewFlagSet("inbox requeue", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.dsn, "db", os.Getenv("INBOX_DB"), "database DSN (default $INBOX_DB); see \"inbox -h\"")
-	fs.StringVar(&c.dialect, "dialect", "", "postgres, mysql or sqlite (default: from the DSN)")
+	fs.StringVar(&c.dialect, "dialect", "", "postgres, postgres-partitioned, mysql or sqlite (default: from the DSN)")
 	table := fs.String("outbox-table", inbox.DefaultOutboxTable, "the outbox table, optionally schema-qualified; its dead letters are in <table>_dead")
 	var ids idList
 	fs.Var(&ids, "id", "a dead letter's id (its outbox id: the id column of <table>_dead); repeat it or separate ids with commas")

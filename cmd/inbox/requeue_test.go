@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -45,5 +47,31 @@ func TestRequeueMovesDeadLettersBackToTheOutbox(t *testing.T) {
 				t.Errorf("requeue of a missing outbox: exit %d, stdout %q, stderr %q; want 1 and the table named", code, out, errOut)
 			}
 		})
+	}
+}
+
+// "inbox requeue" on a SQLite file whose service holds the write lock for
+// a moment (a message's transaction) waits for it, as the service's own
+// connections do: with a DSN that sets no busy timeout it failed at once
+// with SQLITE_BUSY ("database is locked").
+func TestRequeueOnSQLiteWaitsForTheServicesWriteLock(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "requeue.db")
+	db := testdb.OpenSQLite(t, path)
+	outbox := "cli_outbox_" + testdb.RandomSuffix()
+	relayWithADeadLetter(t, db, outbox, 3)
+	tx, err := db.Begin() // _txlock=immediate: the write lock, as a message's transaction holds it
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan struct{})
+	go func() {
+		defer close(released)
+		time.Sleep(300 * time.Millisecond)
+		_ = tx.Rollback()
+	}()
+	code, out, errOut := cli(t, "requeue", "-db", "sqlite://"+path, "-outbox-table", outbox, "-all")
+	<-released
+	if code != 0 || !strings.Contains(out, "moved 1 dead letter back") {
+		t.Errorf("requeue while the service held the write lock for 300 ms: exit %d, stdout %q, stderr %q", code, out, errOut)
 	}
 }
