@@ -120,6 +120,12 @@ type topicBackoff struct {
 	mu    sync.Mutex
 	max   time.Duration
 	waits map[string]topicWait
+	// forgotten keeps the last wait of the topics forgetAllBut forgot, so
+	// that a refusal after it goes on doubling from there: with several
+	// relay instances, a topic's rows that another instance held (SKIP
+	// LOCKED) looked gone, and each instance started the topic's wait
+	// again from 50 ms, trying it dozens of times a MaxBackoff.
+	forgotten map[string]time.Duration
 }
 
 // topicWait is a refused topic's next try and its current wait.
@@ -144,7 +150,11 @@ func (t *topicBackoff) skipLocked(topic string, now time.Time) bool {
 func (t *topicBackoff) refused(topic string, now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	w := t.waits[topic]
+	w, ok := t.waits[topic]
+	if last, forgot := t.forgotten[topic]; !ok && forgot {
+		w.wait = last
+	}
+	delete(t.forgotten, topic)
 	w.wait = min(max(2*w.wait, outboxRetryFirst), t.max)
 	w.until = now.Add(w.wait)
 	t.waits[topic] = w
@@ -155,6 +165,7 @@ func (t *topicBackoff) accepted(topic string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	delete(t.waits, topic)
+	delete(t.forgotten, topic)
 }
 
 // waiting returns the topics that wait for their next try at now.
@@ -185,9 +196,13 @@ func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
 	for _, r := range rows {
 		present[r.Topic] = true
 	}
-	for topic := range t.waits {
+	for topic, w := range t.waits {
 		if !present[topic] {
 			delete(t.waits, topic)
+			if t.forgotten == nil {
+				t.forgotten = map[string]time.Duration{}
+			}
+			t.forgotten[topic] = w.wait
 		}
 	}
 }
