@@ -155,7 +155,7 @@ func TestMetricsScrape(t *testing.T) {
 inbox_messages_total{consumer="billing",handler_name="billing",outcome="duplicate"} 2
 inbox_messages_total{consumer="billing",handler_name="billing",outcome="failed"} 1
 inbox_messages_total{consumer="billing",handler_name="billing",outcome="processed"} 1
-# HELP inbox_purge_rows_deleted_total Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions).
+# HELP inbox_purge_rows_deleted_total Inbox rows removed by purge rounds (deleted rows, or rows of dropped partitions), the committed batches of rounds that failed later included.
 # TYPE inbox_purge_rows_deleted_total counter
 inbox_purge_rows_deleted_total{consumer="",table="watermill_inbox"} 1
 # HELP inbox_rows Estimated rows in the inbox table, read at scrape time.
