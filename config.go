@@ -300,7 +300,10 @@ type Event struct {
 	Consumer  string
 	MessageID string
 	// Duration is the time from the start of BEGIN to the end of the
-	// transaction's COMMIT or ROLLBACK, handler included.
+	// transaction's COMMIT or ROLLBACK, handler included; 0 when no
+	// transaction began (a message refused before BEGIN: an invalid
+	// message id, a missing or incompatible table), whose wait before the
+	// redelivery it does not count either.
 	Duration time.Duration
 	// Err is the error returned to the router: set for OnFailed, and for
 	// OnReusedID under ReusedIDsRefuse (it wraps ErrMessageIDReused); nil

@@ -510,6 +510,7 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 			return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 		}
 	}
+	d.txStart = time.Now() // BEGIN follows (Event.Duration)
 	return lock, nil
 }
 

@@ -80,7 +80,7 @@ import (
 // Config.CommitTimeout, and a committed message is acked.
 func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		d := delivery{ib: ib, msg: msg, handler: h, ctx: msg.Context(), span: noSpan, start: time.Now()}
+		d := delivery{ib: ib, msg: msg, handler: h, ctx: msg.Context(), span: noSpan}
 		return d.handle()
 	}
 }
@@ -99,7 +99,10 @@ type delivery struct {
 	ctx     context.Context // the message's context as it came in; restored by end
 	sctx    context.Context // ctx with the inbox span: the statements and the handler run under it
 	span    trace.Span      // noSpan without tracing
-	start   time.Time
+	// txStart is when BEGIN was sent (beforeBegin; zero: no transaction
+	// began, the message refused before it), txEnd when the COMMIT or
+	// ROLLBACK returned: Event.Duration.
+	txStart, txEnd time.Time
 
 	consumer, id string // the inbox key, once validated
 
@@ -258,7 +261,9 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if err := d.checkStillClaimed(); err != nil {
 		return nil, err
 	}
-	if err := d.commit(); err != nil {
+	err = d.commit()
+	d.txEnd = time.Now()
+	if err != nil {
 		return nil, err
 	}
 	for _, w := range d.state.writers {
@@ -672,6 +677,9 @@ func (d *delivery) end() error {
 	if d.tx != nil {
 		err = d.tx.rollback()
 	}
+	if !d.txStart.IsZero() && d.txEnd.IsZero() {
+		d.txEnd = time.Now()
+	}
 	if d.commitBound != nil {
 		d.commitBound.Stop()
 	}
@@ -735,7 +743,15 @@ func (d *delivery) callHook(name string, hook func(Event), e Event) {
 }
 
 func (d *delivery) event(err error) Event {
-	return Event{Message: d.msg, Consumer: d.consumer, MessageID: d.id, Duration: time.Since(d.start), Err: err}
+	var took time.Duration
+	switch {
+	case d.txStart.IsZero(): // no transaction began
+	case d.txEnd.IsZero():
+		took = time.Since(d.txStart)
+	default:
+		took = max(d.txEnd.Sub(d.txStart), 1)
+	}
+	return Event{Message: d.msg, Consumer: d.consumer, MessageID: d.id, Duration: took, Err: err}
 }
 
 func (d *delivery) fields() watermill.LogFields {
