@@ -309,6 +309,11 @@ type Event struct {
 	// OnReusedID under ReusedIDsRefuse (it wraps ErrMessageIDReused); nil
 	// otherwise.
 	Err error
+	// ReusedIDsDetected reports whether the inbox detected reused message
+	// ids when it handled the message (Inbox.ReusedIDsDetected): false
+	// under ReusedIDsOff, and on a table without the fingerprint column,
+	// where a reused id is skipped as a duplicate with nothing to tell.
+	ReusedIDsDetected bool
 }
 
 func (c *Config) setDefaults() {

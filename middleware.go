@@ -751,7 +751,7 @@ func (d *delivery) event(err error) Event {
 	default:
 		took = max(d.txEnd.Sub(d.txStart), 1)
 	}
-	return Event{Message: d.msg, Consumer: d.consumer, MessageID: d.id, Duration: took, Err: err}
+	return Event{Message: d.msg, Consumer: d.consumer, MessageID: d.id, Duration: took, Err: err, ReusedIDsDetected: d.ib.fingerprintsOn()}
 }
 
 func (d *delivery) fields() watermill.LogFields {

@@ -70,6 +70,10 @@ type Metrics struct {
 	reg       prometheus.Registerer
 	messages  *prometheus.CounterVec
 	reusedIDs *prometheus.CounterVec
+	// reusedIDsDetected is 1 while the inbox detects reused ids, 0 while
+	// it does not (ReusedIDsOff, or a table without the fingerprint
+	// column, where inbox_reused_ids_total stays 0 whatever comes).
+	reusedIDsDetected *prometheus.GaugeVec
 	// seen holds the handler and consumer pairs whose
 	// inbox_reused_ids_total series exist (at 0 from their first message),
 	// so that a dashboard or alert reads 0 rather than no data.
@@ -104,6 +108,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "inbox_reused_ids_total",
 			Help: "Deliveries whose message id was processed before with other content (a producer reusing ids), by action: refused (nacked) or skipped (acked as a duplicate under ReusedIDsWarn).",
 		}, []string{"handler_name", "consumer", "action"}),
+		reusedIDsDetected: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "inbox_reused_ids_detected",
+			Help: "1 while the inbox detects reused message ids, 0 while it does not (Config.ReusedIDs is ReusedIDsOff, or the table has no fingerprint column: a reused id is then skipped as a duplicate and inbox_reused_ids_total cannot count it); set by each message that began a transaction.",
+		}, []string{"handler_name", "consumer"}),
 		txSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "inbox_transaction_seconds",
 			Help:    "Time from BEGIN to the end of COMMIT or ROLLBACK of the inbox transaction, handler included (deliveries refused before BEGIN, as for a missing table, are not observed).",
@@ -155,7 +163,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"table", "consumer"}),
 	}
 	m.outbox = newOutboxMetrics()
-	for _, c := range append([]prometheus.Collector{m.messages, m.reusedIDs, m.txSeconds, m.purgeDeleted, m.oldestAge,
+	for _, c := range append([]prometheus.Collector{m.messages, m.reusedIDs, m.reusedIDsDetected, m.txSeconds, m.purgeDeleted, m.oldestAge,
 		m.tableOldestAge, m.batches, m.batchSeconds, m.pausedSecs, m.backOffs, m.dutyCycle, m.rounds, m.lastSuccess, m.window},
 		m.outbox.collectors()...) {
 		if err := reg.Register(c); err != nil {
@@ -167,7 +175,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 
 // Instrument returns cfg with its OnProcessed, OnDuplicate, OnFailed and
 // OnReusedID hooks recording to m (a reused id also counts as failed or
-// duplicate in inbox_messages_total, by what the inbox did with it). Hooks
+// duplicate in inbox_messages_total, by what the inbox did with it), and
+// whether the inbox detects reused ids at all (inbox_reused_ids_detected,
+// from Event.ReusedIDsDetected: 0 on a table without the fingerprint
+// column, where inbox_reused_ids_total reads 0 whatever comes). Hooks
 // already set in cfg still run, first; one that panics is still counted
 // (the inbox logs the panic and changes no outcome: the count stopped with
 // it, and an alert on a failing handler could not fire).
@@ -219,6 +230,12 @@ func (m *Metrics) count(e inbox.Event, outcome string) {
 	m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
 	if e.Duration > 0 {
 		m.txSeconds.WithLabelValues(handler, e.Consumer, outcome).Observe(e.Duration.Seconds())
+		// Known once a transaction began: the table was checked.
+		detected := 0.0
+		if e.ReusedIDsDetected {
+			detected = 1
+		}
+		m.reusedIDsDetected.WithLabelValues(handler, e.Consumer).Set(detected)
 	}
 }
 

@@ -1,0 +1,77 @@
+package metrics_test
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/metrics"
+)
+
+// gaugeValue is the value of the gauge name's one series in reg, and
+// whether there is one.
+func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) (float64, bool) {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.Metric) == 1 {
+			return mf.Metric[0].GetGauge().GetValue(), true
+		}
+	}
+	return 0, false
+}
+
+// inbox_reused_ids_detected says whether the inbox detects reused ids: 0 on
+// a table without the fingerprint column (made before it existed), where
+// inbox_reused_ids_total reads 0 whatever comes and nothing else exported
+// said that it could not see; 1 on a table with it.
+func TestReusedIDsDetectedSaysWhetherTheCountCanSeeAnything(t *testing.T) {
+	for _, column := range []bool{true, false} {
+		t.Run(map[bool]string{true: "with the column", false: "without the column"}[column], func(t *testing.T) {
+			db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+			setup, err := inbox.New(inbox.Config{DB: db})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := setup.InitializeSchema(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if !column {
+				if _, err := db.Exec("ALTER TABLE " + inbox.DefaultTable + " DROP COLUMN fingerprint"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			reg := prometheus.NewRegistry()
+			m, err := metrics.New(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
+			want := map[bool]float64{true: 1, false: 0}[column]
+			var got float64
+			var ok bool
+			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				if got, ok = gaugeValue(t, reg, "inbox_reused_ids_detected"); ok {
+					break
+				}
+			}
+			if !ok || got != want {
+				t.Errorf("inbox_reused_ids_detected = %v (exported %v), want %v", got, ok, want)
+			}
+		})
+	}
+}
