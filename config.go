@@ -299,11 +299,11 @@ type Event struct {
 	// Consumer and MessageID are the inbox key of the message.
 	Consumer  string
 	MessageID string
-	// Duration is the time from the start of BEGIN to the end of the
-	// transaction's COMMIT or ROLLBACK, handler included; 0 when no
-	// transaction began (a message refused before BEGIN: an invalid
-	// message id, a missing or incompatible table), whose wait before the
-	// redelivery it does not count either.
+	// Duration is the time from the start of BEGIN (the wait for a
+	// connection of the pool included) to the end of the transaction's
+	// COMMIT or ROLLBACK, handler included; 0 when the message was refused
+	// before BEGIN (an invalid message id, a missing or incompatible
+	// table), whose wait before the redelivery it does not count either.
 	Duration time.Duration
 	// Err is the error returned to the router: set for OnFailed, and for
 	// OnReusedID under ReusedIDsRefuse (it wraps ErrMessageIDReused); nil
@@ -313,6 +313,8 @@ type Event struct {
 	// ids when it handled the message (Inbox.ReusedIDsDetected): false
 	// under ReusedIDsOff, and on a table without the fingerprint column,
 	// where a reused id is skipped as a duplicate with nothing to tell.
+	// Known once the table was checked: it means something only when
+	// Duration is above 0 (a message refused before BEGIN has it false).
 	ReusedIDsDetected bool
 }
 

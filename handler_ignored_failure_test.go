@@ -62,3 +62,57 @@ func TestHandlerThatIgnoresAFailedStatementIsToldWhy(t *testing.T) {
 		}
 	})
 }
+
+// A handler that recovered from its failed statement (ROLLBACK TO
+// SAVEPOINT), after an outbox publish while its transaction was failed
+// (whose error it ignored: another goroutine's, say), and whose COMMIT then
+// fails for a reason of its own (a deferred foreign key) is not told that it
+// ignored a failed statement: the hint went by the first failed status the
+// inbox had seen, not by the transaction's state at the COMMIT.
+func TestHandlerThatRecoveredWithASavepointIsNotBlamedForTheCommitsFailure(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if !isPostgres(tdb.Dialect) {
+			t.Skip("only PostgreSQL aborts a transaction after a failed statement")
+		}
+		f := newFixture(t, db)
+		sfx := randomSuffix()
+		parent, child := "parent_"+sfx, "child_"+sfx
+		exec(t, db, "CREATE TABLE "+parent+" (id int PRIMARY KEY)")
+		dropLater(t, db, parent)
+		exec(t, db, "CREATE TABLE "+child+" (id int PRIMARY KEY, ref int REFERENCES "+parent+"(id) DEFERRABLE INITIALLY DEFERRED)")
+		dropLater(t, db, child)
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+		ib := f.newInbox(inbox.Config{Outbox: ob.Publisher})
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+				ctx := msg.Context()
+				tx, _ := inbox.TxFromContext(ctx)
+				pub, _ := inbox.OutboxFromContext(ctx)
+				if _, err := tx.ExecContext(ctx, "SAVEPOINT sp"); err != nil {
+					return err
+				}
+				if _, err := tx.ExecContext(ctx, "INSERT INTO "+f.business+" (id, consumer) VALUES ($1, NULL)", msg.UUID); err == nil {
+					return errors.New("the NOT NULL insert succeeded")
+				}
+				_ = pub.Publish("audit", message.NewMessage(watermill.NewUUID(), nil)) // refused: the transaction is failed
+				if _, err := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT sp"); err != nil {
+					return err
+				}
+				if err := pub.Publish("audit", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+					return err
+				}
+				_, err := tx.ExecContext(ctx, "INSERT INTO "+child+" (id, ref) VALUES (1, 999)") // fails at COMMIT
+				return err
+			})
+		})
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+			t.Fatal("acked a message whose COMMIT failed")
+		}
+		if err := rec.last(); strings.Contains(err.Error(), "a statement of the handler failed and the handler returned nil") {
+			t.Errorf("COMMIT failed on a deferred foreign key after the handler recovered, and the error blames an ignored statement: %v", err)
+		}
+	})
+}

@@ -717,7 +717,7 @@ type sqlTx struct {
 	// transaction) without meaning anything. Atomic: the handler's
 	// goroutines may publish to the outbox, which asks ended, at once.
 	endedEarly atomic.Bool
-	// failedSeen is set when ended found the transaction failed
+	// failedSeen is whether the last ended found the transaction failed
 	// (PostgreSQL's 'E': a statement failed in it, and COMMIT will roll it
 	// back), so that the COMMIT's error can say why.
 	failedSeen atomic.Bool
@@ -891,9 +891,9 @@ func (t *sqlTx) ended() bool {
 		return nil
 	})
 	ended := known && status == 'I'
-	if known && status == 'E' {
-		t.failedSeen.Store(true)
-	}
+	// As of this check: a handler that rolled back to a savepoint after
+	// the failure has a working transaction again.
+	t.failedSeen.Store(known && status == 'E')
 	if !known {
 		ended = t.endedByClaimRead()
 	}

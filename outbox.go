@@ -943,19 +943,27 @@ func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn 
 const erNoSuchTable = 1146
 
 // tableMissing reports whether err, from a statement on the outbox table of
-// t, comes from that table being missing: MySQL/MariaDB's 1146,
-// PostgreSQL's 42P01 (undefined_table), and on SQLite, whose "no such
-// table" has the generic code SQLITE_ERROR, the catalog read on q (the
-// failed statement leaves SQLite's transaction open).
+// t, comes from that table being missing: the error is MySQL/MariaDB's 1146
+// (ER_NO_SUCH_TABLE) or, on SQLite, whose "no such table" has the generic
+// code SQLITE_ERROR, any, and the catalog, read on q (the statement's
+// transaction, which a failed statement leaves open there) or, when q is
+// nil (PublisherOn), on a connection of the Outbox's database for at most
+// a second, finds the table missing: a trigger on the outbox table that
+// writes to a missing table fails with the same code. Not on PostgreSQL,
+// whose failed statement ends the transaction and whose look-up before the
+// handler tells a missing table (outboxWriter.missing).
 func (o *Outbox) tableMissing(ctx context.Context, q sqlx.QueryerContext, t *outboxTarget, err error) bool {
-	switch o.dialect.server() {
-	case serverMySQL:
-		return hasMySQLNumber(err, erNoSuchTable)
-	case serverPostgreSQL:
-		return hasSQLState(err, "42P01")
-	}
-	if ctx.Err() != nil {
+	switch {
+	case o.dialect.server() == serverPostgreSQL, ctx.Err() != nil:
 		return false
+	case o.dialect.server() == serverMySQL && !hasMySQLNumber(err, erNoSuchTable):
+		return false
+	}
+	if q == nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		q = o.cfg.DB
 	}
 	_, cerr := o.dialect.checkTable(ctx, q, t.table)
 	return errors.Is(cerr, ErrTableNotFound)
@@ -1197,7 +1205,11 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		}
 		chunk := msgs[start:end]
 		if err := w.insert(len(chunk), args, prepare); err != nil {
-			if !w.missing && w.tx != nil && w.o.tableMissing(w.ctx, w.tx, w.target(), err) {
+			var q sqlx.QueryerContext // nil for PublisherOn (a nil *sqlx.Tx is not)
+			if w.tx != nil {
+				q = w.tx
+			}
+			if !w.missing && w.o.tableMissing(w.ctx, q, w.target(), err) {
 				// MySQL/MariaDB and SQLite: the table is missing (the
 				// look-up before the handler is PostgreSQL's search path
 				// only). Transient, as there: a poison filter drained the

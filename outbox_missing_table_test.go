@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -23,7 +24,7 @@ import (
 // transient, and every message went to the poison queue.
 func TestMissingOutboxTableIsTransientOnEveryDatabase(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		for _, how := range []string{"returned", "OutboxFromContext"} {
+		for _, how := range []string{"returned", "OutboxFromContext", "PublisherOn"} {
 			t.Run(how, func(t *testing.T) {
 				ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Table: "outbox_missing_" + randomSuffix(), Publisher: newBrokerStub()})
 				if err != nil {
@@ -43,8 +44,16 @@ func TestMissingOutboxTableIsTransientOnEveryDatabase(t *testing.T) {
 					r.AddMiddleware(mws...)
 					r.AddHandler("billing", "orders", in, "invoices", nil, func(msg *message.Message) ([]*message.Message, error) {
 						out := message.NewMessage(watermill.NewUUID(), []byte("invoice"))
-						if how == "returned" {
+						switch how {
+						case "returned":
 							return []*message.Message{out}, nil
+						case "PublisherOn":
+							tx, _ := inbox.TxFromContext(msg.Context())
+							pub := ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
+								_, err := tx.ExecContext(ctx, q, args...)
+								return err
+							})
+							return nil, pub.Publish("invoices", out)
 						}
 						pub, ok := inbox.OutboxFromContext(msg.Context())
 						if !ok {
@@ -69,6 +78,47 @@ func TestMissingOutboxTableIsTransientOnEveryDatabase(t *testing.T) {
 					t.Errorf("relay round on the missing table: %v, want ErrTableNotFound", r.Err)
 				}
 			})
+		}
+	})
+}
+
+// A trigger on the outbox table that writes to a table that is missing
+// fails the outbox INSERT with the same code as a missing outbox table
+// (42P01, 1146): the error is the driver's, not ErrTableNotFound about the
+// outbox table, whose InitializeSchema would fix nothing.
+func TestOutboxTriggerOnAMissingTableIsNotAMissingOutboxTable(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		if tdb.Name != "postgres" && tdb.Name != "mysql" && tdb.Name != "sqlite" {
+			t.Skip("one of each database")
+		}
+		sfx := randomSuffix()
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+		missing := "audit_missing_" + sfx
+		switch tdb.Name {
+		case "postgres":
+			fn := "audit_fn_" + sfx
+			exec(t, db, "CREATE FUNCTION "+fn+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO "+missing+" VALUES (NEW.id); RETURN NEW; END $$")
+			t.Cleanup(func() { _, _ = db.Exec("DROP FUNCTION IF EXISTS " + fn + "() CASCADE") })
+			exec(t, db, "CREATE TRIGGER audit_"+sfx+" AFTER INSERT ON "+ob.Table()+" FOR EACH ROW EXECUTE FUNCTION "+fn+"()")
+		case "mysql":
+			exec(t, db, "CREATE TRIGGER audit_"+sfx+" AFTER INSERT ON "+ob.Table()+" FOR EACH ROW INSERT INTO "+missing+" VALUES (NEW.id)")
+		default:
+			exec(t, db, "CREATE TRIGGER audit_"+sfx+" AFTER INSERT ON "+ob.Table()+" BEGIN INSERT INTO "+missing+" VALUES (NEW.id); END")
+		}
+		ib := newFixture(t, db).newInbox(inbox.Config{Outbox: ob.Publisher})
+		rec := &recorder{}
+		in := newFeed()
+		runRouter(t, func(r *message.Router) {
+			r.AddMiddleware(rec.Middleware, ib.Middleware)
+			r.AddHandler("billing", "orders", in, "invoices", nil, func(msg *message.Message) ([]*message.Message, error) {
+				return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("invoice"))}, nil
+			})
+		})
+		if in.deliver(t, message.NewMessage(watermill.NewUUID(), []byte("order"))) {
+			t.Fatal("acked although the outbox insert failed")
+		}
+		if err := rec.last(); errors.Is(err, inbox.ErrTableNotFound) {
+			t.Errorf("the outbox table exists (its trigger's table is missing), and the error says it does not: %v", err)
 		}
 	})
 }

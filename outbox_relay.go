@@ -120,13 +120,25 @@ type topicBackoff struct {
 	mu    sync.Mutex
 	max   time.Duration
 	waits map[string]topicWait
-	// forgotten keeps the last wait of the topics forgetAllBut forgot, so
-	// that a refusal after it goes on doubling from there: with several
-	// relay instances, a topic's rows that another instance held (SKIP
-	// LOCKED) looked gone, and each instance started the topic's wait
-	// again from 50 ms, trying it dozens of times a MaxBackoff.
-	forgotten map[string]time.Duration
+	// forgotten keeps, for 2 MaxBackoffs, the last wait of the topics
+	// forgetAllBut forgot, so that a refusal soon after goes on doubling
+	// from there: with several relay instances, a topic's rows that
+	// another instance held (SKIP LOCKED) looked gone, and each instance
+	// started the topic's wait again from 50 ms, trying it dozens of times
+	// a MaxBackoff. Later, a refusal starts from 50 ms again, and the entry
+	// goes (one topic per tenant kept one each for good).
+	forgotten map[string]forgottenWait
 }
+
+// forgottenWait is a forgotten topic's last wait, and when it was
+// forgotten.
+type forgottenWait struct {
+	wait time.Duration
+	at   time.Time
+}
+
+// forgottenFor is how long a forgotten topic's wait is kept.
+func (t *topicBackoff) forgottenFor() time.Duration { return 2 * t.max }
 
 // topicWait is a refused topic's next try and its current wait.
 type topicWait struct {
@@ -151,8 +163,8 @@ func (t *topicBackoff) refused(topic string, now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	w, ok := t.waits[topic]
-	if last, forgot := t.forgotten[topic]; !ok && forgot {
-		w.wait = last
+	if f, forgot := t.forgotten[topic]; !ok && forgot && now.Sub(f.at) <= t.forgottenFor() {
+		w.wait = f.wait
 	}
 	delete(t.forgotten, topic)
 	w.wait = min(max(2*w.wait, outboxRetryFirst), t.max)
@@ -186,6 +198,12 @@ func (t *topicBackoff) waiting(now time.Time) []any {
 func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	now := time.Now()
+	for topic, f := range t.forgotten {
+		if now.Sub(f.at) > t.forgottenFor() {
+			delete(t.forgotten, topic)
+		}
+	}
 	if len(t.waits) == len(kept) {
 		return
 	}
@@ -200,9 +218,9 @@ func (t *topicBackoff) forgetAllBut(rows []outboxRow, kept []any) {
 		if !present[topic] {
 			delete(t.waits, topic)
 			if t.forgotten == nil {
-				t.forgotten = map[string]time.Duration{}
+				t.forgotten = map[string]forgottenWait{}
 			}
-			t.forgotten[topic] = w.wait
+			t.forgotten[topic] = forgottenWait{wait: w.wait, at: now}
 		}
 	}
 }

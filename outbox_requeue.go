@@ -53,13 +53,13 @@ const requeueChunk = 500
 // timeout, SQLite busy) is tried again, up to 8 times; one that outlasts
 // the statement timeout is tried again with half as many dead letters. By
 // Topic or All it moves the dead letters whose ids are at most the largest
-// id present when it began: a message set aside during the move gets the
-// id it had in the outbox, so one written before the move began (an older
-// message that used its last attempt meanwhile) is moved too, and one
-// written later is not (a topic still refused would otherwise come back to
-// the dead-letter table and be moved again, without end). Ids that are not
-// in the table are left out of the count; a selection that finds nothing
-// moves nothing and returns 0 and nil.
+// id present when it began: a message set aside during the move keeps the
+// id it had in the outbox, so one written after the move began is never
+// moved (a topic still refused would otherwise come back to the
+// dead-letter table and be moved again, without end), and one written
+// before it may or may not be, by its id and how far the move has got.
+// Ids that are not in the table are left out of the count; a selection
+// that finds nothing moves nothing and returns 0 and nil.
 //
 // Errors: an empty selection, or All beside IDs or Topic, wraps
 // ErrInvalidConfig; a missing table wraps ErrTableNotFound (run

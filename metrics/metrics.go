@@ -114,7 +114,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"handler_name", "consumer"}),
 		txSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "inbox_transaction_seconds",
-			Help:    "Time from BEGIN to the end of COMMIT or ROLLBACK of the inbox transaction, handler included (deliveries refused before BEGIN, as for a missing table, are not observed).",
+			Help:    "Time from BEGIN to the end of COMMIT or ROLLBACK of the inbox transaction, handler and the wait for a pool connection included (deliveries refused before BEGIN, as for a missing table, are not observed).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18), // 0.5 ms to ~65 s: past the default Timeout of an attempt (30 s)
 		}, []string{"handler_name", "consumer", "outcome"}),
 		purgeDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{

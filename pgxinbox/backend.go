@@ -155,14 +155,14 @@ func (t *pgxTx) Ended() bool {
 		return false
 	}
 	status := t.conn.Conn().PgConn().TxStatus()
-	if status == 'E' {
-		t.failedSeen.Store(true)
-	}
+	// As of this check: a rollback to a savepoint recovers a failed one.
+	t.failedSeen.Store(status == 'E')
 	return status == 'I'
 }
 
-// Failed reports whether Ended found the transaction failed (pgconn's
-// TxStatus 'E': a statement failed in it, and COMMIT rolls it back).
+// Failed reports whether the last Ended found the transaction failed
+// (pgconn's TxStatus 'E': a statement failed in it, and COMMIT rolls it
+// back).
 func (t *pgxTx) Failed() bool { return t.failedSeen.Load() }
 
 // Commit commits under the transaction's context, which the commit bound

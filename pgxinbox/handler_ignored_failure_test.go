@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/pgxinbox"
 )
@@ -47,5 +48,44 @@ func TestHandlerThatIgnoresAFailedStatementIsToldWhy(t *testing.T) {
 			}
 			f.expectRows(0, 0)
 		})
+	}
+}
+
+// A handler that recovered from its failed statement (ROLLBACK TO
+// SAVEPOINT), after an outbox publish while its transaction was failed,
+// and whose COMMIT then fails on a deferred foreign key is not told that it
+// ignored a failed statement: the hint went by the first failed status
+// seen, not by the transaction's state at the COMMIT.
+func TestHandlerThatRecoveredWithASavepointIsNotBlamedForTheCommitsFailure(t *testing.T) {
+	pool := testdb.OpenPgxPool(t, "")
+	var child string
+	f := newReturnedFixture(t, pool, func(f *returnedFixture, msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx, _ := pgxinbox.TxFromContext(ctx)
+		pub, _ := inbox.OutboxFromContext(ctx)
+		if _, err := tx.Exec(ctx, "SAVEPOINT sp"); err != nil {
+			return nil, err
+		}
+		_, _ = tx.Exec(ctx, "INSERT INTO "+f.effect+" (message_id) VALUES (NULL)")
+		_ = pub.Publish("audit", message.NewMessage(watermill.NewUUID(), nil)) // refused: the transaction is failed
+		if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT sp"); err != nil {
+			return nil, err
+		}
+		if err := pub.Publish("audit", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+			return nil, err
+		}
+		_, err := tx.Exec(ctx, "INSERT INTO "+child+" (id, ref) VALUES (1, 999)") // fails at COMMIT
+		return nil, err
+	})
+	parent := "pgx_parent_" + f.sfx
+	child = "pgx_child_" + f.sfx
+	f.exec("CREATE TABLE " + parent + " (id int PRIMARY KEY)")
+	f.exec("CREATE TABLE " + child + " (id int PRIMARY KEY, ref int REFERENCES " + parent + "(id) DEFERRABLE INITIALLY DEFERRED)")
+	f.dropLater(child, parent)
+	if f.in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("acked a message whose COMMIT failed")
+	}
+	if err := f.rec.last(); strings.Contains(err.Error(), "a statement of the handler failed and the handler returned nil") {
+		t.Errorf("COMMIT failed on a deferred foreign key after the handler recovered, and the error blames an ignored statement: %v", err)
 	}
 }

@@ -169,7 +169,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	case errors.Is(err, inbox.ErrTableNotFound):
 		fmt.Fprintf(stderr, "%s\nName the inbox table with -table (default %s), the outbox's with -outbox-table;"+
-			" from here, \"inbox schema -apply\" with the same -db and names creates them (-h for its options).\n",
+			" from here, \"inbox schema -apply\" with the same -db and names creates them, an outbox table and its"+
+			" dead-letter table only when -outbox-table names it (-h for its options).\n",
 			prefixed(err), inbox.DefaultTable)
 		return 1
 	default:

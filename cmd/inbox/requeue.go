@@ -43,9 +43,9 @@ func requeueCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.dsn, "db", os.Getenv("INBOX_DB"), "database DSN (default $INBOX_DB); see \"inbox -h\"")
 	fs.StringVar(&c.dialect, "dialect", "", "postgres, postgres-partitioned, mysql or sqlite (default: from the DSN)")
-	table := fs.String("outbox-table", inbox.DefaultOutboxTable, "the outbox table, optionally schema-qualified; its dead letters are in <table>_dead")
+	table := fs.String("outbox-table", inbox.DefaultOutboxTable, "the outbox table, optionally schema-qualified; its dead letters are in its dead-letter table (<table>_dead, or that name shortened with a hash past 58 bytes: Outbox.DeadLetterTable)")
 	var ids idList
-	fs.Var(&ids, "id", "a dead letter's id (its outbox id: the id column of <table>_dead); repeat it or separate ids with commas")
+	fs.Var(&ids, "id", "a dead letter's id (its outbox id: the id column of the dead-letter table); repeat it or separate ids with commas")
 	topic := fs.String("topic", "", "the dead letters of this topic (with -id: those of the ids that are on it)")
 	all := fs.Bool("all", false, "every dead letter")
 	if err := parse(fs, args); err != nil {
