@@ -12,6 +12,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // On PostgreSQL a handler that ignores a failed statement (a "duplicate key
@@ -115,4 +116,34 @@ func TestHandlerThatRecoveredWithASavepointIsNotBlamedForTheCommitsFailure(t *te
 			t.Errorf("COMMIT failed on a deferred foreign key after the handler recovered, and the error blames an ignored statement: %v", err)
 		}
 	})
+}
+
+// Through a driver wrapper that hides the driver connection (ngrok/sqlmw,
+// instrumentedsql: no transaction status, so the inbox reads its claim
+// before the COMMIT), a handler that ignored a failed statement is told
+// why too: that read's 25P02 says the transaction failed, where the error
+// was the bare "commit unexpectedly resulted in rollback".
+func TestHandlerThatIgnoresAFailedStatementIsToldWhyThroughAWrappedDriver(t *testing.T) {
+	db := sqlx.NewDb(testdb.OpenPostgresWith(t, hiddenConnPgx(), "").DB, "pgx")
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			_, _ = tx.ExecContext(msg.Context(), "INSERT INTO "+f.business+" (id, consumer) VALUES ($1, NULL)", msg.UUID)
+			return nil
+		})
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("acked a message whose transaction PostgreSQL aborted")
+	}
+	if err := rec.last(); !strings.Contains(err.Error(), "a statement of the handler failed and the handler returned nil without its error") {
+		t.Errorf("router got %q, want the hint that the handler ignored a failed statement", err)
+	}
+	if b, i := f.businessRows(), f.inboxRows(); b != 0 || i != 0 {
+		t.Errorf("%d business rows, %d inbox rows; want none", b, i)
+	}
 }

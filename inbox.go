@@ -786,6 +786,9 @@ func (t *sqlTx) endedByClaimRead() bool {
 	case errors.Is(err, sql.ErrTxDone):
 		return t.ctx.Err() == nil // not the commit bound's rollback
 	case err != nil:
+		// PostgreSQL refuses the read in a failed transaction: the status
+		// a driver that gives none cannot tell (failedTxError).
+		t.failedSeen.Store(hasSQLState(err, "25P02"))
 		return false
 	}
 	return n == 0

@@ -945,28 +945,33 @@ const erNoSuchTable = 1146
 // tableMissing reports whether err, from a statement on the outbox table of
 // t, comes from that table being missing: the error is MySQL/MariaDB's 1146
 // (ER_NO_SUCH_TABLE) or, on SQLite, whose "no such table" has the generic
-// code SQLITE_ERROR, any, and the catalog, read on q (the statement's
-// transaction, which a failed statement leaves open there) or, when q is
-// nil (PublisherOn), on a connection of the Outbox's database for at most
-// a second, finds the table missing: a trigger on the outbox table that
-// writes to a missing table fails with the same code. Not on PostgreSQL,
-// whose failed statement ends the transaction and whose look-up before the
-// handler tells a missing table (outboxWriter.missing).
-func (o *Outbox) tableMissing(ctx context.Context, q sqlx.QueryerContext, t *outboxTarget, err error) bool {
+// code SQLITE_ERROR, any; and, since a trigger on the outbox table that
+// writes to a missing table fails with the same code, the table itself is
+// found missing: by the catalog read on q, or, when q is nil, by a read of
+// no row of it through exec. Both run in the failed statement's own
+// transaction (which MySQL/MariaDB and SQLite leave open after it), never
+// on another connection of the pool, which the transaction may hold the
+// last of; each for at most a second. Not on PostgreSQL, whose failed
+// statement ends the transaction and whose look-up before the handler
+// tells a missing table (outboxWriter.missing).
+func (o *Outbox) tableMissing(ctx context.Context, err error, t *outboxTarget, q sqlx.QueryerContext, exec OutboxExec) bool {
 	switch {
 	case o.dialect.server() == serverPostgreSQL, ctx.Err() != nil:
 		return false
 	case o.dialect.server() == serverMySQL && !hasMySQLNumber(err, erNoSuchTable):
 		return false
 	}
-	if q == nil {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		defer cancel()
-		q = o.cfg.DB
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	if q != nil {
+		_, cerr := o.dialect.checkTable(ctx, q, t.table)
+		return errors.Is(cerr, ErrTableNotFound)
 	}
-	_, cerr := o.dialect.checkTable(ctx, q, t.table)
-	return errors.Is(cerr, ErrTableNotFound)
+	perr := exec(ctx, "SELECT 1 FROM "+t.table.quoted(o.dialect)+" WHERE 1 = 0")
+	if o.dialect.server() == serverMySQL {
+		return hasMySQLNumber(perr, erNoSuchTable)
+	}
+	return perr != nil && ctx.Err() == nil
 }
 
 // MySQL answers to MariaDB's @@in_transaction.
@@ -1205,11 +1210,7 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		}
 		chunk := msgs[start:end]
 		if err := w.insert(len(chunk), args, prepare); err != nil {
-			var q sqlx.QueryerContext // nil for PublisherOn (a nil *sqlx.Tx is not)
-			if w.tx != nil {
-				q = w.tx
-			}
-			if !w.missing && w.o.tableMissing(w.ctx, q, w.target(), err) {
+			if !w.missing && w.o.tableMissing(w.ctx, err, w.target(), nil, w.exec) {
 				// MySQL/MariaDB and SQLite: the table is missing (the
 				// look-up before the handler is PostgreSQL's search path
 				// only). Transient, as there: a poison filter drained the

@@ -612,7 +612,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		if ctx.Err() == nil && isStatementTimeout(err) {
 			o.readTimedOutAt(limit)
 		}
-		if o.dialect.server() != serverPostgreSQL && o.tableMissing(sctx, db, o.target(), err) {
+		if o.tableMissing(sctx, err, o.target(), read, nil) {
 			// (PostgreSQL's look-up above tells a missing table first.)
 			err = fmt.Errorf("%w: outbox table %s does not exist: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL"+
 				" with your migrations: %w", ErrTableNotFound, o.target().table, err)
