@@ -971,7 +971,11 @@ func (o *Outbox) tableMissing(ctx context.Context, err error, t *outboxTarget, q
 	if o.dialect.server() == serverMySQL {
 		return hasMySQLNumber(perr, erNoSuchTable)
 	}
-	return perr != nil && ctx.Err() == nil
+	// SQLITE_ERROR, which a read of no row of an existing table cannot
+	// get: not a transaction that has ended (sql.ErrTxDone, where the
+	// INSERT failed for the same reason), a closed connection or an I/O
+	// error.
+	return hasSQLiteError(perr)
 }
 
 // MySQL answers to MariaDB's @@in_transaction.

@@ -146,3 +146,49 @@ func TestOutboxTriggerOnAMissingTableIsNotAMissingOutboxTable(t *testing.T) {
 		}
 	})
 }
+
+// A publish on a transaction that has already ended (committed or rolled
+// back) fails as it did, not as a missing outbox table: on SQLite the
+// check that tells a missing table read any failure of its own probe as
+// one, and a handler that committed the inbox transaction itself and then
+// published got a transient ErrTableNotFound, retried for ever.
+func TestPublishOnAnEndedTransactionIsNotAMissingOutboxTable(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
+		t.Run("Publisher after Commit", func(t *testing.T) {
+			tx, err := db.BeginTxx(context.Background(), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pub, err := ob.Publisher(tx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("x"))); err == nil || errors.Is(err, inbox.ErrTableNotFound) {
+				t.Errorf("publish after the transaction's commit: %v, want an error that is not ErrTableNotFound", err)
+			}
+		})
+		t.Run("PublisherOn after Rollback", func(t *testing.T) {
+			tx, err := db.BeginTxx(context.Background(), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pub := ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
+				_, err := tx.ExecContext(ctx, q, args...)
+				return err
+			})
+			if err := tx.Rollback(); err != nil {
+				t.Fatal(err)
+			}
+			if err := pub.Publish("invoices", message.NewMessage(watermill.NewUUID(), []byte("x"))); err == nil || errors.Is(err, inbox.ErrTableNotFound) {
+				t.Errorf("publish after the transaction's rollback: %v, want an error that is not ErrTableNotFound", err)
+			}
+		})
+		if count(t, db, ob.Table(), "") != 0 {
+			t.Error("a publish on an ended transaction wrote to the outbox")
+		}
+	})
+}

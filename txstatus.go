@@ -191,7 +191,14 @@ const sqliteError = 1
 // commitFoundNoTx reports whether err, from COMMIT, says that no
 // transaction was open: SQLite's SQLITE_ERROR (modernc.org/sqlite,
 // mattn/go-sqlite3), the drivers that have no status to read before.
-func commitFoundNoTx(err error) bool {
+func commitFoundNoTx(err error) bool { return hasSQLiteError(err) }
+
+// hasSQLiteError reports whether err's chain holds SQLite's primary result
+// code SQLITE_ERROR (modernc.org/sqlite, mattn/go-sqlite3): a statement
+// SQLite refused as such (a COMMIT outside a transaction, a table it does
+// not have), not a busy or locked database, an I/O error, a closed
+// connection or database/sql's sql.ErrTxDone.
+func hasSQLiteError(err error) bool {
 	return anyInChain(err, func(e error) bool {
 		v := reflect.ValueOf(e)
 		for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
