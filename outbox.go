@@ -1214,23 +1214,21 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 		}
 		chunk := msgs[start:end]
 		if err := w.insert(len(chunk), args, prepare); err != nil {
-			if !w.missing && w.o.tableMissing(w.ctx, err, w.target(), nil, w.exec) {
-				// MySQL/MariaDB and SQLite: the table is missing (the
-				// look-up before the handler is PostgreSQL's search path
-				// only). Transient, as there: a poison filter drained the
-				// topic for a migration not yet run.
-				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s does not exist"+
-					" (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
-					len(chunk), topic, ErrTableNotFound, w.target().table, err)}, topic, chunk)
-			}
+			// A missing table: PostgreSQL's look-up before the handler
+			// found none on the search_path (missing); elsewhere the
+			// INSERT's error and a read in its transaction tell it. Nothing
+			// about the message is wrong: transient (a poison filter
+			// drained the topic for a migration not yet run). refuse keeps
+			// a handler that ignored this error (or rolled back to a
+			// savepoint) from committing.
+			table, where := w.target().table, "does not exist"
 			if w.missing {
-				// Nothing about the message is wrong: transient. The
-				// failed INSERT ended the transaction, and refuse keeps a
-				// handler that ignored this error (or rolled back to a
-				// savepoint) from committing.
-				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s is not on"+
-					" the search_path (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
-					len(chunk), topic, ErrTableNotFound, w.o.configured.table, err)}, topic, chunk)
+				table, where = w.o.configured.table, "is not on the search_path"
+			}
+			if w.missing || w.o.tableMissing(w.ctx, err, w.target(), nil, w.exec) {
+				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: %w: outbox table %s %s"+
+					" (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
+					len(chunk), topic, ErrTableNotFound, table, where, err)}, topic, chunk)
 			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}

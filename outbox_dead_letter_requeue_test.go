@@ -40,6 +40,18 @@ func deadLetterAll(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, n int) {
 	t.Fatalf("the dead-letter table holds %d messages after 50 rounds, want %d", len(deadLetterIDs(t, db, ob)), n)
 }
 
+// rejectingOutbox returns an Outbox on a table of its own whose broker
+// refuses every message for what it is (ErrMessageRejected), so that a
+// relay round sets each aside at its first refusal (MaxAttempts 1).
+func rejectingOutbox(t *testing.T, db *sqlx.DB, d inbox.Dialect) *inbox.Outbox {
+	t.Helper()
+	broker := newBrokerStub()
+	broker.setRefuse(func(string, *message.Message) error {
+		return fmt.Errorf("%w: the broker refuses the message", inbox.ErrMessageRejected)
+	})
+	return newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+}
+
 // Messages the broker refused until they were set aside go back to the
 // outbox once the cause is fixed, chosen by id, by topic, or all, and the
 // running relay sends them at once, each once, in their order, with their
@@ -127,11 +139,7 @@ func TestRequeuedDeadLettersAreSentWithTheirUUIDsAndMetadata(t *testing.T) {
 // move of more than one transaction's worth (500) goes in several.
 func TestConcurrentRequeuesMoveEachDeadLetterOnce(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		broker := newBrokerStub()
-		broker.setRefuse(func(string, *message.Message) error {
-			return fmt.Errorf("%w: invalid record", inbox.ErrMessageRejected)
-		})
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+		ob := rejectingOutbox(t, db, tdb.Dialect)
 		var written []string
 		for range 22 {
 			written = append(written, writeOutbox(t, db, ob, "payments", 25)...)
@@ -201,11 +209,7 @@ func TestSQLiteRequeuesFromTwoProcessesWithDeferredTransactions(t *testing.T) {
 		return db
 	}
 	db, other := open(), open()
-	broker := newBrokerStub()
-	broker.setRefuse(func(string, *message.Message) error {
-		return fmt.Errorf("%w: invalid record", inbox.ErrMessageRejected)
-	})
-	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+	ob := rejectingOutbox(t, db, inbox.SQLite)
 	const n = 2000
 	writeOutbox(t, db, ob, "payments", n)
 	deadLetterAll(t, db, ob, n)
@@ -237,11 +241,7 @@ func TestSQLiteRequeuesFromTwoProcessesWithDeferredTransactions(t *testing.T) {
 func TestRequeueOfDeadLettersThatOutlastTheStatementTimeoutMovesSmallerChunks(t *testing.T) {
 	t.Parallel()
 	db := testdb.OpenPostgres(t, "statement_timeout=600")
-	broker := newBrokerStub()
-	broker.setRefuse(func(string, *message.Message) error {
-		return fmt.Errorf("%w: too large", inbox.ErrMessageRejected)
-	})
-	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1})
+	ob := rejectingOutbox(t, db, inbox.PostgreSQL)
 	const n = 60
 	writeOutbox(t, db, ob, "payments", n)
 	deadLetterAll(t, db, ob, n)
@@ -265,9 +265,9 @@ func TestRequeueOfDeadLettersThatOutlastTheStatementTimeoutMovesSmallerChunks(t 
 			t.Fatalf("the outbox holds %d, want %d", c, n)
 		}
 		if !byID { // back to the dead-letter table for the next selection
-			exec(t, db, "DROP TRIGGER slow ON "+ob.Table())
+			exec(t, db, "ALTER TABLE "+ob.Table()+" DISABLE TRIGGER slow")
 			deadLetterAll(t, db, ob, n)
-			exec(t, db, "CREATE TRIGGER slow BEFORE INSERT ON "+ob.Table()+" FOR EACH ROW EXECUTE FUNCTION "+fn+"()")
+			exec(t, db, "ALTER TABLE "+ob.Table()+" ENABLE TRIGGER slow")
 		}
 	}
 }
