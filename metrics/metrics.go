@@ -71,8 +71,9 @@ type Metrics struct {
 	messages  *prometheus.CounterVec
 	reusedIDs *prometheus.CounterVec
 	// reusedIDsDetected is 1 while the inbox detects reused ids, 0 while
-	// it does not (ReusedIDsOff, or a table without the fingerprint
-	// column, where inbox_reused_ids_total stays 0 whatever comes).
+	// it cannot (a table without the fingerprint column, where
+	// inbox_reused_ids_total stays 0 whatever comes); not set for an
+	// inbox whose Config.ReusedIDs is ReusedIDsOff.
 	reusedIDsDetected *prometheus.GaugeVec
 	// seen holds the handler and consumer pairs whose
 	// inbox_reused_ids_total series exist (at 0 from their first message),
@@ -110,7 +111,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"handler_name", "consumer", "action"}),
 		reusedIDsDetected: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "inbox_reused_ids_detected",
-			Help: "1 while the inbox detects reused message ids, 0 while it does not (Config.ReusedIDs is ReusedIDsOff, or the table has no fingerprint column: a reused id is then skipped as a duplicate and inbox_reused_ids_total cannot count it); set by each message that began a transaction.",
+			Help: "1 while the inbox detects reused message ids, 0 while it cannot (the table has no fingerprint column: a reused id is then skipped as a duplicate and inbox_reused_ids_total cannot count it); set by each message that began a transaction; absent for an inbox whose Config.ReusedIDs is ReusedIDsOff (turned off on purpose).",
 		}, []string{"handler_name", "consumer"}),
 		txSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "inbox_transaction_seconds",
@@ -178,14 +179,17 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 // duplicate in inbox_messages_total, by what the inbox did with it), and
 // whether the inbox detects reused ids at all (inbox_reused_ids_detected,
 // from Event.ReusedIDsDetected: 0 on a table without the fingerprint
-// column, where inbox_reused_ids_total reads 0 whatever comes). Hooks
+// column, where inbox_reused_ids_total reads 0 whatever comes; not exported
+// when cfg.ReusedIDs is ReusedIDsOff, a choice the InboxReusedIDsNotDetected
+// alert would otherwise page for: set ReusedIDs before calling Instrument). Hooks
 // already set in cfg still run, first; one that panics is still counted
 // (the inbox logs the panic and changes no outcome: the count stopped with
 // it, and an alert on a failing handler could not fire).
 func (m *Metrics) Instrument(cfg inbox.Config) inbox.Config {
-	cfg.OnProcessed = m.hook(cfg.OnProcessed, OutcomeProcessed)
-	cfg.OnDuplicate = m.hook(cfg.OnDuplicate, OutcomeDuplicate)
-	cfg.OnFailed = m.hook(cfg.OnFailed, OutcomeFailed)
+	detects := cfg.ReusedIDs != inbox.ReusedIDsOff
+	cfg.OnProcessed = m.hook(cfg.OnProcessed, OutcomeProcessed, detects)
+	cfg.OnDuplicate = m.hook(cfg.OnDuplicate, OutcomeDuplicate, detects)
+	cfg.OnFailed = m.hook(cfg.OnFailed, OutcomeFailed, detects)
 	next := cfg.OnReusedID
 	cfg.OnReusedID = func(e inbox.Event) {
 		defer func() {
@@ -210,17 +214,19 @@ func handlerName(e inbox.Event) string {
 	return message.HandlerNameFromCtx(e.Message.Context())
 }
 
-func (m *Metrics) hook(next func(inbox.Event), outcome string) func(inbox.Event) {
+// hook returns next, recording each event's outcome first (count).
+func (m *Metrics) hook(next func(inbox.Event), outcome string, detects bool) func(inbox.Event) {
 	return func(e inbox.Event) {
-		defer m.count(e, outcome) // also when next panics
+		defer m.count(e, outcome, detects) // also when next panics
 		if next != nil {
 			next(e)
 		}
 	}
 }
 
-// count records e's outcome.
-func (m *Metrics) count(e inbox.Event, outcome string) {
+// count records e's outcome, and whether reused ids are detected unless
+// the inbox was configured not to detect them (detects false).
+func (m *Metrics) count(e inbox.Event, outcome string, detects bool) {
 	handler := handlerName(e)
 	if _, ok := m.seen.Load([2]string{handler, e.Consumer}); !ok {
 		m.seen.Store([2]string{handler, e.Consumer}, struct{}{})
@@ -230,6 +236,9 @@ func (m *Metrics) count(e inbox.Event, outcome string) {
 	m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
 	if e.Duration > 0 {
 		m.txSeconds.WithLabelValues(handler, e.Consumer, outcome).Observe(e.Duration.Seconds())
+		if !detects {
+			return
+		}
 		// Known once a transaction began: the table was checked.
 		detected := 0.0
 		if e.ReusedIDsDetected {

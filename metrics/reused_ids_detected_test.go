@@ -75,3 +75,57 @@ func TestReusedIDsDetectedSaysWhetherTheCountCanSeeAnything(t *testing.T) {
 		})
 	}
 }
+
+// An inbox configured with ReusedIDsOff does not export
+// inbox_reused_ids_detected: turning the check off is a choice, and the
+// gauge at 0 had InboxReusedIDsNotDetected page for it after an hour. The
+// messages are still counted.
+func TestReusedIDsDetectedIsNotExportedWhenTheCheckIsOff(t *testing.T) {
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	setup, err := inbox.New(inbox.Config{DB: db})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := setup.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db, ReusedIDs: inbox.ReusedIDsOff}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if counterTotal(t, reg, "inbox_messages_total") > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the processed message was not counted")
+		}
+	}
+	if got, ok := gaugeValue(t, reg, "inbox_reused_ids_detected"); ok {
+		t.Errorf("inbox_reused_ids_detected = %v under ReusedIDsOff, want no series", got)
+	}
+}
+
+// counterTotal is the sum of the counter name's series in reg.
+func counterTotal(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.Metric {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
+}
