@@ -334,9 +334,13 @@ type OutboxStats struct {
 type Outbox struct {
 	cfg     OutboxConfig
 	dialect Dialect
-	wake    chan struct{}
-	logger  *componentLogger
-	running runs // RouterPlugin's goroutine, Run calls
+	// dialectInferred: OutboxConfig.Dialect was nil, inferred from the
+	// DB's driver name; server checks that it is the server's.
+	dialectInferred bool
+	server          outboxServerCheck
+	wake            chan struct{}
+	logger          *componentLogger
+	running         runs // RouterPlugin's goroutine, Run calls
 
 	// configured is the tables and statements as OutboxConfig.Table names
 	// them; pinned, once set, the ones every statement runs from then on
@@ -440,12 +444,15 @@ func (c OutboxConfig) Validate() error {
 // Outbox. It does not touch the database: create the tables with
 // InitializeSchema (or apply its DDL with your migrations).
 func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
+	inferred := cfg.Dialect == nil
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	t, _ := parseTableName(cfg.Table) // validated
-	return newOutbox(cfg, t), nil
+	o := newOutbox(cfg, t)
+	o.dialectInferred = inferred
+	return o, nil
 }
 
 // newOutbox returns the Outbox of cfg (defaults set) for its table t.
@@ -573,8 +580,12 @@ func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *
 // processes at once. On PostgreSQL an unqualified table is created in the
 // schema CREATE TABLE uses (current_schema()) unless the search_path
 // already finds one, and from then on every statement of the Outbox names
-// that schema (OutboxConfig.Table).
+// that schema (OutboxConfig.Table). A dialect for another database server
+// than the DB's (checked first) gives an error wrapping ErrDialectMismatch.
 func (o *Outbox) InitializeSchema(ctx context.Context) error {
+	if err := o.server.check(ctx, o); err != nil {
+		return err
+	}
 	t, err := o.pinTarget(ctx)
 	if err != nil {
 		return err
@@ -1484,8 +1495,13 @@ func (o *Outbox) warnIfNoRelay() {
 }
 
 // Stats reads the outbox's depth, the age of its oldest message and the
-// number of dead letters. Errors wrap the driver's.
+// number of dead letters. A dialect for another database server than the
+// DB's gives an error wrapping ErrDialectMismatch; other errors wrap the
+// driver's.
 func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
+	if err := o.server.check(ctx, o); err != nil {
+		return OutboxStats{}, err
+	}
 	var (
 		s         OutboxStats
 		oldestU   sql.NullInt64

@@ -32,9 +32,12 @@ func (o *Outbox) DeadLetterTable() string {
 // name; table "": DefaultOutboxTable. When the outbox or its dead-letter
 // table does not exist, the error wraps ErrTableNotFound and names it
 // (create both with Outbox.InitializeSchema or Outbox.SchemaSQL); an
-// invalid table name wraps ErrInvalidTableName; other errors wrap the
-// driver's. It runs one read-only statement (and, only after an error,
-// reads the catalog to tell a missing table); safe for concurrent use.
+// invalid table name wraps ErrInvalidTableName; a dialect for another
+// database server than db's wraps ErrDialectMismatch; other errors wrap the
+// driver's. It identifies the server (SELECT version() or
+// sqlite_version()) and runs one read-only statement (and, only after an
+// error, reads the catalog to tell a missing table); safe for concurrent
+// use.
 func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (OutboxStats, error) {
 	if db == nil {
 		return OutboxStats{}, errors.New("inbox: ReadOutboxStats needs a DB")
@@ -42,12 +45,17 @@ func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) 
 	if table == "" {
 		table = DefaultOutboxTable
 	}
+	inferred := d == nil
 	d, t, err := resolveTarget(db, d, table)
 	if err != nil {
 		return OutboxStats{}, err
 	}
 	o := newOutbox(OutboxConfig{DB: db, Dialect: d, Table: table}, t)
+	o.dialectInferred = inferred
 	st, err := o.Stats(ctx)
+	if errors.Is(err, ErrDialectMismatch) {
+		return st, err
+	}
 	if err == nil {
 		return st, nil
 	}

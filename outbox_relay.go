@@ -283,8 +283,13 @@ func (o *Outbox) RouterPlugin(r *message.Router) error {
 // its syntax (FOR UPDATE SKIP LOCKED: MySQL 8.0.4+, MariaDB 10.6+;
 // JSON_TABLE on MySQL/MariaDB). It reads the catalog and runs each kind of
 // the relay's statements on no row; on PostgreSQL in one transaction that
-// it rolls back, elsewhere each on its own, changing nothing.
+// it rolls back, elsewhere each on its own, changing nothing. First it
+// checks that the dialect is for the database server behind the DB (an
+// error wrapping ErrDialectMismatch that names both), as Inbox.Verify does.
 func (o *Outbox) Verify(ctx context.Context) error {
+	if err := o.server.check(ctx, o); err != nil {
+		return err
+	}
 	target, err := o.pinTarget(ctx)
 	if err != nil {
 		return err

@@ -63,7 +63,8 @@ const requeueChunk = 500
 //
 // Errors: an empty selection, or All beside IDs or Topic, wraps
 // ErrInvalidConfig; a missing table wraps ErrTableNotFound (run
-// Outbox.InitializeSchema); others wrap the driver's, a deadlock or the
+// Outbox.InitializeSchema); a dialect for another database server than
+// the DB's wraps ErrDialectMismatch; others wrap the driver's, a deadlock or the
 // end of ctx among them, with the number moved before it (those moves
 // are committed; call it again for the rest). It wakes this process's
 // relay when it moved some. Safe for concurrent use, beside the relay and
@@ -71,6 +72,9 @@ const requeueChunk = 500
 func (o *Outbox) RequeueDeadLetters(ctx context.Context, sel DeadLetterSelection) (int, error) {
 	if err := sel.validate(); err != nil {
 		return 0, err
+	}
+	if err := o.server.check(ctx, o); err != nil {
+		return 0, fmt.Errorf("inbox: requeue dead letters: %w", err)
 	}
 	t, err := o.pinTarget(ctx)
 	if err != nil {
@@ -112,11 +116,14 @@ func RequeueDeadLetters(ctx context.Context, db *sqlx.DB, d Dialect, table strin
 	if table == "" {
 		table = DefaultOutboxTable
 	}
+	inferred := d == nil
 	d, t, err := resolveTarget(db, d, table)
 	if err != nil {
 		return 0, err
 	}
-	return newOutbox(OutboxConfig{DB: db, Dialect: d, Table: table}, t).RequeueDeadLetters(ctx, sel)
+	o := newOutbox(OutboxConfig{DB: db, Dialect: d, Table: table}, t)
+	o.dialectInferred = inferred
+	return o.RequeueDeadLetters(ctx, sel)
 }
 
 // validate refuses a selection of nothing, and All beside IDs or Topic.

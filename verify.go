@@ -269,6 +269,51 @@ func identifyServer(ctx context.Context, db *sqlx.DB, want serverKind) (serverKi
 	return "", ""
 }
 
+// serverMismatch identifies the server behind db (identifyServer) and
+// returns its family ("" when no probe identifies it) and, when dialect d
+// is for another family, an error wrapping ErrDialectMismatch that names
+// both, db's driver type, how d was chosen (how), and the configuration
+// that fixes it.
+func serverMismatch(ctx context.Context, db *sqlx.DB, d Dialect, how string) (serverKind, error) {
+	want := d.server()
+	found, version := identifyServer(ctx, db, want)
+	if found == "" || found == want {
+		return found, nil
+	}
+	return found, fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s",
+		ErrDialectMismatch, d, how, want, db.Driver(), found, version, serverFix[found])
+}
+
+// outboxServerCheck is an Outbox's check that its dialect matches the
+// server behind its DB (serverMismatch), run by Verify, InitializeSchema,
+// Stats and RequeueDeadLetters and remembered once the server is
+// identified. A mismatch gave the driver's syntax errors (an Outbox or
+// "inbox requeue -dialect mysql" on PostgreSQL), or, on the relay's
+// catalog read, a table taken for present. Safe for concurrent use.
+type outboxServerCheck struct {
+	mu   sync.Mutex
+	done bool
+	err  error
+}
+
+func (c *outboxServerCheck) check(ctx context.Context, o *Outbox) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.done {
+		return c.err
+	}
+	how := "OutboxConfig.Dialect"
+	if o.dialectInferred {
+		how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
+	}
+	found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how)
+	if found == "" {
+		return nil // not remembered: the next use asks again
+	}
+	c.done, c.err = true, err
+	return err
+}
+
 // serverCheck is an Inbox's check that its dialect matches the server
 // behind DB: run on first use (Verify, InitializeSchema, the middleware's
 // first message) and remembered once the server is identified, so that
@@ -293,19 +338,16 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	if c.done {
 		return c.err
 	}
-	want := ib.dialect.server()
-	found, version := identifyServer(ctx, ib.db, want)
+	how := "Config.Dialect"
+	if ib.dialectInferred {
+		how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
+	}
+	found, err := serverMismatch(ctx, ib.db, ib.dialect, how)
 	if found == "" {
 		return nil // not remembered: the next use asks again
 	}
-	if found != want {
-		c.done = true
-		how := "Config.Dialect"
-		if ib.dialectInferred {
-			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
-		}
-		c.err = fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s",
-			ErrDialectMismatch, ib.dialect, how, want, ib.db.Driver(), found, version, serverFix[found])
+	if err != nil {
+		c.done, c.err = true, err
 		return c.err
 	}
 	if found == serverMySQL {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
@@ -889,5 +890,66 @@ func TestVerifyRefusesASystemVersionedTableUntilItsFixIsApplied(t *testing.T) {
 	exec(t, db, expand("ALTER TABLE `{t}` DROP SYSTEM VERSIONING", table))
 	if err := verifyInbox(t, db, inbox.MySQL, table).Verify(context.Background()); err != nil {
 		t.Fatalf("Verify after the fix: %v", err)
+	}
+}
+
+// An Outbox whose dialect is for another database server than the one its
+// DB reaches is refused with ErrDialectMismatch, naming both, by Verify
+// (and so RouterPlugin), InitializeSchema, Stats, RequeueDeadLetters and
+// the functions without an Outbox: the relay's catalog read took a table
+// for present and the first statements failed with the driver's syntax
+// errors.
+func TestOutboxDialectMismatchWithServerIsRefused(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		open    func(t *testing.T) *sqlx.DB
+		dialect inbox.Dialect // nil: inferred from the driver name open gives
+		want    []string
+	}{
+		{"postgres opened as mysql", func(t *testing.T) *sqlx.DB {
+			return sqlx.NewDb(testdb.OpenPostgres(t, "").DB, "mysql")
+		}, nil, []string{`dialect is mysql (inferred from DB's driver name "mysql")`, "is PostgreSQL (version "}},
+		{"mysql with PostgreSQL", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
+			inbox.PostgreSQL, []string{"dialect is postgres (OutboxConfig.Dialect", "is MySQL/MariaDB (version "}},
+		{"sqlite with MySQL", sqliteDB, inbox.MySQL, []string{"dialect is mysql (OutboxConfig.Dialect", "is SQLite (version 3."}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := tc.open(t)
+			table := "outbox_" + randomSuffix()
+			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: tc.dialect, Table: table, Publisher: gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})})
+			if err != nil {
+				t.Fatalf("NewOutbox: %v", err) // it does not touch the database
+			}
+			ctx := context.Background()
+			check := func(what string, err error) {
+				t.Helper()
+				if !errors.Is(err, inbox.ErrDialectMismatch) {
+					t.Fatalf("%s: got %v, want ErrDialectMismatch", what, err)
+				}
+				for _, w := range tc.want {
+					if !strings.Contains(err.Error(), w) {
+						t.Errorf("%s: %q does not say %q", what, err, w)
+					}
+				}
+			}
+			check("Verify", ob.Verify(ctx))
+			check("InitializeSchema", ob.InitializeSchema(ctx))
+			_, err = ob.Stats(ctx)
+			check("Stats", err)
+			_, err = ob.RequeueDeadLetters(ctx, inbox.DeadLetterSelection{All: true})
+			check("RequeueDeadLetters", err)
+			_, err = inbox.ReadOutboxStats(ctx, db, tc.dialect, table)
+			check("ReadOutboxStats", err)
+			_, err = inbox.RequeueDeadLetters(ctx, db, tc.dialect, table, inbox.DeadLetterSelection{All: true})
+			check("inbox.RequeueDeadLetters", err)
+			r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.AddPlugin(ob.RouterPlugin)
+			check("router.Run with RouterPlugin", r.Run(ctx))
+		})
 	}
 }

@@ -228,6 +228,13 @@ func driverDialect(driverName string) inbox.Dialect {
 	return map[string]inbox.Dialect{"pgx": inbox.PostgreSQL, "mysql": inbox.MySQL, "sqlite": inbox.SQLite}[driverName]
 }
 
+// driverFamily is the driver open chooses for the DSNs of each dialect's
+// server; familyName names that server.
+var (
+	driverFamily = map[string]string{"postgres": "pgx", "postgres-partitioned": "pgx", "mysql": "mysql", "sqlite": "sqlite"}
+	familyName   = map[string]string{"pgx": "PostgreSQL", "mysql": "MySQL/MariaDB", "sqlite": "SQLite"}
+)
+
 func (c common) dialectOrNil() (inbox.Dialect, error) {
 	if c.dialect == "" {
 		return nil, nil
@@ -278,6 +285,13 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 		driver = "sqlite"
 	default:
 		return nil, nil, fmt.Errorf("%w: cannot tell the database from -db %q (use postgres://, mysql:// or sqlite://)", errUsage, c.dsn)
+	}
+	if d != nil && driverFamily[d.String()] != driver {
+		// A -dialect for another server than the DSN's: each statement
+		// would fail with a syntax error of its own (inbox requeue, stats
+		// and purge printed the driver's).
+		return nil, nil, fmt.Errorf("%w: %w: -dialect %s is for %s, but -db is a %s DSN: leave -dialect out (it follows the DSN) or give the"+
+			" DSN of the database the table is on", errUsage, inbox.ErrDialectMismatch, d, familyName[driverFamily[d.String()]], familyName[driver])
 	}
 	if driver == "sqlite" && !create {
 		if dsn, err = existingSQLite(dsn); err != nil {

@@ -380,26 +380,6 @@ func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 	}
 }
 
-// schema -verify with a -dialect for another server than the DSN's exits 1
-// with ErrDialectMismatch on stderr, naming the server it found.
-func TestSchemaVerifyRefusesADialectForAnotherServer(t *testing.T) {
-	c := dsns(t)
-	for _, tc := range []struct{ dsn, dialect, server string }{
-		{c["postgres"].dsn, "mysql", "is PostgreSQL"},
-		{c["mysql"].dsn, "postgres", "is MySQL/MariaDB"},
-		{c["sqlite"].dsn, "postgres-partitioned", "is SQLite"},
-	} {
-		args := []string{"-db", tc.dsn, "-dialect", tc.dialect, "-verify"}
-		if err := schemaCmd(context.Background(), args, io.Discard, io.Discard); !errors.Is(err, inbox.ErrDialectMismatch) ||
-			!strings.Contains(err.Error(), tc.server) {
-			t.Errorf("schema -dialect %s -verify: %v, want ErrDialectMismatch saying %q", tc.dialect, err, tc.server)
-		}
-		if code, out, errOut := cli(t, append([]string{"schema"}, args...)...); code != 1 || out != "" || !strings.Contains(errOut, tc.server) {
-			t.Errorf("schema -dialect %s -verify: exit %d, stdout %q, stderr %q; want 1 and the mismatch on stderr", tc.dialect, code, out, errOut)
-		}
-	}
-}
-
 // verifyFails runs schema -verify on table and, when the command reports a
 // problem, checks that it wraps want and that the CLI prints it on stderr
 // alone and exits 1. Verify (verify.go) accepts every table until its
@@ -605,5 +585,36 @@ func TestMySQLDSNInTheURLForm(t *testing.T) {
 	}
 	if code, _, errOut := cli(t, "stats", "-db", "mysql://no slash", "-table", table); code != 2 || !strings.Contains(errOut, "nor a URL") {
 		t.Errorf("stats -db mysql://no slash: exit %d %q; want a usage error naming both forms", code, errOut)
+	}
+}
+
+// A -dialect for another server than the DSN's is refused before anything
+// runs (ErrDialectMismatch, exit 2, naming both), by every command that
+// connects: requeue, stats and purge printed the driver's syntax error of
+// their first statement.
+func TestCommandsRefuseADialectForAnotherServersDSN(t *testing.T) {
+	c := dsns(t)
+	for _, tc := range []struct{ dsn, dialect, says string }{
+		{c["postgres"].dsn, "mysql", "-dialect mysql is for MySQL/MariaDB, but -db is a PostgreSQL DSN"},
+		{c["mysql"].dsn, "postgres-partitioned", "-dialect postgres-partitioned is for PostgreSQL, but -db is a MySQL/MariaDB DSN"},
+		{c["sqlite"].dsn, "postgres", "-dialect postgres is for PostgreSQL, but -db is a SQLite DSN"},
+	} {
+		for _, args := range [][]string{
+			{"requeue", "-all"},
+			{"stats"},
+			{"purge", "-older-than", "24h", "-dry-run"},
+			{"schema", "-verify"},
+		} {
+			if args[0] == "schema" {
+				err := schemaCmd(context.Background(), append(args[1:], "-db", tc.dsn, "-dialect", tc.dialect), io.Discard, io.Discard)
+				if !errors.Is(err, inbox.ErrDialectMismatch) {
+					t.Errorf("schema -dialect %s -verify: %v, want ErrDialectMismatch", tc.dialect, err)
+				}
+			}
+			code, out, errOut := cli(t, append(args, "-db", tc.dsn, "-dialect", tc.dialect)...)
+			if code != 2 || out != "" || !strings.Contains(errOut, tc.says) {
+				t.Errorf("%v -dialect %s on %s: exit %d, stdout %q, stderr %q; want 2 saying %q", args, tc.dialect, tc.dsn, code, out, errOut, tc.says)
+			}
+		}
 	}
 }
