@@ -510,7 +510,6 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 			return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
 		}
 	}
-	d.txStart = time.Now() // BEGIN follows (Event.Duration)
 	return lock, nil
 }
 
@@ -528,6 +527,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	if lock.lockedClaim == "" {
 		stmt, heldStmt, fpStmt = ib.preparedClaim(d.sctx)
 	}
+	d.txStart = time.Now() // Event.Duration: from here, the wait for a connection included
 	conn, tx, place, err := ib.beginOnConn(d.txCtx)
 	if err != nil && ib.maybeLostConn(d.txCtx, err) {
 		conn, tx, place, err = ib.retryBegin(d, err)

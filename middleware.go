@@ -99,7 +99,7 @@ type delivery struct {
 	ctx     context.Context // the message's context as it came in; restored by end
 	sctx    context.Context // ctx with the inbox span: the statements and the handler run under it
 	span    trace.Span      // noSpan without tracing
-	// txStart is when BEGIN was sent (beforeBegin; zero: no transaction
+	// txStart is when BEGIN was sent (beginClaim, after Config.Fingerprint; zero: no transaction
 	// began, the message refused before it), txEnd when the COMMIT or
 	// ROLLBACK returned: Event.Duration.
 	txStart, txEnd time.Time

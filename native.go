@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -97,6 +98,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		// with BEGIN, so it has no use for lock.lockedClaim.
 		c.LockKey = keyLockHash(lock.table, d.consumer, d.id)
 	}
+	d.txStart = time.Now() // Event.Duration: from here, the wait for a connection included
 	tx, rows, err := n.b.BeginClaim(c)
 	var t *nativeTx
 	if tx != nil {

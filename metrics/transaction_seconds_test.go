@@ -75,3 +75,33 @@ func TestTransactionSecondsObservesOnlyTransactions(t *testing.T) {
 		t.Errorf("inbox_transaction_seconds: %d observations, %.3f s; want the processed message's transaction", n, sum)
 	}
 }
+
+// inbox_transaction_seconds starts at BEGIN, after Config.Fingerprint ran:
+// a fingerprint function that takes its time (a payload decoded to leave out
+// a volatile field) is not the transaction's, and holds no connection.
+func TestTransactionSecondsLeavesOutTheFingerprintFunction(t *testing.T) {
+	const slow = 1500 * time.Millisecond
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db, Fingerprint: func(msg *message.Message) []byte {
+		time.Sleep(slow)
+		return msg.Payload
+	}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
+	for deadline := time.Now().Add(5 * time.Second); counterSum(t, reg, "inbox_messages_total") < 1 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n, sum := transactionsObserved(t, reg); n != 1 || sum >= slow.Seconds() {
+		t.Errorf("inbox_transaction_seconds: %d observations, %.3f s; want one, without the fingerprint function's %v", n, sum, slow)
+	}
+}
