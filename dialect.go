@@ -456,7 +456,9 @@ func purgeRows(ctx context.Context, d Dialect, db dbConn, cfg PurgeConfig, t qua
 		return round
 	}
 	round.Window = olderThan
-	cfg.OlderThan, cfg.Window = olderThan, nil // checked once: purge does not ask the source again
+	// Checked once: purge does not ask the source again, and keeps the
+	// cutoff of this check.
+	cfg.OlderThan, cfg.Window, cfg.windowChecked = olderThan, nil, time.Now()
 	if round.Deleted, round.Err = purge(ctx, db, cfg); round.Err != nil {
 		return round
 	}

@@ -205,7 +205,7 @@ func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int
 		return "WITH batch AS (DELETE FROM ONLY " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM ONLY " + q + " WHERE " + where +
 			" ORDER BY processed_at LIMIT " + limit + "))" +
 			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING processed_at)" +
-			" SELECT count(*), floor(extract(epoch FROM max(processed_at)) * 1000)::bigint - 1 FROM batch"
+			" SELECT count(*), floor(extract(epoch FROM max(processed_at) FILTER (WHERE isfinite(processed_at))) * 1000)::bigint - 1 FROM batch"
 	}
 	return purgeQuery{
 		sql:  batchSQL(expired),
@@ -283,7 +283,9 @@ func (postgresDialect) readOnlyTxSQL() string {
 // The consumer is a constant, as in purgeStatement: the query runs outside
 // a transaction, in one exchange behind a transaction-mode pooler.
 func (d postgresDialect) oldestAgeSQL(t qualifiedName, consumer string) (string, []any) {
-	q := "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d)
+	// Finite rows only: a hand-written '-infinity' (which the purge
+	// deletes first) failed the subtraction, and with it every round.
+	q := "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at) FILTER (WHERE isfinite(processed_at))) * 1000000 AS bigint) FROM " + t.quoted(d)
 	if consumer == "" {
 		return q, nil
 	}
@@ -746,7 +748,7 @@ func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) er
 // is left and stops, as before, once fewer are.
 //
 // With q.cursor (postgresDialect's batch), the batch returns its count and
-// the bound for the next one (the newest processed_at it deleted, in Unix
+// the bound for the next one (the newest finite processed_at it deleted, in Unix
 // milliseconds, floored, less one): a full batch moves q.cursor there, a
 // short one clears it, so that the batch after it scans from the oldest
 // row, and a short batch that ran from a bound and left expired rows below

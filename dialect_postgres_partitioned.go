@@ -291,6 +291,7 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 	// every claim failed.
 	schemaErr := d.maintainSchema(ctx, db, t)
 	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
+	checked := time.Now()
 	if err != nil {
 		round.Err = errors.Join(fmt.Errorf("inbox: purge %s: %w", t, err), schemaErr)
 		return round
@@ -308,7 +309,7 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 		return round
 	}
 	if cfg.Consumer != "" {
-		cfg.OlderThan, cfg.Window, cfg.Dialect = olderThan, nil, d
+		cfg.OlderThan, cfg.Window, cfg.Dialect, cfg.windowChecked = olderThan, nil, d, checked
 		n, err := purge(ctx, db, cfg)
 		round.Deleted += n
 		if round.Err = err; err != nil {

@@ -132,6 +132,10 @@ type PurgeConfig struct {
 
 	hooks  *hooks       // test seams; nil outside tests
 	pacing *PurgePacing // where purge reports its pacing; nil: not reported
+	// windowChecked is when a round checked Window itself before purge
+	// (then nil): the purge's cutoff stays the database's time then less
+	// OlderThan. Zero: purge checks Window, or starts, and takes it then.
+	windowChecked time.Time
 }
 
 // PurgePacing is how a purge paced its batches (see PurgeConfig.DutyCycle):
@@ -259,7 +263,13 @@ func (c PurgeConfig) Validate() error {
 // handler, only for another purge that chose the same rows, and a batch
 // that lost rows that way counts the expired rows left to decide whether
 // to go on. On MySQL/MariaDB and SQLite a batch holds its locks only for
-// its own short statement. The cutoff is recomputed for every batch.
+// its own short statement.
+//
+// The cutoff is fixed when the purge starts (after the window check): the
+// database's time then, less the window. Rows that pass it while the purge
+// runs are left for the next purge, which checks cfg.Window again: a
+// retention raised during a long purge counts from its next one, and a
+// purge under steady inflow ends.
 //
 // With a cfg.Window, the window is checked first: a cfg.OlderThan of 0
 // takes the safe window; one shorter than the safe window gives
@@ -293,10 +303,32 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
+	checked := cfg.windowChecked
+	if checked.IsZero() {
+		checked = time.Now()
+	}
 	if cfg.Dialect, err = purgeDialect(ctx, db, cfg.Dialect, table); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
-	batch := cfg.Dialect.purgeStatement(table, cfg.OlderThan.Microseconds(), cfg.BatchSize, cfg.Consumer)
+	// The cutoff stays where the window was checked: each batch's window
+	// is OlderThan plus the time since, against the database's time at
+	// the batch. A cutoff that followed the clock went on deleting rows
+	// as they aged past a window the source no longer gave (a retention
+	// raised while a long purge ran: those messages were processed again
+	// when replayed); rows that pass it meanwhile wait for the next purge,
+	// which asks the source again. It also ends a purge that inflow would
+	// keep going.
+	var cursor *purgeCursor // PostgreSQL's bound, carried from batch to batch
+	statement := func() purgeQuery {
+		q := cfg.Dialect.purgeStatement(table, (cfg.OlderThan + time.Since(checked)).Microseconds(), cfg.BatchSize, cfg.Consumer)
+		if q.cursor != nil {
+			if cursor == nil {
+				cursor = q.cursor
+			}
+			q.cursor = cursor
+		}
+		return q
+	}
 	pace := newPurgePacer(cfg)
 	if cfg.pacing != nil {
 		defer func() { cfg.pacing.add(pace.stats) }()
@@ -307,7 +339,7 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 		}
 		start := time.Now()
 		cfg.hooks.purgeBatchStarting()
-		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, batch, cfg.hooks)
+		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, statement(), cfg.hooks)
 		took := time.Since(start)
 		pace.stats.Batches++
 		pace.stats.BatchTime += took

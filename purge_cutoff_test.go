@@ -1,0 +1,131 @@
+package inbox_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// agingRows adds, to a new inbox table, 12 rows processed an hour ago and
+// 20 processed between 1 s and 50 ms ago, which pass 2 s of age one after
+// the other over the next second or two, and returns the table.
+func agingRows(t *testing.T, db *sqlx.DB, d inbox.Dialect) string {
+	t.Helper()
+	table := "inbox_cutoff_" + randomSuffix()
+	dropLater(t, db, table)
+	ib, err := inbox.New(inbox.Config{DB: db, Table: table, Dialect: d})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	insertRows(t, db, d, table, "billing", "old", 12, time.Hour)
+	var values []string
+	for i := range 20 {
+		values = append(values, fmt.Sprintf("('billing', 'young-%d', %s)", i, agoSQL(d, time.Second-time.Duration(i)*50*time.Millisecond)))
+	}
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES "+strings.Join(values, ", "))
+	return table
+}
+
+// raisedWindow is a WindowSource whose first answer is 2 s and every later
+// one an hour: a retention raised right after a purge checked its window.
+type raisedWindow struct{ asked atomic.Int32 }
+
+func (w *raisedWindow) SafeWindow(context.Context) (time.Duration, error) {
+	if w.asked.Add(1) == 1 {
+		return 2 * time.Second, nil
+	}
+	return time.Hour, nil
+}
+
+// slowPurge is a purge of one row a batch, 150 ms apart: the 12 expired
+// rows take it about 2 s, while the 20 young rows pass 2 s of age.
+func slowPurge(db *sqlx.DB, d inbox.Dialect, table string) inbox.PurgeConfig {
+	return inbox.PurgeConfig{DB: db, Dialect: d, Table: table, Window: &raisedWindow{}, BatchSize: 1, DutyCycle: 1, Pause: 150 * time.Millisecond}
+}
+
+// A purge keeps the cutoff of its window check: rows that age past the
+// window while it runs are left for the next purge, which asks the window
+// source again. Its cutoff followed the clock from batch to batch, so a
+// long purge went on deleting rows by the window it read at its start after
+// the source had raised it (a topic's retention raised, or set to -1, while a
+// large backlog was purged): those messages, replayed, were processed twice.
+func TestPurgeKeepsRowsThatAgePastItsWindowWhileItRuns(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		table := agingRows(t, db, tdb.Dialect)
+		deleted, err := inbox.Purge(context.Background(), slowPurge(db, tdb.Dialect, table))
+		if err != nil {
+			t.Fatalf("purge: %v", err)
+		}
+		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || deleted != 12 {
+			t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its 2 s window at its start left; want the 12 expired rows deleted, all 20 left",
+				deleted, young)
+		}
+	})
+}
+
+// The same through a Purger round limited to a consumer (on the
+// partitioned dialect, the round's deletes beside its partition drops): the
+// round deletes by the window it reports.
+func TestPurgerRoundKeepsRowsThatAgePastItsWindowWhileItRuns(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		table := agingRows(t, db, tdb.Dialect)
+		cfg := slowPurge(db, tdb.Dialect, table)
+		cfg.Consumer = "billing"
+		p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: cfg})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := p.RunOnce(context.Background())
+		if r.Err != nil {
+			t.Fatalf("round: %v", r.Err)
+		}
+		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || r.Deleted != 12 || r.Window != 2*time.Second {
+			t.Errorf("round deleted %d rows by a window of %v, %d of the 20 rows younger than it at its start left; want 12, 2s, 20",
+				r.Deleted, r.Window, young)
+		}
+	})
+}
+
+// A row written by hand with processed_at '-infinity' (PostgreSQL takes
+// it: a backfill of rows processed at an unknown time) is purged, and the
+// oldest-row age of a round is read beside one: the batch's resume bound
+// failed to convert it ("cannot convert infinity to bigint") and rolled the
+// batch back, so every purge failed on the same rows; the age read failed
+// on its subtraction.
+func TestPurgeOfAnInfiniteProcessedAt(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := "inbox_infinite_" + randomSuffix()
+	dropLater(t, db, table)
+	ib, err := inbox.New(inbox.Config{DB: db, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ('billing', 'backfilled', '-infinity'), ('shipping', 'backfilled', '-infinity')")
+	insertRows(t, db, inbox.PostgreSQL, table, "billing", "recent", 5, time.Minute)
+	n, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Table: table, OlderThan: time.Hour, Consumer: "billing"})
+	if err != nil || n != 1 {
+		t.Fatalf("purge: deleted %d, %v; want the backfilled row of billing deleted", n, err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: time.Hour, Consumer: "billing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := p.RunOnce(context.Background())
+	if r.Err != nil || r.OldestAge < time.Minute || r.OldestAge > time.Hour {
+		t.Errorf("round beside shipping's '-infinity' row: oldest %v (table %v), %v; want billing's minute-old rows", r.OldestAge, r.TableOldestAge, r.Err)
+	}
+}
