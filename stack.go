@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -46,7 +47,11 @@ type MiddlewaresConfig struct {
 	// table (the inbox has
 	// already waited before returning it; the broker redelivers).
 	// MaxElapsedTime, RandomizationFactor, OnRetryHook and Logger are used
-	// as they are. The message's context is restored after each attempt,
+	// as they are. The waits are InitialInterval, then that times
+	// Multiplier for each retry after, up to MaxInterval, as the fields
+	// say: Watermill's Retry (v1.5.1) also advances its backoff for
+	// ShouldRetry and OnRetryHook, which the inbox makes up for (the delay
+	// OnRetryHook is given is not the next wait). The message's context is restored after each attempt,
 	// so ResetContextOnRetry is not needed.
 	// Default: the values above.
 	Retry middleware.Retry
@@ -128,6 +133,7 @@ func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware
 		if r.ShouldRetry == nil {
 			r.ShouldRetry = func(p middleware.RetryParams) bool { return retryableInPlace(p.Err) }
 		}
+		r.InitialInterval, r.Multiplier = retryBackOffSteps(r.InitialInterval, r.Multiplier, r.OnRetryHook != nil)
 		mws = append(mws, r.Middleware)
 	}
 	mws = append(mws, restoreContext)
@@ -138,6 +144,26 @@ func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware
 		mws = append(mws, middleware.Timeout(t))
 	}
 	return append(mws, middleware.Recoverer, ib.Middleware), nil
+}
+
+// retryBackOffSteps returns the InitialInterval and Multiplier to give
+// Watermill's Retry so that it waits initial, initial×multiplier,
+// initial×multiplier², … (at most MaxInterval) between attempts, as its
+// fields say. Watermill v1.5.1's Retry takes a value of its exponential
+// backoff, besides the one it waits, for ShouldRetry's RetryParams.Delay on
+// every failed attempt (ShouldRetry is always set here) and, from the
+// second retry, another for OnRetryHook's: the documented 100, 200, 400 ms
+// were 200 ms, 800 ms and 3.2 s (4.2 s for three retries, not 0.7 s). With
+// every wait the step-th value of the backoff after the first, a
+// multiplier of multiplier^(1/step) and an interval of initial divided by
+// it give the waits asked for.
+func retryBackOffSteps(initial time.Duration, multiplier float64, hook bool) (time.Duration, float64) {
+	step := 2.0 // ShouldRetry's value, then the wait
+	if hook {
+		step = 3 // and OnRetryHook's
+	}
+	m := math.Pow(multiplier, 1/step)
+	return time.Duration(float64(initial) / m), m
 }
 
 // retryableInPlace reports whether Retry should run a failed attempt again
