@@ -168,7 +168,11 @@ func TestOutputUnderMaxAllowedPacketThroughPublisherOnIsWritten(t *testing.T) {
 			db := testdb.OpenMySQL(t, c.params)
 			broker := newBrokerStub()
 			ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
-			ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+			// A minute for the outbox INSERT and COMMIT: 15 MiB sent
+			// interpolated took over the default 10 s on a CI machine
+			// running the other packages' tests, and the delivery failed
+			// its commit deadline instead.
+			ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: time.Minute, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
 				return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
 					_, err := tx.ExecContext(ctx, q, args...)
 					return err
@@ -182,8 +186,10 @@ func TestOutputUnderMaxAllowedPacketThroughPublisherOnIsWritten(t *testing.T) {
 					return []*message.Message{message.NewMessage(msg.UUID+"-out", payload)}, nil
 				})
 			})
-			if !in.deliver(t, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1")) {
-				t.Fatalf("nacked: %.300v", out.last("1"))
+			ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second) // past the commit's minute
+			defer cancel()
+			if acked, err := in.send(ctx, delivery(message.NewMessage(watermill.NewUUID(), []byte("order")), "1")); err != nil || !acked {
+				t.Fatalf("nacked (%v): %.300v", err, out.last("1"))
 			}
 			relayUntilEmpty(t, ob)
 			if got := broker.uuids("documents"); len(got) != 1 {
