@@ -545,6 +545,18 @@ func TestPartitionsCommand(t *testing.T) {
 			t.Errorf("%q: exit %d (%s), want 2", args, code, errOut)
 		}
 	}
+	// A missing table (a mistyped -table) and a plain inbox table are
+	// errors, not tables with no partitions yet.
+	plain := "cli_plain_" + strings.ToLower(watermill.NewShortUUID())
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + plain) })
+	if code, out, errOut := cli(t, "schema", "-db", dsn.dsn, "-table", plain, "-apply"); code != 0 {
+		t.Fatalf("schema -apply: exit %d %q %q", code, out, errOut)
+	}
+	for name, want := range map[string]string{table + "_typo": "does not exist", plain: "is not a partitioned table"} {
+		if code, out, errOut := cli(t, "partitions", "-db", dsn.dsn, "-table", name); code != 1 || out != "" || !strings.Contains(errOut, want) {
+			t.Errorf("partitions -table %s: exit %d, stdout %q, stderr %q; want 1 saying %q", name, code, out, errOut, want)
+		}
+	}
 }
 
 // A MySQL DSN in the URL form most tools write (mysql://user@host:port/db)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"io"
 
@@ -49,6 +50,21 @@ func partitionsCmd(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	if err != nil {
 		return err
+	}
+	// A table that is missing or not partitioned was listed as one with
+	// "none yet" and 0 partitions, exit 0: a mistyped -table went
+	// unnoticed.
+	var kind sql.NullString
+	if err := db.QueryRowContext(ctx, "SELECT (SELECT relkind::text FROM pg_catalog.pg_class WHERE oid = to_regclass($1))", c.table).Scan(&kind); err != nil {
+		return fmt.Errorf("inbox: partitions of %s: read the table's kind: %w", c.table, err)
+	}
+	switch {
+	case !kind.Valid:
+		return fmt.Errorf("%w: table %s does not exist: create it partitioned with -interval day (or week)", inbox.ErrTableNotFound, c.table)
+	case kind.String != "p":
+		return fmt.Errorf("%w: %s is not a partitioned table: inbox partitions lists and makes the partitions of a"+
+			" postgres-partitioned table (inbox schema -verify -dialect postgres-partitioned -table %s prints a migration"+
+			" script to one)", inbox.ErrIncompatibleTable, c.table, c.table)
 	}
 	got, err := inbox.TablePartitionInterval(ctx, db, c.table)
 	if err != nil {
