@@ -5,10 +5,12 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -81,6 +83,67 @@ func TestPooler_StartupErrorsOfTheStatementCacheNameTheFix(t *testing.T) {
 			if failed == 0 {
 				t.Fatalf("%s never met 42P05/26000 behind the pooler: the case did not happen", name)
 			}
+		})
+	}
+}
+
+// Behind a transaction-mode PgBouncer with pgx's default statement cache,
+// the outbox relay's rounds, the Purger's rounds and Purge, which a service
+// runs for as long as it runs, say the fix too: their errors were the bare
+// SQLSTATE, logged every round, while the handlers' said it.
+func TestPooler_RelayAndPurgeErrorsOfTheStatementCacheNameTheFix(t *testing.T) {
+	t.Parallel()
+	direct := testdb.OpenPostgres(t, "")
+	f := newFixture(t, direct)
+	f.newInbox(inbox.Config{})
+	outbox := "outbox_" + randomSuffix()
+	dropLater(t, direct, outbox)
+	dropLater(t, direct, outbox+"_dead")
+	made, err := inbox.NewOutbox(inbox.OutboxConfig{DB: direct, Table: outbox, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := made.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	steps := map[string]func(db *sqlx.DB) error{
+		"RelayOnce": func(db *sqlx.DB) error {
+			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: outbox, Publisher: newBrokerStub()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return ob.RelayOnce(context.Background()).Err
+		},
+		"Purger.RunOnce": func(db *sqlx.DB) error {
+			p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p.RunOnce(context.Background()).Err
+		},
+		"Purge": func(db *sqlx.DB) error {
+			_, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour})
+			return err
+		},
+	}
+	for name, step := range steps {
+		t.Run(name, func(t *testing.T) {
+			failed := 0
+			for i := 0; i < 20 && failed < 3; i++ {
+				db := testdb.OpenPgBouncer(t, pgxStatementCache)
+				for range 3 {
+					err := step(db)
+					if err == nil || !isPreparedStatementError(err) {
+						continue
+					}
+					failed++
+					if n := strings.Count(err.Error(), "default_query_exec_mode=exec or simple_protocol"); n != 1 {
+						t.Errorf("%s: %v: the pooler hint %d times, want once", name, err, n)
+					}
+				}
+				db.Close()
+			}
+			t.Logf("%d prepared-statement errors", failed)
 		})
 	}
 }

@@ -591,7 +591,7 @@ func (o *Outbox) InitializeSchema(ctx context.Context) error {
 		return err
 	}
 	if err := o.dialect.createOutbox(ctx, o.cfg.DB, t.table, t.sql.create); err != nil {
-		return fmt.Errorf("inbox: initialize outbox %s: %w", t.table, err)
+		return fmt.Errorf("inbox: initialize outbox %s: %w", t.table, poolerHint(err))
 	}
 	_, err = o.pinTarget(ctx)
 	return err
@@ -1512,7 +1512,7 @@ func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
 		return s, err
 	}
 	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.stats).Scan(&s.Pending, &oldestU, &s.DeadLettered, &lastError); err != nil {
-		return s, fmt.Errorf("inbox: outbox stats of %s: %w", t.table, err)
+		return s, fmt.Errorf("inbox: outbox stats of %s: %w", t.table, poolerHint(err))
 	}
 	s.OldestAge = time.Duration(max(oldestU.Int64, 0)) * time.Microsecond
 	s.FirstLastError = lastError.String

@@ -490,6 +490,7 @@ func (o *Outbox) relayOnce(ctx context.Context, topics *topicBackoff) relayRound
 	defer endTurn()
 	start := time.Now()
 	round := o.relay(ctx, topics)
+	round.Err = poolerHint(round.Err) // pgx's statement cache behind a transaction-mode pooler: say the fix
 	round.Duration = time.Since(start)
 	endTurn() // before OnRound, which may call RelayOnce
 	if round.Err != nil && ctx.Err() == nil {

@@ -293,7 +293,8 @@ func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
 	if err := cfg.Validate(); err != nil {
 		return 0, invalidConfig(err)
 	}
-	return purge(ctx, cfg.DB, cfg)
+	deleted, err = purge(ctx, cfg.DB, cfg)
+	return deleted, poolerHint(err)
 }
 
 // purge runs a validated purge through db: the pool, or the one connection

@@ -302,6 +302,7 @@ func runWhileRouterRuns(r *message.Router, running *runs, logger watermill.Logge
 func (p *Purger) RunOnce(ctx context.Context) PurgeRound {
 	start := time.Now()
 	round := p.round(ctx)
+	round.Err = poolerHint(round.Err) // pgx's statement cache behind a transaction-mode pooler: say the fix
 	round.Duration = time.Since(start)
 	// The table and, for a purge limited to one, the consumer: purgers of
 	// consumers that share a table logged lines told apart only by their
