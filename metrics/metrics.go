@@ -76,7 +76,8 @@ type Metrics struct {
 	// inbox whose Config.ReusedIDs is ReusedIDsOff.
 	reusedIDsDetected *prometheus.GaugeVec
 	// seen holds the handler and consumer pairs whose
-	// inbox_reused_ids_total series exist (at 0 from their first message),
+	// inbox_reused_ids_total and inbox_messages_total series exist (each
+	// outcome and action at 0 from their first message),
 	// so that a dashboard or alert reads 0 rather than no data.
 	seen         sync.Map
 	txSeconds    *prometheus.HistogramVec
@@ -232,6 +233,12 @@ func (m *Metrics) count(e inbox.Event, outcome string, detects bool) {
 		m.seen.Store([2]string{handler, e.Consumer}, struct{}{})
 		m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDRefused)
 		m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDSkipped)
+		// Every outcome at 0 from the first message: a series born at 1
+		// is a first failure that rate() and increase() do not see, and a
+		// panel of no data where 0 is meant.
+		for _, o := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed} {
+			m.messages.WithLabelValues(handler, e.Consumer, o)
+		}
 	}
 	m.messages.WithLabelValues(handler, e.Consumer, outcome).Inc()
 	if e.Duration > 0 {

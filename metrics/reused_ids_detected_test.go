@@ -111,3 +111,47 @@ func TestReusedIDsDetectedIsNotExportedWhenTheCheckIsOff(t *testing.T) {
 		t.Errorf("inbox_reused_ids_detected = %v under ReusedIDsOff, want no series", got)
 	}
 }
+
+// Every outcome of inbox_messages_total exists at 0 from a consumer's first
+// message, as the reused-id series do: a failed series born at 1 was a
+// first failure that rate() and increase() did not see.
+func TestMessagesTotalHasEveryOutcomeFromTheFirstMessage(t *testing.T) {
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
+	for deadline := time.Now().Add(5 * time.Second); counterSum(t, reg, "inbox_messages_total") < 1 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() != "inbox_messages_total" {
+			continue
+		}
+		for _, s := range mf.Metric {
+			for _, l := range s.Label {
+				if l.GetName() == "outcome" {
+					got[l.GetValue()] = s.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	want := map[string]float64{metrics.OutcomeProcessed: 1, metrics.OutcomeDuplicate: 0, metrics.OutcomeFailed: 0}
+	if len(got) != len(want) || got[metrics.OutcomeProcessed] != 1 || got[metrics.OutcomeDuplicate] != 0 || got[metrics.OutcomeFailed] != 0 {
+		t.Errorf("inbox_messages_total by outcome %v, want %v", got, want)
+	}
+}
