@@ -719,6 +719,21 @@ func createSchemaLocked(ctx context.Context, db *sqlx.DB, d Dialect, t qualified
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", schemaLockKey(ct)); err != nil {
 		return fmt.Errorf("inbox: initialize schema of %s: lock: %w", t, err)
 	}
+	if _, partitioned := d.(postgresPartitionedDialect); partitioned {
+		// A plain table of that name: CREATE TABLE IF NOT EXISTS left it,
+		// the claim functions were created beside it, and only the
+		// partitions then failed, leaving the functions behind.
+		var kind sql.NullString
+		if err := tx.QueryRowxContext(ctx, "SELECT (SELECT relkind::text FROM pg_catalog.pg_class WHERE oid = to_regclass($1))",
+			ct.quoted(d)).Scan(&kind); err != nil {
+			return fmt.Errorf("inbox: initialize schema of %s: read the table's kind: %w", t, err)
+		}
+		if kind.Valid && kind.String != "p" {
+			return fmt.Errorf("%w: initialize schema of %s: the table exists and is not partitioned, so PostgreSQLPartitioned"+
+				" cannot use it (nothing was created): use the PostgreSQL dialect, or recreate it partitioned (inbox schema"+
+				" -verify -dialect postgres-partitioned prints a migration script)", ErrIncompatibleTable, t)
+		}
+	}
 	for _, stmt := range stmts {
 		if _, err := tx.ExecContext(ctx, stmt); err != nil {
 			return fmt.Errorf("inbox: initialize schema of %s: %w", t, err)

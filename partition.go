@@ -1297,7 +1297,7 @@ func (tp tablePartitions) problem(t qualifiedName) (what, fix string) {
 	switch {
 	case !tp.partitioned:
 		return "the table is not partitioned, so partitions cannot be created or dropped on it",
-			"use the PostgreSQL dialect, or recreate it partitioned (inbox schema -verify -dialect postgres-partitioned)"
+			"use the PostgreSQL dialect, or recreate it partitioned (inbox schema -verify -dialect postgres-partitioned prints a migration script)"
 	case tp.key.problem() != "":
 		return tp.key.problem(),
 			"recreate the table partitioned by range on " + processedAt + " timestamptz alone (inbox schema -verify -dialect postgres-partitioned)"
