@@ -115,10 +115,16 @@ type Dialect interface {
 	// purge deletes.
 	expiredSQL(byConsumer bool) string
 	// purgeStatement returns one purge batch: a DELETE of at most batch
-	// rows processed more than window microseconds ago (of consumer only,
-	// unless it is ""), oldest first; on MySQL a non-locking SELECT of their
-	// keys instead (see purgeBatch).
-	purgeStatement(table qualifiedName, window int64, batch int, consumer string) purgeQuery
+	// rows processed before cutoff (microseconds since the Unix epoch, on
+	// the database clock in UTC: nowMicrosSQL's) (of consumer only, unless
+	// it is ""), oldest first; on MySQL a non-locking SELECT of their keys
+	// instead (see purgeBatch). Every batch of a purge runs with the same
+	// cutoff.
+	purgeStatement(table qualifiedName, cutoff int64, batch int, consumer string) purgeQuery
+	// nowMicrosSQL returns a query, without bind parameters, of the
+	// database's current time in microseconds since the Unix epoch, UTC:
+	// the clock processed_at is written by.
+	nowMicrosSQL() string
 	// writeProbeSQL returns a statement that writes nothing to table (an
 	// INSERT of no row: the claim's privilege) but is refused as a write is where the database refuses writes (a
 	// read-only transaction or server: isReadOnlyRefusal); Verify runs it
@@ -376,10 +382,11 @@ func batchParam(prefix string, byConsumer bool) string {
 	return prefix + "2"
 }
 
-// purgeArgs are the bind parameters of expiredSQL and batchParam: the window
-// in microseconds, the consumer when set, and the batch size.
-func purgeArgs(window int64, batch int, consumer string) []any {
-	args := []any{window}
+// purgeArgs are the bind parameters of a purge batch's condition and
+// batchParam: the cutoff (or window) in microseconds, the consumer when set,
+// and the batch size.
+func purgeArgs(cutoff int64, batch int, consumer string) []any {
+	args := []any{cutoff}
 	if consumer != "" {
 		args = append(args, consumer)
 	}
@@ -450,15 +457,16 @@ func runStatements(ctx context.Context, db *sqlx.DB, t qualifiedName, stmts []st
 // checked (and reported in the round), Purge, then the age of the oldest
 // row left.
 func purgeRows(ctx context.Context, d Dialect, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
+	checked := time.Now() // before the source is asked: its window holds from then
 	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
 	if err != nil {
 		round.Err = fmt.Errorf("inbox: purge %s: %w", t, err)
 		return round
 	}
 	round.Window = olderThan
-	// Checked once: purge does not ask the source again, and keeps the
-	// cutoff of this check.
-	cfg.OlderThan, cfg.Window, cfg.windowChecked = olderThan, nil, time.Now()
+	// Checked once: purge does not ask the source again, and deletes by
+	// the cutoff of this check.
+	cfg.OlderThan, cfg.Window, cfg.windowChecked = olderThan, nil, checked
 	if round.Deleted, round.Err = purge(ctx, db, cfg); round.Err != nil {
 		return round
 	}

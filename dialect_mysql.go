@@ -148,12 +148,24 @@ func (mysqlDialect) expiredSQL(byConsumer bool) string {
 
 // Not a DELETE: the batch's keys, by a non-locking consistent read of the
 // processed_at index (see purgeBatch).
-func (d mysqlDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
-	return purgeQuery{
-		sql: "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + d.expiredSQL(consumer != "") +
-			" ORDER BY processed_at LIMIT ?",
-		args: purgeArgs(window, batch, consumer),
+func (d mysqlDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
+	where := mysqlBeforeCutoff
+	if consumer != "" {
+		where += " AND consumer = ?"
 	}
+	return purgeQuery{
+		sql:  "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + where + " ORDER BY processed_at LIMIT ?",
+		args: purgeArgs(cutoff, batch, consumer),
+	}
+}
+
+// mysqlBeforeCutoff is processed_at (DATETIME(6), UTC) before the bind
+// parameter, microseconds since the Unix epoch: DATETIME arithmetic, which
+// no session time zone changes.
+const mysqlBeforeCutoff = "processed_at < TIMESTAMPADD(MICROSECOND, ?, TIMESTAMP '1970-01-01 00:00:00')"
+
+func (mysqlDialect) nowMicrosSQL() string {
+	return "SELECT TIMESTAMPDIFF(MICROSECOND, TIMESTAMP '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
 }
 
 // An INSERT of no row (needing only the claim's privilege) is still
@@ -702,8 +714,8 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 			// and a late redelivery claimed afresh since the read above is
 			// young now, and must stay.
 			query := "DELETE FROM " + t.quoted(d) + " WHERE consumer = ? AND message_id IN (?" +
-				strings.Repeat(", ?", len(chunk)-1) + ") AND " + d.expiredSQL(false)
-			stmtArgs := append(append([]any{c}, chunk...), args[0]) // args[0]: the window
+				strings.Repeat(", ?", len(chunk)-1) + ") AND " + mysqlBeforeCutoff
+			stmtArgs := append(append([]any{c}, chunk...), args[0]) // args[0]: the cutoff
 			res, err := tx.ExecContext(ctx, query, stmtArgs...)
 			if err != nil {
 				return 0, 0, err

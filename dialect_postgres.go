@@ -132,14 +132,18 @@ func pgExpired(window, consumer string) string {
 	return where
 }
 
-// pgExpiredConstants is expiredSQL with the window and the consumer written
-// into the statement as constants.
-func pgExpiredConstants(window int64, consumer string) string {
+// pgBeforeConstants is the condition of a purge batch: processed_at before
+// cutoff (microseconds since the Unix epoch), and the consumer's rows only
+// when it is not "", both written into the statement as constants.
+func pgBeforeConstants(cutoff int64, consumer string) string {
+	where := "processed_at < timestamptz 'epoch' + " + strconv.FormatInt(cutoff, 10) + " * interval '1 microsecond'"
 	if consumer != "" {
-		consumer = pgStringConstant(consumer)
+		where += " AND consumer = " + pgStringConstant(consumer)
 	}
-	return pgExpired(strconv.FormatInt(window, 10), consumer)
+	return where
 }
+
+func (postgresDialect) nowMicrosSQL() string { return "SELECT " + pgNowMicros }
 
 // pgStringConstant quotes s as a PostgreSQL string constant with C-style
 // escapes (E'...'), whose meaning, unlike a plain '...' constant's, does not
@@ -198,9 +202,9 @@ func pgStringConstant(s string) string {
 // children) while a purge runs, a batch still touches only rows of the
 // table itself (none, for a partitioned one, whose rows are all in its
 // partitions: the batch comes back empty and the purge ends).
-func (d postgresDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
+func (d postgresDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
 	q, limit := t.quoted(d), strconv.Itoa(batch)
-	expired := pgExpiredConstants(window, consumer)
+	expired := pgBeforeConstants(cutoff, consumer)
 	batchSQL := func(where string) string {
 		return "WITH batch AS (DELETE FROM ONLY " + q + " WHERE ctid = ANY(ARRAY(SELECT ctid FROM ONLY " + q + " WHERE " + where +
 			" ORDER BY processed_at LIMIT " + limit + "))" +
@@ -315,8 +319,10 @@ func (d postgresDialect) estimateRowsSQL(t qualifiedName) (string, []any) {
 // the transaction's start, before Stats' COUNT, and the span, read after it
 // at READ COMMITTED, could hold rows newer than that.
 func (d postgresDialect) spanSQL(t qualifiedName) string {
-	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at)) * 1000000 AS bigint), " +
-		"CAST(EXTRACT(EPOCH FROM MAX(processed_at)) * 1000000 AS bigint), " +
+	// Finite rows only, as oldestAgeSQL: a hand-written '-infinity'
+	// failed the cast.
+	return "SELECT CAST(EXTRACT(EPOCH FROM MIN(processed_at) FILTER (WHERE isfinite(processed_at))) * 1000000 AS bigint), " +
+		"CAST(EXTRACT(EPOCH FROM MAX(processed_at) FILTER (WHERE isfinite(processed_at))) * 1000000 AS bigint), " +
 		"CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS bigint) FROM " + t.quoted(d)
 }
 

@@ -269,10 +269,10 @@ func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn,
 // expired row it chose and never a newer row of the same (consumer,
 // message_id) in another partition (one written without the claim's lock).
 // (A Purger drops whole partitions; this is Purge's.)
-func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
+func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
 	q := t.quoted(d)
 	return purgeQuery{sql: "DELETE FROM " + q + " WHERE (consumer, message_id, processed_at) IN (" +
-		"SELECT consumer, message_id, processed_at FROM " + q + " WHERE " + pgExpiredConstants(window, consumer) +
+		"SELECT consumer, message_id, processed_at FROM " + q + " WHERE " + pgBeforeConstants(cutoff, consumer) +
 		" ORDER BY processed_at LIMIT " + strconv.Itoa(batch) + " FOR UPDATE SKIP LOCKED)"}
 }
 
@@ -290,8 +290,8 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 	// from its rounds; they ran out after DefaultPartitionsAhead days and
 	// every claim failed.
 	schemaErr := d.maintainSchema(ctx, db, t)
+	checked := time.Now() // before the source is asked: its window holds from then
 	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
-	checked := time.Now()
 	if err != nil {
 		round.Err = errors.Join(fmt.Errorf("inbox: purge %s: %w", t, err), schemaErr)
 		return round
@@ -300,7 +300,7 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 	if round.Err = schemaErr; round.Err != nil {
 		return round
 	}
-	dropped, err := dropPartitions(ctx, db, t, olderThan, cfg.Consumer)
+	dropped, err := dropPartitions(ctx, db, t, olderThan, checked, cfg.Consumer)
 	for _, p := range dropped {
 		round.Deleted += p.Rows
 		round.DroppedPartitions = append(round.DroppedPartitions, p.Name)

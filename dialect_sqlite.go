@@ -128,11 +128,19 @@ func (sqliteDialect) expiredSQL(byConsumer bool) string {
 }
 
 // WITHOUT ROWID, so the batch is chosen by primary key.
-func (d sqliteDialect) purgeStatement(t qualifiedName, window int64, batch int, consumer string) purgeQuery {
-	return purgeQuery{
-		sql:  deleteOldestSQL(t.quoted(d), d.expiredSQL(consumer != ""), batchParam("?", consumer != ""), ""),
-		args: purgeArgs(window, batch, consumer),
+func (d sqliteDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
+	where := "processed_at < ?1" // microseconds since the Unix epoch, as processed_at
+	if consumer != "" {
+		where += " AND consumer = ?2"
 	}
+	return purgeQuery{
+		sql:  deleteOldestSQL(t.quoted(d), where, batchParam("?", consumer != ""), ""),
+		args: purgeArgs(cutoff, batch, consumer),
+	}
+}
+
+func (sqliteDialect) nowMicrosSQL() string {
+	return "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER)"
 }
 
 // An INSERT of no row still needs the write lock, which a

@@ -558,11 +558,13 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 			err = fmt.Errorf("inbox: drop partitions of %s: lock: %w", t, rerr)
 		}
 	}()
-	return dropPartitions(ctx, lease.work, t, olderThan, "")
+	return dropPartitions(ctx, lease.work, t, olderThan, time.Time{}, "")
 }
 
 // dropPartitions drops the partitions of t whose upper bound (from the
-// catalog) is at or before the cutoff olderThan ago, under the purge lock,
+// catalog) is at or before the cutoff olderThan ago (and, when checked is
+// not zero, the time since the window was checked then: see purgeCutoff),
+// under the purge lock,
 // and the partitions an interrupted call left detached once all their rows
 // are past it. With a consumer, a partition that holds a row of another
 // consumer is kept: those rows may have a longer window (their own
@@ -570,7 +572,7 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 // transactions (withReadTx), so that they work behind a transaction-mode
 // pooler with lib/pq; DETACH PARTITION CONCURRENTLY cannot run in a
 // transaction block at all.
-func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration, consumer string) ([]DroppedPartition, error) {
+func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan time.Duration, checked time.Time, consumer string) ([]DroppedPartition, error) {
 	d := PostgreSQLPartitioned
 	var cutoffMicros int64 // pgNowMicros, whatever the DateStyle
 	var tp tablePartitions
@@ -593,6 +595,9 @@ func dropPartitions(ctx context.Context, db dbConn, t qualifiedName, olderThan t
 	})
 	if err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
+	}
+	if !checked.IsZero() {
+		cutoffMicros -= time.Since(checked).Microseconds() // after the read: at or before the check's cutoff
 	}
 	cutoff := time.UnixMicro(cutoffMicros).UTC()
 	var dropped []DroppedPartition

@@ -132,9 +132,9 @@ type PurgeConfig struct {
 
 	hooks  *hooks       // test seams; nil outside tests
 	pacing *PurgePacing // where purge reports its pacing; nil: not reported
-	// windowChecked is when a round checked Window itself before purge
-	// (then nil): the purge's cutoff stays the database's time then less
-	// OlderThan. Zero: purge checks Window, or starts, and takes it then.
+	// windowChecked is when a round began checking Window itself before
+	// purge (then nil): the purge's cutoff is the database's time then less
+	// OlderThan (purgeCutoff). Zero: the time purge starts.
 	windowChecked time.Time
 }
 
@@ -265,11 +265,12 @@ func (c PurgeConfig) Validate() error {
 // to go on. On MySQL/MariaDB and SQLite a batch holds its locks only for
 // its own short statement.
 //
-// The cutoff is fixed when the purge starts (after the window check): the
-// database's time then, less the window. Rows that pass it while the purge
-// runs are left for the next purge, which checks cfg.Window again: a
-// retention raised during a long purge counts from its next one, and a
-// purge under steady inflow ends.
+// The cutoff is fixed when the purge starts: the database's time when it
+// began its window check, less the window (one read of the database clock),
+// and every batch deletes by it, however long it waits for a connection or
+// a lock. Rows that pass it while the purge runs are left for the next
+// purge, which checks cfg.Window again: a retention raised during a long
+// purge counts from its next one, and a purge under steady inflow ends.
 //
 // With a cfg.Window, the window is checked first: a cfg.OlderThan of 0
 // takes the safe window; one shorter than the safe window gives
@@ -301,35 +302,21 @@ func Purge(ctx context.Context, cfg PurgeConfig) (deleted int64, err error) {
 // a Purger holds its lock on.
 func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err error) {
 	table, _ := parseTableName(cfg.Table)
-	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
-		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
-	}
 	checked := cfg.windowChecked
 	if checked.IsZero() {
-		checked = time.Now()
+		checked = time.Now() // before the source is asked: its window holds from then
+	}
+	if cfg.OlderThan, err = checkWindow(ctx, cfg.Window, cfg.OlderThan); err != nil {
+		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
 	if cfg.Dialect, err = purgeDialect(ctx, db, cfg.Dialect, table); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
-	// The cutoff stays where the window was checked: each batch's window
-	// is OlderThan plus the time since, against the database's time at
-	// the batch. A cutoff that followed the clock went on deleting rows
-	// as they aged past a window the source no longer gave (a retention
-	// raised while a long purge ran: those messages were processed again
-	// when replayed); rows that pass it meanwhile wait for the next purge,
-	// which asks the source again. It also ends a purge that inflow would
-	// keep going.
-	var cursor *purgeCursor // PostgreSQL's bound, carried from batch to batch
-	statement := func() purgeQuery {
-		q := cfg.Dialect.purgeStatement(table, (cfg.OlderThan + time.Since(checked)).Microseconds(), cfg.BatchSize, cfg.Consumer)
-		if q.cursor != nil {
-			if cursor == nil {
-				cursor = q.cursor
-			}
-			q.cursor = cursor
-		}
-		return q
+	cutoff, err := purgeCutoff(ctx, db, cfg.Dialect, cfg.OlderThan, checked)
+	if err != nil {
+		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
+	batch := cfg.Dialect.purgeStatement(table, cutoff, cfg.BatchSize, cfg.Consumer)
 	pace := newPurgePacer(cfg)
 	if cfg.pacing != nil {
 		defer func() { cfg.pacing.add(pace.stats) }()
@@ -340,7 +327,7 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 		}
 		start := time.Now()
 		cfg.hooks.purgeBatchStarting()
-		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, statement(), cfg.hooks)
+		n, found, err := purgeBatchRetrying(ctx, db, cfg.Dialect, table, batch, cfg.hooks)
 		took := time.Since(start)
 		pace.stats.Batches++
 		pace.stats.BatchTime += took
@@ -371,6 +358,26 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 			pace.stats.Paused += time.Since(slept)
 		}
 	}
+}
+
+// purgeCutoff returns the cutoff of a purge whose window olderThan was
+// checked at checked, in microseconds since the Unix epoch on the database
+// clock: the database's time now less olderThan and the time since checked,
+// measured once the read has returned, so that the cutoff is at or before
+// the database's time at the check less the window. Every batch deletes by
+// it. A cutoff that followed the clock (each batch's now() less the window)
+// went on deleting rows as they aged past a window the source no longer
+// gave (a retention raised while a long purge ran, a batch that waited for a
+// pool connection or a lock: those messages were processed again when
+// replayed); rows that pass the cutoff meanwhile wait for the next purge,
+// which asks the source again. It also ends a purge that inflow would keep
+// going.
+func purgeCutoff(ctx context.Context, db dbConn, d Dialect, olderThan time.Duration, checked time.Time) (int64, error) {
+	var now int64
+	if err := db.QueryRowxContext(ctx, d.nowMicrosSQL()).Scan(&now); err != nil {
+		return 0, fmt.Errorf("read the database clock: %w", err)
+	}
+	return now - olderThan.Microseconds() - time.Since(checked).Microseconds(), nil
 }
 
 // purgePacer computes the pauses between purge batches (see

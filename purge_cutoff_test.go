@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -97,6 +98,100 @@ func TestPurgerRoundKeepsRowsThatAgePastItsWindowWhileItRuns(t *testing.T) {
 	})
 }
 
+// holdOnlyConnection has another user of db take its one free connection
+// for 1.5 s, the first time it is called.
+func holdOnlyConnection(t *testing.T, db *sqlx.DB) func() {
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			conn, err := db.Conn(context.Background())
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			go func() { time.Sleep(1500 * time.Millisecond); conn.Close() }()
+		})
+	}
+}
+
+// A batch that waits for a pool connection deletes by the cutoff of the
+// purge's start all the same: a batch whose window was counted when its
+// statement was built went on against the database's time once it got a
+// connection, and deleted rows that had aged past the window meanwhile.
+func TestPurgeBatchThatWaitsForAConnectionKeepsTheCutoff(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		table := agingRows(t, db, tdb.Dialect)
+		db.SetMaxOpenConns(1)
+		cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: table, OlderThan: 2 * time.Second, DutyCycle: 1},
+			holdOnlyConnection(t, db), nil)
+		deleted, err := inbox.Purge(context.Background(), cfg)
+		if err != nil {
+			t.Fatalf("purge: %v", err)
+		}
+		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || deleted != 12 {
+			t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its 2 s window at its start left; want 12 deleted, 20 left", deleted, young)
+		}
+	})
+}
+
+// The same for a Purger round on PostgreSQL, whose batches run on the pool
+// beside the lock's connection.
+func TestPurgerRoundBatchThatWaitsForAConnectionKeepsTheCutoff(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := agingRows(t, db, inbox.PostgreSQL)
+	db.SetMaxOpenConns(2)
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, Window: &raisedWindow{}, DutyCycle: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inbox.WithPurgerBatchHooks(p, holdOnlyConnection(t, db), nil)
+	r := p.RunOnce(context.Background())
+	if r.Err != nil {
+		t.Fatalf("round: %v", r.Err)
+	}
+	if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || r.Deleted != 12 {
+		t.Errorf("round (window %v) deleted %d rows, %d of the 20 rows younger than its window at its check left; want 12 deleted, 20 left",
+			r.Window, r.Deleted, young)
+	}
+}
+
+// A batch retried after a lock wait timeout deletes by the purge's cutoff:
+// run again with the window it was built with, it deleted rows that had aged
+// past the window during the failed attempt.
+func TestPurgeBatchRetriedAfterALockTimeoutKeepsTheCutoff(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		d    inbox.Dialect
+		open func(t *testing.T) *sqlx.DB
+		lock string
+	}{
+		{"postgres", inbox.PostgreSQL, func(t *testing.T) *sqlx.DB { return testdb.OpenPostgres(t, "lock_timeout=1000") },
+			"SELECT 1 FROM %s WHERE message_id = 'old-0' FOR UPDATE"},
+		{"mysql", inbox.MySQL, func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "innodb_lock_wait_timeout=1") },
+			"SELECT 1 FROM %s WHERE consumer = 'billing' AND message_id = 'old-0' FOR UPDATE"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			db := c.open(t)
+			table := agingRows(t, db, c.d)
+			tx, err := db.Beginx() // another transaction holds an expired row for 1.5 s
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(fmt.Sprintf(c.lock, table)); err != nil {
+				t.Fatal(err)
+			}
+			go func() { time.Sleep(1500 * time.Millisecond); _ = tx.Rollback() }()
+			deleted, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Dialect: c.d, Table: table, OlderThan: 2 * time.Second, DutyCycle: 1})
+			if err != nil {
+				t.Fatalf("purge: %v", err)
+			}
+			if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || deleted != 12 {
+				t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its 2 s window at its start left; want 12 deleted, 20 left", deleted, young)
+			}
+		})
+	}
+}
+
 // A row written by hand with processed_at '-infinity' (PostgreSQL takes
 // it: a backfill of rows processed at an unknown time) is purged, and the
 // oldest-row age of a round is read beside one: the batch's resume bound
@@ -127,5 +222,8 @@ func TestPurgeOfAnInfiniteProcessedAt(t *testing.T) {
 	r := p.RunOnce(context.Background())
 	if r.Err != nil || r.OldestAge < time.Minute || r.OldestAge > time.Hour {
 		t.Errorf("round beside shipping's '-infinity' row: oldest %v (table %v), %v; want billing's minute-old rows", r.OldestAge, r.TableOldestAge, r.Err)
+	}
+	if st, err := inbox.Stats(context.Background(), db, nil, table); err != nil || st.Rows == 0 {
+		t.Errorf("Stats beside shipping's '-infinity' row: %+v, %v", st, err)
 	}
 }

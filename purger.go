@@ -77,7 +77,9 @@ type PurgeRound struct {
 	// that old, and at most one partition interval older. It passes Window
 	// only while a partition the purge should have dropped is still there,
 	// as a deleting round's passes it only while rows it should have
-	// deleted are.
+	// deleted are, or by up to the round's own duration: a round deletes by
+	// the cutoff of its window check (see Purge), and rows that aged past
+	// the window while it ran are the next round's.
 	OldestAge time.Duration
 	// TableOldestAge is OldestAge of the whole table, every consumer's rows
 	// counted: what another consumer's rows that no purge deletes (a table
