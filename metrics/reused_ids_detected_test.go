@@ -13,6 +13,7 @@ import (
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/metrics"
+	"github.com/watermill-inbox/inbox/pgxinbox"
 )
 
 // gaugeValue is the value of the gauge name's one series in reg, and
@@ -109,6 +110,38 @@ func TestReusedIDsDetectedIsNotExportedWhenTheCheckIsOff(t *testing.T) {
 	}
 	if got, ok := gaugeValue(t, reg, "inbox_reused_ids_detected"); ok {
 		t.Errorf("inbox_reused_ids_detected = %v under ReusedIDsOff, want no series", got)
+	}
+}
+
+// The same for a pgxinbox instrumented as docs/operations.md shows
+// (pgxinbox.Config{…}.Instrument(m.Instrument)): its Instrument handed
+// m.Instrument an inbox.Config without ReusedIDs, read as ReusedIDsRefuse,
+// and the gauge was exported at 0.
+func TestReusedIDsDetectedIsNotExportedWhenThePgxinboxCheckIsOff(t *testing.T) {
+	pool := testdb.OpenPgxPool(t, "")
+	table := "inbox_ids_" + testdb.RandomSuffix()
+	testdb.DropLater(t, testdb.OpenPostgres(t, ""), table)
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool, Table: table, ReusedIDs: inbox.ReusedIDsOff}.Instrument(m.Instrument))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ib.Close() })
+	if err := ib.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	routeThroughInbox(t, ib.Inbox)(message.NewMessage(watermill.NewUUID(), []byte("order")))
+	for deadline := time.Now().Add(5 * time.Second); counterSum(t, reg, "inbox_messages_total") < 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the processed message was not counted")
+		}
+	}
+	if got, ok := gaugeValue(t, reg, "inbox_reused_ids_detected"); ok {
+		t.Errorf("inbox_reused_ids_detected = %v for a pgxinbox with ReusedIDsOff, want no series", got)
 	}
 }
 

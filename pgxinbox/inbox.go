@@ -106,13 +106,16 @@ type Config struct {
 //	ib, err := pgxinbox.New(pgxinbox.Config{Pool: pool}.Instrument(m.Instrument))
 //
 // Hooks already set in cfg are what instrument receives, so they still
-// run as it runs them. instrument nil returns cfg as it is.
+// run as it runs them, with cfg's Table, ReusedIDs and Fingerprint (set
+// them before calling Instrument). instrument nil returns cfg as it is.
 func (cfg Config) Instrument(instrument func(inbox.Config) inbox.Config) Config {
 	if instrument == nil {
 		return cfg
 	}
+	// With the settings a hook wrapper may read (the metrics module leaves
+	// inbox_reused_ids_detected out under ReusedIDsOff).
 	hooks := instrument(inbox.Config{OnProcessed: cfg.OnProcessed, OnDuplicate: cfg.OnDuplicate,
-		OnFailed: cfg.OnFailed, OnReusedID: cfg.OnReusedID})
+		OnFailed: cfg.OnFailed, OnReusedID: cfg.OnReusedID, ReusedIDs: cfg.ReusedIDs, Fingerprint: cfg.Fingerprint, Table: cfg.Table})
 	cfg.OnProcessed, cfg.OnDuplicate, cfg.OnFailed, cfg.OnReusedID =
 		hooks.OnProcessed, hooks.OnDuplicate, hooks.OnFailed, hooks.OnReusedID
 	return cfg
