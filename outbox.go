@@ -829,7 +829,9 @@ type OutboxExec func(ctx context.Context, query string, args ...any) error
 // placeholders of OutboxConfig.DB's driver ($1 for "pgx" and "postgres", ?
 // for "mysql" and "sqlite"); payloads and metadata are []byte, stored as
 // bytea/blob in every pgx query mode. It is bound to the transaction exec
-// runs in, and safe for concurrent use while that is open. It cannot read
+// runs in, and safe for concurrent use while that is open: its Publish
+// calls run one at a time (a pgx.Tx is not safe for concurrent use, so the
+// caller's own statements on it must not run beside them). It cannot read
 // through exec, so it looks the table's schema up, when the Outbox has not
 // found it yet, at its first write on a connection of OutboxConfig.DB
 // (pgxinbox.OutboxPublisher gives the inbox a way to look it up in the
@@ -879,9 +881,13 @@ var _ txBoundPublisher = (*outboxWriter)(nil)
 
 // outboxWriter is the outbox publisher of one inbox transaction.
 type outboxWriter struct {
-	o      *Outbox
-	exec   OutboxExec            // runs a statement ("?" placeholders) in the transaction
-	rebind func(q string) string // "?" placeholders to the driver's
+	o *Outbox
+	// publishing serializes Publish: a transaction of another driver
+	// (PublisherOn: a pgx.Tx, not safe for concurrent use) is used by one
+	// statement at a time, and a writer's first write looks its table up.
+	publishing sync.Mutex
+	exec       OutboxExec            // runs a statement ("?" placeholders) in the transaction
+	rebind     func(q string) string // "?" placeholders to the driver's
 	// inTx: exec runs in the transaction the writer was made for (always
 	// for Publisher; for PublisherOn when marked by backend.WritesInTx), so
 	// that its statement may be sent with that transaction's COMMIT
@@ -1184,8 +1190,11 @@ func (w *outboxWriter) publishLast(topic string, msgs []*message.Message) (bool,
 	return w.claim != nil && len(msgs) > 0, nil // each claimed INSERT found the claim held
 }
 
-// Publish writes msgs to the outbox in the writer's transaction.
+// Publish writes msgs to the outbox in the writer's transaction. Calls
+// from several goroutines run one at a time.
 func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
+	w.publishing.Lock()
+	defer w.publishing.Unlock()
 	for i, m := range msgs {
 		if m == nil {
 			// A nil in a handler's returned slice: the write (or its

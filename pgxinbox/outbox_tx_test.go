@@ -3,11 +3,14 @@ package pgxinbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/inbox"
@@ -141,5 +144,42 @@ func TestOutbox_PublishAfterTheCommitIsRefused(t *testing.T) {
 	}
 	if n := f.outboxRows(); n != 1 {
 		t.Errorf("%d outbox rows, want the committed one", n)
+	}
+}
+
+// Several goroutines of one handler publish through OutboxFromContext at
+// once, on a pgx transaction (not safe for concurrent use): each output is
+// written once and the message is processed. They raced on the connection
+// (pgx's statement cache under -race) and the delivery failed with "conn
+// busy", in every query mode.
+func TestOutbox_PublishesFromSeveralGoroutinesOfOneHandler(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			pool := openPool(t, "", "pgx_outbox_goroutines", func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			f := newOutboxTxFixture(t, pool, func(f *outboxTxFixture, msg *message.Message) error {
+				var wg sync.WaitGroup
+				errs := make(chan error, 80)
+				for g := range 8 {
+					wg.Go(func() {
+						for i := range 10 {
+							if err := publish(msg, fmt.Sprintf("-%d-%d", g, i)); err != nil {
+								errs <- err
+							}
+						}
+					})
+				}
+				wg.Wait()
+				close(errs)
+				return <-errs // nil once closed and empty
+			})
+			if !f.in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatalf("nacked: %v", f.rec.last())
+			}
+			if n := f.outboxRows(); n != 80 {
+				t.Errorf("%d outbox rows, want the 80 outputs", n)
+			}
+		})
 	}
 }
