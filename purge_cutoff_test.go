@@ -16,7 +16,7 @@ import (
 )
 
 // agingRows adds, to a new inbox table, 12 rows processed an hour ago and
-// 20 processed between 1 s and 50 ms ago, which pass 2 s of age one after
+// 20 processed between 1.5 s and 0.55 s ago, which pass the window (3 s) one after
 // the other over the next second or two, and returns the table.
 func agingRows(t *testing.T, db *sqlx.DB, d inbox.Dialect) string {
 	t.Helper()
@@ -32,27 +32,32 @@ func agingRows(t *testing.T, db *sqlx.DB, d inbox.Dialect) string {
 	insertRows(t, db, d, table, "billing", "old", 12, time.Hour)
 	var values []string
 	for i := range 20 {
-		values = append(values, fmt.Sprintf("('billing', 'young-%d', %s)", i, agoSQL(d, time.Second-time.Duration(i)*50*time.Millisecond)))
+		values = append(values, fmt.Sprintf("('billing', 'young-%d', %s)", i, agoSQL(d, 1500*time.Millisecond-time.Duration(i)*50*time.Millisecond)))
 	}
 	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES "+strings.Join(values, ", "))
 	return table
 }
 
-// raisedWindow is a WindowSource whose first answer is 2 s and every later
+// window is the purges' window here: 1.5 s more than the young rows' age
+// when they are written, room for a loaded machine to reach the purge's
+// check before the first of them passes it.
+const window = 3 * time.Second
+
+// raisedWindow is a WindowSource whose first answer is window and every later
 // one an hour: a retention raised right after a purge checked its window.
 type raisedWindow struct{ asked atomic.Int32 }
 
 func (w *raisedWindow) SafeWindow(context.Context) (time.Duration, error) {
 	if w.asked.Add(1) == 1 {
-		return 2 * time.Second, nil
+		return window, nil
 	}
 	return time.Hour, nil
 }
 
-// slowPurge is a purge of one row a batch, 150 ms apart: the 12 expired
-// rows take it about 2 s, while the 20 young rows pass 2 s of age.
+// slowPurge is a purge of one row a batch, 200 ms apart: the 12 expired
+// rows take it about 2.4 s, while the 20 young rows pass the window.
 func slowPurge(db *sqlx.DB, d inbox.Dialect, table string) inbox.PurgeConfig {
-	return inbox.PurgeConfig{DB: db, Dialect: d, Table: table, Window: &raisedWindow{}, BatchSize: 1, DutyCycle: 1, Pause: 150 * time.Millisecond}
+	return inbox.PurgeConfig{DB: db, Dialect: d, Table: table, Window: &raisedWindow{}, BatchSize: 1, DutyCycle: 1, Pause: 200 * time.Millisecond}
 }
 
 // A purge keeps the cutoff of its window check: rows that age past the
@@ -69,7 +74,7 @@ func TestPurgeKeepsRowsThatAgePastItsWindowWhileItRuns(t *testing.T) {
 			t.Fatalf("purge: %v", err)
 		}
 		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || deleted != 12 {
-			t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its 2 s window at its start left; want the 12 expired rows deleted, all 20 left",
+			t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its window at its start left; want the 12 expired rows deleted, all 20 left",
 				deleted, young)
 		}
 	})
@@ -91,15 +96,15 @@ func TestPurgerRoundKeepsRowsThatAgePastItsWindowWhileItRuns(t *testing.T) {
 		if r.Err != nil {
 			t.Fatalf("round: %v", r.Err)
 		}
-		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || r.Deleted != 12 || r.Window != 2*time.Second {
-			t.Errorf("round deleted %d rows by a window of %v, %d of the 20 rows younger than it at its start left; want 12, 2s, 20",
+		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || r.Deleted != 12 || r.Window != window {
+			t.Errorf("round deleted %d rows by a window of %v, %d of the 20 rows younger than it at its start left; want 12, 3s, 20",
 				r.Deleted, r.Window, young)
 		}
 	})
 }
 
 // holdOnlyConnection has another user of db take its one free connection
-// for 1.5 s, the first time it is called.
+// for 2 s, the first time it is called.
 func holdOnlyConnection(t *testing.T, db *sqlx.DB) func() {
 	var once sync.Once
 	return func() {
@@ -109,7 +114,7 @@ func holdOnlyConnection(t *testing.T, db *sqlx.DB) func() {
 				t.Error(err)
 				return
 			}
-			go func() { time.Sleep(1500 * time.Millisecond); conn.Close() }()
+			go func() { time.Sleep(2 * time.Second); conn.Close() }()
 		})
 	}
 }
@@ -122,14 +127,14 @@ func TestPurgeBatchThatWaitsForAConnectionKeepsTheCutoff(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		table := agingRows(t, db, tdb.Dialect)
 		db.SetMaxOpenConns(1)
-		cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: table, OlderThan: 2 * time.Second, DutyCycle: 1},
+		cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Dialect: tdb.Dialect, Table: table, OlderThan: window, DutyCycle: 1},
 			holdOnlyConnection(t, db), nil)
 		deleted, err := inbox.Purge(context.Background(), cfg)
 		if err != nil {
 			t.Fatalf("purge: %v", err)
 		}
 		if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || deleted != 12 {
-			t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its 2 s window at its start left; want 12 deleted, 20 left", deleted, young)
+			t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its window at its start left; want 12 deleted, 20 left", deleted, young)
 		}
 	})
 }
@@ -173,20 +178,20 @@ func TestPurgeBatchRetriedAfterALockTimeoutKeepsTheCutoff(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			db := c.open(t)
 			table := agingRows(t, db, c.d)
-			tx, err := db.Beginx() // another transaction holds an expired row for 1.5 s
+			tx, err := db.Beginx() // another transaction holds an expired row for 2 s
 			if err != nil {
 				t.Fatal(err)
 			}
 			if _, err := tx.Exec(fmt.Sprintf(c.lock, table)); err != nil {
 				t.Fatal(err)
 			}
-			go func() { time.Sleep(1500 * time.Millisecond); _ = tx.Rollback() }()
-			deleted, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Dialect: c.d, Table: table, OlderThan: 2 * time.Second, DutyCycle: 1})
+			go func() { time.Sleep(2 * time.Second); _ = tx.Rollback() }()
+			deleted, err := inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Dialect: c.d, Table: table, OlderThan: window, DutyCycle: 1})
 			if err != nil {
 				t.Fatalf("purge: %v", err)
 			}
 			if young := count(t, db, table, "message_id LIKE 'young%'"); young != 20 || deleted != 12 {
-				t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its 2 s window at its start left; want 12 deleted, 20 left", deleted, young)
+				t.Errorf("purge deleted %d rows, %d of the 20 rows younger than its window at its start left; want 12 deleted, 20 left", deleted, young)
 			}
 		})
 	}
