@@ -552,6 +552,13 @@ func TestPartitionsCommand(t *testing.T) {
 	if code, out, errOut := cli(t, "schema", "-db", dsn.dsn, "-table", plain, "-apply"); code != 0 {
 		t.Fatalf("schema -apply: exit %d %q %q", code, out, errOut)
 	}
+	// A name with capitals, which the library quotes: listed as the
+	// table it is (to_regclass folded it to another name).
+	mixed := "Cli_Parts_" + strings.ToLower(watermill.NewShortUUID())
+	t.Cleanup(func() { db.Exec(`DROP TABLE IF EXISTS "` + mixed + `" CASCADE`) })
+	if code, out, errOut := cli(t, "partitions", "-db", dsn.dsn, "-table", mixed, "-interval", "day"); code != 0 || !strings.Contains(out, "9 partitions") {
+		t.Errorf("partitions -table %s -interval day: exit %d, stdout %q, stderr %q; want its 9 partitions", mixed, code, out, errOut)
+	}
 	for name, want := range map[string]string{table + "_typo": "does not exist", plain: "is not a partitioned table"} {
 		if code, out, errOut := cli(t, "partitions", "-db", dsn.dsn, "-table", name); code != 1 || out != "" || !strings.Contains(errOut, want) {
 			t.Errorf("partitions -table %s: exit %d, stdout %q, stderr %q; want 1 saying %q", name, code, out, errOut, want)

@@ -5,6 +5,9 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/inbox"
 )
@@ -54,8 +57,11 @@ func partitionsCmd(ctx context.Context, args []string, stdout, stderr io.Writer)
 	// A table that is missing or not partitioned was listed as one with
 	// "none yet" and 0 partitions, exit 0: a mistyped -table went
 	// unnoticed.
+	// Quoted as the library quotes it: to_regclass folds an unquoted
+	// Billing_Inbox to billing_inbox, another table.
+	regclass := pgx.Identifier(strings.Split(c.table, ".")).Sanitize()
 	var kind sql.NullString
-	if err := db.QueryRowContext(ctx, "SELECT (SELECT relkind::text FROM pg_catalog.pg_class WHERE oid = to_regclass($1))", c.table).Scan(&kind); err != nil {
+	if err := db.QueryRowContext(ctx, "SELECT (SELECT relkind::text FROM pg_catalog.pg_class WHERE oid = to_regclass($1))", regclass).Scan(&kind); err != nil {
 		return fmt.Errorf("inbox: partitions of %s: read the table's kind: %w", c.table, err)
 	}
 	switch {
@@ -79,7 +85,7 @@ func partitionsCmd(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	err = db.SelectContext(ctx, &parts, `SELECT c.oid::regclass::text AS name, pg_get_expr(c.relpartbound, c.oid) AS bound
 		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1)
-		ORDER BY pg_get_expr(c.relpartbound, c.oid)`, c.table)
+		ORDER BY pg_get_expr(c.relpartbound, c.oid)`, regclass)
 	if err != nil {
 		return fmt.Errorf("inbox: list partitions of %s: %w", c.table, err)
 	}
