@@ -108,11 +108,12 @@ type Dialect interface {
 	// behind a transaction-mode connection pooler (PgBouncer before 1.21).
 	preparesByDefault() bool
 
-	// expiredSQL returns the condition for the rows a purge deletes:
-	// processed_at older than the window (bind parameter 1, microseconds) by
-	// the database clock in UTC, and, when byConsumer, consumer = parameter 2.
-	// Purge and CountExpired share it, so a dry run counts exactly what a
-	// purge deletes.
+	// expiredSQL returns the condition for the rows a dry run counts
+	// (CountExpired): processed_at older than the window (bind parameter 1,
+	// microseconds) by the database clock in UTC at the statement, and,
+	// when byConsumer, consumer = parameter 2. A purge deletes by the same
+	// rule, with the database's time fixed at its window check
+	// (purgeCutoff, purgeStatement).
 	expiredSQL(byConsumer bool) string
 	// purgeStatement returns one purge batch: a DELETE of at most batch
 	// rows processed before cutoff (microseconds since the Unix epoch, on

@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"errors"
+	"math"
 	"sync"
 	"testing"
 	"time"
@@ -63,5 +64,18 @@ func TestRetryWaitsItsIntervalsBetweenAttempts(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A Retry.Multiplier that is negative, NaN or infinite is refused: the
+// waits are taken from its root, and retries ran back to back, logged with
+// a wait of minus 292 years.
+func TestRetryMultiplierThatIsNotAPositiveNumberIsRefused(t *testing.T) {
+	t.Parallel()
+	ib := newFixture(t, sqliteDB(t)).newInbox(inbox.Config{})
+	for _, m := range []float64{-2, math.NaN(), math.Inf(1)} {
+		if _, err := ib.Middlewares(inbox.MiddlewaresConfig{Retry: middleware.Retry{Multiplier: m}}); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("Retry.Multiplier %v: %v, want ErrInvalidConfig", m, err)
+		}
 	}
 }

@@ -49,9 +49,11 @@ type MiddlewaresConfig struct {
 	// MaxElapsedTime, RandomizationFactor, OnRetryHook and Logger are used
 	// as they are. The waits are InitialInterval, then that times
 	// Multiplier for each retry after, up to MaxInterval, as the fields
-	// say: Watermill's Retry (v1.5.1) also advances its backoff for
-	// ShouldRetry and OnRetryHook, which the inbox makes up for (the delay
-	// OnRetryHook is given is not the next wait). The message's context is restored after each attempt,
+	// say (to within nanoseconds): Watermill's Retry (v1.5.1) also
+	// advances its backoff for ShouldRetry and OnRetryHook, which the inbox
+	// makes up for (the delays a ShouldRetry's RetryParams and OnRetryHook
+	// are given are not the next wait). A Multiplier that is negative, NaN
+	// or infinite is refused (ErrInvalidConfig). The message's context is restored after each attempt,
 	// so ResetContextOnRetry is not needed.
 	// Default: the values above.
 	Retry middleware.Retry
@@ -129,6 +131,11 @@ func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware
 		}
 		if r.Multiplier == 0 {
 			r.Multiplier = 2
+		}
+		if !(r.Multiplier > 0) || math.IsInf(r.Multiplier, 0) {
+			// retryBackOffSteps takes its root: NaN, and back-to-back
+			// retries logged with a wait of minus 292 years.
+			return nil, fmt.Errorf("%w: MiddlewaresConfig.Retry.Multiplier must be a positive number, got %v", ErrInvalidConfig, r.Multiplier)
 		}
 		if r.ShouldRetry == nil {
 			r.ShouldRetry = func(p middleware.RetryParams) bool { return retryableInPlace(p.Err) }
