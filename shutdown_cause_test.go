@@ -328,3 +328,49 @@ func poisonedBehindADeadline(t *testing.T, f *fixture, retry middleware.Retry, w
 		return nil
 	}
 }
+
+// A shutdown while Retry waits before its next attempt, after an attempt
+// failed with the handler's own error (a dependency's 503 that the next
+// attempt would get past): the message is nacked for the next instance, not
+// poisoned. The stack gave the poison queue that attempt's error in place of
+// the shutdown, which it does for a deadline (a refusal whose retries outlast
+// the message's deadline must still be poisoned), and a deploy poisoned
+// every message waiting between attempts.
+func TestInboxMiddlewaresDoNotPoisonAShutdownDuringRetrysWait(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	failed := make(chan struct{}, 10)
+	ib := f.newInbox(inbox.Config{OnFailed: func(inbox.Event) { failed <- struct{}{} }})
+	sub, pub, poisoned := shutdownBroker(t, "gochannel")
+	mws, err := ib.Middlewares(inbox.MiddlewaresConfig{PoisonQueue: pub, PoisonTopic: "poison",
+		Retry: middleware.Retry{InitialInterval: 5 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(mws...)
+	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
+		if err := f.writeBusinessRow(msg); err != nil {
+			return err
+		}
+		return errors.New("payment service: 503 Service Unavailable")
+	})
+	ctx, shutdown := context.WithCancel(context.Background())
+	defer shutdown()
+	ran := make(chan struct{})
+	go func() { defer close(ran); _ = router.Run(ctx) }()
+	<-router.Running()
+	if err := pub.Publish("orders", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	<-failed                           // the first attempt failed and rolled back
+	time.Sleep(100 * time.Millisecond) // Retry waits 5 s before the next
+	shutdown()
+	<-ran
+	for _, p := range poisoned() {
+		t.Errorf("message poisoned at a shutdown during Retry's wait (reason %q)", p.Metadata.Get(middleware.ReasonForPoisonedKey))
+	}
+}

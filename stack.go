@@ -203,11 +203,13 @@ func restoreContext(h message.HandlerFunc) message.HandlerFunc {
 // keepContextEnd gives the poison queue the error that says what became of
 // the message, when Retry (cenkalti/backoff) returned the message context's
 // cause or error because the context ended (a shutdown, a deadline) rather
-// than an attempt's error: the error of the last attempt that failed
-// before the context ended (restoreContext records it), so that a message
+// than an attempt's error: after a deadline, the error of the last attempt
+// that failed before it (restoreContext records it), so that a message
 // its handler refused for good is still
 // poisoned (Retry dropped that refusal once a deadline passed during its
-// backoff, and the message looped for ever); and, when there was none, the
+// backoff, and the message looped for ever); after a shutdown (the context
+// cancelled) the context's end, which the next instance's attempts follow;
+// and, when no attempt had failed, the
 // cause with the context's end added (context.Canceled or
 // DeadlineExceeded), so that IsTransient, and the poison queue's default
 // filter with it, sees the end: a cause of its own (errgroup.WithContext
@@ -223,12 +225,22 @@ func keepContextEnd(h message.HandlerFunc) message.HandlerFunc {
 		out, err := h(msg)
 		if err != nil && ctx.Err() != nil && attempt.beforeEnd != nil && !errors.Is(attempt.beforeEnd, err) &&
 			(errors.Is(err, context.Cause(ctx)) || errors.Is(err, ctx.Err())) {
-			// Retry gave up on the context, not on an attempt: the last
-			// attempt that failed before the context ended says what
-			// became of the message. (One the context's end cut short
-			// says nothing of it: a handler's own "request cancelled"
-			// poisoned a message at a shutdown.)
-			err = fmt.Errorf("%w (then the message context ended: %v)", attempt.beforeEnd, err)
+			switch {
+			case errors.Is(ctx.Err(), context.DeadlineExceeded):
+				// Retry gave up on the message's deadline, not on an
+				// attempt: the last attempt that failed before it says
+				// what became of the message, which the same deadline
+				// would cut again on every redelivery. (One the
+				// deadline cut short says nothing of it: a handler's
+				// own "request cancelled" poisoned a message.)
+				err = fmt.Errorf("%w (then the message context ended: %v)", attempt.beforeEnd, err)
+			default:
+				// A shutdown during Retry's wait: the next instance
+				// makes the attempts Retry did not. Transient, with the
+				// failed attempt named (the last attempt's error in its
+				// place poisoned every message waiting at a deploy).
+				err = fmt.Errorf("%w (the message context ended while Retry waited, after an attempt failed with: %v)", err, attempt.beforeEnd)
+			}
 		}
 		return out, withContextEnd(ctx, err)
 	}
