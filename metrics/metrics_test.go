@@ -114,19 +114,7 @@ func TestInboxRowsEstimateThatFailsLeavesTheScrapeWhole(t *testing.T) {
 // Messages through a real router, then a purge round; the registry is
 // scraped as Prometheus would.
 func TestMetricsScrape(t *testing.T) {
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	reg, m, ib, db := sqliteInbox(t, inbox.Config{}, true)
 	if err := m.WatchTable(db, nil, ""); err != nil {
 		t.Fatal(err)
 	}
@@ -542,6 +530,31 @@ func sqliteInboxTable(t *testing.T) (*sqlx.DB, *prometheus.Registry, *metrics.Me
 		t.Fatal(err)
 	}
 	return db, reg, m
+}
+
+// sqliteInbox opens a SQLite database in a temporary folder and returns a
+// new registry, Metrics on it, and an inbox on the database configured by
+// cfg (its DB set here) and instrumented by the Metrics; with initialize,
+// the inbox's table is created.
+func sqliteInbox(t *testing.T, cfg inbox.Config, initialize bool) (*prometheus.Registry, *metrics.Metrics, *inbox.Inbox, *sqlx.DB) {
+	t.Helper()
+	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.DB = db
+	ib, err := inbox.New(m.Instrument(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if initialize {
+		if err := ib.InitializeSchema(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return reg, m, ib, db
 }
 
 // routeThroughInbox runs a router (closed when t ends) whose handler

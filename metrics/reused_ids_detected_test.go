@@ -82,23 +82,7 @@ func TestReusedIDsDetectedSaysWhetherTheCountCanSeeAnything(t *testing.T) {
 // gauge at 0 had InboxReusedIDsNotDetected page for it after an hour. The
 // messages are still counted.
 func TestReusedIDsDetectedIsNotExportedWhenTheCheckIsOff(t *testing.T) {
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	setup, err := inbox.New(inbox.Config{DB: db})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := setup.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db, ReusedIDs: inbox.ReusedIDsOff}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	reg, _, ib, _ := sqliteInbox(t, inbox.Config{ReusedIDs: inbox.ReusedIDsOff}, true)
 	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
 		if counterSum(t, reg, "inbox_messages_total") > 0 {
@@ -149,19 +133,7 @@ func TestReusedIDsDetectedIsNotExportedWhenThePgxinboxCheckIsOff(t *testing.T) {
 // message, as the reused-id series do: a failed series born at 1 was a
 // first failure that rate() and increase() did not see.
 func TestMessagesTotalHasEveryOutcomeFromTheFirstMessage(t *testing.T) {
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	reg, _, ib, _ := sqliteInbox(t, inbox.Config{}, true)
 	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
 	for deadline := time.Now().Add(5 * time.Second); counterSum(t, reg, "inbox_messages_total") < 1 && time.Now().Before(deadline); {
 		time.Sleep(5 * time.Millisecond)

@@ -2,7 +2,6 @@ package metrics_test
 
 import (
 	"context"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -11,8 +10,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/watermill-inbox/inbox"
-	"github.com/watermill-inbox/inbox/internal/testdb"
-	"github.com/watermill-inbox/inbox/metrics"
 )
 
 // transactionsObserved is the number of observations of
@@ -40,16 +37,7 @@ func transactionsObserved(t *testing.T, reg *prometheus.Registry) (n uint64, sum
 // were, with the inbox's wait before their redelivery (up to 5 s each) as
 // their duration, so the mean transaction time by outcome showed seconds.
 func TestTransactionSecondsObservesOnlyTransactions(t *testing.T) {
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	reg, _, ib, _ := sqliteInbox(t, inbox.Config{}, false)
 	deliver := routeThroughInbox(t, ib)
 	for range 3 {
 		deliver(message.NewMessage(watermill.NewUUID(), []byte("order")))
@@ -81,22 +69,10 @@ func TestTransactionSecondsObservesOnlyTransactions(t *testing.T) {
 // a volatile field) is not the transaction's, and holds no connection.
 func TestTransactionSecondsLeavesOutTheFingerprintFunction(t *testing.T) {
 	const slow = 1500 * time.Millisecond
-	db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
-	reg := prometheus.NewRegistry()
-	m, err := metrics.New(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib, err := inbox.New(m.Instrument(inbox.Config{DB: db, Fingerprint: func(msg *message.Message) []byte {
+	reg, _, ib, _ := sqliteInbox(t, inbox.Config{Fingerprint: func(msg *message.Message) []byte {
 		time.Sleep(slow)
 		return msg.Payload
-	}}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ib.InitializeSchema(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	}}, true)
 	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
 	for deadline := time.Now().Add(5 * time.Second); counterSum(t, reg, "inbox_messages_total") < 1 && time.Now().Before(deadline); {
 		time.Sleep(5 * time.Millisecond)
