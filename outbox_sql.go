@@ -508,17 +508,10 @@ func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 // numbered in their order, so that their ids follow it.
 func sqliteClaimedInsert(t qualifiedName) func(inboxTable string, n int, inTx bool) string {
 	const now = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)"
-	columns := t.quoted(SQLite) + " (topic, uuid, payload, metadata, created_at) SELECT "
-	prefix := "INSERT INTO " + columns
+	prefix := "INSERT INTO " + t.quoted(SQLite) + " (topic, uuid, payload, metadata, created_at) SELECT "
 	return func(inboxTable string, n int, _ bool) string {
 		if n == 1 {
-			// OR FAIL: of one row, what OR ABORT (the default) would undo
-			// of the statement's own changes is nothing, and SQLite then
-			// needs no statement journal, which it opens for an INSERT
-			// … SELECT that may abort (a savepoint, and the pages it
-			// writes copied to the sub-journal: 3.5 % of the process's
-			// CPU per output in BenchmarkOutboxEndToEnd/sqlite).
-			return "INSERT OR FAIL INTO " + columns + "?, ?, ?, ?, " + now + " FROM " + inboxTable + " WHERE consumer = ? AND message_id = ?"
+			return prefix + "?, ?, ?, ?, " + now + " FROM " + inboxTable + " WHERE consumer = ? AND message_id = ?"
 		}
 		var b strings.Builder
 		b.WriteString(prefix + "r.column1, r.column2, r.column3, r.column4, " + now + " FROM (VALUES ")
