@@ -67,15 +67,20 @@ func TestRetryWaitsItsIntervalsBetweenAttempts(t *testing.T) {
 	}
 }
 
-// A Retry.Multiplier that is negative, NaN or infinite is refused: the
-// waits are taken from its root, and retries ran back to back, logged with
-// a wait of minus 292 years.
+// A Retry.Multiplier that is negative, NaN, infinite or extreme, and a
+// negative interval, are refused: the waits are taken from the multiplier's
+// root, and retries ran back to back, logged with a wait of minus 292 years.
 func TestRetryMultiplierThatIsNotAPositiveNumberIsRefused(t *testing.T) {
 	t.Parallel()
 	ib := newFixture(t, sqliteDB(t)).newInbox(inbox.Config{})
-	for _, m := range []float64{-2, math.NaN(), math.Inf(1)} {
+	for _, m := range []float64{-2, math.NaN(), math.Inf(1), 1e-300, 1e300} {
 		if _, err := ib.Middlewares(inbox.MiddlewaresConfig{Retry: middleware.Retry{Multiplier: m}}); !errors.Is(err, inbox.ErrInvalidConfig) {
 			t.Errorf("Retry.Multiplier %v: %v, want ErrInvalidConfig", m, err)
+		}
+	}
+	for _, r := range []middleware.Retry{{InitialInterval: -time.Second}, {MaxInterval: -time.Second}} {
+		if _, err := ib.Middlewares(inbox.MiddlewaresConfig{Retry: r}); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("Retry %+v: %v, want ErrInvalidConfig", r, err)
 		}
 	}
 }

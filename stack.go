@@ -52,9 +52,10 @@ type MiddlewaresConfig struct {
 	// say (to within nanoseconds): Watermill's Retry (v1.5.1) also
 	// advances its backoff for ShouldRetry and OnRetryHook, which the inbox
 	// makes up for (the delays a ShouldRetry's RetryParams and OnRetryHook
-	// are given are not the next wait). A Multiplier that is negative, NaN
-	// or infinite is refused (ErrInvalidConfig). The message's context is restored after each attempt,
-	// so ResetContextOnRetry is not needed.
+	// are given are not the next wait). A Multiplier outside 0.001 to
+	// 1000, or a negative interval, is refused (ErrInvalidConfig). The
+	// message's context is restored after each attempt, so
+	// ResetContextOnRetry is not needed.
 	// Default: the values above.
 	Retry middleware.Retry
 
@@ -132,10 +133,16 @@ func (ib *Inbox) Middlewares(cfg MiddlewaresConfig) ([]message.HandlerMiddleware
 		if r.Multiplier == 0 {
 			r.Multiplier = 2
 		}
-		if !(r.Multiplier > 0) || math.IsInf(r.Multiplier, 0) {
-			// retryBackOffSteps takes its root: NaN, and back-to-back
-			// retries logged with a wait of minus 292 years.
-			return nil, fmt.Errorf("%w: MiddlewaresConfig.Retry.Multiplier must be a positive number, got %v", ErrInvalidConfig, r.Multiplier)
+		if !(r.Multiplier >= minRetryMultiplier && r.Multiplier <= maxRetryMultiplier) {
+			// retryBackOffSteps takes its root: NaN for a negative one,
+			// and back-to-back retries logged with a wait of minus 292
+			// years; an extreme one took the interval out of range.
+			return nil, fmt.Errorf("%w: MiddlewaresConfig.Retry.Multiplier must be between %v and %v, got %v",
+				ErrInvalidConfig, minRetryMultiplier, maxRetryMultiplier, r.Multiplier)
+		}
+		if r.InitialInterval < 0 || r.MaxInterval < 0 {
+			return nil, fmt.Errorf("%w: MiddlewaresConfig.Retry: InitialInterval and MaxInterval must not be negative, got %v and %v",
+				ErrInvalidConfig, r.InitialInterval, r.MaxInterval)
 		}
 		if r.ShouldRetry == nil {
 			r.ShouldRetry = func(p middleware.RetryParams) bool { return retryableInPlace(p.Err) }
@@ -170,8 +177,16 @@ func retryBackOffSteps(initial time.Duration, multiplier float64, hook bool) (ti
 		step = 3 // and OnRetryHook's
 	}
 	m := math.Pow(multiplier, 1/step)
-	return time.Duration(float64(initial) / m), m
+	// Within range for a multiplier the caller accepts; at least 1 ns.
+	return time.Duration(max(float64(initial)/m, 1)), m
 }
+
+// The Retry.Multiplier range Middlewares accepts: a root of it divides
+// InitialInterval (retryBackOffSteps), which must stay a duration.
+const (
+	minRetryMultiplier = 0.001
+	maxRetryMultiplier = 1000.0
+)
 
 // retryableInPlace reports whether Retry should run a failed attempt again
 // at once: not for a message the inbox refuses (its id or consumer, an id
