@@ -337,7 +337,7 @@ type Outbox struct {
 	// dialectInferred: OutboxConfig.Dialect was nil, inferred from the
 	// DB's driver name; server checks that it is the server's.
 	dialectInferred bool
-	server          outboxServerCheck
+	server          serverCheck
 	wake            chan struct{}
 	logger          *componentLogger
 	running         runs // RouterPlugin's goroutine, Run calls
@@ -583,7 +583,7 @@ func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *
 // that schema (OutboxConfig.Table). A dialect for another database server
 // than the DB's (checked first) gives an error wrapping ErrDialectMismatch.
 func (o *Outbox) InitializeSchema(ctx context.Context) error {
-	if err := o.server.check(ctx, o); err != nil {
+	if err := o.checkServer(ctx); err != nil {
 		return err
 	}
 	t, err := o.pinTarget(ctx)
@@ -1508,7 +1508,7 @@ func (o *Outbox) warnIfNoRelay() {
 // DB's gives an error wrapping ErrDialectMismatch; other errors wrap the
 // driver's.
 func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
-	if err := o.server.check(ctx, o); err != nil {
+	if err := o.checkServer(ctx); err != nil {
 		return OutboxStats{}, err
 	}
 	var (

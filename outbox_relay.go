@@ -287,7 +287,7 @@ func (o *Outbox) RouterPlugin(r *message.Router) error {
 // checks that the dialect is for the database server behind the DB (an
 // error wrapping ErrDialectMismatch that names both), as Inbox.Verify does.
 func (o *Outbox) Verify(ctx context.Context) error {
-	if err := o.server.check(ctx, o); err != nil {
+	if err := o.checkServer(ctx); err != nil {
 		return err
 	}
 	target, err := o.pinTarget(ctx)

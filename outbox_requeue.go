@@ -73,7 +73,7 @@ func (o *Outbox) RequeueDeadLetters(ctx context.Context, sel DeadLetterSelection
 	if err := sel.validate(); err != nil {
 		return 0, err
 	}
-	if err := o.server.check(ctx, o); err != nil {
+	if err := o.checkServer(ctx); err != nil {
 		return 0, fmt.Errorf("inbox: requeue dead letters: %w", err)
 	}
 	t, err := o.pinTarget(ctx)

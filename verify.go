@@ -284,44 +284,46 @@ func serverMismatch(ctx context.Context, db *sqlx.DB, d Dialect, how string) (se
 		ErrDialectMismatch, d, how, want, db.Driver(), found, version, serverFix[found])
 }
 
-// outboxServerCheck is an Outbox's check that its dialect matches the
-// server behind its DB (serverMismatch), run by Verify, InitializeSchema,
-// Stats and RequeueDeadLetters and remembered once the server is
-// identified. A mismatch gave the driver's syntax errors (an Outbox or
-// "inbox requeue -dialect mysql" on PostgreSQL), or, on the relay's
-// catalog read, a table taken for present. Safe for concurrent use.
-type outboxServerCheck struct {
+// serverCheck is a check, run on first use and remembered once it has an
+// answer, that a dialect matches the server behind a DB: an Inbox's (Verify,
+// InitializeSchema, the middleware's first message) and an Outbox's (Verify,
+// InitializeSchema, Stats, RequeueDeadLetters), so that later calls cost
+// nothing. It is safe for concurrent use.
+type serverCheck struct {
 	mu   sync.Mutex
-	done bool
-	err  error
+	done bool  // the check had an answer
+	err  error // the mismatch found, or nil
 }
 
-func (c *outboxServerCheck) check(ctx context.Context, o *Outbox) error {
+// once returns the remembered answer, or runs f, remembering its error
+// when it reports that it had an answer (known).
+func (c *serverCheck) once(f func() (known bool, err error)) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.done {
 		return c.err
 	}
-	how := "OutboxConfig.Dialect"
-	if o.dialectInferred {
-		how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
+	known, err := f()
+	if known {
+		c.done, c.err = true, err
 	}
-	found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how)
-	if found == "" {
-		return nil // not remembered: the next use asks again
-	}
-	c.done, c.err = true, err
 	return err
 }
 
-// serverCheck is an Inbox's check that its dialect matches the server
-// behind DB: run on first use (Verify, InitializeSchema, the middleware's
-// first message) and remembered once the server is identified, so that
-// later calls cost nothing. It is safe for concurrent use.
-type serverCheck struct {
-	mu   sync.Mutex
-	done bool  // the server was identified
-	err  error // the mismatch found, or nil
+// checkServer returns nil when o's dialect is for the server behind its DB
+// (or the server cannot be identified), and otherwise an error wrapping
+// ErrDialectMismatch (serverMismatch). A mismatch gave the driver's syntax
+// errors (an Outbox or "inbox requeue -dialect mysql" on PostgreSQL), or,
+// on the relay's catalog read, a table taken for present.
+func (o *Outbox) checkServer(ctx context.Context) error {
+	return o.server.once(func() (bool, error) {
+		how := "OutboxConfig.Dialect"
+		if o.dialectInferred {
+			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
+		}
+		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how)
+		return found != "", err
+	})
 }
 
 // check returns nil when ib's dialect is for the server behind ib's DB (or
@@ -333,29 +335,20 @@ type serverCheck struct {
 // autocommit=0), or whose character_set_client differs from their
 // character_set_connection, give an error wrapping ErrInvalidConfig.
 func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.done {
-		return c.err
-	}
-	how := "Config.Dialect"
-	if ib.dialectInferred {
-		how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
-	}
-	found, err := serverMismatch(ctx, ib.db, ib.dialect, how)
-	if found == "" {
-		return nil // not remembered: the next use asks again
-	}
-	if err != nil {
-		c.done, c.err = true, err
-		return c.err
-	}
-	if found == serverMySQL {
+	return c.once(func() (bool, error) {
+		how := "Config.Dialect"
+		if ib.dialectInferred {
+			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
+		}
+		found, err := serverMismatch(ctx, ib.db, ib.dialect, how)
+		if found == "" || err != nil || found != serverMySQL {
+			return found != "", err
+		}
 		var autocommit int
 		var clientCharset, connectionCharset string
 		if err := ib.db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection").
 			Scan(&autocommit, &clientCharset, &connectionCharset); err != nil {
-			return nil // not remembered: the next use asks again
+			return false, nil // not remembered: the next use asks again
 		}
 		switch {
 		case clientCharset != connectionCharset:
@@ -364,7 +357,7 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 			// (two bytes of UTF-8) was stored as four, and the 16-byte
 			// fingerprint grew past its column (1406), so that every claim
 			// failed for good; without strict mode ids were cut short.
-			c.err = fmt.Errorf("%w: the MySQL sessions of DB send strings in character set %s (@@character_set_client,"+
+			return true, fmt.Errorf("%w: the MySQL sessions of DB send strings in character set %s (@@character_set_client,"+
 				" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
 				" (@@character_set_connection), so it would convert every message id and fingerprint on its way in;"+
 				" use sessions whose two character sets match (the driver's default, utf8mb4, or the DSN's charset=…)",
@@ -376,13 +369,12 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 			// @@in_transaction and no read of the claim tells it from the
 			// message's, and the inbox would commit the handler's later
 			// writes, and its outputs, with the message not processed.
-			c.err = fmt.Errorf("%w: the MySQL sessions of DB have autocommit off (@@autocommit = 0, from the DSN's"+
+			return true, fmt.Errorf("%w: the MySQL sessions of DB have autocommit off (@@autocommit = 0, from the DSN's"+
 				" autocommit=0 or the server's init_connect/autocommit setting): the inbox cannot then tell a transaction"+
 				" the database rolled back from a new one; use sessions with autocommit on (MySQL's default)", ErrInvalidConfig)
 		}
-	}
-	c.done = true
-	return c.err
+		return true, nil
+	})
 }
 
 // verifySchema runs verifyTable in a read-only unit of work.
