@@ -118,7 +118,8 @@ type Dialect interface {
 	// purgeStatement returns one purge batch: a DELETE of at most batch
 	// rows processed before cutoff (microseconds since the Unix epoch, on
 	// the database clock in UTC: nowMicrosSQL's) (of consumer only, unless
-	// it is ""), oldest first; on MySQL a non-locking SELECT of their keys
+	// it is ""), oldest first (on a partitioned table, the oldest
+	// partition first: a walk of its partitions); on MySQL a non-locking SELECT of their keys
 	// instead (see purgeBatch). Every batch of a purge runs with the same
 	// cutoff.
 	purgeStatement(table qualifiedName, cutoff int64, batch int, consumer string) purgeQuery
@@ -358,6 +359,9 @@ type purgeQuery struct {
 	// postgresDialect.purgeBatch).
 	resume func(fromMillis int64) string
 	cursor *purgeCursor
+	// walk, where set, is a partitioned table's purge, partition by
+	// partition (see postgresPartitionedDialect.purgeBatch).
+	walk *partitionedPurge
 }
 
 // purgeCursor is where a round's next purge batch starts: after a full

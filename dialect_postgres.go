@@ -774,29 +774,18 @@ func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) er
 // short one clears it, so that the batch after it scans from the oldest
 // row, and a short batch that ran from a bound and left expired rows below
 // it reports a full batch found, so that the purge runs that batch rather
-// than stopping. Without q.cursor (the partitioned dialect's DELETE), the
-// rows affected.
+// than stopping.
 func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
-	bounded := q.cursor != nil && q.cursor.set
-	if q.cursor == nil {
-		res, err := db.ExecContext(ctx, q.sql, q.args...)
-		if err != nil {
-			return 0, 0, err
-		}
-		if deleted, err = res.RowsAffected(); err != nil {
-			return 0, 0, err
-		}
-	} else {
-		stmt := q.sql
-		if bounded {
-			stmt = q.resume(q.cursor.fromMillis)
-		}
-		var next sql.NullInt64
-		if err := db.QueryRowxContext(ctx, stmt, q.args...).Scan(&deleted, &next); err != nil {
-			return 0, 0, err
-		}
-		*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted >= q.size && next.Valid}
+	bounded := q.cursor.set
+	stmt := q.sql
+	if bounded {
+		stmt = q.resume(q.cursor.fromMillis)
 	}
+	var next sql.NullInt64
+	if err := db.QueryRowxContext(ctx, stmt, q.args...).Scan(&deleted, &next); err != nil {
+		return 0, 0, err
+	}
+	*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted >= q.size && next.Valid}
 	found = deleted
 	if q.remaining != "" && deleted < q.size {
 		var left int64

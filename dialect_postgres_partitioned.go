@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -263,17 +264,165 @@ func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn,
 	return createPartitions(ctx, db, t, "", false, from, until)
 }
 
-// By the whole primary key, not by ctid as on a plain table: a DELETE on
-// the partitioned table matches a ctid in every partition, and ctids repeat
-// across partitions. The key includes processed_at, so a batch deletes the
-// expired row it chose and never a newer row of the same (consumer,
-// message_id) in another partition (one written without the claim's lock).
-// (A Purger drops whole partitions; this is Purge's.)
+// A purge of a partitioned table walks it partition by partition, oldest
+// first (see purgeBatch): the table has no processed_at index to choose
+// the oldest rows by (its partitions are its ranges), and a batch that
+// chose them across the whole table sorted every expired row of every
+// partition past the window, then matched its choice against all of them
+// (a hash join): 114 ms a batch of 1,000 at 300,000 rows, growing with the
+// rows left, so that a purge took time in the square of its rows and a
+// large table's never caught up (BENCHMARKS.md).
 func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
-	q := t.quoted(d)
-	return purgeQuery{sql: "DELETE FROM " + q + " WHERE (consumer, message_id, processed_at) IN (" +
-		"SELECT consumer, message_id, processed_at FROM " + q + " WHERE " + pgBeforeConstants(cutoff, consumer) +
-		" ORDER BY processed_at LIMIT " + strconv.Itoa(batch) + " FOR UPDATE SKIP LOCKED)"}
+	expired := pgBeforeConstants(cutoff, consumer)
+	return purgeQuery{
+		size:      int64(batch),
+		walk:      &partitionedPurge{table: t, cutoff: cutoff, expired: expired},
+		remaining: "SELECT count(*) FROM (SELECT FROM " + t.quoted(d) + " WHERE " + expired + " LIMIT 1) AS expired",
+	}
+}
+
+// partitionedPurge is where a purge of a partitioned table is in its walk:
+// the slices of the table it deletes from, one at a time, and the last key
+// the slice's batch before chose.
+type partitionedPurge struct {
+	table   qualifiedName
+	cutoff  int64  // as purgeStatement's
+	expired string // the rows the purge deletes: pgBeforeConstants
+	slices  []string
+	at      int      // the slice the next batch reads
+	key     purgeKey // where in it, unless unset: its first key
+}
+
+// purgeKey is the primary key of the last row a purge batch chose: where
+// the next batch in its slice starts (set). micros is processed_at in
+// microseconds since the Unix epoch, NULL for '-infinity' (the one value
+// without them that a batch chooses: a row at 'infinity' is never expired).
+type purgeKey struct {
+	consumer, messageID string
+	micros              sql.NullInt64
+	set                 bool
+}
+
+// pgMicrosConstant is the instant us microseconds after the Unix epoch as a
+// PostgreSQL expression that no session setting changes the meaning of.
+func pgMicrosConstant(us int64) string {
+	return "timestamptz 'epoch' + " + strconv.FormatInt(us, 10) + " * interval '1 microsecond'"
+}
+
+// partitionedPurgeSlices returns the slices of a purge of t with cutoff:
+// one for each range partition that starts before the cutoff, oldest
+// first, as a condition on processed_at by its bounds, then one for every
+// row outside the range partitions (a DEFAULT partition's, or a
+// partition's attached since the catalog was read). Each slice's batches
+// read and delete one partition, which the planner finds by the bounds
+// (partition pruning, at the executor's start since the bounds are
+// expressions): a ctid the batch chose names one row there.
+func partitionedPurgeSlices(tp tablePartitions, cutoff int64) []string {
+	var slices, outside []string
+	for _, p := range tp.ranges {
+		var in []string
+		if !p.start.IsZero() {
+			in = append(in, "processed_at >= "+pgMicrosConstant(p.start.UnixMicro()))
+		}
+		if !p.end.IsZero() {
+			in = append(in, "processed_at < "+pgMicrosConstant(p.end.UnixMicro()))
+		}
+		if len(in) == 0 {
+			in = append(in, "true") // MINVALUE to MAXVALUE: the one partition
+		}
+		cond := "(" + strings.Join(in, " AND ") + ")"
+		outside = append(outside, "NOT "+cond)
+		if p.start.IsZero() || p.start.UnixMicro() < cutoff {
+			slices = append(slices, cond)
+		}
+	}
+	if len(outside) == 0 {
+		return append(slices, "true")
+	}
+	return append(slices, strings.Join(outside, " AND "))
+}
+
+// purgeBatch runs the next batch of a partitioned table's purge: in the
+// slice it is at (the first batch reads the partitions from the catalog
+// and makes the slices, partitionedPurgeSlices), up to q.size expired rows,
+// chosen in the primary key's order after the last key the slice's batch
+// before chose (the key's index of one partition, read from where the
+// batch before stopped: each batch costs the same, whatever the table's
+// size) and deleted by ctid (a TID scan of that partition). The statement
+// carries the key and the bounds as constants, without bind parameters,
+// as every purge batch. A row that another purge deletes meanwhile is
+// waited for and skipped (READ COMMITTED's recheck), so two purges that
+// chose the same rows delete them once; rows are not locked first, for the
+// reason given on postgresDialect.purgeStatement (a WAL record for every
+// row).
+//
+// found is the rows chosen, so that a batch that lost some of its rows to
+// another purge does not end the purge while its slice holds more; a short
+// batch ends its slice, and the purge goes on with the next (found is
+// q.size) until the last. Then it looks for expired rows left (written
+// expired behind the walk while it ran, or chosen by another purge that
+// rolled back) and, if there are any, walks the table once more.
+func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
+	w := q.walk
+	if w.slices == nil {
+		var tp tablePartitions
+		err := withReadTx(ctx, db, d, func(rq sqlx.QueryerContext) error {
+			t, err := canonicalTable(ctx, rq, d, w.table)
+			if err != nil {
+				return err
+			}
+			tp, err = listPartitions(ctx, rq, t)
+			return err
+		})
+		if err != nil {
+			return 0, 0, err
+		}
+		w.slices, w.at, w.key = partitionedPurgeSlices(tp, w.cutoff), 0, purgeKey{}
+	}
+	where := w.slices[w.at] + " AND " + w.expired
+	if k := w.key; k.set {
+		at := "timestamptz '-infinity'"
+		if k.micros.Valid {
+			at = pgMicrosConstant(k.micros.Int64)
+		}
+		where += " AND (consumer, message_id, processed_at) > (" + pgStringConstant(k.consumer) + ", " + pgStringConstant(k.messageID) + ", " + at + ")"
+	}
+	tq := w.table.quoted(d)
+	stmt := "WITH chosen AS MATERIALIZED (SELECT ctid, consumer, message_id, processed_at FROM " + tq + " WHERE " + where +
+		" ORDER BY consumer, message_id, processed_at LIMIT " + strconv.FormatInt(q.size, 10) + ")," +
+		" deleted AS (DELETE FROM " + tq + " WHERE " + w.slices[w.at] + " AND " + w.expired +
+		" AND ctid = ANY(ARRAY(SELECT ctid FROM chosen))" +
+		" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING 1)" +
+		" SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM chosen), last.consumer, last.message_id, last.micros" +
+		" FROM (SELECT) AS one LEFT JOIN (SELECT consumer, message_id," +
+		" CASE WHEN isfinite(processed_at) THEN (extract(epoch FROM processed_at) * 1000000)::bigint END AS micros" +
+		" FROM chosen ORDER BY consumer DESC, message_id DESC, processed_at DESC LIMIT 1) AS last ON true"
+	var last struct {
+		consumer, messageID sql.NullString
+		micros              sql.NullInt64
+	}
+	if err := db.QueryRowxContext(ctx, stmt).Scan(&deleted, &found, &last.consumer, &last.messageID, &last.micros); err != nil {
+		return 0, 0, err
+	}
+	if found >= q.size {
+		w.key = purgeKey{consumer: last.consumer.String, messageID: last.messageID.String, micros: last.micros, set: true}
+		return deleted, found, nil
+	}
+	if w.at++; w.at < len(w.slices) {
+		w.key = purgeKey{}
+		return deleted, q.size, nil // the next slice
+	}
+	// The end of the walk.
+	var left int64
+	if err := db.QueryRowxContext(ctx, q.remaining).Scan(&left); err != nil {
+		// The batch's delete has committed: its rows count.
+		return deleted, 0, fmt.Errorf("look for expired rows left: %w", err)
+	}
+	if left > 0 {
+		w.slices = nil
+		return deleted, q.size, nil
+	}
+	return deleted, found, nil
 }
 
 // Whole partitions: create the coming days', drop those past the window

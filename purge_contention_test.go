@@ -19,8 +19,7 @@ import (
 // purge's batch waits for, and once it commits, the purge still deletes
 // the other 1,500 expired rows and only those. PostgreSQL and MySQL/MariaDB
 // (SQLite runs one writer at a time: there a batch never meets another's
-// deletes); on a partitioned table the batch skips the locked rows instead
-// of waiting, with the same result.
+// deletes).
 func TestPurgeGoesOnAfterLosingABatchToAnotherPurge(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
 		if tdb.Dialect == inbox.SQLite {
@@ -52,22 +51,13 @@ func TestPurgeGoesOnAfterLosingABatchToAnotherPurge(t *testing.T) {
 			n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: f.inbox, OlderThan: time.Hour, BatchSize: 1000, DutyCycle: 1})
 			done <- result{n, err}
 		}()
-		var r result
-		if tdb.Dialect == inbox.PostgreSQLPartitioned {
-			// Its batches lock their rows with SKIP LOCKED (they delete
-			// by primary key): they pass over the other purge's rows.
-			r = <-done
-		} else {
-			// The purge's first batch chose the same 1,000 rows and waits
-			// for their deletes to end.
-			waitForPurgeLockWait(t, db, tdb.Dialect, f.inbox)
-		}
+		// The purge's first batch chose the same 1,000 rows and waits for
+		// their deletes to end.
+		waitForPurgeLockWait(t, db, tdb.Dialect, f.inbox)
 		if err := other.Commit(); err != nil {
 			t.Fatal(err)
 		}
-		if tdb.Dialect != inbox.PostgreSQLPartitioned {
-			r = <-done
-		}
+		r := <-done
 		if r.err != nil || r.deleted != 1500 {
 			t.Fatalf("purge: deleted %d, err %v; want the 1500 rows the other purge left, nil", r.deleted, r.err)
 		}

@@ -101,3 +101,80 @@ func fillWindow(b *testing.B, db *sqlx.DB, table string, n int) {
 		b.Fatal(err)
 	}
 }
+
+// BenchmarkPartitionedPurge/<scope>: Purge on a PostgreSQLPartitioned table
+// (daily partitions) whose rows are all past the window, spread over three
+// days across four consumers, at two sizes: 30,000 and 300,000 rows. scope
+// is all (every consumer's rows) or consumer (PurgeConfig.Consumer, one
+// consumer's quarter: a Purger's batches for a consumer whose partitions
+// hold other consumers' rows). It reports the mean time of a 1,000-row
+// batch at each size (ms/batch-30k, ms/batch-300k) and their ratio
+// (x-300k/30k): a batch whose cost grows with the table makes a purge's
+// time grow with the square of its rows, and never catches up with a large
+// table.
+func BenchmarkPartitionedPurge(b *testing.B) {
+	db := testdb.OpenPostgres(b, "")
+	warm(b, db)
+	for _, scope := range []string{"all", "consumer"} {
+		b.Run(scope, func(b *testing.B) {
+			consumer := ""
+			if scope == "consumer" {
+				consumer = "consumer-0"
+			}
+			sizes := []int{30_000, 300_000}
+			perBatch := make([]time.Duration, len(sizes))
+			for range b.N {
+				for i, rows := range sizes {
+					perBatch[i] += purgeExpiredPartitions(b, db, rows, consumer) / time.Duration(b.N)
+				}
+			}
+			b.ReportMetric(float64(perBatch[0].Microseconds())/1000, "ms/batch-30k")
+			b.ReportMetric(float64(perBatch[1].Microseconds())/1000, "ms/batch-300k")
+			b.ReportMetric(float64(perBatch[1])/float64(perBatch[0]), "x-300k/30k")
+		})
+	}
+}
+
+// purgeExpiredPartitions fills a new daily-partitioned table with rows
+// expired rows (four consumers, over three days ending two days ago),
+// purges it (of consumer's rows only, unless it is "") in batches of 1,000
+// with the timer running, and returns the mean time of a batch.
+func purgeExpiredPartitions(b *testing.B, db *sqlx.DB, rows int, consumer string) time.Duration {
+	b.StopTimer()
+	ctx := context.Background()
+	table := "bench_inbox_" + testdb.RandomSuffix()
+	defer db.Exec("DROP TABLE IF EXISTS " + table + " CASCADE")
+	if err := inbox.InitializePartitions(ctx, db, table, inbox.PartitionDay); err != nil {
+		b.Fatal(err)
+	}
+	var now time.Time
+	if err := db.Get(&now, "SELECT now()"); err != nil {
+		b.Fatal(err)
+	}
+	if err := inbox.CreatePartitions(ctx, db, table, now.AddDate(0, 0, -6), 7); err != nil {
+		b.Fatal(err)
+	}
+	step := (3 * 24 * time.Hour).Microseconds() / int64(rows)
+	if _, err := db.Exec(fmt.Sprintf(`INSERT INTO %s (consumer, message_id, processed_at)
+		SELECT 'consumer-' || (g %% 4), md5(random()::text || g), now() - interval '2 days' - (g::bigint * %d) * interval '1 microsecond'
+		FROM generate_series(1, %d) g`, table, step, rows)); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := db.Exec("VACUUM ANALYZE " + table); err != nil {
+		b.Fatal(err)
+	}
+	want := int64(rows)
+	if consumer != "" {
+		want /= 4
+	}
+	b.StartTimer()
+	start := time.Now()
+	n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table,
+		OlderThan: 24 * time.Hour, BatchSize: 1000, DutyCycle: 1, Consumer: consumer})
+	took := time.Since(start)
+	b.StopTimer()
+	if err != nil || n != want {
+		b.Fatalf("purge of %d rows: deleted %d, %v; want %d", rows, n, err, want)
+	}
+	return took / time.Duration((n+999)/1000)
+}

@@ -1,0 +1,137 @@
+package inbox_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// A Purge of a partitioned table walks it partition by partition, each in
+// its primary key's order, carrying the last key it chose into the next
+// statement as constants: every expired row is deleted and every young one
+// kept, whatever bytes the
+// keys hold (quotes, backslashes, multi-byte characters, ids that differ in
+// case only, the longest id), at every batch size around the counts, with
+// a consumer filter and without, for a '-infinity' processed_at (a
+// hand-written backfill, in a partition from MINVALUE), and for a young row
+// of the same consumer and id as an expired one in another partition.
+func TestPartitionedPurgeDeletesEveryExpiredRowWhateverItsKey(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	ids := []string{`o'brien`, `o'brien\`, `\'; DELETE FROM x; --`, `Ünïcödé-✓`, `CASE`, `case`, `a b`, ``, strings.Repeat("z", 255)}
+	ids[7] = "\u00a0" // not empty: a no-break space
+	consumers := []string{`it's`, `back\slash`}
+	for _, bs := range []int{1, 2, 5, 9, 10, 1000} {
+		for _, only := range []string{"", consumers[0]} {
+			t.Run(fmt.Sprintf("batch %d consumer %q", bs, only), func(t *testing.T) {
+				table := dailyPartitionedTable(t, db)
+				if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -5), 6); err != nil {
+					t.Fatal(err)
+				}
+				var oldest string
+				if err := db.Get(&oldest, "SELECT min(pg_get_expr(c.relpartbound, c.oid)) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = $1::regclass", table); err != nil {
+					t.Fatal(err)
+				}
+				from := strings.TrimSuffix(strings.TrimPrefix(oldest, "FOR VALUES FROM ("), ")")
+				from = from[:strings.Index(from, ")")]
+				exec(t, db, "CREATE TABLE "+table+"_before PARTITION OF "+table+" FOR VALUES FROM (MINVALUE) TO ("+from+")")
+				for _, c := range consumers {
+					for i, id := range ids {
+						// Expired, three days ago; the first id also young
+						// (now) in today's partition, the same key but for
+						// processed_at.
+						exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ($1, $2, now() - interval '3 days' + $3 * interval '1 second')", c, id, i)
+					}
+					exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ($1, $2, now())", c, ids[0])
+					exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ($1, 'backfilled', '-infinity')", c)
+				}
+				n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: bs, Consumer: only, DutyCycle: 1})
+				expired := len(consumers) * (len(ids) + 1)
+				if only != "" {
+					expired = len(ids) + 1
+				}
+				if err != nil || n != int64(expired) {
+					t.Fatalf("purge: deleted %d, err %v; want %d, nil", n, err, expired)
+				}
+				if left := count(t, db, table, "processed_at < now() - interval '1 day'"+map[bool]string{true: "", false: " AND consumer = '" + strings.ReplaceAll(only, "'", "''") + "'"}[only == ""]); left != 0 {
+					t.Errorf("%d expired rows left, want none", left)
+				}
+				young := count(t, db, table, "processed_at > now() - interval '1 hour' AND message_id = $1", ids[0])
+				if young != len(consumers) {
+					t.Errorf("%d young rows of the first id left, want %d", young, len(consumers))
+				}
+				if only != "" {
+					if other := count(t, db, table, "consumer = $1", consumers[1]); other != len(ids)+2 {
+						t.Errorf("the other consumer has %d rows left, want all %d", other, len(ids)+2)
+					}
+				}
+			})
+		}
+	}
+}
+
+// Expired rows written while a partitioned table's purge runs, at keys it
+// has passed (a backfill, a transaction that stayed open past the window),
+// are deleted by that purge: once its walk of the partitions ends, it
+// looks for expired rows left behind it and walks again.
+func TestPartitionedPurgeDeletesRowsWrittenBehindItsKey(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -5), 6); err != nil {
+		t.Fatal(err)
+	}
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "m", 3000, 2*24*time.Hour)
+	batches := 0
+	cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 1000, DutyCycle: 1}, func() {
+		if batches++; batches == 3 {
+			// "a-…" sorts before every "m-…" the purge has walked.
+			insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "a", 10, 3*24*time.Hour)
+		}
+	}, nil)
+	deleted, err := inbox.Purge(ctx, cfg)
+	if err != nil || deleted != 3010 {
+		t.Errorf("deleted %d (%v), want 3010: the 3000 rows and the 10 written behind the key", deleted, err)
+	}
+	if left := count(t, db, table, ""); left != 0 {
+		t.Errorf("%d rows left (%d of them written behind the key), want none", left, count(t, db, table, "message_id LIKE 'a-%'"))
+	}
+}
+
+// Expired rows in a DEFAULT partition (written while no range partition
+// covered their time) are deleted too, and nothing else: the DEFAULT
+// partition's rows sit at the same ctids as the range partitions' young
+// rows, and the batch that deletes them by ctid must not take those.
+func TestPartitionedPurgeDeletesExpiredRowsOfTheDefaultPartition(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	exec(t, db, "CREATE TABLE "+table+"_default PARTITION OF "+table+" DEFAULT")
+	var young int
+	if err := db.Get(&young, "SELECT count(*) FROM "+table); err != nil || young != 0 {
+		t.Fatal(young, err)
+	}
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "old", 30, 10*24*time.Hour) // before every range partition
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "young", 30, 0)
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "future", 5, -400*24*time.Hour) // after every range partition
+	if n := count(t, db, table+"_default", ""); n != 35 {
+		t.Fatalf("%d rows in the DEFAULT partition, want the 30 old and 5 future ones", n)
+	}
+	for _, bs := range []int{1, 7, 1000} {
+		n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: bs, DutyCycle: 1})
+		if want := map[int]int64{1: 30}[bs]; err != nil || n != want {
+			t.Fatalf("batch %d: deleted %d, err %v; want %d, nil", bs, n, err, want)
+		}
+		if got := count(t, db, table, "message_id LIKE 'old-%'"); got != 0 {
+			t.Errorf("batch %d: %d old rows left", bs, got)
+		}
+		if got := count(t, db, table, "message_id NOT LIKE 'old-%'"); got != 35 {
+			t.Errorf("batch %d: %d young and future rows left, want 35", bs, got)
+		}
+	}
+}
