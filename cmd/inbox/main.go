@@ -246,6 +246,32 @@ func (c common) dialectOrNil() (inbox.Dialect, error) {
 	return d, nil
 }
 
+// pgxExecModeDSN returns the postgres:// URL dsn with
+// default_query_exec_mode=exec added to its query unless the query sets that
+// parameter already. The rest of the query is kept as written, without the
+// empty parameters that a trailing '?' or '&' leaves (pgx skips them, but a
+// parameter appended after them would read "?&" or "&&", which pgx refuses).
+// A dsn that is not a URL is a usage error.
+func pgxExecModeDSN(dsn string) (string, error) {
+	u, err := url.Parse(dsn)
+	if err != nil {
+		return "", fmt.Errorf("%w: -db is not a postgres:// URL: %w", errUsage, err)
+	}
+	q, err := url.ParseQuery(u.RawQuery)
+	if err != nil {
+		return "", fmt.Errorf("%w: the query of -db: %w", errUsage, err)
+	}
+	if q.Has("default_query_exec_mode") {
+		return dsn, nil
+	}
+	raw := strings.Trim(u.RawQuery, "&")
+	if raw != "" {
+		raw += "&"
+	}
+	u.RawQuery, u.ForceQuery = raw+"default_query_exec_mode=exec", false
+	return u.String(), nil
+}
+
 // open connects to c.dsn, choosing the driver from its form. Unless create
 // is set (schema -apply), a SQLite database file must exist already: it is
 // checked before the driver sees the DSN, and opened with mode=rw so that the
@@ -267,12 +293,8 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 		// fails with 42P05/26000. A command runs few statements, so the
 		// cache would save nothing.
 		driver = "pgx"
-		if !strings.Contains(dsn, "default_query_exec_mode=") {
-			sep := "?"
-			if strings.Contains(dsn, "?") {
-				sep = "&"
-			}
-			dsn += sep + "default_query_exec_mode=exec"
+		if dsn, err = pgxExecModeDSN(dsn); err != nil {
+			return nil, nil, err
 		}
 	case strings.HasPrefix(dsn, "mysql://"), strings.HasPrefix(dsn, "mariadb://"):
 		driver = "mysql"

@@ -637,3 +637,30 @@ func TestCommandsRefuseADialectForAnotherServersDSN(t *testing.T) {
 		}
 	}
 }
+
+// A postgres:// DSN whose query ends in '?' or '&', or that already sets
+// the exec mode, connects as pgx would connect it: the exec mode the CLI
+// adds joins the query as one more parameter, never after an empty one
+// ("?&", "&&"), which pgx refuses.
+func TestPostgresDSNWithAnEmptyQueryParameterConnects(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := "cli_" + testdb.RandomSuffix()
+	testdb.DropLater(t, db, table)
+	base := testdb.PostgresDSN()
+	if i := strings.IndexByte(base, '?'); i >= 0 {
+		base = base[:i]
+	}
+	if code, out, errOut := cli(t, "schema", "-db", base, "-table", table, "-apply"); code != 0 || !strings.Contains(out, "is ready") {
+		t.Fatalf("schema -apply -db %s: %d %q %q", base, code, out, errOut)
+	}
+	for _, dsn := range []string{
+		base + "?",
+		base + "?sslmode=disable&",
+		base + "?&sslmode=disable",
+		base + "?sslmode=disable&default_query_exec_mode=simple_protocol",
+	} {
+		if code, out, errOut := cli(t, "stats", "-db", dsn, "-table", table); code != 0 || !strings.Contains(out, "rows:") {
+			t.Errorf("stats -db %s: %d %q %q", dsn, code, out, errOut)
+		}
+	}
+}
