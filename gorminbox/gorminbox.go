@@ -23,6 +23,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 
 	"gorm.io/gorm"
 
@@ -86,16 +87,23 @@ var ErrTxOwnedByInbox = errors.New("gorminbox: the session runs in the inbox tra
 // pgxinbox), DB returns nil and inbox.MissingTxError(ctx), which wraps
 // inbox.ErrNoTx and says which case it is. A nil db is an error too.
 //
-// The session is valid until the handler returns, like the transaction. It
-// may be used from goroutines the handler starts and waits for (a *sql.Tx
-// runs their statements one at a time), but not while one of them runs
-// Transaction: the savepoint spans the whole inbox transaction, and when fc
-// fails, what another goroutine wrote meanwhile (through the session,
-// inbox.TxFromContext or inbox.OutboxFromContext) is undone with it although
-// its statement returned nil, and the message is acked without it. GORM
-// gives fc the same connection pool, so nothing can tell its statements from
-// the others' and refuse them. It is not safe for use after the handler
-// returned.
+// The session is valid until the handler returns, like the transaction.
+// Once the inbox has ended the transaction (from an inbox.AfterCommit
+// function, or a goroutine that outlived the handler), DB refuses with an
+// error that wraps both inbox.ErrNoTx and sql.ErrTxDone; a session taken
+// before then fails each statement with sql.ErrTxDone.
+//
+// Like the *sql.Tx under it, the session is not safe for concurrent use:
+// run its calls, the handler's other statements on the transaction and
+// its outbox Publish calls from one goroutine at a time. database/sql
+// serialises each call, not a query and the reading of its rows, and
+// GORM's inserts on PostgreSQL are queries (RETURNING): another
+// goroutine's statement in between fails on pgx's stdlib with "conn busy"
+// or panics in the goroutine reading the rows (a panic that Watermill's
+// Recoverer does not catch: the process exits), and breaks a
+// go-sql-driver/mysql connection ("busy buffer"). Transaction makes it
+// worse: its savepoint spans the whole inbox transaction, so when fc fails
+// it undoes whatever else was written into the transaction meanwhile.
 func DB(ctx context.Context, db *gorm.DB) (*gorm.DB, error) {
 	if db == nil {
 		return nil, errors.New("gorminbox: nil *gorm.DB: pass the application's *gorm.DB")
@@ -103,6 +111,12 @@ func DB(ctx context.Context, db *gorm.DB) (*gorm.DB, error) {
 	tx, ok := inbox.TxFromContext(ctx)
 	if !ok {
 		return nil, inbox.MissingTxError(ctx)
+	}
+	// AfterCommit refuses once the middleware has ended the transaction;
+	// before that, the function it registers does nothing after the commit.
+	if !inbox.AfterCommit(ctx, func() {}) {
+		return nil, fmt.Errorf("gorminbox: %w: the message's inbox transaction has ended (DB was called after the handler"+
+			" returned: from an inbox.AfterCommit function, or a goroutine that outlived the handler): %w", inbox.ErrNoTx, sql.ErrTxDone)
 	}
 	// As gorm's own Begin does: a session with a Statement of its own, whose
 	// ConnPool is the transaction. NewDB keeps it there for every chain.

@@ -2,6 +2,7 @@ package gorminbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -320,4 +321,53 @@ func TestDB_refuses_a_message_claimed_by_pgxinbox(t *testing.T) {
 	if err := out.Last(); !errors.Is(err, inbox.ErrNoTx) || !strings.Contains(err.Error(), "pgxinbox") {
 		t.Errorf("router got %v, want an error wrapping inbox.ErrNoTx that names pgxinbox", err)
 	}
+}
+
+// Once the inbox has ended the message's transaction, DB refuses, with an
+// error wrapping inbox.ErrNoTx and sql.ErrTxDone, instead of returning a
+// session whose every statement fails later: from an inbox.AfterCommit
+// function and from a goroutine that outlived the handler (here the test's,
+// after the ack). The message itself is processed.
+func TestDB_refuses_once_the_inbox_transaction_has_ended(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		var afterCommitErr error
+		var afterCommitDB *gorm.DB
+		var handlerCtx context.Context
+		in, out := fx.router(true, func(msg *message.Message) error {
+			ctx := msg.Context()
+			handlerCtx = ctx
+			db, err := gorminbox.DB(ctx, fx.gdb)
+			if err != nil {
+				return err
+			}
+			if !inbox.AfterCommit(ctx, func() { afterCommitDB, afterCommitErr = gorminbox.DB(ctx, fx.gdb) }) {
+				return errors.New("AfterCommit refused in the handler")
+			}
+			return createInvoice(db, msg.Metadata.Get("order_id"))
+		})
+		id := "order-" + testdb.RandomSuffix()
+		if !in.Deliver(t, testrouter.Order(id)) {
+			t.Fatalf("nacked: %v", out.Last())
+		}
+		if inv, _, _ := fx.invoices(id); inv != 1 {
+			t.Errorf("invoices %d, want 1", inv)
+		}
+		for name, got := range map[string]struct {
+			db  *gorm.DB
+			err error
+		}{
+			"in an AfterCommit function": {afterCommitDB, afterCommitErr},
+			"after the handler returned": func() (r struct {
+				db  *gorm.DB
+				err error
+			}) {
+				r.db, r.err = gorminbox.DB(handlerCtx, fx.gdb)
+				return r
+			}(),
+		} {
+			if got.db != nil || !errors.Is(got.err, inbox.ErrNoTx) || !errors.Is(got.err, sql.ErrTxDone) {
+				t.Errorf("DB %s = %v, %v; want nil and an error wrapping inbox.ErrNoTx and sql.ErrTxDone", name, got.db, got.err)
+			}
+		}
+	})
 }
