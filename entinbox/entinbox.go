@@ -85,14 +85,25 @@ import (
 // pgxinbox), Driver returns nil and inbox.MissingTxError(ctx), which wraps
 // inbox.ErrNoTx and says which case it is. Another dialect name is an error.
 //
-// The driver is valid until the handler returns, like the transaction. It
-// may be used from goroutines the handler starts and waits for (a *sql.Tx
-// runs their statements one at a time), but a savepoint spans the whole
-// transaction: while one goroutine's transaction is open (client.Tx, or
-// the one ent's builders open for UpdateOne, Update and a Create with
-// edges), another's statements fail with ErrTxOpen, on that client or any
-// other of the message. Make one client per message and call it from one
-// goroutine at a time.
+// The driver is valid until the handler returns, like the transaction.
+// Once the inbox has ended the transaction (from an inbox.AfterCommit
+// function, or a goroutine that outlived the handler), Driver refuses with
+// an error that wraps both inbox.ErrNoTx and sql.ErrTxDone; a driver taken
+// before then fails each statement with sql.ErrTxDone.
+//
+// Like the *sql.Tx under it, the driver and its clients are not safe for
+// concurrent use: run their calls, the handler's other statements on the
+// transaction and its outbox Publish calls from one goroutine at a time.
+// database/sql serialises each call, not a query and the reading of its
+// rows, and ent's creates on PostgreSQL are queries (RETURNING): another
+// goroutine's statement in between fails on pgx's stdlib with "conn busy"
+// or panics in the goroutine reading the rows (a panic that Watermill's
+// Recoverer does not catch: the process exits), and breaks a
+// go-sql-driver/mysql connection ("busy buffer"). A savepoint spans the
+// whole transaction besides: while a transaction of a client is open
+// (client.Tx, or the one ent's builders open for UpdateOne, Update and a
+// Create with edges), the statements of every client of the message fail
+// with ErrTxOpen.
 func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
 	switch dialectName {
 	case dialect.Postgres, dialect.MySQL, dialect.SQLite:
@@ -102,6 +113,12 @@ func Driver(ctx context.Context, dialectName string) (dialect.Driver, error) {
 	tx, ok := inbox.TxFromContext(ctx)
 	if !ok {
 		return nil, inbox.MissingTxError(ctx)
+	}
+	// AfterCommit refuses once the middleware has ended the transaction;
+	// before that, the function it registers does nothing after the commit.
+	if !inbox.AfterCommit(ctx, func() {}) {
+		return nil, fmt.Errorf("entinbox: %w: the message's inbox transaction has ended (Driver was called after the handler"+
+			" returned: from an inbox.AfterCommit function, or a goroutine that outlived the handler): %w", inbox.ErrNoTx, sql.ErrTxDone)
 	}
 	return &txDriver{Conn: entsql.Conn{ExecQuerier: tx.Tx}, tx: tx.Tx, dialect: dialectName, guard: guardOf(tx.Tx)}, nil
 }

@@ -420,3 +420,42 @@ func TestClient_refuses_a_message_claimed_by_pgxinbox(t *testing.T) {
 		t.Errorf("router got %v (client built: %v), want an error wrapping inbox.ErrNoTx that names pgxinbox", err, called)
 	}
 }
+
+// Once the inbox has ended the message's transaction, Driver (and Client)
+// refuse, with an error wrapping inbox.ErrNoTx and sql.ErrTxDone, instead of
+// returning a driver whose every statement fails later: from an
+// inbox.AfterCommit function and from a goroutine that outlived the handler
+// (here the test's, after the ack). The message itself is processed.
+func TestDriver_refuses_once_the_inbox_transaction_has_ended(t *testing.T) {
+	forEachDB(t, func(t *testing.T, fx *fixture) {
+		var afterCommitErr error
+		var handlerCtx context.Context
+		in, out := fx.router(true, func(msg *message.Message) error {
+			ctx := msg.Context()
+			handlerCtx = ctx
+			client, err := fx.clientFor(msg)
+			if err != nil {
+				return err
+			}
+			if !inbox.AfterCommit(ctx, func() { _, afterCommitErr = entinbox.Client(ctx, fx.dialect, newClient) }) {
+				return errors.New("AfterCommit refused in the handler")
+			}
+			return issue(ctx, client, msg.Metadata.Get("order_id"))
+		})
+		if !in.Deliver(t, testrouter.Order(fx.orderID)) {
+			t.Fatalf("nacked: %v", out.Last())
+		}
+		if _, _, ok := fx.invoice(fx.orderID); !ok {
+			t.Error("no invoice written")
+		}
+		drv, afterErr := entinbox.Driver(handlerCtx, fx.dialect)
+		for name, err := range map[string]error{"in an AfterCommit function": afterCommitErr, "after the handler returned": afterErr} {
+			if !errors.Is(err, inbox.ErrNoTx) || !errors.Is(err, sql.ErrTxDone) {
+				t.Errorf("Driver %s: %v; want an error wrapping inbox.ErrNoTx and sql.ErrTxDone", name, err)
+			}
+		}
+		if drv != nil {
+			t.Errorf("Driver after the handler returned = %v; want nil", drv)
+		}
+	})
+}
