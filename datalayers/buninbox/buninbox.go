@@ -62,8 +62,20 @@ var ErrNestedTx = errors.New("buninbox: a nested bun transaction (BeginTx, RunIn
 // inbox.ErrNoTx and says what is missing: no inbox middleware around the
 // handler or ctx is not msg.Context() (inbox.MissingTxError's text), or the
 // message was claimed by a pgxinbox.Inbox, whose pgx.Tx bun cannot use.
-// It is safe for concurrent use; so is the handle, as far as a *sql.Tx is
-// (its statements run one at a time on its connection).
+// Once the inbox has ended the transaction (from an inbox.AfterCommit
+// function, or a goroutine that outlived the handler), it refuses with an
+// error that wraps both inbox.ErrNoTx and sql.ErrTxDone; a handle taken
+// before then fails each statement with sql.ErrTxDone.
+//
+// Tx is safe for concurrent use; the handle is not, like the *sql.Tx under
+// it: run its calls, the handler's other statements on the transaction and
+// its outbox Publish calls from one goroutine at a time. database/sql
+// serialises each call, not a query and the reading of its rows, and bun's
+// inserts on PostgreSQL are queries (RETURNING): another goroutine's
+// statement in between fails on pgx's stdlib with "conn busy" or panics in
+// the goroutine reading the rows (a panic that Watermill's Recoverer does
+// not catch: the process exits), and breaks a go-sql-driver/mysql
+// connection ("busy buffer").
 func Tx(ctx context.Context, db *bun.DB) (bun.IDB, error) {
 	tx, ok := inbox.TxFromContext(ctx)
 	if !ok {
@@ -75,6 +87,12 @@ func Tx(ctx context.Context, db *bun.DB) (bun.IDB, error) {
 	}
 	if db == nil {
 		return nil, errors.New("buninbox: Tx needs the application's *bun.DB, got nil")
+	}
+	// AfterCommit refuses once the middleware has ended the transaction;
+	// before that, the function it registers does nothing after the commit.
+	if !inbox.AfterCommit(ctx, func() {}) {
+		return nil, fmt.Errorf("buninbox: %w: the message's inbox transaction has ended (Tx was called after the handler"+
+			" returned: from an inbox.AfterCommit function, or a goroutine that outlived the handler): %w", inbox.ErrNoTx, sql.ErrTxDone)
 	}
 	return idb{db: db, tx: tx.Tx}, nil
 }

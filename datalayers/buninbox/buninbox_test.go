@@ -2,6 +2,7 @@ package buninbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -187,4 +188,25 @@ func (l *queryLog) all() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]string(nil), l.queries...)
+}
+
+// Once the inbox has ended the message's transaction, Tx refuses with an
+// error that wraps inbox.ErrNoTx and sql.ErrTxDone, on every database:
+// from an inbox.AfterCommit function and from a goroutine that outlived
+// the handler.
+func TestBunRefusesOnceTheTransactionHasEnded(t *testing.T) {
+	t.Parallel()
+	for _, k := range []harness.Kind{harness.PostgreSQL, harness.MariaDB, harness.SQLite} {
+		t.Run(string(k), func(t *testing.T) {
+			t.Parallel()
+			d, db := openBun(t, k)
+			inAfterCommit, afterReturn := harness.WriteAfterTheTransactionEnded(t,
+				harness.Env{Inbox: d.Inbox(t), Write: writeInvoice(db), Count: d.Count})
+			for name, err := range map[string]error{"in an AfterCommit function": inAfterCommit, "after the handler returned": afterReturn} {
+				if !errors.Is(err, inbox.ErrNoTx) || !errors.Is(err, sql.ErrTxDone) {
+					t.Errorf("%s: %v; want an error that wraps inbox.ErrNoTx and sql.ErrTxDone", name, err)
+				}
+			}
+		})
+	}
 }

@@ -30,8 +30,11 @@ package sqlcinbox
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"reflect"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/pgxinbox"
@@ -49,18 +52,31 @@ import (
 // When the transaction is not of the kind the generated DBTX takes (code
 // generated with sql_package pgx/v5 under an inbox.Inbox, or with
 // database/sql under a pgxinbox.Inbox), the error also wraps inbox.ErrNoTx
-// and names both. Either way newQueries is not called. It is safe for
-// concurrent use.
+// and names both. Once the inbox has ended the transaction (from an
+// inbox.AfterCommit function, or a goroutine that outlived the handler),
+// the error wraps inbox.ErrNoTx and what the transaction's statements
+// would fail with: sql.ErrTxDone, or pgx.ErrTxClosed. In each case
+// newQueries is not called. It is safe for concurrent use; the queries are
+// not, like the transaction under them: run them, the handler's other
+// statements on the transaction and its outbox Publish calls from one
+// goroutine at a time (see inbox.TxFromContext).
 func Queries[DBTX, Q any](ctx context.Context, newQueries func(DBTX) Q) (Q, error) {
 	var zero Q
 	var tx any
 	var kind, fix string
+	var done error // what the transaction's statements fail with once it has ended
 	if sqlTx, ok := inbox.TxFromContext(ctx); ok {
-		tx, kind, fix = sqlTx.Tx, "*sql.Tx", "generate the queries with sql_package database/sql, or make the Inbox with pgxinbox.New"
+		tx, kind, fix, done = sqlTx.Tx, "*sql.Tx", "generate the queries with sql_package database/sql, or make the Inbox with pgxinbox.New", sql.ErrTxDone
 	} else if pgxTx, ok := pgxinbox.TxFromContext(ctx); ok {
-		tx, kind, fix = pgxTx, "pgx.Tx", "generate the queries with sql_package pgx/v5, or make the Inbox with inbox.New"
+		tx, kind, fix, done = pgxTx, "pgx.Tx", "generate the queries with sql_package pgx/v5, or make the Inbox with inbox.New", pgx.ErrTxClosed
 	} else {
 		return zero, fmt.Errorf("sqlcinbox: %w", inbox.MissingTxError(ctx))
+	}
+	// AfterCommit refuses once the middleware has ended the transaction;
+	// before that, the function it registers does nothing after the commit.
+	if !inbox.AfterCommit(ctx, func() {}) {
+		return zero, fmt.Errorf("sqlcinbox: %w: the message's inbox transaction has ended (Queries was called after the handler"+
+			" returned: from an inbox.AfterCommit function, or a goroutine that outlived the handler): %w", inbox.ErrNoTx, done)
 	}
 	db, ok := tx.(DBTX)
 	if !ok {

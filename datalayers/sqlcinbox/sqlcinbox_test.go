@@ -2,12 +2,14 @@ package sqlcinbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/datalayers/internal/harness"
@@ -246,4 +248,41 @@ func readBack(err error, got, want int64) error {
 		return fmt.Errorf("read back amount %d, wrote %d", got, want)
 	}
 	return nil
+}
+
+// Once the inbox has ended the message's transaction, Queries refuses with
+// an error that wraps inbox.ErrNoTx and what the transaction's statements
+// would fail with (sql.ErrTxDone, pgx.ErrTxClosed): from an
+// inbox.AfterCommit function and from a goroutine that outlived the
+// handler.
+func TestQueriesRefusesOnceTheTransactionHasEnded(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name  string
+		kind  harness.Kind
+		pgx   bool
+		write func(*message.Message) error
+		done  error
+	}{
+		{"postgres/database-sql", harness.PostgreSQL, false, writePG(pgFromHelper), sql.ErrTxDone},
+		{"postgres/pgx", harness.PostgreSQL, true, writePgx(pgxFromHelper), pgx.ErrTxClosed},
+		{"mariadb", harness.MariaDB, false, writeMySQL(mysqlFromHelper), sql.ErrTxDone},
+		{"sqlite", harness.SQLite, false, writeSQLite(sqliteFromHelper), sql.ErrTxDone},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			d := harness.Open(t, c.kind)
+			mw := d.Inbox(t)
+			if c.pgx {
+				mw = harness.PgxInbox(t, d.PgxPool(t))
+			}
+			inAfterCommit, afterReturn := harness.WriteAfterTheTransactionEnded(t, harness.Env{Inbox: mw, Write: c.write, Count: d.Count})
+			for name, err := range map[string]error{"in an AfterCommit function": inAfterCommit, "after the handler returned": afterReturn} {
+				if !errors.Is(err, inbox.ErrNoTx) || !errors.Is(err, c.done) {
+					t.Errorf("%s: %v; want an error that wraps inbox.ErrNoTx and %v", name, err, c.done)
+				}
+			}
+		})
+	}
 }

@@ -197,3 +197,33 @@ func (r *running) expect(t *testing.T, env Env, calls int32, invoiceRows, inboxR
 		t.Errorf("inbox rows: %d, want %d", got, inboxRows)
 	}
 }
+
+// WriteAfterTheTransactionEnded delivers one message whose handler runs
+// env.Write (which must succeed) and then returns the errors of env.Write
+// called again on the handler's context once the inbox has ended the
+// transaction: from an inbox.AfterCommit function, and after the ack (a
+// goroutine that outlived the handler). It checks that the message was
+// processed once and that neither late call wrote anything.
+func WriteAfterTheTransactionEnded(t *testing.T, env Env) (inAfterCommit, afterReturn error) {
+	t.Helper()
+	var late *message.Message
+	feed := RunRouter(t, env.Inbox(func(msg *message.Message) ([]*message.Message, error) {
+		if err := env.Write(msg); err != nil {
+			return nil, err
+		}
+		late = message.NewMessage(watermill.NewUUID(), msg.Payload)
+		late.SetContext(msg.Context())
+		if !inbox.AfterCommit(msg.Context(), func() { inAfterCommit = env.Write(late) }) {
+			return nil, errors.New("AfterCommit refused in the handler")
+		}
+		return nil, nil
+	}))
+	if !feed.Deliver(t, NewMessage(1250)) {
+		t.Fatal("nacked")
+	}
+	afterReturn = env.Write(late)
+	if got := env.Count(t, invoices.Table); got != 1 {
+		t.Errorf("invoice rows: %d, want 1 (the late writes refused)", got)
+	}
+	return inAfterCommit, afterReturn
+}
