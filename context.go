@@ -29,10 +29,16 @@ type txKey struct{}
 // (ExecContext, QueryContext) so that cancellation reaches them.
 //
 // The transaction is only valid while the handler runs; after the middleware
-// returns, the message context no longer carries it. Goroutines the handler
-// starts may use it as database/sql allows (a *sql.Tx serialises its
-// statements on its one connection), but they must be done before the
-// handler returns.
+// returns, the message context no longer carries it. Like the one
+// connection under it, it is not safe for concurrent use: run the handler's
+// statements, its ORM calls on the transaction and its outbox Publish calls
+// from one goroutine at a time, all done before the handler returns.
+// database/sql serialises each call, not a query and the reading of its
+// rows (ORM inserts with RETURNING are queries too): another goroutine's
+// statement in between fails on pgx's stdlib with "conn busy" or panics in
+// the goroutine reading the rows (a panic on a goroutine of the handler's,
+// which Watermill's Recoverer does not catch: the process exits), and
+// breaks a go-sql-driver/mysql connection ("busy buffer").
 //
 // With package pgxinbox the transaction is a pgx.Tx: this returns nil and
 // false there, and pgxinbox.TxFromContext returns it. When it returns
@@ -117,7 +123,9 @@ func contextWithTx(ctx context.Context, s *txState) context.Context {
 // published through it are written in the inbox transaction: they are sent
 // (by the forwarder or outbox relay) if the transaction commits, and never
 // if it rolls back. Like the transaction, it is only valid until the
-// handler returns.
+// handler returns, and not for concurrent use: its Publish calls are
+// statements on the transaction, to make one goroutine at a time with the
+// handler's others (see TxFromContext).
 func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 	s, ok := ctx.Value(txKey{}).(*txState)
 	if !ok || s == nil || s.publisher == nil {
