@@ -46,7 +46,12 @@
 //
 // inbox.OutboxFromContext, inbox.AfterCommit and inbox.IsTransient work on
 // this package's messages and errors (IsTransient knows pgx's errors). The
-// purge, the Purger and the stats take a *sqlx.DB: pass the Inbox's DB()
-// (ib.DB()), or DB(pool) for a pool without an Inbox. The CLI (cmd/inbox)
-// takes the pool's DSN (-db).
+// Outbox, the purge, the Purger, the stats, the metrics module's WatchTable
+// and the DDL of InitializeSchema or your migrations take a *sqlx.DB: make
+// one with DB(pool) at startup, once per pool, pass it to all of them, and
+// keep it as long as the process (close it, which leaves the pool open,
+// after they have stopped). The Inbox's DB() is the wrapper the Inbox made
+// for itself the same way, and Close closes it: a component that outlives
+// the Inbox (WatchTable, scraped until the process exits) fails on it. The
+// CLI (cmd/inbox) takes the pool's DSN (-db).
 package pgxinbox

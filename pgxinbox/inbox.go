@@ -218,10 +218,12 @@ func sqlTxOptions(l pgx.TxIsoLevel) (*sql.TxOptions, error) {
 }
 
 // DB returns the *sqlx.DB over the pool that the Inbox reads the catalog
-// with: pass it to inbox.Purge, inbox.NewPurger, inbox.Stats,
-// inbox.CountExpired and partition maintenance, which take a *sqlx.DB. It
-// borrows the pool's connections (pgx's stdlib.OpenDBFromPool, which keeps
-// none idle) and is closed by Close.
+// with, made by New with the package's DB(pool). It borrows the pool's
+// connections (pgx's stdlib.OpenDBFromPool, which keeps none idle) and is
+// closed by Close. For the Outbox (made before the Inbox), the Purger, the
+// stats, metrics' WatchTable and your DDL, prefer one DB(pool) made at
+// startup and kept for the whole process: what still uses this one after
+// Close fails (a WatchTable scrape, a purge round).
 func (ib *Inbox) DB() *sqlx.DB { return ib.db }
 
 // Close releases what the Inbox holds (see inbox.Inbox.Close) and closes
