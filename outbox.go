@@ -635,8 +635,11 @@ func OutboxSchemaSQL(d Dialect, table string) (string, error) {
 // up at its first write on a connection of OutboxConfig.DB. Its errors
 // wrap ErrOutboxMessage or the driver's error; a table the look-up did not
 // find makes Publish fail with a transient error wrapping
-// ErrTableNotFound. Each is bound to one transaction and is safe for
-// concurrent use while the transaction is open; Close does nothing.
+// ErrTableNotFound. Each is bound to one transaction, and valid while it is
+// open. Its own Publish calls run one at a time, but not apart from the
+// other statements on tx: like tx, make them from one goroutine at a time
+// with the handler's statements and ORM calls (see TxFromContext). Close
+// does nothing.
 func (o *Outbox) Publisher(tx *sqlx.Tx) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("inbox: outbox publisher: no transaction")
