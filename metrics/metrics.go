@@ -341,9 +341,10 @@ const WatchTableTimeout = 5 * time.Second
 // series. (It was an invalid metric, which failed the whole scrape under
 // promhttp's default HTTPErrorOnError: a full pool hid every series of the
 // inbox, the alerts' included.) Concurrent scrapes share the estimate in
-// flight. d nil: inferred from db; table "": DefaultTable. Registering the
-// same table twice with one registry fails with
-// prometheus.AlreadyRegisteredError.
+// flight. d nil: inferred from db; table "": DefaultTable. Watching a table
+// again on one registry replaces the earlier watch of it (a service
+// restarted in its process, whose earlier DB was closed: inbox_rows read
+// through it was gone from every scrape, for good).
 func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 	if db == nil {
 		return errors.New("metrics: WatchTable needs a DB")
@@ -352,7 +353,7 @@ func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 		table = inbox.DefaultTable
 	}
 	labels := prometheus.Labels{"table": table}
-	return m.reg.Register(&rowsCollector{
+	return m.registerReplacing(&rowsCollector{
 		estimate: &scrapeRead[int64]{
 			read: func(ctx context.Context) (int64, error) {
 				return inbox.EstimateRows(ctx, db, d, table)
@@ -363,6 +364,19 @@ func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 		errs: prometheus.NewDesc("inbox_rows_estimate_errors_total",
 			"Scrape-time estimates of the inbox table's rows that failed or did not answer within the timeout; inbox_rows is absent from those scrapes.", nil, labels),
 	})
+}
+
+// registerReplacing registers c with m's registry, in place of the
+// collector of the same series registered before, if any (see WatchTable,
+// WatchOutbox).
+func (m *Metrics) registerReplacing(c prometheus.Collector) error {
+	err := m.reg.Register(c)
+	var dup prometheus.AlreadyRegisteredError
+	if !errors.As(err, &dup) {
+		return err
+	}
+	m.reg.Unregister(dup.ExistingCollector)
+	return m.reg.Register(c)
 }
 
 // rowsCollector estimates an inbox table's rows at scrape time.
@@ -377,7 +391,7 @@ func (c *rowsCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *rowsCollector) Collect(ch chan<- prometheus.Metric) {
-	if n, ok := c.estimate.get(); ok {
+	if n, err := c.estimate.get(); err == nil {
 		ch <- prometheus.MustNewConstMetric(c.rows, prometheus.GaugeValue, float64(n))
 	}
 	ch <- prometheus.MustNewConstMetric(c.errs, prometheus.CounterValue, float64(c.estimate.failures.Load()))

@@ -107,19 +107,25 @@ func (m *Metrics) InstrumentOutbox(cfg inbox.OutboxConfig) inbox.OutboxConfig {
 // scrape and cost nothing between scrapes. A read is bounded by
 // OutboxStatsTimeout; one that fails or has not answered by then (a
 // database that is down, slow or out of connections) leaves the three gauges
-// out of that scrape and adds 1 to inbox_outbox_stats_errors_total, and the
+// out of that scrape and adds 1 to inbox_outbox_stats_errors_total (a read
+// whose count of the pending messages alone failed, a backlog too large to
+// count in time, leaves out only inbox_outbox_pending_messages: the age of
+// the oldest message, which the critical alert watches, is read apart,
+// through the primary key), and the
 // scrape carries on with every other series, so that a database outage does
 // not also hide the relay's counters that explain it (an invalid metric
 // would fail the whole scrape under promhttp's default HTTPErrorOnError). Concurrent scrapes share the read in flight, so at most
 // one query per outbox runs at a time, however many Prometheus servers
-// scrape. Registering the same table twice with one registry fails with
-// prometheus.AlreadyRegisteredError.
+// scrape. Watching a table again on one registry replaces the earlier watch
+// of it (a service restarted in its process, whose earlier Outbox and DB
+// were closed: the series read through them were gone from every scrape,
+// for good): one table's series cannot come from two watches.
 func (m *Metrics) WatchOutbox(ob *inbox.Outbox) error {
 	if ob == nil {
 		return errors.New("metrics: WatchOutbox needs an Outbox")
 	}
 	labels := prometheus.Labels{"table": ob.Table()}
-	return m.reg.Register(&outboxCollector{
+	return m.registerReplacing(&outboxCollector{
 		stats: &scrapeRead[inbox.OutboxStats]{read: ob.Stats, timeout: OutboxStatsTimeout},
 		pending: prometheus.NewDesc("inbox_outbox_pending_messages",
 			"Outbox messages not yet relayed (the outbox's depth), read at scrape time.", nil, labels),
@@ -146,8 +152,11 @@ func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
-	if st, ok := c.stats.get(); ok {
+	switch st, err := c.stats.get(); {
+	case err == nil:
 		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(st.Pending))
+		fallthrough
+	case st.Pending == -1: // read, but for the count (inbox.Outbox.Stats)
 		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, st.OldestAge.Seconds())
 		ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLettered))
 	}

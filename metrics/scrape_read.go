@@ -2,6 +2,7 @@ package metrics
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -29,9 +30,19 @@ type readCall[T any] struct {
 	err  error
 }
 
-// get returns the read's value, or false (and counts a failure) when the
-// read failed or did not answer within the timeout.
-func (r *scrapeRead[T]) get() (T, bool) {
+// errScrapeReadLate is get's error for a read that has not answered in time.
+var errScrapeReadLate = errors.New("metrics: the read did not answer within its timeout")
+
+// scrapeReadGrace is how much longer than the read's own timeout get waits
+// for it: a read that ends at its deadline with a partial value (an
+// OutboxStats whose count ran out of time) is still seen.
+const scrapeReadGrace = 200 * time.Millisecond
+
+// get returns the read's value and its error, or errScrapeReadLate when the
+// read has not answered within the timeout (and the grace), and counts a
+// failure whenever the error is not nil. The value may be partial when the
+// error is not nil: what the read returned with its error.
+func (r *scrapeRead[T]) get() (T, error) {
 	r.mu.Lock()
 	call := r.call
 	if call == nil {
@@ -40,18 +51,20 @@ func (r *scrapeRead[T]) get() (T, bool) {
 		go r.run(call)
 	}
 	r.mu.Unlock()
-	timer := time.NewTimer(r.timeout)
+	timer := time.NewTimer(r.timeout + scrapeReadGrace)
 	defer timer.Stop()
 	select {
 	case <-call.done:
 		if call.err == nil {
-			return call.v, true
+			return call.v, nil
 		}
+		r.failures.Add(1)
+		return call.v, call.err
 	case <-timer.C:
 	}
 	r.failures.Add(1)
 	var zero T
-	return zero, false
+	return zero, errScrapeReadLate
 }
 
 func (r *scrapeRead[T]) run(call *readCall[T]) {
