@@ -248,28 +248,25 @@ func (c common) dialectOrNil() (inbox.Dialect, error) {
 
 // pgxExecModeDSN returns the postgres:// URL dsn with
 // default_query_exec_mode=exec added to its query unless the query sets that
-// parameter already. The rest of the query is kept as written, without the
-// empty parameters that a trailing '?' or '&' leaves (pgx skips them, but a
-// parameter appended after them would read "?&" or "&&", which pgx refuses).
-// A dsn that is not a URL is a usage error.
+// parameter already. The rest of dsn is kept as written, as text (a URL
+// rebuilt by net/url loses the "//" of one without a host or path, such as
+// "postgres://?host=/run/postgresql", which pgx then reads as key=value
+// pairs), without the empty parameters that a trailing '?' or '&' leaves
+// (pgx skips them, but a parameter appended after them would read "?&" or
+// "&&", which pgx refuses). A query net/url cannot parse is a usage error.
 func pgxExecModeDSN(dsn string) (string, error) {
-	u, err := url.Parse(dsn)
-	if err != nil {
-		return "", fmt.Errorf("%w: -db is not a postgres:// URL: %w", errUsage, err)
-	}
-	q, err := url.ParseQuery(u.RawQuery)
+	base, query, _ := strings.Cut(dsn, "?")
+	q, err := url.ParseQuery(query)
 	if err != nil {
 		return "", fmt.Errorf("%w: the query of -db: %w", errUsage, err)
 	}
 	if q.Has("default_query_exec_mode") {
 		return dsn, nil
 	}
-	raw := strings.Trim(u.RawQuery, "&")
-	if raw != "" {
-		raw += "&"
+	if query = strings.Trim(query, "&"); query != "" {
+		query += "&"
 	}
-	u.RawQuery, u.ForceQuery = raw+"default_query_exec_mode=exec", false
-	return u.String(), nil
+	return base + "?" + query + "default_query_exec_mode=exec", nil
 }
 
 // open connects to c.dsn, choosing the driver from its form. Unless create

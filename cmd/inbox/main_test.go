@@ -653,11 +653,26 @@ func TestPostgresDSNWithAnEmptyQueryParameterConnects(t *testing.T) {
 	if code, out, errOut := cli(t, "schema", "-db", base, "-table", table, "-apply"); code != 0 || !strings.Contains(out, "is ready") {
 		t.Fatalf("schema -apply -db %s: %d %q %q", base, code, out, errOut)
 	}
+	u, err := url.Parse(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The server as parameters, the URL without a host or a path (the
+	// form for a unix socket: host=/run/postgresql).
+	params := url.Values{"host": {u.Hostname()}, "port": {u.Port()}, "dbname": {strings.TrimPrefix(u.Path, "/")}, "sslmode": {"disable"}}
+	if u.User != nil {
+		params.Set("user", u.User.Username())
+		if pw, ok := u.User.Password(); ok {
+			params.Set("password", pw)
+		}
+	}
 	for _, dsn := range []string{
 		base + "?",
 		base + "?sslmode=disable&",
 		base + "?&sslmode=disable",
 		base + "?sslmode=disable&default_query_exec_mode=simple_protocol",
+		"postgres://?" + params.Encode(),
+		"postgresql://?" + params.Encode(),
 	} {
 		if code, out, errOut := cli(t, "stats", "-db", dsn, "-table", table); code != 0 || !strings.Contains(out, "rows:") {
 			t.Errorf("stats -db %s: %d %q %q", dsn, code, out, errOut)
