@@ -293,7 +293,8 @@ type OutboxStats struct {
 	// OldestAge is how long ago the oldest pending message was written, by
 	// the database clock; 0 when none is pending.
 	OldestAge time.Duration
-	// DeadLettered is the number of messages in the dead-letter table.
+	// DeadLettered is the number of messages in the dead-letter table; -1
+	// when Stats could not count them (it then returns an error too).
 	DeadLettered int64
 	// FirstLastError is the last refusal of the first message in line
 	// (the smallest id; a topic the broker keeps refusing ends up holding
@@ -1508,13 +1509,16 @@ func (o *Outbox) warnIfNoRelay() {
 }
 
 // Stats reads the outbox's depth, the age of its oldest message and the
-// number of dead letters, in two statements: the age, the dead letters and
-// the first message's last error through the primary keys, then the depth,
-// a count of every row, which a large backlog makes slow (MariaDB: about
-// 1.3 s a million rows). When only the count fails (ctx ends first), Stats
-// returns the rest with Pending -1, and the count's error: the age of a
-// backlog stays known while its depth cannot be counted in time. A dialect
-// for another database server than the DB's gives an error wrapping
+// number of dead letters, in three statements: the age and the first
+// message's last error through the primary key, then the dead letters and
+// the depth, counts of every row, which a large table makes slow (MariaDB:
+// about 1.3 s a million rows). The oldest message is the oldest of the
+// first 100 by id: a message's id and created_at are both taken as it is
+// written (a row written by hand with an older created_at behind them is
+// not seen). When a count fails (ctx ends first), Stats returns what it
+// read before, with -1 for the counts it could not make, and the error: the
+// age of a backlog stays known while its depth cannot be counted in time. A
+// dialect for another database server than the DB's gives an error wrapping
 // ErrDialectMismatch; other errors wrap the driver's. Safe for concurrent
 // use.
 func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
@@ -1530,11 +1534,16 @@ func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
 	if err != nil {
 		return s, err
 	}
-	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.stats).Scan(&oldestU, &s.DeadLettered, &lastError); err != nil {
+	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.stats).Scan(&oldestU, &lastError); err != nil {
 		return s, fmt.Errorf("inbox: outbox stats of %s: %w", t.table, poolerHint(err))
 	}
 	s.OldestAge = time.Duration(max(oldestU.Int64, 0)) * time.Microsecond
 	s.FirstLastError = lastError.String
+	s.DeadLettered, s.Pending = -1, -1
+	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.dead).Scan(&s.DeadLettered); err != nil {
+		s.DeadLettered = -1
+		return s, fmt.Errorf("inbox: outbox stats of %s: count the dead letters: %w", t.table, poolerHint(err))
+	}
 	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.pending).Scan(&s.Pending); err != nil {
 		s.Pending = -1
 		return s, fmt.Errorf("inbox: outbox stats of %s: count the pending messages: %w", t.table, poolerHint(err))

@@ -35,9 +35,10 @@ func (o *Outbox) DeadLetterTable() string {
 // invalid table name wraps ErrInvalidTableName; a dialect for another
 // database server than db's wraps ErrDialectMismatch; other errors wrap the
 // driver's. It identifies the server (SELECT version() or
-// sqlite_version()) and runs one read-only statement (and, only after an
-// error, reads the catalog to tell a missing table); safe for concurrent
-// use.
+// sqlite_version()) and runs Outbox.Stats's three read-only statements
+// (and, only after an error, reads the catalog to tell a missing table);
+// safe for concurrent use. As Outbox.Stats, on the error of a count it
+// returns what it read before, with -1 for what it could not count.
 func ReadOutboxStats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (OutboxStats, error) {
 	if db == nil {
 		return OutboxStats{}, errors.New("inbox: ReadOutboxStats needs a DB")

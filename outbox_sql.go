@@ -105,8 +105,9 @@ type outboxSQL struct {
 	// round or the first message the broker refuses.
 	probeStatements []string
 	// stats returns the age of the oldest row in microseconds (NULL when
-	// empty), the number of dead letters and the first row's last_error
-	// (NULL when empty or not refused), and pending the number of rows.
+	// empty) and the first row's last_error (NULL when empty or not
+	// refused), dead the number of dead letters and pending the number of
+	// rows.
 	// The oldest row is the oldest of the first rows by id, read through
 	// the primary key: MIN(created_at) read every row (no index on it), as
 	// the count does, and a backlog large enough to outlast a scrape's
@@ -114,7 +115,7 @@ type outboxSQL struct {
 	// rows). A row's id and created_at are both taken as it is written, so
 	// the first ids are the oldest rows, but for writes that raced by
 	// microseconds, which reading the first 100 covers.
-	stats, pending string
+	stats, dead, pending string
 	// deadLast reads the largest id of the dead-letter table (NULL when
 	// empty), the bound of a requeue by topic or of all.
 	deadLast string
@@ -239,7 +240,8 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		bury: "INSERT INTO " + dq + " (" + outboxColumns + ", created_at, attempts, last_error, dead_at) SELECT " + outboxColumns +
 			", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)",
 		stats: "SELECT (SELECT " + ageMicros + " FROM (SELECT created_at FROM " + q + " ORDER BY id LIMIT 100) AS oldest)," +
-			" (SELECT count(*) FROM " + dq + "), (SELECT last_error FROM " + q + " ORDER BY id LIMIT 1)",
+			" (SELECT last_error FROM " + q + " ORDER BY id LIMIT 1)",
+		dead:     "SELECT count(*) FROM " + dq,
 		pending:  "SELECT count(*) FROM " + q,
 		deadLast: "SELECT MAX(id) FROM " + dq,
 		deadPick: func(ids []int64, n int, byTopic bool) string {

@@ -25,6 +25,8 @@ package metrics
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -94,6 +96,10 @@ type Metrics struct {
 	lastSuccess    *prometheus.GaugeVec
 	window         *prometheus.GaugeVec
 	outbox         outboxMetrics
+	// watches are the collectors of WatchTable and WatchOutbox, by kind
+	// and table, for UnwatchTable and UnwatchOutbox.
+	watchMu sync.Mutex
+	watches map[string]prometheus.Collector
 }
 
 // New creates the collectors and registers them with reg (for example
@@ -341,10 +347,11 @@ const WatchTableTimeout = 5 * time.Second
 // series. (It was an invalid metric, which failed the whole scrape under
 // promhttp's default HTTPErrorOnError: a full pool hid every series of the
 // inbox, the alerts' included.) Concurrent scrapes share the estimate in
-// flight. d nil: inferred from db; table "": DefaultTable. Watching a table
-// again on one registry replaces the earlier watch of it (a service
-// restarted in its process, whose earlier DB was closed: inbox_rows read
-// through it was gone from every scrape, for good).
+// flight. d nil: inferred from db; table "": DefaultTable. The watch reads
+// through db for as long as it is registered: a service restarted within
+// its process, with a new DB, calls UnwatchTable first. Watching a table
+// twice on one registry fails with an error that wraps
+// prometheus.AlreadyRegisteredError. Safe for concurrent use.
 func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 	if db == nil {
 		return errors.New("metrics: WatchTable needs a DB")
@@ -353,7 +360,7 @@ func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 		table = inbox.DefaultTable
 	}
 	labels := prometheus.Labels{"table": table}
-	return m.registerReplacing(&rowsCollector{
+	return m.watch("Table", table, &rowsCollector{
 		estimate: &scrapeRead[int64]{
 			read: func(ctx context.Context) (int64, error) {
 				return inbox.EstimateRows(ctx, db, d, table)
@@ -366,17 +373,53 @@ func (m *Metrics) WatchTable(db *sqlx.DB, d inbox.Dialect, table string) error {
 	})
 }
 
-// registerReplacing registers c with m's registry, in place of the
-// collector of the same series registered before, if any (see WatchTable,
-// WatchOutbox).
-func (m *Metrics) registerReplacing(c prometheus.Collector) error {
-	err := m.reg.Register(c)
-	var dup prometheus.AlreadyRegisteredError
-	if !errors.As(err, &dup) {
+// watch registers c, a watch of table (WatchTable, WatchOutbox: kind), and
+// remembers it for unwatch. A table watched already on m's registry fails
+// with an error that wraps prometheus.AlreadyRegisteredError and says what
+// to do.
+func (m *Metrics) watch(kind, table string, c prometheus.Collector) error {
+	m.watchMu.Lock()
+	defer m.watchMu.Unlock()
+	if err := m.reg.Register(c); err != nil {
+		var dup prometheus.AlreadyRegisteredError
+		if errors.As(err, &dup) {
+			return fmt.Errorf("metrics: %s table %q is watched already on this registry: a service restarted within its process"+
+				" unwatches it first (Unwatch%s), same-named tables of two databases take a registerer each"+
+				" (prometheus.WrapRegistererWith a label of the database): %w", strings.ToLower(kind), table, kind, err)
+		}
 		return err
 	}
-	m.reg.Unregister(dup.ExistingCollector)
-	return m.reg.Register(c)
+	if m.watches == nil {
+		m.watches = map[string]prometheus.Collector{}
+	}
+	m.watches[kind+"\x00"+table] = c
+	return nil
+}
+
+// unwatch unregisters the watch of kind of table, and reports whether there
+// was one.
+func (m *Metrics) unwatch(kind, table string) bool {
+	m.watchMu.Lock()
+	defer m.watchMu.Unlock()
+	c, ok := m.watches[kind+"\x00"+table]
+	if ok {
+		delete(m.watches, kind+"\x00"+table)
+		m.reg.Unregister(c)
+	}
+	return ok
+}
+
+// UnwatchTable removes the gauge WatchTable registered for table ("":
+// DefaultTable) from the registry, and reports whether there was one: for a
+// service restarted within its process, before it watches the table again
+// through its new DB (the earlier watch reads through the DB it was given,
+// which the restart closed, and a second watch of one table fails with
+// prometheus.AlreadyRegisteredError). Safe for concurrent use.
+func (m *Metrics) UnwatchTable(table string) bool {
+	if table == "" {
+		table = inbox.DefaultTable
+	}
+	return m.unwatch("Table", table)
 }
 
 // rowsCollector estimates an inbox table's rows at scrape time.

@@ -116,16 +116,17 @@ func (m *Metrics) InstrumentOutbox(cfg inbox.OutboxConfig) inbox.OutboxConfig {
 // not also hide the relay's counters that explain it (an invalid metric
 // would fail the whole scrape under promhttp's default HTTPErrorOnError). Concurrent scrapes share the read in flight, so at most
 // one query per outbox runs at a time, however many Prometheus servers
-// scrape. Watching a table again on one registry replaces the earlier watch
-// of it (a service restarted in its process, whose earlier Outbox and DB
-// were closed: the series read through them were gone from every scrape,
-// for good): one table's series cannot come from two watches.
+// scrape. The watch reads through ob for as long as it is registered: a
+// service restarted within its process, with a new Outbox and DB, calls
+// UnwatchOutbox first. Watching a table twice on one registry fails with an
+// error that wraps prometheus.AlreadyRegisteredError. Safe for concurrent
+// use.
 func (m *Metrics) WatchOutbox(ob *inbox.Outbox) error {
 	if ob == nil {
 		return errors.New("metrics: WatchOutbox needs an Outbox")
 	}
 	labels := prometheus.Labels{"table": ob.Table()}
-	return m.registerReplacing(&outboxCollector{
+	return m.watch("Outbox", ob.Table(), &outboxCollector{
 		stats: &scrapeRead[inbox.OutboxStats]{read: ob.Stats, timeout: OutboxStatsTimeout},
 		pending: prometheus.NewDesc("inbox_outbox_pending_messages",
 			"Outbox messages not yet relayed (the outbox's depth), read at scrape time.", nil, labels),
@@ -137,6 +138,13 @@ func (m *Metrics) WatchOutbox(ob *inbox.Outbox) error {
 			"Scrape-time reads of the outbox's stats that failed or did not answer within the timeout; the outbox gauges are absent from those scrapes.", nil, labels),
 	})
 }
+
+// UnwatchOutbox removes the gauges WatchOutbox registered for the outbox
+// table table from the registry, and reports whether there were any: for a
+// service restarted within its process, before it watches the table again
+// through its new Outbox (the earlier watch reads through the Outbox and DB
+// it was given, which the restart closed). Safe for concurrent use.
+func (m *Metrics) UnwatchOutbox(table string) bool { return m.unwatch("Outbox", table) }
 
 // outboxCollector reads an outbox's stats at scrape time.
 type outboxCollector struct {
@@ -152,13 +160,16 @@ func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
-	switch st, err := c.stats.get(); {
-	case err == nil:
-		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(st.Pending))
-		fallthrough
-	case st.Pending == -1: // read, but for the count (inbox.Outbox.Stats)
+	// On an error, -1 marks the counts inbox.Outbox.Stats could not make
+	// after it read the age.
+	if st, err := c.stats.get(); err == nil || st.Pending == -1 {
 		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, st.OldestAge.Seconds())
-		ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLettered))
+		if st.DeadLettered >= 0 {
+			ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLettered))
+		}
+		if st.Pending >= 0 {
+			ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(st.Pending))
+		}
 	}
 	ch <- prometheus.MustNewConstMetric(c.errs, prometheus.CounterValue, float64(c.stats.failures.Load()))
 }

@@ -49,8 +49,9 @@ func TestOutboxMetricsCountWhatTheRelayDid(t *testing.T) {
 			if err := m.WatchOutbox(ob); err != nil {
 				t.Fatal(err)
 			}
-			if err := m.WatchOutbox(ob); err != nil {
-				t.Errorf("WatchOutbox of the same table twice: %v, want the second to replace the first", err)
+			var already prometheus.AlreadyRegisteredError
+			if err := m.WatchOutbox(ob); !errors.As(err, &already) || !strings.Contains(err.Error(), "UnwatchOutbox") {
+				t.Errorf("WatchOutbox of the same table twice: %v, want AlreadyRegisteredError that names UnwatchOutbox", err)
 			}
 			inboxTable := "inbox_" + testdb.RandomSuffix()
 			testdb.DropLater(t, db, inboxTable)

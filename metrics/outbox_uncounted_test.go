@@ -56,7 +56,16 @@ func TestOutboxGaugesKeepTheAgeOfABacklogTooLargeToCount(t *testing.T) {
 		}
 	}
 
-	// A read that fails before the count leaves all three out.
+	// A read whose count of the dead letters failed (the dead-letter
+	// table's count comes first) leaves out both counts, not the age.
+	c.stats = &scrapeRead[inbox.OutboxStats]{timeout: time.Second, read: func(ctx context.Context) (inbox.OutboxStats, error) {
+		return inbox.OutboxStats{Pending: -1, DeadLettered: -1, OldestAge: time.Minute}, context.DeadlineExceeded
+	}}
+	if n := testutil.CollectAndCount(c); n != 2 {
+		t.Errorf("a read without its counts: %d series, want the age and the error counter", n)
+	}
+
+	// A read that fails before the age leaves all three out.
 	c.stats = &scrapeRead[inbox.OutboxStats]{timeout: time.Second, read: func(ctx context.Context) (inbox.OutboxStats, error) {
 		return inbox.OutboxStats{}, errors.New("connection refused")
 	}}

@@ -2,7 +2,9 @@ package metrics_test
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/jmoiron/sqlx"
@@ -14,12 +16,12 @@ import (
 )
 
 // A service restarted within its process (its router run again, with a new
-// DB and Outbox, the first ones closed) watches its tables again on the
-// same registry: the new watches replace the first ones, and the outbox
-// and table gauges are in every scrape after it, read through the new DB.
-// (The second watch failed with AlreadyRegisteredError, and the first
-// watch's reads through the closed DB left the gauges out of every scrape
-// for good: the outbox alerts could no longer fire.)
+// DB and Outbox, the first ones closed) unwatches its tables and watches
+// them again on the same registry: the outbox and table gauges are in
+// every scrape after it, read through the new DB. (A second watch could
+// only fail with AlreadyRegisteredError, and the first watch's reads
+// through the closed DB left the gauges out of every scrape for good: the
+// outbox alerts could no longer fire.)
 func TestWatchesOfARestartedServiceReadThroughItsNewDB(t *testing.T) {
 	for _, tdb := range outboxDBs() {
 		t.Run(tdb.Name, func(t *testing.T) {
@@ -57,6 +59,9 @@ func TestWatchesOfARestartedServiceReadThroughItsNewDB(t *testing.T) {
 				if err := m.WatchTable(db, tdb.Dialect, inboxTable); err != nil {
 					t.Fatalf("run %d: WatchTable: %v", run, err)
 				}
+				if err := m.WatchTable(db, tdb.Dialect, inboxTable); !strings.Contains(fmt.Sprint(err), "UnwatchTable") {
+					t.Errorf("run %d: WatchTable twice: %v, want an error that names UnwatchTable", run, err)
+				}
 				for _, name := range []string{"inbox_outbox_pending_messages", "inbox_outbox_oldest_pending_age_seconds", "inbox_outbox_dead_letters"} {
 					if _, ok := scraped(t, reg, name, outboxTable); !ok {
 						t.Errorf("run %d: %s is not in the scrape", run, name)
@@ -72,6 +77,9 @@ func TestWatchesOfARestartedServiceReadThroughItsNewDB(t *testing.T) {
 				}
 				if v, _ := scraped(t, reg, "inbox_rows_estimate_errors_total", inboxTable); v != 0 {
 					t.Errorf("run %d: inbox_rows_estimate_errors_total = %v, want 0", run, v)
+				}
+				if !m.UnwatchOutbox(outboxTable) || !m.UnwatchTable(inboxTable) {
+					t.Fatalf("run %d: Unwatch found no watch", run)
 				}
 				if err := db.Close(); err != nil {
 					t.Fatal(err)
