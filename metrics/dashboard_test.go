@@ -7,11 +7,19 @@ package metrics_test
 // prometheus/inbox-alerts_test.yml`, run by .ci/run).
 
 import (
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/prometheus/promql/parser"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+	"github.com/watermill-inbox/inbox/metrics"
 )
 
 // Every query of every panel and variable of the dashboard parses as
@@ -153,6 +161,81 @@ func TestDashboardKeepsTheJobAndThePurgesConsumer(t *testing.T) {
 				t.Errorf("%s: %s groups a purge series without the consumer its purge is limited to", where, agg)
 			}
 			return nil
+		})
+	}
+}
+
+// The Job variable lists the service of a process that runs any one of the
+// instrumented components alone (an inbox once it has seen a message, a
+// purger, WatchTable, an outbox relay, WatchOutbox): it asked only for
+// inbox_messages_total, so a service that only relays an outbox or only
+// purges was missing from it, and with it every panel of that service.
+func TestDashboardJobListsAServiceOfAnyInstrumentedComponent(t *testing.T) {
+	t.Parallel()
+	_, varQueries, _ := dashboardQueries(t)
+	m := labelValuesQuery.FindStringSubmatch(varQueries["job"])
+	if m == nil || m[1] == "" {
+		t.Fatalf("the job variable's query %q is not label_values(selector, job)", varQueries["job"])
+	}
+	e, err := parser.NewParser(parser.Options{}).ParseExpr(m[1])
+	vs, ok := e.(*parser.VectorSelector)
+	if err != nil || !ok {
+		t.Fatalf("the job variable's selector %q: not a selector (%v)", m[1], err)
+	}
+	selected := selectedNames(vs)
+
+	for name, instrument := range map[string]func(t *testing.T, m *metrics.Metrics){
+		"inbox": func(t *testing.T, m *metrics.Metrics) {
+			db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+			ib, err := inbox.New(m.Instrument(inbox.Config{DB: db}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ib.InitializeSchema(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), nil))
+		},
+		"purger": func(t *testing.T, m *metrics.Metrics) {
+			m.InstrumentPurger(inbox.PurgerConfig{})
+		},
+		"WatchTable": func(t *testing.T, m *metrics.Metrics) {
+			db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+			if err := m.WatchTable(db, nil, ""); err != nil {
+				t.Fatal(err)
+			}
+		},
+		"outbox relay": func(t *testing.T, m *metrics.Metrics) {
+			m.InstrumentOutbox(inbox.OutboxConfig{Table: inbox.DefaultOutboxTable})
+		},
+		"WatchOutbox": func(t *testing.T, m *metrics.Metrics) {
+			db := testdb.OpenSQLite(t, filepath.Join(t.TempDir(), "inbox.db"))
+			ob := newOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Table: inbox.DefaultOutboxTable, Publisher: &refusingBroker{}})
+			if err := m.WatchOutbox(ob); err != nil {
+				t.Fatal(err)
+			}
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			reg := prometheus.NewRegistry()
+			mt, err := metrics.New(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			instrument(t, mt)
+			mfs, err := reg.Gather()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var exported []string
+			for _, mf := range mfs {
+				if slices.Contains(selected, mf.GetName()) {
+					return
+				}
+				exported = append(exported, mf.GetName())
+			}
+			t.Errorf("the job variable asks for %v; a process with only this component exports none of them: %v", selected, exported)
 		})
 	}
 }
