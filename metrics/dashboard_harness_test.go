@@ -93,7 +93,8 @@ func newSeriesSet(mfs []*dto.MetricFamily) seriesSet {
 
 // withProcessSeries returns s with the series of client_golang's process
 // collector, which prometheus.DefaultRegisterer carries beside the
-// module's (InboxMessageIDReused reads process_start_time_seconds to see a
+// module's (InboxMessageIDReused, InboxPurgeRoundsFailing and
+// InboxOutboxDeadLettered read process_start_time_seconds to see a
 // restart).
 func withProcessSeries(t *testing.T, s seriesSet) seriesSet {
 	t.Helper()
