@@ -147,11 +147,13 @@ func (postgresDialect) nowMicrosSQL() string { return "SELECT " + pgNowMicros }
 
 // pgStringConstant quotes s as a PostgreSQL string constant with C-style
 // escapes (E'...'), whose meaning, unlike a plain '...' constant's, does not
-// depend on standard_conforming_strings: every backslash and quote in s is
-// escaped. s must be valid UTF-8 without NUL bytes (checkKey), which every
+// depend on standard_conforming_strings: every backslash in s is escaped
+// with a backslash and every quote written twice (not escaped with a
+// backslash, which a server or role with backslash_quote = off refuses:
+// 22P06). s must be valid UTF-8 without NUL bytes (checkKey), which every
 // server encoding the inbox accepts can hold.
 func pgStringConstant(s string) string {
-	return "E'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(s) + "'"
+	return "E'" + strings.NewReplacer(`\`, `\\`, `'`, `''`).Replace(s) + "'"
 }
 
 // One statement with no bind parameters, so that every driver sends it in

@@ -269,11 +269,21 @@ func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn,
 // the oldest rows by (its partitions are its ranges), and a batch that
 // chose them across the whole table sorted every expired row of every
 // partition past the window, then matched its choice against all of them
-// (a hash join): 114 ms a batch of 1,000 at 300,000 rows, growing with the
-// rows left, so that a purge took time in the square of its rows and a
-// large table's never caught up (BENCHMARKS.md).
+// (a hash join): 74-79 ms a batch of 1,000 at 300,000 rows, growing with
+// the rows left, so that a purge took time in the square of its rows and a
+// large table's never caught up (BENCHMARKS.md). Its statements carry the
+// cutoff, the partitions' bounds and the key as timestamp literals
+// (pgTimestampConstant), so that the planner prunes the partitions when it
+// plans: as expressions (timestamptz 'epoch' + N * interval), stable and
+// not constant, every partition was planned, and the statement of the rows
+// outside the range partitions took 0.8 s to plan at 100 partitions, 34 s
+// at 365; a batch's plan also sorted the rest of its partition instead of
+// reading its primary key's index in order.
 func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
-	expired := pgBeforeConstants(cutoff, consumer)
+	expired := "processed_at < " + pgTimestampConstant(cutoff)
+	if consumer != "" {
+		expired += " AND consumer = " + pgStringConstant(consumer)
+	}
 	return purgeQuery{
 		size:      int64(batch),
 		walk:      &partitionedPurge{table: t, cutoff: cutoff, expired: expired},
@@ -287,9 +297,9 @@ func (d postgresPartitionedDialect) purgeStatement(t qualifiedName, cutoff int64
 type partitionedPurge struct {
 	table   qualifiedName
 	cutoff  int64  // as purgeStatement's
-	expired string // the rows the purge deletes: pgBeforeConstants
+	expired string // the rows the purge deletes
 	slices  []string
-	at      int      // the slice the next batch reads
+	at      int      // the slice the next batch reads; len(slices): the walk's end
 	key     purgeKey // where in it, unless unset: its first key
 }
 
@@ -303,29 +313,36 @@ type purgeKey struct {
 	set                 bool
 }
 
-// pgMicrosConstant is the instant us microseconds after the Unix epoch as a
-// PostgreSQL expression that no session setting changes the meaning of.
-func pgMicrosConstant(us int64) string {
-	return "timestamptz 'epoch' + " + strconv.FormatInt(us, 10) + " * interval '1 microsecond'"
+// pgTimestampConstant is the instant us microseconds after the Unix epoch
+// as a PostgreSQL timestamptz literal in ISO 8601 with its offset
+// (timestamptz '2026-12-07 05:30:00.123456+00'), which reads the same under
+// every DateStyle and TimeZone and is a constant when the statement is
+// planned. An instant outside the years 1 to 9999, which ISO's four digits
+// cannot write, is an expression instead (not a constant, but exact).
+func pgTimestampConstant(us int64) string {
+	at := time.UnixMicro(us).UTC()
+	if y := at.Year(); y < 1 || y > 9999 {
+		return "(timestamptz 'epoch' + " + strconv.FormatInt(us, 10) + " * interval '1 microsecond')"
+	}
+	return "timestamptz '" + at.Format("2006-01-02 15:04:05.999999") + "+00'"
 }
 
 // partitionedPurgeSlices returns the slices of a purge of t with cutoff:
 // one for each range partition that starts before the cutoff, oldest
 // first, as a condition on processed_at by its bounds, then one for every
 // row outside the range partitions (a DEFAULT partition's, or a
-// partition's attached since the catalog was read). Each slice's batches
-// read and delete one partition, which the planner finds by the bounds
-// (partition pruning, at the executor's start since the bounds are
-// expressions): a ctid the batch chose names one row there.
+// partition's attached since the catalog was read). The planner finds a
+// slice's partition by its bounds (partition pruning), so that each batch
+// reads one partition's primary key.
 func partitionedPurgeSlices(tp tablePartitions, cutoff int64) []string {
 	var slices, outside []string
 	for _, p := range tp.ranges {
 		var in []string
 		if !p.start.IsZero() {
-			in = append(in, "processed_at >= "+pgMicrosConstant(p.start.UnixMicro()))
+			in = append(in, "processed_at >= "+pgTimestampConstant(p.start.UnixMicro()))
 		}
 		if !p.end.IsZero() {
-			in = append(in, "processed_at < "+pgMicrosConstant(p.end.UnixMicro()))
+			in = append(in, "processed_at < "+pgTimestampConstant(p.end.UnixMicro()))
 		}
 		if len(in) == 0 {
 			in = append(in, "true") // MINVALUE to MAXVALUE: the one partition
@@ -347,21 +364,25 @@ func partitionedPurgeSlices(tp tablePartitions, cutoff int64) []string {
 // and makes the slices, partitionedPurgeSlices), up to q.size expired rows,
 // chosen in the primary key's order after the last key the slice's batch
 // before chose (the key's index of one partition, read from where the
-// batch before stopped: each batch costs the same, whatever the table's
-// size) and deleted by ctid (a TID scan of that partition). The statement
-// carries the key and the bounds as constants, without bind parameters,
-// as every purge batch. A row that another purge deletes meanwhile is
-// waited for and skipped (READ COMMITTED's recheck), so two purges that
-// chose the same rows delete them once; rows are not locked first, for the
-// reason given on postgresDialect.purgeStatement (a WAL record for every
-// row).
+// batch before stopped: each batch costs about the same, whatever the
+// table's size) and deleted by their leaf table and ctid: a TID scan of the
+// slice's leaves (one, unless the partition is itself partitioned, or a
+// partition was attached meanwhile beside a DEFAULT one), matched to the
+// rows chosen by (tableoid, ctid), since a ctid names a row in one table
+// only. The statement carries the key and the bounds as constants, without
+// bind parameters, as every purge batch. A row that another purge deletes
+// meanwhile is waited for and skipped (READ COMMITTED's recheck), so two
+// purges that chose the same rows delete them once; rows are not locked
+// first, for the reason given on postgresDialect.purgeStatement (a WAL
+// record for every row).
 //
 // found is the rows chosen, so that a batch that lost some of its rows to
 // another purge does not end the purge while its slice holds more; a short
 // batch ends its slice, and the purge goes on with the next (found is
-// q.size) until the last. Then it looks for expired rows left (written
-// expired behind the walk while it ran, or chosen by another purge that
-// rolled back) and, if there are any, walks the table once more.
+// q.size). At the end of the walk (and again when that check failed and is
+// retried) it looks for expired rows left (written expired behind the walk
+// while it ran, or chosen by another purge that rolled back) and, if there
+// are any, walks the table once more; if there are none, the purge ends.
 func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
 	w := q.walk
 	if w.slices == nil {
@@ -379,38 +400,39 @@ func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _
 		}
 		w.slices, w.at, w.key = partitionedPurgeSlices(tp, w.cutoff), 0, purgeKey{}
 	}
-	where := w.slices[w.at] + " AND " + w.expired
-	if k := w.key; k.set {
-		at := "timestamptz '-infinity'"
-		if k.micros.Valid {
-			at = pgMicrosConstant(k.micros.Int64)
+	if w.at < len(w.slices) {
+		where := w.slices[w.at] + " AND " + w.expired
+		if k := w.key; k.set {
+			at := "timestamptz '-infinity'"
+			if k.micros.Valid {
+				at = pgTimestampConstant(k.micros.Int64)
+			}
+			where += " AND (consumer, message_id, processed_at) > (" + pgStringConstant(k.consumer) + ", " + pgStringConstant(k.messageID) + ", " + at + ")"
 		}
-		where += " AND (consumer, message_id, processed_at) > (" + pgStringConstant(k.consumer) + ", " + pgStringConstant(k.messageID) + ", " + at + ")"
-	}
-	tq := w.table.quoted(d)
-	stmt := "WITH chosen AS MATERIALIZED (SELECT ctid, consumer, message_id, processed_at FROM " + tq + " WHERE " + where +
-		" ORDER BY consumer, message_id, processed_at LIMIT " + strconv.FormatInt(q.size, 10) + ")," +
-		" deleted AS (DELETE FROM " + tq + " WHERE " + w.slices[w.at] + " AND " + w.expired +
-		" AND ctid = ANY(ARRAY(SELECT ctid FROM chosen))" +
-		" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING 1)" +
-		" SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM chosen), last.consumer, last.message_id, last.micros" +
-		" FROM (SELECT) AS one LEFT JOIN (SELECT consumer, message_id," +
-		" CASE WHEN isfinite(processed_at) THEN (extract(epoch FROM processed_at) * 1000000)::bigint END AS micros" +
-		" FROM chosen ORDER BY consumer DESC, message_id DESC, processed_at DESC LIMIT 1) AS last ON true"
-	var last struct {
-		consumer, messageID sql.NullString
-		micros              sql.NullInt64
-	}
-	if err := db.QueryRowxContext(ctx, stmt).Scan(&deleted, &found, &last.consumer, &last.messageID, &last.micros); err != nil {
-		return 0, 0, err
-	}
-	if found >= q.size {
-		w.key = purgeKey{consumer: last.consumer.String, messageID: last.messageID.String, micros: last.micros, set: true}
-		return deleted, found, nil
-	}
-	if w.at++; w.at < len(w.slices) {
-		w.key = purgeKey{}
-		return deleted, q.size, nil // the next slice
+		tq := w.table.quoted(d)
+		stmt := "WITH chosen AS MATERIALIZED (SELECT tableoid, ctid, consumer, message_id, processed_at FROM " + tq + " WHERE " + where +
+			" ORDER BY consumer, message_id, processed_at LIMIT " + strconv.FormatInt(q.size, 10) + ")," +
+			" deleted AS (DELETE FROM " + tq + " WHERE " + w.slices[w.at] + " AND " + w.expired +
+			" AND ctid = ANY(ARRAY(SELECT ctid FROM chosen)) AND (tableoid, ctid) IN (SELECT tableoid, ctid FROM chosen)" +
+			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING 1)" +
+			" SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM chosen), last.consumer, last.message_id, last.micros" +
+			" FROM (SELECT) AS one LEFT JOIN (SELECT consumer, message_id," +
+			" CASE WHEN isfinite(processed_at) THEN (extract(epoch FROM processed_at) * 1000000)::bigint END AS micros" +
+			" FROM chosen ORDER BY consumer DESC, message_id DESC, processed_at DESC LIMIT 1) AS last ON true"
+		var last struct {
+			consumer, messageID sql.NullString
+			micros              sql.NullInt64
+		}
+		if err := db.QueryRowxContext(ctx, stmt).Scan(&deleted, &found, &last.consumer, &last.messageID, &last.micros); err != nil {
+			return 0, 0, err
+		}
+		if found >= q.size {
+			w.key = purgeKey{consumer: last.consumer.String, messageID: last.messageID.String, micros: last.micros, set: true}
+			return deleted, found, nil
+		}
+		if w.at, w.key = w.at+1, (purgeKey{}); w.at < len(w.slices) {
+			return deleted, q.size, nil // the next slice
+		}
 	}
 	// The end of the walk.
 	var left int64

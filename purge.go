@@ -252,10 +252,10 @@ func (c PurgeConfig) Validate() error {
 // changes which rows go), and returns how many it deleted.
 //
 // It deletes in batches of at most cfg.BatchSize rows, oldest first, each one
-// DELETE in its own transaction that uses the processed_at index (on a
-// PostgreSQL partitioned table, which has none: the oldest partition first,
-// each in its primary key's order), until a batch comes back short or ctx
-// ends. Between two batches it pauses as
+// DELETE in its own transaction that uses the processed_at index, until a
+// batch comes back short or ctx ends (on a PostgreSQL partitioned table,
+// which has no such index: the oldest partition first, each in its primary
+// key's order, until the last partition's batch comes back short). Between two batches it pauses as
 // cfg.DutyCycle, cfg.MaxPause and cfg.Pause say (by default 9 times the
 // shortest of the last 8 batches, at most 1 s, longer when they all slow down); no transaction,
 // row lock or connection of the purge is held while it pauses. On PostgreSQL a batch is one

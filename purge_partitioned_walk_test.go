@@ -2,10 +2,16 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
+	"database/sql/driver"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
@@ -134,4 +140,148 @@ func TestPartitionedPurgeDeletesExpiredRowsOfTheDefaultPartition(t *testing.T) {
 			t.Errorf("batch %d: %d young and future rows left, want 35", bs, got)
 		}
 	}
+}
+
+// Message ids and a consumer with quotes are written into the purge's
+// statements as constants that a session with backslash_quote = off (a
+// hardening setting, per server, database or role) accepts: quotes
+// doubled, not escaped with a backslash (22P06 "unsafe use of \' in a
+// string literal" stopped every purge at the same row).
+func TestPartitionedPurgeUnderBackslashQuoteOff(t *testing.T) {
+	plain := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, plain)
+	if err := inbox.CreatePartitions(ctx, plain, table, dbNow(t, plain).AddDate(0, 0, -5), 6); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, plain, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT 'o''brien', 'o''brien-' || i, now() - interval '2 days' FROM generate_series(1, 20) i")
+	db := testdb.OpenPostgres(t, "options=-c%20backslash_quote%3Doff")
+	n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 5, DutyCycle: 1, Consumer: "o'brien"})
+	if err != nil || n != 20 {
+		t.Errorf("deleted %d, err %v; want 20, nil", n, err)
+	}
+}
+
+// A partition that is itself partitioned (by consumer, its leaves at the
+// same ctids), as a range partition or as the DEFAULT one: a batch deletes
+// the rows it chose, by leaf and ctid, never more than BatchSize (matched
+// by ctid alone, the rows at the same ctids of the other leaf went too).
+func TestPartitionedPurgeOfSubPartitionedPartitionsKeepsTheBatchSize(t *testing.T) {
+	for _, kind := range []string{"range", "default"} {
+		t.Run(kind, func(t *testing.T) {
+			db := testdb.OpenPostgres(t, "")
+			table := dailyPartitionedTable(t, db)
+			now := dbNow(t, db).UTC()
+			day := time.Date(now.Year(), now.Month(), now.Day(), 0, 0, 0, 0, time.UTC).AddDate(0, 0, -10)
+			sub := table + "_sub"
+			bound := fmt.Sprintf("FOR VALUES FROM ('%s') TO ('%s')", day.Format(time.RFC3339), day.AddDate(0, 0, 1).Format(time.RFC3339))
+			if kind == "default" {
+				bound = "DEFAULT"
+			}
+			exec(t, db, "CREATE TABLE "+sub+" PARTITION OF "+table+" "+bound+" PARTITION BY LIST (consumer)")
+			exec(t, db, "CREATE TABLE "+sub+"_a PARTITION OF "+sub+" FOR VALUES IN ('a')")
+			exec(t, db, "CREATE TABLE "+sub+"_b PARTITION OF "+sub+" FOR VALUES IN ('b')")
+			for _, c := range []string{"a", "b"} {
+				exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT $1, 'm-' || lpad(i::text, 4, '0'), $2::timestamptz + i * interval '1 second' FROM generate_series(1, 20) i", c, day)
+			}
+			prev, most := count(t, db, table, ""), 0
+			cfg := inbox.WithPurgeBatchHooks(inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1}, func() {
+				n := count(t, db, table, "")
+				most, prev = max(most, prev-n), n
+			}, nil)
+			n, err := inbox.Purge(context.Background(), cfg)
+			most = max(most, prev-count(t, db, table, ""))
+			if err != nil || n != 40 || most > 10 {
+				t.Errorf("deleted %d (%v), at most %d in a batch; want 40, at most 10 a batch", n, err, most)
+			}
+		})
+	}
+}
+
+// The look for expired rows left at the end of a partitioned table's walk
+// fails with a conflict the purge retries (lock_not_available under the
+// session's lock_timeout, while another instance's DDL holds the table):
+// the retry looks again and the purge ends (it indexed past its last slice
+// and panicked, which ends a Purger's process).
+func TestPartitionedPurgeRetriesItsLookForRowsLeft(t *testing.T) {
+	admin := testdb.OpenPostgres(t, "")
+	table := dailyPartitionedTable(t, admin)
+	if err := inbox.CreatePartitions(context.Background(), admin, table, dbNow(t, admin).AddDate(0, 0, -5), 6); err != nil {
+		t.Fatal(err)
+	}
+	insertRows(t, admin, inbox.PostgreSQLPartitioned, table, "billing", "m", 30, 2*24*time.Hour)
+	var locked atomic.Bool
+	before := func(q string) {
+		if !strings.HasPrefix(q, "SELECT count(*) FROM (SELECT FROM") || !locked.CompareAndSwap(false, true) {
+			return
+		}
+		tx, err := admin.Begin()
+		if err != nil {
+			panic(err)
+		}
+		if _, err := tx.Exec("LOCK TABLE " + table + " IN ACCESS EXCLUSIVE MODE"); err != nil {
+			panic(err)
+		}
+		time.AfterFunc(500*time.Millisecond, func() { tx.Rollback() }) //nolint:errcheck // releases the lock
+	}
+	dsn := testdb.WithParam(testdb.PostgresDSN(), "options=-c%20lock_timeout%3D100")
+	db := sqlx.NewDb(sql.OpenDB(beforeStatementConnector{drv: stdlib.GetDefaultDriver(), dsn: dsn, before: before}), "pgx")
+	t.Cleanup(func() { db.Close() })
+	var n int64
+	var err error
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				t.Fatalf("Purge panicked: %v", r)
+			}
+		}()
+		n, err = inbox.Purge(context.Background(), inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 1000, DutyCycle: 1})
+	}()
+	if !locked.Load() || err != nil || n != 30 {
+		t.Errorf("deleted %d, err %v (table locked: %v); want 30, nil: the look retried", n, err, locked.Load())
+	}
+}
+
+// beforeStatementConnector opens connections that call before with each
+// statement's text before they send it.
+type beforeStatementConnector struct {
+	drv    driver.Driver
+	dsn    string
+	before func(q string)
+}
+
+func (c beforeStatementConnector) Connect(context.Context) (driver.Conn, error) {
+	conn, err := c.drv.Open(c.dsn)
+	if err != nil {
+		return nil, err
+	}
+	return beforeStatementConn{conn, c.before}, nil
+}
+
+func (c beforeStatementConnector) Driver() driver.Driver { return c.drv }
+
+type beforeStatementConn struct {
+	driver.Conn
+	before func(q string)
+}
+
+func (c beforeStatementConn) QueryContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Rows, error) {
+	c.before(q)
+	return c.Conn.(driver.QueryerContext).QueryContext(ctx, q, args)
+}
+
+func (c beforeStatementConn) ExecContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Result, error) {
+	c.before(q)
+	return c.Conn.(driver.ExecerContext).ExecContext(ctx, q, args)
+}
+
+func (c beforeStatementConn) BeginTx(ctx context.Context, o driver.TxOptions) (driver.Tx, error) {
+	return c.Conn.(driver.ConnBeginTx).BeginTx(ctx, o)
+}
+
+func (c beforeStatementConn) ResetSession(ctx context.Context) error {
+	if r, ok := c.Conn.(driver.SessionResetter); ok {
+		return r.ResetSession(ctx)
+	}
+	return nil
 }
