@@ -237,8 +237,10 @@ func (m *Metrics) count(e inbox.Event, outcome string, detects bool) {
 	handler := handlerName(e)
 	if _, ok := m.seen.Load([2]string{handler, e.Consumer}); !ok {
 		m.seen.Store([2]string{handler, e.Consumer}, struct{}{})
-		m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDRefused)
-		m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDSkipped)
+		if detects { // under ReusedIDsOff, 0 would read as "checked, none reused"
+			m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDRefused)
+			m.reusedIDs.WithLabelValues(handler, e.Consumer, ReusedIDSkipped)
+		}
 		// Every outcome at 0 from the first message: a series born at 1
 		// is a first failure that rate() and increase() do not see, and a
 		// panel of no data where 0 is meant.

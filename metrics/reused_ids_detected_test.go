@@ -79,8 +79,9 @@ func TestReusedIDsDetectedSaysWhetherTheCountCanSeeAnything(t *testing.T) {
 
 // An inbox configured with ReusedIDsOff does not export
 // inbox_reused_ids_detected: turning the check off is a choice, and the
-// gauge at 0 had InboxReusedIDsNotDetected page for it after an hour. The
-// messages are still counted.
+// gauge at 0 had InboxReusedIDsNotDetected page for it after an hour. Nor
+// inbox_reused_ids_total, whose series at 0 read as "checked, none
+// reused" on a dashboard. The messages are still counted.
 func TestReusedIDsDetectedIsNotExportedWhenTheCheckIsOff(t *testing.T) {
 	reg, _, ib, _ := sqliteInbox(t, inbox.Config{ReusedIDs: inbox.ReusedIDsOff}, true)
 	routeThroughInbox(t, ib)(message.NewMessage(watermill.NewUUID(), []byte("order")))
@@ -94,6 +95,15 @@ func TestReusedIDsDetectedIsNotExportedWhenTheCheckIsOff(t *testing.T) {
 	}
 	if got, ok := gaugeValue(t, reg, "inbox_reused_ids_detected"); ok {
 		t.Errorf("inbox_reused_ids_detected = %v under ReusedIDsOff, want no series", got)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "inbox_reused_ids_total" {
+			t.Errorf("inbox_reused_ids_total has %d series under ReusedIDsOff, want none", len(mf.Metric))
+		}
 	}
 }
 
