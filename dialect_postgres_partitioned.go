@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -301,6 +302,10 @@ type partitionedPurge struct {
 	slices  []string
 	at      int      // the slice the next batch reads; len(slices): the walk's end
 	key     purgeKey // where in it, unless unset: its first key
+	// deleted counts the rows the walk deleted: a walk that deleted none
+	// is not walked again for expired rows left (rows that its DELETEs
+	// do not remove: a trigger or a row security policy that keeps them).
+	deleted int64
 }
 
 // purgeKey is the primary key of the last row a purge batch chose: where
@@ -318,25 +323,56 @@ type purgeKey struct {
 // (timestamptz '2026-12-07 05:30:00.123456+00'), which reads the same under
 // every DateStyle and TimeZone and is a constant when the statement is
 // planned. An instant outside the years 1 to 9999, which ISO's four digits
-// cannot write, is an expression instead (not a constant, but exact).
+// cannot write, is an expression instead: not a constant, but exact (whole
+// seconds and microseconds apart, each below 2^53, as the float8 that
+// multiplies an interval holds exactly).
 func pgTimestampConstant(us int64) string {
 	at := time.UnixMicro(us).UTC()
 	if y := at.Year(); y < 1 || y > 9999 {
-		return "(timestamptz 'epoch' + " + strconv.FormatInt(us, 10) + " * interval '1 microsecond')"
+		return "(timestamptz 'epoch' + " + strconv.FormatInt(us/1_000_000, 10) + " * interval '1 second' + " +
+			strconv.FormatInt(us%1_000_000, 10) + " * interval '1 microsecond')"
 	}
 	return "timestamptz '" + at.Format("2006-01-02 15:04:05.999999") + "+00'"
 }
 
-// partitionedPurgeSlices returns the slices of a purge of t with cutoff:
-// one for each range partition that starts before the cutoff, oldest
-// first, as a condition on processed_at by its bounds, then one for every
-// row outside the range partitions (a DEFAULT partition's, or a
-// partition's attached since the catalog was read). The planner finds a
-// slice's partition by its bounds (partition pruning), so that each batch
-// reads one partition's primary key.
-func partitionedPurgeSlices(tp tablePartitions, cutoff int64) []string {
-	var slices, outside []string
+// pgPurgeLeavesSQL lists the leaf tables of the partitioned table $1 (a
+// partition not partitioned itself is its own leaf) with the schema and
+// name of the partition of $1 above them.
+const pgPurgeLeavesSQL = `SELECT l.relid::oid::bigint AS leaf, n.nspname::text AS schema, c.relname::text AS name
+FROM pg_partition_tree(to_regclass($1)) AS l
+JOIN pg_partition_ancestors(l.relid) AS a ON true
+JOIN pg_inherits i ON i.inhrelid = a.relid AND i.inhparent = to_regclass($1)
+JOIN pg_class c ON c.oid = a.relid JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE l.isleaf`
+
+// purgeLeaf is a leaf table of a partitioned inbox table and the partition
+// of the table above it (itself, unless that partition is partitioned).
+type purgeLeaf struct {
+	OID    int64  `db:"leaf"`
+	Schema string `db:"schema"`
+	Name   string `db:"name"`
+}
+
+// partitionedPurgeSlices returns the slices of a purge with cutoff of a
+// table whose partitions are tp and leaf tables leaves: one for each leaf
+// of a range partition that starts before the cutoff, oldest first, then
+// one for each leaf of the DEFAULT partition and of any other. A slice is
+// the leaf's table (tableoid), so that a ctid names one row in it, and
+// the bounds of its partition, by which the planner prunes the others
+// when it plans (the rows outside every range partition for the DEFAULT
+// one). A partition attached after the catalog was read is walked by the
+// next walk, which the look for rows left at the end starts.
+func partitionedPurgeSlices(tp tablePartitions, leaves []purgeLeaf, cutoff int64) []string {
+	type slice struct {
+		start time.Time
+		order int // 0: a range partition's, by start; 1: DEFAULT's; 2: another's
+		cond  string
+	}
+	var slices []slice
+	ranges := map[qualifiedName]partition{}
+	var outside []string
 	for _, p := range tp.ranges {
+		ranges[p.name] = p
 		var in []string
 		if !p.start.IsZero() {
 			in = append(in, "processed_at >= "+pgTimestampConstant(p.start.UnixMicro()))
@@ -344,32 +380,53 @@ func partitionedPurgeSlices(tp tablePartitions, cutoff int64) []string {
 		if !p.end.IsZero() {
 			in = append(in, "processed_at < "+pgTimestampConstant(p.end.UnixMicro()))
 		}
-		if len(in) == 0 {
-			in = append(in, "true") // MINVALUE to MAXVALUE: the one partition
-		}
-		cond := "(" + strings.Join(in, " AND ") + ")"
-		outside = append(outside, "NOT "+cond)
-		if p.start.IsZero() || p.start.UnixMicro() < cutoff {
-			slices = append(slices, cond)
+		if len(in) > 0 {
+			outside = append(outside, "NOT ("+strings.Join(in, " AND ")+")")
 		}
 	}
-	if len(outside) == 0 {
-		return append(slices, "true")
+	for _, l := range leaves {
+		top, leaf := qualifiedName{schema: l.Schema, name: l.Name}, "tableoid = "+strconv.FormatInt(l.OID, 10)
+		switch p, ok := ranges[top]; {
+		case ok && !p.start.IsZero() && p.start.UnixMicro() >= cutoff:
+			// Not a row of it is expired.
+		case ok:
+			cond := leaf
+			if !p.start.IsZero() {
+				cond += " AND processed_at >= " + pgTimestampConstant(p.start.UnixMicro())
+			}
+			if !p.end.IsZero() {
+				cond += " AND processed_at < " + pgTimestampConstant(p.end.UnixMicro())
+			}
+			slices = append(slices, slice{start: p.start, cond: cond})
+		case top == tp.defaults && len(outside) > 0:
+			slices = append(slices, slice{order: 1, cond: leaf + " AND " + strings.Join(outside, " AND ")})
+		default:
+			slices = append(slices, slice{order: 2, cond: leaf})
+		}
 	}
-	return append(slices, strings.Join(outside, " AND "))
+	sort.SliceStable(slices, func(i, j int) bool {
+		if slices[i].order != slices[j].order {
+			return slices[i].order < slices[j].order
+		}
+		return slices[i].start.Before(slices[j].start)
+	})
+	conds := make([]string, len(slices))
+	for i, sl := range slices {
+		conds[i] = "(" + sl.cond + ")"
+	}
+	return conds
 }
 
 // purgeBatch runs the next batch of a partitioned table's purge: in the
-// slice it is at (the first batch reads the partitions from the catalog
-// and makes the slices, partitionedPurgeSlices), up to q.size expired rows,
-// chosen in the primary key's order after the last key the slice's batch
-// before chose (the key's index of one partition, read from where the
-// batch before stopped: each batch costs about the same, whatever the
-// table's size) and deleted by their leaf table and ctid: a TID scan of the
-// slice's leaves (one, unless the partition is itself partitioned, or a
-// partition was attached meanwhile beside a DEFAULT one), matched to the
-// rows chosen by (tableoid, ctid), since a ctid names a row in one table
-// only. The statement carries the key and the bounds as constants, without
+// slice it is at (the first batch reads the partitions and their leaf
+// tables from the catalog and makes the slices, partitionedPurgeSlices),
+// up to q.size expired rows, chosen in the primary key's order after the
+// last key the slice's batch before chose (the key's index of one leaf,
+// read from where the batch before stopped: each batch costs about the
+// same, whatever the table's size) and deleted by ctid in that leaf (a TID
+// scan; a ctid names a row in one table only, and the slice's tableoid
+// keeps the others out). The statement carries the key and the bounds as
+// constants, without
 // bind parameters, as every purge batch. A row that another purge deletes
 // meanwhile is waited for and skipped (READ COMMITTED's recheck), so two
 // purges that chose the same rows delete them once; rows are not locked
@@ -381,24 +438,35 @@ func partitionedPurgeSlices(tp tablePartitions, cutoff int64) []string {
 // batch ends its slice, and the purge goes on with the next (found is
 // q.size). At the end of the walk (and again when that check failed and is
 // retried) it looks for expired rows left (written expired behind the walk
-// while it ran, or chosen by another purge that rolled back) and, if there
-// are any, walks the table once more; if there are none, the purge ends.
+// while it ran, chosen by another purge that rolled back, or in a partition
+// attached meanwhile) and, if there are any and the walk deleted rows,
+// walks the table once more; else the purge ends (rows that the walk's
+// DELETEs do not remove, which a trigger or a row security policy keeps,
+// walked again and again until ctx ended).
 func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
 	w := q.walk
 	if w.slices == nil {
-		var tp tablePartitions
+		var (
+			tp     tablePartitions
+			leaves []purgeLeaf
+		)
 		err := withReadTx(ctx, db, d, func(rq sqlx.QueryerContext) error {
 			t, err := canonicalTable(ctx, rq, d, w.table)
 			if err != nil {
 				return err
 			}
-			tp, err = listPartitions(ctx, rq, t)
-			return err
+			if tp, err = listPartitions(ctx, rq, t); err != nil || !tp.partitioned {
+				return err
+			}
+			return sqlx.SelectContext(ctx, rq, &leaves, pgPurgeLeavesSQL, t.quoted(d))
 		})
 		if err != nil {
 			return 0, 0, err
 		}
-		w.slices, w.at, w.key = partitionedPurgeSlices(tp, w.cutoff), 0, purgeKey{}
+		w.slices, w.at, w.key, w.deleted = partitionedPurgeSlices(tp, leaves, w.cutoff), 0, purgeKey{}, 0
+		if !tp.partitioned {
+			w.slices = []string{"true"} // not partitioned (any more): one table, ctids its own
+		}
 	}
 	if w.at < len(w.slices) {
 		where := w.slices[w.at] + " AND " + w.expired
@@ -410,10 +478,10 @@ func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _
 			where += " AND (consumer, message_id, processed_at) > (" + pgStringConstant(k.consumer) + ", " + pgStringConstant(k.messageID) + ", " + at + ")"
 		}
 		tq := w.table.quoted(d)
-		stmt := "WITH chosen AS MATERIALIZED (SELECT tableoid, ctid, consumer, message_id, processed_at FROM " + tq + " WHERE " + where +
+		stmt := "WITH chosen AS MATERIALIZED (SELECT ctid, consumer, message_id, processed_at FROM " + tq + " WHERE " + where +
 			" ORDER BY consumer, message_id, processed_at LIMIT " + strconv.FormatInt(q.size, 10) + ")," +
 			" deleted AS (DELETE FROM " + tq + " WHERE " + w.slices[w.at] + " AND " + w.expired +
-			" AND ctid = ANY(ARRAY(SELECT ctid FROM chosen)) AND (tableoid, ctid) IN (SELECT tableoid, ctid FROM chosen)" +
+			" AND ctid = ANY(ARRAY(SELECT ctid FROM chosen))" +
 			" AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL RETURNING 1)" +
 			" SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM chosen), last.consumer, last.message_id, last.micros" +
 			" FROM (SELECT) AS one LEFT JOIN (SELECT consumer, message_id," +
@@ -426,6 +494,7 @@ func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _
 		if err := db.QueryRowxContext(ctx, stmt).Scan(&deleted, &found, &last.consumer, &last.messageID, &last.micros); err != nil {
 			return 0, 0, err
 		}
+		w.deleted += deleted
 		if found >= q.size {
 			w.key = purgeKey{consumer: last.consumer.String, messageID: last.messageID.String, micros: last.micros, set: true}
 			return deleted, found, nil
@@ -440,7 +509,7 @@ func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _
 		// The batch's delete has committed: its rows count.
 		return deleted, 0, fmt.Errorf("look for expired rows left: %w", err)
 	}
-	if left > 0 {
+	if left > 0 && w.deleted > 0 {
 		w.slices = nil
 		return deleted, q.size, nil
 	}

@@ -1142,7 +1142,7 @@ WITH parts AS (
 	  AND (SELECT set_config('DateStyle', 'ISO', true) || set_config('TimeZone', 'UTC', true)) IS NOT NULL
 ), parsed AS (
 	SELECT schema, name, pending, bound,
-		regexp_match(bound, '^FOR VALUES FROM \((MINVALUE|''[^'']*'')\) TO \((MAXVALUE|''[^'']*'')\)$') AS m
+		regexp_match(bound, E'^FOR VALUES FROM \\((MINVALUE|''[^'']*'')\\) TO \\((MAXVALUE|''[^'']*'')\\)$') AS m
 	FROM parts
 ), cast_ AS (
 	SELECT schema, name, pending, bound, m,

@@ -285,3 +285,69 @@ func (c beforeStatementConn) ResetSession(ctx context.Context) error {
 	}
 	return nil
 }
+
+// Expired rows that the purge's DELETE does not remove (a BEFORE DELETE
+// trigger that keeps them: a legal hold) do not keep a partitioned table's
+// purge walking for ever: a walk that deleted nothing ends it, with the
+// rows it could delete gone. The same for a Purger round limited to a
+// consumer whose partition holds another consumer's rows (it never ended,
+// and the Purger ran no round after it).
+func TestPartitionedPurgeEndsBesideRowsItsDeleteKeeps(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, db).AddDate(0, 0, -5), 6); err != nil {
+		t.Fatal(err)
+	}
+	hold := table + "_hold"
+	exec(t, db, "CREATE FUNCTION "+hold+"() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN IF OLD.message_id LIKE 'held%' THEN RETURN NULL; END IF; RETURN OLD; END$$")
+	t.Cleanup(func() { db.Exec("DROP FUNCTION IF EXISTS " + hold + "() CASCADE") })
+	exec(t, db, "CREATE TRIGGER "+hold+" BEFORE DELETE ON "+table+" FOR EACH ROW EXECUTE FUNCTION "+hold+"()")
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "held", 3, 2*24*time.Hour)
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "m", 50, 2*24*time.Hour)
+	limited, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	n, err := inbox.Purge(limited, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1})
+	if err != nil || n != 50 {
+		t.Errorf("purge beside held rows: deleted %d, err %v; want 50, nil (it ended)", n, err)
+	}
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "billing", "r", 5, 2*24*time.Hour)
+	insertRows(t, db, inbox.PostgreSQLPartitioned, table, "audit", "r", 5, 2*24*time.Hour)
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1, Consumer: "billing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := p.RunOnce(limited); r.Err != nil || r.Deleted != 5 {
+		t.Errorf("Purger round beside held rows: %+v; want 5 deleted, no error (it ended)", r)
+	}
+	if held := count(t, db, table, "message_id LIKE 'held%'"); held != 3 {
+		t.Errorf("%d held rows left, want 3", held)
+	}
+}
+
+// A session with standard_conforming_strings = off (a role's or a
+// database's, in a legacy application) reads the partitions' bounds as any
+// other: the catalog read's pattern had backslashes in a plain '...'
+// constant, matched nothing, and every partition read as "not a range" (a
+// Purger round and CreatePartitions refused the table, a Purge walked it as
+// one piece).
+func TestPartitionsReadUnderStandardConformingStringsOff(t *testing.T) {
+	plain := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, plain)
+	if err := inbox.CreatePartitions(ctx, plain, table, dbNow(t, plain).AddDate(0, 0, -5), 6); err != nil {
+		t.Fatal(err)
+	}
+	insertRows(t, plain, inbox.PostgreSQLPartitioned, table, "billing", "m", 30, 2*24*time.Hour)
+	db := testdb.OpenPostgres(t, "options=-c%20standard_conforming_strings%3Doff")
+	if err := inbox.CreatePartitions(ctx, db, table, dbNow(t, plain), 3); err != nil {
+		t.Errorf("CreatePartitions: %v", err)
+	}
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, DutyCycle: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := p.RunOnce(ctx); r.Err != nil || r.Deleted != 30 {
+		t.Errorf("Purger round: %+v; want the 30 expired rows' partition dropped", r)
+	}
+}
