@@ -1140,7 +1140,7 @@ WITH parts AS (
 	FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
 	WHERE i.inhparent = to_regclass($1)
 	  AND (SELECT set_config('DateStyle', 'ISO', true) || set_config('TimeZone', 'UTC', true)) IS NOT NULL
-), parsed AS (
+), parsed AS MATERIALIZED (
 	SELECT schema, name, pending, bound,
 		regexp_match(bound, E'^FOR VALUES FROM \\((MINVALUE|''[^'']*'')\\) TO \\((MAXVALUE|''[^'']*'')\\)$') AS m
 	FROM parts
