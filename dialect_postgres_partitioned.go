@@ -301,6 +301,7 @@ type partitionedPurge struct {
 	cutoff  int64  // as purgeStatement's
 	expired string // the rows the purge deletes
 	slices  []string
+	catalog string   // the leaves and when their partitions were attached: a walk's catalog, to compare
 	at      int      // the slice the next batch reads; len(slices): the walk's end
 	key     purgeKey // where in it, unless unset: its first key
 	// deleted counts the rows the walk deleted: a walk that deleted none
@@ -338,8 +339,10 @@ func pgTimestampConstant(us int64) string {
 
 // pgPurgeLeavesSQL lists the leaf tables of the partitioned table $1 (a
 // partition not partitioned itself is its own leaf) with the schema and
-// name of the partition of $1 above them.
-const pgPurgeLeavesSQL = `SELECT l.relid::oid::bigint AS leaf, n.nspname::text AS schema, c.relname::text AS name
+// name of the partition of $1 above them, and the transaction that attached
+// that partition (its pg_inherits row's xmin, which a DETACH and ATTACH
+// change).
+const pgPurgeLeavesSQL = `SELECT l.relid::oid::bigint AS leaf, n.nspname::text AS schema, c.relname::text AS name, i.xmin::text AS attached
 FROM pg_partition_tree(to_regclass($1)) AS l
 JOIN pg_partition_ancestors(l.relid) AS a ON true
 JOIN pg_inherits i ON i.inhrelid = a.relid AND i.inhparent = to_regclass($1)
@@ -349,9 +352,10 @@ WHERE l.isleaf`
 // purgeLeaf is a leaf table of a partitioned inbox table and the partition
 // of the table above it (itself, unless that partition is partitioned).
 type purgeLeaf struct {
-	OID    int64  `db:"leaf"`
-	Schema string `db:"schema"`
-	Name   string `db:"name"`
+	OID      int64  `db:"leaf"`
+	Schema   string `db:"schema"`
+	Name     string `db:"name"`
+	Attached string `db:"attached"`
 }
 
 // partitionedPurgeSlices returns the slices of a purge with cutoff of a
@@ -466,11 +470,11 @@ func partitionedPurgeSlices(tp tablePartitions, leaves []purgeLeaf, cutoff int64
 func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
 	w := q.walk
 	if w.slices == nil {
-		fresh, err := d.purgeSlices(ctx, db, w)
+		fresh, catalog, err := d.purgeSlices(ctx, db, w)
 		if err != nil {
 			return 0, 0, err
 		}
-		w.slices, w.at, w.key, w.deleted = fresh, 0, purgeKey{}, 0
+		w.slices, w.catalog, w.at, w.key, w.deleted = fresh, catalog, 0, purgeKey{}, 0
 	}
 	for w.at < len(w.slices) {
 		n, chosen, err := d.purgeSliceBatch(ctx, db, w, q.size)
@@ -504,21 +508,23 @@ func (d postgresPartitionedDialect) purgeBatch(ctx context.Context, db dbConn, _
 	// changed since it began (a partition attached, a leaf dropped and made
 	// again): rows that its DELETEs do not remove (a trigger or a row
 	// security policy keeps them) kept it walking for ever.
-	fresh, err := d.purgeSlices(ctx, db, w)
+	fresh, catalog, err := d.purgeSlices(ctx, db, w)
 	if err != nil {
 		return deleted, 0, err
 	}
-	if slices.Equal(fresh, w.slices) {
+	if catalog == w.catalog && slices.Equal(fresh, w.slices) {
 		return deleted, 0, nil
 	}
-	w.slices, w.at, w.key, w.deleted = fresh, 0, purgeKey{}, 0
+	w.slices, w.catalog, w.at, w.key, w.deleted = fresh, catalog, 0, purgeKey{}, 0
 	return deleted, q.size, nil
 }
 
 // purgeSlices reads w's table's partitions and leaf tables from the
 // catalog, in a read-only transaction, and returns its walk's slices
-// (partitionedPurgeSlices).
-func (d postgresPartitionedDialect) purgeSlices(ctx context.Context, db dbConn, w *partitionedPurge) ([]string, error) {
+// (partitionedPurgeSlices) and what tells that catalog from a later one:
+// the leaves and when their partitions were attached (a partition detached
+// and attached again meanwhile has the same slice).
+func (d postgresPartitionedDialect) purgeSlices(ctx context.Context, db dbConn, w *partitionedPurge) ([]string, string, error) {
 	var (
 		tp     tablePartitions
 		leaves []purgeLeaf
@@ -534,9 +540,14 @@ func (d postgresPartitionedDialect) purgeSlices(ctx context.Context, db dbConn, 
 		return sqlx.SelectContext(ctx, rq, &leaves, pgPurgeLeavesSQL, t.quoted(d))
 	})
 	if err != nil || !tp.partitioned {
-		return []string{"true"}, err // not partitioned (any more): one table, ctids its own
+		return []string{"true"}, "", err // not partitioned (any more): one table, ctids its own
 	}
-	return partitionedPurgeSlices(tp, leaves, w.cutoff), nil
+	catalog := make([]string, len(leaves))
+	for i, l := range leaves {
+		catalog[i] = strconv.FormatInt(l.OID, 10) + "@" + l.Attached
+	}
+	sort.Strings(catalog)
+	return partitionedPurgeSlices(tp, leaves, w.cutoff), strings.Join(catalog, ","), nil
 }
 
 // purgeSliceBatch runs one batch in w's slice, up to size expired rows after

@@ -141,8 +141,10 @@ type PurgeConfig struct {
 // PurgePacing is how a purge paced its batches (see PurgeConfig.DutyCycle):
 // the totals of one Purge call or Purger round.
 type PurgePacing struct {
-	// Batches is the number of batches (DELETE transactions) run, the
-	// last, short one included.
+	// Batches is the number of batches run, the last, short one included:
+	// each a DELETE transaction of at most BatchSize rows (on a
+	// partitioned table, a batch also passes the partitions with nothing
+	// expired before it, and the last one looks for rows left).
 	Batches int
 	// BatchTime is the total time spent in batches, retries included.
 	BatchTime time.Duration

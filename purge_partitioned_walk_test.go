@@ -353,42 +353,52 @@ func TestPartitionsReadUnderStandardConformingStringsOff(t *testing.T) {
 	}
 }
 
-// A partition dropped and made again (a new table, its oid another) after
-// the walk read the catalog, holding the only expired rows: the walk
-// deletes nothing, the look at its end finds them, and since the catalog
-// has changed the purge walks again and deletes them (it ended, leaving
-// them on a quiet table).
-func TestPartitionedPurgeWalksAgainAPartitionMadeAgainWhileItRan(t *testing.T) {
-	admin := testdb.OpenPostgres(t, "")
-	ctx := context.Background()
-	table := dailyPartitionedTable(t, admin)
-	if err := inbox.CreatePartitions(ctx, admin, table, dbNow(t, admin).AddDate(0, 0, -5), 6); err != nil {
-		t.Fatal(err)
-	}
-	var part, bound string
-	if err := admin.QueryRow(`SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-		WHERE i.inhparent = $1::regclass ORDER BY 2 LIMIT 1 OFFSET 2`, table).Scan(&part, &bound); err != nil {
-		t.Fatal(err)
-	}
-	exec(t, admin, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT 'billing', 'm' || g, "+
-		"(regexp_match($1, 'FROM \\(''([^'']*)''\\)'))[1]::timestamptz + interval '1 hour' FROM generate_series(1, 30) g", bound)
-	var remade sync.Once
-	before := func(q string) {
-		if strings.Contains(q, "WITH chosen AS MATERIALIZED") {
-			remade.Do(func() {
-				exec(t, admin, "CREATE TABLE "+part+"_new (LIKE "+table+" INCLUDING ALL)")
-				exec(t, admin, "INSERT INTO "+part+"_new SELECT * FROM "+part)
-				exec(t, admin, "DROP TABLE "+part)
-				exec(t, admin, "ALTER TABLE "+part+"_new RENAME TO "+part)
-				exec(t, admin, "ALTER TABLE "+table+" ATTACH PARTITION "+part+" "+bound)
-			})
-		}
-	}
-	db := sqlx.NewDb(sql.OpenDB(beforeStatementConnector{drv: stdlib.GetDefaultDriver(), dsn: testdb.PostgresDSN(), before: before}), "pgx")
-	t.Cleanup(func() { db.Close() })
-	n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 1000, DutyCycle: 1})
-	if left := count(t, admin, table, "processed_at < now() - interval '1 day'"); err != nil || n != 30 || left != 0 {
-		t.Errorf("purge: deleted %d, err %v, %d expired rows left; want 30, nil, none", n, err, left)
+// A partition that holds the only expired rows changes while the walk
+// runs, after the walk read the catalog: dropped and made again (a new
+// table, its oid another), or detached and attached again (the same table,
+// which the walk found detached). The walk deletes nothing, the look at its
+// end finds the rows, and since the catalog has changed the purge walks
+// again and deletes them (it ended, leaving them on a quiet table).
+func TestPartitionedPurgeWalksAgainAPartitionThatChangedWhileItRan(t *testing.T) {
+	for _, change := range []string{"made again", "detached and attached again"} {
+		t.Run(change, func(t *testing.T) {
+			admin := testdb.OpenPostgres(t, "")
+			ctx := context.Background()
+			table := dailyPartitionedTable(t, admin)
+			if err := inbox.CreatePartitions(ctx, admin, table, dbNow(t, admin).AddDate(0, 0, -5), 6); err != nil {
+				t.Fatal(err)
+			}
+			var part, bound string
+			if err := admin.QueryRow(`SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+				WHERE i.inhparent = $1::regclass ORDER BY 2 LIMIT 1 OFFSET 2`, table).Scan(&part, &bound); err != nil {
+				t.Fatal(err)
+			}
+			exec(t, admin, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT 'billing', 'm' || g, "+
+				"(regexp_match($1, 'FROM \\(''([^'']*)''\\)'))[1]::timestamptz + interval '1 hour' FROM generate_series(1, 30) g", bound)
+			var first, last sync.Once
+			before := func(q string) {
+				switch {
+				case strings.Contains(q, "WITH chosen AS MATERIALIZED") && change == "made again":
+					first.Do(func() {
+						exec(t, admin, "CREATE TABLE "+part+"_new (LIKE "+table+" INCLUDING ALL)")
+						exec(t, admin, "INSERT INTO "+part+"_new SELECT * FROM "+part)
+						exec(t, admin, "DROP TABLE "+part)
+						exec(t, admin, "ALTER TABLE "+part+"_new RENAME TO "+part)
+						exec(t, admin, "ALTER TABLE "+table+" ATTACH PARTITION "+part+" "+bound)
+					})
+				case strings.Contains(q, "WITH chosen AS MATERIALIZED"):
+					first.Do(func() { exec(t, admin, "ALTER TABLE "+table+" DETACH PARTITION "+part) })
+				case strings.HasPrefix(q, "SELECT count(*) FROM (SELECT FROM") && change != "made again":
+					last.Do(func() { exec(t, admin, "ALTER TABLE "+table+" ATTACH PARTITION "+part+" "+bound) })
+				}
+			}
+			db := sqlx.NewDb(sql.OpenDB(beforeStatementConnector{drv: stdlib.GetDefaultDriver(), dsn: testdb.PostgresDSN(), before: before}), "pgx")
+			t.Cleanup(func() { db.Close() })
+			n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: 24 * time.Hour, BatchSize: 1000, DutyCycle: 1})
+			if left := count(t, admin, table, "processed_at < now() - interval '1 day'"); err != nil || n != 30 || left != 0 {
+				t.Errorf("purge: deleted %d, err %v, %d expired rows left; want 30, nil, none", n, err, left)
+			}
+		})
 	}
 }
 

@@ -139,7 +139,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"table", "consumer"}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_batches_total",
-			Help: "Purge batches (DELETE transactions) run by purge rounds.",
+			Help: "Purge batches run by purge rounds, each a DELETE transaction of at most the batch size (on a partitioned table, passing the partitions with nothing expired before it).",
 		}, []string{"table", "consumer"}),
 		batchSeconds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "inbox_purge_batch_seconds_total",
