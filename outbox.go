@@ -1541,11 +1541,9 @@ func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
 	s.FirstLastError = lastError.String
 	s.DeadLettered, s.Pending = -1, -1
 	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.dead).Scan(&s.DeadLettered); err != nil {
-		s.DeadLettered = -1
 		return s, fmt.Errorf("inbox: outbox stats of %s: count the dead letters: %w", t.table, poolerHint(err))
 	}
 	if err := o.cfg.DB.QueryRowxContext(ctx, t.sql.pending).Scan(&s.Pending); err != nil {
-		s.Pending = -1
 		return s, fmt.Errorf("inbox: outbox stats of %s: count the pending messages: %w", t.table, poolerHint(err))
 	}
 	return s, nil
