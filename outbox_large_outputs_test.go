@@ -17,6 +17,12 @@ import (
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
+// largeWriteCommitTimeout is the CommitTimeout of the inboxes whose
+// messages write tens of MiB of outputs in their transaction: on a loaded
+// machine MariaDB took longer than the default 10 s to take them, and the
+// message was nacked for its time, not for what these tests check.
+const largeWriteCommitTimeout = 2 * time.Minute
+
 // With go-sql-driver/mysql's interpolateParams a statement goes in one
 // packet: a handler whose outputs add up to more than MariaDB's
 // max_allowed_packet (16 MiB by default; 20 of 900 KiB here, each under
@@ -26,7 +32,7 @@ func TestReturnedMessagesLargerTogetherThanAPacketAreWritten(t *testing.T) {
 	db := testdb.OpenMySQL(t, "interpolateParams=true")
 	broker := newBrokerStub()
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
-	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: ob.Publisher})
+	ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: largeWriteCommitTimeout, Outbox: ob.Publisher})
 	var want []string
 	in, out := newFeed(), &outcomes{}
 	runRouter(t, func(r *message.Router) {

@@ -25,7 +25,7 @@ func packetLimitRouter(t *testing.T, params string, outputs func(msg *message.Me
 	db := testdb.OpenMySQL(t, params)
 	broker := newBrokerStub()
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
-	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: ob.Publisher})
+	ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: largeWriteCommitTimeout, Outbox: ob.Publisher})
 	poison, sink := poisonUnlessTransient(t)
 	in, out := newFeed(), &outcomes{}
 	runRouter(t, func(r *message.Router) {
@@ -172,7 +172,7 @@ func TestOutputUnderMaxAllowedPacketThroughPublisherOnIsWritten(t *testing.T) {
 			// interpolated took over the default 10 s on a CI machine
 			// running the other packages' tests, and the delivery failed
 			// its commit deadline instead.
-			ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: time.Minute, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+			ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: largeWriteCommitTimeout, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
 				return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
 					_, err := tx.ExecContext(ctx, q, args...)
 					return err
@@ -202,7 +202,7 @@ func TestOutputUnderMaxAllowedPacketThroughPublisherOnIsWritten(t *testing.T) {
 func publisherOnOverThePacket(t *testing.T, params string, payload []byte) {
 	db := testdb.OpenMySQL(t, params)
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
-	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+	ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: largeWriteCommitTimeout, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
 		return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
 			_, err := tx.ExecContext(ctx, q, args...)
 			return err
@@ -232,7 +232,7 @@ func TestLargeOutputThroughPublisherOnWithEveryConnectionHeldIsWritten(t *testin
 	broker := newBrokerStub()
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
 	db.SetMaxOpenConns(1)
-	ib := newFixture(t, db).newInbox(inbox.Config{Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
+	ib := newFixture(t, db).newInbox(inbox.Config{CommitTimeout: largeWriteCommitTimeout, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
 		return ob.PublisherOn(func(ctx context.Context, q string, args ...any) error {
 			_, err := tx.ExecContext(ctx, q, args...)
 			return err
