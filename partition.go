@@ -532,7 +532,9 @@ type DroppedPartition struct {
 // (a transaction-scoped advisory lock keyed by the table, in a transaction
 // held open for the call; see Purger), waiting for a call or round that
 // holds it, and then finds the partitions afresh, so a partition another
-// call dropped is neither dropped again nor counted twice. It needs two
+// call dropped is neither dropped again nor counted twice. Its cutoff is
+// the database's time when it checked the window, less olderThan, however
+// long it waits for that lock. It needs two
 // connections of db (a pool limited to one is refused with
 // ErrInvalidConfig).
 func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan time.Duration, window WindowSource) (dropped []DroppedPartition, err error) {
@@ -543,6 +545,11 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 	if olderThan <= 0 {
 		return nil, fmt.Errorf("%w: olderThan must be positive, got %v", ErrInvalidConfig, olderThan)
 	}
+	// The cutoff is the database's time at the check less olderThan,
+	// however long the lock takes (another instance's round holds it): a
+	// cutoff read once the lock was granted moved forward with the wait,
+	// past a window the source may have raised meanwhile.
+	checked := time.Now() // before the source is asked: its window holds from then
 	if _, err := checkWindow(ctx, window, olderThan); err != nil {
 		return nil, fmt.Errorf("inbox: drop partitions of %s: %w", t, err)
 	}
@@ -558,7 +565,7 @@ func DropPartitions(ctx context.Context, db *sqlx.DB, table string, olderThan ti
 			err = fmt.Errorf("inbox: drop partitions of %s: lock: %w", t, rerr)
 		}
 	}()
-	return dropPartitions(ctx, lease.work, t, olderThan, time.Time{}, "")
+	return dropPartitions(ctx, lease.work, t, olderThan, checked, "")
 }
 
 // dropPartitions drops the partitions of t whose upper bound (from the

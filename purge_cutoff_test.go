@@ -232,3 +232,75 @@ func TestPurgeOfAnInfiniteProcessedAt(t *testing.T) {
 		t.Errorf("Stats beside shipping's '-infinity' row: %+v, %v", st, err)
 	}
 }
+
+// askedWindow is a WindowSource that reports window and closes asked at
+// its first call.
+type askedWindow struct {
+	window time.Duration
+	once   sync.Once
+	asked  chan struct{}
+}
+
+func (w *askedWindow) SafeWindow(context.Context) (time.Duration, error) {
+	w.once.Do(func() { close(w.asked) })
+	return w.window, nil
+}
+
+// DropPartitions keeps the cutoff of its window check while it waits for
+// the purge lock (another instance's round holds it): a partition whose
+// bound was inside the window at the check is kept, however long the wait.
+// Its cutoff was read after the lock was granted, so each second of the
+// wait moved it forward, and it dropped a partition whose row was inside
+// the window it had checked (and inside the source's window when it
+// dropped it, a retention raised meanwhile): that message, replayed, was
+// processed twice.
+func TestDropPartitionsKeepsTheCutoffOfItsCheckWhileItWaitsForTheLock(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	ctx := context.Background()
+	table := dailyPartitionedTable(t, db)
+	const retention = 48 * time.Hour
+	// A partition whose upper bound is 3 s inside the window, and a row in
+	// it 1 s inside.
+	exec(t, db, "CREATE TABLE "+table+"_by_hand PARTITION OF "+table+
+		" FOR VALUES FROM (now() - interval '49 hours') TO (now() - interval '48 hours' + interval '3 seconds')")
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ('billing', 'inside', now() - interval '48 hours' + interval '1 second')")
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Dialect: inbox.PostgreSQLPartitioned, Table: table, OlderThan: retention}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := inbox.PurgeLockKey(ctx, db, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback()
+	if _, err := holder.Exec("SELECT pg_advisory_xact_lock($1)", key); err != nil {
+		t.Fatal(err)
+	}
+	src := &askedWindow{window: retention, asked: make(chan struct{})}
+	type result struct {
+		dropped []inbox.DroppedPartition
+		err     error
+	}
+	done := make(chan result, 1)
+	go func() {
+		dropped, err := inbox.DropPartitions(ctx, db, table, retention, src)
+		done <- result{dropped, err}
+	}()
+	<-src.asked
+	time.Sleep(5 * time.Second) // another round's lock, held a few seconds: the partition's bound passes the clock's cutoff
+	if err := holder.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("DropPartitions: %v", r.err)
+	}
+	if n := count(t, db, table, "message_id = 'inside'"); n != 1 {
+		t.Errorf("DropPartitions dropped %v: the row 1 s inside the window at its check is gone;"+
+			" want its partition kept until its bound passes the check's cutoff", r.dropped)
+	}
+}
