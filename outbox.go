@@ -35,6 +35,9 @@ const (
 	DefaultOutboxLinger = 5 * time.Millisecond
 	// DefaultOutboxMaxBackoff is OutboxConfig.MaxBackoff when it is zero.
 	DefaultOutboxMaxBackoff = 5 * time.Second
+	// DefaultOutboxTopicConcurrency is OutboxConfig.TopicConcurrency when
+	// it is zero.
+	DefaultOutboxTopicConcurrency = 16
 )
 
 // MaxOutboxBatchSize is the largest OutboxConfig.BatchSize.
@@ -234,6 +237,21 @@ type OutboxConfig struct {
 	// Default: DefaultOutboxMaxAttempts (10).
 	MaxAttempts int
 
+	// TopicConcurrency is how many topics one relay round publishes to at
+	// once: a round's messages go to the publisher in one call per topic,
+	// and each call waits for the broker (kafkaoutbox's gathers for 5 ms,
+	// then a produce round trip), so a round of messages spread over many
+	// topics (one per tenant), published one topic after another, sent a
+	// few hundred messages a second whatever its BatchSize. A topic's
+	// messages are published by one call or walk at a time, in order, so
+	// the order of each topic holds; messages of different topics have no
+	// order between them (see docs/outbox.md, Order). The publisher is
+	// called from that many goroutines at once, which Watermill's
+	// message.Publisher contract allows ("Publish must be thread safe");
+	// set 1 for a publisher that is not. Must not be negative.
+	// Default: DefaultOutboxTopicConcurrency (16).
+	TopicConcurrency int
+
 	// MaxBackoff caps the wait after a failed relay round (a publish the
 	// broker refused, a database error), which doubles from 50 ms. Must not
 	// be negative. Default: DefaultOutboxMaxBackoff (5 s).
@@ -414,6 +432,9 @@ func (c *OutboxConfig) setDefaults() {
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = DefaultOutboxMaxBackoff
 	}
+	if c.TopicConcurrency == 0 {
+		c.TopicConcurrency = DefaultOutboxTopicConcurrency
+	}
 }
 
 // Validate reports every problem of the configuration at once, joined with
@@ -438,6 +459,9 @@ func (c OutboxConfig) Validate() error {
 	}
 	if c.MaxBackoff < 0 {
 		errs = append(errs, fmt.Errorf("OutboxConfig.MaxBackoff must not be negative, got %v", c.MaxBackoff))
+	}
+	if c.TopicConcurrency < 0 {
+		errs = append(errs, fmt.Errorf("OutboxConfig.TopicConcurrency must be at least 1, got %d", c.TopicConcurrency))
 	}
 	return errors.Join(errs...)
 }

@@ -297,16 +297,18 @@ func relayStopping(t *testing.T, db *sqlx.DB, d inbox.Dialect, ob *inbox.Outbox)
 	return len(ids) == count(t, db, table, "")
 }
 
-// A relay whose context ends while the broker holds one topic's messages
-// publishes no other topic in that round: it could not record what it
-// sends any more, and the publisher may be closing (the router's shutdown
-// order closes it a second after the router). Before, the round went on
-// through every topic of its batch, each publish a duplicate to come. The
-// next relay sends every message.
+// A relay whose context ends while the broker holds the messages of the
+// topics it publishes to at once (TopicConcurrency, 2 here) publishes no
+// other topic in that round: it could not record what it sends any more,
+// and the publisher may be closing (the router's shutdown order closes it
+// a second after the router). Before, the round went on through every
+// topic of its batch, each publish a duplicate to come. The next relay
+// sends every message.
 func TestOutboxRelayStoppedMidRoundPublishesNoFurtherTopic(t *testing.T) {
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
-		blocked := &blockingBroker{brokerStub: newBrokerStub(), entered: make(chan struct{}, 1), release: make(chan struct{})}
-		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: blocked})
+		const atOnce = 2
+		blocked := &blockingBroker{brokerStub: newBrokerStub(), entered: make(chan struct{}, atOnce), release: make(chan struct{})}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: blocked, TopicConcurrency: atOnce})
 		topics := []string{"invoices", "mails", "payments", "refunds"}
 		want := map[string][]string{}
 		for _, topic := range topics {
@@ -315,15 +317,17 @@ func TestOutboxRelayStoppedMidRoundPublishesNoFurtherTopic(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { defer close(done); _ = ob.Run(ctx) }()
-		select {
-		case <-blocked.entered:
-		case <-time.After(caseTimeout):
-			t.Fatal("the relay did not publish")
+		for range atOnce {
+			select {
+			case <-blocked.entered:
+			case <-time.After(caseTimeout):
+				t.Fatal("the relay did not publish to two topics at once")
+			}
 		}
 		cancel()
 		close(blocked.release)
 		<-done
-		for _, topic := range topics[1:] {
+		for _, topic := range topics[atOnce:] {
 			if got := blocked.uuids(topic); len(got) > 0 {
 				t.Errorf("the stopped relay published %d messages of %q after its context ended, want none", len(got), topic)
 			}

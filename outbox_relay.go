@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -943,21 +944,58 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 		byTopic[r.Topic] = append(byTopic[r.Topic], r)
 	}
 	now := time.Now()
+	var due []string // the topics published to in this round
 	for _, topic := range order {
-		group := byTopic[topic]
 		if topics != nil && topics.skip(topic, now) || ctx.Err() != nil {
-			b.skipped += len(group)
+			b.skipped += len(byTopic[topic])
 			continue
 		}
-		failedBefore, sentBefore := len(b.failed), len(b.sent)
-		each := o.publishTopic(ctx, &b, topic, group, reads)
-		if topics != nil {
+		due = append(due, topic)
+	}
+	// Each topic's call or walk on its own batch, up to TopicConcurrency
+	// at once (the walks' reads share the round's transaction: one at a
+	// time), then merged in the order of the topics' first rows.
+	outcomes := make([]outboxBatch, len(due))
+	each := make([]bool, len(due))
+	run := func(i int, reads walkReads) {
+		outcomes[i] = outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: map[int64]outboxRow{}}
+		if ctx.Err() != nil {
+			outcomes[i].skipped = len(byTopic[due[i]])
+			return
+		}
+		each[i] = o.publishTopic(ctx, &outcomes[i], due[i], byTopic[due[i]], reads)
+	}
+	if workers := min(o.cfg.TopicConcurrency, len(due)); workers <= 1 {
+		for i := range due {
+			run(i, reads)
+		}
+	} else {
+		shared := reads.oneAtATime()
+		next := make(chan int)
+		var wg sync.WaitGroup
+		for range workers {
+			wg.Go(func() {
+				for i := range next {
+					run(i, shared)
+				}
+			})
+		}
+		for i := range due {
+			next <- i
+		}
+		close(next)
+		wg.Wait()
+	}
+	for i, topic := range due {
+		t := &outcomes[i]
+		b.merge(t)
+		if topics != nil && t.skipped == 0 {
 			// A topic waits for its next try when the broker refused its
 			// first message in line. A call whose publisher told each
 			// message's outcome (PublishError) and that published some
 			// took the topic: the refused messages go again next round,
 			// beside the ones written since (their partitions' turn).
-			if len(b.failed) > failedBefore && (len(b.sent) == sentBefore || !each) {
+			if len(t.failed) > 0 && (len(t.sent) == 0 || !each[i]) {
 				topics.refused(topic, time.Now())
 				b.refused = append(b.refused, topic)
 			} else {
@@ -966,6 +1004,22 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 		}
 	}
 	return b
+}
+
+// merge adds t, the outcome of one topic's publishes, to b.
+func (b *outboxBatch) merge(t *outboxBatch) {
+	b.sent = append(b.sent, t.sent...)
+	maps.Copy(b.failed, t.failed)
+	maps.Copy(b.bury, t.bury)
+	maps.Copy(b.rows, t.rows)
+	if len(t.refusals) > 0 {
+		if b.refusals == nil {
+			b.refusals = map[int64]error{}
+		}
+		maps.Copy(b.refusals, t.refusals)
+	}
+	b.errs = append(b.errs, t.errs...)
+	b.skipped += t.skipped
 }
 
 // maxWaitingForEvidence bounds how many messages refused on their last
@@ -985,6 +1039,30 @@ type walkReads struct {
 	next func(topic string, after int64) (outboxRow, bool, error)
 	// deadTaken reports whether the dead-letter table holds id already.
 	deadTaken func(id int64) (bool, error)
+}
+
+// oneAtATime returns r with its reads made one at a time, for the walks of
+// several topics at once: they read on the round's one transaction, which
+// is not safe for concurrent use (a statement and the reading of its rows,
+// its savepoint).
+func (r walkReads) oneAtATime() walkReads {
+	var mu sync.Mutex
+	shared := walkReads{}
+	if next := r.next; next != nil {
+		shared.next = func(topic string, after int64) (outboxRow, bool, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			return next(topic, after)
+		}
+	}
+	if deadTaken := r.deadTaken; deadTaken != nil {
+		shared.deadTaken = func(id int64) (bool, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			return deadTaken(id)
+		}
+	}
+	return shared
 }
 
 // publishTopic publishes group, the messages of topic in id order, and

@@ -1,0 +1,170 @@
+package inbox_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+)
+
+// meetingPublisher is a broker whose every Publish call waits, up to
+// patience, for another call to be in flight beside it, as a broker's
+// round trip keeps a call waiting: it tells whether a relay round calls it
+// for several topics at once. It keeps each topic's messages in the order
+// they arrived.
+type meetingPublisher struct {
+	patience time.Duration
+
+	mu       sync.Mutex
+	inFlight int
+	most     int // the most calls in flight at once
+	met      chan struct{}
+	accepted map[string][]string // topic -> message UUIDs
+}
+
+func newMeetingPublisher(patience time.Duration) *meetingPublisher {
+	return &meetingPublisher{patience: patience, met: make(chan struct{}), accepted: map[string][]string{}}
+}
+
+func (p *meetingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	p.inFlight++
+	first := p.inFlight > p.most && p.inFlight == 2
+	p.most = max(p.most, p.inFlight)
+	if first {
+		close(p.met) // the first time two are in flight
+	}
+	met := p.met
+	p.mu.Unlock()
+	select {
+	case <-met:
+	case <-time.After(p.patience):
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.inFlight--
+	for _, m := range msgs {
+		p.accepted[topic] = append(p.accepted[topic], m.UUID)
+	}
+	return nil
+}
+
+func (p *meetingPublisher) Close() error { return nil }
+
+// mostInFlight returns the most calls that were in flight at once.
+func (p *meetingPublisher) mostInFlight() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.most
+}
+
+// commitSpreadOverTopics commits, in one transaction through ob, perTopic
+// messages to each of topics, interleaved; it returns each topic's UUIDs
+// in the order they were written.
+func commitSpreadOverTopics(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topics []string, perTopic int) map[string][]string {
+	t.Helper()
+	tx, pub := beginOutbox(t, db, ob)
+	written := map[string][]string{}
+	for i := range perTopic {
+		for _, topic := range topics {
+			uuid := fmt.Sprintf("%s-%d", topic, i)
+			if err := pub.Publish(topic, message.NewMessage(uuid, []byte("p"))); err != nil {
+				t.Fatal(err)
+			}
+			written[topic] = append(written[topic], uuid)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	return written
+}
+
+// A round whose messages go to several topics publishes to them at once
+// (OutboxConfig.TopicConcurrency), each topic's messages in the order they
+// were written: one topic after another, each call waiting for the broker,
+// a relay of messages spread over 200 topics sent a few hundred a second.
+func TestOutboxRoundPublishesToSeveralTopicsAtOnce(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newMeetingPublisher(5 * time.Second)
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker})
+		topics := []string{"tenant-a", "tenant-b", "tenant-c", "tenant-d", "tenant-e", "tenant-f"}
+		written := commitSpreadOverTopics(t, db, ob, topics, 5)
+		start := time.Now()
+		if r := ob.RelayOnce(context.Background()); r.Err != nil || r.Relayed != len(topics)*5 {
+			t.Fatalf("round: %+v, want all %d messages relayed", r, len(topics)*5)
+		}
+		if most := broker.mostInFlight(); most < 2 {
+			t.Errorf("the round's publishes to %d topics: at most %d in flight at once (round took %v), want them at once",
+				len(topics), most, time.Since(start))
+		}
+		for _, topic := range topics {
+			if got := broker.accepted[topic]; !slices.Equal(got, written[topic]) {
+				t.Errorf("sent to %s: %v, want %v in that order", topic, got, written[topic])
+			}
+		}
+		assertOutboxEmpty(t, ob)
+	})
+}
+
+// TopicConcurrency 1 publishes to one topic at a time, for a publisher
+// that is not safe for concurrent use.
+func TestOutboxTopicConcurrencyOneCallsThePublisherOneAtATime(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newMeetingPublisher(20 * time.Millisecond)
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, TopicConcurrency: 1})
+		topics := []string{"tenant-a", "tenant-b", "tenant-c", "tenant-d"}
+		written := commitSpreadOverTopics(t, db, ob, topics, 3)
+		if r := ob.RelayOnce(context.Background()); r.Err != nil || r.Relayed != len(topics)*3 {
+			t.Fatalf("round: %+v, want all %d messages relayed", r, len(topics)*3)
+		}
+		if most := broker.mostInFlight(); most != 1 {
+			t.Errorf("TopicConcurrency 1: %d publishes in flight at once, want 1", most)
+		}
+		for _, topic := range topics {
+			if got := broker.accepted[topic]; !slices.Equal(got, written[topic]) {
+				t.Errorf("sent to %s: %v, want %v in that order", topic, got, written[topic])
+			}
+		}
+	})
+}
+
+// Topics whose first messages the broker refuses on their last attempt,
+// walked at once in one round: each walk reads the messages behind on the
+// round's transaction, one read at a time, and each topic's refused
+// messages are set aside once one behind them is accepted, the rest of
+// each topic sent in order.
+func TestOutboxRoundWalksSeveralRefusingTopicsAtOnce(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		broker := newBrokerStub()
+		broker.refuse = func(_ string, m *message.Message) error {
+			if m.UUID[len(m.UUID)-2:] == "-0" {
+				return fmt.Errorf("the broker refuses %s", m.UUID)
+			}
+			return nil
+		}
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, MaxAttempts: 1, BatchSize: 8})
+		topics := []string{"tenant-a", "tenant-b", "tenant-c", "tenant-d", "tenant-e", "tenant-f", "tenant-g", "tenant-h"}
+		written := commitSpreadOverTopics(t, db, ob, topics, 3)
+		relayUntilNothingPending(t, ob)
+		for _, topic := range topics {
+			if got := broker.uuids(topic); !slices.Equal(got, written[topic][1:]) {
+				t.Errorf("sent to %s: %v, want %v in that order", topic, got, written[topic][1:])
+			}
+		}
+		stats, err := ob.Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if stats.DeadLettered != int64(len(topics)) {
+			t.Errorf("%d messages set aside, want each topic's refused one (%d)", stats.DeadLettered, len(topics))
+		}
+	})
+}
