@@ -370,6 +370,9 @@ type purgeQuery struct {
 type purgeCursor struct {
 	fromMillis int64
 	set        bool
+	// fruitless: the last batch ran from the oldest expired row and
+	// deleted nothing (postgresDialect.purgeBatch).
+	fruitless bool
 }
 
 func deleteOldestSQL(q, where, limit, lock string) string {

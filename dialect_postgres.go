@@ -787,7 +787,21 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 	if err := db.QueryRowxContext(ctx, stmt, q.args...).Scan(&deleted, &next); err != nil {
 		return 0, 0, err
 	}
-	*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted >= q.size && next.Valid}
+	fruitless := !bounded && deleted == 0
+	if fruitless && q.cursor.fruitless {
+		// Two batches in a row from the oldest expired row deleted
+		// nothing: the oldest rows are there and this purge's DELETE keeps
+		// them (a BEFORE DELETE trigger that skips them, a row security
+		// policy), at least a batch of them. The purge ends, as a
+		// partitioned table's walk that deleted nothing does: the count of
+		// the rows left found them again and again, and it chose them
+		// again, for ever, holding the Purger's lock. One such batch alone
+		// may have lost its rows to another purge (see above): the next
+		// batch from the oldest goes on with those left.
+		*q.cursor = purgeCursor{}
+		return 0, 0, nil
+	}
+	*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted >= q.size && next.Valid, fruitless: fruitless}
 	found = deleted
 	if q.remaining != "" && deleted < q.size {
 		var left int64
