@@ -77,6 +77,10 @@ type Dialect interface {
 	// this package creates it (read through q); "" otherwise, and the key
 	// lock and the claim then run as two statements.
 	lockedClaim(ctx context.Context, q sqlx.QueryerContext, table qualifiedName, fingerprint bool) (string, error)
+	// claimFunctionSQL returns the statement that creates the function
+	// lockedClaim calls for table (with fingerprint, the overload that
+	// stores it), "" for a dialect that has none.
+	claimFunctionSQL(table qualifiedName, fingerprint bool) string
 	// preCommitCheck returns a query, run in the transaction right before
 	// COMMIT, that counts the claim's row (bind parameters: consumer,
 	// message id), 0 meaning the database has already rolled the

@@ -119,6 +119,8 @@ func (mysqlDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifiedN
 	return "", nil
 }
 
+func (mysqlDialect) claimFunctionSQL(qualifiedName, bool) string { return "" }
+
 func (mysqlDialect) uncodedBoundaryErrIsLostConn() bool { return true }
 
 func (mysqlDialect) preparesByDefault() bool { return true }

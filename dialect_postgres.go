@@ -98,6 +98,8 @@ func (postgresDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualifi
 	return "", nil
 }
 
+func (postgresDialect) claimFunctionSQL(qualifiedName, bool) string { return "" }
+
 // After an error PostgreSQL keeps the transaction open but aborted, and
 // turns COMMIT into ROLLBACK, which the driver reports as an error.
 func (postgresDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }

@@ -99,12 +99,12 @@ func claimFunctionArgs(fingerprint bool) string {
 	return "(text, text, bigint)"
 }
 
-func (d postgresPartitionedDialect) createClaimFunctionSQL(t qualifiedName, fingerprint bool) string {
+func (d postgresPartitionedDialect) claimFunctionSQL(t qualifiedName, fingerprint bool) string {
 	return "CREATE OR REPLACE FUNCTION " + d.claimFunction(t).quoted(d) + claimFunctionArgs(fingerprint) + " RETURNS boolean\n" +
 		"    LANGUAGE plpgsql VOLATILE AS $$" + d.claimFunctionBody(t, fingerprint) + "$$"
 }
 
-// Only a function exactly as createClaimFunctionSQL makes it: the same
+// Only a function exactly as claimFunctionSQL makes it: the same
 // source, signature, return type, volatility and language, no settings of
 // its own (proconfig: a SET search_path would resolve the table's name
 // elsewhere) and not SECURITY DEFINER.
@@ -139,8 +139,8 @@ func (d postgresPartitionedDialect) createSQL(t qualifiedName) []string {
 			"    " + d.fingerprintColumn() + ",\n" +
 			"    PRIMARY KEY (consumer, message_id, processed_at)\n" +
 			") PARTITION BY RANGE (processed_at)",
-		d.createClaimFunctionSQL(t, false),
-		d.createClaimFunctionSQL(t, true),
+		d.claimFunctionSQL(t, false),
+		d.claimFunctionSQL(t, true),
 	}
 }
 

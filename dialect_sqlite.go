@@ -108,6 +108,8 @@ func (sqliteDialect) lockedClaim(context.Context, sqlx.QueryerContext, qualified
 	return "", nil
 }
 
+func (sqliteDialect) claimFunctionSQL(qualifiedName, bool) string { return "" }
+
 // A transaction SQLite rolled back by itself (SQLITE_FULL, SQLITE_IOERR, ...)
 // makes COMMIT fail: no transaction is active.
 func (sqliteDialect) preCommitCheck(qualifiedName) (string, bool) { return "", false }

@@ -298,7 +298,11 @@ func (ib *Inbox) recheckFingerprintColumn(d *delivery, err error) error {
 // it with a lock_timeout and retry); MariaDB 10.3+ and MySQL 8.0.12+ add a
 // last nullable column in place (ALGORITHM=INSTANT); SQLite's ADD COLUMN
 // edits the schema only. Rows written before it hold NULL and match any
-// content.
+// content. On PostgreSQLPartitioned it returns two statements, separated by
+// ";\n": the column, then the claim function's overload that stores the
+// fingerprint (CREATE OR REPLACE FUNCTION "<table>_claim"(text, text,
+// bigint, bytea), as InitializeSchema makes it), without which each claim
+// takes two statements, one round trip more.
 func AddFingerprintColumnSQL(d Dialect, table string) string {
 	t, err := parseTableName(table)
 	if err != nil || d == nil {
@@ -307,6 +311,9 @@ func AddFingerprintColumnSQL(d Dialect, table string) string {
 	stmt := "ALTER TABLE " + t.quoted(d) + " ADD COLUMN " + strings.Join(strings.Fields(d.fingerprintColumn()), " ")
 	if d.server() == serverMySQL {
 		stmt += ", ALGORITHM=INSTANT"
+	}
+	if fn := d.claimFunctionSQL(t, true); fn != "" {
+		stmt += ";\n" + fn
 	}
 	return stmt
 }

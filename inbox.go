@@ -92,6 +92,9 @@ type Inbox struct {
 	// connection, and resolving it waits for one.
 	keyLocking atomic.Pointer[keyLocking]
 	keyLockMu  sync.Mutex
+	// claimFunctionNoted: a resolution found no claim function and said
+	// so (once per Inbox).
+	claimFunctionNoted atomic.Bool
 	// recheckKeyLocking is how long a resolution without the claim
 	// function holds before the next delivery looks for it again
 	// (claimFunctionRecheck; tests shorten it).
@@ -157,6 +160,16 @@ func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
 	})
 	if err != nil {
 		return k, err
+	}
+	if k.lockedClaim == "" && ib.claimFunctionNoted.CompareAndSwap(false, true) {
+		if create := ib.dialect.claimFunctionSQL(ib.table, ib.fingerprintsOn()); create != "" {
+			// A table migrated by hand (the fingerprint column added
+			// without its overload, a function left out): each claim
+			// takes one round trip more, which nothing else tells.
+			ib.logger.get().Info("Inbox: the table's claim function is missing or not as the inbox makes it, so each claim"+
+				" takes two statements (one round trip more); create it with: "+create+" (InitializeSchema does)",
+				watermill.LogFields{"table": ib.table.String(), "claim_function": "missing"})
+		}
 	}
 	ib.keyLocking.Store(&k)
 	return k, nil

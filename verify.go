@@ -41,7 +41,15 @@ import (
 // It also finds whether the table has the fingerprint column that detects
 // reused message ids (Config.ReusedIDs): without it the check is off and
 // Verify logs, once, at Info, the ALTER TABLE that adds it
-// (AddFingerprintColumnSQL); a missing column is not an error.
+// (AddFingerprintColumnSQL); a missing column is not an error. On
+// PostgreSQLPartitioned it also looks for the table's claim function (the
+// overload that stores the fingerprint, when the column is there), and
+// logs, once, at Info, the CREATE FUNCTION when it is missing or not as
+// InitializeSchema makes it: each claim then takes one round trip more.
+// Both lines go to Config.Logger (with the default, nowhere until
+// RouterPlugin gives the router's): a readiness check that wants them
+// reads ReusedIDsDetected after Verify, or runs inbox schema -verify,
+// which prints them.
 //
 // Last it checks that the database takes writes: a statement that writes
 // nothing (an INSERT of no row), in a transaction begun as a
@@ -64,6 +72,12 @@ func (ib *Inbox) Verify(ctx context.Context) error {
 	ib.verified.Store(true) // the middleware need not check again
 	if err := ib.resolveFingerprints(ctx); err != nil {
 		return err
+	}
+	if ib.dialect.claimFunctionSQL(ib.table, false) != "" {
+		// Logs, once, a claim function that is missing.
+		if _, err := ib.resolveKeyLocking(ctx); err != nil {
+			return fmt.Errorf("inbox: verify %s: %w", ib.table, err)
+		}
 	}
 	return ib.verifyWritable(ctx)
 }

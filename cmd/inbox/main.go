@@ -59,6 +59,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -497,7 +498,8 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer db.Close()
-	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table, OutboxTables: outboxTables})
+	notes := &claimFunctionNotes{}
+	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table, OutboxTables: outboxTables, Logger: notes})
 	if err != nil {
 		return err
 	}
@@ -511,10 +513,16 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			if d == nil {
 				d = driverDialect(db.DriverName())
 			}
+			lockTimeout := ""
+			if d == inbox.PostgreSQL || d == inbox.PostgreSQLPartitioned {
+				lockTimeout = "; run it with SET lock_timeout = '2s' and retry, as it waits for every running transaction" +
+					" on the table and holds the claims back meanwhile"
+			}
 			fmt.Fprintf(stdout, "it has no fingerprint column, so a message id reused for other content is skipped as a duplicate;"+
-				" add the column to detect it (Config.ReusedIDs; on PostgreSQL run it with SET lock_timeout = '2s' and retry,"+
-				" as it waits for every running transaction on the table and holds the claims back meanwhile):\n    %s;\n",
-				inbox.AddFingerprintColumnSQL(d, c.table))
+				" add the column to detect it (Config.ReusedIDs%s):\n    %s;\n", lockTimeout, inbox.AddFingerprintColumnSQL(d, c.table))
+		}
+		for _, note := range notes.lines {
+			fmt.Fprintf(stdout, "%s\n", note)
 		}
 		for _, t := range outboxTables {
 			relayed, err := isRelayedOutbox(ctx, db, t)
@@ -833,3 +841,20 @@ func count(n int64, noun string) string {
 	}
 	return fmt.Sprintf("%d %ss", n, noun)
 }
+
+// claimFunctionNotes is the logger of the Inbox that inbox schema -verify
+// makes: it keeps the Info lines that say the table's claim function
+// (PostgreSQLPartitioned) is missing, with the statement that creates it,
+// to print them, and drops everything else.
+type claimFunctionNotes struct {
+	watermill.NopLogger
+	lines []string
+}
+
+func (n *claimFunctionNotes) Info(msg string, fields watermill.LogFields) {
+	if _, ok := fields["claim_function"]; ok {
+		n.lines = append(n.lines, strings.TrimPrefix(msg, "Inbox: "))
+	}
+}
+
+func (n *claimFunctionNotes) With(watermill.LogFields) watermill.LoggerAdapter { return n }
