@@ -34,6 +34,11 @@ func (d *delivery) handlerErrorHint(err error) error {
 			"every later one: the handler went on after a failed statement, or Retry (or another middleware that calls "+
 			"the handler again) runs inside the inbox, so that every attempt shares one transaction; put Retry outside "+
 			"the inbox, as Inbox.Middlewares orders them)", err)
+	case hasSQLState(err, "26000", "42P05"):
+		// pgx's default statement cache behind a transaction-mode pooler
+		// fails the handler's own statements so, not only the inbox's: a
+		// poisoned message's reason said nothing of the fix.
+		return poolerHint(err)
 	case errors.Is(err, context.DeadlineExceeded) && d.poolWasFull():
 		return fmt.Errorf("%w (every connection of the pool was in use when the deadline passed: the handler is probably "+
 			"writing through the pool (db) instead of the transaction from TxFromContext, and waited for a connection "+

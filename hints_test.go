@@ -21,6 +21,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
 // Through Inbox.Middlewares, a failed attempt is retried in a new
@@ -322,6 +323,44 @@ func TestMiddleware_FailedTransactionNamesRetryInsideTheInbox(t *testing.T) {
 			t.Errorf("%d attempts, %d business rows, %d inbox rows; want 2, 0, 0", a, b, i)
 		}
 	})
+}
+
+// A handler's own statement that fails with a prepared statement missing
+// or already there on the server connection (26000, 42P05: pgx's default
+// statement cache behind PgBouncer in transaction mode) reaches the router
+// with the fix named, as the inbox's own statements do, and still matches
+// the driver's error: a message poisoned so said nothing of the pooler.
+func TestMiddleware_HandlersPreparedStatementErrorNamesThePoolerFix(t *testing.T) {
+	t.Parallel()
+	db := testdb.OpenPostgres(t, "")
+	f := newFixture(t, db)
+	ib := f.newInbox(inbox.Config{})
+	rec := &recorder{}
+	in := newFeed()
+	runRouter(t, func(r *message.Router) {
+		r.AddMiddleware(rec.Middleware, ib.Middleware)
+		r.AddConsumerHandler("billing", "orders", in, func(msg *message.Message) error {
+			tx, _ := inbox.TxFromContext(msg.Context())
+			name := "inbox_hint_" + randomSuffix()
+			for range 2 { // the second PREPARE finds it there: 42P05
+				if _, err := tx.ExecContext(msg.Context(), "PREPARE "+name+" AS SELECT 1"); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	})
+	if in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatal("acked a message whose handler failed")
+	}
+	err := rec.last()
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "42P05" {
+		t.Fatalf("error %v, want the driver's 42P05", err)
+	}
+	if !strings.Contains(err.Error(), "default_query_exec_mode") {
+		t.Errorf("error %q: want the hint that names pgx's query exec mode behind a transaction-mode pooler", err)
+	}
 }
 
 // A handler that writes through the pool instead of the transaction, with
