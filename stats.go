@@ -170,6 +170,9 @@ func CountExpired(ctx context.Context, cfg PurgeConfig) (int64, error) {
 		return tx.QueryRowxContext(ctx, "SELECT COUNT(*) FROM "+q+" WHERE "+where, args...).Scan(&n)
 	})
 	if err != nil {
+		if terr := purgeTableExists(ctx, cfg.DB, cfg.Dialect, t); errors.Is(terr, ErrTableNotFound) {
+			return 0, fmt.Errorf("inbox: count expired: %w", terr) // names PurgeConfig.Table, as Purge's does
+		}
 		return 0, fmt.Errorf("inbox: count expired in %s: %w", t, err)
 	}
 	return n, nil

@@ -365,6 +365,15 @@ func TestSchemaVerifyRefusesMissingAndIncompatibleTables(t *testing.T) {
 			if _, _, errOut := cli(t, "stats", "-db", c.dsn, "-table", missing); !strings.Contains(errOut, "inbox schema -apply") {
 				t.Errorf("stats on a missing table: stderr %q; want it to name inbox schema -apply", errOut)
 			}
+			for _, dry := range []bool{false, true} {
+				args := []string{"purge", "-db", c.dsn, "-table", missing, "-older-than", "1h"}
+				if dry {
+					args = append(args, "-dry-run")
+				}
+				if code, _, errOut := cli(t, args...); code != 1 || !strings.Contains(errOut, "inbox schema -apply") {
+					t.Errorf("%q on a missing table: exit %d, stderr %q; want 1 and the error that names inbox schema -apply", args, code, errOut)
+				}
+			}
 
 			// A primary key on message_id alone would merge two consumers'
 			// rows: ErrIncompatibleTable.
