@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/watermill-inbox/inbox"
 	"github.com/watermill-inbox/inbox/internal/testdb"
 	"github.com/watermill-inbox/inbox/kafkaoutbox"
 )
@@ -62,11 +64,53 @@ func BenchmarkOutboxRelayToKafka(b *testing.B) {
 	}
 }
 
-// slowCluster starts a kfake broker holding topic (8 partitions), closed
-// when b ends, whose every produce request takes latency more.
-func slowCluster(b *testing.B, latency time.Duration, topic string) []string {
+// BenchmarkOutboxRelayToManyTopics/broker-<latency> relays a backlog of
+// b.N outbox messages on PostgreSQL spread round robin over 200 topics (a
+// topic per tenant) through kafkaoutbox's publisher to kfake, as
+// BenchmarkOutboxRelayToKafka does: once with each relay round publishing
+// to one topic after another (TopicConcurrency 1, the relay before the
+// setting) and once to up to DefaultOutboxTopicConcurrency (64) at once.
+// Reports each one's msgs/s and their ratio.
+func BenchmarkOutboxRelayToManyTopics(b *testing.B) {
+	topics := make([]string, 200)
+	for i := range topics {
+		topics[i] = fmt.Sprintf("tenant-%03d", i)
+	}
+	for _, latency := range []time.Duration{0, 2 * time.Millisecond} {
+		b.Run("broker-"+latency.String(), func(b *testing.B) {
+			tdb := testdb.All[0]
+			for _, d := range databases() {
+				if d.Name == "postgres" {
+					tdb = d
+				}
+			}
+			db := tdb.Open(b)
+			rate := map[int]float64{}
+			for _, concurrency := range []int{1, inbox.DefaultOutboxTopicConcurrency} {
+				brokers := slowCluster(b, latency, topics...)
+				cfg := kafkaoutbox.DefaultSaramaConfig()
+				cfg.Version = sarama.V2_8_0_0
+				pub, err := kafkaoutbox.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: kafka.DefaultMarshaler{}, OverwriteSaramaConfig: cfg}, nil)
+				if err != nil {
+					b.Fatal(err)
+				}
+				ob := newBenchOutboxWith(b, inbox.OutboxConfig{DB: db, Dialect: tdb.Dialect, Publisher: pub, TopicConcurrency: concurrency})
+				fillOutboxOver(b, db, ob.Publisher, topics, b.N)
+				rate[concurrency] = relayBacklogRate(b, ob)
+				pub.Close()
+			}
+			b.ReportMetric(rate[1], "one-topic-at-a-time-msgs/s")
+			b.ReportMetric(rate[inbox.DefaultOutboxTopicConcurrency], "at-once-msgs/s")
+			b.ReportMetric(rate[inbox.DefaultOutboxTopicConcurrency]/rate[1], "at-once/one-at-a-time")
+		})
+	}
+}
+
+// slowCluster starts a kfake broker holding topics (8 partitions each),
+// closed when b ends, whose every produce request takes latency more.
+func slowCluster(b *testing.B, latency time.Duration, topics ...string) []string {
 	b.Helper()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(kafkaPartitions, topic))
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(kafkaPartitions, topics...))
 	if err != nil {
 		b.Fatal(err)
 	}

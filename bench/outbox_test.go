@@ -33,10 +33,17 @@ func (p *countingPublisher) Close() error { return nil }
 // own, created, and dropped when b ends.
 func newBenchOutbox(b *testing.B, db *sqlx.DB, d inbox.Dialect, broker message.Publisher) *inbox.Outbox {
 	b.Helper()
+	return newBenchOutboxWith(b, inbox.OutboxConfig{DB: db, Dialect: d, Publisher: broker})
+}
+
+// newBenchOutboxWith is newBenchOutbox with cfg's other settings.
+func newBenchOutboxWith(b *testing.B, cfg inbox.OutboxConfig) *inbox.Outbox {
+	b.Helper()
 	table := "bench_outbox_" + testdb.RandomSuffix()
-	testdb.DropLater(b, db, table)
-	testdb.DropLater(b, db, table+"_dead")
-	ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Dialect: d, Table: table, Publisher: broker})
+	testdb.DropLater(b, cfg.DB, table)
+	testdb.DropLater(b, cfg.DB, table+"_dead")
+	cfg.Table = table
+	ob, err := inbox.NewOutbox(cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -51,6 +58,13 @@ func newBenchOutbox(b *testing.B, db *sqlx.DB, d inbox.Dialect, broker message.P
 // at a time.
 func fillOutbox(b *testing.B, db *sqlx.DB, pub func(*sqlx.Tx) (message.Publisher, error), topic string, n int) {
 	b.Helper()
+	fillOutboxOver(b, db, pub, []string{topic}, n)
+}
+
+// fillOutboxOver is fillOutbox with the messages spread over topics, round
+// robin.
+func fillOutboxOver(b *testing.B, db *sqlx.DB, pub func(*sqlx.Tx) (message.Publisher, error), topics []string, n int) {
+	b.Helper()
 	for start := 0; start < n; start += 100 {
 		tx, err := db.Beginx()
 		if err != nil {
@@ -63,7 +77,7 @@ func fillOutbox(b *testing.B, db *sqlx.DB, pub func(*sqlx.Tx) (message.Publisher
 		for i := start; i < min(n, start+100); i++ {
 			m := message.NewMessage(watermill.NewUUID(), []byte(`{"order":"o-1","amount":100}`))
 			m.Metadata.Set("order_id", "o-1")
-			if err := p.Publish(topic, m); err != nil {
+			if err := p.Publish(topics[i%len(topics)], m); err != nil {
 				b.Fatal(err)
 			}
 		}
