@@ -151,7 +151,11 @@ var ErrOutboxMessage = errors.New("inbox: message cannot go to the outbox")
 type OutboxConfig struct {
 	// DB is the database of the inbox table: the outbox rows are written in
 	// the inbox transaction, and the relay reads and deletes them here.
-	// Required.
+	// Give it the inbox's own handle (Config.DB; pgxinbox.DB(pool) once,
+	// for both): the rows go to the database of the transaction that
+	// writes them whatever DB says, so an inbox on another handle logs,
+	// once, an Error that says so (on another database they are never
+	// sent). Required.
 	DB *sqlx.DB
 
 	// Dialect is the SQL dialect of DB. Default: inferred from
@@ -402,6 +406,9 @@ type Outbox struct {
 	// its own: without RouterPlugin it never gets the router's, and the
 	// warning about a relay never added went nowhere.
 	inboxLogger atomic.Pointer[componentLogger]
+	// otherDBNoted: an inbox on another database handle than
+	// OutboxConfig.DB wrote here, and its logger said so (once).
+	otherDBNoted atomic.Bool
 	// readLimit is the most rows a round reads now, below cfg.BatchSize
 	// after a read stopped by a statement timeout (0: cfg.BatchSize), and
 	// readTimedOut the time of the last such read, in Unix nanoseconds
@@ -983,6 +990,15 @@ func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn 
 	w.bound, w.key = true, claim
 	w.lookUpTarget(ctx, true) // before the handler runs
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
+	if w.tx != nil && prepareOn != nil && prepareOn != w.o.cfg.DB.DB && logger != nil && w.o.otherDBNoted.CompareAndSwap(false, true) {
+		// The rows go in the inbox's database, and the relay reads
+		// OutboxConfig.DB's: two databases, and they were committed and
+		// never sent, with nothing said (no relay was missing).
+		logger.get().Error("Inbox: the Outbox's DB (OutboxConfig.DB) is another database handle than the inbox's (Config.DB):"+
+			" its messages are written in the inbox's database, and its relay reads OutboxConfig.DB's, so unless both"+
+			" handles reach the same database they are never sent; give both the same *sqlx.DB", nil,
+			watermill.LogFields{"outbox_table": w.o.target().table.String()})
+	}
 	if w.tx != nil && w.target().sql.claimedInsert != nil {
 		w.claim = claim
 	}
