@@ -183,8 +183,10 @@ type OutboxConfig struct {
 
 	// Publisher is the broker's publisher the relay sends the messages to,
 	// each to the topic it was published to in the handler. It is called
-	// from the relay's goroutine only, with all the messages of one topic
-	// of a batch at once, in the order they were written; the relay
+	// with all the messages of one topic of a batch at once, in the order
+	// they were written, from up to TopicConcurrency goroutines at once
+	// (one call per topic at a time), so it must be safe for concurrent
+	// use, as Watermill's message.Publisher contract asks; the relay
 	// deletes their rows once it returns nil, so nil must mean the broker
 	// has them (RabbitMQ: watermill-amqp's Publish.ConfirmDelivery). A
 	// publisher that waits for each message's ack in turn moves one message

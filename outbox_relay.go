@@ -957,13 +957,16 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 	// time), then merged in the order of the topics' first rows.
 	outcomes := make([]outboxBatch, len(due))
 	each := make([]bool, len(due))
+	ran := make([]bool, len(due)) // its call or walk returned
 	run := func(i int, reads walkReads) {
 		outcomes[i] = outboxBatch{failed: map[int64]error{}, bury: map[int64]error{}, rows: map[int64]outboxRow{}}
 		if ctx.Err() != nil {
 			outcomes[i].skipped = len(byTopic[due[i]])
+			ran[i] = true
 			return
 		}
 		each[i] = o.publishTopic(ctx, &outcomes[i], due[i], byTopic[due[i]], reads)
+		ran[i] = true
 	}
 	if workers := min(o.cfg.TopicConcurrency, len(due)); workers <= 1 {
 		for i := range due {
@@ -971,7 +974,14 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 		}
 	} else {
 		shared := reads.oneAtATime()
-		next := make(chan int)
+		// Every topic queued before the workers start: a worker whose
+		// publisher ended its goroutine (runtime.Goexit: t.FailNow in a
+		// test's fake) takes none more, and nothing waits for it.
+		next := make(chan int, len(due))
+		for i := range due {
+			next <- i
+		}
+		close(next)
 		var wg sync.WaitGroup
 		for range workers {
 			wg.Go(func() {
@@ -980,11 +990,15 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 				}
 			})
 		}
-		for i := range due {
-			next <- i
-		}
-		close(next)
 		wg.Wait()
+		for i := range due {
+			if !ran[i] {
+				// Its publish never returned (its goroutine ended in it),
+				// or no worker was left to take it: nothing is known of
+				// its messages, which go again next round (at least once).
+				outcomes[i] = outboxBatch{skipped: len(byTopic[due[i]])}
+			}
+		}
 	}
 	for i, topic := range due {
 		t := &outcomes[i]

@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -165,6 +166,45 @@ func TestOutboxRoundWalksSeveralRefusingTopicsAtOnce(t *testing.T) {
 		}
 		if stats.DeadLettered != int64(len(topics)) {
 			t.Errorf("%d messages set aside, want each topic's refused one (%d)", stats.DeadLettered, len(topics))
+		}
+	})
+}
+
+// goexitPublisher ends the goroutine that calls it (runtime.Goexit), as
+// t.FailNow or require.* in a test's fake publisher do.
+type goexitPublisher struct{}
+
+func (goexitPublisher) Publish(string, ...*message.Message) error { runtime.Goexit(); return nil }
+func (goexitPublisher) Close() error                              { return nil }
+
+// A publisher that ends the goroutine of each call, in a round of more
+// topics than TopicConcurrency, does not leave the round waiting for ever:
+// the round ends, its rows unlocked and none deleted (their outcome is not
+// known: they go again), and the next round runs. Every worker ended and the
+// round waited to hand them the topics left, holding its rows' locks and
+// the Outbox's turn for good, so every later round waited too.
+func TestOutboxRoundEndsWhenThePublisherEndsItsGoroutines(t *testing.T) {
+	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
+		ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: goexitPublisher{}, TopicConcurrency: 2})
+		commitSpreadOverTopics(t, db, ob, []string{"tenant-a", "tenant-b", "tenant-c", "tenant-d"}, 1)
+		for round := range 2 {
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				ob.RelayOnce(context.Background())
+			}()
+			select {
+			case <-done:
+			case <-time.After(caseTimeout):
+				t.Fatalf("round %d did not end after its publisher's goroutines ended", round+1)
+			}
+		}
+		stats, err := ob.Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if stats.Pending != 4 {
+			t.Errorf("%d messages pending after rounds whose publishes never returned, want all 4 (sent again later)", stats.Pending)
 		}
 	})
 }
