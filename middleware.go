@@ -353,8 +353,12 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		// (outboxSQL.claimedInsert), and read by any after the handler
 		// ended the transaction (outboxWriter.claimCommitted).
 		claim := &outboxClaim{table: d.ib.quotedTable, consumer: d.consumer, id: d.id}
+		var inboxDB *sql.DB // nil with a native backend (pgxinbox's pool)
+		if d.ib.db != nil {
+			inboxDB = d.ib.db.DB
+		}
 		for _, w := range d.state.writers {
-			w.bindTx(d.txCtx, d.tx.ended, d.ib.preparesOn(), claim, d.ib.logger)
+			w.bindTx(d.txCtx, d.tx.ended, inboxDB, d.ib.preparesOn(), claim, d.ib.logger)
 		}
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))

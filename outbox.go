@@ -153,9 +153,9 @@ type OutboxConfig struct {
 	// the inbox transaction, and the relay reads and deletes them here.
 	// Give it the inbox's own handle (Config.DB; pgxinbox.DB(pool) once,
 	// for both): the rows go to the database of the transaction that
-	// writes them whatever DB says, so an inbox on another handle logs,
-	// once, an Error that says so (on another database they are never
-	// sent). Required.
+	// writes them whatever DB says, so an inbox of package inbox on
+	// another handle logs, once, at Info, that they are never sent unless
+	// both handles reach the same database. Required.
 	DB *sqlx.DB
 
 	// Dialect is the SQL dialect of DB. Default: inferred from
@@ -889,7 +889,7 @@ func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 // txBoundPublisher is an outbox publisher of this package (outboxWriter)
 // that the middleware tells of its transaction's context, claim and commit.
 type txBoundPublisher interface {
-	bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger)
+	bindTx(ctx context.Context, ended func() bool, inboxDB, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger)
 	// publishLast is Publish for the messages the handler returned, the
 	// transaction's last statements before the pre-commit check: it
 	// reports whether they checked that the transaction still holds its
@@ -984,7 +984,7 @@ type outboxWriter struct {
 // handler ignored (the database rolled the transaction back, and the
 // connection's last status still says it is open) writes nothing instead
 // of committing on its own.
-func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger) {
+func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, inboxDB, prepareOn *sql.DB, claim *outboxClaim, logger *componentLogger) {
 	if il := w.o.inboxLogger.Load(); il != logger && (il == nil || il.nop()) && logger != nil && !logger.nop() {
 		w.o.inboxLogger.Store(logger) // an inbox that logs, rather than the first to write
 	}
@@ -992,13 +992,14 @@ func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, prepareOn 
 	w.bound, w.key = true, claim
 	w.lookUpTarget(ctx, true) // before the handler runs
 	w.prepared = w.tx != nil && prepareOn != nil && prepareOn == w.o.cfg.DB.DB
-	if w.tx != nil && prepareOn != nil && prepareOn != w.o.cfg.DB.DB && logger != nil && w.o.otherDBNoted.CompareAndSwap(false, true) {
+	if w.tx != nil && inboxDB != nil && inboxDB != w.o.cfg.DB.DB && logger != nil && w.o.otherDBNoted.CompareAndSwap(false, true) {
 		// The rows go in the inbox's database, and the relay reads
-		// OutboxConfig.DB's: two databases, and they were committed and
-		// never sent, with nothing said (no relay was missing).
-		logger.get().Error("Inbox: the Outbox's DB (OutboxConfig.DB) is another database handle than the inbox's (Config.DB):"+
+		// OutboxConfig.DB's: on two databases they were committed and
+		// never sent, with nothing said (a relay ran). Two handles on one
+		// database are right, so this is said, not refused.
+		logger.get().Info("Inbox: the Outbox's DB (OutboxConfig.DB) is another database handle than the inbox's (Config.DB):"+
 			" its messages are written in the inbox's database, and its relay reads OutboxConfig.DB's, so unless both"+
-			" handles reach the same database they are never sent; give both the same *sqlx.DB", nil,
+			" handles reach the same database they are never sent; give both the same *sqlx.DB",
 			watermill.LogFields{"outbox_table": w.o.target().table.String()})
 	}
 	if w.tx != nil && w.target().sql.claimedInsert != nil {
