@@ -357,6 +357,10 @@ type purgeQuery struct {
 	// to tell whether it ran out of rows or lost some to another purge (see
 	// postgresDialect.purgeBatch).
 	remaining string
+	// oldest, where set, reads the oldest expired row's ctid (as text):
+	// what a batch from the oldest row that deleted nothing asks (see
+	// postgresDialect.purgeBatch).
+	oldest string
 	// resume, where set, is the batch that starts its scan at a lower
 	// bound on processed_at (Unix milliseconds), and cursor the bound a
 	// round's batches carry from one to the next (see
@@ -368,15 +372,18 @@ type purgeQuery struct {
 	walk *partitionedPurge
 }
 
-// purgeCursor is where a round's next purge batch starts: after a full
-// batch (set), just below the newest processed_at it deleted; else from the
-// oldest row (the first batch, and after a batch that came up short).
+// purgeCursor is where a round's next purge batch starts: after a batch
+// that deleted rows (set), just below the newest processed_at it deleted;
+// else from the oldest row (the first batch, and after a batch that deleted
+// nothing).
 type purgeCursor struct {
 	fromMillis int64
 	set        bool
 	// fruitless: the last batch ran from the oldest expired row and
-	// deleted nothing (postgresDialect.purgeBatch).
+	// deleted nothing, and oldest is the ctid of the oldest expired row
+	// then (postgresDialect.purgeBatch).
 	fruitless bool
+	oldest    string
 }
 
 func deleteOldestSQL(q, where, limit, lock string) string {

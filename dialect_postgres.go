@@ -224,6 +224,7 @@ func (d postgresDialect) purgeStatement(t qualifiedName, cutoff int64, batch int
 		},
 		cursor:    &purgeCursor{},
 		remaining: "SELECT count(*) FROM (SELECT FROM ONLY " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
+		oldest:    "SELECT (SELECT ctid::text FROM ONLY " + q + " WHERE " + expired + " ORDER BY processed_at, ctid LIMIT 1)",
 	}
 }
 
@@ -774,11 +775,13 @@ func (postgresDialect) maintainSchema(context.Context, dbConn, qualifiedName) er
 //
 // With q.cursor (postgresDialect's batch), the batch returns its count and
 // the bound for the next one (the newest finite processed_at it deleted, in Unix
-// milliseconds, floored, less one): a full batch moves q.cursor there, a
-// short one clears it, so that the batch after it scans from the oldest
-// row, and a short batch that ran from a bound and left expired rows below
-// it reports a full batch found, so that the purge runs that batch rather
-// than stopping.
+// milliseconds, floored, less one): a batch that deleted rows moves
+// q.cursor there, one that deleted none clears it, so that the batch after
+// it scans from the oldest row, and a short batch that ran from a bound and
+// left expired rows below it reports a full batch found, so that the purge
+// runs that batch rather than stopping. A batch from the oldest row that
+// deleted nothing reads the oldest expired row (q.oldest) instead of
+// counting: see the code.
 func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedName, q purgeQuery, _ *hooks) (deleted, found int64, err error) {
 	bounded := q.cursor.set
 	stmt := q.sql
@@ -789,21 +792,32 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 	if err := db.QueryRowxContext(ctx, stmt, q.args...).Scan(&deleted, &next); err != nil {
 		return 0, 0, err
 	}
-	fruitless := !bounded && deleted == 0
-	if fruitless && q.cursor.fruitless {
-		// Two batches in a row from the oldest expired row deleted
-		// nothing: the oldest rows are there and this purge's DELETE keeps
+	if !bounded && deleted == 0 && q.oldest != "" {
+		// A batch from the oldest expired row deleted nothing: another
+		// purge took its rows (see above), or this purge's DELETE keeps
 		// them (a BEFORE DELETE trigger that skips them, a row security
-		// policy), at least a batch of them. The purge ends, as a
-		// partitioned table's walk that deleted nothing does: the count of
-		// the rows left found them again and again, and it chose them
-		// again, for ever, holding the Purger's lock. One such batch alone
-		// may have lost its rows to another purge (see above): the next
-		// batch from the oldest goes on with those left.
-		*q.cursor = purgeCursor{}
-		return 0, 0, nil
+		// policy), a batch or more of them. The oldest expired row tells:
+		// a batch after one that lost its rows chooses other rows, and a
+		// kept row stays the oldest. One that stayed the oldest through
+		// two such batches ends the purge, as a partitioned table's walk
+		// that deleted nothing does: each batch chose the kept rows again,
+		// for ever, holding the Purger's lock.
+		var oldest sql.NullString
+		if err := db.QueryRowxContext(ctx, q.oldest).Scan(&oldest); err != nil {
+			return 0, 0, fmt.Errorf("read the oldest expired row: %w", err)
+		}
+		if !oldest.Valid || q.cursor.fruitless && oldest.String == q.cursor.oldest {
+			*q.cursor = purgeCursor{}
+			return 0, 0, nil
+		}
+		*q.cursor = purgeCursor{fruitless: true, oldest: oldest.String}
+		return 0, q.size, nil // once more from the oldest
 	}
-	*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted >= q.size && next.Valid, fruitless: fruitless}
+	// After a batch that deleted rows the next starts at its bound, short
+	// or not: one from the oldest after each short batch crawled past
+	// rows the DELETE keeps, one row a batch when they were one fewer
+	// than a batch.
+	*q.cursor = purgeCursor{fromMillis: next.Int64, set: deleted > 0 && next.Valid}
 	found = deleted
 	if q.remaining != "" && deleted < q.size {
 		var left int64

@@ -68,3 +68,114 @@ func TestPurgeEndsBesideRowsItsDeleteKeeps(t *testing.T) {
 		})
 	}
 }
+
+// Two batches in a row from the oldest row that lose all their rows to
+// another purge (a purge of one consumer beside a whole-table purge, or any
+// second purge, which is safe: the batches delete fewer rows each, never
+// the wrong ones) do not end the purge as if its DELETE kept them: the
+// oldest expired row changed between them. The other consumer's expired
+// rows, which nothing else deletes, are all deleted. The other purge's
+// batches are two transactions that delete "billing"'s oldest rows and
+// commit while the purge's DELETE waits on them.
+func TestPurgeGoesOnAfterLosingTwoBatchesInARowToAnotherPurge(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := "inbox_" + randomSuffix()
+	dropLater(t, db, table)
+	ddl, err := inbox.SchemaSQL(inbox.PostgreSQL, table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, stmt := range statements(ddl) {
+		exec(t, db, stmt)
+	}
+	// 20 rows of billing (oldest), then 50 of shipping, all expired, each at its own instant.
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT CASE WHEN i <= 20 THEN 'billing' ELSE 'shipping' END,"+
+		" 'm'||i, now() - interval '3 days' + i * interval '1 second' FROM generate_series(1, 70) i")
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// The other purge's two batches: billing's rows 1-10 and 11-20.
+	hold := func(from, to int) (*sqlx.Tx, int) {
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = tx.Rollback() })
+		var pid int
+		if err := tx.Get(&pid, "SELECT pg_backend_pid()"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec("DELETE FROM "+table+" WHERE message_id IN (SELECT 'm'||i FROM generate_series($1::int, $2::int) i)", from, to); err != nil {
+			t.Fatal(err)
+		}
+		return tx, pid
+	}
+	tx1, pid1 := hold(1, 10)
+	tx2, pid2 := hold(11, 20)
+	// waitBlockedBy waits until the purge's DELETE waits on pid.
+	waitBlockedBy := func(pid int) {
+		for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			var n int
+			if err := db.Get(&n, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'WITH batch AS (DELETE FROM ONLY%' AND query LIKE '%"+table+"%' AND $1 = ANY(pg_blocking_pids(pid))", pid); err != nil {
+				t.Fatal(err)
+			}
+			if n > 0 {
+				return
+			}
+		}
+		t.Fatalf("the purge never waited on pid %d", pid)
+	}
+	type result struct {
+		n   int64
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1})
+		res <- result{n, err}
+	}()
+	waitBlockedBy(pid1)
+	if err := tx1.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	waitBlockedBy(pid2)
+	if err := tx2.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	left := count(t, db, table, "processed_at < now() - interval '1 day'")
+	if r.err != nil || left != 0 {
+		t.Errorf("purge deleted %d, err %v, and ended with %d expired rows of shipping left (no trigger, no policy); want all 50 deleted", r.n, r.err, left)
+	}
+}
+
+// Fewer rows that the DELETE keeps than a batch, among the oldest, do not
+// make the purge crawl: the batches after the first start at its bound,
+// past them. Each batch started from the oldest row again after a short
+// one, so 99 kept rows at BatchSize 100 let one row go a batch: 2,000
+// deletable rows took 2,001 batches (each paced, the Purger's lock held).
+func TestPurgePassesFewerKeptRowsThanABatchAtFullBatches(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := plainTableKeepingHeldRows(t, db)
+	insertRows(t, db, inbox.PostgreSQL, table, "billing", "held", 99, 3*24*time.Hour)
+	insertRows(t, db, inbox.PostgreSQL, table, "billing", "m", 2000, 2*24*time.Hour)
+	rounds := make(chan inbox.PurgeRound, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	p, err := inbox.NewPurger(inbox.PurgerConfig{Purge: inbox.PurgeConfig{DB: db, Table: table, OlderThan: 24 * time.Hour, BatchSize: 100, DutyCycle: 1},
+		OnRound: func(r inbox.PurgeRound) {
+			select {
+			case rounds <- r:
+			default:
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go p.Run(ctx)
+	r := <-rounds
+	cancel()
+	if r.Err != nil || r.Deleted != 2000 || r.Pacing.Batches > 60 {
+		t.Errorf("round deleted %d (err %v) in %d batches, %v in batches; want 2000 in about 20-40 batches", r.Deleted, r.Err, r.Pacing.Batches, r.Pacing.BatchTime)
+	}
+}
