@@ -161,7 +161,9 @@ func (ib *Inbox) resolveKeyLocking(ctx context.Context) (keyLocking, error) {
 	if err != nil {
 		return k, err
 	}
-	if k.lockedClaim == "" && ib.claimFunctionNoted.CompareAndSwap(false, true) {
+	// Not with a native backend (pgxinbox), which sends the key lock and
+	// the claim in one batch with BEGIN and calls no claim function.
+	if _, native := ib.backend.(nativeBackend); k.lockedClaim == "" && !native && ib.claimFunctionNoted.CompareAndSwap(false, true) {
 		if create := ib.dialect.claimFunctionSQL(ib.table, ib.fingerprintsOn()); create != "" {
 			// A table migrated by hand (the fingerprint column added
 			// without its overload, a function left out): each claim

@@ -45,7 +45,8 @@ import (
 // PostgreSQLPartitioned it also looks for the table's claim function (the
 // overload that stores the fingerprint, when the column is there), and
 // logs, once, at Info, the CREATE FUNCTION when it is missing or not as
-// InitializeSchema makes it: each claim then takes one round trip more.
+// InitializeSchema makes it: each claim then takes one round trip more
+// (not with pgxinbox, which calls none).
 // Both lines go to Config.Logger (with the default, nowhere until
 // RouterPlugin gives the router's): a readiness check that wants them
 // reads ReusedIDsDetected after Verify, or runs inbox schema -verify,
