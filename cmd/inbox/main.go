@@ -519,7 +519,8 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 					" on the table and holds the claims back meanwhile"
 			}
 			fmt.Fprintf(stdout, "it has no fingerprint column, so a message id reused for other content is skipped as a duplicate;"+
-				" add the column to detect it (Config.ReusedIDs%s):\n    %s;\n", lockTimeout, inbox.AddFingerprintColumnSQL(d, c.table))
+				" add the column to detect it (Config.ReusedIDs%s):\n    %s;\n", lockTimeout,
+				strings.ReplaceAll(inbox.AddFingerprintColumnSQL(d, c.table), "\n", "\n    ")) // each statement indented
 		}
 		for _, note := range notes.lines {
 			fmt.Fprintf(stdout, "%s\n", note)
