@@ -237,9 +237,9 @@ const (
 // serverFix is what a mismatch message tells the user to configure for a
 // server family: the dialects and the driver names that infer one.
 var serverFix = map[serverKind]string{
-	serverPostgreSQL: `Config.Dialect to inbox.PostgreSQL (or inbox.PostgreSQLPartitioned), or leave it nil and use the driver name "pgx" or "postgres" (sqlx.NewDb(db, "pgx"))`,
-	serverMySQL:      `Config.Dialect to inbox.MySQL, or leave it nil and use the driver name "mysql" (sqlx.NewDb(db, "mysql"))`,
-	serverSQLite:     `Config.Dialect to inbox.SQLite, or leave it nil and use the driver name "sqlite" or "sqlite3" (sqlx.NewDb(db, "sqlite"))`,
+	serverPostgreSQL: `Dialect to inbox.PostgreSQL (or inbox.PostgreSQLPartitioned), or leave it nil and use the driver name "pgx" or "postgres" (sqlx.NewDb(db, "pgx"))`,
+	serverMySQL:      `Dialect to inbox.MySQL, or leave it nil and use the driver name "mysql" (sqlx.NewDb(db, "mysql"))`,
+	serverSQLite:     `Dialect to inbox.SQLite, or leave it nil and use the driver name "sqlite" or "sqlite3" (sqlx.NewDb(db, "sqlite"))`,
 }
 
 // Probes of the server: each is valid SQL on some servers only, and a
@@ -289,14 +289,14 @@ func identifyServer(ctx context.Context, db *sqlx.DB, want serverKind) (serverKi
 // is for another family, an error wrapping ErrDialectMismatch that names
 // both, db's driver type, how d was chosen (how), and the configuration
 // that fixes it.
-func serverMismatch(ctx context.Context, db *sqlx.DB, d Dialect, how string) (serverKind, error) {
+func serverMismatch(ctx context.Context, db *sqlx.DB, d Dialect, how, config string) (serverKind, error) {
 	want := d.server()
 	found, version := identifyServer(ctx, db, want)
 	if found == "" || found == want {
 		return found, nil
 	}
-	return found, fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s",
-		ErrDialectMismatch, d, how, want, db.Driver(), found, version, serverFix[found])
+	return found, fmt.Errorf("%w: the dialect is %s (%s), which is for %s, but DB (driver %T) is %s (version %s): set %s.%s",
+		ErrDialectMismatch, d, how, want, db.Driver(), found, version, config, serverFix[found])
 }
 
 // serverCheck is a check, run on first use and remembered once it has an
@@ -336,7 +336,7 @@ func (o *Outbox) checkServer(ctx context.Context) error {
 		if o.dialectInferred {
 			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
 		}
-		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how)
+		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
 		return found != "", err
 	})
 }
@@ -355,7 +355,7 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 		if ib.dialectInferred {
 			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
 		}
-		found, err := serverMismatch(ctx, ib.db, ib.dialect, how)
+		found, err := serverMismatch(ctx, ib.db, ib.dialect, how, "Config")
 		if found == "" || err != nil || found != serverMySQL {
 			return found != "", err
 		}

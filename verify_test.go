@@ -909,10 +909,10 @@ func TestOutboxDialectMismatchWithServerIsRefused(t *testing.T) {
 	}{
 		{"postgres opened as mysql", func(t *testing.T) *sqlx.DB {
 			return sqlx.NewDb(testdb.OpenPostgres(t, "").DB, "mysql")
-		}, nil, []string{`dialect is mysql (inferred from DB's driver name "mysql")`, "is PostgreSQL (version "}},
+		}, nil, []string{`dialect is mysql (inferred from DB's driver name "mysql")`, "is PostgreSQL (version ", "set OutboxConfig.Dialect to inbox.PostgreSQL"}},
 		{"mysql with PostgreSQL", func(t *testing.T) *sqlx.DB { return testdb.OpenMySQL(t, "") },
-			inbox.PostgreSQL, []string{"dialect is postgres (OutboxConfig.Dialect", "is MySQL/MariaDB (version "}},
-		{"sqlite with MySQL", sqliteDB, inbox.MySQL, []string{"dialect is mysql (OutboxConfig.Dialect", "is SQLite (version 3."}},
+			inbox.PostgreSQL, []string{"dialect is postgres (OutboxConfig.Dialect", "is MySQL/MariaDB (version ", "set OutboxConfig.Dialect to inbox.MySQL"}},
+		{"sqlite with MySQL", sqliteDB, inbox.MySQL, []string{"dialect is mysql (OutboxConfig.Dialect", "is SQLite (version 3.", "set OutboxConfig.Dialect to inbox.SQLite"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
