@@ -357,8 +357,9 @@ type purgeQuery struct {
 	// to tell whether it ran out of rows or lost some to another purge (see
 	// postgresDialect.purgeBatch).
 	remaining string
-	// oldest, where set, reads the oldest expired row's ctid (as text):
-	// what a batch from the oldest row that deleted nothing asks (see
+	// oldest, where set, reads the oldest expired row's ctid (as text)
+	// and counts the expired rows, up to ten batches: what a batch from
+	// the oldest row that deleted nothing asks (see
 	// postgresDialect.purgeBatch).
 	oldest string
 	// resume, where set, is the batch that starts its scan at a lower
@@ -380,10 +381,12 @@ type purgeCursor struct {
 	fromMillis int64
 	set        bool
 	// fruitless: the last batch ran from the oldest expired row and
-	// deleted nothing, and oldest is the ctid of the oldest expired row
-	// then (postgresDialect.purgeBatch).
+	// deleted nothing; oldest is the ctid of the oldest expired row then,
+	// and left how many expired rows there were, up to ten batches
+	// (postgresDialect.purgeBatch).
 	fruitless bool
 	oldest    string
+	left      int64
 }
 
 func deleteOldestSQL(q, where, limit, lock string) string {

@@ -184,8 +184,8 @@ func pgStringConstant(s string) string {
 // still expired and the next purge deletes them; nothing else depends on
 // the delete being durable.
 //
-// Each batch after a full one starts its scan of the processed_at index at
-// the previous batch's newest row (purgeCursor), not at the oldest entry: a
+// Each batch after one that deleted rows starts its scan of the
+// processed_at index at that batch's newest row (purgeCursor), not at the oldest entry: a
 // deleted row's index entry stays until VACUUM removes it, so a scan from
 // the oldest entry steps over every row the purge deleted so far, a cost
 // that grows with each batch (BENCHMARKS.md: a batch's scan read 1,160
@@ -195,8 +195,8 @@ func pgStringConstant(s string) string {
 // millisecond (the statement carries it as a constant, see purgeBatch), so
 // no row at that instant or later is passed over; a row older than the
 // bound that is still there (one that another purge chose and then rolled
-// back) is found by the batch after a short one, which starts from the
-// oldest row again, and by the next round.
+// back) is found by a batch from the oldest row, which follows the first
+// batch from the bound that deletes nothing, and by the next round.
 //
 // On a partitioned table ctids repeat across partitions, so
 // postgresPartitionedDialect deletes by primary key. Both the DELETE and
@@ -224,7 +224,8 @@ func (d postgresDialect) purgeStatement(t qualifiedName, cutoff int64, batch int
 		},
 		cursor:    &purgeCursor{},
 		remaining: "SELECT count(*) FROM (SELECT FROM ONLY " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
-		oldest:    "SELECT (SELECT ctid::text FROM ONLY " + q + " WHERE " + expired + " ORDER BY processed_at, ctid LIMIT 1)",
+		oldest: "SELECT (SELECT ctid::text FROM ONLY " + q + " WHERE " + expired + " ORDER BY processed_at, ctid LIMIT 1)," +
+			" (SELECT count(*) FROM (SELECT FROM ONLY " + q + " WHERE " + expired + " LIMIT " + strconv.Itoa(10*batch) + ") AS expired)",
 	}
 }
 
@@ -796,21 +797,22 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 		// A batch from the oldest expired row deleted nothing: another
 		// purge took its rows (see above), or this purge's DELETE keeps
 		// them (a BEFORE DELETE trigger that skips them, a row security
-		// policy), a batch or more of them. The oldest expired row tells:
-		// a batch after one that lost its rows chooses other rows, and a
-		// kept row stays the oldest. One that stayed the oldest through
-		// two such batches ends the purge, as a partitioned table's walk
+		// policy), a batch or more of them. The oldest expired row and how
+		// many are left tell: both stay the same when the rows are kept,
+		// and another purge's deletes change the count. Unchanged through
+		// two such batches, the purge ends, as a partitioned table's walk
 		// that deleted nothing does: each batch chose the kept rows again,
 		// for ever, holding the Purger's lock.
 		var oldest sql.NullString
-		if err := db.QueryRowxContext(ctx, q.oldest).Scan(&oldest); err != nil {
+		var left int64
+		if err := db.QueryRowxContext(ctx, q.oldest).Scan(&oldest, &left); err != nil {
 			return 0, 0, fmt.Errorf("read the oldest expired row: %w", err)
 		}
-		if !oldest.Valid || q.cursor.fruitless && oldest.String == q.cursor.oldest {
+		if !oldest.Valid || q.cursor.fruitless && oldest.String == q.cursor.oldest && left == q.cursor.left {
 			*q.cursor = purgeCursor{}
 			return 0, 0, nil
 		}
-		*q.cursor = purgeCursor{fruitless: true, oldest: oldest.String}
+		*q.cursor = purgeCursor{fruitless: true, oldest: oldest.String, left: left}
 		return 0, q.size, nil // once more from the oldest
 	}
 	// After a batch that deleted rows the next starts at its bound, short
@@ -825,10 +827,12 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 			// The batch's delete has committed: its rows count.
 			return deleted, 0, fmt.Errorf("count the expired rows left: %w", err)
 		}
-		found += left
-		if bounded && left > 0 && found < q.size {
-			// Expired rows below the bound (see purgeStatement): one
-			// more batch, from the oldest row, deletes them.
+		if left > 0 {
+			// Expired rows this batch did not delete: below its bound, lost
+			// to another purge (part of the batch: another consumer's
+			// rows behind them ended the purge), or kept by the DELETE.
+			// The next batch takes them or, from the oldest, tells kept
+			// ones (above).
 			found = q.size
 		}
 	}

@@ -179,3 +179,126 @@ func TestPurgePassesFewerKeptRowsThanABatchAtFullBatches(t *testing.T) {
 		t.Errorf("round deleted %d (err %v) in %d batches, %v in batches; want 2000 in about 20-40 batches", r.Deleted, r.Err, r.Pacing.Batches, r.Pacing.BatchTime)
 	}
 }
+
+// plainTable creates a plain PostgreSQL inbox table, dropped when the test
+// ends.
+func plainTable(t *testing.T, db *sqlx.DB) string {
+	t.Helper()
+	table := "inbox_" + randomSuffix()
+	t.Cleanup(func() { db.Exec("DROP TABLE IF EXISTS " + table) })
+	ddl, err := inbox.SchemaSQL(inbox.PostgreSQL, table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, stmt := range statements(ddl) {
+		exec(t, db, stmt)
+	}
+	return table
+}
+
+type purgeResult struct {
+	n   int64
+	err error
+}
+
+// deleteElsewhere is another purge's batch: a transaction that deletes the
+// rows of message_id 'm'||from to 'm'||to and stays open until the caller
+// commits it; rolled back at cleanup if the test fails first, so that no
+// transaction is left open on the shared server. It returns the
+// transaction and its backend's pid.
+func deleteElsewhere(t *testing.T, ctx context.Context, db *sqlx.DB, table string, from, to int) (*sqlx.Tx, int) {
+	t.Helper()
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	var pid int
+	if err := tx.Get(&pid, "SELECT pg_backend_pid()"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec("DELETE FROM "+table+" WHERE message_id IN (SELECT 'm'||i FROM generate_series($1::int, $2::int) i)", from, to); err != nil {
+		t.Fatal(err)
+	}
+	return tx, pid
+}
+
+// waitForPurgeBatchBlockedBy waits until the purge's DELETE on table waits on pid.
+func waitForPurgeBatchBlockedBy(t *testing.T, db *sqlx.DB, table string, pid int) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		var n int
+		if err := db.Get(&n, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'WITH batch AS (DELETE FROM ONLY%' AND query LIKE '%"+table+"%' AND $1 = ANY(pg_blocking_pids(pid))", pid); err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			return
+		}
+	}
+	t.Fatalf("the purge never waited on pid %d", pid)
+}
+
+// A batch from the oldest row that loses part of its rows to another purge
+// (a purge limited to "billing") deletes the rest and comes up short, and
+// the purge goes on with the expired rows left: it counted them (fewer
+// than a batch) and ended, leaving "shipping"'s, which the billing purge
+// never deletes.
+func TestPurgeGoesOnAfterLosingPartOfABatchToAnotherPurge(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := plainTable(t, db)
+	// billing m1-m5 (oldest), then shipping m6-m13: 13 expired rows, each at its own instant.
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT CASE WHEN i <= 5 THEN 'billing' ELSE 'shipping' END,"+
+		" 'm'||i, now() - interval '3 days' + i * interval '1 second' FROM generate_series(1, 13) i")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tx, pid := deleteElsewhere(t, ctx, db, table, 1, 5) // the billing purge's batch
+	res := make(chan purgeResult, 1)
+	go func() {
+		n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1})
+		res <- purgeResult{n, err}
+	}()
+	waitForPurgeBatchBlockedBy(t, db, table, pid)
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	left := count(t, db, table, "processed_at < now() - interval '1 day'")
+	if r.err != nil || left != 0 {
+		t.Errorf("whole-table purge deleted %d (err %v) and ended with %d expired shipping rows left; want all 8 shipping rows deleted", r.n, r.err, left)
+	}
+}
+
+// One expired row that the DELETE keeps (a legal hold), the oldest of the
+// table, does not make two batches that lost their other rows to another
+// purge look like a batch of kept rows: the count of expired rows changed
+// between them, and the purge goes on to delete "shipping"'s rows.
+func TestPurgeBesideAKeptRowGoesOnAfterLosingTwoBatchesToAnotherPurge(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	table := plainTableKeepingHeldRows(t, db)
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ('billing', 'held-0', now() - interval '4 days')")
+	// billing m1-m18, then shipping m19-m50, all expired.
+	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT CASE WHEN i <= 18 THEN 'billing' ELSE 'shipping' END,"+
+		" 'm'||i, now() - interval '3 days' + i * interval '1 second' FROM generate_series(1, 50) i")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tx1, pid1 := deleteElsewhere(t, ctx, db, table, 1, 9)
+	tx2, pid2 := deleteElsewhere(t, ctx, db, table, 10, 18)
+	res := make(chan purgeResult, 1)
+	go func() {
+		n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1})
+		res <- purgeResult{n, err}
+	}()
+	waitForPurgeBatchBlockedBy(t, db, table, pid1)
+	if err := tx1.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	waitForPurgeBatchBlockedBy(t, db, table, pid2)
+	if err := tx2.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	left := count(t, db, table, "consumer = 'shipping'")
+	if r.err != nil || left != 0 {
+		t.Errorf("whole-table purge deleted %d (err %v) and ended with %d of 32 expired shipping rows left beside one kept row; want them deleted", r.n, r.err, left)
+	}
+}
