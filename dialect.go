@@ -358,7 +358,7 @@ type purgeQuery struct {
 	// postgresDialect.purgeBatch).
 	remaining string
 	// oldest, where set, reads the oldest expired row's ctid (as text)
-	// and counts the expired rows, up to ten batches: what a batch from
+	// and counts the expired rows: what a batch from
 	// the oldest row that deleted nothing asks (see
 	// postgresDialect.purgeBatch).
 	oldest string
@@ -382,7 +382,7 @@ type purgeCursor struct {
 	set        bool
 	// fruitless: the last batch ran from the oldest expired row and
 	// deleted nothing; oldest is the ctid of the oldest expired row then,
-	// and left how many expired rows there were, up to ten batches
+	// and left how many expired rows there were
 	// (postgresDialect.purgeBatch).
 	fruitless bool
 	oldest    string

@@ -225,7 +225,7 @@ func (d postgresDialect) purgeStatement(t qualifiedName, cutoff int64, batch int
 		cursor:    &purgeCursor{},
 		remaining: "SELECT count(*) FROM (SELECT FROM ONLY " + q + " WHERE " + expired + " LIMIT " + limit + ") AS expired",
 		oldest: "SELECT (SELECT ctid::text FROM ONLY " + q + " WHERE " + expired + " ORDER BY processed_at, ctid LIMIT 1)," +
-			" (SELECT count(*) FROM (SELECT FROM ONLY " + q + " WHERE " + expired + " LIMIT " + strconv.Itoa(10*batch) + ") AS expired)",
+			" (SELECT count(*) FROM ONLY " + q + " WHERE " + expired + ")",
 	}
 }
 
@@ -799,7 +799,8 @@ func (postgresDialect) purgeBatch(ctx context.Context, db dbConn, _ qualifiedNam
 		// them (a BEFORE DELETE trigger that skips them, a row security
 		// policy), a batch or more of them. The oldest expired row and how
 		// many are left tell: both stay the same when the rows are kept,
-		// and another purge's deletes change the count. Unchanged through
+		// and another purge's deletes change the count, all of it (a count
+		// up to a limit stayed at the limit on a large table). Unchanged through
 		// two such batches, the purge ends, as a partitioned table's walk
 		// that deleted nothing does: each batch chose the kept rows again,
 		// for ever, holding the Purger's lock.

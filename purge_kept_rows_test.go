@@ -271,14 +271,15 @@ func TestPurgeGoesOnAfterLosingPartOfABatchToAnotherPurge(t *testing.T) {
 // One expired row that the DELETE keeps (a legal hold), the oldest of the
 // table, does not make two batches that lost their other rows to another
 // purge look like a batch of kept rows: the count of expired rows changed
-// between them, and the purge goes on to delete "shipping"'s rows.
+// between them (all of them: a count up to ten batches stayed at its limit
+// here), and the purge goes on to delete "shipping"'s rows.
 func TestPurgeBesideAKeptRowGoesOnAfterLosingTwoBatchesToAnotherPurge(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
 	table := plainTableKeepingHeldRows(t, db)
 	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) VALUES ('billing', 'held-0', now() - interval '4 days')")
-	// billing m1-m18, then shipping m19-m50, all expired.
+	// billing m1-m18, then shipping m19-m200, all expired: more than ten batches.
 	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT CASE WHEN i <= 18 THEN 'billing' ELSE 'shipping' END,"+
-		" 'm'||i, now() - interval '3 days' + i * interval '1 second' FROM generate_series(1, 50) i")
+		" 'm'||i, now() - interval '3 days' + i * interval '1 second' FROM generate_series(1, 200) i")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	tx1, pid1 := deleteElsewhere(t, ctx, db, table, 1, 9)
@@ -299,6 +300,6 @@ func TestPurgeBesideAKeptRowGoesOnAfterLosingTwoBatchesToAnotherPurge(t *testing
 	r := <-res
 	left := count(t, db, table, "consumer = 'shipping'")
 	if r.err != nil || left != 0 {
-		t.Errorf("whole-table purge deleted %d (err %v) and ended with %d of 32 expired shipping rows left beside one kept row; want them deleted", r.n, r.err, left)
+		t.Errorf("whole-table purge deleted %d (err %v) and ended with %d of 182 expired shipping rows left beside one kept row; want them deleted", r.n, r.err, left)
 	}
 }
