@@ -79,15 +79,7 @@ func TestPurgeEndsBesideRowsItsDeleteKeeps(t *testing.T) {
 // commit while the purge's DELETE waits on them.
 func TestPurgeGoesOnAfterLosingTwoBatchesInARowToAnotherPurge(t *testing.T) {
 	db := testdb.OpenPostgres(t, "")
-	table := "inbox_" + randomSuffix()
-	dropLater(t, db, table)
-	ddl, err := inbox.SchemaSQL(inbox.PostgreSQL, table)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, stmt := range statements(ddl) {
-		exec(t, db, stmt)
-	}
+	table := plainTable(t, db)
 	// 20 rows of billing (oldest), then 50 of shipping, all expired, each at its own instant.
 	exec(t, db, "INSERT INTO "+table+" (consumer, message_id, processed_at) SELECT CASE WHEN i <= 20 THEN 'billing' ELSE 'shipping' END,"+
 		" 'm'||i, now() - interval '3 days' + i * interval '1 second' FROM generate_series(1, 70) i")
@@ -95,50 +87,18 @@ func TestPurgeGoesOnAfterLosingTwoBatchesInARowToAnotherPurge(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	// The other purge's two batches: billing's rows 1-10 and 11-20.
-	hold := func(from, to int) (*sqlx.Tx, int) {
-		tx, err := db.BeginTxx(ctx, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = tx.Rollback() })
-		var pid int
-		if err := tx.Get(&pid, "SELECT pg_backend_pid()"); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tx.Exec("DELETE FROM "+table+" WHERE message_id IN (SELECT 'm'||i FROM generate_series($1::int, $2::int) i)", from, to); err != nil {
-			t.Fatal(err)
-		}
-		return tx, pid
-	}
-	tx1, pid1 := hold(1, 10)
-	tx2, pid2 := hold(11, 20)
-	// waitBlockedBy waits until the purge's DELETE waits on pid.
-	waitBlockedBy := func(pid int) {
-		for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			var n int
-			if err := db.Get(&n, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'WITH batch AS (DELETE FROM ONLY%' AND query LIKE '%"+table+"%' AND $1 = ANY(pg_blocking_pids(pid))", pid); err != nil {
-				t.Fatal(err)
-			}
-			if n > 0 {
-				return
-			}
-		}
-		t.Fatalf("the purge never waited on pid %d", pid)
-	}
-	type result struct {
-		n   int64
-		err error
-	}
-	res := make(chan result, 1)
+	tx1, pid1 := deleteElsewhere(t, ctx, db, table, 1, 10)
+	tx2, pid2 := deleteElsewhere(t, ctx, db, table, 11, 20)
+	res := make(chan purgeResult, 1)
 	go func() {
 		n, err := inbox.Purge(ctx, inbox.PurgeConfig{DB: db, Table: table, OlderThan: 24 * time.Hour, BatchSize: 10, DutyCycle: 1})
-		res <- result{n, err}
+		res <- purgeResult{n, err}
 	}()
-	waitBlockedBy(pid1)
+	waitForPurgeBatchBlockedBy(t, db, table, pid1)
 	if err := tx1.Commit(); err != nil {
 		t.Fatal(err)
 	}
-	waitBlockedBy(pid2)
+	waitForPurgeBatchBlockedBy(t, db, table, pid2)
 	if err := tx2.Commit(); err != nil {
 		t.Fatal(err)
 	}
