@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"database/sql"
+	"testing"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -139,6 +140,32 @@ func (o *Outbox) RelayRoundWhileTopicsWait(ctx context.Context, topics []string)
 		o.topics.waits[topic] = topicWait{until: until, wait: time.Minute}
 	}
 	return o.relayOnce(ctx, o.topics).OutboxRound
+}
+
+// EndTopicWait makes topic's wait for its next try end now.
+func (o *Outbox) EndTopicWait(topic string) {
+	o.topics.mu.Lock()
+	defer o.topics.mu.Unlock()
+	if w, ok := o.topics.waits[topic]; ok {
+		w.until = time.Now()
+		o.topics.waits[topic] = w
+	}
+}
+
+// SetOutboxFloorSweep sets how often a relay round's floor probe reads from
+// the head of the table, until the test ends.
+func SetOutboxFloorSweep(t testing.TB, every time.Duration) {
+	old := outboxFloorSweep
+	outboxFloorSweep = every
+	t.Cleanup(func() { outboxFloorSweep = old })
+}
+
+// WaitingTopicsFloor returns the id from which the relay's rounds read
+// while topics wait (0: from the head of the table; see outboxFloor).
+func (o *Outbox) WaitingTopicsFloor() int64 {
+	o.relaying <- struct{}{}
+	defer func() { <-o.relaying }()
+	return o.floor.from
 }
 
 // OutboxFactoryCalls returns how many transactions' outbox factory calls

@@ -421,6 +421,9 @@ type Outbox struct {
 	relaying chan struct{}
 	// topics is the Runs' memory of the topics the broker refused.
 	topics *topicBackoff
+	// floor is where the rounds' reads start while topics wait (see
+	// outboxFloor); guarded by relaying.
+	floor outboxFloor
 }
 
 func (c *OutboxConfig) setDefaults() {

@@ -37,7 +37,9 @@ const outboxRetryFirst = 50 * time.Millisecond
 // MaxBackoff). A topic whose message the broker refused is tried again
 // after a wait of its own (the same doubling), and the rounds meanwhile
 // leave its rows out of their reads, so the other topics go on however
-// many of its messages are first in the table; a refused topic whose
+// many of its messages are first in the table (on PostgreSQL the reads then
+// start where its rows end, so that they do not pass over a large backlog
+// of it each time: see docs/outbox.md); a refused topic whose
 // messages left the table another way (another relay instance sent them)
 // is forgotten. Run one relay per process; several processes may each run
 // one on the same table (see Outbox). The rounds of one Outbox run one at a
@@ -190,6 +192,17 @@ func (t *topicBackoff) waiting(now time.Time) []any {
 		if t.skipLocked(topic, now) {
 			topics = append(topics, topic)
 		}
+	}
+	return topics
+}
+
+// all returns every topic that has a wait, over or not.
+func (t *topicBackoff) all() map[string]bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	topics := make(map[string]bool, len(t.waits))
+	for topic := range t.waits {
+		topics[topic] = true
 	}
 	return topics
 }
@@ -604,16 +617,26 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	if ctx.Err() != nil {
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w", ctx.Err())}}
 	}
+	// While topics wait, the read starts at the floor below which only
+	// their rows lie (see outboxFloor), not at the head of the table.
+	var floor floorRead
+	if topics != nil {
+		floor = o.floorFor(sctx, tx, waiting, topics.all())
+	}
+	readArgs := skipArgs
+	if floor.from > 0 {
+		readArgs = append([]any{floor.from}, skipArgs...)
+	}
 	var rows []outboxRow
 	limit := o.readLimitNow()
 	round.limit = limit
-	err := sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, idleTimeouts)), skipArgs...)
+	err := sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, floor.from > 0, len(skipArgs) > 0, idleTimeouts)), readArgs...)
 	if err != nil && idleTimeouts && hasMySQLNumber(err, erUnknownSystemVariable) {
 		// MySQL: no idle-transaction timeouts to turn off. (The failed
 		// statement leaves MySQL's transaction as it was.)
 		o.noIdleTimeoutVars.Store(true)
 		rows, idleTimeouts = nil, false
-		err = sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, len(skipArgs) > 0, false)), skipArgs...)
+		err = sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.selectBatch(limit, floor.from > 0, len(skipArgs) > 0, false)), readArgs...)
 	}
 	if err != nil {
 		if ctx.Err() == nil && isStatementTimeout(err) {
@@ -632,6 +655,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		// deleted by hand) has nothing to wait for.
 		topics.forgetAllBut(rows, waiting)
 	}
+	o.probeFloor(sctx, tx, floor, skipArgs)
 	var idleSet bool // the session has idle-transaction timeouts (read with the batch)
 	if len(rows) > 0 {
 		idleSet = rows[0].IdleTimeouts.Int64 > 0

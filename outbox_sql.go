@@ -38,8 +38,20 @@ type outboxSQL struct {
 	// idleTimeoutsOff set, every row also carries idle_timeouts, the sum of
 	// the session's idle-transaction timeouts. On PostgreSQL it turns off
 	// the transaction's idle_in_transaction_session_timeout (SET LOCAL, in
-	// a one-time condition: no round trip of its own).
-	selectBatch func(n int, skipTopics, idleTimeouts bool) string
+	// a one-time condition: no round trip of its own). With from, it reads
+	// only the rows from an id on, bound before the topics (see
+	// outboxFloor).
+	selectBatch func(n int, from, skipTopics, idleTimeouts bool) string
+	// floorProbe, when set (PostgreSQL), reads without a lock, from one
+	// snapshot: the smallest id from a given one on of the topics not
+	// waiting (NULL when none), the largest id (NULL when empty), and the
+	// snapshot's xmin and xmax. Bind parameters: the id, then the waiting
+	// topics as selectBatch takes them. See outboxFloor.
+	floorProbe string
+	// idSequenceCache, when set (PostgreSQL), reads the cache size of the
+	// sequence the table's id comes from (no row: none); bind parameter
+	// the table's quoted name.
+	idSequenceCache string
 	// idleTimeoutsOff, when set (MariaDB), turns off the session's
 	// idle-transaction timeouts and keeps their values in user variables;
 	// idleTimeoutsBack puts them back. A relay round holds its transaction
@@ -167,12 +179,15 @@ const outboxColumns = "id, topic, uuid, payload, metadata"
 // lock after it: guard, when set, is a condition without a column that the
 // read tests too (once), and idleColumns, when set, the columns read beside
 // every row when the caller asks for the idle timeouts.
-func outboxBatchRead(d Dialect, q, lock, guard, idleColumns string) func(n int, skipTopics, idleTimeouts bool) string {
+func outboxBatchRead(d Dialect, q, lock, guard, idleColumns string) func(n int, from, skipTopics, idleTimeouts bool) string {
 	skip := skipTopicsCondition(d)
-	return func(n int, skipTopics, idleTimeouts bool) string {
+	return func(n int, from, skipTopics, idleTimeouts bool) string {
 		var conditions []string
 		if guard != "" {
 			conditions = append(conditions, guard)
+		}
+		if from {
+			conditions = append(conditions, "id >= ?")
 		}
 		if skipTopics {
 			conditions = append(conditions, skip)
@@ -315,6 +330,12 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// simple protocol reads it, failed every round ("invalid hex format").
 	s.selectBatch = outboxBatchRead(d, t.quoted(d), " FOR UPDATE SKIP LOCKED",
 		"(SELECT set_config('idle_in_transaction_session_timeout', '0', true) || set_config('bytea_output', 'hex', true)) IS NOT NULL", "")
+	// txid_* (PostgreSQL 12; pg_current_snapshot and its kin are 13+):
+	// 64-bit transaction ids, which do not wrap around.
+	s.floorProbe = "SELECT (SELECT min(id) FROM " + t.quoted(d) + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
+		" (SELECT max(id) FROM " + t.quoted(d) + ") AS last," +
+		" txid_snapshot_xmin(txid_current_snapshot()) AS xmin, txid_snapshot_xmax(txid_current_snapshot()) AS xmax"
+	s.idSequenceCache = "SELECT s.seqcache FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)"
 	return s
 }
 

@@ -1,0 +1,262 @@
+package inbox_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/watermill-inbox/inbox"
+	"github.com/watermill-inbox/inbox/internal/testdb"
+)
+
+// commitOutputs commits one message per uuid to topic through ob, in one
+// transaction.
+func commitOutputs(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, topic string, uuids ...string) {
+	t.Helper()
+	tx, pub := beginOutbox(t, db, ob)
+	for _, id := range uuids {
+		if err := pub.Publish(topic, message.NewMessage(id, []byte("p"))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitingBacklog writes n messages to topic gone, which then waits.
+func waitingBacklog(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, n int) []string {
+	t.Helper()
+	uuids := make([]string, n)
+	for i := range uuids {
+		uuids[i] = fmt.Sprintf("gone-%d", i)
+	}
+	commitOutputs(t, db, ob, "gone", uuids...)
+	return uuids
+}
+
+// roundWhileGoneWaits runs a relay round while topic gone waits and fails
+// the test on its error.
+func roundWhileGoneWaits(t *testing.T, ob *inbox.Outbox) inbox.OutboxRound {
+	t.Helper()
+	r := ob.RelayRoundWhileTopicsWait(context.Background(), []string{"gone"})
+	if r.Err != nil {
+		t.Fatalf("round while gone waits: %v", r.Err)
+	}
+	return r
+}
+
+// roundsUntilFloor runs relay rounds while topics wait until the relay's
+// floor is above above: each one waits for every transaction that wrote on the server
+// when its candidate was found to end, which other tests' transactions on
+// the same server can make take a while.
+func roundsUntilFloor(t *testing.T, ob *inbox.Outbox, above int64, topics ...string) int64 {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		if r := ob.RelayRoundWhileTopicsWait(context.Background(), topics); r.Err != nil {
+			t.Fatalf("round while %v wait: %v", topics, r.Err)
+		}
+		if f := ob.WaitingTopicsFloor(); f > above {
+			return f
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("floor not above %d after a minute of rounds while %v wait (0: every read starts at the head of the table)", above, topics)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// While a topic waits, its backlog at the head of the table is read past
+// once, and the rounds after read from where its rows end: every other
+// topic's message is sent, in order, and the waiting topic's rows stay.
+func TestOutboxRelayReadsPastAWaitingTopicsBacklogFromWhereItEnds(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	gone := waitingBacklog(t, db, ob, 700)
+	commitOutputs(t, db, ob, "payments", "p-1")
+	floor := roundsUntilFloor(t, ob, 0, "gone")
+	var want []string
+	for i := range 5 {
+		id := fmt.Sprintf("p-%d", i+2)
+		commitOutputs(t, db, ob, "payments", id)
+		want = append(want, id)
+		roundWhileGoneWaits(t, ob)
+	}
+	if got := broker.uuids("payments"); !slices.Equal(got, append([]string{"p-1"}, want...)) {
+		t.Errorf("sent to payments: %v", got)
+	}
+	if n := count(t, db, relayTable(t, ob), "1=1"); n != len(gone) {
+		t.Errorf("%d rows left, want the %d of the waiting topic", n, len(gone))
+	}
+	roundsUntilFloor(t, ob, floor, "gone") // it follows the other topics' rows
+}
+
+// A transaction that took its outbox id before a row the relay saw, and
+// commits after, is not left behind the floor: its message goes, before
+// the next message of its topic written after it committed (its consumed
+// partition's order).
+func TestOutboxRelayFloorWaitsForTheTransactionsThatRanAtItsProbe(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	// As the inbox's transaction: a row written (its claim), then the
+	// output, committed late.
+	late, latePub := beginOutbox(t, db, ob)
+	if _, err := late.Exec("SELECT txid_current()"); err != nil {
+		t.Fatal(err)
+	}
+	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "orders", "o-1")
+	commitOutputs(t, db, ob, "gone", "gone-after")
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-2")
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
+	}
+	if got := broker.uuids("orders"); !slices.Equal(got, []string{"o-1"}) {
+		t.Errorf("sent to orders: %v", got)
+	}
+}
+
+// Rows another relay instance holds while the floor is found count as
+// there: when it rolls back (stopped mid-round), this relay sends them,
+// in order.
+func TestOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	commitOutputs(t, db, ob, "payments", "p-1")
+	commitOutputs(t, db, ob, "orders", "o-1")
+	other, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback() //nolint:errcheck
+	var held string
+	if err := other.Get(&held, "SELECT uuid FROM "+relayTable(t, ob)+" WHERE topic = 'payments' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	for range 4 {
+		roundWhileGoneWaits(t, ob)
+	}
+	if err := other.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-2")
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
+	}
+}
+
+// A topic that waited, its rows below the floor, is read from the head of
+// the table when its wait is over, while another topic still waits: its
+// messages go, in order, once the broker takes it again.
+func TestOutboxRelaySendsAWaitingTopicsBacklogOnceItIsTakenAgain(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	gone := waitingBacklog(t, db, ob, 50)
+	var back []string
+	for i := range 30 {
+		back = append(back, fmt.Sprintf("back-%d", i))
+	}
+	commitOutputs(t, db, ob, "back", back...)
+	commitOutputs(t, db, ob, "payments", "p-0")
+	roundsUntilFloor(t, ob, 0, "gone", "back")
+	ob.EndTopicWait("back")
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("back"); !slices.Equal(got, back) {
+		t.Errorf("sent to back: %v, want its %d messages in order", got, len(back))
+	}
+	if got := broker.uuids("gone"); len(got) != 0 {
+		t.Errorf("sent to gone while it waits: %v", got)
+	}
+	if n := count(t, db, relayTable(t, ob), "1=1"); n != len(gone) {
+		t.Errorf("%d rows left, want the %d of the waiting topic", n, len(gone))
+	}
+}
+
+// A hand-made table whose id comes from a sequence that caches its values
+// (each session takes ids from its own range, not in the order they are
+// written) has no floor: the reads start at the head of the table, and
+// every message of the other topics goes, in order.
+func TestOutboxRelayReadsFromTheHeadWhenTheIdSequenceCaches(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	exec(t, db, "ALTER TABLE "+relayTable(t, ob)+" ALTER COLUMN id SET CACHE 20")
+	waitingBacklog(t, db, ob, 50)
+	var want []string
+	for i := range 5 {
+		id := fmt.Sprintf("p-%d", i)
+		commitOutputs(t, db, ob, "payments", id)
+		want = append(want, id)
+		roundWhileGoneWaits(t, ob)
+		roundWhileGoneWaits(t, ob)
+	}
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Errorf("floor %d with ids from a sequence that caches them", f)
+	}
+	if got := broker.uuids("payments"); !slices.Equal(got, want) {
+		t.Errorf("sent to payments: %v, want %v", got, want)
+	}
+}
+
+// A message whose id was taken before the floor was found, by a
+// transaction that had written nothing yet (an outbox written in a
+// transaction of the user's own, not the inbox's), and committed after, is
+// found by the read from the head of the table that comes every while, and
+// sent.
+func TestOutboxRelaySweepFindsAMessageCommittedBelowTheFloor(t *testing.T) {
+	inbox.SetOutboxFloorSweep(t, 50*time.Millisecond)
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	table := relayTable(t, ob)
+	late, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback() //nolint:errcheck
+	var id int64
+	if err := late.Get(&id, "SELECT nextval(pg_get_serial_sequence($1, 'id'))", table); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-1")
+	commitOutputs(t, db, ob, "gone", "gone-after")
+	floor := roundsUntilFloor(t, ob, id, "gone")
+	if _, err := late.Exec("INSERT INTO "+table+" (id, topic, uuid, payload, metadata) VALUES ($1, 'payments', 'late', 'p', '{}')", id); err != nil {
+		t.Fatal(err)
+	}
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for !slices.Contains(broker.uuids("payments"), "late") {
+		if time.Now().After(deadline) {
+			t.Fatalf("message %d committed below the floor %d not sent after a minute of rounds", id, floor)
+		}
+		roundWhileGoneWaits(t, ob)
+		time.Sleep(10 * time.Millisecond)
+	}
+}
