@@ -28,8 +28,11 @@ import (
 // later messages of its topic (of its consumed partition). So a candidate
 // floor, the smallest id of the other topics a probe saw (or the largest id
 // plus one when it saw none), becomes the floor only once every transaction
-// that ran at the probe has ended (the snapshot's xmin has reached the
-// probe's xmax): every id below the candidate was taken before the probe
+// that had a transaction id at the probe has ended: the snapshot's xmin has
+// reached the id the round's transaction took at the probe, after its
+// snapshot (not the snapshot's xmax, the last ended id plus one: a
+// transaction that took its id after the last one to end was still
+// running, beyond it). Every id below the candidate was taken before the probe
 // (the id's sequence hands its numbers out in order: cache 1), by a
 // transaction that had written a row already (the inbox's claim comes
 // first), so by one of those; and the floor is then the smaller of the
@@ -56,7 +59,8 @@ type outboxFloor struct {
 
 // outboxFloorCandidate is a floor that waits for the transactions that ran
 // at its probe to end: id, below which every row the probe saw was of
-// topics, and horizon, the probe snapshot's xmax.
+// topics, and horizon, the id the probe's transaction took after its
+// snapshot, above every id taken before.
 type outboxFloorCandidate struct {
 	id, horizon int64
 	topics      map[string]bool
@@ -159,8 +163,9 @@ func (o *Outbox) floorFor(ctx context.Context, tx *sqlx.Tx, waiting []any, all m
 	return r
 }
 
-// probeFloor runs the round's floor probe (see outboxFloor) in tx, after
-// its read, and moves the floor. A probe that fails (a statement timeout)
+// probeFloor runs the round's floor probe (see outboxFloor) in tx, its
+// first statement that takes a transaction id (before the round's locking
+// read), and moves the floor. A probe that fails (a statement timeout)
 // leaves the floor as it was and the round's transaction usable.
 func (o *Outbox) probeFloor(ctx context.Context, tx *sqlx.Tx, r floorRead, skipArgs []any) {
 	if !r.track {
@@ -168,15 +173,15 @@ func (o *Outbox) probeFloor(ctx context.Context, tx *sqlx.Tx, r floorRead, skipA
 	}
 	f := &o.floor
 	var firstOther, last sql.NullInt64
-	var xmin, xmax int64
+	var xmin, horizon int64
 	args := append([]any{r.probeFrom}, skipArgs...)
 	err := o.readInWalk(ctx, tx, func() error {
-		return tx.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &xmin, &xmax)
+		return tx.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &xmin, &horizon)
 	})
 	if err != nil {
 		if ctx.Err() == nil && !f.probeFailed {
 			f.probeFailed = true // said once until a probe succeeds
-			o.logger.get().Info("Inbox outbox relay could not look for where the waiting topics' rows end: it reads past them", watermill.LogFields{
+			o.logger.get().Info("Inbox outbox relay could not look for where the waiting topics' rows end: its floor stays where it is", watermill.LogFields{
 				"err": err.Error(),
 			})
 		}
@@ -205,6 +210,6 @@ func (o *Outbox) probeFloor(ctx context.Context, tx *sqlx.Tx, r floorRead, skipA
 		f.pending = nil
 	}
 	if f.pending == nil && c > 0 {
-		f.pending = &outboxFloorCandidate{id: c, horizon: xmax, topics: topics}
+		f.pending = &outboxFloorCandidate{id: c, horizon: horizon, topics: topics}
 	}
 }

@@ -622,6 +622,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	var floor floorRead
 	if topics != nil {
 		floor = o.floorFor(sctx, tx, waiting, topics.all())
+		o.probeFloor(sctx, tx, floor, skipArgs)
 	}
 	readArgs := skipArgs
 	if floor.from > 0 {
@@ -655,7 +656,6 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 		// deleted by hand) has nothing to wait for.
 		topics.forgetAllBut(rows, waiting)
 	}
-	o.probeFloor(sctx, tx, floor, skipArgs)
 	var idleSet bool // the session has idle-transaction timeouts (read with the batch)
 	if len(rows) > 0 {
 		idleSet = rows[0].IdleTimeouts.Int64 > 0

@@ -44,8 +44,10 @@ type outboxSQL struct {
 	selectBatch func(n int, from, skipTopics, idleTimeouts bool) string
 	// floorProbe, when set (PostgreSQL), reads without a lock, from one
 	// snapshot: the smallest id from a given one on of the topics not
-	// waiting (NULL when none), the largest id (NULL when empty), and the
-	// snapshot's xmin and xmax. Bind parameters: the id, then the waiting
+	// waiting (NULL when none), the largest id (NULL when empty), the
+	// snapshot's xmin, and the transaction's id, taken by it when the
+	// round's transaction has none yet (its first statement that takes
+	// one), so after the snapshot. Bind parameters: the id, then the waiting
 	// topics as selectBatch takes them. See outboxFloor.
 	floorProbe string
 	// idSequenceCache, when set (PostgreSQL), reads the cache size of the
@@ -334,7 +336,7 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// 64-bit transaction ids, which do not wrap around.
 	s.floorProbe = "SELECT (SELECT min(id) FROM " + t.quoted(d) + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
 		" (SELECT max(id) FROM " + t.quoted(d) + ") AS last," +
-		" txid_snapshot_xmin(txid_current_snapshot()) AS xmin, txid_snapshot_xmax(txid_current_snapshot()) AS xmax"
+		" txid_snapshot_xmin(txid_current_snapshot()) AS xmin, txid_current() AS horizon"
 	s.idSequenceCache = "SELECT s.seqcache FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)"
 	return s
 }

@@ -260,3 +260,48 @@ func TestOutboxRelaySweepFindsAMessageCommittedBelowTheFloor(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// The floor waits for a transaction that took its transaction id after the
+// last one to end on the server (the probe snapshot's xmax is that last
+// one's id plus one, so such a transaction runs beyond it, in no list of the
+// snapshot): an inbox transaction that took its outbox id before a row the
+// probe saw, and commits after, has its message sent before the next one of
+// its topic.
+func TestOutboxRelayFloorWaitsForATransactionNewerThanTheLastOneToEnd(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	early, earlyPub := beginOutbox(t, db, ob)
+	defer early.Rollback() //nolint:errcheck
+	if _, err := early.Exec("SELECT txid_current()"); err != nil {
+		t.Fatal(err)
+	}
+	late, latePub := beginOutbox(t, db, ob)
+	defer late.Rollback() //nolint:errcheck
+	if _, err := late.Exec("SELECT txid_current()"); err != nil {
+		t.Fatal(err)
+	}
+	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := earlyPub.Publish("gone", message.NewMessage("gone-after", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := early.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	floor := ob.WaitingTopicsFloor()
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-2")
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction ran)", got, floor)
+	}
+}
