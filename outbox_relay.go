@@ -37,8 +37,8 @@ const outboxRetryFirst = 50 * time.Millisecond
 // MaxBackoff). A topic whose message the broker refused is tried again
 // after a wait of its own (the same doubling), and the rounds meanwhile
 // leave its rows out of their reads, so the other topics go on however
-// many of its messages are first in the table (on PostgreSQL the reads then
-// start where its rows end, so that they do not pass over a large backlog
+// many of its messages are first in the table (on PostgreSQL and SQLite the
+// reads then start where its rows end, so that they do not pass over a large backlog
 // of it each time: see docs/outbox.md); a refused topic whose
 // messages left the table another way (another relay instance sent them)
 // is forgotten. Run one relay per process; several processes may each run
@@ -621,8 +621,8 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	// their rows lie (see outboxFloor), not at the head of the table.
 	var floor floorRead
 	if topics != nil {
-		floor = o.floorFor(sctx, tx, waiting, topics.all())
-		o.probeFloor(sctx, tx, floor, skipArgs)
+		floor = o.floorFor(sctx, read, tx, waiting, topics.all())
+		o.probeFloor(sctx, read, tx, floor, skipArgs)
 	}
 	readArgs := skipArgs
 	if floor.from > 0 {

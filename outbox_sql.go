@@ -50,10 +50,13 @@ type outboxSQL struct {
 	// one), so after the snapshot. Bind parameters: the id, then the waiting
 	// topics as selectBatch takes them. See outboxFloor.
 	floorProbe string
-	// idSequenceCache, when set (PostgreSQL), reads the cache size of the
-	// sequence the table's id comes from (no row: none); bind parameter
-	// the table's quoted name.
-	idSequenceCache string
+	// idsInOrder, when set, returns the read of whether the table's ids are
+	// handed out in increasing order and never again (1; 0 or no row: not):
+	// on PostgreSQL a sequence of cache 1 (a cache gives each session a
+	// range of its own), on SQLite AUTOINCREMENT (without it a new row takes
+	// the largest id left plus one, below ids already deleted), and its
+	// bind parameters.
+	idsInOrder func() (string, []any)
 	// idleTimeoutsOff, when set (MariaDB), turns off the session's
 	// idle-transaction timeouts and keeps their values in user variables;
 	// idleTimeoutsBack puts them back. A relay round holds its transaction
@@ -337,7 +340,10 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	s.floorProbe = "SELECT (SELECT min(id) FROM " + t.quoted(d) + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
 		" (SELECT max(id) FROM " + t.quoted(d) + ") AS last," +
 		" txid_snapshot_xmin(txid_current_snapshot()) AS xmin, txid_current() AS horizon"
-	s.idSequenceCache = "SELECT s.seqcache FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)"
+	s.idsInOrder = func() (string, []any) {
+		return "SELECT CAST(s.seqcache = 1 AS integer) FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)",
+			[]any{t.quoted(d)}
+	}
 	return s
 }
 
@@ -520,6 +526,18 @@ func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 	s.bury = "INSERT INTO " + dq + " (" + outboxColumns + ", created_at, attempts, last_error, dead_at) SELECT " + outboxColumns +
 		", created_at, attempts + 1, ?, " + now + " FROM " + q + " WHERE id = ? AND uuid = ? AND NOT EXISTS (SELECT 1 FROM " + dq + " WHERE id = ?)"
 	s.deadWriteLock = "DELETE FROM " + dq + " WHERE 0"
+	// A floor (see outboxFloor) needs no wait on SQLite: one transaction
+	// writes at a time, and an AUTOINCREMENT id is above every id committed
+	// before it, so a row committed later is never below what a read saw.
+	s.floorProbe = "SELECT (SELECT min(id) FROM " + q + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
+		" (SELECT max(id) FROM " + q + ") AS last, 0 AS xmin, 0 AS horizon"
+	s.idsInOrder = func() (string, []any) {
+		master := "sqlite_master"
+		if t.schema != "" {
+			master = d.quote(t.schema) + ".sqlite_master"
+		}
+		return "SELECT sql LIKE '%AUTOINCREMENT%' FROM " + master + " WHERE type = 'table' AND name = ? COLLATE NOCASE", []any{t.name}
+	}
 	s.deleteKeyed = func(ids []int64) string {
 		// The ids first, so that SQLite finds the rows by their rowid.
 		return "DELETE FROM " + q + " WHERE id IN (" + idList(ids) + ") AND (id, uuid) IN (VALUES " +

@@ -72,13 +72,23 @@ func roundsUntilFloor(t *testing.T, ob *inbox.Outbox, above int64, topics ...str
 	}
 }
 
+// floorDBs runs f on the databases whose relay has a floor: PostgreSQL and
+// SQLite.
+func floorDBs(t *testing.T, f func(t *testing.T, db *sqlx.DB, d inbox.Dialect)) {
+	t.Run("postgres", func(t *testing.T) { f(t, testdb.OpenPostgres(t, ""), inbox.PostgreSQL) })
+	t.Run("sqlite", func(t *testing.T) { f(t, sqliteDB(t), inbox.SQLite) })
+}
+
 // While a topic waits, its backlog at the head of the table is read past
 // once, and the rounds after read from where its rows end: every other
 // topic's message is sent, in order, and the waiting topic's rows stay.
 func TestOutboxRelayReadsPastAWaitingTopicsBacklogFromWhereItEnds(t *testing.T) {
-	db := testdb.OpenPostgres(t, "")
+	floorDBs(t, testOutboxRelayReadsPastAWaitingTopicsBacklogFromWhereItEnds)
+}
+
+func testOutboxRelayReadsPastAWaitingTopicsBacklogFromWhereItEnds(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
 	broker := newBrokerStub()
-	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
 	gone := waitingBacklog(t, db, ob, 700)
 	commitOutputs(t, db, ob, "payments", "p-1")
 	floor := roundsUntilFloor(t, ob, 0, "gone")
@@ -170,9 +180,12 @@ func TestOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T) {
 // the table when its wait is over, while another topic still waits: its
 // messages go, in order, once the broker takes it again.
 func TestOutboxRelaySendsAWaitingTopicsBacklogOnceItIsTakenAgain(t *testing.T) {
-	db := testdb.OpenPostgres(t, "")
+	floorDBs(t, testOutboxRelaySendsAWaitingTopicsBacklogOnceItIsTakenAgain)
+}
+
+func testOutboxRelaySendsAWaitingTopicsBacklogOnceItIsTakenAgain(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
 	broker := newBrokerStub()
-	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
 	gone := waitingBacklog(t, db, ob, 50)
 	var back []string
 	for i := range 30 {
@@ -303,5 +316,61 @@ func TestOutboxRelayFloorWaitsForATransactionNewerThanTheLastOneToEnd(t *testing
 	roundWhileGoneWaits(t, ob)
 	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
 		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction ran)", got, floor)
+	}
+}
+
+// SQLite: a transaction that wrote its output (after its claim) and has not
+// committed while the relay looks holds the write lock, so every row the
+// relay saw took its id before it: its message is above the floor, and goes
+// before the next one of its topic.
+func TestOutboxRelayFloorOnSQLiteStaysBelowAWriterInProgress(t *testing.T) {
+	db := sqliteDB(t)
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	commitOutputs(t, db, ob, "orders", "o-1")
+	roundsUntilFloor(t, ob, 0, "gone")
+	late, latePub := beginOutbox(t, db, ob)
+	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		roundWhileGoneWaits(t, ob)
+	}
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-2")
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
+	}
+}
+
+// A SQLite table without AUTOINCREMENT (made by hand) takes the largest id
+// left plus one for a new row, below ids already sent and deleted: no
+// floor, and every message of the other topics goes.
+func TestOutboxRelayReadsFromTheHeadOnASQLiteTableWithoutAutoincrement(t *testing.T) {
+	db := sqliteDB(t)
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: broker})
+	table := relayTable(t, ob)
+	exec(t, db, "DROP TABLE "+table)
+	exec(t, db, "CREATE TABLE "+table+" (id INTEGER PRIMARY KEY, topic TEXT NOT NULL, uuid TEXT NOT NULL, payload BLOB NOT NULL,"+
+		" metadata BLOB NOT NULL, created_at INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT)")
+	waitingBacklog(t, db, ob, 50)
+	var want []string
+	for i := range 5 {
+		id := fmt.Sprintf("p-%d", i)
+		commitOutputs(t, db, ob, "payments", id)
+		want = append(want, id)
+		roundWhileGoneWaits(t, ob)
+		roundWhileGoneWaits(t, ob)
+	}
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Errorf("floor %d on a table without AUTOINCREMENT", f)
+	}
+	if got := broker.uuids("payments"); !slices.Equal(got, want) {
+		t.Errorf("sent to payments: %v, want %v", got, want)
 	}
 }
