@@ -58,6 +58,10 @@ type outboxFloor struct {
 	off, checked bool
 	// probeFailed: the last probe failed, and the log said so.
 	probeFailed bool
+	// headID and headUUID are the first row the last probe saw (0: none
+	// seen yet).
+	headID   int64
+	headUUID string
 }
 
 // outboxFloorCandidate is a floor that waits for the transactions that ran
@@ -76,6 +80,7 @@ var outboxFloorSweep = 30 * time.Second
 // reset forgets the floor and its candidate.
 func (f *outboxFloor) reset() {
 	f.from, f.topics, f.pending, f.swept = 0, nil, nil, time.Time{}
+	f.headID, f.headUUID = 0, ""
 }
 
 // floorRead is what a round does with the floor: read from from (0: from
@@ -166,20 +171,23 @@ func (o *Outbox) floorFor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.T
 	return r
 }
 
-// probeFloor runs the round's floor probe (see outboxFloor) in tx, its
-// first statement that takes a transaction id (before the round's locking
-// read), and moves the floor. A probe that fails (a statement timeout)
-// leaves the floor as it was and the round's transaction usable.
-func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.Tx, r floorRead, skipArgs []any) {
+// probeFloor runs the round's floor probe (see outboxFloor) on q (in tx on
+// PostgreSQL, its first statement that takes a transaction id, before the
+// round's locking read), moves the floor, and returns what the round reads
+// from: r, or the head of the table when the probe found that the ids
+// started again. A probe that fails (a statement timeout) leaves the floor
+// as it was and the round's transaction usable.
+func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.Tx, r floorRead, skipArgs []any) floorRead {
 	if !r.track {
-		return
+		return r
 	}
 	f := &o.floor
-	var firstOther, last sql.NullInt64
+	var firstOther, last, head sql.NullInt64
+	var headUUID sql.NullString
 	var xmin, horizon int64
 	args := append([]any{r.probeFrom}, skipArgs...)
 	err := o.readInWalk(ctx, tx, func() error {
-		return q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &xmin, &horizon)
+		return q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &head, &headUUID, &xmin, &horizon)
 	})
 	if err != nil {
 		if ctx.Err() == nil && !f.probeFailed {
@@ -188,9 +196,20 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 				"err": err.Error(),
 			})
 		}
-		return
+		return r
 	}
 	f.probeFailed = false
+	if !head.Valid || f.headID != 0 && (head.Int64 < f.headID || head.Int64 == f.headID && headUUID.String != f.headUUID) {
+		// Empty, or the first row is below or other than the one the last
+		// probe saw: the ids may have started again (the table re-created,
+		// TRUNCATE … RESTART IDENTITY), below the floor. (A row committed
+		// late below the first one also starts it over: only a cost.) The
+		// table is looked at again too, as it may be another one now.
+		f.reset()
+		f.checked, f.off = false, false
+		return floorRead{}
+	}
+	f.headID, f.headUUID = head.Int64, headUUID.String
 	c := r.probeFrom
 	switch {
 	case firstOther.Valid:
@@ -215,4 +234,5 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 	if f.pending == nil && c > 0 {
 		f.pending = &outboxFloorCandidate{id: c, horizon: horizon, topics: topics}
 	}
+	return r
 }

@@ -622,7 +622,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	var floor floorRead
 	if topics != nil {
 		floor = o.floorFor(sctx, read, tx, waiting, topics.all())
-		o.probeFloor(sctx, read, tx, floor, skipArgs)
+		floor = o.probeFloor(sctx, read, tx, floor, skipArgs)
 	}
 	readArgs := skipArgs
 	if floor.from > 0 {

@@ -42,13 +42,15 @@ type outboxSQL struct {
 	// only the rows from an id on, bound before the topics (see
 	// outboxFloor).
 	selectBatch func(n int, from, skipTopics, idleTimeouts bool) string
-	// floorProbe, when set (PostgreSQL), reads without a lock, from one
-	// snapshot: the smallest id from a given one on of the topics not
-	// waiting (NULL when none), the largest id (NULL when empty), the
-	// snapshot's xmin, and the transaction's id, taken by it when the
+	// floorProbe, when set (PostgreSQL, SQLite), reads without a lock,
+	// from one snapshot: the smallest id from a given one on of the topics
+	// not waiting (NULL when none), the largest id (NULL when empty), the
+	// first row's id and uuid (NULL when empty), and on PostgreSQL the
+	// snapshot's xmin and the transaction's id, taken by it when the
 	// round's transaction has none yet (its first statement that takes
-	// one), so after the snapshot. Bind parameters: the id, then the waiting
-	// topics as selectBatch takes them. See outboxFloor.
+	// one), so after the snapshot (SQLite: 0 and 0). Bind parameters: the
+	// id, then the waiting topics as selectBatch takes them. See
+	// outboxFloor.
 	floorProbe string
 	// idsInOrder, when set, returns the read of whether the table's ids are
 	// handed out in increasing order and never again (1; 0 or no row: not):
@@ -152,6 +154,18 @@ type outboxSQL struct {
 	// connection had written (SQLITE_BUSY_SNAPSHOT, 517: "database is
 	// locked", whatever the busy timeout).
 	deadWriteLock string
+}
+
+// floorProbeSQL returns outboxSQL.floorProbe for table q (quoted), with the
+// snapshot's xmin and the horizon as SQL expressions. Beside the smallest
+// id of the topics not waiting and the largest id, it reads the first row's
+// id and uuid: ids that started again (the table re-created, TRUNCATE …
+// RESTART IDENTITY) show as a first row below, or other than, the one the
+// last probe saw.
+func floorProbeSQL(d Dialect, q, xmin, horizon string) string {
+	return "SELECT (SELECT min(id) FROM " + q + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
+		" (SELECT max(id) FROM " + q + ") AS last, (SELECT min(id) FROM " + q + ") AS head," +
+		" (SELECT uuid FROM " + q + " ORDER BY id LIMIT 1) AS head_uuid, " + xmin + " AS xmin, " + horizon + " AS horizon"
 }
 
 // outboxWalkWindow is how many rows past a message the relay's walk looks
@@ -337,9 +351,7 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 		"(SELECT set_config('idle_in_transaction_session_timeout', '0', true) || set_config('bytea_output', 'hex', true)) IS NOT NULL", "")
 	// txid_* (PostgreSQL 12; pg_current_snapshot and its kin are 13+):
 	// 64-bit transaction ids, which do not wrap around.
-	s.floorProbe = "SELECT (SELECT min(id) FROM " + t.quoted(d) + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
-		" (SELECT max(id) FROM " + t.quoted(d) + ") AS last," +
-		" txid_snapshot_xmin(txid_current_snapshot()) AS xmin, txid_current() AS horizon"
+	s.floorProbe = floorProbeSQL(d, t.quoted(d), "txid_snapshot_xmin(txid_current_snapshot())", "txid_current()")
 	s.idsInOrder = func() (string, []any) {
 		return "SELECT CAST(s.seqcache = 1 AS integer) FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)",
 			[]any{t.quoted(d)}
@@ -529,8 +541,7 @@ func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// A floor (see outboxFloor) needs no wait on SQLite: one transaction
 	// writes at a time, and an AUTOINCREMENT id is above every id committed
 	// before it, so a row committed later is never below what a read saw.
-	s.floorProbe = "SELECT (SELECT min(id) FROM " + q + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
-		" (SELECT max(id) FROM " + q + ") AS last, 0 AS xmin, 0 AS horizon"
+	s.floorProbe = floorProbeSQL(d, q, "0", "0")
 	s.idsInOrder = func() (string, []any) {
 		master := "sqlite_master"
 		if t.schema != "" {

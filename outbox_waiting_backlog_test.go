@@ -374,3 +374,42 @@ func TestOutboxRelayReadsFromTheHeadOnASQLiteTableWithoutAutoincrement(t *testin
 		t.Errorf("sent to payments: %v, want %v", got, want)
 	}
 }
+
+// The outbox's ids start again while a topic waits and the relay has a
+// floor (the table re-created, TRUNCATE … RESTART IDENTITY, as an operator
+// clearing the waiting topic's backlog by hand does): the new messages
+// take ids below the floor, and go in order, from the head of the table
+// (found by a review; they went from the floor on, the first ones after).
+func TestOutboxRelayReadsFromTheHeadAfterTheOutboxIDsStartAgain(t *testing.T) {
+	floorDBs(t, testOutboxRelayReadsFromTheHeadAfterTheOutboxIDsStartAgain)
+}
+
+func testOutboxRelayReadsFromTheHeadAfterTheOutboxIDsStartAgain(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	commitOutputs(t, db, ob, "orders", "o-1")
+	floor := roundsUntilFloor(t, ob, 0, "gone")
+	if d == inbox.PostgreSQL {
+		// The backlog cleared by hand, the ids starting again.
+		exec(t, db, "TRUNCATE "+relayTable(t, ob)+" RESTART IDENTITY")
+	} else {
+		exec(t, db, "DROP TABLE "+ob.Table())
+		exec(t, db, "DROP TABLE "+ob.DeadLetterTable())
+		if err := ob.InitializeSchema(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var want []string
+	for i := range int(floor) + 5 {
+		id := fmt.Sprintf("p-%d", i)
+		commitOutputs(t, db, ob, "payments", id)
+		want = append(want, id)
+	}
+	for range 5 {
+		roundWhileGoneWaits(t, ob)
+	}
+	if got := broker.uuids("payments"); !slices.Equal(got, want) {
+		t.Errorf("sent to payments (floor %d): %v, want %v", floor, got, want)
+	}
+}
