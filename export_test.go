@@ -142,6 +142,12 @@ func (o *Outbox) RelayRoundWhileTopicsWait(ctx context.Context, topics []string)
 	return o.relayOnce(ctx, o.topics).OutboxRound
 }
 
+// RelayRoundOfRun runs one relay round of Run's kind (the waiting topics
+// as they are) and returns its outcome.
+func (o *Outbox) RelayRoundOfRun(ctx context.Context) OutboxRound {
+	return o.relayOnce(ctx, o.topics).OutboxRound
+}
+
 // EndTopicWait makes topic's wait for its next try end now.
 func (o *Outbox) EndTopicWait(topic string) {
 	o.topics.mu.Lock()

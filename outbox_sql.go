@@ -52,6 +52,11 @@ type outboxSQL struct {
 	// id, then the waiting topics as selectBatch takes them. See
 	// outboxFloor.
 	floorProbe string
+	// floorXmin, when set (PostgreSQL), reads the snapshot's xmin alone:
+	// while a floor's candidate waits for it, a round reads it instead of
+	// running the whole probe, whose read from the head of the table costs
+	// what the round's own read does.
+	floorXmin string
 	// idsInOrder, when set, returns the read of whether the table's ids are
 	// handed out in increasing order and never again (1; 0 or no row: not):
 	// on PostgreSQL a sequence of cache 1 (a cache gives each session a
@@ -352,6 +357,7 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// txid_* (PostgreSQL 12; pg_current_snapshot and its kin are 13+):
 	// 64-bit transaction ids, which do not wrap around.
 	s.floorProbe = floorProbeSQL(d, t.quoted(d), "txid_snapshot_xmin(txid_current_snapshot())", "txid_current()")
+	s.floorXmin = "SELECT txid_snapshot_xmin(txid_current_snapshot())"
 	s.idsInOrder = func() (string, []any) {
 		return "SELECT CAST(s.seqcache = 1 AS integer) FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)",
 			[]any{t.quoted(d)}

@@ -413,3 +413,32 @@ func testOutboxRelayReadsFromTheHeadAfterTheOutboxIDsStartAgain(t *testing.T, db
 		t.Errorf("sent to payments (floor %d): %v, want %v", floor, got, want)
 	}
 }
+
+// The floor outlasts the waiting topic's tries: when its wait ends, the
+// round reads from the head of the table (its rows are there), the broker
+// refuses it again, and the rounds after read from the floor again, not
+// past the whole backlog twice more to find it.
+func TestOutboxRelayKeepsItsFloorThroughTheWaitingTopicsTries(t *testing.T) {
+	floorDBs(t, func(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
+		broker := newBrokerStub()
+		broker.setRefuse(func(topic string, _ *message.Message) error {
+			if topic == "gone" {
+				return fmt.Errorf("no such topic: %w", inbox.ErrBrokerUnavailable)
+			}
+			return nil
+		})
+		ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
+		waitingBacklog(t, db, ob, 50)
+		commitOutputs(t, db, ob, "payments", "p-0")
+		floor := roundsUntilFloor(t, ob, 0, "gone")
+		for i := range 3 {
+			ob.EndTopicWait("gone")
+			if r := ob.RelayRoundOfRun(context.Background()); r.Err == nil {
+				t.Fatalf("try %d of gone: no error, want the broker's refusal", i)
+			}
+			if f := ob.WaitingTopicsFloor(); f < floor {
+				t.Fatalf("floor %d after try %d of gone, was %d", f, i, floor)
+			}
+		}
+	})
+}
