@@ -59,10 +59,13 @@ type outboxFloor struct {
 	off, checked bool
 	// probeFailed: the last probe failed, and the log said so.
 	probeFailed bool
-	// headID and headUUID are the first row the last probe saw (0: none
-	// seen yet).
-	headID   int64
-	headUUID string
+	// belowID and belowUUID are the last row below from when it was set
+	// (0: none): each probe reads it again, and any other row there means
+	// that the ids started again (the table re-created, TRUNCATE …
+	// RESTART IDENTITY), a row committed late, or a waiting topic's row
+	// deleted: the floor starts over.
+	belowID   int64
+	belowUUID string
 }
 
 // outboxFloorCandidate is a floor that waits for the transactions that ran
@@ -81,7 +84,29 @@ var outboxFloorSweep = 30 * time.Second
 // reset forgets the floor and its candidate.
 func (f *outboxFloor) reset() {
 	f.from, f.topics, f.pending, f.swept = 0, nil, nil, time.Time{}
-	f.headID, f.headUUID = 0, ""
+	f.belowID, f.belowUUID = 0, ""
+}
+
+// anchor reads the last row below the floor (see outboxFloor.belowID), in
+// tx on PostgreSQL, right after the probe that set it: the table cannot be
+// truncated or dropped in between (the probe's read holds its lock until
+// the round ends). A failed read starts the floor over.
+func (o *Outbox) anchor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.Tx) {
+	f := &o.floor
+	var id sql.NullInt64
+	var uuid sql.NullString
+	err := o.readInWalk(ctx, tx, func() error {
+		err := q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorBelow), f.from).Scan(&id, &uuid)
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil
+		}
+		return err
+	})
+	if err != nil {
+		f.reset()
+		return
+	}
+	f.belowID, f.belowUUID = id.Int64, uuid.String
 }
 
 // floorRead is what a round does with the floor: read from from (0: from
@@ -204,12 +229,12 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 			return r
 		}
 	}
-	var firstOther, last, head sql.NullInt64
-	var headUUID sql.NullString
+	var firstOther, last, below sql.NullInt64
+	var belowUUID sql.NullString
 	var xmin, horizon int64
-	args := append([]any{r.probeFrom}, skipArgs...)
+	args := append(append([]any{r.probeFrom}, skipArgs...), f.from)
 	err := o.readInWalk(ctx, tx, func() error {
-		return q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &head, &headUUID, &xmin, &horizon)
+		return q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &below, &belowUUID, &xmin, &horizon)
 	})
 	if err != nil {
 		if ctx.Err() == nil && !f.probeFailed {
@@ -221,17 +246,18 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		return r
 	}
 	f.probeFailed = false
-	if !head.Valid || f.headID != 0 && (head.Int64 < f.headID || head.Int64 == f.headID && headUUID.String != f.headUUID) {
-		// Empty, or the first row is below or other than the one the last
-		// probe saw: the ids may have started again (the table re-created,
-		// TRUNCATE … RESTART IDENTITY), below the floor. (A row committed
-		// late below the first one also starts it over: only a cost.) The
-		// table is looked at again too, as it may be another one now.
+	if f.from > 0 && (below.Int64 != f.belowID || belowUUID.String != f.belowUUID) {
+		// The last row below the floor is not the one it was: the ids may
+		// have started again (the table re-created, TRUNCATE … RESTART
+		// IDENTITY), below the floor; or a row was committed late below
+		// it, or a waiting topic's row deleted (only a cost). This round
+		// reads from the head; the table is looked at again too, as it may
+		// be another one now.
 		f.reset()
 		f.checked, f.off = false, false
 		return floorRead{}
 	}
-	f.headID, f.headUUID = head.Int64, headUUID.String
+	from := f.from
 	c := r.probeFrom
 	switch {
 	case firstOther.Valid:
@@ -255,6 +281,9 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 	}
 	if f.pending == nil && c > 0 {
 		f.pending = &outboxFloorCandidate{id: c, horizon: horizon, topics: topics}
+	}
+	if f.from != from && f.from > 0 {
+		o.anchor(ctx, q, tx)
 	}
 	return r
 }

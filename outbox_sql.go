@@ -45,13 +45,16 @@ type outboxSQL struct {
 	// floorProbe, when set (PostgreSQL, SQLite), reads without a lock,
 	// from one snapshot: the smallest id from a given one on of the topics
 	// not waiting (NULL when none), the largest id (NULL when empty), the
-	// first row's id and uuid (NULL when empty), and on PostgreSQL the
-	// snapshot's xmin and the transaction's id, taken by it when the
-	// round's transaction has none yet (its first statement that takes
-	// one), so after the snapshot (SQLite: 0 and 0). Bind parameters: the
-	// id, then the waiting topics as selectBatch takes them. See
-	// outboxFloor.
+	// id and uuid of the last row below the floor (NULL when none), and on
+	// PostgreSQL the snapshot's xmin and the transaction's id, taken by it
+	// when the round's transaction has none yet (its first statement that
+	// takes one), so after the snapshot (SQLite: 0 and 0). Bind
+	// parameters: the id, the waiting topics as selectBatch takes them, the
+	// floor. See outboxFloor.
 	floorProbe string
+	// floorBelow reads the id and uuid of the last row below an id (no
+	// row: none); bind parameter the id.
+	floorBelow string
 	// floorXmin, when set (PostgreSQL), reads the snapshot's xmin alone:
 	// while a floor's candidate waits for it, a round reads it instead of
 	// running the whole probe, whose read from the head of the table costs
@@ -162,15 +165,16 @@ type outboxSQL struct {
 }
 
 // floorProbeSQL returns outboxSQL.floorProbe for table q (quoted), with the
-// snapshot's xmin and the horizon as SQL expressions. Beside the smallest
-// id of the topics not waiting and the largest id, it reads the first row's
-// id and uuid: ids that started again (the table re-created, TRUNCATE …
-// RESTART IDENTITY) show as a first row below, or other than, the one the
-// last probe saw.
+// snapshot's xmin and the horizon as SQL expressions.
 func floorProbeSQL(d Dialect, q, xmin, horizon string) string {
 	return "SELECT (SELECT min(id) FROM " + q + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
-		" (SELECT max(id) FROM " + q + ") AS last, (SELECT min(id) FROM " + q + ") AS head," +
-		" (SELECT uuid FROM " + q + " ORDER BY id LIMIT 1) AS head_uuid, " + xmin + " AS xmin, " + horizon + " AS horizon"
+		" (SELECT max(id) FROM " + q + ") AS last, b.id AS below, b.uuid AS below_uuid, " + xmin + " AS xmin, " + horizon + " AS horizon" +
+		" FROM (SELECT 1 AS one) AS o LEFT JOIN (SELECT id, uuid FROM " + q + " WHERE id < ? ORDER BY id DESC LIMIT 1) AS b ON 1 = 1"
+}
+
+// floorBelowSQL returns outboxSQL.floorBelow for table q (quoted).
+func floorBelowSQL(q string) string {
+	return "SELECT id, uuid FROM " + q + " WHERE id < ? ORDER BY id DESC LIMIT 1"
 }
 
 // outboxWalkWindow is how many rows past a message the relay's walk looks
@@ -358,6 +362,7 @@ func (d postgresDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// 64-bit transaction ids, which do not wrap around.
 	s.floorProbe = floorProbeSQL(d, t.quoted(d), "txid_snapshot_xmin(txid_current_snapshot())", "txid_current()")
 	s.floorXmin = "SELECT txid_snapshot_xmin(txid_current_snapshot())"
+	s.floorBelow = floorBelowSQL(t.quoted(d))
 	s.idsInOrder = func() (string, []any) {
 		return "SELECT CAST(s.seqcache = 1 AS integer) FROM pg_catalog.pg_sequence s WHERE s.seqrelid = CAST(pg_get_serial_sequence(?, 'id') AS regclass)",
 			[]any{t.quoted(d)}
@@ -548,6 +553,7 @@ func (d sqliteDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// writes at a time, and an AUTOINCREMENT id is above every id committed
 	// before it, so a row committed later is never below what a read saw.
 	s.floorProbe = floorProbeSQL(d, q, "0", "0")
+	s.floorBelow = floorBelowSQL(q)
 	s.idsInOrder = func() (string, []any) {
 		master := "sqlite_master"
 		if t.schema != "" {

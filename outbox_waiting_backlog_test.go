@@ -442,3 +442,55 @@ func TestOutboxRelayKeepsItsFloorThroughTheWaitingTopicsTries(t *testing.T) {
 		}
 	})
 }
+
+// The outbox's ids start again (TRUNCATE … RESTART IDENTITY, the table
+// re-created) while the relay has a floor, and the first rows of the new
+// ids go before the relay's next probe: a round in which the waiting topic
+// is tried reads from the head (and keeps the floor), sends them, and the
+// topic is refused again. The next probe finds another row than before
+// below the floor, and the rounds read from the head: every message of
+// another topic goes, in order (found by a review: a check of the table's
+// first row, which had gone, let the floor stand, and the messages whose
+// ids reached it went first).
+func TestOutboxRelayReadsFromTheHeadAfterTheIDsStartAgainAndTheirFirstRowsWent(t *testing.T) {
+	floorDBs(t, func(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
+		broker := newBrokerStub()
+		broker.setRefuse(func(topic string, _ *message.Message) error {
+			if topic == "gone" {
+				return fmt.Errorf("no such topic: %w", inbox.ErrBrokerUnavailable)
+			}
+			return nil
+		})
+		ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
+		waitingBacklog(t, db, ob, 20) // ids 1..20: the first row the probes see is id 1
+		commitOutputs(t, db, ob, "orders", "o-1")
+		floor := roundsUntilFloor(t, ob, 0, "gone")
+		if d == inbox.PostgreSQL {
+			exec(t, db, "TRUNCATE "+relayTable(t, ob)+" RESTART IDENTITY")
+		} else {
+			exec(t, db, "DROP TABLE "+ob.Table())
+			exec(t, db, "DROP TABLE "+ob.DeadLetterTable())
+			if err := ob.InitializeSchema(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// New ids: p-0 is 1, a new message of the still broken topic 2.
+		commitOutputs(t, db, ob, "payments", "p-0")
+		commitOutputs(t, db, ob, "gone", "gone-new")
+		// gone's wait ends: read from the head, p-0 sent, gone refused again.
+		ob.EndTopicWait("gone")
+		ob.RelayRoundOfRun(context.Background())
+		want := []string{"p-0"}
+		for i := range int(floor) + 3 {
+			id := fmt.Sprintf("p-%d", i+1)
+			commitOutputs(t, db, ob, "payments", id)
+			want = append(want, id)
+		}
+		for range 5 {
+			roundWhileGoneWaits(t, ob)
+		}
+		if got := broker.uuids("payments"); !slices.Equal(got, want) {
+			t.Errorf("sent to payments (old floor %d, floor now %d): %v, want %v", floor, ob.WaitingTopicsFloor(), got, want)
+		}
+	})
+}
