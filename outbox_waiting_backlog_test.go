@@ -169,11 +169,7 @@ func TestOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T) {
 	if err := other.Rollback(); err != nil {
 		t.Fatal(err)
 	}
-	commitOutputs(t, db, ob, "payments", "p-2")
-	roundWhileGoneWaits(t, ob)
-	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
-		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
-	}
+	commitP2AndCheckOrder(t, db, ob, broker)
 }
 
 // A topic that waited, its rows below the floor, is read from the head of
@@ -217,6 +213,54 @@ func TestOutboxRelayReadsFromTheHeadWhenTheIdSequenceCaches(t *testing.T) {
 	broker := newBrokerStub()
 	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
 	exec(t, db, "ALTER TABLE "+relayTable(t, ob)+" ALTER COLUMN id SET CACHE 20")
+	assertNoFloorAndInOrder(t, db, ob, broker)
+}
+
+// brokerRefusingGone returns a broker that refuses topic gone as one that
+// does not have it (ErrBrokerUnavailable) and takes the others.
+func brokerRefusingGone() *brokerStub {
+	broker := newBrokerStub()
+	broker.setRefuse(func(topic string, _ *message.Message) error {
+		if topic == "gone" {
+			return fmt.Errorf("no such topic: %w", inbox.ErrBrokerUnavailable)
+		}
+		return nil
+	})
+	return broker
+}
+
+// restartOutboxIDs empties ob's table so that its ids start again at 1:
+// TRUNCATE … RESTART IDENTITY on PostgreSQL, the tables dropped and
+// created again on SQLite.
+func restartOutboxIDs(t *testing.T, db *sqlx.DB, d inbox.Dialect, ob *inbox.Outbox) {
+	t.Helper()
+	if d == inbox.PostgreSQL {
+		exec(t, db, "TRUNCATE "+relayTable(t, ob)+" RESTART IDENTITY")
+		return
+	}
+	exec(t, db, "DROP TABLE "+ob.Table())
+	exec(t, db, "DROP TABLE "+ob.DeadLetterTable())
+	if err := ob.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// commitP2AndCheckOrder commits message p-2 to payments, runs a round while
+// gone waits, and checks that payments got p-1 and then p-2.
+func commitP2AndCheckOrder(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, broker *brokerStub) {
+	t.Helper()
+	commitOutputs(t, db, ob, "payments", "p-2")
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
+	}
+}
+
+// assertNoFloorAndInOrder writes a waiting backlog to gone, then messages
+// to payments, two rounds while gone waits after each, and checks that ob
+// has no floor and sent payments in order.
+func assertNoFloorAndInOrder(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, broker *brokerStub) {
+	t.Helper()
 	waitingBacklog(t, db, ob, 50)
 	var want []string
 	for i := range 5 {
@@ -227,7 +271,7 @@ func TestOutboxRelayReadsFromTheHeadWhenTheIdSequenceCaches(t *testing.T) {
 		roundWhileGoneWaits(t, ob)
 	}
 	if f := ob.WaitingTopicsFloor(); f != 0 {
-		t.Errorf("floor %d with ids from a sequence that caches them", f)
+		t.Errorf("floor %d on a table whose ids are not handed out in order", f)
 	}
 	if got := broker.uuids("payments"); !slices.Equal(got, want) {
 		t.Errorf("sent to payments: %v, want %v", got, want)
@@ -340,11 +384,7 @@ func TestOutboxRelayFloorOnSQLiteStaysBelowAWriterInProgress(t *testing.T) {
 	if err := late.Commit(); err != nil {
 		t.Fatal(err)
 	}
-	commitOutputs(t, db, ob, "payments", "p-2")
-	roundWhileGoneWaits(t, ob)
-	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
-		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
-	}
+	commitP2AndCheckOrder(t, db, ob, broker)
 }
 
 // A SQLite table without AUTOINCREMENT (made by hand) takes the largest id
@@ -358,21 +398,7 @@ func TestOutboxRelayReadsFromTheHeadOnASQLiteTableWithoutAutoincrement(t *testin
 	exec(t, db, "DROP TABLE "+table)
 	exec(t, db, "CREATE TABLE "+table+" (id INTEGER PRIMARY KEY, topic TEXT NOT NULL, uuid TEXT NOT NULL, payload BLOB NOT NULL,"+
 		" metadata BLOB NOT NULL, created_at INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT)")
-	waitingBacklog(t, db, ob, 50)
-	var want []string
-	for i := range 5 {
-		id := fmt.Sprintf("p-%d", i)
-		commitOutputs(t, db, ob, "payments", id)
-		want = append(want, id)
-		roundWhileGoneWaits(t, ob)
-		roundWhileGoneWaits(t, ob)
-	}
-	if f := ob.WaitingTopicsFloor(); f != 0 {
-		t.Errorf("floor %d on a table without AUTOINCREMENT", f)
-	}
-	if got := broker.uuids("payments"); !slices.Equal(got, want) {
-		t.Errorf("sent to payments: %v, want %v", got, want)
-	}
+	assertNoFloorAndInOrder(t, db, ob, broker)
 }
 
 // The outbox's ids start again while a topic waits and the relay has a
@@ -390,16 +416,7 @@ func testOutboxRelayReadsFromTheHeadAfterTheOutboxIDsStartAgain(t *testing.T, db
 	waitingBacklog(t, db, ob, 50)
 	commitOutputs(t, db, ob, "orders", "o-1")
 	floor := roundsUntilFloor(t, ob, 0, "gone")
-	if d == inbox.PostgreSQL {
-		// The backlog cleared by hand, the ids starting again.
-		exec(t, db, "TRUNCATE "+relayTable(t, ob)+" RESTART IDENTITY")
-	} else {
-		exec(t, db, "DROP TABLE "+ob.Table())
-		exec(t, db, "DROP TABLE "+ob.DeadLetterTable())
-		if err := ob.InitializeSchema(context.Background()); err != nil {
-			t.Fatal(err)
-		}
-	}
+	restartOutboxIDs(t, db, d, ob) // the backlog cleared by hand
 	var want []string
 	for i := range int(floor) + 5 {
 		id := fmt.Sprintf("p-%d", i)
@@ -420,13 +437,7 @@ func testOutboxRelayReadsFromTheHeadAfterTheOutboxIDsStartAgain(t *testing.T, db
 // past the whole backlog twice more to find it.
 func TestOutboxRelayKeepsItsFloorThroughTheWaitingTopicsTries(t *testing.T) {
 	floorDBs(t, func(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
-		broker := newBrokerStub()
-		broker.setRefuse(func(topic string, _ *message.Message) error {
-			if topic == "gone" {
-				return fmt.Errorf("no such topic: %w", inbox.ErrBrokerUnavailable)
-			}
-			return nil
-		})
+		broker := brokerRefusingGone()
 		ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
 		waitingBacklog(t, db, ob, 50)
 		commitOutputs(t, db, ob, "payments", "p-0")
@@ -454,26 +465,12 @@ func TestOutboxRelayKeepsItsFloorThroughTheWaitingTopicsTries(t *testing.T) {
 // ids reached it went first).
 func TestOutboxRelayReadsFromTheHeadAfterTheIDsStartAgainAndTheirFirstRowsWent(t *testing.T) {
 	floorDBs(t, func(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
-		broker := newBrokerStub()
-		broker.setRefuse(func(topic string, _ *message.Message) error {
-			if topic == "gone" {
-				return fmt.Errorf("no such topic: %w", inbox.ErrBrokerUnavailable)
-			}
-			return nil
-		})
+		broker := brokerRefusingGone()
 		ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
 		waitingBacklog(t, db, ob, 20) // ids 1..20: the first row the probes see is id 1
 		commitOutputs(t, db, ob, "orders", "o-1")
 		floor := roundsUntilFloor(t, ob, 0, "gone")
-		if d == inbox.PostgreSQL {
-			exec(t, db, "TRUNCATE "+relayTable(t, ob)+" RESTART IDENTITY")
-		} else {
-			exec(t, db, "DROP TABLE "+ob.Table())
-			exec(t, db, "DROP TABLE "+ob.DeadLetterTable())
-			if err := ob.InitializeSchema(context.Background()); err != nil {
-				t.Fatal(err)
-			}
-		}
+		restartOutboxIDs(t, db, d, ob)
 		// New ids: p-0 is 1, a new message of the still broken topic 2.
 		commitOutputs(t, db, ob, "payments", "p-0")
 		commitOutputs(t, db, ob, "gone", "gone-new")
