@@ -10,7 +10,7 @@ import (
 	"github.com/jmoiron/sqlx"
 )
 
-// outboxFloor lets a relay round skip, on PostgreSQL and SQLite, the rows
+// outboxFloor lets a relay round skip, on every database, the rows
 // of the topics that wait for their next try at the head of the table. The
 // rounds leave those rows out of their reads, but a read in id order still
 // passed over every one of them (the table has no index on topic, which
@@ -46,6 +46,19 @@ import (
 //   - SQLite: at the next round: one transaction writes at a time, and an
 //     AUTOINCREMENT id is above every id committed before it, so a row
 //     committed after the probe is above every row it saw.
+//   - MySQL/MariaDB (which tell which transactions run only to users with
+//     the PROCESS privilege): once a locking read, NOWAIT, of the rows from
+//     the floor to below the candidate, in a transaction of its own before
+//     a later round's, finds none locked (floorLocked), no sooner than
+//     outboxFloorLockedAge after the probe. InnoDB keeps a row inserted and
+//     not committed in the index, locked: the read, which sees it where the
+//     probe's snapshot does not, fails on it. An id below the candidate
+//     was taken before the probe (AUTO_INCREMENT hands them out in
+//     increasing order), and its row is in the index a moment later, in
+//     the same INSERT; the age covers that moment. An INSERT that waits
+//     longer between the two (for a lock another transaction holds at the
+//     end of the table) is found by the probe from the head every
+//     outboxFloorSweep.
 //
 // The probe reads without a lock, so the rows another relay instance holds
 // count as present. Guarded by the Outbox's round turn (relaying).
@@ -57,8 +70,10 @@ type outboxFloor struct {
 	// off: the table's ids are not handed out in order (idsInOrder: a
 	// hand-made table); checked is whether that was looked at.
 	off, checked bool
-	// probeFailed: the last probe failed, and the log said so.
-	probeFailed bool
+	// probeFailed: the last probe failed, and the log said so;
+	// checkFailed: the last check of a candidate (checkFloorCandidate)
+	// failed otherwise than on a locked row, and the log said so.
+	probeFailed, checkFailed bool
 	// belowID and belowUUID are the last row below from when it was set
 	// (0: none): each probe reads it again, and any other row there means
 	// that the ids started again (the table re-created, TRUNCATE …
@@ -75,11 +90,19 @@ type outboxFloor struct {
 type outboxFloorCandidate struct {
 	id, horizon int64
 	topics      map[string]bool
+	// MySQL/MariaDB (floorLocked): when the probe found it, when it was
+	// last checked, and whether the check found no row below it locked.
+	found, checked time.Time
+	cleared        bool
 }
 
 // outboxFloorSweep is how often a round's probe reads from the head of the
 // table although a floor is set (a variable for the tests).
 var outboxFloorSweep = 30 * time.Second
+
+// outboxFloorLockedAge is how long after its probe a candidate is first
+// checked on MySQL/MariaDB, and then how often (see outboxFloor).
+var outboxFloorLockedAge = time.Second
 
 // reset forgets the floor and its candidate.
 func (f *outboxFloor) reset() {
@@ -174,7 +197,7 @@ func (o *Outbox) floorFor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.T
 			f.off = true
 			o.logger.get().Info("Inbox outbox relay reads past the waiting topics' rows from the head of the table:"+
 				" the table's ids are not handed out in increasing order (PostgreSQL: a sequence with CACHE above 1;"+
-				" SQLite: no AUTOINCREMENT)", nil)
+				" SQLite: no AUTOINCREMENT; MySQL/MariaDB: no AUTO_INCREMENT)", nil)
 		}
 	}
 	if f.off {
@@ -215,6 +238,12 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		return r
 	}
 	f := &o.floor
+	if f.pending != nil && o.target().sql.floorLocked != "" && !f.pending.cleared && f.from == 0 {
+		// No floor yet, and the candidate waits for its check (see
+		// checkFloorCandidate): until then the probe would read past the
+		// waiting rows once more for nothing.
+		return r
+	}
 	if f.pending != nil && o.target().sql.floorXmin != "" && f.from == 0 {
 		// No floor yet, and the candidate waits for the transactions that
 		// ran at its probe: until they have ended, the probe would read
@@ -274,16 +303,67 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		// floor is always right.
 		f.from = c
 	}
-	if f.pending != nil && xmin >= f.pending.horizon {
+	promote := f.pending != nil && xmin >= f.pending.horizon
+	if o.target().sql.floorLocked != "" {
+		promote = f.pending != nil && f.pending.cleared
+	}
+	if promote {
 		f.from = min(f.pending.id, c)
 		f.topics = union(f.pending.topics, topics)
 		f.pending = nil
 	}
 	if f.pending == nil && c > 0 {
-		f.pending = &outboxFloorCandidate{id: c, horizon: horizon, topics: topics}
+		f.pending = &outboxFloorCandidate{id: c, horizon: horizon, topics: topics, found: time.Now()}
 	}
 	if f.from != from && f.from > 0 {
 		o.anchor(ctx, q, tx)
 	}
 	return r
+}
+
+// The errors of a locking read that found a row locked: MariaDB's NOWAIT
+// (and a lock wait's timeout), MySQL's NOWAIT.
+const (
+	erLockWaitTimeout = 1205
+	erLockNowait      = 3572
+)
+
+// checkFloorCandidate checks, on MySQL/MariaDB (floorLocked), the floor's
+// candidate that is at least outboxFloorLockedAge old, at most once per
+// outboxFloorLockedAge: a locking read, NOWAIT, of the rows from the floor
+// to below the candidate, in a READ COMMITTED transaction of its own
+// (rolled back), before the round's. A row there that is locked (inserted
+// by a transaction still running, or held by another) fails it, at once,
+// and the candidate waits; so does any other error (said once). Run it in
+// its own transaction, not the round's: a lock wait that fails ends the
+// whole transaction under innodb_rollback_on_timeout. Called with the
+// round's turn, before the round's transaction begins (a pool of one
+// connection would otherwise wait for itself).
+func (o *Outbox) checkFloorCandidate(ctx context.Context) {
+	f := &o.floor
+	p := f.pending
+	check := o.target().sql.floorLocked
+	if check == "" || p == nil || p.cleared || time.Since(p.found) < outboxFloorLockedAge || time.Since(p.checked) < outboxFloorLockedAge {
+		return
+	}
+	p.checked = time.Now()
+	err := func() error {
+		tx, err := o.cfg.DB.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback() //nolint:errcheck // it only releases the locks
+		var n int64
+		return tx.QueryRowxContext(ctx, check, f.from, p.id).Scan(&n)
+	}()
+	if err == nil {
+		p.cleared = true
+		f.checkFailed = false
+		return
+	}
+	if ctx.Err() == nil && !f.checkFailed && !hasMySQLNumber(err, erLockWaitTimeout) && !hasMySQLNumber(err, erLockNowait) {
+		f.checkFailed = true // said once until a check succeeds
+		o.logger.get().Info("Inbox outbox relay could not check that no transaction still writes below where the waiting"+
+			" topics' rows end: its floor stays where it is", watermill.LogFields{"err": err.Error()})
+	}
 }

@@ -556,6 +556,9 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	stopGrace := context.AfterFunc(ctx, func() { time.AfterFunc(relayStopGrace, cancelStatements) })
 	defer stopGrace()
 	db := o.cfg.DB
+	if topics != nil {
+		o.checkFloorCandidate(sctx)
+	}
 	var read sqlx.QueryerContext = db
 	var tx *sqlx.Tx
 	// idleTimeouts: the round reads the session's idle-transaction
@@ -662,7 +665,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	if len(rows) > 0 && o.target().sql.visibleUpTo != nil {
 		var err error
-		if rows, err = o.completeBatch(sctx, read, rows, skipArgs); err != nil {
+		if rows, err = o.completeBatch(sctx, read, rows, floor.from, skipArgs); err != nil {
 			if ctx.Err() == nil && isStatementTimeout(err) {
 				o.readTimedOutAt(limit)
 			}
@@ -873,17 +876,17 @@ func (o *Outbox) readInWalk(ctx context.Context, tx *sqlx.Tx, read func() error)
 	return err
 }
 
-// completeBatch runs after the batch's locking read (rows, in id order;
-// skipArgs its waiting topics): it reads from a snapshot the rows up to the
-// batch's last (visibleUpTo), keeps the batch's rows among them (a row
+// completeBatch runs after the batch's locking read (rows, in id order,
+// read from the floor from; skipArgs its waiting topics): it reads from a
+// snapshot the rows from from up to the batch's last (visibleUpTo), keeps the batch's rows among them (a row
 // another relay deleted while the batch's read ran can come back from it on
 // MariaDB), and locks and adds, in id order, the others that are free: rows
 // the batch's read skipped, of a transaction that committed during it (see
 // mysqlVisibleUpTo). The rows another relay holds stay its own.
-func (o *Outbox) completeBatch(ctx context.Context, q sqlx.QueryerContext, rows []outboxRow, skipArgs []any) ([]outboxRow, error) {
+func (o *Outbox) completeBatch(ctx context.Context, q sqlx.QueryerContext, rows []outboxRow, from int64, skipArgs []any) ([]outboxRow, error) {
 	stmts := o.target().sql
 	var visible []int64
-	args := append([]any{rows[len(rows)-1].ID}, skipArgs...)
+	args := append([]any{from, rows[len(rows)-1].ID}, skipArgs...)
 	if err := sqlx.SelectContext(ctx, q, &visible, o.cfg.DB.Rebind(stmts.visibleUpTo(len(skipArgs) > 0)), args...); err != nil {
 		return nil, err
 	}

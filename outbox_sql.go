@@ -42,13 +42,13 @@ type outboxSQL struct {
 	// only the rows from an id on, bound before the topics (see
 	// outboxFloor).
 	selectBatch func(n int, from, skipTopics, idleTimeouts bool) string
-	// floorProbe, when set (PostgreSQL, SQLite), reads without a lock,
+	// floorProbe, when set (PostgreSQL, SQLite, MySQL/MariaDB), reads without a lock,
 	// from one snapshot: the smallest id from a given one on of the topics
 	// not waiting (NULL when none), the largest id (NULL when empty), the
 	// id and uuid of the last row below the floor (NULL when none), and on
 	// PostgreSQL the snapshot's xmin and the transaction's id, taken by it
 	// when the round's transaction has none yet (its first statement that
-	// takes one), so after the snapshot (SQLite: 0 and 0). Bind
+	// takes one), so after the snapshot (SQLite, MySQL/MariaDB: 0 and 0). Bind
 	// parameters: the id, the waiting topics as selectBatch takes them, the
 	// floor. See outboxFloor.
 	floorProbe string
@@ -60,6 +60,17 @@ type outboxSQL struct {
 	// running the whole probe, whose read from the head of the table costs
 	// what the round's own read does.
 	floorXmin string
+	// floorLocked, when set (MySQL/MariaDB, which tell which transactions
+	// run only to users with the PROCESS privilege), is the check that a
+	// floor's candidate waits for instead of the transactions: a locking
+	// read, NOWAIT, of every row from an id to below another (bind
+	// parameters), run in a transaction of its own. InnoDB keeps the row a
+	// transaction inserted and has not committed in the index, locked,
+	// where a read from a snapshot does not see it: the check fails on it,
+	// at once, and on a row another transaction holds (a relay's round, a
+	// DELETE by hand), and succeeds once no row below the candidate is
+	// uncommitted.
+	floorLocked string
 	// idsInOrder, when set, returns the read of whether the table's ids are
 	// handed out in increasing order and never again (1; 0 or no row: not):
 	// on PostgreSQL a sequence of cache 1 (a cache gives each session a
@@ -93,8 +104,10 @@ type outboxSQL struct {
 	// messages twice); read again under the lock, it is gone.
 	stillThere func(ids []int64) string
 	// visibleUpTo, when set, returns the read from the statement's
-	// snapshot of the ids of the rows up to a bound, bind parameters the
-	// bound then the waiting topics (skipTopics), run right after
+	// snapshot of the ids of the rows between two bounds, bind parameters
+	// the bounds (from the floor, 0 without one: below it lie only the
+	// waiting topics' rows, which a read from the head of the table passed
+	// over every round) then the waiting topics (skipTopics), run right after
 	// selectBatch in its place of stillThere: the rows of the batch still
 	// there, and the rows before its last that the batch's read skipped,
 	// of a transaction that committed during it (see mysqlVisibleUpTo),
@@ -431,6 +444,30 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 	// lookups too (see mysqlDeleteIDs): with "WHERE id IN (…)" two requeues
 	// of other ids scanned each other's locked rows and deadlocked.
 	s.deadDelete = mysqlDeleteIDs(dead)
+	// A floor (see outboxFloor): the candidate waits until no row below
+	// it is locked (floorLocked).
+	s.floorProbe = floorProbeSQL(d, t.quoted(d), "0", "0")
+	s.floorBelow = floorBelowSQL(t.quoted(d))
+	// From the top down: a range read that goes up locks the first row
+	// past its end, the candidate's, which is often another relay's (a
+	// row of the topics not waiting), and failed on it; down, the row
+	// past the end is below the floor, a waiting topic's. ORDER BY with a
+	// LIMIT, which MariaDB does not drop from a derived table.
+	s.floorLocked = "SELECT COUNT(*) FROM (SELECT id FROM " + t.quoted(d) +
+		" WHERE id >= ? AND id < ? ORDER BY id DESC LIMIT 18446744073709551615 FOR UPDATE NOWAIT) AS below"
+	s.idsInOrder = func() (string, []any) {
+		// AUTO_INCREMENT hands ids out in increasing order, whatever
+		// innodb_autoinc_lock_mode and auto_increment_increment, and not
+		// again after a restart (MariaDB 10.2.4 and MySQL 8.0 keep the
+		// counter).
+		schema := "DATABASE()"
+		args := []any{t.name}
+		if t.schema != "" {
+			schema, args = "?", []any{t.schema, t.name}
+		}
+		return "SELECT CAST(EXTRA LIKE '%auto_increment%' AS SIGNED) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = " +
+			schema + " AND TABLE_NAME = ? AND COLUMN_NAME = 'id'", args
+	}
 	pick := s.deadPick
 	s.deadPick = func(ids []int64, n int, byTopic bool) string {
 		if ids == nil {
@@ -504,7 +541,7 @@ func mysqlStillThere(t qualifiedName) func(ids []int64) string {
 // from a snapshot stalled a relay whose first BatchSize rows another relay
 // held: it read those, found them locked, and sent nothing, every round.)
 func mysqlVisibleUpTo(d Dialect, t qualifiedName) func(skipTopics bool) string {
-	read := "SELECT id FROM " + t.quoted(d) + " WHERE id <= ?"
+	read := "SELECT id FROM " + t.quoted(d) + " WHERE id >= ? AND id <= ?"
 	return func(skipTopics bool) string {
 		if skipTopics {
 			return read + " AND " + skipTopicsCondition(d) + " ORDER BY id"

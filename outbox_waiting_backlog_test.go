@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"slices"
 	"testing"
@@ -72,10 +73,10 @@ func roundsUntilFloor(t *testing.T, ob *inbox.Outbox, above int64, topics ...str
 	}
 }
 
-// floorDBs runs f on the databases whose relay has a floor: PostgreSQL and
-// SQLite.
+// floorDBs runs f on every database.
 func floorDBs(t *testing.T, f func(t *testing.T, db *sqlx.DB, d inbox.Dialect)) {
 	t.Run("postgres", func(t *testing.T) { f(t, testdb.OpenPostgres(t, ""), inbox.PostgreSQL) })
+	t.Run("mysql", func(t *testing.T) { f(t, testdb.OpenMySQL(t, ""), inbox.MySQL) })
 	t.Run("sqlite", func(t *testing.T) { f(t, sqliteDB(t), inbox.SQLite) })
 }
 
@@ -105,7 +106,14 @@ func testOutboxRelayReadsPastAWaitingTopicsBacklogFromWhereItEnds(t *testing.T, 
 	if n := count(t, db, relayTable(t, ob), "1=1"); n != len(gone) {
 		t.Errorf("%d rows left, want the %d of the waiting topic", n, len(gone))
 	}
-	roundsUntilFloor(t, ob, floor, "gone") // it follows the other topics' rows
+	// It follows the rows written since: the waiting topic's, and the
+	// other topics' once sent.
+	commitOutputs(t, db, ob, "gone", "gone-later")
+	commitOutputs(t, db, ob, "payments", "p-7")
+	roundsUntilFloor(t, ob, floor, "gone")
+	if got := broker.uuids("payments"); !slices.Equal(got, append(append([]string{"p-1"}, want...), "p-7")) {
+		t.Errorf("sent to payments: %v", got)
+	}
 }
 
 // A transaction that took its outbox id before a row the relay saw, and
@@ -148,13 +156,23 @@ func TestOutboxRelayFloorWaitsForTheTransactionsThatRanAtItsProbe(t *testing.T) 
 // there: when it rolls back (stopped mid-round), this relay sends them,
 // in order.
 func TestOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T) {
-	db := testdb.OpenPostgres(t, "")
+	t.Run("postgres", func(t *testing.T) {
+		testOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t, testdb.OpenPostgres(t, ""), inbox.PostgreSQL)
+	})
+	t.Run("mysql", func(t *testing.T) {
+		testOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t, testdb.OpenMySQL(t, ""), inbox.MySQL)
+	})
+}
+
+func testOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
 	broker := newBrokerStub()
-	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
 	waitingBacklog(t, db, ob, 50)
 	commitOutputs(t, db, ob, "payments", "p-1")
 	commitOutputs(t, db, ob, "orders", "o-1")
-	other, err := db.Beginx()
+	// READ COMMITTED: MySQL/MariaDB's locking read then keeps only the
+	// rows it returns locked, as the relay's does.
+	other, err := db.BeginTxx(context.Background(), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,8 +181,15 @@ func TestOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T) {
 	if err := other.Get(&held, "SELECT uuid FROM "+relayTable(t, ob)+" WHERE topic = 'payments' FOR UPDATE"); err != nil {
 		t.Fatal(err)
 	}
-	for range 4 {
+	// Rounds for longer than a candidate waits before its check on
+	// MySQL/MariaDB, twice.
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
 		roundWhileGoneWaits(t, ob)
+		time.Sleep(50 * time.Millisecond)
+	}
+	if d == inbox.MySQL && ob.WaitingTopicsFloor() == 0 {
+		// (PostgreSQL waits for the holder, which took a transaction id.)
+		t.Errorf("no floor found while another transaction holds a row above the waiting topic's")
 	}
 	if err := other.Rollback(); err != nil {
 		t.Fatal(err)
@@ -230,12 +255,16 @@ func brokerRefusingGone() *brokerStub {
 }
 
 // restartOutboxIDs empties ob's table so that its ids start again at 1:
-// TRUNCATE … RESTART IDENTITY on PostgreSQL, the tables dropped and
-// created again on SQLite.
+// TRUNCATE … RESTART IDENTITY on PostgreSQL, TRUNCATE on MySQL/MariaDB,
+// the tables dropped and created again on SQLite.
 func restartOutboxIDs(t *testing.T, db *sqlx.DB, d inbox.Dialect, ob *inbox.Outbox) {
 	t.Helper()
-	if d == inbox.PostgreSQL {
+	switch d {
+	case inbox.PostgreSQL:
 		exec(t, db, "TRUNCATE "+relayTable(t, ob)+" RESTART IDENTITY")
+		return
+	case inbox.MySQL:
+		exec(t, db, "TRUNCATE TABLE "+relayTable(t, ob))
 		return
 	}
 	exec(t, db, "DROP TABLE "+ob.Table())
@@ -360,6 +389,38 @@ func TestOutboxRelayFloorWaitsForATransactionNewerThanTheLastOneToEnd(t *testing
 	roundWhileGoneWaits(t, ob)
 	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
 		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction ran)", got, floor)
+	}
+}
+
+// MySQL/MariaDB: a transaction that took its outbox id before a row the
+// relay saw and has not committed holds that row, locked, below the floor's
+// candidate; the candidate waits for it, however many rounds pass, and its
+// message goes before the next one of its topic.
+func TestOutboxRelayFloorOnMySQLWaitsForARowStillUncommittedBelowIt(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	late, latePub := beginOutbox(t, db, ob)
+	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "orders", "o-1")
+	commitOutputs(t, db, ob, "gone", "gone-after")
+	// Rounds for longer than a candidate waits before its check, twice.
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
+		roundWhileGoneWaits(t, ob)
+		time.Sleep(50 * time.Millisecond)
+	}
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Errorf("floor %d set while p-1's transaction, below it, has not committed", f)
+	}
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	commitP2AndCheckOrder(t, db, ob, broker)
+	if got := broker.uuids("orders"); !slices.Equal(got, []string{"o-1"}) {
+		t.Errorf("sent to orders: %v", got)
 	}
 }
 

@@ -33,9 +33,8 @@ func (p *refusingPublisher) Close() error { return nil }
 // a topic the broker refuses as unavailable (a deleted topic), with Run,
 // which leaves a refused topic out of its reads while it waits, to a
 // publisher that counts the others, and reports msgs/s and, beside the
-// largest backlog, its ratio to the run without one. PostgreSQL's and
-// SQLite's rounds read from where the waiting topic's rows end; MariaDB's
-// still pass over them.
+// largest backlog, its ratio to the run without one. The rounds read from
+// where the waiting topic's rows end, once the relay has found it.
 func BenchmarkOutboxRelayBesideAWaitingBacklog(b *testing.B) {
 	backlogs := []int{0, 1_000_000}
 	if testing.Short() {
