@@ -37,9 +37,9 @@ const outboxRetryFirst = 50 * time.Millisecond
 // MaxBackoff). A topic whose message the broker refused is tried again
 // after a wait of its own (the same doubling), and the rounds meanwhile
 // leave its rows out of their reads, so the other topics go on however
-// many of its messages are first in the table (on PostgreSQL and SQLite the
-// reads then start where its rows end, so that they do not pass over a large backlog
-// of it each time: see docs/outbox.md); a refused topic whose
+// many of its messages are first in the table (the reads then start where
+// its rows end, so that they do not pass over a large backlog of it each
+// time: see docs/outbox.md); a refused topic whose
 // messages left the table another way (another relay instance sent them)
 // is forgotten. Run one relay per process; several processes may each run
 // one on the same table (see Outbox). The rounds of one Outbox run one at a
