@@ -126,29 +126,55 @@ func TestOutboxRelayFloorWaitsForTheTransactionsThatRanAtItsProbe(t *testing.T) 
 	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
 	waitingBacklog(t, db, ob, 50)
 	// As the inbox's transaction: a row written (its claim), then the
-	// output, committed late.
+	// output.
+	late := p1WrittenThenLaterRows(t, db, ob, "SELECT txid_current()")
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	roundWhileGoneWaits(t, ob)
+	commitLateThenP2AndCheckOrder(t, db, ob, broker, late)
+}
+
+// p1WrittenThenLaterRows begins a transaction that runs first (when set)
+// and writes message p-1 to payments through ob, then commits o-1 to orders
+// and gone-after to gone in transactions of their own, and returns the
+// first transaction, still open.
+func p1WrittenThenLaterRows(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, first string) *sqlx.Tx {
+	t.Helper()
 	late, latePub := beginOutbox(t, db, ob)
-	if _, err := late.Exec("SELECT txid_current()"); err != nil {
-		t.Fatal(err)
+	if first != "" {
+		if _, err := late.Exec(first); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
 		t.Fatal(err)
 	}
 	commitOutputs(t, db, ob, "orders", "o-1")
 	commitOutputs(t, db, ob, "gone", "gone-after")
-	roundWhileGoneWaits(t, ob)
-	roundWhileGoneWaits(t, ob)
-	roundWhileGoneWaits(t, ob)
+	return late
+}
+
+// commitLateThenP2AndCheckOrder commits late (see p1WrittenThenLaterRows),
+// then does what commitP2AndCheckOrder does, and checks that orders got
+// o-1.
+func commitLateThenP2AndCheckOrder(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, broker *brokerStub, late *sqlx.Tx) {
+	t.Helper()
 	if err := late.Commit(); err != nil {
 		t.Fatal(err)
 	}
-	commitOutputs(t, db, ob, "payments", "p-2")
-	roundWhileGoneWaits(t, ob)
-	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
-		t.Errorf("sent to payments: %v, want p-1 then p-2", got)
-	}
+	commitP2AndCheckOrder(t, db, ob, broker)
 	if got := broker.uuids("orders"); !slices.Equal(got, []string{"o-1"}) {
 		t.Errorf("sent to orders: %v", got)
+	}
+}
+
+// roundsWhileGoneWaitsFor runs relay rounds while topic gone waits, 50 ms
+// apart, for d.
+func roundsWhileGoneWaitsFor(t *testing.T, ob *inbox.Outbox, d time.Duration) {
+	t.Helper()
+	for end := time.Now().Add(d); time.Now().Before(end); {
+		roundWhileGoneWaits(t, ob)
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 
@@ -183,10 +209,7 @@ func testOutboxRelayFloorCountsTheRowsAnotherRelayHolds(t *testing.T, db *sqlx.D
 	}
 	// Rounds for longer than a candidate waits before its check on
 	// MySQL/MariaDB, twice.
-	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
-		roundWhileGoneWaits(t, ob)
-		time.Sleep(50 * time.Millisecond)
-	}
+	roundsWhileGoneWaitsFor(t, ob, 2500*time.Millisecond)
 	if d == inbox.MySQL && ob.WaitingTopicsFloor() == 0 {
 		// (PostgreSQL waits for the holder, which took a transaction id.)
 		t.Errorf("no floor found while another transaction holds a row above the waiting topic's")
@@ -401,27 +424,13 @@ func TestOutboxRelayFloorOnMySQLWaitsForARowStillUncommittedBelowIt(t *testing.T
 	broker := newBrokerStub()
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker})
 	waitingBacklog(t, db, ob, 50)
-	late, latePub := beginOutbox(t, db, ob)
-	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
-		t.Fatal(err)
-	}
-	commitOutputs(t, db, ob, "orders", "o-1")
-	commitOutputs(t, db, ob, "gone", "gone-after")
+	late := p1WrittenThenLaterRows(t, db, ob, "")
 	// Rounds for longer than a candidate waits before its check, twice.
-	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
-		roundWhileGoneWaits(t, ob)
-		time.Sleep(50 * time.Millisecond)
-	}
+	roundsWhileGoneWaitsFor(t, ob, 2500*time.Millisecond)
 	if f := ob.WaitingTopicsFloor(); f != 0 {
 		t.Errorf("floor %d set while p-1's transaction, below it, has not committed", f)
 	}
-	if err := late.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	commitP2AndCheckOrder(t, db, ob, broker)
-	if got := broker.uuids("orders"); !slices.Equal(got, []string{"o-1"}) {
-		t.Errorf("sent to orders: %v", got)
-	}
+	commitLateThenP2AndCheckOrder(t, db, ob, broker, late)
 }
 
 // SQLite: a transaction that wrote its output (after its claim) and has not
