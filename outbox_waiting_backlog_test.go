@@ -561,3 +561,115 @@ func TestOutboxRelayReadsFromTheHeadAfterTheIDsStartAgainAndTheirFirstRowsWent(t
 		}
 	})
 }
+
+// Writers that each commit one transaction after another, as the inbox's
+// handlers of consumed partitions do (a row written first, then the
+// outputs), have their messages published in their order, every one of
+// them, while a topic the broker refuses waits with its backlog at the head
+// of the table and the relay (Run) finds and moves its floor.
+func TestOutboxRelayKeepsEachWritersOrderWhileATopicWaits(t *testing.T) {
+	floorDBs(t, testOutboxRelayKeepsEachWritersOrderWhileATopicWaits)
+}
+
+func testOutboxRelayKeepsEachWritersOrderWhileATopicWaits(t *testing.T, db *sqlx.DB, d inbox.Dialect) {
+	broker := brokerRefusingGone()
+	ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 2000)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	// The inbox's claim is the transaction's first write: on PostgreSQL
+	// it has a transaction id before its outputs take their outbox ids.
+	first := map[inbox.Dialect]string{inbox.PostgreSQL: "SELECT txid_current()"}[d]
+	const writers, perWriter = 4, 300
+	errs := make(chan error, writers)
+	for w := range writers {
+		go func() {
+			errs <- func() error {
+				for i := range perWriter {
+					tx, err := db.Beginx()
+					if err != nil {
+						return err
+					}
+					if first != "" {
+						if _, err := tx.Exec(first); err != nil {
+							tx.Rollback() //nolint:errcheck
+							return err
+						}
+					}
+					pub, err := ob.Publisher(tx)
+					if err != nil {
+						tx.Rollback() //nolint:errcheck
+						return err
+					}
+					msgs := []*message.Message{message.NewMessage(fmt.Sprintf("w%d-%d", w, i), []byte("p"))}
+					topic := fmt.Sprintf("t%d", (w+i)%3)
+					if i%10 == 0 {
+						if err := pub.Publish("gone", message.NewMessage(fmt.Sprintf("gone-w%d-%d", w, i), []byte("p"))); err != nil {
+							tx.Rollback() //nolint:errcheck
+							return err
+						}
+					}
+					if err := pub.Publish(topic, msgs...); err != nil {
+						tx.Rollback() //nolint:errcheck
+						return err
+					}
+					// Work after the output (a handler's), so that
+					// transactions overlap the relay's probes.
+					time.Sleep(time.Duration(i%3) * 4 * time.Millisecond)
+					if err := tx.Commit(); err != nil {
+						return err
+					}
+				}
+				return nil
+			}()
+		}()
+	}
+	var floorSeen int64
+	deadline := time.Now().Add(2 * time.Minute)
+	for writing := writers; ; {
+		select {
+		case err := <-errs:
+			if err != nil {
+				t.Fatalf("writer: %v", err)
+			}
+			writing--
+		case <-time.After(100 * time.Millisecond):
+		}
+		floorSeen = max(floorSeen, ob.WaitingTopicsFloor())
+		sent := len(broker.uuids("t0")) + len(broker.uuids("t1")) + len(broker.uuids("t2"))
+		if writing == 0 && sent >= writers*perWriter {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d messages sent after two minutes", sent, writers*perWriter)
+		}
+	}
+	if floorSeen == 0 {
+		t.Errorf("the rounds never read from a floor")
+	}
+	// Per writer, per topic: its messages in the order it committed them,
+	// each once.
+	for topic := range 3 {
+		next := make([]int, writers)
+		for _, id := range broker.uuids(fmt.Sprintf("t%d", topic)) {
+			var w, i int
+			if _, err := fmt.Sscanf(id, "w%d-%d", &w, &i); err != nil {
+				t.Fatalf("message %q: %v", id, err)
+			}
+			if i < next[w] || (w+i)%3 != topic {
+				t.Errorf("t%d: %s after w%d-%d", topic, id, w, next[w]-1)
+			}
+			next[w] = i + 1
+		}
+	}
+	if got := broker.uuids("gone"); len(got) != 0 {
+		t.Errorf("sent to gone while it waits: %d messages", len(got))
+	}
+}
