@@ -174,9 +174,18 @@ func (d sqliteDialect) spanSQL(t qualifiedName) string {
 	return "SELECT MIN(processed_at), MAX(processed_at), CAST(unixepoch('subsec') * 1000000 AS INTEGER) FROM " + t.quoted(d)
 }
 
-// The whole database file.
-func (sqliteDialect) sizeSQL(qualifiedName) (string, []any) {
-	return "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()", nil
+// The pages of the table's B-tree and of its indexes', from the dbstat
+// virtual table (https://sqlite.org/dbstat.html; modernc.org/sqlite has it,
+// a driver built without it fails the read, and Stats reports no size).
+// It read the whole database file, the business tables' pages and the
+// outbox's included, as the inbox table's size.
+func (d sqliteDialect) sizeSQL(t qualifiedName) (string, []any) {
+	schema, master := "main", "sqlite_master"
+	if t.schema != "" {
+		schema, master = t.schema, d.quote(t.schema)+".sqlite_master"
+	}
+	return "SELECT COALESCE(SUM(pgsize), 0) FROM dbstat(?) WHERE name IN (SELECT name FROM " + master +
+		" WHERE tbl_name = ? COLLATE NOCASE)", []any{schema, t.name}
 }
 
 // sqliteColumn is one column of the table, from pragma_table_xinfo.

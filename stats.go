@@ -56,7 +56,8 @@ type TableStats struct {
 	// SizeBytes is the table's size on disk with its indexes, where the
 	// database tells (PostgreSQL: pg_total_relation_size, summed over
 	// partitions; MySQL: information_schema data_length + index_length;
-	// SQLite: the whole database file, page_count × page_size); -1 if not.
+	// SQLite: the pages of its B-trees, from the dbstat virtual table,
+	// which modernc.org/sqlite has); -1 if not.
 	SizeBytes int64
 }
 

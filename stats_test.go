@@ -191,3 +191,24 @@ func TestEstimateRowsBeforeTheFirstAnalyze(t *testing.T) {
 		})
 	}
 }
+
+// On SQLite the inbox table's size is its own pages and its indexes', not
+// the whole database file's: a business table beside it, many times larger,
+// does not count.
+func TestStatsSizeOnSQLiteIsTheTablesOwn(t *testing.T) {
+	db := sqliteDB(t)
+	f := newFixture(t, db)
+	f.newInbox(inbox.Config{})
+	insertRows(t, db, inbox.SQLite, f.inbox, "billing", "m", 200, time.Minute)
+	exec(t, db, "CREATE TABLE invoices (id INTEGER PRIMARY KEY, body BLOB)")
+	exec(t, db, "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < 2000) INSERT INTO invoices (body) SELECT randomblob(2000) FROM g")
+	st, err := inbox.Stats(context.Background(), db, inbox.SQLite, f.inbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 200 rows in two B-trees (the key's, processed_at's): a few pages;
+	// the invoices take about 4 MB.
+	if st.SizeBytes <= 0 || st.SizeBytes > 256<<10 {
+		t.Errorf("size %d bytes, want the inbox table's own few pages (the file holds 4 MB of invoices)", st.SizeBytes)
+	}
+}
