@@ -197,7 +197,8 @@ func (o *Outbox) floorFor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.T
 			f.off = true
 			o.logger.get().Info("Inbox outbox relay reads past the waiting topics' rows from the head of the table:"+
 				" the table's ids are not handed out in increasing order (PostgreSQL: a sequence with CACHE above 1;"+
-				" SQLite: no AUTOINCREMENT; MySQL/MariaDB: no AUTO_INCREMENT)", nil)
+				" SQLite: no AUTOINCREMENT; MySQL/MariaDB: no AUTO_INCREMENT, or an auto_increment_increment above 1, as in a"+
+				" multi-primary cluster)", nil)
 		}
 	}
 	if f.off {

@@ -457,16 +457,20 @@ func (d mysqlDialect) outbox(t, dead qualifiedName) outboxSQL {
 		" WHERE id >= ? AND id < ? ORDER BY id DESC LIMIT 18446744073709551615 FOR UPDATE NOWAIT) AS below"
 	s.idsInOrder = func() (string, []any) {
 		// AUTO_INCREMENT hands ids out in increasing order, whatever
-		// innodb_autoinc_lock_mode and auto_increment_increment, and not
-		// again after a restart (MariaDB 10.2.4 and MySQL 8.0 keep the
-		// counter).
+		// innodb_autoinc_lock_mode, and not again after a restart
+		// (MariaDB 10.2.4 and MySQL 8.0 keep the counter). Not where
+		// auto_increment_increment is above 1: that is how a
+		// multi-primary cluster (Galera, which sets it to the number of
+		// nodes; MySQL Group Replication, 7) keeps its nodes' ids apart,
+		// and a transaction still running on another node is not in this
+		// one's index for the floor's check to see.
 		schema := "DATABASE()"
 		args := []any{t.name}
 		if t.schema != "" {
 			schema, args = "?", []any{t.schema, t.name}
 		}
-		return "SELECT CAST(EXTRA LIKE '%auto_increment%' AS SIGNED) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = " +
-			schema + " AND TABLE_NAME = ? AND COLUMN_NAME = 'id'", args
+		return "SELECT CAST(EXTRA LIKE '%auto_increment%' AND @@session.auto_increment_increment = 1 AS SIGNED)" +
+			" FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = " + schema + " AND TABLE_NAME = ? AND COLUMN_NAME = 'id'", args
 	}
 	pick := s.deadPick
 	s.deadPick = func(ids []int64, n int, byTopic bool) string {

@@ -264,6 +264,22 @@ func TestOutboxRelayReadsFromTheHeadWhenTheIdSequenceCaches(t *testing.T) {
 	assertNoFloorAndInOrder(t, db, ob, broker)
 }
 
+// On MySQL/MariaDB an auto_increment_increment above 1 is a multi-primary
+// cluster's (Galera's, Group Replication's), whose other nodes' running
+// transactions the floor's check cannot see: no floor, and every message
+// of the other topics goes, in order.
+func TestOutboxRelayReadsFromTheHeadOnAMultiPrimaryMySQLCluster(t *testing.T) {
+	db := testdb.OpenMySQL(t, "auto_increment_increment=3")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker})
+	assertNoFloorAndInOrder(t, db, ob, broker)
+	// Rounds for longer than a candidate waits before its check, twice.
+	roundsWhileGoneWaitsFor(t, ob, 2500*time.Millisecond)
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Errorf("floor %d with auto_increment_increment = 3", f)
+	}
+}
+
 // brokerRefusingGone returns a broker that refuses topic gone as one that
 // does not have it (ErrBrokerUnavailable) and takes the others.
 func brokerRefusingGone() *brokerStub {
