@@ -94,6 +94,11 @@ type outboxFloorCandidate struct {
 	// last checked, and whether the check found no row below it locked.
 	found, checked time.Time
 	cleared        bool
+	// belowID and belowUUID: the last row below id when the probe found
+	// it, read when there is no floor yet (see outboxFloor.belowID);
+	// another one there when it is to be promoted starts over.
+	belowID   int64
+	belowUUID string
 }
 
 // outboxFloorSweep is how often a round's probe reads from the head of the
@@ -116,20 +121,27 @@ func (f *outboxFloor) reset() {
 // the round ends). A failed read starts the floor over.
 func (o *Outbox) anchor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.Tx) {
 	f := &o.floor
-	var id sql.NullInt64
+	id, uuid, err := o.lastRowBelow(ctx, q, tx, f.from)
+	if err != nil {
+		f.reset()
+		return
+	}
+	f.belowID, f.belowUUID = id, uuid
+}
+
+// lastRowBelow reads the id and uuid of the last row below id (0 and "":
+// none), in tx on PostgreSQL.
+func (o *Outbox) lastRowBelow(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.Tx, id int64) (int64, string, error) {
+	var below sql.NullInt64
 	var uuid sql.NullString
 	err := o.readInWalk(ctx, tx, func() error {
-		err := q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorBelow), f.from).Scan(&id, &uuid)
+		err := q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorBelow), id).Scan(&below, &uuid)
 		if errors.Is(err, sql.ErrNoRows) {
 			return nil
 		}
 		return err
 	})
-	if err != nil {
-		f.reset()
-		return
-	}
-	f.belowID, f.belowUUID = id.Int64, uuid.String
+	return below.Int64, uuid.String, err
 }
 
 // floorRead is what a round does with the floor: read from from (0: from
@@ -262,7 +274,13 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 	var firstOther, last, below sql.NullInt64
 	var belowUUID sql.NullString
 	var xmin, horizon int64
-	args := append(append([]any{r.probeFrom}, skipArgs...), f.from)
+	// The last row below the floor, or, with no floor yet, below the
+	// candidate.
+	belowOf := f.from
+	if f.from == 0 && f.pending != nil {
+		belowOf = f.pending.id
+	}
+	args := append(append([]any{r.probeFrom}, skipArgs...), belowOf)
 	err := o.readInWalk(ctx, tx, func() error {
 		return q.QueryRowxContext(ctx, o.cfg.DB.Rebind(o.target().sql.floorProbe), args...).Scan(&firstOther, &last, &below, &belowUUID, &xmin, &horizon)
 	})
@@ -283,6 +301,16 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		// it, or a waiting topic's row deleted (only a cost). This round
 		// reads from the head; the table is looked at again too, as it may
 		// be another one now.
+		f.reset()
+		f.checked, f.off = false, false
+		return floorRead{}
+	}
+	if f.from == 0 && f.pending != nil && (below.Int64 != f.pending.belowID || belowUUID.String != f.pending.belowUUID) {
+		// The last row below the candidate is not the one its probe saw:
+		// the ids may have started again since, and a transaction that
+		// began after that probe, which its wait does not cover, can hold
+		// a new id below it (found by a review); or a row was committed
+		// late below it, or a waiting topic's row deleted. As above.
 		f.reset()
 		f.checked, f.off = false, false
 		return floorRead{}
@@ -314,7 +342,16 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		f.pending = nil
 	}
 	if f.pending == nil && c > 0 {
-		f.pending = &outboxFloorCandidate{id: c, horizon: horizon, topics: topics, found: time.Now()}
+		p := &outboxFloorCandidate{id: c, horizon: horizon, topics: topics, found: time.Now()}
+		var err error
+		if f.from == 0 {
+			// With no floor to anchor to, the candidate keeps the last row
+			// below it, which the probe that promotes it reads again.
+			p.belowID, p.belowUUID, err = o.lastRowBelow(ctx, q, tx, c)
+		}
+		if err == nil {
+			f.pending = p
+		}
 	}
 	if f.from != from && f.from > 0 {
 		o.anchor(ctx, q, tx)

@@ -689,3 +689,88 @@ func testOutboxRelayKeepsEachWritersOrderWhileATopicWaits(t *testing.T, db *sqlx
 		t.Errorf("sent to gone while it waits: %d messages", len(got))
 	}
 }
+
+// MySQL/MariaDB: the floor's candidate is checked (no row below it locked)
+// in a round in which the waiting topic is tried, so the round has no probe
+// and the candidate is promoted only at the next round's probe. The
+// outbox's ids start again in between (the backlog cleared by hand with
+// TRUNCATE): the check said nothing about the new ids, and a transaction
+// that took a new id below the rows the promoting probe sees, and has not
+// committed, is left below the floor: its message must still go before the
+// next message of its topic, committed after it.
+func TestOutboxRelayFloorOnMySQLDoesNotTrustACheckMadeBeforeTheIDsStartedAgain(t *testing.T) {
+	db := testdb.OpenMySQL(t, "")
+	broker := brokerRefusingGone()
+	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 20) // ids 1..20
+	commitOutputs(t, db, ob, "orders", "o-1")
+	// The probe finds the candidate (o-1's id); no floor yet.
+	roundWhileGoneWaits(t, ob)
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Fatalf("floor %d after the first probe", f)
+	}
+	time.Sleep(1100 * time.Millisecond) // past the candidate's age
+	// gone's try: the candidate is checked (and cleared), no probe; gone is
+	// refused and waits again.
+	ob.EndTopicWait("gone")
+	ob.RelayRoundOfRun(context.Background())
+	restartOutboxIDs(t, db, inbox.MySQL, ob) // the backlog cleared by hand
+	commitOutputs(t, db, ob, "gone", "gone-new-1")
+	late, latePub := beginOutbox(t, db, ob)
+	defer late.Rollback() //nolint:errcheck
+	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "gone", "gone-new-2")
+	roundWhileGoneWaits(t, ob)
+	floor := ob.WaitingTopicsFloor()
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-2")
+	for range 3 {
+		roundWhileGoneWaits(t, ob)
+	}
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction, below it, ran)", got, floor)
+	}
+}
+
+// PostgreSQL: the outbox's ids start again (the backlog cleared by hand
+// with TRUNCATE … RESTART IDENTITY) after the floor's candidate was found
+// and before it is promoted. The transactions the candidate waits for are
+// those that ran at its probe; a transaction that began after it took a new
+// id below the rows the promoting probe sees, and has not committed: it is
+// left below the floor, and its message must still go before the next
+// message of its topic, committed after it.
+func TestOutboxRelayFloorOnPostgreSQLDoesNotTrustACandidateFoundBeforeTheIDsStartedAgain(t *testing.T) {
+	db := testdb.OpenPostgres(t, "")
+	broker := brokerRefusingGone()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 20) // ids 1..20
+	commitOutputs(t, db, ob, "orders", "o-1")
+	roundWhileGoneWaits(t, ob) // the candidate: o-1's id
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Fatalf("floor %d after the first probe", f)
+	}
+	restartOutboxIDs(t, db, inbox.PostgreSQL, ob) // the backlog cleared by hand
+	commitOutputs(t, db, ob, "gone", "gone-new-1")
+	late, latePub := beginOutbox(t, db, ob)
+	defer late.Rollback() //nolint:errcheck
+	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "gone", "gone-new-2")
+	roundWhileGoneWaits(t, ob)
+	floor := ob.WaitingTopicsFloor()
+	if err := late.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	commitOutputs(t, db, ob, "payments", "p-2")
+	for range 3 {
+		roundWhileGoneWaits(t, ob)
+	}
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction, below it, ran)", got, floor)
+	}
+}
