@@ -153,6 +153,12 @@ type floorRead struct {
 	waiting map[string]bool
 }
 
+// topicsWithin reports whether every topic whose rows may lie below the floor or
+// its candidate is in topics.
+func (f *outboxFloor) topicsWithin(topics map[string]bool) bool {
+	return subsetOf(f.topics, topics) && (f.pending == nil || subsetOf(f.pending.topics, topics))
+}
+
 // subsetOf reports whether every topic of a is in b.
 func subsetOf(a, b map[string]bool) bool {
 	for t := range a {
@@ -220,11 +226,11 @@ func (o *Outbox) floorFor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.T
 	for _, t := range waiting {
 		now[t.(string)] = true
 	}
-	if !subsetOf(f.topics, all) || f.pending != nil && !subsetOf(f.pending.topics, all) {
+	if !f.topicsWithin(all) {
 		// A topic whose rows may lie below is no longer refused.
 		f.reset()
 	}
-	if !subsetOf(f.topics, now) || f.pending != nil && !subsetOf(f.pending.topics, now) {
+	if !f.topicsWithin(now) {
 		// A topic whose rows may lie below is tried this round: from the
 		// head, where its rows are, and the floor kept for the rounds
 		// after.

@@ -182,7 +182,7 @@ type outboxSQL struct {
 func floorProbeSQL(d Dialect, q, xmin, horizon string) string {
 	return "SELECT (SELECT min(id) FROM " + q + " WHERE id >= ? AND " + skipTopicsCondition(d) + ") AS first_other," +
 		" (SELECT max(id) FROM " + q + ") AS last, b.id AS below, b.uuid AS below_uuid, " + xmin + " AS xmin, " + horizon + " AS horizon" +
-		" FROM (SELECT 1 AS one) AS o LEFT JOIN (SELECT id, uuid FROM " + q + " WHERE id < ? ORDER BY id DESC LIMIT 1) AS b ON 1 = 1"
+		" FROM (SELECT 1 AS one) AS o LEFT JOIN (" + floorBelowSQL(q) + ") AS b ON 1 = 1"
 }
 
 // floorBelowSQL returns outboxSQL.floorBelow for table q (quoted).
