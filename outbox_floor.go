@@ -68,8 +68,10 @@ type outboxFloor struct {
 	pending *outboxFloorCandidate
 	swept   time.Time // the last read from the head with the floor's bookkeeping
 	// off: the table's ids are not handed out in order (idsInOrder: a
-	// hand-made table); checked is whether that was looked at.
+	// hand-made table); checked is whether that was looked at, at
+	// checkedAt (again every outboxFloorSweep).
 	off, checked bool
+	checkedAt    time.Time
 	// probeFailed: the last probe failed, and the log said so;
 	// checkFailed: the last check of a candidate (checkFloorCandidate)
 	// failed otherwise than on a locked row, and the log said so.
@@ -95,11 +97,14 @@ type outboxFloorCandidate struct {
 	found, checked time.Time
 	cleared        bool
 	// belowID and belowUUID: the last row below id when the probe found
-	// it, read when there is no floor yet (see outboxFloor.belowID);
-	// another one there when it is to be promoted starts over.
+	// it, read when there is no floor yet; that row gone when it is to be
+	// promoted (the ids started again) starts over.
 	belowID   int64
 	belowUUID string
 }
+
+// errNoRowBelow: a candidate with no row below it, not kept.
+var errNoRowBelow = errors.New("no row below the candidate")
 
 // outboxFloorSweep is how often a round's probe reads from the head of the
 // table although a floor is set (a variable for the tests).
@@ -197,6 +202,11 @@ func (o *Outbox) floorFor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.T
 		// try, every MaxBackoff.)
 		return floorRead{}
 	}
+	if f.checked && time.Since(f.checkedAt) >= outboxFloorSweep {
+		// Looked at again every while: a sequence given a cache, a
+		// cluster grown to several primaries.
+		f.checked = false
+	}
 	if !f.checked {
 		var inOrder sql.NullInt64
 		query, args := o.target().sql.idsInOrder()
@@ -210,9 +220,11 @@ func (o *Outbox) floorFor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx.T
 		if err != nil {
 			return floorRead{} // looked at again next round
 		}
-		f.checked = true
-		if inOrder.Int64 != 1 {
-			f.off = true
+		f.checked, f.checkedAt = true, time.Now()
+		wasOff := f.off
+		f.off = inOrder.Int64 != 1
+		if f.off && !wasOff {
+			f.reset()
 			o.logger.get().Info("Inbox outbox relay reads past the waiting topics' rows from the head of the table:"+
 				" the table's ids are not handed out in increasing order (PostgreSQL: a sequence with CACHE above 1;"+
 				" SQLite: no AUTOINCREMENT; MySQL/MariaDB: no AUTO_INCREMENT, or an auto_increment_increment above 1, as in a"+
@@ -280,11 +292,11 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 	var firstOther, last, below sql.NullInt64
 	var belowUUID sql.NullString
 	var xmin, horizon int64
-	// The last row below the floor, or, with no floor yet, below the
-	// candidate.
+	// The last row below the floor; with no floor yet, the row the
+	// candidate kept (the last one up to it).
 	belowOf := f.from
 	if f.from == 0 && f.pending != nil {
-		belowOf = f.pending.id
+		belowOf = f.pending.belowID + 1
 	}
 	args := append(append([]any{r.probeFrom}, skipArgs...), belowOf)
 	err := o.readInWalk(ctx, tx, func() error {
@@ -312,11 +324,13 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		return floorRead{}
 	}
 	if f.from == 0 && f.pending != nil && (below.Int64 != f.pending.belowID || belowUUID.String != f.pending.belowUUID) {
-		// The last row below the candidate is not the one its probe saw:
-		// the ids may have started again since, and a transaction that
-		// began after that probe, which its wait does not cover, can hold
-		// a new id below it (found by a review); or a row was committed
-		// late below it, or a waiting topic's row deleted. As above.
+		// The row the candidate kept is gone: the ids may have started
+		// again since its probe, and a transaction that began after that
+		// probe, which its wait does not cover, can hold a new id below
+		// it (found by a review); or a waiting topic's row was deleted.
+		// As above. (Not the last row below the candidate: a transaction
+		// its wait covers commits there, and a topic still written to,
+		// while the broker refuses it, had every candidate start over.)
 		f.reset()
 		f.checked, f.off = false, false
 		return floorRead{}
@@ -352,8 +366,13 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 		var err error
 		if f.from == 0 {
 			// With no floor to anchor to, the candidate keeps the last row
-			// below it, which the probe that promotes it reads again.
+			// below it, which the probe that promotes it looks for again.
+			// With none, there is nothing to read past yet (and nothing
+			// would tell ids that started again): no candidate.
 			p.belowID, p.belowUUID, err = o.lastRowBelow(ctx, q, tx, c)
+			if p.belowID == 0 {
+				err = errNoRowBelow
+			}
 		}
 		if err == nil {
 			f.pending = p

@@ -280,6 +280,26 @@ func TestOutboxRelayReadsFromTheHeadOnAMultiPrimaryMySQLCluster(t *testing.T) {
 	}
 }
 
+// Whether the ids are handed out in order is looked at again every while:
+// a sequence given a cache (a cluster grown to several primaries, on
+// MySQL/MariaDB) while a floor is set drops the floor.
+func TestOutboxRelayDropsItsFloorOnceTheIDsAreNoLongerHandedOutInOrder(t *testing.T) {
+	inbox.SetOutboxFloorSweep(t, 50*time.Millisecond)
+	db := testdb.OpenPostgres(t, "")
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.PostgreSQL, inbox.OutboxConfig{Publisher: broker})
+	waitingBacklog(t, db, ob, 50)
+	commitOutputs(t, db, ob, "payments", "p-1")
+	roundsUntilFloor(t, ob, 0, "gone")
+	exec(t, db, "ALTER TABLE "+relayTable(t, ob)+" ALTER COLUMN id SET CACHE 20")
+	time.Sleep(60 * time.Millisecond)
+	roundWhileGoneWaits(t, ob)
+	if f := ob.WaitingTopicsFloor(); f != 0 {
+		t.Errorf("floor %d once the id sequence caches", f)
+	}
+	commitP2AndCheckOrder(t, db, ob, broker)
+}
+
 // brokerRefusingGone returns a broker that refuses topic gone as one that
 // does not have it (ErrBrokerUnavailable) and takes the others.
 func brokerRefusingGone() *brokerStub {
@@ -773,4 +793,66 @@ func TestOutboxRelayFloorOnPostgreSQLDoesNotTrustACandidateFoundBeforeTheIDsStar
 	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
 		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction, below it, ran)", got, floor)
 	}
+}
+
+// The application keeps writing to the topic the broker refuses (a deleted
+// topic still produced to) beside the other topics, each transaction
+// overlapping the next: at every probe one of them has written its message
+// to the waiting topic, below a message of another topic committed after
+// it, and commits before the next round. Its row, then the last one below
+// the candidate, is one the candidate's wait covers, not a sign that the
+// ids started again: the floor is found, as it was before candidates kept
+// the last row below them (since then each candidate started over, every
+// time, and every round read past the whole backlog).
+func TestOutboxRelayFindsItsFloorWhileTheWaitingTopicIsStillWritten(t *testing.T) {
+	test := func(t *testing.T, db *sqlx.DB, d inbox.Dialect, first string) {
+		broker := brokerRefusingGone()
+		ob := newTestOutbox(t, db, d, inbox.OutboxConfig{Publisher: broker})
+		waitingBacklog(t, db, ob, 50)
+		var prev *sqlx.Tx
+		defer func() {
+			if prev != nil {
+				prev.Rollback() //nolint:errcheck
+			}
+		}()
+		// Rounds enough for the candidate's wait: a second each on
+		// MySQL/MariaDB; on PostgreSQL, transactions of other sessions on
+		// the server may hold it back a while.
+		steps, pause := 40, 50*time.Millisecond
+		if d == inbox.MySQL {
+			steps, pause = 6, 1100*time.Millisecond // past a candidate's age
+		}
+		for i := range steps {
+			// The next writer of gone: its message written, not committed.
+			tx, pub := beginOutbox(t, db, ob)
+			if first != "" {
+				if _, err := tx.Exec(first); err != nil {
+					tx.Rollback() //nolint:errcheck
+					t.Fatal(err)
+				}
+			}
+			if err := pub.Publish("gone", message.NewMessage(fmt.Sprintf("gone-late-%d", i), []byte("p"))); err != nil {
+				tx.Rollback() //nolint:errcheck
+				t.Fatal(err)
+			}
+			// The one before it commits.
+			if prev != nil {
+				if err := prev.Commit(); err != nil {
+					tx.Rollback() //nolint:errcheck
+					t.Fatal(err)
+				}
+			}
+			prev = tx
+			commitOutputs(t, db, ob, "payments", fmt.Sprintf("p-%d", i))
+			time.Sleep(pause)
+			roundWhileGoneWaits(t, ob)
+			if f := ob.WaitingTopicsFloor(); f > 0 {
+				t.Logf("floor %d after %d rounds", f, i+1)
+				return
+			}
+		}
+		t.Errorf("no floor after %d rounds while gone is written beside payments, one writer of it over each probe", steps)
+	}
+	t.Run("postgres", func(t *testing.T) { test(t, testdb.OpenPostgres(t, ""), inbox.PostgreSQL, "SELECT txid_current()") })
+	t.Run("mysql", func(t *testing.T) { test(t, testdb.OpenMySQL(t, ""), inbox.MySQL, "") })
 }
