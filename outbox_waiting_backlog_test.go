@@ -734,7 +734,17 @@ func TestOutboxRelayFloorOnMySQLDoesNotTrustACheckMadeBeforeTheIDsStartedAgain(t
 	// refused and waits again.
 	ob.EndTopicWait("gone")
 	ob.RelayRoundOfRun(context.Background())
-	restartOutboxIDs(t, db, inbox.MySQL, ob) // the backlog cleared by hand
+	restartIDsThenCheckALateMessageGoesFirst(t, db, inbox.MySQL, ob, broker)
+}
+
+// restartIDsThenCheckALateMessageGoesFirst starts the outbox ids of ob
+// again (the backlog cleared by hand), commits gone-new-1, writes p-1 to
+// payments in a transaction left open, commits gone-new-2, runs a round
+// while gone waits, commits p-1's transaction and then p-2, runs three
+// rounds, and checks that payments got p-1 and then p-2.
+func restartIDsThenCheckALateMessageGoesFirst(t *testing.T, db *sqlx.DB, d inbox.Dialect, ob *inbox.Outbox, broker *brokerStub) {
+	t.Helper()
+	restartOutboxIDs(t, db, d, ob)
 	commitOutputs(t, db, ob, "gone", "gone-new-1")
 	late, latePub := beginOutbox(t, db, ob)
 	defer late.Rollback() //nolint:errcheck
@@ -773,26 +783,7 @@ func TestOutboxRelayFloorOnPostgreSQLDoesNotTrustACandidateFoundBeforeTheIDsStar
 	if f := ob.WaitingTopicsFloor(); f != 0 {
 		t.Fatalf("floor %d after the first probe", f)
 	}
-	restartOutboxIDs(t, db, inbox.PostgreSQL, ob) // the backlog cleared by hand
-	commitOutputs(t, db, ob, "gone", "gone-new-1")
-	late, latePub := beginOutbox(t, db, ob)
-	defer late.Rollback() //nolint:errcheck
-	if err := latePub.Publish("payments", message.NewMessage("p-1", []byte("p"))); err != nil {
-		t.Fatal(err)
-	}
-	commitOutputs(t, db, ob, "gone", "gone-new-2")
-	roundWhileGoneWaits(t, ob)
-	floor := ob.WaitingTopicsFloor()
-	if err := late.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	commitOutputs(t, db, ob, "payments", "p-2")
-	for range 3 {
-		roundWhileGoneWaits(t, ob)
-	}
-	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
-		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction, below it, ran)", got, floor)
-	}
+	restartIDsThenCheckALateMessageGoesFirst(t, db, inbox.PostgreSQL, ob, broker)
 }
 
 // The application keeps writing to the topic the broker refuses (a deleted
