@@ -381,6 +381,12 @@ func (o *Outbox) probeFloor(ctx context.Context, q sqlx.QueryerContext, tx *sqlx
 	if f.from != from && f.from > 0 {
 		o.anchor(ctx, q, tx)
 	}
+	if f.from > 0 && f.from < r.from {
+		// Lowered by the sweep: this round reads from there, so that the
+		// row it found goes before the later messages of its topic above
+		// the old floor (it went a round after them).
+		r.from = f.from
+	}
 	return r
 }
 

@@ -389,20 +389,29 @@ func TestOutboxRelaySweepFindsAMessageCommittedBelowTheFloor(t *testing.T) {
 	}
 	commitOutputs(t, db, ob, "payments", "p-1")
 	commitOutputs(t, db, ob, "gone", "gone-after")
-	floor := roundsUntilFloor(t, ob, id, "gone")
+	// Past gone-after, so that late's row, below it, is not the last row
+	// below the floor (which the probe would see change).
+	floor := roundsUntilFloor(t, ob, id+2, "gone")
 	if _, err := late.Exec("INSERT INTO "+table+" (id, topic, uuid, payload, metadata) VALUES ($1, 'payments', 'late', 'p', '{}')", id); err != nil {
 		t.Fatal(err)
 	}
 	if err := late.Commit(); err != nil {
 		t.Fatal(err)
 	}
+	// The next message of late's topic, committed after it, above the
+	// floor: late goes first, in the round whose sweep finds it.
+	commitOutputs(t, db, ob, "payments", "p-2")
 	deadline := time.Now().Add(time.Minute)
 	for !slices.Contains(broker.uuids("payments"), "late") {
 		if time.Now().After(deadline) {
 			t.Fatalf("message %d committed below the floor %d not sent after a minute of rounds", id, floor)
 		}
+		time.Sleep(60 * time.Millisecond) // the sweep due
 		roundWhileGoneWaits(t, ob)
-		time.Sleep(10 * time.Millisecond)
+	}
+	roundWhileGoneWaits(t, ob)
+	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "late", "p-2"}) {
+		t.Errorf("sent to payments: %v, want p-1, late, then p-2 (committed after late)", got)
 	}
 }
 
