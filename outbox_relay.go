@@ -878,11 +878,12 @@ func (o *Outbox) readInWalk(ctx context.Context, tx *sqlx.Tx, read func() error)
 
 // completeBatch runs after the batch's locking read (rows, in id order,
 // read from the floor from; skipArgs its waiting topics): it reads from a
-// snapshot the rows from from up to the batch's last (visibleUpTo), keeps the batch's rows among them (a row
-// another relay deleted while the batch's read ran can come back from it on
-// MariaDB), and locks and adds, in id order, the others that are free: rows
-// the batch's read skipped, of a transaction that committed during it (see
-// mysqlVisibleUpTo). The rows another relay holds stay its own.
+// snapshot the rows from from up to the batch's last (visibleUpTo), keeps
+// the batch's rows among them (a row another relay deleted while the
+// batch's read ran can come back from it on MariaDB), and locks and adds,
+// in id order, the others that are free: rows the batch's read skipped, of
+// a transaction that committed during it (see mysqlVisibleUpTo). The rows
+// another relay holds stay its own.
 func (o *Outbox) completeBatch(ctx context.Context, q sqlx.QueryerContext, rows []outboxRow, from int64, skipArgs []any) ([]outboxRow, error) {
 	stmts := o.target().sql
 	var visible []int64

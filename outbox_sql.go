@@ -45,12 +45,13 @@ type outboxSQL struct {
 	// floorProbe, when set (PostgreSQL, SQLite, MySQL/MariaDB), reads without a lock,
 	// from one snapshot: the smallest id from a given one on of the topics
 	// not waiting (NULL when none), the largest id (NULL when empty), the
-	// id and uuid of the last row below the floor (NULL when none), and on
+	// id and uuid of the last row below a given id (the floor, or the
+	// row a candidate kept plus one; NULL when none), and on
 	// PostgreSQL the snapshot's xmin and the transaction's id, taken by it
 	// when the round's transaction has none yet (its first statement that
 	// takes one), so after the snapshot (SQLite, MySQL/MariaDB: 0 and 0). Bind
 	// parameters: the id, the waiting topics as selectBatch takes them, the
-	// floor. See outboxFloor.
+	// id of the last row's bound. See outboxFloor.
 	floorProbe string
 	// floorBelow reads the id and uuid of the last row below an id (no
 	// row: none); bind parameter the id.

@@ -448,13 +448,22 @@ func TestOutboxRelayFloorWaitsForATransactionNewerThanTheLastOneToEnd(t *testing
 	roundWhileGoneWaits(t, ob)
 	roundWhileGoneWaits(t, ob)
 	roundWhileGoneWaits(t, ob)
+	commitLateAndP2ThenCheckOrder(t, db, ob, broker, late, 2)
+}
+
+// commitLateAndP2ThenCheckOrder notes ob's floor, commits late (which
+// wrote p-1 to payments), then p-2, runs rounds rounds while gone waits,
+// and checks that payments got p-1 and then p-2.
+func commitLateAndP2ThenCheckOrder(t *testing.T, db *sqlx.DB, ob *inbox.Outbox, broker *brokerStub, late *sqlx.Tx, rounds int) {
+	t.Helper()
 	floor := ob.WaitingTopicsFloor()
 	if err := late.Commit(); err != nil {
 		t.Fatal(err)
 	}
 	commitOutputs(t, db, ob, "payments", "p-2")
-	roundWhileGoneWaits(t, ob)
-	roundWhileGoneWaits(t, ob)
+	for range rounds {
+		roundWhileGoneWaits(t, ob)
+	}
 	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
 		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction ran)", got, floor)
 	}
@@ -762,17 +771,7 @@ func restartIDsThenCheckALateMessageGoesFirst(t *testing.T, db *sqlx.DB, d inbox
 	}
 	commitOutputs(t, db, ob, "gone", "gone-new-2")
 	roundWhileGoneWaits(t, ob)
-	floor := ob.WaitingTopicsFloor()
-	if err := late.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	commitOutputs(t, db, ob, "payments", "p-2")
-	for range 3 {
-		roundWhileGoneWaits(t, ob)
-	}
-	if got := broker.uuids("payments"); !slices.Equal(got, []string{"p-1", "p-2"}) {
-		t.Errorf("sent to payments: %v, want p-1 then p-2 (floor %d set while p-1's transaction, below it, ran)", got, floor)
-	}
+	commitLateAndP2ThenCheckOrder(t, db, ob, broker, late, 3)
 }
 
 // PostgreSQL: the outbox's ids start again (the backlog cleared by hand
