@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -417,10 +418,10 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 			// before it, with the transaction rolled back. Without a publish
 			// topic, a middleware outside may route them itself.
 			d.waitAfterEnd = &d.ib.refusedClaims
-			return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %d messages, but the inbox has no"+
+			return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %s, but the inbox has no"+
 				" Config.Outbox to write them to and the handler no publisher (router.AddHandler with nil): set Config.Outbox"+
 				" (ob.Publisher; pgxinbox: OutboxPublisher(ob)), or give the handler a publisher",
-				ErrInvalidConfig, d.consumer, d.id, len(produced))}
+				ErrInvalidConfig, d.consumer, d.id, messageCount(len(produced)))}
 		}
 		return produced, nil
 	}
@@ -447,9 +448,9 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 		// it was not transient, and a poison queue filter drained the
 		// whole topic into the poison queue. It waits for the fix instead.
 		d.waitAfterEnd = &d.ib.refusedClaims
-		return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %d messages but has no publish"+
+		return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %s but has no publish"+
 			" topic to write them to in the outbox: add the handler with router.AddHandler and a publish topic",
-			ErrInvalidConfig, d.consumer, d.id, len(produced))}
+			ErrInvalidConfig, d.consumer, d.id, messageCount(len(produced)))}
 	}
 	p, bound := d.state.publisher.(txBoundPublisher)
 	if !bound {
@@ -774,4 +775,12 @@ func (d *delivery) commitTimedOut(err error) error {
 		return fmt.Errorf("%w after %v (the COMMIT is in doubt): %w", ErrCommitTimeout, d.ib.commitTimeout, err)
 	}
 	return err
+}
+
+// messageCount says n messages in words: "1 message", "3 messages".
+func messageCount(n int) string {
+	if n == 1 {
+		return "1 message"
+	}
+	return strconv.Itoa(n) + " messages"
 }

@@ -24,8 +24,12 @@ type MiddlewaresConfig struct {
 	// Default: nil, no poison queue: every failure is nacked.
 	PoisonQueue message.Publisher
 
-	// PoisonTopic is the topic PoisonQueue publishes to. Setting it without
-	// PoisonQueue is an error (ErrInvalidConfig).
+	// PoisonTopic is the topic PoisonQueue publishes to. It must exist on
+	// a broker that does not create topics on first use (Kafka with
+	// auto.create.topics.enable=false, kfake, a JetStream subject without a
+	// stream): a publish there fails, the message is nacked, and it waits
+	// at the head of its partition until the topic exists. Setting it
+	// without PoisonQueue is an error (ErrInvalidConfig).
 	// Default: "poison" when PoisonQueue is set.
 	PoisonTopic string
 

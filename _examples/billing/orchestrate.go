@@ -196,6 +196,13 @@ func checkEffectivelyOnce(ctx context.Context, s *stats) error {
 	}
 	c := s.read()
 	fmt.Printf("billing: deliveries=%d processed=%d duplicates_skipped=%d\n", c.billingDeliveries, c.billingProcessed, c.billingDuplicates)
+	if c.billingProcessed < c.invoices {
+		// The workers record an outcome after the commit; the one killed
+		// there committed its order and recorded nothing, and the
+		// redelivery of that order was a duplicate.
+		fmt.Printf("  (processed counts the outcomes the workers recorded: %d invoice(s) committed by the worker SIGKILLed before it recorded)\n",
+			c.invoices-c.billingProcessed)
+	}
 	fmt.Printf("mailer:  deliveries=%d processed=%d duplicates_skipped=%d\n", c.mailerDeliveries, c.mailerProcessed, c.mailerDuplicates)
 	seen, err := s.mailerOutcomes()
 	if err != nil {
