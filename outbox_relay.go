@@ -695,7 +695,7 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 	}
 	round.read = len(rows)
 	reads := walkReads{
-		next: func(topic string, after int64) (r outboxRow, ok bool, err error) {
+		next: func(topic string, after int64, seen []int64) (r outboxRow, ok bool, err error) {
 			err = o.readInWalk(sctx, tx, func() error {
 				var rows []outboxRow
 				if err := sqlx.SelectContext(sctx, read, &rows, db.Rebind(o.target().sql.nextOfTopic), after, topic); err != nil || len(rows) == 0 {
@@ -705,6 +705,21 @@ func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRo
 					var err error
 					if rows, err = o.keepExisting(sctx, read, rows); err != nil || len(rows) == 0 {
 						return err
+					}
+				}
+				if o.target().sql.locks {
+					// A row of the topic below this one that the walk does not
+					// know committed after the batch's read: its writer's
+					// later message must not go before it.
+					var ids []int64
+					if err := sqlx.SelectContext(sctx, read, &ids, db.Rebind(o.target().sql.topicIDsBelow(len(seen)+1)),
+						floor.from, rows[0].ID, topic); err != nil {
+						return err
+					}
+					for _, id := range ids {
+						if !slices.Contains(seen, id) {
+							return nil
+						}
 					}
 				}
 				r, ok = rows[0], true
@@ -996,15 +1011,17 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 		each[i] = o.publishTopic(ctx, &outcomes[i], due[i], byTopic[due[i]], reads)
 		ran[i] = true
 	}
-	if workers := min(o.cfg.TopicConcurrency, len(due)); workers <= 1 {
-		for i := range due {
-			run(i, reads)
+	if len(due) > 0 {
+		// On workers of their own, one topic included: a publisher that
+		// ends its goroutine (runtime.Goexit: t.FailNow in a test's fake)
+		// ended Run's own when it was called there, and no round ran
+		// again. Every topic is queued before the workers start: a worker
+		// whose goroutine so ended takes none more, and nothing waits for
+		// it.
+		workers, walk := min(max(o.cfg.TopicConcurrency, 1), len(due)), reads
+		if workers > 1 {
+			walk = reads.oneAtATime()
 		}
-	} else {
-		shared := reads.oneAtATime()
-		// Every topic queued before the workers start: a worker whose
-		// publisher ended its goroutine (runtime.Goexit: t.FailNow in a
-		// test's fake) takes none more, and nothing waits for it.
 		next := make(chan int, len(due))
 		for i := range due {
 			next <- i
@@ -1014,7 +1031,7 @@ func (o *Outbox) publish(ctx context.Context, rows []outboxRow, topics *topicBac
 		for range workers {
 			wg.Go(func() {
 				for i := range next {
-					run(i, shared)
+					run(i, walk)
 				}
 			})
 		}
@@ -1077,8 +1094,15 @@ const maxWaitingForEvidence = 8
 type walkReads struct {
 	// next returns the message of topic that follows id after, if there
 	// is one within the next outboxWalkWindow rows (locked, as the round's
-	// read locks its rows).
-	next func(topic string, after int64) (outboxRow, bool, error)
+	// read locks its rows). seen are the ids of the topic's rows the walk
+	// knows: the round's batch's and those next returned before. Where
+	// ids are taken before their transactions commit (PostgreSQL,
+	// MySQL/MariaDB), a row of the topic may have committed after the
+	// batch was read with an id below the one next finds, of a writer
+	// whose next transaction wrote that one; next then returns no message
+	// (the walk ends, and the next round reads both in id order), so that
+	// the later one does not go first.
+	next func(topic string, after int64, seen []int64) (outboxRow, bool, error)
 	// deadTaken reports whether the dead-letter table holds id already.
 	deadTaken func(id int64) (bool, error)
 }
@@ -1091,10 +1115,10 @@ func (r walkReads) oneAtATime() walkReads {
 	var mu sync.Mutex
 	shared := walkReads{}
 	if next := r.next; next != nil {
-		shared.next = func(topic string, after int64) (outboxRow, bool, error) {
+		shared.next = func(topic string, after int64, seen []int64) (outboxRow, bool, error) {
 			mu.Lock()
 			defer mu.Unlock()
-			return next(topic, after)
+			return next(topic, after, seen)
 		}
 	}
 	if deadTaken := r.deadTaken; deadTaken != nil {
@@ -1150,6 +1174,10 @@ func (o *Outbox) publishTopic(ctx context.Context, b *outboxBatch, topic string,
 	}
 	var known []error // each message's refusal, when the publisher told them
 	callEnd := group[len(group)-1].ID
+	seen := make([]int64, len(group), len(group)+1) // the topic's rows the walk knows (reads.next)
+	for i, r := range group {
+		seen[i] = r.ID
+	}
 	if errs, ok := perMessageErrors(err, len(group)); ok {
 		// The acked ones are sent, whatever their place; the refused
 		// ones, in order, are walked as a failed call's group is.
@@ -1196,7 +1224,7 @@ func (o *Outbox) publishTopic(ctx context.Context, b *outboxBatch, topic string,
 				break
 			}
 			after := max(group[i-1].ID, callEnd)
-			r, ok, err := reads.next(topic, after)
+			r, ok, err := reads.next(topic, after, seen)
 			if err != nil {
 				b.errs = append(b.errs, fmt.Errorf("read the message after outbox id %d of %q: %w", after, topic, err))
 			}
@@ -1205,6 +1233,7 @@ func (o *Outbox) publishTopic(ctx context.Context, b *outboxBatch, topic string,
 			}
 			b.rows[r.ID] = r
 			group = append(group, r)
+			seen = append(seen, r.ID)
 		}
 		r := group[i]
 		switch {

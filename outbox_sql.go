@@ -91,6 +91,13 @@ type outboxSQL struct {
 	// read (the table has no index on topic): a topic whose next message
 	// is further on waits until the rows before it leave.
 	nextOfTopic string
+	// topicIDsBelow returns a read of the ids of a topic's rows from a
+	// given id up to below another, at most n of them in id order: bind
+	// parameters from (inclusive), below, topic. It reads what has
+	// committed by the statement, locks nothing, and so also sees a row
+	// that committed after the round's batch read with an id below the
+	// batch's last (see walkReads.next).
+	topicIDsBelow func(n int) string
 	// deadHas reads whether the dead-letter table holds an id: bind
 	// parameter id.
 	deadHas string
@@ -279,6 +286,9 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		selectBatch:  outboxBatchRead(d, q, lock, "", ""),
 		nextOfTopic: "SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
 			" WHERE id > ? ORDER BY id LIMIT " + strconv.Itoa(outboxWalkWindow) + ") AS w WHERE w.topic = ? ORDER BY w.id LIMIT 1)" + lock,
+		topicIDsBelow: func(n int) string {
+			return "SELECT id FROM " + q + " WHERE id >= ? AND id < ? AND topic = ? ORDER BY id LIMIT " + strconv.Itoa(n)
+		},
 		deadHas: "SELECT id FROM " + dq + " WHERE id = ?",
 		locks:   lock != "",
 		probe:   "SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE 1 = 0",

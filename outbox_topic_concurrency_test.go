@@ -3,9 +3,11 @@ package inbox_test
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -207,4 +209,64 @@ func TestOutboxRoundEndsWhenThePublisherEndsItsGoroutines(t *testing.T) {
 			t.Errorf("%d messages pending after rounds whose publishes never returned, want all 4 (sent again later)", stats.Pending)
 		}
 	})
+}
+
+// goexitOncePublisher ends the goroutine of its first call (runtime.Goexit,
+// as t.FailNow in a test's fake does) and hands the later ones to next.
+type goexitOncePublisher struct {
+	calls atomic.Int32
+	next  message.Publisher
+}
+
+func (p *goexitOncePublisher) Publish(topic string, msgs ...*message.Message) error {
+	if p.calls.Add(1) == 1 {
+		runtime.Goexit()
+	}
+	return p.next.Publish(topic, msgs...)
+}
+
+func (p *goexitOncePublisher) Close() error { return nil }
+
+// A publisher that ends the goroutine of one call does not end the relay:
+// Run goes on, and the message is sent by a later round. A round of two
+// topics or more does so (TestOutboxRoundEndsWhenThePublisherEndsItsGoroutines:
+// its calls run on workers), but a round whose batch holds one topic, or
+// TopicConcurrency 1, calls the publisher on Run's own goroutine: that
+// goroutine ended, Run never returned nor ran another round, and the
+// outbox was never relayed again (under RouterPlugin, while the router
+// ran on, and WaitStopped returned nil).
+func TestOutboxRelayKeepsRunningAfterThePublisherEndsTheGoroutineOfARoundsOnlyCall(t *testing.T) {
+	t.Parallel()
+	db := openSQLite(t, filepath.Join(t.TempDir(), "outbox.db"))
+	broker := newBrokerStub()
+	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{
+		Publisher: &goexitOncePublisher{next: broker}, PollInterval: 10 * time.Millisecond,
+	})
+	commitOutputs(t, db, ob, "invoices", "only")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	returned := make(chan struct{})
+	ended := make(chan struct{})
+	go func() {
+		defer close(ended) // also when the goroutine is ended
+		_ = ob.Run(ctx)
+		close(returned)
+	}()
+	deadline := time.After(5 * time.Second)
+	for len(broker.uuids("invoices")) == 0 {
+		select {
+		case <-ended:
+			select {
+			case <-returned:
+			default:
+				t.Fatal("Run's goroutine ended inside the publisher's call: no round runs any more, the message stays in the outbox")
+			}
+			t.Fatal("Run returned before its context ended")
+		case <-deadline:
+			t.Fatal("the message was not relayed in 5 s")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	cancel()
+	<-ended
 }
