@@ -251,6 +251,7 @@ func (d *delivery) run() ([]*message.Message, error) {
 	if produced, err = d.publishToOutbox(produced); err != nil {
 		return nil, err
 	}
+	d.endWrites()
 	for _, w := range d.state.writers {
 		if err := w.refusedWrite(); err != nil {
 			// An output the handler published was refused for the
@@ -275,6 +276,19 @@ func (d *delivery) run() ([]*message.Message, error) {
 	}
 	d.runAfterCommit()
 	return produced, nil
+}
+
+// endWrites has the delivery's outbox writers refuse every Publish from now
+// on: the transaction is about to end. A Publish in progress on another
+// goroutine finishes first, so that its outcome counts before the
+// pre-commit check and the COMMIT.
+func (d *delivery) endWrites() {
+	if d.state == nil {
+		return
+	}
+	for _, w := range d.state.writers {
+		w.endWrites()
+	}
 }
 
 // validate refuses a nested inbox and an invalid consumer or message id
@@ -358,8 +372,17 @@ func (d *delivery) runHandler() ([]*message.Message, error) {
 		if d.ib.db != nil {
 			inboxDB = d.ib.db.DB
 		}
+		unchecked := false
 		for _, w := range d.state.writers {
 			w.bindTx(d.txCtx, d.tx.ended, inboxDB, d.ib.preparesOn(), claim, d.ib.logger)
+			unchecked = unchecked || !w.checksClaim()
+		}
+		if unchecked {
+			// A writer through PublisherOn (an exec the application wraps)
+			// cannot check the claim in its INSERT: after a deadlock the
+			// handler ignored (MySQL/MariaDB) or SQLite's own rollback it
+			// wrote in autocommit, as another package's publisher did.
+			d.state.publisher = &claimCheckedPublisher{next: d.state.publisher, check: d.checkBeforeForeignPublish}
 		}
 	}
 	d.msg.SetContext(contextWithTx(d.sctx, d.state))
@@ -679,6 +702,7 @@ func (d *delivery) runAfterCommit() {
 // the message its own context back. It returns the rollback's error.
 func (d *delivery) end() error {
 	var err error
+	d.endWrites()
 	if d.tx != nil {
 		err = d.tx.rollback()
 	}

@@ -678,7 +678,10 @@ func OutboxSchemaSQL(d Dialect, table string) (string, error) {
 // wrap ErrOutboxMessage or the driver's error; a table the look-up did not
 // find makes Publish fail with a transient error wrapping
 // ErrTableNotFound. Each is bound to one transaction, and valid while it is
-// open. Its own Publish calls run one at a time, but not apart from the
+// open: made by the inbox, it refuses a Publish once the handler has
+// returned (an AfterCommit function, a goroutine that outlives the
+// handler) with an error wrapping sql.ErrTxDone, nothing written. Its own
+// Publish calls run one at a time, but not apart from the
 // other statements on tx: like tx, make them from one goroutine at a time
 // with the handler's statements and ORM calls (see TxFromContext). Close
 // does nothing.
@@ -880,7 +883,10 @@ type OutboxExec func(ctx context.Context, query string, args ...any) error
 // through exec, so it looks the table's schema up, when the Outbox has not
 // found it yet, at its first write on a connection of OutboxConfig.DB
 // (pgxinbox.OutboxPublisher gives the inbox a way to look it up in the
-// message's transaction instead).
+// message's transaction instead). Returned by Config.Outbox on
+// MySQL/MariaDB or SQLite, it cannot check the claim in its INSERT, as
+// Publisher does, so the inbox reads the claim before each of its
+// Publish calls (one read more each), as for another package's publisher.
 func (o *Outbox) PublisherOn(exec OutboxExec) message.Publisher {
 	bind := sqlx.BindType(o.cfg.DB.DriverName())
 	rebind := func(query string) string { return sqlx.Rebind(bind, query) }
@@ -910,6 +916,16 @@ type txBoundPublisher interface {
 	// write of that message succeeded: the delivery fails with it even
 	// when the handler ignored it, since the output is not written.
 	refusedWrite() error
+	// checksClaim reports whether each write checks, in its own statement,
+	// that the transaction still holds the claim where the dialect needs
+	// that (bindTx set the claim): false for a writer through PublisherOn
+	// on MySQL/MariaDB or SQLite, which the inbox then checks as another
+	// package's publisher.
+	checksClaim() bool
+	// endWrites refuses every Publish from now on, once the ones in
+	// progress are done: the inbox calls it before its pre-commit check
+	// and COMMIT, and before a rollback.
+	endWrites()
 	committed()
 }
 
@@ -954,6 +970,9 @@ type outboxWriter struct {
 	// (endedError); nil for a writer the inbox did not bind.
 	key   *outboxClaim
 	wrote atomic.Bool
+	// done: the inbox is ending the transaction (endWrites); a Publish
+	// from then on writes nothing. Guarded by publishing.
+	done bool
 	// lookUp reads a row in the writer's transaction, for lookUpTarget
 	// (nil: the writer cannot read there). tgt, when set, is the target the
 	// look-up found; missing: it did not find the table, and tgt names the
@@ -1230,6 +1249,18 @@ func (w *outboxWriter) insert(n int, args []any, prepare bool) error {
 	return w.exec(w.ctx, query, args...)
 }
 
+// checksClaim implements txBoundPublisher.
+func (w *outboxWriter) checksClaim() bool {
+	return w.claim != nil || w.target().sql.claimedInsert == nil
+}
+
+// endWrites implements txBoundPublisher.
+func (w *outboxWriter) endWrites() {
+	w.publishing.Lock()
+	w.done = true
+	w.publishing.Unlock()
+}
+
 // committed tells the relay of this process that rows were committed.
 func (w *outboxWriter) committed() {
 	if w.wrote.Load() {
@@ -1250,6 +1281,14 @@ func (w *outboxWriter) publishLast(topic string, msgs []*message.Message) (bool,
 func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 	w.publishing.Lock()
 	defer w.publishing.Unlock()
+	if w.done {
+		// After the handler returned (an AfterCommit function, a goroutine
+		// that outlives the handler): the COMMIT may have been sent, and
+		// with pgxinbox the connection given back to the pool, where the
+		// INSERT ran in autocommit or in another message's transaction.
+		return fmt.Errorf("inbox: outbox: %w: nothing written to %q: the inbox has ended the message's transaction;"+
+			" publish before the handler returns", sql.ErrTxDone, topic)
+	}
 	for i, m := range msgs {
 		if m == nil {
 			// A nil in a handler's returned slice: the write (or its

@@ -2,6 +2,7 @@ package pgxinbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -182,4 +183,92 @@ func TestOutbox_PublishesFromSeveralGoroutinesOfOneHandler(t *testing.T) {
 			}
 		})
 	}
+}
+
+// The handler's outbox publisher, kept past the handler (an AfterCommit
+// callback, a goroutine that outlives the handler), refuses to write once
+// the inbox committed, also when the handler returned messages: their
+// INSERT goes with the COMMIT in one batch (CommitWith), which leaves pgx's
+// Tx open as far as pgx knows (its "commit" is a queued statement, not
+// Tx.Commit), the connection is back in the pool, and pgxTx.Ended reports
+// "not ended" once its connection is released. A late Publish must fail
+// and write nothing (docs/outbox.md: "if it comes after, is refused with an
+// error (nothing written)"); it ran on the released pool connection, in
+// autocommit (or inside whatever transaction its next user runs), and the
+// relay sent it. Without returned messages (pgx's Tx.Commit) it is refused:
+// TestOutbox_PublishAfterTheCommitIsRefused.
+func TestOutbox_PublishAfterACommitThatCarriedReturnedMessagesIsRefused(t *testing.T) {
+	t.Parallel()
+	for _, mode := range allModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			pool := openPool(t, "", "late_publish", func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = mode
+				c.MaxConns = 1 // the released connection is the one the next user gets
+			})
+			lateErr := make(chan error, 1)
+			f := newReturnedFixture(t, pool, func(f *returnedFixture, msg *message.Message) ([]*message.Message, error) {
+				if err := f.writeEffect(msg); err != nil {
+					return nil, err
+				}
+				pub, _ := inbox.OutboxFromContext(msg.Context())
+				// After the commit: the publisher kept by a callback (or a
+				// goroutine that outlives the handler) publishes late.
+				inbox.AfterCommit(msg.Context(), func() {
+					lateErr <- pub.Publish("invoices", message.NewMessage("late-"+msg.UUID, nil))
+				})
+				return outputs(msg, 1), nil
+			})
+			if !f.in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+				t.Fatalf("nacked: %v", f.rec.last())
+			}
+			err := <-lateErr
+			n := f.outboxRows()
+			if !errors.Is(err, sql.ErrTxDone) {
+				t.Errorf("a Publish after the commit returned %v, want an error wrapping sql.ErrTxDone (nothing written); outbox rows: %d", err, n)
+			}
+			if n != 1 {
+				t.Errorf("%d outbox rows, want the 1 committed with the message: the late one was written outside its transaction", n)
+			}
+			expectNoConnHeld(t, pool)
+		})
+	}
+}
+
+// A publish from a goroutine of the handler that is still writing when the
+// handler returns is waited for: the inbox's COMMIT goes after it, and the
+// output commits with the message. A pgx connection serves one statement at
+// a time: the COMMIT sent beside the goroutine's INSERT failed ("conn
+// busy"), and the message was nacked with its output written and lost.
+func TestOutbox_PublishInProgressWhenTheHandlerReturnsCommitsWithTheMessage(t *testing.T) {
+	t.Parallel()
+	pool := openPool(t, "", "publish_in_progress", nil)
+	published := make(chan error, 1)
+	f := newReturnedFixture(t, pool, func(f *returnedFixture, msg *message.Message) ([]*message.Message, error) {
+		if err := f.writeEffect(msg); err != nil {
+			return nil, err
+		}
+		pub, _ := inbox.OutboxFromContext(msg.Context())
+		go func() { published <- pub.Publish("invoices", message.NewMessage("late-"+msg.UUID, nil)) }()
+		time.Sleep(100 * time.Millisecond) // the INSERT is on its way, and takes 500 ms
+		return nil, nil
+	})
+	slow := "slow_insert_" + testdb.RandomSuffix()
+	f.exec("CREATE FUNCTION " + slow + "() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN PERFORM pg_sleep(0.5); RETURN NEW; END$$")
+	t.Cleanup(func() {
+		if _, err := pool.Exec(context.Background(), "DROP FUNCTION IF EXISTS "+slow+"() CASCADE"); err != nil {
+			t.Error(err)
+		}
+	})
+	f.exec("CREATE TRIGGER " + slow + " BEFORE INSERT ON " + f.table + " FOR EACH ROW EXECUTE FUNCTION " + slow + "()")
+	if !f.in.deliver(t, message.NewMessage(watermill.NewUUID(), nil)) {
+		t.Fatalf("nacked: %v", f.rec.last())
+	}
+	if err := <-published; err != nil {
+		t.Errorf("the goroutine's Publish returned %v, want nil: it was in progress when the handler returned", err)
+	}
+	if n, e := f.outboxRows(), f.effects(); n != 1 || e != 1 {
+		t.Errorf("%d outbox rows and %d effects, want the output committed with the message's effect", n, e)
+	}
+	expectNoConnHeld(t, pool)
 }
