@@ -149,7 +149,9 @@ func OutboxFromContext(ctx context.Context) (message.Publisher, bool) {
 // duplicate), and neither does it when the connection is lost after COMMIT
 // was sent and the server did commit (a COMMIT in doubt: the middleware
 // reports the failure, calls OnFailed, and the redelivery is skipped), so
-// anything that must happen goes to the outbox instead (OutboxFromContext). A panic in f is recovered and logged at Error, the
+// anything that must happen goes to the outbox instead (OutboxFromContext),
+// before the handler returns: a Publish from f writes nothing and fails with
+// an error wrapping sql.ErrTxDone. A panic in f is recovered and logged at Error, the
 // remaining functions still run, and the message is still acked: its
 // transaction has committed.
 func AfterCommit(ctx context.Context, f func()) bool {
