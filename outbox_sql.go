@@ -94,9 +94,15 @@ type outboxSQL struct {
 	// topicIDsBelow returns a read of the ids of a topic's rows from a
 	// given id up to below another, at most n of them in id order: bind
 	// parameters from (inclusive), below, topic. It reads what has
-	// committed by the statement, locks nothing, and so also sees a row
-	// that committed after the round's batch read with an id below the
-	// batch's last (see walkReads.next).
+	// committed by the statement, and so also sees a row that committed
+	// after the round's batch read with an id below the batch's last (see
+	// walkReads.next). It locks as selectBatch does, skipping the rows
+	// another transaction holds: those of another relay instance's round
+	// (or a hand-made UPDATE) are not late commits, and counting them
+	// kept a refused message from being set aside while another instance
+	// held an earlier row of its topic. (The earlier message of a writer
+	// whose later one the walk found has committed, its locks released,
+	// before the later one was written.)
 	topicIDsBelow func(n int) string
 	// deadHas reads whether the dead-letter table holds an id: bind
 	// parameter id.
@@ -287,7 +293,7 @@ func newOutboxSQL(d Dialect, t, dead qualifiedName, columns, deadColumns []strin
 		nextOfTopic: "SELECT " + outboxColumns + ", attempts FROM " + q + " WHERE id = (SELECT w.id FROM (SELECT id, topic FROM " + q +
 			" WHERE id > ? ORDER BY id LIMIT " + strconv.Itoa(outboxWalkWindow) + ") AS w WHERE w.topic = ? ORDER BY w.id LIMIT 1)" + lock,
 		topicIDsBelow: func(n int) string {
-			return "SELECT id FROM " + q + " WHERE id >= ? AND id < ? AND topic = ? ORDER BY id LIMIT " + strconv.Itoa(n)
+			return "SELECT id FROM " + q + " WHERE id >= ? AND id < ? AND topic = ? ORDER BY id LIMIT " + strconv.Itoa(n) + lock
 		},
 		deadHas: "SELECT id FROM " + dq + " WHERE id = ?",
 		locks:   lock != "",

@@ -1,10 +1,13 @@
 package inbox_test
 
 import (
+	"context"
+	"database/sql"
 	"errors"
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -64,6 +67,48 @@ func TestOutboxRelayKeepsAWritersOrderWhenItLooksBehindARefusedMessage(t *testin
 			if !slices.Equal(arrived, []string{"W-1", "W-2"}) {
 				t.Errorf("writer W's messages first arrived as %v (all: %v); want them in the order W committed them, [W-1 W-2]",
 					arrived, broker.uuids("invoices"))
+			}
+		})
+	}
+}
+
+// Another relay instance's round holds the first row of a topic (its broker
+// slow, its host cut off). This relay's round reads the topic's next row,
+// on its last attempt, which the broker refuses; the row behind it is
+// accepted, which is the evidence that sets the refused one aside, as it
+// did before the walk looked below the row it found: the held row, which
+// committed long before the batch's read, is not a late commit, yet the
+// walk now ends on it, and the topic is held back behind the refused
+// message for as long as the other instance holds its row.
+func TestOutboxRelaySetsAsideARefusedMessageWhileAnotherRelayHoldsAnEarlierRowOfItsTopic(t *testing.T) {
+	for _, tdb := range crashDBs(t, "postgres", "mysql") {
+		t.Run(tdb.Name, func(t *testing.T) {
+			t.Parallel()
+			db := tdb.Open(t)
+			broker := newBrokerStub()
+			ob := newTestOutbox(t, db, tdb.Dialect, inbox.OutboxConfig{Publisher: broker, BatchSize: 1, MaxAttempts: 1,
+				PollInterval: time.Hour})
+			commitOutputs(t, db, ob, "invoices", "held")
+			commitOutputs(t, db, ob, "invoices", "refused")
+			commitOutputs(t, db, ob, "invoices", "next")
+
+			other, err := db.BeginTxx(context.Background(), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer other.Rollback() //nolint:errcheck
+			var held []int64
+			if err := other.Select(&held, "SELECT id FROM "+ob.Table()+" ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"); err != nil || len(held) != 1 {
+				t.Fatalf("hold the first row: %v, %v", held, err)
+			}
+			broker.setRefuse(refuseUUIDs(errors.New("refused by the broker"), "refused"))
+
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			r := ob.RelayOnce(ctx)
+			if r.DeadLettered != 1 || r.Relayed != 1 { // r.Err names the message set aside
+				t.Errorf("round while another relay holds the topic's first row: relayed %d, set aside %d, error %v;"+
+					" want the refused message set aside on the evidence of the next one, sent", r.Relayed, r.DeadLettered, r.Err)
 			}
 		})
 	}
