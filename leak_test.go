@@ -21,5 +21,13 @@ func TestMain(m *testing.M) {
 		// router that did run is reported by runRouter instead.
 		goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/message.(*Router).waitForHandlers.func1"),
 		goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/pubsub/sync.WaitGroupTimeout.func1"),
+		// go-metrics, which sarama uses, starts one global goroutine for its
+		// meters on first use; it never ends by design.
+		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+		// sarama's circuit breaker (go-resiliency) sleeps out its timeout in
+		// a goroutine of its own after failed produce requests, even once
+		// the producer is closed; it ends by itself
+		// (TestKafkaPoisonQueueNeedsItsTopic's missing topic).
+		goleak.IgnoreAnyFunction("github.com/eapache/go-resiliency/breaker.(*Breaker).timer"),
 	)
 }
