@@ -30,12 +30,7 @@ func TestOutboxPublisherOnWritesNothingAfterADeadlockTheHandlerIgnored(t *testin
 	broker := newBrokerStub()
 	ob := newTestOutbox(t, db, inbox.MySQL, inbox.OutboxConfig{Publisher: broker, PollInterval: time.Hour})
 	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{Dialect: inbox.MySQL, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
-		return ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {
-			_, err := tx.ExecContext(ctx, query, args...)
-			return err
-		}), nil
-	}})
+	ib := f.newInbox(inbox.Config{Dialect: inbox.MySQL, Outbox: publisherOnInboxTx(ob)})
 	victim := deadlockVictim(t, inbox.MySQL, db)
 	var ignored, publishErr error
 	out := &outcomes{}
@@ -102,12 +97,7 @@ func TestOutboxPublisherOnWritesNothingAfterSQLitesOwnRollback(t *testing.T) {
 	exec(t, db, "INSERT INTO "+customers+" (k) VALUES ('customer-1')")
 	ob := newTestOutbox(t, db, inbox.SQLite, inbox.OutboxConfig{Publisher: newBrokerStub(), PollInterval: time.Hour})
 	f := newFixture(t, db)
-	ib := f.newInbox(inbox.Config{Dialect: inbox.SQLite, Outbox: func(tx *sqlx.Tx) (message.Publisher, error) {
-		return ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {
-			_, err := tx.ExecContext(ctx, query, args...)
-			return err
-		}), nil
-	}})
+	ib := f.newInbox(inbox.Config{Dialect: inbox.SQLite, Outbox: publisherOnInboxTx(ob)})
 	var publishErr error
 	in := newFeed()
 	runRouter(t, func(r *message.Router) {
@@ -128,5 +118,17 @@ func TestOutboxPublisherOnWritesNothingAfterSQLitesOwnRollback(t *testing.T) {
 	}
 	if n := count(t, db, ob.Table(), ""); n != 0 {
 		t.Errorf("%d outbox rows written in autocommit for a delivery that was rolled back, want 0", n)
+	}
+}
+
+// publisherOnInboxTx is an outbox factory (Config.Outbox) that returns
+// ob.PublisherOn writing through the inbox's own transaction, as an
+// application that wraps the exec (for tracing) would.
+func publisherOnInboxTx(ob *inbox.Outbox) func(tx *sqlx.Tx) (message.Publisher, error) {
+	return func(tx *sqlx.Tx) (message.Publisher, error) {
+		return ob.PublisherOn(func(ctx context.Context, query string, args ...any) error {
+			_, err := tx.ExecContext(ctx, query, args...)
+			return err
+		}), nil
 	}
 }
