@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"math"
 	"runtime/pprof"
 	"slices"
 	"sync"
@@ -17,9 +18,36 @@ import (
 )
 
 // reusedIDRounds is how many turns each side of BenchmarkReusedIDCheck
-// takes: the sides alternate, so that a slower moment of the machine falls
-// on both.
-const reusedIDRounds = 20
+// takes at least: the sides alternate, so that a slower moment of the
+// machine falls on both. Above reusedIDRounds*reusedIDRoundSize messages
+// (-benchtime) each round holds reusedIDRoundSize and the rounds are more,
+// which narrows the confidence interval of the paired ratios.
+const (
+	reusedIDRounds    = 20
+	reusedIDRoundSize = 2000
+)
+
+// reusedIDRoundCount is the number of rounds of BenchmarkReusedIDCheck for
+// b.N messages: reusedIDRounds, or more rounds of reusedIDRoundSize
+// messages, a multiple of len(balancedOrders) so that each order runs as
+// often as the others.
+func reusedIDRoundCount(n int) int {
+	rounds := max(reusedIDRounds, n/reusedIDRoundSize)
+	return (rounds + len(balancedOrders) - 1) / len(balancedOrders) * len(balancedOrders)
+}
+
+// medianInterval95 returns the median of xs and a distribution-free 95 %
+// confidence interval for it: the order statistics k and n-k+1 (1-based)
+// with k = ⌊(n − 1.96·√n)/2⌋, the normal approximation of the binomial
+// sign test (for n ≥ 6; below that, the smallest and largest of xs).
+func medianInterval95(xs []float64) (median, lo, hi float64) {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	n := len(s)
+	k := int(math.Floor((float64(n) - 1.96*math.Sqrt(float64(n))) / 2))
+	k = max(k, 1)
+	return s[n/2], s[k-1], s[n-k]
+}
 
 // BenchmarkReusedIDCheck/<db>/dup=<pct>: what detecting reused message ids
 // (Config.ReusedIDs) costs. Four handlers that insert one business row
@@ -108,12 +136,13 @@ var balancedOrders = [][]int{{0, 1, 3, 2}, {1, 2, 0, 3}, {2, 3, 1, 0}, {3, 0, 2,
 // and the database server (clock).
 func runReusedIDSides(b *testing.B, sides map[string]message.HandlerFunc, dup int, clock cpuClock) {
 	order := []string{"baseline", "checked", "checked-cold", "unchecked"}
-	per := max(b.N/reusedIDRounds, 1)
+	rounds := reusedIDRoundCount(b.N)
+	per := max(b.N/rounds, 1)
 	rates := map[string][]float64{}
 	cpu := map[string]time.Duration{}
 	roundCPU := map[string][]time.Duration{}
 	b.ResetTimer()
-	for round := range reusedIDRounds {
+	for round := range rounds {
 		for _, side := range balancedOrders[round%len(balancedOrders)] {
 			name := order[side]
 			msgs := messages(per, dup)
@@ -152,12 +181,12 @@ func runReusedIDSides(b *testing.B, sides map[string]message.HandlerFunc, dup in
 	// The same ratios round by round, the two sides' turns of one round
 	// being minutes apart at most: their median leaves out the rounds a
 	// busy moment of the machine fell on one side only.
-	paired := func(a, b []float64) float64 {
+	paired := func(a, b []float64) (median, lo, hi float64) {
 		ratios := make([]float64, len(a))
 		for i := range a {
 			ratios[i] = a[i] / b[i]
 		}
-		return median(ratios)
+		return medianInterval95(ratios)
 	}
 	seconds := func(ds []time.Duration) []float64 {
 		xs := make([]float64, len(ds))
@@ -166,12 +195,18 @@ func runReusedIDSides(b *testing.B, sides map[string]message.HandlerFunc, dup in
 		}
 		return xs
 	}
-	b.ReportMetric(paired(rates["checked"], rates["unchecked"]), "paired-checked/unchecked")
-	b.ReportMetric(paired(seconds(roundCPU["checked"]), seconds(roundCPU["unchecked"])), "paired-checked/unchecked-cpu")
+	ratio, lo, hi := paired(rates["checked"], rates["unchecked"])
+	b.ReportMetric(ratio, "paired-checked/unchecked")
+	b.ReportMetric(lo, "paired-checked/unchecked-lo95")
+	b.ReportMetric(hi, "paired-checked/unchecked-hi95")
+	ratio, lo, hi = paired(seconds(roundCPU["checked"]), seconds(roundCPU["unchecked"]))
+	b.ReportMetric(ratio, "paired-checked/unchecked-cpu")
+	b.ReportMetric(lo, "paired-checked/unchecked-cpu-lo95")
+	b.ReportMetric(hi, "paired-checked/unchecked-cpu-hi95")
 	b.ReportMetric(cold/unchecked, "checked-cold/unchecked")
 	// CPU per message, this process's and the server's, over every round.
 	perMsg := func(side string) float64 {
-		return float64(cpu[side].Microseconds()) / float64(per*reusedIDRounds)
+		return float64(cpu[side].Microseconds()) / float64(per*rounds)
 	}
 	b.ReportMetric(perMsg("baseline"), "baseline-cpu-µs/msg")
 	b.ReportMetric(perMsg("checked"), "checked-cpu-µs/msg")
