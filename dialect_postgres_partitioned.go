@@ -258,8 +258,15 @@ func (d postgresPartitionedDialect) createSchema(ctx context.Context, db *sqlx.D
 
 // The partitions, at the table's interval, that cover yesterday (by the
 // database clock) to DefaultPartitionsAhead days after today.
-func (postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn, t qualifiedName) error {
-	from, until, err := maintainedRange(ctx, db, t)
+func (d postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn, t qualifiedName) error {
+	return d.maintainPartitions(ctx, db, t, 0)
+}
+
+// maintainPartitions is maintainSchema for a Purger round whose window is
+// window (0: none): no partition is made for days entirely past it
+// (maintainedRange).
+func (postgresPartitionedDialect) maintainPartitions(ctx context.Context, db dbConn, t qualifiedName, window time.Duration) error {
+	from, until, err := maintainedRange(ctx, db, t, window)
 	if err != nil {
 		return err
 	}
@@ -596,15 +603,20 @@ func (d postgresPartitionedDialect) purgeSliceBatch(ctx context.Context, db dbCo
 // consumer's own expired rows in it are deleted in batches, by primary key,
 // as Purge does.
 func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig, t qualifiedName) (round PurgeRound) {
-	// The coming partitions first, whatever the window: a window refused
-	// (a topic kept for ever, a broker that cannot be reached, a retention
+	checked := time.Now() // before the source is asked: its window holds from then
+	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
+	// The coming partitions, whatever the window: a window refused (a
+	// topic kept for ever, a broker that cannot be reached, a retention
 	// raised past OlderThan) pauses the deletes, but claims need the
 	// partitions all the same, and a long-running process gets them only
 	// from its rounds; they ran out after DefaultPartitionsAhead days and
-	// every claim failed.
-	schemaErr := d.maintainSchema(ctx, db, t)
-	checked := time.Now() // before the source is asked: its window holds from then
-	olderThan, err := checkWindow(ctx, cfg.Window, cfg.OlderThan)
+	// every claim failed. None for days entirely past a window the round
+	// has, which dropPartitions would drop at once (maintainedRange).
+	var keepFor time.Duration
+	if err == nil {
+		keepFor = olderThan
+	}
+	schemaErr := d.maintainPartitions(ctx, db, t, keepFor)
 	if err != nil {
 		round.Err = errors.Join(fmt.Errorf("inbox: purge %s: %w", t, err), schemaErr)
 		return round

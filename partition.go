@@ -144,7 +144,7 @@ func InitializePartitions(ctx context.Context, db *sqlx.DB, table string, interv
 	if err := d.createSchema(ctx, db, t, 0); err != nil {
 		return err
 	}
-	from, until, err := maintainedRange(ctx, db, t)
+	from, until, err := maintainedRange(ctx, db, t, 0)
 	if err != nil {
 		return err
 	}
@@ -171,7 +171,7 @@ func MigratePartitionInterval(ctx context.Context, db *sqlx.DB, table string, to
 	if _, err := ParsePartitionInterval(string(to)); err != nil {
 		return err
 	}
-	from, until, err := maintainedRange(ctx, db, t)
+	from, until, err := maintainedRange(ctx, db, t, 0)
 	if err != nil {
 		return err
 	}
@@ -217,15 +217,28 @@ const pgNowMicros = "CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint)"
 // maintainedRange returns the range InitializeSchema and a Purger keep
 // covered: from the start of yesterday to the end of the
 // DefaultPartitionsAhead-th day after today, by the database clock (UTC).
-func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedName) (from, until time.Time, err error) {
+// With a window (a Purger round's; 0 for none) the range starts no earlier
+// than the day the window's cutoff falls on: a window shorter than a day
+// has all of yesterday past it, and a round that made yesterday's
+// partition again dropped it at once, every round, each DETACH ...
+// CONCURRENTLY waiting for every transaction older than it (one left open
+// failed every round, with nothing to purge).
+func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedName, window time.Duration) (from, until time.Time, err error) {
 	// pgNowMicros: a role or server with DateStyle 'SQL, DMY' failed every
 	// Purger round here, and the claims once the partitions ran out.
 	var nowMicros int64
 	if err := sqlx.GetContext(ctx, db, &nowMicros, "SELECT "+pgNowMicros); err != nil {
 		return from, until, fmt.Errorf("inbox: create partitions of %s: %w", t, err)
 	}
-	from = time.UnixMicro(nowMicros).UTC().Truncate(oneDay).AddDate(0, 0, -1)
-	return from, from.AddDate(0, 0, DefaultPartitionsAhead+2), nil
+	now := time.UnixMicro(nowMicros).UTC()
+	from = now.Truncate(oneDay).AddDate(0, 0, -1)
+	until = from.AddDate(0, 0, DefaultPartitionsAhead+2)
+	if window > 0 {
+		if cutoffDay := now.Add(-window).Truncate(oneDay); cutoffDay.After(from) {
+			from = cutoffDay
+		}
+	}
+	return from, until, nil
 }
 
 // dbConn is what partition management needs: a pool or one connection.
@@ -1222,6 +1235,54 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 	}
 	sort.Slice(tp.ranges, func(i, j int) bool { return tp.ranges[i].start.Before(tp.ranges[j].start) })
 	return tp, nil
+}
+
+// OldestPartitionAge returns how long ago the oldest partition of the
+// PostgreSQLPartitioned table named table that holds rows (of consumer's
+// when consumer is not "") ended, by the database clock, and true; false,
+// with no error, when the table is not partitioned. It is what a Purger
+// round reports as PurgeRound.OldestAge (and, with consumer "",
+// TableOldestAge): a partition is dropped once all of it is past the
+// window, so this age, unlike the oldest row's, passes the window only
+// while the purge is behind, whatever the partitions' widths (the
+// library's days or weeks, pg_partman's months, one made by hand). 0 when
+// no partition holds such rows or the oldest has not ended yet; a DEFAULT
+// partition and one unbounded above count with their oldest row's age.
+// Reads the catalog and one row of each partition in a read-only
+// transaction; safe for concurrent use. Errors: an invalid consumer wraps
+// ErrInvalidConsumer, a bad name ErrInvalidTableName, others the driver's.
+// table "": DefaultTable.
+func OldestPartitionAge(ctx context.Context, db *sqlx.DB, table, consumer string) (time.Duration, bool, error) {
+	if consumer != "" {
+		if err := checkKey(consumer, ErrInvalidConsumer, nil, nil); err != nil {
+			return 0, false, fmt.Errorf("inbox: oldest partition: %w", err)
+		}
+	}
+	if table == "" {
+		table = DefaultTable
+	}
+	t, err := parseTableName(table)
+	if err != nil {
+		return 0, false, err
+	}
+	var age time.Duration
+	var partitioned bool
+	err = withReadTx(ctx, db, PostgreSQLPartitioned, func(q sqlx.QueryerContext) error {
+		t, err := canonicalTable(ctx, q, PostgreSQLPartitioned, t)
+		if err != nil {
+			return err
+		}
+		tp, err := listPartitions(ctx, q, t)
+		if partitioned = tp.partitioned; err != nil || !partitioned {
+			return err
+		}
+		age, err = oldestPartitionAge(ctx, q, t, consumer)
+		return err
+	})
+	if err != nil {
+		return 0, false, fmt.Errorf("inbox: oldest partition of %s: %w", t, err)
+	}
+	return age, partitioned, nil
 }
 
 // oldestPartitionAge returns how long ago the oldest non-empty partition of

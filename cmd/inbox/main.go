@@ -688,7 +688,7 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	win := addWindowFlags(fs, "the window the purge uses (e.g. 360h): show the oldest row's age against it (the headroom);"+
 		" with -brokers/-topics or -nats-url/-nats-stream, checked against the safe window (or, without it, taken from it) as inbox purge does")
 	lag := fs.Duration("purge-lag", defaultPurgeLag, "how far past the window the oldest row may be before stats warns that the purge is falling behind"+
-		" (a partitioned table's partition interval is added)")
+		" (on a partitioned table, how long ago the partition that holds it may have ended past the window)")
 	consumer := fs.String("consumer", "", "measure the headroom by this consumer's rows: a purge limited to it (inbox purge -consumer,"+
 		" PurgeConfig.Consumer) on a table that consumers with other windows share; default: every consumer's")
 	timeout := fs.Duration("timeout", defaultStatsTimeout, "give up when the reads take longer: a table another session holds a lock on"+

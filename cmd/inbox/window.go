@@ -154,15 +154,21 @@ type headroom struct {
 	oldestAge time.Duration // 0 when empty
 	empty     bool
 	lag       time.Duration // how far past the window the oldest row may be before it is a warning
-	partition time.Duration // a partitioned table's interval, added to lag; 0 if not partitioned
+	// partitioned: a PostgreSQL partitioned table, whose purge drops a
+	// partition once all of it is past the window; partitionAge is how
+	// long ago the oldest partition holding rows ended
+	// (inbox.OldestPartitionAge), which the warning goes by.
+	partitioned  bool
+	partitionAge time.Duration
 }
 
 // readHeadroom returns the headroom of the table whose stats are st, under
 // window, of consumer's rows when consumer is not "" (a purge limited to
 // it: on a table that consumers with different windows share, another's
-// older rows are not its purge's to delete); on PostgreSQL it reads the
-// table's partition interval, if it has one, which the purge may keep past
-// the window.
+// older rows are not its purge's to delete); on a PostgreSQL partitioned
+// table it also reads when the oldest partition holding such rows ended:
+// the purge keeps its rows until then plus the window, however wide the
+// partition (a day, a week, a month of pg_partman's, one made by hand).
 func readHeadroom(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table, consumer string, st inbox.TableStats, window purgeWindow, lag time.Duration) (headroom, error) {
 	h := headroom{purgeWindow: window, consumer: consumer, empty: st.Rows == 0, lag: lag}
 	switch {
@@ -175,21 +181,25 @@ func readHeadroom(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table, cons
 	case !h.empty:
 		h.oldestAge = max(st.ReadAt.Sub(st.Oldest), 0) // by the database clock, as the purge's cutoff
 	}
-	if db.DriverName() == "pgx" {
-		// Best effort: a table that is not partitioned has no interval, and
-		// a failure here only leaves the allowance out.
-		if iv, err := inbox.TablePartitionInterval(ctx, db, table); err == nil {
-			h.partition = map[inbox.PartitionInterval]time.Duration{inbox.PartitionDay: 24 * time.Hour, inbox.PartitionWeek: 7 * 24 * time.Hour}[iv]
+	if db.DriverName() == "pgx" && !h.empty {
+		age, partitioned, err := inbox.OldestPartitionAge(ctx, db, table, consumer)
+		if err != nil {
+			return h, err
 		}
+		h.partitioned, h.partitionAge = partitioned, age
 	}
 	return h, nil
 }
 
-// behind reports whether the oldest row is past the window by more than
-// the lag (and a partitioned table's interval): the purge is falling
-// behind or not running.
+// behind reports whether the purge is falling behind or not running: the
+// oldest row is past the window by more than the lag or, on a partitioned
+// table, the partition that holds it ended longer ago than the window and
+// the lag (a partition is dropped once all of it is past the window).
 func (h headroom) behind() bool {
-	return !h.empty && h.oldestAge > h.window+h.lag+h.partition
+	if h.partitioned {
+		return !h.empty && h.partitionAge > h.window+h.lag
+	}
+	return !h.empty && h.oldestAge > h.window+h.lag
 }
 
 // print writes the window, the headroom and, when the purge is behind, a
@@ -207,16 +217,23 @@ func (h headroom) print(w io.Writer) {
 	age := h.oldestAge.Round(time.Second)
 	left := (h.window - h.oldestAge).Round(time.Second)
 	fmt.Fprintf(w, "headroom: %s: %s is %s old, the window %s\n", left, oldest, age, h.window)
-	allowance := fmt.Sprintf("-purge-lag %s", h.lag)
-	if h.partition > 0 {
-		allowance += fmt.Sprintf(" plus the table's partition interval %s (a partition is dropped once all of it is past the window)", h.partition)
-	}
+	const behind = ": the purge is falling behind or not running (is the purger running, and with this window? see docs/operations.md#alerts)"
 	switch {
+	case h.partitioned && h.behind():
+		fmt.Fprintf(w, "warning:  the partition that holds %s ended %s ago, past the window by %s, more than -purge-lag %s"+behind+"\n",
+			oldest, h.partitionAge.Round(time.Second), (h.partitionAge - h.window).Round(time.Second), h.lag)
 	case h.behind():
-		fmt.Fprintf(w, "warning:  %s is %s past the window, more than %s: the purge is falling behind or not running"+
-			" (is the purger running, and with this window? see docs/operations.md#alerts)\n", oldest, -left, allowance)
+		fmt.Fprintf(w, "warning:  %s is %s past the window, more than -purge-lag %s"+behind+"\n", oldest, -left, h.lag)
+	case left < 0 && h.partitioned:
+		// A partition is dropped once all of it is past the window.
+		ended := "that has not ended yet"
+		if h.partitionAge > 0 {
+			ended = fmt.Sprintf("that ended %s ago", h.partitionAge.Round(time.Second))
+		}
+		fmt.Fprintf(w, "          past the window by %s, in a partition %s: dropped once all of the partition is past the window"+
+			" (a partitioned table keeps a row up to its partition's width longer)\n", -left, ended)
 	case left < 0:
-		fmt.Fprintf(w, "          past the window by %s, within %s: normal between two purge rounds\n", -left, allowance)
+		fmt.Fprintf(w, "          past the window by %s, within -purge-lag %s: normal between two purge rounds\n", -left, h.lag)
 	}
 }
 
