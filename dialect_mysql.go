@@ -332,7 +332,13 @@ func (d mysqlDialect) checkColumns(ctx context.Context, q sqlx.QueryerContext, t
 	if err := d.checkKeyColumns(ctx, q, tq, byName, ps); err != nil {
 		return err
 	}
-	myCheckProcessedAt(tq, byName, ps)
+	var tz string // the session's time zone, which a TIMESTAMP column's fix converts by
+	if c, ok := byName[processedAt]; ok && c.DataType == "timestamp" {
+		if err := sqlx.GetContext(ctx, q, &tz, "SELECT @@session.time_zone"); err != nil {
+			return err
+		}
+	}
+	myCheckProcessedAt(tq, byName, tz, ps)
 	myCheckOtherColumns(tq, cols, ps)
 	return nil
 }
@@ -342,12 +348,12 @@ func (d mysqlDialect) checkColumns(ctx context.Context, q sqlx.QueryerContext, t
 // keyColumnProblem refuses.
 func (d mysqlDialect) checkKeyColumns(ctx context.Context, q sqlx.QueryerContext, tq string, byName map[string]myColumn, ps *problems) error {
 	for _, name := range keyColumns {
-		fix := "ALTER TABLE " + tq + " MODIFY " + name + " varbinary(255) NOT NULL"
 		c, ok := byName[name]
 		if !ok {
 			ps.add("ALTER TABLE "+tq+" ADD COLUMN "+name+" varbinary(255) NOT NULL", "column %q is missing", name)
 			continue
 		}
+		fix := myKeyColumnFix(tq, c)
 		what, err := d.keyColumnProblem(ctx, q, c)
 		if err != nil {
 			return err
@@ -362,16 +368,46 @@ func (d mysqlDialect) checkKeyColumns(ctx context.Context, q sqlx.QueryerContext
 	return nil
 }
 
+// myKeyColumnFix returns the statements that make key column c of the
+// table tq (quoted) a varbinary(255) keeping the ids stored in it as the
+// claims send them: UTF-8 (a column of another character set is converted
+// to utf8mb4 first; made varbinary at once it kept latin1's bytes, and no
+// id processed before matched its redelivery's claim), without a binary(N)
+// column's padding of zero bytes (kept, every id processed before became
+// another key). Ids hold no NUL (checkKey), so the padding is all trimmed.
+func myKeyColumnFix(tq string, c myColumn) string {
+	name := c.Name
+	modify := "ALTER TABLE " + tq + " MODIFY " + name + " varbinary(255) NOT NULL"
+	switch {
+	case c.DataType == "binary":
+		return modify + ";\nUPDATE " + tq + " SET " + name + " = TRIM(TRAILING X'00' FROM " + name + ");"
+	case c.Charset.Valid && c.Charset.String != "utf8mb4" && c.Charset.String != "binary":
+		return "ALTER TABLE " + tq + " MODIFY " + name + " varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL;\n" + modify + ";"
+	}
+	return modify
+}
+
 // myCheckProcessedAt reports a processed_at column of the table tq (quoted)
-// that is missing or is not a datetime(6).
-func myCheckProcessedAt(tq string, byName map[string]myColumn, ps *problems) {
+// that is missing or is not a datetime(6). tz is the session's time zone
+// (read when the column is a TIMESTAMP), by which the inbox wrote that
+// column's instants.
+func myCheckProcessedAt(tq string, byName map[string]myColumn, tz string, ps *problems) {
 	fix := "ALTER TABLE " + tq + " MODIFY " + processedAt + " datetime(6) NOT NULL"
 	switch c, ok := byName[processedAt]; {
 	case !ok:
-		ps.add("ALTER TABLE "+tq+" ADD COLUMN "+processedAt+" datetime(6) NOT NULL", "column %q is missing", processedAt)
+		// Added NULL, set to the current time, then made NOT NULL: added
+		// NOT NULL at once, every row got the zero date, and the next
+		// purge deleted rows processed moments before (their redeliveries
+		// were processed again). Now, each row is kept for a whole window.
+		ps.add("ALTER TABLE "+tq+" ADD COLUMN "+processedAt+" datetime(6) NULL;\n"+
+			"UPDATE "+tq+" SET "+processedAt+" = UTC_TIMESTAMP(6);\n"+fix+";", "column %q is missing", processedAt)
 	case c.DataType == "timestamp":
-		ps.add(fix, "column %q has type %q, which the server converts by the session time zone:"+
-			" the time zone would change which rows a purge deletes", c.Name, c.Type)
+		// The conversion to datetime goes by the session's time zone: the
+		// one the inbox's sessions write in (this check's), so that each row
+		// keeps the UTC time it was written with, whoever runs the fix.
+		ps.add("SET time_zone = '"+strings.ReplaceAll(tz, "'", "''")+"';\n"+fix+";",
+			"column %q has type %q, which the server converts by the session time zone:"+
+				" the time zone would change which rows a purge deletes", c.Name, c.Type)
 	case c.DataType != "datetime":
 		ps.add(fix, "column %q has type %q, not datetime(6)", c.Name, c.Type)
 	case c.Precision.Int64 != 6:

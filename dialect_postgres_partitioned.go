@@ -208,15 +208,19 @@ func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.Query
 }
 
 // recreateScript returns the statements that replace t with a partitioned
-// table of the canonical shape, keeping its rows.
+// table of the canonical shape, keeping its rows. The old table is left
+// for the operator to drop once the rows are checked: piped to psql
+// without the step between (the partitioned table and its partitions),
+// the INSERT failed and a DROP after it, outside a transaction, lost every
+// processed row.
 func (d postgresPartitionedDialect) recreateScript(t qualifiedName) string {
 	old := oldName(t)
 	return "ALTER TABLE " + t.quoted(d) + " RENAME TO " + d.quote(old.name) + ";\n" +
 		"-- Create the partitioned table (the canonical DDL below, or InitializeSchema) and the partitions\n" +
-		"-- for the time of the existing rows (CreatePartitions), then copy the rows and drop the old table:\n" +
+		"-- for the time of the existing rows (CreatePartitions), then copy the rows:\n" +
 		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, processed_at FROM " +
 		old.quoted(d) + ";\n" +
-		"DROP TABLE " + old.quoted(d) + ";"
+		"-- then, once " + t.quoted(d) + " holds the rows of " + old.quoted(d) + ": DROP TABLE " + old.quoted(d) + ";"
 }
 
 func (postgresPartitionedDialect) checkIsolation(l sql.IsolationLevel) error {

@@ -237,11 +237,6 @@ func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t 
 		return nil, err
 	}
 	var ps problems
-	recreate := d.recreateScript(t)
-	if table.Type != "table" {
-		ps.add(recreate, "%q is a %q, not a table", t.String(), table.Type)
-		return ps, nil
-	}
 	var cols []sqliteColumn
 	if err := sqlx.SelectContext(ctx, q, &cols, sqliteColumnsSQL, t.name, table.Schema); err != nil {
 		return nil, err
@@ -249,6 +244,12 @@ func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t 
 	byName := map[string]sqliteColumn{}
 	for _, c := range cols {
 		byName[strings.ToLower(c.Name)] = c
+	}
+	_, hasProcessedAt := byName[processedAt]
+	recreate := d.recreateScript(t, hasProcessedAt)
+	if table.Type != "table" {
+		ps.add(recreate, "%q is a %q, not a table", t.String(), table.Type)
+		return ps, nil
 	}
 	// SQLite cannot alter a column: every fix but the index's is the
 	// recreate script.
@@ -369,19 +370,56 @@ func (d sqliteDialect) checkObjects(ctx context.Context, q sqlx.QueryerContext, 
 	return nil
 }
 
+// sqliteNowMicros is the current time as whole Unix microseconds, UTC, by
+// julianday, which every SQLite has (unixepoch's 'subsec' needs 3.42: an
+// older sqlite3 shell running a script gives NULL).
+const sqliteNowMicros = "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)"
+
+// sqliteProcessedAtMicros converts the processed_at of a table made by hand
+// to whole Unix microseconds, UTC, whatever it holds: text (SQLite's
+// CURRENT_TIMESTAMP, ISO 8601, read by julianday as UTC), a Julian day
+// number (real, below 10^7), Unix seconds (below 10^11, in 1970 as
+// microseconds) or microseconds; the current time when it is none of these
+// (NULL, text julianday cannot read), so that such a row is kept for a whole
+// window rather than deleted by the next purge.
+const sqliteProcessedAtMicros = "COALESCE(CASE typeof(processed_at)" +
+	" WHEN 'integer' THEN CASE WHEN abs(processed_at) < 100000000000 THEN processed_at * 1000000 ELSE processed_at END" +
+	" WHEN 'real' THEN CASE WHEN abs(processed_at) < 10000000 THEN CAST((processed_at - 2440587.5) * 86400000000 AS INTEGER)" +
+	" WHEN abs(processed_at) < 100000000000 THEN CAST(processed_at * 1000000 AS INTEGER) ELSE CAST(processed_at AS INTEGER) END" +
+	" WHEN 'text' THEN CAST((julianday(processed_at) - 2440587.5) * 86400000000 AS INTEGER)" +
+	" END, " + sqliteNowMicros + ")"
+
 // recreateScript returns the statements that replace t with a table of the
-// canonical shape, keeping its rows: SQLite cannot alter a column.
-func (d sqliteDialect) recreateScript(t qualifiedName) string {
+// canonical shape, keeping its rows: SQLite cannot alter a column. Its
+// processed_at is converted to Unix microseconds (sqliteProcessedAtMicros);
+// a table without one gets the current time, so that its rows are kept a
+// whole window. The old table is left, renamed, for the operator to drop
+// once the rows are checked: a statement that fails in the sqlite3 shell
+// does not stop it (without .bail on), and a DROP after an INSERT that
+// failed lost every processed row.
+func (d sqliteDialect) recreateScript(t qualifiedName, hasProcessedAt bool) string {
 	old := oldName(t)
 	create := d.createSQL(t)
-	return "BEGIN IMMEDIATE;\n" +
+	at := sqliteNowMicros
+	if hasProcessedAt {
+		at = sqliteProcessedAtMicros
+	}
+	index := d.quote(t.indexName())
+	if t.schema != "" {
+		index = d.quote(t.schema) + "." + index
+	}
+	return "-- in the sqlite3 shell, run it with .bail on first, so that it stops at an error\n" +
+		"BEGIN IMMEDIATE;\n" +
 		"ALTER TABLE " + t.quoted(d) + " RENAME TO " + d.quote(old.name) + ";\n" +
+		// The old table's index of that name would keep create[1] from
+		// making the new one.
+		"DROP INDEX IF EXISTS " + index + ";\n" +
 		create[0] + ";\n" +
-		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, processed_at FROM " +
+		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, " + at + " FROM " +
 		old.quoted(d) + ";\n" +
-		"DROP TABLE " + old.quoted(d) + ";\n" +
 		create[1] + ";\n" +
-		"COMMIT;"
+		"COMMIT;\n" +
+		"-- then, once " + t.quoted(d) + " holds the rows of " + old.quoted(d) + ": DROP TABLE " + old.quoted(d) + ";"
 }
 
 // sqliteAffinity returns the type affinity SQLite gives a column of the
