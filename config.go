@@ -153,9 +153,13 @@ type Config struct {
 	// Fingerprint returns the part of a message that identifies its event,
 	// for ReusedIDs: leave out what a producer changes when it sends the
 	// same event again (a timestamp or trace id in the payload). The inbox
-	// stores the first 16 bytes of its SHA-256. It is called once per
-	// delivery, before the transaction begins, from every handler goroutine
-	// at once: it must be safe for concurrent use and must not modify msg.
+	// stores the first 16 bytes of its SHA-256. It is called before the
+	// transaction begins and, for a delivery that fails, once more after its
+	// rollback (to tell whether the handler changed what it is taken of,
+	// below), from every handler goroutine at once: it must be safe for
+	// concurrent use, cheap enough to run twice, and must not modify msg. A
+	// panic in it fails the delivery (nacked, OnFailed's Event.Err naming
+	// Config.Fingerprint) before anything is written.
 	// A handler that changed what it is taken of (decoded msg.Payload in
 	// place) and failed does not change what is stored: a later delivery
 	// of the key whose content is the changed one (a Retry's next attempt,

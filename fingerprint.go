@@ -121,7 +121,9 @@ func (c *changedFingerprints) remember(consumer, id string, claimed, changed []b
 // reused id. Content that is neither (a producer that reused the id) is
 // compared as its own.
 func (ib *Inbox) deliveryFingerprint(d *delivery) []byte {
+	d.userCode = "Config.Fingerprint"
 	fp := ib.contentFingerprint(d.msg)
+	d.userCode = ""
 	if fp == nil {
 		return nil
 	}

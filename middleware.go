@@ -148,6 +148,18 @@ type delivery struct {
 	claimFailed       bool          // BEGIN or the claim failed after the fingerprint was taken (recheckFingerprintColumn)
 	oddFingerprint    bool          // the duplicate's stored fingerprint is not 16 bytes (settleOddFingerprint)
 	waitAfterEnd      *atomic.Int32 // the database refused the claim as read-only: wait (waitBackoff on it) once rolled back
+	// userCode names the user code running, for the report of a panic in
+	// it: "Config.MessageID", "Config.Fingerprint"; "" is the handler.
+	userCode string
+}
+
+// panicked names what panicked in a delivery that did not return: the
+// handler unless other user code was running (delivery.userCode).
+func (d *delivery) panicked() string {
+	if d.userCode != "" {
+		return d.userCode
+	}
+	return "handler"
 }
 
 // handle runs the delivery and reports its outcome, whether run returned or
@@ -161,9 +173,12 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 		if !returned {
 			d.rememberChangedFingerprint()
 			if rbErr != nil {
-				d.ib.logger.get().Error("Inbox rollback failed after handler panic", rbErr, d.fields())
+				d.ib.logger.get().Error("Inbox rollback failed after a panic in the "+d.panicked(), rbErr, d.fields())
 			}
-			d.report(fmt.Errorf("inbox: handler panicked on %q/%q", d.consumer, d.id), true)
+			// Named, so that OnFailed and the span point at the code that
+			// panicked: a panic in Config.Fingerprint was reported as the
+			// handler's, which was never called.
+			d.report(fmt.Errorf("inbox: %s panicked on %q/%q", d.panicked(), d.consumer, d.id), true)
 			return
 		}
 		if rbErr != nil {
@@ -308,7 +323,9 @@ func (d *delivery) validate() error {
 			return fmt.Errorf("%w (message %q: set Config.Consumer or run the middleware in a router)", err, msg.UUID)
 		}
 	}
+	d.userCode = "Config.MessageID"
 	id, err := ib.messageID(msg)
+	d.userCode = ""
 	if err != nil {
 		return &wrapped{msg: fmt.Sprintf("inbox: message id of message %q", msg.UUID), err: err}
 	}
@@ -734,7 +751,7 @@ func (d *delivery) report(err error, panicked bool) {
 	switch {
 	case err != nil:
 		if panicked {
-			d.span.SetStatus(codes.Error, "handler panicked")
+			d.span.SetStatus(codes.Error, d.panicked()+" panicked")
 		} else {
 			d.span.RecordError(err)
 			d.span.SetStatus(codes.Error, err.Error())
