@@ -40,7 +40,8 @@ func addWindowFlags(fs *flag.FlagSet, olderThanUsage string) *windowFlags {
 
 // check reports the usage errors of the flags: -brokers and -topics go
 // together, as -nats-url and -nats-stream do, and one source at most; a
-// negative -older-than; and, when required, no window at all.
+// negative -older-than; a -margin that is not positive; and, when
+// required, no window at all.
 func (w *windowFlags) check(required bool) error {
 	brokerList, topicList := splitList(w.brokers), splitList(w.topics)
 	if (len(brokerList) == 0) != (len(topicList) == 0) {
@@ -51,6 +52,11 @@ func (w *windowFlags) check(required bool) error {
 	}
 	if w.olderThan < 0 {
 		return fmt.Errorf("%w: -older-than must be a positive duration, got %v", errUsage, w.olderThan)
+	}
+	if w.margin <= 0 {
+		// kafkaretention and jetstreamretention read a zero margin as
+		// their default (24h): -margin 0 was that, silently.
+		return fmt.Errorf("%w: -margin must be a positive duration (it covers a consumer that falls behind), got %v", errUsage, w.margin)
 	}
 	if required && !w.given() {
 		return fmt.Errorf("%w: -older-than is required (a positive duration) unless -brokers and -topics (or -nats-url and -nats-stream) give the window", errUsage)

@@ -151,6 +151,8 @@ func TestStatsWindowFlagsUsageErrors(t *testing.T) {
 	for _, args := range [][]string{
 		{"-older-than", "-1h"},
 		{"-purge-lag", "-1h"},
+		{"-older-than", "1h", "-margin", "0"},
+		{"-nats-url", "nats://127.0.0.1:4222", "-nats-stream", "ORDERS", "-margin", "0"},
 		{"-brokers", "127.0.0.1:9092"},
 		{"-nats-url", "nats://127.0.0.1:4222"},
 		{"-nats-url", "nats://127.0.0.1:4222", "-nats-stream", "ORDERS", "-brokers", "127.0.0.1:9092", "-topics", "orders"},
