@@ -409,7 +409,9 @@ type Outbox struct {
 	// warning about a relay never added went nowhere.
 	inboxLogger atomic.Pointer[componentLogger]
 	// otherDBNoted: an inbox on another database handle than
-	// OutboxConfig.DB wrote here, and its logger said so (once).
+	// OutboxConfig.DB wrote here, and its logger said so (once); or, for
+	// a transaction that is not of a *sql.DB (pgxinbox's), the databases
+	// were compared once (noteOtherDatabase).
 	otherDBNoted atomic.Bool
 	// readLimit is the most rows a round reads now, below cfg.BatchSize
 	// after a read stopped by a statement timeout (0: cfg.BatchSize), and
@@ -1024,9 +1026,43 @@ func (w *outboxWriter) bindTx(ctx context.Context, ended func() bool, inboxDB, p
 			" handles reach the same database they are never sent; give both the same *sqlx.DB",
 			watermill.LogFields{"outbox_table": w.o.target().table.String()})
 	}
+	if w.tx == nil && w.lookUp != nil && logger != nil && !logger.nop() && w.o.resolvesSchema() && w.o.otherDBNoted.CompareAndSwap(false, true) {
+		w.noteOtherDatabase(ctx, logger)
+	}
 	if w.tx != nil && w.target().sql.claimedInsert != nil {
 		w.claim = claim
 	}
+}
+
+// pgDatabaseIdentity names the PostgreSQL database a session is on, the
+// same through any pooler and whatever the session's settings: its name
+// and its server's start time, as a number.
+const pgDatabaseIdentity = "SELECT pg_catalog.current_database()::text || ' ' || " +
+	"EXTRACT(EPOCH FROM pg_catalog.pg_postmaster_start_time())::text"
+
+// noteOtherDatabase is bindTx's check of another database for a writer
+// bound to a transaction it reads through lookUp (pgxinbox's, whose
+// transactions are not of a *sql.DB to compare with OutboxConfig.DB):
+// once per Outbox, before the handler runs, it reads which database the
+// transaction is on and which OutboxConfig.DB is on and, when they differ,
+// says at Info that the messages are written where the relay never reads
+// them (they were committed and never sent, with nothing said). A read
+// that fails says nothing: the check is advice, and the transaction's
+// failed read would be the delivery's error anyway.
+func (w *outboxWriter) noteOtherDatabase(ctx context.Context, logger *componentLogger) {
+	var inTx, ofDB string
+	if err := w.lookUp(ctx, pgDatabaseIdentity, nil, &inTx); err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, pinWriteWait) // the caller may hold the pool's last connection
+	defer cancel()
+	if err := w.o.cfg.DB.QueryRowContext(ctx, pgDatabaseIdentity).Scan(&ofDB); err != nil || inTx == ofDB {
+		return
+	}
+	logger.get().Info("Inbox: the Outbox's DB (OutboxConfig.DB) is on another database than the inbox's transactions:"+
+		" its messages are written in the inbox's database, and its relay reads OutboxConfig.DB's, so they are never sent;"+
+		" give the Outbox a DB on the inbox's database (pgxinbox.DB(pool) of the inbox's pool)",
+		watermill.LogFields{"outbox_table": w.o.target().table.String(), "inbox_database": inTx, "outbox_database": ofDB})
 }
 
 // erUnknownSystemVariable is MySQL's ER_UNKNOWN_SYSTEM_VARIABLE, what
