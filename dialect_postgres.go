@@ -445,6 +445,52 @@ func (d postgresDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, 
 	return ps, nil
 }
 
+// pgCopiedColumns is what a recreate script copies of a table's columns
+// besides its key: the expression of its processed_at as a timestamptz,
+// and whether it has a fingerprint column of Config.ReusedIDs.
+type pgCopiedColumns struct {
+	processedAt string
+	fingerprint bool
+}
+
+// pgReadCopiedColumns reads the columns of t for pgCopiedColumnsOf.
+func pgReadCopiedColumns(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) (pgCopiedColumns, error) {
+	var cols []pgColumn
+	if err := sqlx.SelectContext(ctx, q, &cols, pgColumnsSQL, t.quoted(d)); err != nil {
+		return pgCopiedColumns{}, err
+	}
+	byName := map[string]pgColumn{}
+	for _, c := range cols {
+		byName[c.Name] = c
+	}
+	return pgCopiedColumnsOf(ctx, q, byName)
+}
+
+// pgCopiedColumnsOf returns what a recreate script or a fix copies of the
+// columns byName: processed_at as it is (timestamptz), read in the
+// session's time zone (a timestamp without time zone, written in the
+// inbox's sessions, which this one is), or now() when there is none, so
+// that a row is kept a whole window; the fingerprint when it is a bytea.
+func pgCopiedColumnsOf(ctx context.Context, q sqlx.QueryerContext, byName map[string]pgColumn) (pgCopiedColumns, error) {
+	from := pgCopiedColumns{processedAt: processedAt}
+	switch c, ok := byName[processedAt]; {
+	case !ok:
+		from.processedAt = "now()"
+	case c.Kind == "timestamp":
+		var tz string
+		if err := sqlx.GetContext(ctx, q, &tz, "SELECT quote_literal(current_setting('TimeZone'))"); err != nil {
+			return from, err
+		}
+		from.processedAt = processedAt + " AT TIME ZONE " + tz
+	case c.Kind != "timestamptz":
+		from.processedAt = processedAt + "::timestamptz" // text, date: what a cast makes of it, or an error that names the column
+	}
+	if c, ok := byName["fingerprint"]; ok && c.Kind == "bytea" {
+		from.fingerprint = true
+	}
+	return from, nil
+}
+
 // pgCheckCommon adds the problems of the database encoding, the columns and
 // the primary key, which must be exactly pk. When partitioned, processed_at
 // is the partition key, whose type cannot be altered in place.
@@ -478,9 +524,17 @@ func pgCheckCommon(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qual
 			ps.add("ALTER TABLE "+tq+" ALTER COLUMN "+name+" SET NOT NULL", "column %q is nullable", name)
 		}
 	}
-	fix := "ALTER TABLE " + tq + " ALTER COLUMN " + processedAt + " TYPE timestamptz"
+	from, err := pgCopiedColumnsOf(ctx, q, byName)
+	if err != nil {
+		return err
+	}
+	// A timestamp without time zone holds the wall time of the session
+	// that wrote it: read in the checking session's time zone (the
+	// inbox's), whoever runs the fix; converted in the runner's, a row
+	// moved by the difference, and the purge deleted it early or late.
+	fix := "ALTER TABLE " + tq + " ALTER COLUMN " + processedAt + " TYPE timestamptz USING " + from.processedAt
 	if partitioned {
-		fix = postgresPartitionedDialect{}.recreateScript(t)
+		fix = postgresPartitionedDialect{}.recreateScript(t, from)
 	}
 	switch c, ok := byName[processedAt]; {
 	case !ok:

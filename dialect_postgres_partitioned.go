@@ -160,7 +160,11 @@ func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.Query
 		return nil, err
 	}
 	var ps problems
-	recreate := d.recreateScript(t)
+	from, err := pgReadCopiedColumns(ctx, q, d, t)
+	if err != nil {
+		return nil, err
+	}
+	recreate := d.recreateScript(t, from)
 	switch rel.Kind {
 	case "p":
 	case "r":
@@ -207,19 +211,26 @@ func (d postgresPartitionedDialect) checkTable(ctx context.Context, q sqlx.Query
 	return ps, nil
 }
 
-// recreateScript returns the statements that replace t with a partitioned
-// table of the canonical shape, keeping its rows. The old table is left
-// for the operator to drop once the rows are checked: piped to psql
-// without the step between (the partitioned table and its partitions),
-// the INSERT failed and a DROP after it, outside a transaction, lost every
-// processed row.
-func (d postgresPartitionedDialect) recreateScript(t qualifiedName) string {
+// recreateScript returns the statements that replace t, whose columns are
+// from, with a partitioned table of the canonical shape, keeping its rows:
+// their key, the time each was processed (a timestamp without time zone
+// read in the checking session's time zone, in which the inbox wrote it)
+// and the fingerprint of Config.ReusedIDs (left out, a reused id with
+// other content was acked as a duplicate after the move, its event lost).
+// The old table is left for the operator to drop once the rows are
+// checked: piped to psql without the step between (the partitioned table
+// and its partitions), the INSERT failed and a DROP after it, outside a
+// transaction, lost every processed row.
+func (d postgresPartitionedDialect) recreateScript(t qualifiedName, from pgCopiedColumns) string {
 	old := oldName(t)
+	cols, values := "consumer, message_id, processed_at", "consumer, message_id, "+from.processedAt
+	if from.fingerprint {
+		cols, values = cols+", fingerprint", values+", fingerprint"
+	}
 	return "ALTER TABLE " + t.quoted(d) + " RENAME TO " + d.quote(old.name) + ";\n" +
 		"-- Create the partitioned table (the canonical DDL below, or InitializeSchema) and the partitions\n" +
 		"-- for the time of the existing rows (CreatePartitions), then copy the rows:\n" +
-		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, processed_at FROM " +
-		old.quoted(d) + ";\n" +
+		"INSERT INTO " + t.quoted(d) + " (" + cols + ") SELECT " + values + " FROM " + old.quoted(d) + ";\n" +
 		"-- then, once " + t.quoted(d) + " holds the rows of " + old.quoted(d) + ": DROP TABLE " + old.quoted(d) + ";"
 }
 

@@ -246,7 +246,8 @@ func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t 
 		byName[strings.ToLower(c.Name)] = c
 	}
 	_, hasProcessedAt := byName[processedAt]
-	recreate := d.recreateScript(t, hasProcessedAt)
+	_, hasFingerprint := byName["fingerprint"]
+	recreate := d.recreateScript(t, hasProcessedAt, hasFingerprint)
 	if table.Type != "table" {
 		ps.add(recreate, "%q is a %q, not a table", t.String(), table.Type)
 		return ps, nil
@@ -378,31 +379,39 @@ const sqliteNowMicros = "CAST((julianday('now') - 2440587.5) * 86400000000 AS IN
 // sqliteProcessedAtMicros converts the processed_at of a table made by hand
 // to whole Unix microseconds, UTC, whatever it holds: text (SQLite's
 // CURRENT_TIMESTAMP, ISO 8601, read by julianday as UTC), a Julian day
-// number (real, below 10^7), Unix seconds (below 10^11, in 1970 as
-// microseconds) or microseconds; the current time when it is none of these
-// (NULL, text julianday cannot read), so that such a row is kept for a whole
-// window rather than deleted by the next purge.
-const sqliteProcessedAtMicros = "COALESCE(CASE typeof(processed_at)" +
-	" WHEN 'integer' THEN CASE WHEN abs(processed_at) < 100000000000 THEN processed_at * 1000000 ELSE processed_at END" +
-	" WHEN 'real' THEN CASE WHEN abs(processed_at) < 10000000 THEN CAST((processed_at - 2440587.5) * 86400000000 AS INTEGER)" +
-	" WHEN abs(processed_at) < 100000000000 THEN CAST(processed_at * 1000000 AS INTEGER) ELSE CAST(processed_at AS INTEGER) END" +
-	" WHEN 'text' THEN CAST((julianday(processed_at) - 2440587.5) * 86400000000 AS INTEGER)" +
-	" END, " + sqliteNowMicros + ")"
+// number (real, below 10^7), or a Unix time told by its size for any time
+// from 1973 to 5138: seconds below 10^11, milliseconds below 10^14,
+// microseconds below 10^17, nanoseconds above; the current time when it is
+// none of these (NULL, text julianday cannot read), so that such a row is
+// kept for a whole window rather than deleted by the next purge.
+const sqliteProcessedAtMicros = "COALESCE(CASE" +
+	" WHEN typeof(processed_at) = 'text' THEN CAST((julianday(processed_at) - 2440587.5) * 86400000000 AS INTEGER)" +
+	" WHEN typeof(processed_at) NOT IN ('integer', 'real') THEN NULL" +
+	" WHEN typeof(processed_at) = 'real' AND abs(processed_at) < 10000000 THEN CAST((processed_at - 2440587.5) * 86400000000 AS INTEGER)" +
+	" WHEN abs(processed_at) < 100000000000 THEN CAST(processed_at * 1000000 AS INTEGER)" +
+	" WHEN abs(processed_at) < 100000000000000 THEN CAST(processed_at * 1000 AS INTEGER)" +
+	" WHEN abs(processed_at) < 100000000000000000 THEN CAST(processed_at AS INTEGER)" +
+	" ELSE CAST(processed_at / 1000 AS INTEGER) END, " + sqliteNowMicros + ")"
 
 // recreateScript returns the statements that replace t with a table of the
 // canonical shape, keeping its rows: SQLite cannot alter a column. Its
 // processed_at is converted to Unix microseconds (sqliteProcessedAtMicros);
 // a table without one gets the current time, so that its rows are kept a
-// whole window. The old table is left, renamed, for the operator to drop
+// whole window; its fingerprints are kept. The old table is left, renamed, for the operator to drop
 // once the rows are checked: a statement that fails in the sqlite3 shell
 // does not stop it (without .bail on), and a DROP after an INSERT that
 // failed lost every processed row.
-func (d sqliteDialect) recreateScript(t qualifiedName, hasProcessedAt bool) string {
+func (d sqliteDialect) recreateScript(t qualifiedName, hasProcessedAt, hasFingerprint bool) string {
 	old := oldName(t)
 	create := d.createSQL(t)
-	at := sqliteNowMicros
+	cols, values := "consumer, message_id, processed_at", "consumer, message_id, "+sqliteNowMicros
 	if hasProcessedAt {
-		at = sqliteProcessedAtMicros
+		values = "consumer, message_id, " + sqliteProcessedAtMicros
+	}
+	if hasFingerprint {
+		// Config.ReusedIDs's: left out, a reused id with other content was
+		// acked as a duplicate after the script, its event lost.
+		cols, values = cols+", fingerprint", values+", fingerprint"
 	}
 	index := d.quote(t.indexName())
 	if t.schema != "" {
@@ -415,8 +424,7 @@ func (d sqliteDialect) recreateScript(t qualifiedName, hasProcessedAt bool) stri
 		// making the new one.
 		"DROP INDEX IF EXISTS " + index + ";\n" +
 		create[0] + ";\n" +
-		"INSERT INTO " + t.quoted(d) + " (consumer, message_id, processed_at) SELECT consumer, message_id, " + at + " FROM " +
-		old.quoted(d) + ";\n" +
+		"INSERT INTO " + t.quoted(d) + " (" + cols + ") SELECT " + values + " FROM " + old.quoted(d) + ";\n" +
 		create[1] + ";\n" +
 		"COMMIT;\n" +
 		"-- then, once " + t.quoted(d) + " holds the rows of " + old.quoted(d) + ": DROP TABLE " + old.quoted(d) + ";"

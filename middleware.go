@@ -149,7 +149,8 @@ type delivery struct {
 	oddFingerprint    bool          // the duplicate's stored fingerprint is not 16 bytes (settleOddFingerprint)
 	waitAfterEnd      *atomic.Int32 // the database refused the claim as read-only: wait (waitBackoff on it) once rolled back
 	// userCode names the user code running, for the report of a panic in
-	// it: "Config.MessageID", "Config.Fingerprint"; "" is the handler.
+	// it: "Config.MessageID", "Config.Fingerprint", "Config.Outbox"; "" is
+	// the handler.
 	userCode string
 }
 
@@ -371,7 +372,10 @@ func (d *delivery) begin() {
 // runHandler calls the Outbox factory and then the handler, with the
 // transaction in the message's context.
 func (d *delivery) runHandler() ([]*message.Message, error) {
-	if err := d.tx.newState(d.ib, &d.stateValue); err != nil {
+	d.userCode = "Config.Outbox"
+	err := d.tx.newState(d.ib, &d.stateValue)
+	d.userCode = ""
+	if err != nil {
 		return nil, fmt.Errorf("inbox: outbox publisher for %q/%q: %w", d.consumer, d.id, err)
 	}
 	d.state = &d.stateValue

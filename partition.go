@@ -1248,8 +1248,10 @@ func listPartitions(ctx context.Context, db sqlx.QueryerContext, t qualifiedName
 // library's days or weeks, pg_partman's months, one made by hand). 0 when
 // no partition holds such rows or the oldest has not ended yet; a DEFAULT
 // partition and one unbounded above count with their oldest row's age.
-// Reads the catalog and one row of each partition in a read-only
-// transaction; safe for concurrent use. Errors: an invalid consumer wraps
+// Reads the catalog and, through the table (so that SELECT on it is the
+// only privilege needed, as for Stats), one row of each partition's range
+// in a read-only transaction; a DEFAULT partition is read directly. Safe
+// for concurrent use. Errors: an invalid consumer wraps
 // ErrInvalidConsumer, a bad name ErrInvalidTableName, others the driver's.
 // table "": DefaultTable.
 func OldestPartitionAge(ctx context.Context, db *sqlx.DB, table, consumer string) (time.Duration, bool, error) {
@@ -1276,13 +1278,63 @@ func OldestPartitionAge(ctx context.Context, db *sqlx.DB, table, consumer string
 		if partitioned = tp.partitioned; err != nil || !partitioned {
 			return err
 		}
-		age, err = oldestPartitionAge(ctx, q, t, consumer)
+		age, err = oldestPartitionAgeThroughParent(ctx, q, t, tp, consumer)
 		return err
 	})
 	if err != nil {
 		return 0, false, fmt.Errorf("inbox: oldest partition of %s: %w", t, err)
 	}
 	return age, partitioned, nil
+}
+
+// oldestPartitionAgeThroughParent is oldestPartitionAge read through t
+// rather than from each partition (OldestPartitionAge: a role granted
+// SELECT on the table may not read its partitions), each range a
+// statement whose bounds are literals, so that the planner prunes the
+// other partitions. A partition whose DETACH is pending is not seen
+// through t, and not counted (the purge finishes and drops it).
+func oldestPartitionAgeThroughParent(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, tp tablePartitions, consumer string) (time.Duration, error) {
+	d := PostgreSQLPartitioned
+	var args []any
+	where := ""
+	if consumer != "" {
+		where, args = " AND consumer = $1", []any{consumer}
+	}
+	var oldest time.Duration
+	if tp.defaults.name != "" {
+		var age sql.NullInt64
+		query := "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " +
+			tp.defaults.quoted(d) + " WHERE true" + where
+		if err := sqlx.GetContext(ctx, q, &age, query, args...); err != nil {
+			return 0, err
+		}
+		oldest = time.Duration(age.Int64) * time.Microsecond
+	}
+	for _, p := range tp.ranges {
+		inRange := "true"
+		if !p.start.IsZero() {
+			inRange = "processed_at >= " + pgTimestampConstant(p.start.UnixMicro())
+		}
+		var query string
+		if p.end.IsZero() { // MAXVALUE: no end to go by
+			query = "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM " + t.quoted(d) +
+				" WHERE " + inRange + where
+		} else {
+			end := pgTimestampConstant(p.end.UnixMicro())
+			query = "SELECT GREATEST(CAST(EXTRACT(EPOCH FROM now() - " + end + ") * 1000000 AS bigint), 0) WHERE EXISTS (SELECT 1 FROM " +
+				t.quoted(d) + " WHERE " + inRange + " AND processed_at < " + end + where + ")"
+		}
+		var age sql.NullInt64
+		err := sqlx.GetContext(ctx, q, &age, query, args...)
+		if errors.Is(err, sql.ErrNoRows) || (err == nil && !age.Valid) {
+			continue // empty
+		}
+		if err != nil {
+			return 0, err
+		}
+		return max(oldest, time.Duration(age.Int64)*time.Microsecond), nil
+	}
+	return oldest, nil
 }
 
 // oldestPartitionAge returns how long ago the oldest non-empty partition of

@@ -40,7 +40,8 @@ func addWindowFlags(fs *flag.FlagSet, olderThanUsage string) *windowFlags {
 
 // check reports the usage errors of the flags: -brokers and -topics go
 // together, as -nats-url and -nats-stream do, and one source at most; a
-// negative -older-than; a -margin that is not positive; and, when
+// negative -older-than; a -margin or -future-timestamps that is not
+// positive; and, when
 // required, no window at all.
 func (w *windowFlags) check(required bool) error {
 	brokerList, topicList := splitList(w.brokers), splitList(w.topics)
@@ -52,6 +53,11 @@ func (w *windowFlags) check(required bool) error {
 	}
 	if w.olderThan < 0 {
 		return fmt.Errorf("%w: -older-than must be a positive duration, got %v", errUsage, w.olderThan)
+	}
+	if w.future <= 0 {
+		// kafkaretention reads 0 as its default (1h), as it does -margin.
+		return fmt.Errorf("%w: -future-timestamps must be a positive duration (how far ahead of the brokers' clocks producers"+
+			" may stamp records), got %v", errUsage, w.future)
 	}
 	if w.margin <= 0 {
 		// kafkaretention and jetstreamretention read a zero margin as
@@ -187,7 +193,9 @@ func readHeadroom(ctx context.Context, db *sqlx.DB, d inbox.Dialect, table, cons
 	case !h.empty:
 		h.oldestAge = max(st.ReadAt.Sub(st.Oldest), 0) // by the database clock, as the purge's cutoff
 	}
-	if db.DriverName() == "pgx" && !h.empty {
+	// A purge limited to a consumer deletes its rows one by one, in any
+	// partition: its oldest row's age says whether it is behind.
+	if db.DriverName() == "pgx" && !h.empty && consumer == "" {
 		age, partitioned, err := inbox.OldestPartitionAge(ctx, db, table, consumer)
 		if err != nil {
 			return h, err
