@@ -585,6 +585,9 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isPrivilegeRefusal(err) {
 			return t, false, d.refusedPrivilegeClaim(err)
 		}
+		if isUndefinedTable(err) {
+			return t, false, d.missingTableClaim(err)
+		}
 		// Name the table: a missing one is the most common first error.
 		return t, false, fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 	}
@@ -632,6 +635,21 @@ func (d *delivery) missingPartitionClaim(err error) error {
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w: no partition holds the database's current"+
 		" time; create partitions ahead (a Purger, InitializeSchema, inbox.CreatePartitions, `inbox partitions`): %w",
 		d.consumer, d.id, d.ib.table, ErrIncompatibleTable, err)}
+}
+
+// missingTableClaim returns the error of a claim that found no inbox table
+// (isUndefinedTable): dropped or renamed after the table's first check
+// passed (a migration, a restore, an operator). The message is not at
+// fault: the error wraps ErrTableNotFound and is transient, as the first
+// check's is, the delivery waits as after that check, and the next
+// delivery checks the table again, with its fix. It was the claim's error,
+// not transient: the default poison filter took every message, acked, and
+// the topic drained into the poison queue.
+func (d *delivery) missingTableClaim(err error) error {
+	d.ib.verified.Store(false)
+	d.waitAfterEnd = &d.ib.tableFailures // once rolled back: the transaction holds a connection
+	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q: %w: %s (dropped or renamed since the inbox checked it;"+
+		" InitializeSchema, or Inbox.Verify for the fix): %w", d.consumer, d.id, ErrTableNotFound, d.ib.table, err)}
 }
 
 // refusedPrivilegeClaim returns the error of a claim the database refused

@@ -118,6 +118,8 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 			err = d.missingPartitionClaim(err)
 		case step != nil && step.Step == backend.StepClaim && isPrivilegeRefusal(err):
 			err = d.refusedPrivilegeClaim(err)
+		case step != nil && step.Step == backend.StepClaim && isUndefinedTable(err):
+			err = d.missingTableClaim(err)
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 		default:

@@ -9,6 +9,7 @@ import (
 	"net"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -539,6 +540,20 @@ func isReadOnlyRefusal(err error) bool {
 // ER_COLUMNACCESS_DENIED_ERROR (1143), SQLite's SQLITE_AUTH (23).
 func isPrivilegeRefusal(err error) bool {
 	return hasRefusalCode(err, "42501", sqliteAuth, 1044, 1142, 1143)
+}
+
+// isUndefinedTable reports whether err says a table the statement names
+// does not exist: PostgreSQL's 42P01 (undefined_table), MySQL/MariaDB's
+// ER_NO_SUCH_TABLE, or SQLite's "no such table", whose result code is the
+// generic SQLITE_ERROR.
+func isUndefinedTable(err error) bool {
+	if hasRefusalCode(err, "42P01", -1, erNoSuchTable) {
+		return true
+	}
+	return anyInChain(err, func(e error) bool {
+		code, ok := sqliteResultCode(e)
+		return ok && code == 1 && strings.Contains(e.Error(), "no such table")
+	})
 }
 
 // hasRefusalCode reports whether err's chain holds a driver error with
