@@ -290,9 +290,12 @@ func (o *Outbox) RouterPlugin(r *message.Router) error {
 	return nil
 }
 
-// Verify checks that the outbox table and its dead-letter table exist and
-// that the relay can read the outbox: an error wrapping ErrTableNotFound
-// (run InitializeSchema, or apply SchemaSQL) or the driver's error, also
+// Verify checks that the outbox table and its dead-letter table exist, keep
+// what commits (an error wrapping ErrIncompatibleTable with the fix for a
+// MySQL/MariaDB table not on InnoDB, an UNLOGGED PostgreSQL table, an id
+// narrower than bigint) and that the relay can read the outbox: an error
+// wrapping ErrTableNotFound (run InitializeSchema, or apply SchemaSQL) or
+// the driver's error, also
 // when the database user lacks a privilege the relay needs or the server
 // its syntax (FOR UPDATE SKIP LOCKED: MySQL 8.0.4+, MariaDB 10.6+;
 // JSON_TABLE on MySQL/MariaDB). It reads the catalog and runs each kind of
@@ -318,6 +321,9 @@ func (o *Outbox) Verify(ctx context.Context) error {
 				return fmt.Errorf("%w: %s %q does not exist: run Outbox.InitializeSchema, or apply Outbox.SchemaSQL"+
 					" with your migrations", ErrTableNotFound, what, t.String())
 			}
+		}
+		if err := checkOutboxDurable(ctx, q, o.dialect, target.table, target.dead); err != nil {
+			return err
 		}
 		if o.dialect.server() == serverPostgreSQL {
 			if err := checkOutboxIDCache(ctx, q, target.table.quoted(o.dialect)); err != nil {
@@ -345,6 +351,72 @@ func (o *Outbox) Verify(ctx context.Context) error {
 		return nil
 	})
 	return poolerHint(err)
+}
+
+// checkOutboxDurable refuses, with ErrIncompatibleTable and the statement
+// that fixes it, an outbox table or dead-letter table (made by hand, or
+// altered) that does not keep what its transactions commit, as the inbox
+// table's check refuses them: on MySQL/MariaDB a storage engine other than
+// InnoDB (MyISAM keeps a handler's outputs when its transaction rolls back,
+// and the relay sends messages of a transaction that never committed); on
+// PostgreSQL an UNLOGGED table (crash recovery empties it: committed
+// messages lost); and an outbox id narrower than 64 bits (an integer runs
+// out after 2^31 messages, and every handler's transaction then fails on
+// its insert). SQLite's INTEGER PRIMARY KEY is always 64 bits.
+func checkOutboxDurable(ctx context.Context, q sqlx.QueryerContext, d Dialect, tables ...qualifiedName) error {
+	for i, t := range tables {
+		var problem, fix string
+		switch d.server() {
+		case serverPostgreSQL:
+			var kind struct {
+				Persistence string `db:"persistence"`
+				IDType      string `db:"id_type"`
+			}
+			err := sqlx.GetContext(ctx, q, &kind, `SELECT c.relpersistence::text AS persistence,
+				COALESCE((SELECT format_type(a.atttypid, NULL) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'id'
+					AND NOT a.attisdropped), '') AS id_type
+				FROM pg_class c WHERE c.oid = to_regclass($1)`, t.quoted(d))
+			if err != nil {
+				return fmt.Errorf("inbox: outbox table %q: read its kind: %w", t, err)
+			}
+			switch {
+			case kind.Persistence == "u":
+				problem, fix = "is UNLOGGED: crash recovery empties it, and committed messages are lost", "ALTER TABLE "+t.quoted(d)+" SET LOGGED"
+			case i == 0 && kind.IDType != "" && kind.IDType != "bigint":
+				problem, fix = "has an id of type "+kind.IDType+", which runs out (after 2^31 messages for an integer), and every"+
+					" handler's transaction then fails on its insert", "ALTER TABLE "+t.quoted(d)+" ALTER COLUMN id TYPE bigint"+
+					" (and ALTER SEQUENCE … AS bigint for the sequence of its default or identity)"
+			}
+		case serverMySQL:
+			var kind struct {
+				Engine string `db:"engine"`
+				IDType string `db:"id_type"`
+			}
+			schema, args := "DATABASE()", []any{t.name}
+			if t.schema != "" {
+				schema, args = "?", []any{t.name, t.schema}
+			}
+			err := sqlx.GetContext(ctx, q, &kind, `SELECT COALESCE(t.ENGINE, '') AS engine,
+				COALESCE((SELECT c.DATA_TYPE FROM information_schema.COLUMNS c WHERE c.TABLE_SCHEMA = t.TABLE_SCHEMA
+					AND c.TABLE_NAME = t.TABLE_NAME AND c.COLUMN_NAME = 'id'), '') AS id_type
+				FROM information_schema.TABLES t WHERE t.TABLE_NAME = ? AND t.TABLE_SCHEMA = `+schema, args...)
+			if err != nil {
+				return fmt.Errorf("inbox: outbox table %q: read its engine: %w", t, err)
+			}
+			switch {
+			case kind.Engine != "" && !strings.EqualFold(kind.Engine, "InnoDB"):
+				problem, fix = "uses the storage engine "+kind.Engine+", not InnoDB: a handler's outputs written to it stay when its"+
+					" transaction rolls back, and the relay sends them", "ALTER TABLE "+t.quoted(d)+" ENGINE=InnoDB"
+			case i == 0 && kind.IDType != "" && !strings.EqualFold(kind.IDType, "bigint"):
+				problem, fix = "has an id of type "+kind.IDType+", which runs out, and every handler's transaction then fails on its insert",
+					"ALTER TABLE "+t.quoted(d)+" MODIFY id bigint NOT NULL AUTO_INCREMENT"
+			}
+		}
+		if problem != "" {
+			return fmt.Errorf("%w: outbox table %q %s; fix: %s", ErrIncompatibleTable, t.String(), problem, fix)
+		}
+	}
+	return nil
 }
 
 // checkOutboxIDCache refuses, with ErrIncompatibleTable, a PostgreSQL
