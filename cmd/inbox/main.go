@@ -58,6 +58,7 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -165,7 +166,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 0
 	case errors.Is(err, flag.ErrHelp):
 		return 0
-	case errors.Is(err, errUsage) || errors.Is(err, inbox.ErrInvalidConfig) || errors.Is(err, inbox.ErrInvalidTableName):
+	case errors.Is(err, errUsage) || errors.Is(err, inbox.ErrInvalidConfig) || errors.Is(err, inbox.ErrInvalidTableName) ||
+		errors.Is(err, inbox.ErrInvalidConsumer):
 		fmt.Fprintf(stderr, "%s\nRun \"inbox -h\" for usage.\n", prefixed(err))
 		return 2
 	case errors.Is(err, inbox.ErrTableNotFound):
@@ -215,7 +217,16 @@ func parse(fs *flag.FlagSet, args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
 	}
-	return nil
+	var empty error
+	fs.Visit(func(f *flag.Flag) {
+		// A script's unset variable (-table "$INBOX_TABLE") ran on the
+		// default table, and the output named none.
+		g, ok := f.Value.(flag.Getter) // a string flag; a Func flag checks its own value
+		if ok && strings.HasSuffix(f.Name, "table") && g.Get() == "" && empty == nil {
+			empty = fmt.Errorf("%w: -%s is empty: name a table, or leave the flag out for its default", errUsage, f.Name)
+		}
+	})
+	return empty
 }
 
 var dialects = map[string]inbox.Dialect{
@@ -644,6 +655,11 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *maxPause <= 0 {
 		return fmt.Errorf("%w: -max-pause must be positive, got %v", errUsage, *maxPause)
 	}
+	if *batch <= 0 {
+		// The library reads 0 as its default, and the last line said
+		// "batches of 0".
+		return fmt.Errorf("%w: -batch must be positive, got %d", errUsage, *batch)
+	}
 	db, d, err := c.open(ctx, false)
 	if err != nil {
 		return err
@@ -790,7 +806,13 @@ func withCause(ctx context.Context, err error) error {
 func firstLineOf(s string, max int) string {
 	line, _, more := strings.Cut(s, "\n")
 	if len(line) > max {
-		return line[:max] + "..."
+		// On a character's boundary: cut inside one, the output was no
+		// longer UTF-8, and grep called it a binary file.
+		cut := max
+		for cut > 0 && !utf8.RuneStart(line[cut]) {
+			cut--
+		}
+		return line[:cut] + "..."
 	}
 	if more {
 		return line + " ..."
