@@ -105,7 +105,12 @@ type Inbox struct {
 	outboxTables      []qualifiedName // Config.OutboxTables: checked with the inbox table
 	tableFailures     atomic.Int32    // consecutive deliveries that met a table error (waitAfterTableError)
 	refusedClaims     atomic.Int32    // consecutive claims refused for the database's state: read-only, no partition (readOnlyClaim, missingPartitionClaim)
-	poolExhausted     func() bool     // every connection of the pool the transactions use is in use
+	// refusedOutputs counts consecutive deliveries whose returned messages
+	// had nowhere to go (publishToOutbox), until a delivery commits: not
+	// refusedClaims, which the claim before the handler reset, so that the
+	// wait never grew past its first 100 ms.
+	refusedOutputs atomic.Int32
+	poolExhausted  func() bool // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
 }
