@@ -54,10 +54,14 @@ func (postgresDialect) fingerprintColumn() string { return "fingerprint  bytea" 
 
 // The type, followed by fingerprintNotGranted when the session's user may
 // not both read and write the column: a column-level GRANT made before the
-// column was added does not cover it (a table-level one does).
+// column was added does not cover it (a table-level one does). A user who
+// may insert into no column of the table at all is not told of this one:
+// the table's check refuses it for the table (permission denied), which a
+// GRANT of this column alone would not fix.
 func (d postgresDialect) fingerprintColumnSQL(t qualifiedName) (string, []any) {
 	return "SELECT format_type(atttypid, atttypmod) || CASE WHEN has_column_privilege(attrelid, attnum, 'SELECT')" +
-		" AND has_column_privilege(attrelid, attnum, 'INSERT') THEN '' ELSE '" + fingerprintNotGranted + "' END FROM pg_attribute" +
+		" AND has_column_privilege(attrelid, attnum, 'INSERT') OR NOT has_any_column_privilege(attrelid, 'INSERT')" +
+		" THEN '' ELSE '" + fingerprintNotGranted + "' END FROM pg_attribute" +
 		" WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped", []any{t.quoted(d)}
 }
 

@@ -620,8 +620,10 @@ func (o *Outbox) lookUpTarget(ctx context.Context, queryRow outboxQueryRow) (t *
 }
 
 // InitializeSchema creates the outbox table and its dead-letter table if
-// they do not exist. It is idempotent and safe to run from several
-// processes at once. On PostgreSQL an unqualified table is created in the
+// they do not exist, and checks those it found: one of another shape
+// (another outbox's) or that does not keep what commits (Verify) is an
+// error wrapping ErrIncompatibleTable. It is idempotent and safe to run
+// from several processes at once. On PostgreSQL an unqualified table is created in the
 // schema CREATE TABLE uses (current_schema()) unless the search_path
 // already finds one, and from then on every statement of the Outbox names
 // that schema (OutboxConfig.Table). A dialect for another database server
@@ -637,8 +639,26 @@ func (o *Outbox) InitializeSchema(ctx context.Context) error {
 	if err := o.dialect.createOutbox(ctx, o.cfg.DB, t.table, t.sql.create); err != nil {
 		return fmt.Errorf("inbox: initialize outbox %s: %w", t.table, poolerHint(err))
 	}
-	_, err = o.pinTarget(ctx)
-	return err
+	if t, err = o.pinTarget(ctx); err != nil {
+		return err
+	}
+	// A table that was there already (CREATE TABLE IF NOT EXISTS left it)
+	// may be another outbox's (watermill-sql's) or one that does not keep
+	// what commits: said here, as the inbox's InitializeSchema says of an
+	// inbox table it found, not by the relay's first round. Its shape is
+	// read with a SELECT of the relay's columns on no row.
+	err = withReadTx(ctx, o.cfg.DB, o.dialect, func(q sqlx.QueryerContext) error {
+		if err := checkOutboxDurable(ctx, q, o.dialect, t.table, t.dead); err != nil {
+			return err
+		}
+		rows, err := q.QueryxContext(ctx, t.sql.probe)
+		if err != nil {
+			return fmt.Errorf("%w: outbox table %q is not one the relay can read (another outbox's? compare with"+
+				" Outbox.SchemaSQL): %w", ErrIncompatibleTable, t.table.String(), err)
+		}
+		return rows.Close()
+	})
+	return poolerHint(err)
 }
 
 // SchemaSQL returns the DDL of the outbox and dead-letter tables, for
