@@ -509,6 +509,11 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer db.Close()
+	if *verify && c.dialect == "" && db.DriverName() == "pgx" && isPartitionedTable(ctx, db, c.table) {
+		// As stats and purge find it: the plain dialect's check told a
+		// shell user to set Config.Dialect, beside a plain table's DDL.
+		d = inbox.PostgreSQLPartitioned
+	}
 	notes := &claimFunctionNotes{}
 	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table, OutboxTables: outboxTables, Logger: notes})
 	if err != nil {
@@ -787,6 +792,14 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fmt.Fprintf(stdout, "\ndead:     %s in the dead-letter table\n", count(ob.DeadLettered, "message"))
 	}
 	return nil
+}
+
+// isPartitionedTable reports whether table is a partitioned PostgreSQL
+// table; false when it is not, or cannot be told.
+func isPartitionedTable(ctx context.Context, db *sqlx.DB, table string) bool {
+	var partitioned bool
+	err := db.GetContext(ctx, &partitioned, "SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", table)
+	return err == nil && partitioned
 }
 
 // defaultStatsTimeout bounds inbox stats' reads (-timeout).
