@@ -347,7 +347,12 @@ func (c common) open(ctx context.Context, create bool) (*sqlx.DB, inbox.Dialect,
 	defer cancel()
 	if err := db.PingContext(pingCtx); err != nil {
 		db.Close()
-		return nil, nil, fmt.Errorf("connect: %w", err)
+		if driver == "sqlite" && errors.Is(err, context.DeadlineExceeded) {
+			// A local file, not a network: say what holds it.
+			return nil, nil, fmt.Errorf("connect: %w (the SQLite database stayed locked: another connection holds an exclusive"+
+				" lock or a long write on it)", withCause(ctx, err))
+		}
+		return nil, nil, fmt.Errorf("connect: %w", withCause(ctx, err))
 	}
 	return db, d, nil
 }
@@ -729,13 +734,15 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *lag < 0 {
 		return fmt.Errorf("%w: -purge-lag must not be negative, got %v", errUsage, *lag)
 	}
+	// Before the connection: its first one waits for a SQLite file
+	// another connection holds locked.
+	ctx, cancel := context.WithTimeoutCause(ctx, *timeout, fmt.Errorf("the reads took longer than -timeout %v (is a table locked?)", *timeout))
+	defer cancel()
 	db, d, err := c.open(ctx, false)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
-	ctx, cancel := context.WithTimeoutCause(ctx, *timeout, fmt.Errorf("the reads took longer than -timeout %v (is a table locked?)", *timeout))
-	defer cancel()
 	st, err := inbox.Stats(ctx, db, d, c.table)
 	if err != nil {
 		return withCause(ctx, err)
