@@ -477,6 +477,13 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if *apply && *verify {
 		return fmt.Errorf("%w: -apply and -verify exclude each other", errUsage)
 	}
+	if schema, _, qualified := strings.Cut(strings.ToLower(c.table), "."); *apply && qualified &&
+		(schema == "temp" || schema == "pg_temp" || strings.HasPrefix(schema, "pg_temp_")) {
+		// The command's own session's: gone when it ends, and -verify
+		// then sent the operator back to -apply.
+		return fmt.Errorf("%w: -table %s is a temporary table, which goes with the command's connection: name a table of a"+
+			" schema (or database) that lasts", errUsage, c.table)
+	}
 	if !*apply && !*verify {
 		d, err := c.dialectOrNil()
 		if err != nil {
