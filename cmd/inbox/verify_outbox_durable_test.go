@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jmoiron/sqlx"
+
 	"github.com/watermill-inbox/inbox/internal/testdb"
 )
 
@@ -13,15 +15,7 @@ import (
 // the handler's transaction rolls back, so the relay sends messages of a
 // transaction that never committed.
 func TestSchemaVerifyRefusesAnOutboxTableOnANonTransactionalEngine(t *testing.T) {
-	c := dsns(t)["mysql"]
-	table := "cli_in_" + testdb.RandomSuffix()
-	outbox := "cli_ob_" + testdb.RandomSuffix()
-	testdb.DropLater(t, c.db, table)
-	testdb.DropLater(t, c.db, outbox)
-	testdb.DropLater(t, c.db, outbox+"_dead")
-	if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
-		t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-	}
+	c, table, outbox := appliedWithOutbox(t, "mysql")
 	if _, err := c.db.Exec("ALTER TABLE " + outbox + " ENGINE=MyISAM"); err != nil {
 		t.Fatal(err)
 	}
@@ -35,15 +29,7 @@ func TestSchemaVerifyRefusesAnOutboxTableOnANonTransactionalEngine(t *testing.T)
 // table on PostgreSQL, as it refuses an UNLOGGED inbox table: crash recovery
 // empties it, and the messages of transactions that committed are lost.
 func TestSchemaVerifyRefusesAnUnloggedOutboxTable(t *testing.T) {
-	c := dsns(t)["postgres"]
-	table := "cli_in_" + testdb.RandomSuffix()
-	outbox := "cli_ob_" + testdb.RandomSuffix()
-	testdb.DropLater(t, c.db, table)
-	testdb.DropLater(t, c.db, outbox)
-	testdb.DropLater(t, c.db, outbox+"_dead")
-	if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
-		t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-	}
+	c, table, outbox := appliedWithOutbox(t, "postgres")
 	if _, err := c.db.Exec("ALTER TABLE " + outbox + " SET UNLOGGED"); err != nil {
 		t.Fatal(err)
 	}
@@ -58,15 +44,7 @@ func TestSchemaVerifyRefusesAnUnloggedOutboxTable(t *testing.T) {
 // migration's "id serial") runs out after 2^31 messages, when every
 // handler's transaction fails on the outbox INSERT.
 func TestSchemaVerifyRefusesAnOutboxTableWithAnIntegerID(t *testing.T) {
-	c := dsns(t)["postgres"]
-	table := "cli_in_" + testdb.RandomSuffix()
-	outbox := "cli_ob_" + testdb.RandomSuffix()
-	testdb.DropLater(t, c.db, table)
-	testdb.DropLater(t, c.db, outbox)
-	testdb.DropLater(t, c.db, outbox+"_dead")
-	if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
-		t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
-	}
+	c, table, outbox := appliedWithOutbox(t, "postgres")
 	if _, err := c.db.Exec("ALTER TABLE " + outbox + " ALTER COLUMN id TYPE integer"); err != nil {
 		t.Fatal(err)
 	}
@@ -75,4 +53,23 @@ func TestSchemaVerifyRefusesAnOutboxTableWithAnIntegerID(t *testing.T) {
 		t.Errorf("schema -verify of an outbox table whose id is an integer: exit %d, stdout %q, stderr %q; want exit 1 naming the id column",
 			code, out, errOut)
 	}
+}
+
+// appliedWithOutbox creates, with "inbox schema -apply", an inbox table and
+// an outbox table (with its dead-letter table) on the database name of
+// dsns, dropped when the test ends.
+func appliedWithOutbox(t *testing.T, name string) (c struct {
+	dsn string
+	db  *sqlx.DB
+}, table, outbox string) {
+	t.Helper()
+	c = dsns(t)[name]
+	table, outbox = "cli_in_"+testdb.RandomSuffix(), "cli_ob_"+testdb.RandomSuffix()
+	testdb.DropLater(t, c.db, table)
+	testdb.DropLater(t, c.db, outbox)
+	testdb.DropLater(t, c.db, outbox+"_dead")
+	if code, out, errOut := cli(t, "schema", "-db", c.dsn, "-table", table, "-outbox-table", outbox, "-apply"); code != 0 {
+		t.Fatalf("schema -apply: %d %q %q", code, out, errOut)
+	}
+	return c, table, outbox
 }
