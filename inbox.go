@@ -105,11 +105,13 @@ type Inbox struct {
 	outboxTables      []qualifiedName // Config.OutboxTables: checked with the inbox table
 	tableFailures     atomic.Int32    // consecutive deliveries that met a table error (waitAfterTableError)
 	refusedClaims     atomic.Int32    // consecutive claims refused for the database's state: read-only, no partition (readOnlyClaim, missingPartitionClaim)
-	// refusedOutputs counts consecutive deliveries whose returned messages
-	// had nowhere to go (publishToOutbox), until a delivery commits: not
-	// refusedClaims, which the claim before the handler reset, so that the
-	// wait never grew past its first 100 ms.
-	refusedOutputs atomic.Int32
+	// refusedOutputs counts, per handler (delivery.handlerKey → an
+	// *atomic.Int32), consecutive deliveries whose returned messages had
+	// nowhere to go (publishToOutbox), until one of that handler's
+	// deliveries commits: not refusedClaims, which the claim before the
+	// handler reset, nor one count for the Inbox, which another handler's
+	// commits reset, so that the wait never grew past its first 100 ms.
+	refusedOutputs sync.Map
 	poolExhausted  func() bool // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
@@ -602,6 +604,15 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		return t, false, fmt.Errorf("%w: %d (claim %q/%q)", ErrUnexpectedRowsAffected, n, d.consumer, d.id)
 	}
 	return t, claimed, nil
+}
+
+// refusedOutputsOf returns the count of refusedOutputs of the handler key.
+func (ib *Inbox) refusedOutputsOf(key string) *atomic.Int32 {
+	if n, ok := ib.refusedOutputs.Load(key); ok {
+		return n.(*atomic.Int32)
+	}
+	n, _ := ib.refusedOutputs.LoadOrStore(key, new(atomic.Int32))
+	return n.(*atomic.Int32)
 }
 
 // claimSucceeded ends a run of claims refused as read-only: the next one

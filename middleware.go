@@ -154,6 +154,13 @@ type delivery struct {
 	userCode string
 }
 
+// handlerKey names the delivery's handler (the router's handler name, and
+// the consumer), for what is counted per handler: one Inbox added with
+// router.AddMiddleware serves every handler of the router.
+func (d *delivery) handlerKey() string {
+	return message.HandlerNameFromCtx(d.ctx) + "\x00" + d.consumer
+}
+
 // panicked names what panicked in a delivery that did not return: the
 // handler unless other user code was running (delivery.userCode).
 func (d *delivery) panicked() string {
@@ -287,8 +294,8 @@ func (d *delivery) run() ([]*message.Message, error) {
 	for _, w := range d.state.writers {
 		w.committed() // wakes this process's outbox relay
 	}
-	if d.ib.refusedOutputs.Load() != 0 {
-		d.ib.refusedOutputs.Store(0)
+	if n, ok := d.ib.refusedOutputs.Load(d.handlerKey()); ok && n.(*atomic.Int32).Load() != 0 {
+		n.(*atomic.Int32).Store(0)
 	}
 	if d.fingerprint != nil {
 		d.ib.recentFingerprints.remember(d.consumer, d.id, d.fingerprint)
@@ -464,7 +471,7 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 			// redelivery is a duplicate: they were lost for good. Refused
 			// before it, with the transaction rolled back. Without a publish
 			// topic, a middleware outside may route them itself.
-			d.waitAfterEnd = &d.ib.refusedOutputs
+			d.waitAfterEnd = d.ib.refusedOutputsOf(d.handlerKey())
 			return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %s, but the inbox has no"+
 				" Config.Outbox to write them to and the handler no publisher (router.AddHandler with nil): set Config.Outbox"+
 				" (ob.Publisher; pgxinbox: OutboxPublisher(ob)), or give the handler a publisher",
@@ -494,7 +501,7 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 		// A configuration mistake, as the case above, not the message's:
 		// it was not transient, and a poison queue filter drained the
 		// whole topic into the poison queue. It waits for the fix instead.
-		d.waitAfterEnd = &d.ib.refusedOutputs
+		d.waitAfterEnd = d.ib.refusedOutputsOf(d.handlerKey())
 		return nil, &misconfiguredError{fmt.Errorf("%w: inbox: %q/%q: the handler returned %s but has no publish"+
 			" topic to write them to in the outbox: add the handler with router.AddHandler and a publish topic",
 			ErrInvalidConfig, d.consumer, d.id, messageCount(len(produced)))}

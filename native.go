@@ -118,7 +118,10 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 			err = d.missingPartitionClaim(err)
 		case step != nil && step.Step == backend.StepClaim && isPrivilegeRefusal(err):
 			err = d.refusedPrivilegeClaim(err)
-		case step != nil && step.Step == backend.StepClaim && isUndefinedTable(err):
+		case isUndefinedTable(err):
+			// At any step: pgx prepares a batch's statements before it
+			// sends any, so on a connection that had not prepared the
+			// claim yet its missing table comes back as BEGIN's error.
 			err = d.missingTableClaim(err)
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))

@@ -1070,19 +1070,29 @@ const pgDatabaseIdentity = "SELECT pg_catalog.current_database()::text || ' ' ||
 // that fails says nothing: the check is advice, and the transaction's
 // failed read would be the delivery's error anyway.
 func (w *outboxWriter) noteOtherDatabase(ctx context.Context, logger *componentLogger) {
-	var inTx, ofDB string
+	var inTx string
 	if err := w.lookUp(ctx, pgDatabaseIdentity, nil, &inTx); err != nil {
 		return
 	}
-	ctx, cancel := context.WithTimeout(ctx, pinWriteWait) // the caller may hold the pool's last connection
+	// OutboxConfig.DB's on a goroutine of its own: the delivery's
+	// transaction may hold the pool's last connection (pgxinbox.DB of a
+	// pool of one), and the first delivery waited for one meanwhile.
+	go w.o.noteOtherDatabase(inTx, logger)
+}
+
+// noteOtherDatabase reads which database OutboxConfig.DB is on and says at
+// Info, once, when it is not inTx's (outboxWriter.noteOtherDatabase).
+func (o *Outbox) noteOtherDatabase(inTx string, logger *componentLogger) {
+	ctx, cancel := context.WithTimeout(context.Background(), VerifyTimeout)
 	defer cancel()
-	if err := w.o.cfg.DB.QueryRowContext(ctx, pgDatabaseIdentity).Scan(&ofDB); err != nil || inTx == ofDB {
+	var ofDB string
+	if err := o.cfg.DB.QueryRowContext(ctx, pgDatabaseIdentity).Scan(&ofDB); err != nil || inTx == ofDB {
 		return
 	}
 	logger.get().Info("Inbox: the Outbox's DB (OutboxConfig.DB) is on another database than the inbox's transactions:"+
 		" its messages are written in the inbox's database, and its relay reads OutboxConfig.DB's, so they are never sent;"+
 		" give the Outbox a DB on the inbox's database (pgxinbox.DB(pool) of the inbox's pool)",
-		watermill.LogFields{"outbox_table": w.o.target().table.String(), "inbox_database": inTx, "outbox_database": ofDB})
+		watermill.LogFields{"outbox_table": o.target().table.String(), "inbox_database": inTx, "outbox_database": ofDB})
 }
 
 // erUnknownSystemVariable is MySQL's ER_UNKNOWN_SYSTEM_VARIABLE, what

@@ -63,6 +63,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/jmoiron/sqlx"
@@ -468,6 +469,9 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	var outboxTables []string
 	fs.Func("outbox-table", "also print the DDL of this outbox table and its dead-letter table (inbox.Outbox's), with -apply create them,"+
 		" with -verify check it as the relay uses it (an inbox.Outbox's) or that it exists (another outbox's, Config.OutboxTables); repeat for several", func(v string) error {
+		if v == "" {
+			return errors.New("empty: name a table, or leave the flag out") // a script's unset variable
+		}
 		outboxTables = append(outboxTables, v)
 		return nil
 	})
@@ -477,12 +481,13 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if *apply && *verify {
 		return fmt.Errorf("%w: -apply and -verify exclude each other", errUsage)
 	}
-	if schema, _, qualified := strings.Cut(strings.ToLower(c.table), "."); *apply && qualified &&
-		(schema == "temp" || schema == "pg_temp" || strings.HasPrefix(schema, "pg_temp_")) {
-		// The command's own session's: gone when it ends, and -verify
-		// then sent the operator back to -apply.
-		return fmt.Errorf("%w: -table %s is a temporary table, which goes with the command's connection: name a table of a"+
-			" schema (or database) that lasts", errUsage, c.table)
+	for _, t := range append([]string{c.table}, outboxTables...) {
+		if *apply && isTemporaryTable(c.dsn, t) {
+			// The command's own session's: gone when it ends, and -verify
+			// then sent the operator back to -apply.
+			return fmt.Errorf("%w: %s is a temporary table, which goes with the command's connection: name a table of a"+
+				" schema (or database) that lasts", errUsage, t)
+		}
 	}
 	if !*apply && !*verify {
 		d, err := c.dialectOrNil()
@@ -811,9 +816,30 @@ func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 // isPartitionedTable reports whether table is a partitioned PostgreSQL
 // table; false when it is not, or cannot be told.
 func isPartitionedTable(ctx context.Context, db *sqlx.DB, table string) bool {
+	// Quoted as the library quotes it: to_regclass folds an unquoted
+	// Billing_Inbox to billing_inbox, another table.
+	regclass := pgx.Identifier(strings.Split(table, ".")).Sanitize()
 	var partitioned bool
-	err := db.GetContext(ctx, &partitioned, "SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", table)
+	err := db.GetContext(ctx, &partitioned, "SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", regclass)
 	return err == nil && partitioned
+}
+
+// isTemporaryTable reports whether table, on the database of the DSN dsn,
+// is in the session's temporary schema: PostgreSQL's pg_temp (pg_temp_N),
+// SQLite's temp. Elsewhere (MySQL, and PostgreSQL's own schema named temp)
+// such a name is an ordinary database or schema.
+func isTemporaryTable(dsn, table string) bool {
+	schema, _, qualified := strings.Cut(strings.ToLower(table), ".")
+	if !qualified {
+		return false
+	}
+	switch {
+	case strings.HasPrefix(dsn, "postgres://"), strings.HasPrefix(dsn, "postgresql://"):
+		return schema == "pg_temp" || strings.HasPrefix(schema, "pg_temp_")
+	case strings.HasPrefix(dsn, "sqlite://"), strings.HasPrefix(dsn, "file:"):
+		return schema == "temp"
+	}
+	return false
 }
 
 // defaultStatsTimeout bounds inbox stats' reads (-timeout).
