@@ -112,7 +112,10 @@ type Inbox struct {
 	// handler reset, nor one count for the Inbox, which another handler's
 	// commits reset, so that the wait never grew past its first 100 ms.
 	refusedOutputs sync.Map
-	poolExhausted  func() bool // every connection of the pool the transactions use is in use
+	// anyRefusedOutputs is set once refusedOutputs holds a count, so that a
+	// commit, the per-message path, looks it up only then.
+	anyRefusedOutputs atomic.Bool
+	poolExhausted     func() bool // every connection of the pool the transactions use is in use
 
 	hooks *hooks // test seams; nil outside tests
 }
@@ -612,6 +615,7 @@ func (ib *Inbox) refusedOutputsOf(key string) *atomic.Int32 {
 		return n.(*atomic.Int32)
 	}
 	n, _ := ib.refusedOutputs.LoadOrStore(key, new(atomic.Int32))
+	ib.anyRefusedOutputs.Store(true)
 	return n.(*atomic.Int32)
 }
 

@@ -294,8 +294,10 @@ func (d *delivery) run() ([]*message.Message, error) {
 	for _, w := range d.state.writers {
 		w.committed() // wakes this process's outbox relay
 	}
-	if n, ok := d.ib.refusedOutputs.Load(d.handlerKey()); ok && n.(*atomic.Int32).Load() != 0 {
-		n.(*atomic.Int32).Store(0)
+	if d.ib.anyRefusedOutputs.Load() {
+		if n, ok := d.ib.refusedOutputs.Load(d.handlerKey()); ok && n.(*atomic.Int32).Load() != 0 {
+			n.(*atomic.Int32).Store(0)
+		}
 	}
 	if d.fingerprint != nil {
 		d.ib.recentFingerprints.remember(d.consumer, d.id, d.fingerprint)
