@@ -169,6 +169,11 @@ type Dialect interface {
 	// createOutbox runs the outbox DDL stmts of table t, safely against
 	// concurrent starters.
 	createOutbox(ctx context.Context, db *sqlx.DB, t qualifiedName, stmts []string) error
+	// outboxDurability says what keeps the outbox table t (outbox) or a
+	// dead-letter table (!outbox), which exists, from keeping what its
+	// transactions commit, and the statement that fixes it; "" when
+	// nothing does (checkOutboxDurable).
+	outboxDurability(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, outbox bool) (problem, fix string, err error)
 
 	// checkIsolation returns why isolation level l cannot run on this
 	// dialect (a driver refuses it at every BEGIN, or the claim needs

@@ -821,3 +821,34 @@ func (d mysqlDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfig
 
 // mysqlLockName is the GET_LOCK name for key: at most 64 characters.
 func mysqlLockName(key int64) string { return fmt.Sprintf("watermill-inbox-purge-%016x", uint64(key)) }
+
+// outboxDurability refuses a storage engine other than InnoDB (MyISAM
+// keeps a handler's outputs when its transaction rolls back, and the relay
+// sends messages of a transaction that never committed) and an outbox id
+// narrower than bigint (it runs out, and every handler's transaction then
+// fails on its insert).
+func (d mysqlDialect) outboxDurability(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, outbox bool) (problem, fix string, err error) {
+	var kind struct {
+		Engine string `db:"engine"`
+		IDType string `db:"id_type"`
+	}
+	schema, args := "DATABASE()", []any{t.name}
+	if t.schema != "" {
+		schema, args = "?", []any{t.name, t.schema}
+	}
+	err = sqlx.GetContext(ctx, q, &kind, `SELECT COALESCE(t.ENGINE, '') AS engine,
+		COALESCE((SELECT c.DATA_TYPE FROM information_schema.COLUMNS c WHERE c.TABLE_SCHEMA = t.TABLE_SCHEMA
+			AND c.TABLE_NAME = t.TABLE_NAME AND c.COLUMN_NAME = 'id'), '') AS id_type
+		FROM information_schema.TABLES t WHERE t.TABLE_NAME = ? AND t.TABLE_SCHEMA = `+schema, args...)
+	switch {
+	case err != nil:
+		return "", "", err
+	case kind.Engine != "" && !strings.EqualFold(kind.Engine, "InnoDB"):
+		return "uses the storage engine " + kind.Engine + ", not InnoDB: a handler's outputs written to it stay when its" +
+			" transaction rolls back, and the relay sends them", "ALTER TABLE " + t.quoted(d) + " ENGINE=InnoDB", nil
+	case outbox && kind.IDType != "" && !strings.EqualFold(kind.IDType, "bigint"):
+		return "has an id of type " + kind.IDType + ", which runs out, and every handler's transaction then fails on its insert",
+			"ALTER TABLE " + t.quoted(d) + " MODIFY id bigint NOT NULL AUTO_INCREMENT", nil
+	}
+	return "", "", nil
+}

@@ -982,3 +982,29 @@ func (d postgresDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeCon
 
 // fingerprintWriteProbeSQL: none, has_column_privilege in fingerprintColumnSQL tells.
 func (postgresDialect) fingerprintWriteProbeSQL(qualifiedName) string { return "" }
+
+// outboxDurability refuses an UNLOGGED table (crash recovery empties it,
+// as PostgreSQL documents for unlogged tables: committed messages lost)
+// and an outbox id narrower than bigint (an integer runs out after 2^31
+// messages, and every handler's transaction then fails on its insert).
+func (d postgresDialect) outboxDurability(ctx context.Context, q sqlx.QueryerContext, t qualifiedName, outbox bool) (problem, fix string, err error) {
+	var kind struct {
+		Persistence string `db:"persistence"`
+		IDType      string `db:"id_type"`
+	}
+	err = sqlx.GetContext(ctx, q, &kind, `SELECT c.relpersistence::text AS persistence,
+		COALESCE((SELECT format_type(a.atttypid, NULL) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'id'
+			AND NOT a.attisdropped), '') AS id_type
+		FROM pg_class c WHERE c.oid = to_regclass($1)`, t.quoted(d))
+	switch {
+	case err != nil:
+		return "", "", err
+	case kind.Persistence == "u":
+		return "is UNLOGGED: crash recovery empties it, and committed messages are lost", "ALTER TABLE " + t.quoted(d) + " SET LOGGED", nil
+	case outbox && kind.IDType != "" && kind.IDType != "bigint":
+		return "has an id of type " + kind.IDType + ", which runs out (after 2^31 messages for an integer), and every" +
+				" handler's transaction then fails on its insert", "ALTER TABLE " + t.quoted(d) + " ALTER COLUMN id TYPE bigint" +
+				" (and ALTER SEQUENCE … AS bigint for the sequence of its default or identity)", nil
+	}
+	return "", "", nil
+}

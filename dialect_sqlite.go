@@ -500,3 +500,9 @@ func (d sqliteDialect) purgeRound(ctx context.Context, db dbConn, cfg PurgeConfi
 
 // fingerprintWriteProbeSQL: none, SQLite has no privileges.
 func (sqliteDialect) fingerprintWriteProbeSQL(qualifiedName) string { return "" }
+
+// outboxDurability finds nothing: every SQLite table keeps what commits,
+// and an INTEGER PRIMARY KEY is always 64 bits.
+func (sqliteDialect) outboxDurability(context.Context, sqlx.QueryerContext, qualifiedName, bool) (problem, fix string, err error) {
+	return "", "", nil
+}

@@ -356,61 +356,15 @@ func (o *Outbox) Verify(ctx context.Context) error {
 // checkOutboxDurable refuses, with ErrIncompatibleTable and the statement
 // that fixes it, an outbox table or dead-letter table (made by hand, or
 // altered) that does not keep what its transactions commit, as the inbox
-// table's check refuses them: on MySQL/MariaDB a storage engine other than
-// InnoDB (MyISAM keeps a handler's outputs when its transaction rolls back,
-// and the relay sends messages of a transaction that never committed); on
-// PostgreSQL an UNLOGGED table (crash recovery empties it: committed
-// messages lost); and an outbox id narrower than 64 bits (an integer runs
-// out after 2^31 messages, and every handler's transaction then fails on
-// its insert). SQLite's INTEGER PRIMARY KEY is always 64 bits.
+// table's check refuses them (Dialect.outboxDurability: a MySQL/MariaDB
+// engine other than InnoDB, an UNLOGGED PostgreSQL table, an outbox id
+// narrower than 64 bits). tables[0] is the outbox table, the rest
+// dead-letter tables.
 func checkOutboxDurable(ctx context.Context, q sqlx.QueryerContext, d Dialect, tables ...qualifiedName) error {
 	for i, t := range tables {
-		var problem, fix string
-		switch d.server() {
-		case serverPostgreSQL:
-			var kind struct {
-				Persistence string `db:"persistence"`
-				IDType      string `db:"id_type"`
-			}
-			err := sqlx.GetContext(ctx, q, &kind, `SELECT c.relpersistence::text AS persistence,
-				COALESCE((SELECT format_type(a.atttypid, NULL) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'id'
-					AND NOT a.attisdropped), '') AS id_type
-				FROM pg_class c WHERE c.oid = to_regclass($1)`, t.quoted(d))
-			if err != nil {
-				return fmt.Errorf("inbox: outbox table %q: read its kind: %w", t, err)
-			}
-			switch {
-			case kind.Persistence == "u":
-				problem, fix = "is UNLOGGED: crash recovery empties it, and committed messages are lost", "ALTER TABLE "+t.quoted(d)+" SET LOGGED"
-			case i == 0 && kind.IDType != "" && kind.IDType != "bigint":
-				problem, fix = "has an id of type "+kind.IDType+", which runs out (after 2^31 messages for an integer), and every"+
-					" handler's transaction then fails on its insert", "ALTER TABLE "+t.quoted(d)+" ALTER COLUMN id TYPE bigint"+
-					" (and ALTER SEQUENCE … AS bigint for the sequence of its default or identity)"
-			}
-		case serverMySQL:
-			var kind struct {
-				Engine string `db:"engine"`
-				IDType string `db:"id_type"`
-			}
-			schema, args := "DATABASE()", []any{t.name}
-			if t.schema != "" {
-				schema, args = "?", []any{t.name, t.schema}
-			}
-			err := sqlx.GetContext(ctx, q, &kind, `SELECT COALESCE(t.ENGINE, '') AS engine,
-				COALESCE((SELECT c.DATA_TYPE FROM information_schema.COLUMNS c WHERE c.TABLE_SCHEMA = t.TABLE_SCHEMA
-					AND c.TABLE_NAME = t.TABLE_NAME AND c.COLUMN_NAME = 'id'), '') AS id_type
-				FROM information_schema.TABLES t WHERE t.TABLE_NAME = ? AND t.TABLE_SCHEMA = `+schema, args...)
-			if err != nil {
-				return fmt.Errorf("inbox: outbox table %q: read its engine: %w", t, err)
-			}
-			switch {
-			case kind.Engine != "" && !strings.EqualFold(kind.Engine, "InnoDB"):
-				problem, fix = "uses the storage engine "+kind.Engine+", not InnoDB: a handler's outputs written to it stay when its"+
-					" transaction rolls back, and the relay sends them", "ALTER TABLE "+t.quoted(d)+" ENGINE=InnoDB"
-			case i == 0 && kind.IDType != "" && !strings.EqualFold(kind.IDType, "bigint"):
-				problem, fix = "has an id of type "+kind.IDType+", which runs out, and every handler's transaction then fails on its insert",
-					"ALTER TABLE "+t.quoted(d)+" MODIFY id bigint NOT NULL AUTO_INCREMENT"
-			}
+		problem, fix, err := d.outboxDurability(ctx, q, t, i == 0)
+		if err != nil {
+			return fmt.Errorf("inbox: outbox table %q: read its kind: %w", t, err)
 		}
 		if problem != "" {
 			return fmt.Errorf("%w: outbox table %q %s; fix: %s", ErrIncompatibleTable, t.String(), problem, fix)

@@ -1350,6 +1350,7 @@ func oldestPartitionAgeThroughParent(ctx context.Context, q sqlx.QueryerContext,
 // dropped once its end passes the window, as any other). 0 when every
 // partition is empty. With consumer not "", only that consumer's rows count
 // (a purge limited to it; the primary key, led by consumer, finds them).
+// Read as OldestPartitionAge reads it (oldestPartitionAgeThroughParent).
 func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualifiedName, consumer string) (time.Duration, error) {
 	t, err := canonicalTable(ctx, db, PostgreSQLPartitioned, t)
 	if err != nil {
@@ -1359,45 +1360,7 @@ func oldestPartitionAge(ctx context.Context, db sqlx.QueryerContext, t qualified
 	if err != nil {
 		return 0, err
 	}
-	const ageOfOldestRow = "SELECT CAST(EXTRACT(EPOCH FROM now() - MIN(processed_at)) * 1000000 AS bigint) FROM "
-	// Its rows, of consumer when set: a condition on the consumer, and its
-	// arguments after those of the query before it (n of them).
-	rows := func(n int) (string, []any) {
-		if consumer == "" {
-			return "", nil
-		}
-		return " WHERE consumer = $" + strconv.Itoa(n+1), []any{consumer}
-	}
-	var oldest time.Duration
-	if tp.defaults.name != "" {
-		var age sql.NullInt64
-		where, args := rows(0)
-		if err := sqlx.GetContext(ctx, db, &age, ageOfOldestRow+tp.defaults.quoted(PostgreSQLPartitioned)+where, args...); err != nil {
-			return 0, err
-		}
-		oldest = time.Duration(age.Int64) * time.Microsecond
-	}
-	for _, p := range tp.ranges {
-		var age sql.NullInt64
-		q := p.name.quoted(PostgreSQLPartitioned)
-		if p.end.IsZero() { // MAXVALUE: no end to go by
-			where, args := rows(0)
-			err = sqlx.GetContext(ctx, db, &age, ageOfOldestRow+q+where, args...)
-		} else {
-			where, args := rows(1)
-			err = sqlx.GetContext(ctx, db, &age,
-				"SELECT GREATEST(CAST(EXTRACT(EPOCH FROM now() - $1::timestamptz) * 1000000 AS bigint), 0) WHERE EXISTS (SELECT 1 FROM "+
-					q+where+")", append([]any{p.end}, args...)...)
-		}
-		if errors.Is(err, sql.ErrNoRows) || (err == nil && !age.Valid) {
-			continue // empty
-		}
-		if err != nil {
-			return 0, err
-		}
-		return max(oldest, time.Duration(age.Int64)*time.Microsecond), nil
-	}
-	return oldest, nil
+	return oldestPartitionAgeThroughParent(ctx, db, t, tp, consumer)
 }
 
 // check returns an error wrapping ErrIncompatibleTable, with the fix, when
