@@ -365,10 +365,66 @@ func (d sqliteDialect) checkObjects(ctx context.Context, q sqlx.QueryerContext, 
 		"SELECT sql FROM "+d.quote(schema)+".sqlite_master WHERE type = 'table' AND name = ? COLLATE NOCASE", t.name); err != nil {
 		return err
 	}
-	if strings.Contains(strings.ToUpper(ddl), "CHECK") {
+	if sqliteHasCheckConstraint(ddl) {
 		ps.add(recreate, "the table has a CHECK constraint, which can reject a valid message id")
 	}
 	return nil
+}
+
+// sqliteHasCheckConstraint says whether the CREATE TABLE statement ddl
+// (sqlite_master.sql) has a CHECK constraint: the keyword CHECK as a token
+// of its own, outside quoted identifiers ("…", `…`, […]), string literals
+// and comments. CHECK is a reserved word in SQLite's grammar, so as a bare
+// token it is the constraint and never a name; the letters inside a name
+// (checkout_inbox, a column checked_by) were taken for one, and a table the
+// inbox had just made was refused.
+func sqliteHasCheckConstraint(ddl string) bool {
+	isWord := func(c byte) bool {
+		return c == '_' || c == '$' || c >= 0x80 || ('0' <= c && c <= '9') || ('a' <= c && c <= 'z') || ('A' <= c && c <= 'Z')
+	}
+	for i := 0; i < len(ddl); {
+		c := ddl[i]
+		switch {
+		case c == '"' || c == '`' || c == '\'' || c == '[':
+			end := c
+			if c == '[' {
+				end = ']'
+			}
+			i++
+			for i < len(ddl) {
+				if ddl[i] == end {
+					if end != ']' && i+1 < len(ddl) && ddl[i+1] == end { // a doubled quote stands for itself
+						i += 2
+						continue
+					}
+					break
+				}
+				i++
+			}
+			i++ // past the closing quote
+		case c == '-' && i+1 < len(ddl) && ddl[i+1] == '-':
+			for i < len(ddl) && ddl[i] != '\n' {
+				i++
+			}
+		case c == '/' && i+1 < len(ddl) && ddl[i+1] == '*':
+			if end := strings.Index(ddl[i+2:], "*/"); end >= 0 {
+				i += 2 + end + 2
+			} else {
+				i = len(ddl)
+			}
+		case isWord(c):
+			start := i
+			for i < len(ddl) && isWord(ddl[i]) {
+				i++
+			}
+			if strings.EqualFold(ddl[start:i], "CHECK") {
+				return true
+			}
+		default:
+			i++
+		}
+	}
+	return false
 }
 
 // sqliteNowMicros is the current time as whole Unix microseconds, UTC, by
