@@ -218,13 +218,24 @@ func parse(fs *flag.FlagSet, args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
 	}
+	// A script's unset variable gives a string flag an empty value, which
+	// the command took for the flag left out: -table "$INBOX_TABLE" ran on
+	// the default table, -consumer "$CONSUMER" purged every consumer's rows
+	// by one consumer's window, -brokers "$KAFKA" -topics "$TOPICS" purged
+	// by -older-than unchecked against the topics' retention. Every
+	// string flag given empty is refused; left out, it takes its default.
 	var empty error
 	fs.Visit(func(f *flag.Flag) {
-		// A script's unset variable (-table "$INBOX_TABLE") ran on the
-		// default table, and the output named none.
-		g, ok := f.Value.(flag.Getter) // a string flag; a Func flag checks its own value
-		if ok && strings.HasSuffix(f.Name, "table") && g.Get() == "" && empty == nil {
-			empty = fmt.Errorf("%w: -%s is empty: name a table, or leave the flag out for its default", errUsage, f.Name)
+		g, ok := f.Value.(flag.Getter) // a Func flag checks its own value
+		if !ok || empty != nil {
+			return
+		}
+		if v, isString := g.Get().(string); isString && v == "" {
+			what := "give it a value"
+			if strings.HasSuffix(f.Name, "table") {
+				what = "name a table"
+			}
+			empty = fmt.Errorf("%w: -%s is empty (an unset variable?): %s, or leave the flag out for its default", errUsage, f.Name, what)
 		}
 	})
 	return empty
@@ -526,9 +537,10 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer db.Close()
-	if *verify && c.dialect == "" && db.DriverName() == "pgx" && isPartitionedTable(ctx, db, c.table) {
+	if c.dialect == "" && db.DriverName() == "pgx" && isPartitionedTable(ctx, db, c.table) {
 		// As stats and purge find it: the plain dialect's check told a
-		// shell user to set Config.Dialect, beside a plain table's DDL.
+		// shell user to set Config.Dialect, beside a plain table's DDL
+		// (-verify, and -apply run again on the table, a deploy step).
 		d = inbox.PostgreSQLPartitioned
 	}
 	notes := &claimFunctionNotes{}
