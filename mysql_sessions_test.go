@@ -42,6 +42,68 @@ func TestMySQLSessionsTheInboxCannotWorkWithAreRefused(t *testing.T) {
 	}
 }
 
+// An Outbox on MySQL/MariaDB sessions it cannot work with is refused by
+// InitializeSchema, Verify (RouterPlugin) and each relay round, with an
+// ErrInvalidConfig that names the setting, as the Inbox refuses them, and
+// sends nothing:
+//   - autocommit off: a statement it runs outside a transaction of its own
+//     (Stats, which the metrics module scrapes) left a transaction open on
+//     the pooled session, and every later relay round on that session
+//     failed to begin (1568) and sent nothing;
+//   - a character_set_client other than the character_set_connection: the
+//     server converted the topic, UUID and metadata of every message on
+//     their way in, and the relay sent "order-Ã¼" to "tenant-Ã¼".
+func TestMySQLSessionsTheOutboxCannotWorkWithAreRefused(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ param, names string }{
+		{"autocommit=0", "autocommit"},
+		{"character_set_client=latin1", "character_set_client"},
+	} {
+		t.Run(c.param, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			plain := testdb.OpenMySQL(t, "")
+			table := "outbox_sessions_" + randomSuffix()
+			dropLater(t, plain, table)
+			dropLater(t, plain, table+"_dead")
+			made, err := inbox.NewOutbox(inbox.OutboxConfig{DB: plain, Table: table, Publisher: newBrokerStub()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := made.InitializeSchema(ctx); err != nil {
+				t.Fatal(err)
+			}
+			writeOutbox(t, plain, made, "invoices", 2) // pending, written on sessions the outbox works with
+
+			db := testdb.OpenMySQL(t, c.param)
+			db.SetMaxOpenConns(1)
+			broker := newBrokerStub()
+			newOutbox := func() *inbox.Outbox {
+				ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: broker})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return ob
+			}
+			refused := func(what string, err error) {
+				if !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), c.names) {
+					t.Errorf("%s on sessions with %s: %v, want ErrInvalidConfig naming %s", what, c.param, err, c.names)
+				}
+			}
+			refused("InitializeSchema", newOutbox().InitializeSchema(ctx))
+			refused("Verify", newOutbox().Verify(ctx))
+			ob := newOutbox() // neither: its first round checks
+			if _, err := ob.Stats(ctx); !errors.Is(err, inbox.ErrInvalidConfig) {
+				t.Errorf("Stats on sessions with %s: %v, want ErrInvalidConfig", c.param, err)
+			}
+			refused("a relay round", ob.RelayOnce(ctx).Err)
+			if got := broker.uuids("invoices"); len(got) != 0 {
+				t.Errorf("the relay sent %d messages on sessions with %s; want none", len(got), c.param)
+			}
+		})
+	}
+}
+
 // refusesSessions checks that an inbox on MySQL sessions opened with param
 // refuses them, with an ErrInvalidConfig that names names.
 func refusesSessions(t *testing.T, param, names string) {

@@ -561,6 +561,12 @@ func (o *Outbox) callOnRound(r OutboxRound) {
 }
 
 func (o *Outbox) relay(ctx context.Context, topics *topicBackoff) (round relayRound) {
+	// The server and its sessions, once (Verify checks them too; Run
+	// without it met MySQL sessions with autocommit off as a BEGIN that
+	// failed with 1568 every round).
+	if err := o.checkServer(ctx); err != nil {
+		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w", err)}}
+	}
 	if _, err := o.pinTarget(ctx); err != nil {
 		return relayRound{OutboxRound: OutboxRound{Err: fmt.Errorf("inbox: outbox relay: %w", err)}}
 	}

@@ -329,7 +329,9 @@ func (c *serverCheck) once(f func() (known bool, err error)) error {
 // (or the server cannot be identified), and otherwise an error wrapping
 // ErrDialectMismatch (serverMismatch). A mismatch gave the driver's syntax
 // errors (an Outbox or "inbox requeue -dialect mysql" on PostgreSQL), or,
-// on the relay's catalog read, a table taken for present.
+// on the relay's catalog read, a table taken for present. MySQL/MariaDB
+// sessions the Outbox cannot use give an error wrapping ErrInvalidConfig
+// (mysqlSessionProblem), as the Inbox's check gives.
 func (o *Outbox) checkServer(ctx context.Context) error {
 	return o.server.once(func() (bool, error) {
 		how := "OutboxConfig.Dialect"
@@ -337,7 +339,15 @@ func (o *Outbox) checkServer(ctx context.Context) error {
 			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
 		}
 		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
-		return found != "", err
+		if found != serverMySQL || err != nil {
+			return found != "", err
+		}
+		return mysqlSessionProblem(ctx, o.cfg.DB, "OutboxConfig.DB",
+			"it would convert every topic, UUID and metadata value of the outbox's messages on its way in, and the relay"+
+				" would send them changed",
+			"a statement the Outbox runs outside a transaction of its own (Stats, which the metrics module scrapes)"+
+				" leaves a transaction open on its pooled session, and the relay's next round on that session fails"+
+				" (1568) and sends nothing")
 	})
 }
 
@@ -359,37 +369,47 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 		if found == "" || err != nil || found != serverMySQL {
 			return found != "", err
 		}
-		var autocommit int
-		var clientCharset, connectionCharset string
-		if err := ib.db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection").
-			Scan(&autocommit, &clientCharset, &connectionCharset); err != nil {
-			return false, nil // not remembered: the next use asks again
-		}
-		switch {
-		case clientCharset != connectionCharset:
-			// The server converts every string parameter from the one to
-			// the other on its way in: a latin1 client's message id "ü"
-			// (two bytes of UTF-8) was stored as four, and the 16-byte
-			// fingerprint grew past its column (1406), so that every claim
-			// failed for good; without strict mode ids were cut short.
-			return true, fmt.Errorf("%w: the MySQL sessions of DB send strings in character set %s (@@character_set_client,"+
-				" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
-				" (@@character_set_connection), so it would convert every message id and fingerprint on its way in;"+
-				" use sessions whose two character sets match (the driver's default, utf8mb4, or the DSN's charset=…)",
-				ErrInvalidConfig, clientCharset, connectionCharset)
-		case autocommit == 0:
-			// With autocommit off, the statement after a deadlock that
-			// rolled the message's transaction back (an error the handler
-			// ignored) opens a new transaction of its own: no status, no
-			// @@in_transaction and no read of the claim tells it from the
-			// message's, and the inbox would commit the handler's later
-			// writes, and its outputs, with the message not processed.
-			return true, fmt.Errorf("%w: the MySQL sessions of DB have autocommit off (@@autocommit = 0, from the DSN's"+
-				" autocommit=0 or the server's init_connect/autocommit setting): the inbox cannot then tell a transaction"+
-				" the database rolled back from a new one; use sessions with autocommit on (MySQL's default)", ErrInvalidConfig)
-		}
-		return true, nil
+		return mysqlSessionProblem(ctx, ib.db, "DB",
+			"it would convert every message id and fingerprint on its way in (a latin1 client's id \"ü\", two bytes"+
+				" of UTF-8, was stored as four, and the 16-byte fingerprint grew past its column: 1406 on every claim)",
+			// The statement after a deadlock that rolled the message's
+			// transaction back (an error the handler ignored) opens a new
+			// transaction of its own: no status, no @@in_transaction and
+			// no read of the claim tells it from the message's.
+			"the inbox cannot then tell a transaction the database rolled back from a new one, and would commit the"+
+				" handler's later writes, and its outputs, with the message not processed")
 	})
+}
+
+// mysqlSessionProblem reads a session of db (a MySQL/MariaDB server) and
+// returns an error wrapping ErrInvalidConfig, naming the configuration
+// field and why it matters (convert: what a character set conversion
+// breaks; autocommitOff: what autocommit off breaks), when its sessions
+// send strings in another character set than the server reads them in
+// (@@character_set_client, from the DSN or the server's init_connect,
+// against @@character_set_connection: MySQL converts every string
+// parameter between them) or have autocommit off (the DSN's autocommit=0,
+// init_connect). known is false when the session could not be read: the
+// next use asks again.
+func mysqlSessionProblem(ctx context.Context, db *sqlx.DB, field, convert, autocommitOff string) (known bool, err error) {
+	var autocommit int
+	var clientCharset, connectionCharset string
+	if err := db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection").
+		Scan(&autocommit, &clientCharset, &connectionCharset); err != nil {
+		return false, nil
+	}
+	switch {
+	case clientCharset != connectionCharset:
+		return true, fmt.Errorf("%w: the MySQL sessions of %s send strings in character set %s (@@character_set_client,"+
+			" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
+			" (@@character_set_connection), so %s; use sessions whose two character sets match (the driver's default,"+
+			" utf8mb4, or the DSN's charset=…)", ErrInvalidConfig, field, clientCharset, connectionCharset, convert)
+	case autocommit == 0:
+		return true, fmt.Errorf("%w: the MySQL sessions of %s have autocommit off (@@autocommit = 0, from the DSN's"+
+			" autocommit=0 or the server's init_connect/autocommit setting): %s; use sessions with autocommit on"+
+			" (MySQL's default)", ErrInvalidConfig, field, autocommitOff)
+	}
+	return true, nil
 }
 
 // verifySchema runs verifyTable in a read-only unit of work.
