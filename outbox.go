@@ -1410,6 +1410,15 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 					" (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
 					len(chunk), topic, ErrTableNotFound, table, where, err)}, topic, chunk)
 			}
+			if isPrimaryKeyViolation(err) {
+				// The table's fault, not the message's: transient, as a
+				// missing table (a poison filter poisoned and acked every
+				// message that met a taken id). Each try takes the next id.
+				t := w.target().table
+				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: the id of outbox table %s"+
+					" hands out ids that its rows still hold (restarted by hand?); fix: SELECT setval(pg_get_serial_sequence('%s', 'id'),"+
+					" (SELECT max(id) FROM %[4]s)): %w", len(chunk), topic, t, t.quoted(w.o.dialect), err)}, topic, chunk)
+			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
 		w.wrote.Store(true)

@@ -598,6 +598,29 @@ func isMissingPartition(err error, table string) bool {
 	})
 }
 
+// isPrimaryKeyViolation reports whether err's chain holds PostgreSQL's
+// unique_violation (23505) of a primary key constraint by its default
+// name (<table>_pkey, which the outbox's DDL gives its generated id): on
+// the outbox table, whose only key is that id, the identity hands out ids
+// that rows still hold (restarted by hand: ALTER … RESTART, setval).
+// Read from pgx's *pgconn.PgError (ConstraintName) and lib/pq's *pq.Error
+// (Constraint). MySQL/MariaDB and SQLite cannot hand out an id below the
+// table's largest (AUTO_INCREMENT, AUTOINCREMENT).
+func isPrimaryKeyViolation(err error) bool {
+	return anyInChain(err, func(e error) bool {
+		s, ok := e.(interface{ SQLState() string })
+		if !ok || isNilPointer(e) || s.SQLState() != "23505" {
+			return false
+		}
+		v, ok := driverStruct(e)
+		if !ok {
+			return false
+		}
+		constraint, ok := stringField(v, "ConstraintName", "Constraint")
+		return ok && strings.HasSuffix(constraint, "_pkey")
+	})
+}
+
 // stringField returns the first of the string fields names that v has.
 func stringField(v reflect.Value, names ...string) (string, bool) {
 	for _, name := range names {
