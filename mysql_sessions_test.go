@@ -25,7 +25,12 @@ import (
 //     DSN's character_set_client=latin1): the server converts every string
 //     on its way in, so the 16-byte fingerprint grew past its column and
 //     every claim failed for good (1406: poisoned under Middlewares), and
-//     with the check off an id was stored other than it was.
+//     with the check off an id was stored other than it was;
+//   - completion_type CHAIN or RELEASE (the DSN's completion_type=1, 2):
+//     each COMMIT opens the session's next transaction (or ends the
+//     session), a BEGIN with an isolation level then fails (1568), and
+//     statements meant to commit alone (the purge's DELETEs) run in a
+//     transaction nobody commits.
 //
 // Verify says so at startup; a message is nacked as transient (nothing
 // about it is wrong), its handler not called and nothing written.
@@ -34,6 +39,8 @@ func TestMySQLSessionsTheInboxCannotWorkWithAreRefused(t *testing.T) {
 	for _, c := range []struct{ param, names string }{
 		{"autocommit=0", "autocommit"},
 		{"character_set_client=latin1", "character_set_client"},
+		{"completion_type=1", "completion_type"},
+		{"completion_type=2", "completion_type"},
 	} {
 		t.Run(c.param, func(t *testing.T) {
 			t.Parallel()
@@ -52,12 +59,15 @@ func TestMySQLSessionsTheInboxCannotWorkWithAreRefused(t *testing.T) {
 //     failed to begin (1568) and sent nothing;
 //   - a character_set_client other than the character_set_connection: the
 //     server converted the topic, UUID and metadata of every message on
-//     their way in, and the relay sent "order-Ã¼" to "tenant-Ã¼".
+//     their way in, and the relay sent "order-Ã¼" to "tenant-Ã¼";
+//   - completion_type CHAIN: each COMMIT opened the session's next
+//     transaction, and every relay round on it failed to begin (1568).
 func TestMySQLSessionsTheOutboxCannotWorkWithAreRefused(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct{ param, names string }{
 		{"autocommit=0", "autocommit"},
 		{"character_set_client=latin1", "character_set_client"},
+		{"completion_type=1", "completion_type"},
 	} {
 		t.Run(c.param, func(t *testing.T) {
 			t.Parallel()

@@ -389,16 +389,24 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 // (@@character_set_client, from the DSN or the server's init_connect,
 // against @@character_set_connection: MySQL converts every string
 // parameter between them) or have autocommit off (the DSN's autocommit=0,
-// init_connect). known is false when the session could not be read: the
-// next use asks again.
+// init_connect), or complete their transactions otherwise than NO_CHAIN
+// (the DSN's completion_type). known is false when the session could not
+// be read: the next use asks again.
 func mysqlSessionProblem(ctx context.Context, db *sqlx.DB, field, convert, autocommitOff string) (known bool, err error) {
 	var autocommit int
-	var clientCharset, connectionCharset string
-	if err := db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection").
-		Scan(&autocommit, &clientCharset, &connectionCharset); err != nil {
+	var clientCharset, connectionCharset, completion string
+	if err := db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection, @@completion_type").
+		Scan(&autocommit, &clientCharset, &connectionCharset, &completion); err != nil {
 		return false, nil
 	}
 	switch {
+	case completion != "NO_CHAIN" && completion != "0":
+		return true, fmt.Errorf("%w: the MySQL sessions of %s have completion_type %s (from the DSN's completion_type or the"+
+			" server's): each COMMIT then opens the session's next transaction at once (CHAIN) or ends the session (RELEASE),"+
+			" so the next transaction that begins with an isolation level on that session fails (1568: transaction"+
+			" characteristics can't be changed while a transaction is in progress), and the statements meant to commit on"+
+			" their own (the purge's DELETEs, Stats' reads) run in a transaction nobody commits; use sessions with"+
+			" completion_type NO_CHAIN (MySQL's default)", ErrInvalidConfig, field, completion)
 	case clientCharset != connectionCharset:
 		return true, fmt.Errorf("%w: the MySQL sessions of %s send strings in character set %s (@@character_set_client,"+
 			" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
