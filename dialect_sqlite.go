@@ -417,7 +417,10 @@ func sqliteHasCheckConstraint(ddl string) bool {
 			for i < len(ddl) && isWord(ddl[i]) {
 				i++
 			}
-			if strings.EqualFold(ddl[start:i], "CHECK") {
+			// SQLite matches keywords by their ASCII letters alone (a
+			// byte from 0x80 up is a name's): not EqualFold, which takes
+			// the Kelvin sign for a k.
+			if w := ddl[start:i]; len(w) == 5 && asciiUpper(w) == "CHECK" {
 				return true
 			}
 		default:
@@ -425,6 +428,18 @@ func sqliteHasCheckConstraint(ddl string) bool {
 		}
 	}
 	return false
+}
+
+// asciiUpper returns s with its ASCII letters in upper case, every other
+// byte as it is.
+func asciiUpper(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if 'a' <= c && c <= 'z' {
+			b[i] = c - 'a' + 'A'
+		}
+	}
+	return string(b)
 }
 
 // sqliteNowMicros is the current time as whole Unix microseconds, UTC, by

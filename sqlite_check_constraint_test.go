@@ -14,8 +14,8 @@ import (
 // On SQLite, which keeps no catalog of CHECK constraints, the table's SQL
 // says whether it has one: a CHECK constraint (which can reject a valid
 // message id) is refused with ErrIncompatibleTable, while the letters
-// "check" in a name, a quoted identifier, a string or a comment are not one.
-// A table named checkout_inbox, made by InitializeSchema itself, was refused
+// "check" in a name, a quoted identifier, a string or a comment are not one,
+// nor a name whose letters Unicode folds to it. A table named checkout_inbox, made by InitializeSchema itself, was refused
 // as having a CHECK constraint, and the service could not start on it.
 func TestSQLiteCheckConstraintIsFoundByItsKeywordNotItsLetters(t *testing.T) {
 	t.Parallel()
@@ -31,6 +31,9 @@ func TestSQLiteCheckConstraintIsFoundByItsKeywordNotItsLetters(t *testing.T) {
 		{"made by InitializeSchema, named checked", "inbox_checked", "", false},
 		{"a column checked_by", "inbox_check_col", `CREATE TABLE {t} (` + columns + `, checked_by TEXT, ` + key, false},
 		{"a quoted column named check", "inbox_quoted", `CREATE TABLE {t} (` + columns + `, "check" TEXT, [check2] TEXT, ` + key, false},
+		// SQLite matches keywords by ASCII letters; U+212A (the Kelvin
+		// sign), which Unicode folds to k, is a letter of a name.
+		{"a column chec\u212a", "inbox_kelvin", `CREATE TABLE {t} (` + columns + ", chec\u212a TEXT, " + key, false},
 		{"check in a default string and a comment", "inbox_default", `CREATE TABLE {t} (` + columns +
 			`, note TEXT DEFAULT 'CHECK (x)', -- CHECK nothing
 			/* CHECK (length(message_id) < 40) */ ` + key, false},

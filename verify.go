@@ -311,18 +311,29 @@ type serverCheck struct {
 }
 
 // once returns the remembered answer, or runs f, remembering its error
-// when it reports that it had an answer (known).
+// when it reports that it had an answer (known). f runs without the lock:
+// callers that meet no answer yet each run their own (reads, bounded by
+// each caller's context), so that a caller waiting on a server that does
+// not answer (a relay round with a long context) does not hold back
+// another whose context is shorter (Stats, which the metrics module
+// scrapes with a deadline). The first answer is kept.
 func (c *serverCheck) once(f func() (known bool, err error)) error {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.done {
-		return c.err
+	done, err := c.done, c.err
+	c.mu.Unlock()
+	if done {
+		return err
 	}
 	known, err := f()
-	if known {
+	if !known {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.done {
 		c.done, c.err = true, err
 	}
-	return err
+	return c.err
 }
 
 // checkServer returns nil when o's dialect is for the server behind its DB
