@@ -136,7 +136,9 @@ type delivery struct {
 	// transaction sends it with its COMMIT (stageLast, commitWith).
 	lastWrite struct {
 		committer lastStatementCommitter
+		writer    txBoundPublisher
 		topic     string
+		messages  int
 		query     string
 		args      []any
 	}
@@ -521,7 +523,8 @@ func (d *delivery) publishToOutbox(produced []*message.Message) ([]*message.Mess
 			return nil, d.outboxPublishError(topic, err)
 		}
 		if staged {
-			d.lastWrite.committer, d.lastWrite.topic, d.lastWrite.query, d.lastWrite.args = c, topic, query, args
+			d.lastWrite.committer, d.lastWrite.writer, d.lastWrite.topic, d.lastWrite.messages = c, p, topic, len(produced)
+			d.lastWrite.query, d.lastWrite.args = query, args
 			return nil, nil // written with the COMMIT (commit)
 		}
 	}
@@ -649,6 +652,8 @@ func (d *delivery) commit() error {
 			if d.ib.maybeLostConn(d.txCtx, stmtErr) {
 				// Sent with the COMMIT: in doubt as the COMMIT is.
 				stmtErr = &lostConnError{stmtErr}
+			} else if tableErr := w.writer.stagedInsertError(w.topic, w.messages, stmtErr); tableErr != nil {
+				stmtErr = tableErr
 			}
 			return d.outboxPublishError(w.topic, stmtErr)
 		}

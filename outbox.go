@@ -933,6 +933,10 @@ type txBoundPublisher interface {
 	// cannot: it writes elsewhere than through the transaction, checks the
 	// claim in its inserts, or msgs need more than one statement.
 	stageLast(topic string, msgs []*message.Message) (query string, args []any, ok bool, err error)
+	// stagedInsertError returns the error a failed INSERT of n messages
+	// to topic is reported with when the table, not the messages, is at
+	// fault (transient); nil otherwise, for the caller to report err.
+	stagedInsertError(topic string, n int, err error) error
 	// refusedWrite returns the refusal of a message because the outbox
 	// table was not found (or could not be looked up), unless a later
 	// write of that message succeeded: the delivery fails with it even
@@ -1410,14 +1414,8 @@ func (w *outboxWriter) Publish(topic string, msgs ...*message.Message) error {
 					" (run Outbox.InitializeSchema, or apply Outbox.SchemaSQL with your migrations): %w",
 					len(chunk), topic, ErrTableNotFound, table, where, err)}, topic, chunk)
 			}
-			if isPrimaryKeyViolation(err) {
-				// The table's fault, not the message's: transient, as a
-				// missing table (a poison filter poisoned and acked every
-				// message that met a taken id). Each try takes the next id.
-				t := w.target().table
-				return w.refuse(&misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: the id of outbox table %s"+
-					" hands out ids that its rows still hold (restarted by hand?); fix: SELECT setval(pg_get_serial_sequence('%s', 'id'),"+
-					" (SELECT max(id) FROM %[4]s)): %w", len(chunk), topic, t, t.quoted(w.o.dialect), err)}, topic, chunk)
+			if err := w.stagedInsertError(topic, len(chunk), err); err != nil {
+				return w.refuse(err, topic, chunk)
 			}
 			return fmt.Errorf("inbox: outbox: insert %d messages to %q: %w", len(chunk), topic, err)
 		}
@@ -1441,6 +1439,23 @@ func (w *outboxWriter) stageLast(topic string, msgs []*message.Message) (string,
 	}
 	w.wrote.Store(true) // for committed: the query runs with the COMMIT
 	return w.rebind(w.target().sql.insert(len(msgs))), args, true, nil
+}
+
+// stagedInsertError implements txBoundPublisher: an INSERT of n messages
+// to topic that met an id the outbox table's rows still hold (its identity
+// restarted by hand while messages were pending) is the table's fault, not
+// the messages': transient (misconfiguredError), with the setval that
+// fixes it, as a missing table is (a poison filter on IsTransient poisoned
+// and acked messages that had nothing wrong). Each try takes the next id.
+// nil for any other error.
+func (w *outboxWriter) stagedInsertError(topic string, n int, err error) error {
+	t := w.target().table
+	if !isUniqueViolationOn(err, t.name) {
+		return nil
+	}
+	return &misconfiguredError{fmt.Errorf("inbox: outbox: insert %d messages to %q: the id of outbox table %s hands out ids"+
+		" that its rows still hold (restarted by hand?); fix: SELECT setval(pg_get_serial_sequence('%s', 'id'),"+
+		" (SELECT max(id) FROM %[4]s)): %w", n, topic, t, t.quoted(w.o.dialect), err)}
 }
 
 // writable refuses a bad topic, and any write once the server has ended

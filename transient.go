@@ -154,8 +154,11 @@ import (
 //   - The middleware's error for a message that met a missing or
 //     incompatible table (ErrTableNotFound, ErrIncompatibleTable, also
 //     those of Config.OutboxTables), a dialect for another server
-//     (ErrDialectMismatch), or MySQL sessions with autocommit off
-//     (ErrInvalidConfig), at message time: nothing about the
+//     (ErrDialectMismatch), MySQL sessions the inbox or the outbox cannot
+//     use (ErrInvalidConfig: autocommit off, another character_set_client,
+//     completion_type CHAIN), or an outbox table whose id hands out ids
+//     its pending rows hold (PostgreSQL's identity restarted by hand: the
+//     unique violation on that table), at message time: nothing about the
 //     message is wrong, so a poison filter built on IsTransient keeps the
 //     topic's messages (a redelivery succeeds once the table is fixed)
 //     instead of draining it. The middleware waits before it returns that
@@ -177,7 +180,7 @@ import (
 // ErrInvalidMessageID and ErrInvalidConsumer (the message can never be
 // claimed), ErrTableNotFound and ErrIncompatibleTable from Verify,
 // InitializeSchema and RouterPlugin (see above) and constraint
-// violations. IsTransient(nil) is false. It is safe
+// violations other than the outbox table's above. IsTransient(nil) is false. It is safe
 // for concurrent use.
 func IsTransient(err error) bool {
 	if err == nil {
@@ -598,15 +601,16 @@ func isMissingPartition(err error, table string) bool {
 	})
 }
 
-// isPrimaryKeyViolation reports whether err's chain holds PostgreSQL's
-// unique_violation (23505) of a primary key constraint by its default
-// name (<table>_pkey, which the outbox's DDL gives its generated id): on
-// the outbox table, whose only key is that id, the identity hands out ids
-// that rows still hold (restarted by hand: ALTER … RESTART, setval).
-// Read from pgx's *pgconn.PgError (ConstraintName) and lib/pq's *pq.Error
-// (Constraint). MySQL/MariaDB and SQLite cannot hand out an id below the
-// table's largest (AUTO_INCREMENT, AUTOINCREMENT).
-func isPrimaryKeyViolation(err error) bool {
+// isUniqueViolationOn reports whether err's chain holds PostgreSQL's
+// unique_violation (23505) on the table named table (its unqualified name):
+// on an outbox table, whose only key is its generated id, the identity
+// hands out ids that rows still hold (restarted by hand: ALTER … RESTART,
+// setval). Read from pgx's *pgconn.PgError (TableName) and lib/pq's
+// *pq.Error (Table), whatever the key is called (a table made after
+// another was renamed aside has <table>_pkey1). MySQL/MariaDB and SQLite
+// cannot hand out an id below the table's largest (AUTO_INCREMENT,
+// AUTOINCREMENT).
+func isUniqueViolationOn(err error, table string) bool {
 	return anyInChain(err, func(e error) bool {
 		s, ok := e.(interface{ SQLState() string })
 		if !ok || isNilPointer(e) || s.SQLState() != "23505" {
@@ -616,8 +620,8 @@ func isPrimaryKeyViolation(err error) bool {
 		if !ok {
 			return false
 		}
-		constraint, ok := stringField(v, "ConstraintName", "Constraint")
-		return ok && strings.HasSuffix(constraint, "_pkey")
+		onTable, ok := stringField(v, "TableName", "Table")
+		return ok && onTable == table
 	})
 }
 
