@@ -1401,14 +1401,23 @@ func (tp tablePartitions) problem(t qualifiedName) (what, fix string) {
 
 // defaultPartitionFix returns the script that replaces the DEFAULT
 // partition def of t by daily partitions for the days it holds rows of
-// (where no partition covers them yet) and moves its rows there.
+// (where no partition covers them yet) and moves its rows there. It is one
+// transaction: a row no partition takes (a day that a hand-made partition
+// covers in part) fails the INSERT, and nothing is changed, where psql,
+// which goes on after an error, ran the DROP TABLE and every row of the
+// DEFAULT partition was lost. The day bounds are written in UTC and ISO
+// whatever the operator's session's TimeZone and DateStyle ('15/07/2026
+// 01:00:00 IST' was read back as Israel's time).
 func defaultPartitionFix(t, def qualifiedName) string {
 	d := PostgreSQLPartitioned
 	schema := "current_schema()"
 	if t.schema != "" {
 		schema = pgStringConstant(t.schema)
 	}
-	return "ALTER TABLE " + t.quoted(d) + " DETACH PARTITION " + def.quoted(d) + ";\n" +
+	return "BEGIN;\n" +
+		"SET LOCAL TimeZone = 'UTC';\n" +
+		"SET LOCAL DateStyle = 'ISO';\n" +
+		"ALTER TABLE " + t.quoted(d) + " DETACH PARTITION " + def.quoted(d) + ";\n" +
 		"-- A daily partition for each day its rows are of, unless one covers it already (42P17, 42P07):\n" +
 		"DO $$DECLARE day date; BEGIN FOR day IN SELECT DISTINCT (processed_at AT TIME ZONE 'UTC')::date FROM " + def.quoted(d) +
 		" LOOP BEGIN EXECUTE format('CREATE TABLE %I.%I PARTITION OF " + strings.ReplaceAll(t.quoted(d), "'", "''") +
@@ -1416,5 +1425,6 @@ func defaultPartitionFix(t, def qualifiedName) string {
 		" day::timestamp AT TIME ZONE 'UTC', (day + 1)::timestamp AT TIME ZONE 'UTC');" +
 		" EXCEPTION WHEN invalid_object_definition OR duplicate_table THEN NULL; END; END LOOP; END$$;\n" +
 		"INSERT INTO " + t.quoted(d) + " SELECT * FROM " + def.quoted(d) + ";\n" +
-		"DROP TABLE " + def.quoted(d) + ";"
+		"DROP TABLE " + def.quoted(d) + ";\n" +
+		"COMMIT;"
 }
