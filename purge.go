@@ -316,6 +316,9 @@ func purge(ctx context.Context, db dbConn, cfg PurgeConfig) (deleted int64, err 
 	if cfg.Dialect, err = purgeDialect(ctx, db, cfg.Dialect, table); err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
 	}
+	if _, err := sessionProblem(ctx, db, cfg.Dialect.server(), sessionReads, "PurgeConfig.DB"); err != nil {
+		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)
+	}
 	cutoff, err := purgeCutoff(ctx, db, cfg.Dialect, cfg.OlderThan, checked)
 	if err != nil {
 		return 0, fmt.Errorf("inbox: purge %s: %w", table, err)

@@ -71,6 +71,9 @@ func Stats(ctx context.Context, db *sqlx.DB, d Dialect, table string) (TableStat
 		return TableStats{}, err
 	}
 	st := TableStats{Consumers: map[string]int64{}, SizeBytes: -1}
+	if _, err := sessionProblem(ctx, db, d.server(), sessionReads, "Stats' DB"); err != nil {
+		return st, fmt.Errorf("inbox: stats of %s: %w", t, err)
+	}
 	err = withReadTx(ctx, db, d, func(q sqlx.QueryerContext) error { return readStats(ctx, q, d, t, &st) })
 	if err != nil {
 		// The driver's "does not exist", as an error callers can match.

@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"regexp"
@@ -340,9 +341,9 @@ func (c *serverCheck) once(f func() (known bool, err error)) error {
 // (or the server cannot be identified), and otherwise an error wrapping
 // ErrDialectMismatch (serverMismatch). A mismatch gave the driver's syntax
 // errors (an Outbox or "inbox requeue -dialect mysql" on PostgreSQL), or,
-// on the relay's catalog read, a table taken for present. MySQL/MariaDB
-// sessions the Outbox cannot use give an error wrapping ErrInvalidConfig
-// (mysqlSessionProblem), as the Inbox's check gives.
+// on the relay's catalog read, a table taken for present. Sessions the
+// Outbox cannot use give an error wrapping ErrInvalidConfig
+// (sessionProblem), as the Inbox's check gives.
 func (o *Outbox) checkServer(ctx context.Context) error {
 	return o.server.once(func() (bool, error) {
 		how := "OutboxConfig.Dialect"
@@ -350,15 +351,28 @@ func (o *Outbox) checkServer(ctx context.Context) error {
 			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
 		}
 		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
-		if found != serverMySQL || err != nil {
+		if found == "" || err != nil {
 			return found != "", err
 		}
-		return mysqlSessionProblem(ctx, o.cfg.DB, "OutboxConfig.DB",
-			"it would convert every topic, UUID and metadata value of the outbox's messages on its way in, and the relay"+
-				" would send them changed",
-			"a statement the Outbox runs outside a transaction of its own (Stats, which the metrics module scrapes)"+
-				" leaves a transaction open on its pooled session, and the relay's next round on that session fails"+
-				" (1568) and sends nothing")
+		if known, err := sessionProblem(ctx, o.cfg.DB, found, sessionOutbox, "OutboxConfig.DB"); !known || err != nil || found != serverSQLite {
+			return known, err
+		}
+		// A SQLite file opened read-only (mode=ro, a read-only file or
+		// mount): the relay read and published its messages, failed to
+		// record them, and sent them again every round. A DELETE of no row
+		// of the outbox table asks for the write lock, and is refused there
+		// (SQLITE_READONLY); before the table exists, the next use asks.
+		t := o.target().table
+		_, err = o.cfg.DB.ExecContext(ctx, "DELETE FROM "+t.quoted(o.dialect)+" WHERE 0")
+		switch {
+		case isReadOnlyRefusal(err):
+			return true, fmt.Errorf("%w: the SQLite database of OutboxConfig.DB cannot be written (opened with mode=ro, a read-only"+
+				" file or mount): the relay could read and publish its messages but not record them, and would send them again"+
+				" every round; open it read-write: %w", ErrInvalidConfig, err)
+		case err != nil:
+			return false, nil
+		}
+		return true, nil
 	})
 }
 
@@ -367,9 +381,8 @@ func (o *Outbox) checkServer(ctx context.Context) error {
 // ErrDialectMismatch that names both, DB's driver type, and the
 // configuration that fixes it. The server's own answer decides, not the
 // driver's type, which a wrapping driver (an instrumented database/sql
-// driver) hides. On MySQL/MariaDB, sessions with autocommit off (the DSN's
-// autocommit=0), or whose character_set_client differs from their
-// character_set_connection, give an error wrapping ErrInvalidConfig.
+// driver) hides. Sessions the inbox cannot use give an error wrapping
+// ErrInvalidConfig (sessionProblem).
 func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 	return c.once(func() (bool, error) {
 		how := "Config.Dialect"
@@ -377,40 +390,116 @@ func (c *serverCheck) check(ctx context.Context, ib *Inbox) error {
 			how = fmt.Sprintf("inferred from DB's driver name %q", ib.db.DriverName())
 		}
 		found, err := serverMismatch(ctx, ib.db, ib.dialect, how, "Config")
-		if found == "" || err != nil || found != serverMySQL {
+		if found == "" || err != nil {
 			return found != "", err
 		}
-		return mysqlSessionProblem(ctx, ib.db, "DB",
-			"it would convert every message id and fingerprint on its way in (a latin1 client's id \"ü\", two bytes"+
-				" of UTF-8, was stored as four, and the 16-byte fingerprint grew past its column: 1406 on every claim)",
-			// The statement after a deadlock that rolled the message's
-			// transaction back (an error the handler ignored) opens a new
-			// transaction of its own: no status, no @@in_transaction and
-			// no read of the claim tells it from the message's.
-			"the inbox cannot then tell a transaction the database rolled back from a new one, and would commit the"+
-				" handler's later writes, and its outputs, with the message not processed")
+		return sessionProblem(ctx, ib.db, found, sessionInbox, "DB")
 	})
 }
 
-// mysqlSessionProblem reads a session of db (a MySQL/MariaDB server) and
-// returns an error wrapping ErrInvalidConfig, naming the configuration
-// field and why it matters (convert: what a character set conversion
-// breaks; autocommitOff: what autocommit off breaks), when its sessions
-// send strings in another character set than the server reads them in
-// (@@character_set_client, from the DSN or the server's init_connect,
-// against @@character_set_connection: MySQL converts every string
-// parameter between them) or have autocommit off (the DSN's autocommit=0,
-// init_connect), or complete their transactions otherwise than NO_CHAIN
-// (the DSN's completion_type). known is false when the session could not
-// be read: the next use asks again.
-func mysqlSessionProblem(ctx context.Context, db *sqlx.DB, field, convert, autocommitOff string) (known bool, err error) {
-	var autocommit int
-	var clientCharset, connectionCharset, completion string
-	if err := db.QueryRowContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection, @@completion_type").
-		Scan(&autocommit, &clientCharset, &connectionCharset, &completion); err != nil {
+// sessionUse is what a session check is for: what the sessions must allow.
+type sessionUse int
+
+const (
+	sessionInbox  sessionUse = iota // the claims and the handlers' transactions
+	sessionOutbox                   // the relay, its reads, deletes and writers
+	sessionReads                    // Purge and Stats: reads, and deletes by key
+)
+
+// sessionProblem reads a session of db, on a server of kind, and returns an
+// error wrapping ErrInvalidConfig that names the setting, the configuration
+// field and the fix when its sessions cannot serve use; known is false when
+// the session could not be read (the next use asks again).
+//   - MySQL/MariaDB: strings sent in another character set than the server
+//     reads them in (@@character_set_client from the DSN or init_connect,
+//     against @@character_set_connection: every string parameter is
+//     converted on its way in, message ids, consumers, topics, UUIDs);
+//     completion_type other than NO_CHAIN (each COMMIT opens the session's
+//     next transaction: a BEGIN with an isolation level then fails, 1568,
+//     and statements meant to commit alone run in a transaction nobody
+//     commits); the driver's columnsWithAlias=true (every column named
+//     table.column: no read of the library's finds its columns); for the
+//     inbox and the outbox, autocommit off; for the outbox,
+//     sql_safe_updates (its DELETE by a JSON_TABLE join is refused, 1175,
+//     after the broker has the messages) and no default database (the same
+//     DELETE fails with 1046): the relay sent its batch again every round.
+//   - PostgreSQL: a client_encoding other than UTF8 (a DSN's, a role's or a
+//     database's setting): the server converts every string, and an id
+//     stored by a UTF8 session was another id to a LATIN1 one, whose
+//     instance processed the message again.
+//   - SQLite: read_uncommitted on, for the inbox and the outbox (with a
+//     shared cache the relay read a handler's outputs before it committed,
+//     and sent those of a transaction that rolled back); for the outbox,
+//     query_only (the relay published, then failed to record it, and sent
+//     its batch again every round).
+func sessionProblem(ctx context.Context, db sqlx.QueryerContext, kind serverKind, use sessionUse, field string) (known bool, err error) {
+	switch kind {
+	case serverMySQL:
+		return mysqlSessionProblem(ctx, db, use, field)
+	case serverPostgreSQL:
+		var encoding string
+		if err := db.QueryRowxContext(ctx, "SELECT current_setting('client_encoding')").Scan(&encoding); err != nil {
+			return false, nil
+		}
+		if encoding != "UTF8" {
+			return true, fmt.Errorf("%w: the PostgreSQL sessions of %s have client_encoding %s (from the DSN, or an ALTER ROLE or"+
+				" ALTER DATABASE ... SET client_encoding): the server converts every string between it and the database's"+
+				" UTF8, so a message id or consumer is stored other than it is, and one stored by a UTF8 session is not"+
+				" found by this one, which processes the message again; use client_encoding UTF8 (the drivers' default)",
+				ErrInvalidConfig, field, encoding)
+		}
+	case serverSQLite:
+		var readUncommitted, queryOnly int
+		if err := db.QueryRowxContext(ctx, "SELECT (SELECT read_uncommitted FROM pragma_read_uncommitted),"+
+			" (SELECT query_only FROM pragma_query_only)").Scan(&readUncommitted, &queryOnly); err != nil {
+			return false, nil
+		}
+		switch {
+		case readUncommitted != 0 && use != sessionReads:
+			return true, fmt.Errorf("%w: the SQLite connections of %s have read_uncommitted on (PRAGMA read_uncommitted, from the"+
+				" DSN): with a shared cache they read other connections' writes before those commit, and the outbox relay"+
+				" sent a handler's outputs whose transaction then rolled back; leave read_uncommitted off", ErrInvalidConfig, field)
+		case queryOnly != 0 && use == sessionOutbox:
+			return true, fmt.Errorf("%w: the SQLite connections of %s have query_only on (PRAGMA query_only, from the DSN): the"+
+				" relay could read and publish its messages but not record them, and sent them again every round; use"+
+				" connections that can write", ErrInvalidConfig, field)
+		}
+	}
+	return true, nil
+}
+
+// mysqlSessionProblem is sessionProblem on MySQL/MariaDB.
+func mysqlSessionProblem(ctx context.Context, db sqlx.QueryerContext, use sessionUse, field string) (known bool, err error) {
+	// The last column, of a table, tells the driver's columnsWithAlias
+	// by its name.
+	rows, err := db.QueryContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection, @@completion_type,"+
+		" @@sql_safe_updates, DATABASE(), t.TABLE_NAME FROM (SELECT 1) AS one LEFT JOIN information_schema.TABLES t ON 1 = 0")
+	if err != nil {
 		return false, nil
 	}
+	defer rows.Close()
+	columns, err := rows.Columns()
+	if err != nil || !rows.Next() {
+		return false, nil
+	}
+	var autocommit, safeUpdates int
+	var clientCharset, connectionCharset, completion string
+	var database, none sql.NullString
+	if err := rows.Scan(&autocommit, &clientCharset, &connectionCharset, &completion, &safeUpdates, &database, &none); err != nil {
+		return false, nil
+	}
+	outbox := use == sessionOutbox
 	switch {
+	case strings.Contains(columns[len(columns)-1], "."):
+		return true, fmt.Errorf("%w: the MySQL connections of %s name each column table.column (the DSN's columnsWithAlias=true):"+
+			" the library's reads do not find their columns; leave columnsWithAlias out of the DSN (a pool of its own for"+
+			" the inbox if the application needs it)", ErrInvalidConfig, field)
+	case clientCharset != connectionCharset:
+		return true, fmt.Errorf("%w: the MySQL sessions of %s send strings in character set %s (@@character_set_client,"+
+			" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
+			" (@@character_set_connection), so it would convert every message id, consumer, topic, UUID and metadata"+
+			" value on its way in (a latin1 client's id \"ü\" was stored as four bytes); use sessions whose two character"+
+			" sets match (the driver's default, utf8mb4, or the DSN's charset=…)", ErrInvalidConfig, field, clientCharset, connectionCharset)
 	case completion != "NO_CHAIN" && completion != "0":
 		return true, fmt.Errorf("%w: the MySQL sessions of %s have completion_type %s (from the DSN's completion_type or the"+
 			" server's): each COMMIT then opens the session's next transaction at once (CHAIN) or ends the session (RELEASE),"+
@@ -418,15 +507,26 @@ func mysqlSessionProblem(ctx context.Context, db *sqlx.DB, field, convert, autoc
 			" characteristics can't be changed while a transaction is in progress), and the statements meant to commit on"+
 			" their own (the purge's DELETEs, Stats' reads) run in a transaction nobody commits; use sessions with"+
 			" completion_type NO_CHAIN (MySQL's default)", ErrInvalidConfig, field, completion)
-	case clientCharset != connectionCharset:
-		return true, fmt.Errorf("%w: the MySQL sessions of %s send strings in character set %s (@@character_set_client,"+
-			" from the DSN's character_set_client or the server's init_connect) but the server reads them in %s"+
-			" (@@character_set_connection), so %s; use sessions whose two character sets match (the driver's default,"+
-			" utf8mb4, or the DSN's charset=…)", ErrInvalidConfig, field, clientCharset, connectionCharset, convert)
-	case autocommit == 0:
+	case autocommit == 0 && use != sessionReads:
+		// For the inbox: the statement after a deadlock that rolled the
+		// message's transaction back (an error the handler ignored)
+		// opens a new transaction of its own, which no status,
+		// @@in_transaction or read of the claim tells from the message's.
 		return true, fmt.Errorf("%w: the MySQL sessions of %s have autocommit off (@@autocommit = 0, from the DSN's"+
-			" autocommit=0 or the server's init_connect/autocommit setting): %s; use sessions with autocommit on"+
-			" (MySQL's default)", ErrInvalidConfig, field, autocommitOff)
+			" autocommit=0 or the server's init_connect/autocommit setting): the inbox cannot then tell a transaction the"+
+			" database rolled back from a new one, and would commit a handler's later writes and outputs with the message"+
+			" not processed, and a statement the outbox runs outside a transaction of its own (Stats) leaves one open on"+
+			" its pooled session, where the relay's next round fails (1568); use sessions with autocommit on (MySQL's"+
+			" default)", ErrInvalidConfig, field)
+	case safeUpdates != 0 && outbox:
+		return true, fmt.Errorf("%w: the MySQL sessions of %s have sql_safe_updates on (the DSN's sql_safe_updates=1, the"+
+			" client's --safe-updates or init_connect): the relay's DELETE of the messages it sent is refused (1175) after"+
+			" the broker has them, and it would send them again every round; use sessions with sql_safe_updates off",
+			ErrInvalidConfig, field)
+	case !database.Valid && outbox:
+		return true, fmt.Errorf("%w: the MySQL sessions of %s have no default database (the DSN names none): the relay's"+
+			" DELETE of the messages it sent fails (1046) after the broker has them, and it would send them again every"+
+			" round; name the database in the DSN (…/dbname)", ErrInvalidConfig, field)
 	}
 	return true, nil
 }
