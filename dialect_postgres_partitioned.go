@@ -274,14 +274,15 @@ func (d postgresPartitionedDialect) createSchema(ctx context.Context, db *sqlx.D
 // The partitions, at the table's interval, that cover yesterday (by the
 // database clock) to DefaultPartitionsAhead days after today.
 func (d postgresPartitionedDialect) maintainSchema(ctx context.Context, db dbConn, t qualifiedName) error {
-	return d.maintainPartitions(ctx, db, t, 0)
+	return d.maintainPartitions(ctx, db, t, 0, 0)
 }
 
 // maintainPartitions is maintainSchema for a Purger round whose window is
 // window (0: none): no partition is made for days entirely past it
-// (maintainedRange).
-func (postgresPartitionedDialect) maintainPartitions(ctx context.Context, db dbConn, t qualifiedName, window time.Duration) error {
-	from, until, err := maintainedRange(ctx, db, t, window)
+// (maintainedRange); and, for a Purger whose next round is nextRound away
+// (0: none), partitions until after the round after it.
+func (postgresPartitionedDialect) maintainPartitions(ctx context.Context, db dbConn, t qualifiedName, window, nextRound time.Duration) error {
+	from, until, err := maintainedRange(ctx, db, t, window, nextRound)
 	if err != nil {
 		return err
 	}
@@ -631,7 +632,7 @@ func (d postgresPartitionedDialect) purgeRound(ctx context.Context, db dbConn, c
 	if err == nil {
 		keepFor = olderThan
 	}
-	schemaErr := d.maintainPartitions(ctx, db, t, keepFor)
+	schemaErr := d.maintainPartitions(ctx, db, t, keepFor, cfg.nextRound)
 	if err != nil {
 		round.Err = errors.Join(fmt.Errorf("inbox: purge %s: %w", t, err), schemaErr)
 		return round

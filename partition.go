@@ -144,7 +144,7 @@ func InitializePartitions(ctx context.Context, db *sqlx.DB, table string, interv
 	if err := d.createSchema(ctx, db, t, 0); err != nil {
 		return err
 	}
-	from, until, err := maintainedRange(ctx, db, t, 0)
+	from, until, err := maintainedRange(ctx, db, t, 0, 0)
 	if err != nil {
 		return err
 	}
@@ -171,7 +171,7 @@ func MigratePartitionInterval(ctx context.Context, db *sqlx.DB, table string, to
 	if _, err := ParsePartitionInterval(string(to)); err != nil {
 		return err
 	}
-	from, until, err := maintainedRange(ctx, db, t, 0)
+	from, until, err := maintainedRange(ctx, db, t, 0, 0)
 	if err != nil {
 		return err
 	}
@@ -223,7 +223,7 @@ const pgNowMicros = "CAST(EXTRACT(EPOCH FROM now()) * 1000000 AS bigint)"
 // partition again dropped it at once, every round, each DETACH ...
 // CONCURRENTLY waiting for every transaction older than it (one left open
 // failed every round, with nothing to purge).
-func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedName, window time.Duration) (from, until time.Time, err error) {
+func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedName, window, nextRound time.Duration) (from, until time.Time, err error) {
 	// pgNowMicros: a role or server with DateStyle 'SQL, DMY' failed every
 	// Purger round here, and the claims once the partitions ran out.
 	var nowMicros int64
@@ -233,6 +233,12 @@ func maintainedRange(ctx context.Context, db sqlx.QueryerContext, t qualifiedNam
 	now := time.UnixMicro(nowMicros).UTC()
 	from = now.Truncate(oneDay).AddDate(0, 0, -1)
 	until = from.AddDate(0, 0, DefaultPartitionsAhead+2)
+	// A Purger whose rounds are further apart than that: until the day
+	// after its next round, and the one after (a round may fail), so that
+	// the claims never run out of partitions in between.
+	if need := now.Add(2*nextRound).Truncate(oneDay).AddDate(0, 0, 2); need.After(until) {
+		until = need
+	}
 	if window > 0 {
 		if cutoffDay := now.Add(-window).Truncate(oneDay); cutoffDay.After(from) {
 			from = cutoffDay

@@ -136,6 +136,9 @@ type PurgeConfig struct {
 	// purge (then nil): the purge's cutoff is the database's time then less
 	// OlderThan (purgeCutoff). Zero: the time purge starts.
 	windowChecked time.Time
+	// nextRound is how long until a Purger's next round (its Interval): a
+	// partitioned table's partitions are made to outlast it. Zero: none.
+	nextRound time.Duration
 }
 
 // PurgePacing is how a purge paced its batches (see PurgeConfig.DutyCycle):

@@ -371,6 +371,7 @@ func (p *Purger) round(ctx context.Context) (round PurgeRound) {
 		}
 	}()
 	cfg := p.cfg.Purge
+	cfg.nextRound = p.cfg.Interval
 	var pacing PurgePacing
 	cfg.pacing = &pacing
 	round = p.dialect.purgeRound(ctx, lease.work, cfg, p.table)
