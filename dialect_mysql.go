@@ -339,6 +339,22 @@ func (d mysqlDialect) checkColumns(ctx context.Context, q sqlx.QueryerContext, t
 		}
 	}
 	myCheckProcessedAt(tq, byName, tz, ps)
+	if c, ok := byName[processedAt]; ok && c.DataType == "datetime" {
+		// Rows of the zero date (a processed_at added NOT NULL without a
+		// default: every existing row got it) are older than any cutoff,
+		// and the next purge deleted rows processed moments before. Read
+		// by the processed_at index when there is one.
+		var zero int
+		err := sqlx.GetContext(ctx, q, &zero, "SELECT COUNT(*) FROM (SELECT 1 FROM "+tq+" WHERE "+processedAt+" < '1000-01-01' LIMIT 1) AS z")
+		if err != nil {
+			return err
+		}
+		if zero > 0 {
+			ps.add("UPDATE "+tq+" SET "+processedAt+" = UTC_TIMESTAMP(6) WHERE "+processedAt+" < '1000-01-01'",
+				"column %q holds the zero date (0000-00-00), which the purge takes for the oldest time and deletes inside the"+
+					" window; the fix keeps those rows a whole window from now", processedAt)
+		}
+	}
 	myCheckOtherColumns(tq, cols, ps)
 	return nil
 }

@@ -399,14 +399,17 @@ JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
 WHERE i.indrelid = to_regclass($1) AND i.indisprimary
 ORDER BY k.ord`
 
-// A valid, non-partial btree or BRIN index led by processed_at: one that
-// serves the purge's range scan.
+// A valid, non-partial btree index led by processed_at: one that serves the
+// purge's batches, which take the oldest rows in order (ORDER BY
+// processed_at LIMIT n). A BRIN index cannot give them in order: each batch
+// read and sorted every expired row left, and a purge took time in the
+// square of its rows.
 const pgPurgeIndexSQL = `SELECT EXISTS (SELECT 1 FROM pg_index i
 	JOIN pg_class ic ON ic.oid = i.indexrelid
 	JOIN pg_am am ON am.oid = ic.relam
 	JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
 	WHERE i.indrelid = to_regclass($1) AND a.attname = 'processed_at'
-		AND i.indisvalid AND i.indpred IS NULL AND am.amname IN ('btree', 'brin'))`
+		AND i.indisvalid AND i.indpred IS NULL AND am.amname = 'btree')`
 
 func pgReadRelation(ctx context.Context, q sqlx.QueryerContext, d Dialect, t qualifiedName) (pgRelation, error) {
 	var rel pgRelation

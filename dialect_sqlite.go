@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/jmoiron/sqlx"
@@ -273,6 +274,22 @@ func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t 
 		ps.add(recreate, "column %q is missing", processedAt)
 	case sqliteAffinity(c.Type) != "INTEGER":
 		ps.add(recreate, "column %q has the declared type %q, not of INTEGER affinity (Unix microseconds)", c.Name, c.Type)
+	default:
+		// Declared right, but holding another unit (seconds from
+		// unixepoch(), milliseconds from Date.now()): the purge took
+		// every row for one processed in 1970 and deleted rows processed
+		// moments before. The oldest and newest value, by the index.
+		var lo, hi sql.NullInt64
+		if err := q.QueryRowxContext(ctx, "SELECT min(processed_at), max(processed_at) FROM "+d.quote(table.Schema)+"."+
+			d.quote(t.name)).Scan(&lo, &hi); err != nil {
+			return nil, err
+		}
+		if lo.Valid && (lo.Int64 < sqliteMinMicros || hi.Int64 >= sqliteMaxMicros) {
+			ps.add("UPDATE "+d.quote(table.Schema)+"."+d.quote(t.name)+" SET processed_at = "+sqliteProcessedAtMicros+
+				" WHERE processed_at < "+strconv.FormatInt(sqliteMinMicros, 10)+" OR processed_at >= "+strconv.FormatInt(sqliteMaxMicros, 10),
+				"column %q holds values that are not Unix microseconds (from %d to %d: seconds, milliseconds or nanoseconds?),"+
+					" by which the purge would delete rows inside their window", c.Name, lo.Int64, hi.Int64)
+		}
 	}
 	var pk []string
 	for _, c := range cols {
@@ -463,6 +480,13 @@ const sqliteProcessedAtMicros = "COALESCE(CASE" +
 	" WHEN abs(processed_at) < 100000000000000 THEN CAST(processed_at * 1000 AS INTEGER)" +
 	" WHEN abs(processed_at) < 100000000000000000 THEN CAST(processed_at AS INTEGER)" +
 	" ELSE CAST(processed_at / 1000 AS INTEGER) END, " + sqliteNowMicros + ")"
+
+// The Unix microseconds sqliteProcessedAtMicros keeps as they are (1973 to
+// 5138): a processed_at outside them is in another unit.
+const (
+	sqliteMinMicros int64 = 100000000000000
+	sqliteMaxMicros int64 = 100000000000000000
+)
 
 // recreateScript returns the statements that replace t with a table of the
 // canonical shape, keeping its rows: SQLite cannot alter a column. Its

@@ -207,7 +207,7 @@ func TestVerify_printedFixesMakeTableCompatible(t *testing.T) {
 				message_id   TEXT NOT NULL COLLATE NOCASE,
 				processed_at INTEGER NOT NULL,
 				PRIMARY KEY (consumer, message_id))`},
-			insert: []string{"INSERT INTO {t} (consumer, message_id, processed_at) VALUES ('c', 'a', 1), ('c', 'b', 2)"},
+			insert: []string{"INSERT INTO {t} (consumer, message_id, processed_at) VALUES ('c', 'a', 1765000000), ('c', 'b', 1765000001)"}, // Unix seconds: converted
 		},
 	}
 	forEachDB(t, func(t *testing.T, tdb testDB, db *sqlx.DB) {
@@ -646,7 +646,9 @@ func TestMiddleware_MissingTableIsRefusedBeforeTheClaim(t *testing.T) {
 // unique message_id made a second consumer skip every message; PostgreSQL's
 // ON CONFLICT takes a folding one as an arbiter), a trigger (it can drop or
 // rewrite the row), a rule, a CHECK constraint, a foreign key to the table,
-// an UNLOGGED table, child tables; on a partitioned table, a trigger, a
+// an UNLOGGED table, child tables, a BRIN purge index instead of a btree
+// (the batches read and sorted every expired row left); on a partitioned
+// table, a trigger, a
 // CHECK constraint or UNLOGGED on one partition.
 func TestVerify_refusesObjectsThatChangeTheClaimOrThePurge(t *testing.T) {
 	t.Parallel()
@@ -661,6 +663,8 @@ func TestVerify_refusesObjectsThatChangeTheClaimOrThePurge(t *testing.T) {
 			"foreign key": {"CREATE TABLE {t}_ref (c text, m text, FOREIGN KEY (c, m) REFERENCES {t} (consumer, message_id))"},
 			"UNLOGGED":    {"ALTER TABLE {t} SET UNLOGGED"},
 			"inherit":     {"CREATE TABLE {t}_archive () INHERITS ({t})"},
+			// It cannot give the purge's batches their oldest rows in order.
+			"BRIN purge index": {"DROP INDEX {t}_processed_at_idx", "CREATE INDEX {t}_brin ON {t} USING brin (processed_at)"},
 		},
 		// On one partition only: a trigger there that returns NULL drops
 		// the claim's row, and the message was acked unprocessed.
