@@ -470,10 +470,10 @@ func sessionProblem(ctx context.Context, db sqlx.QueryerContext, kind serverKind
 
 // mysqlSessionProblem is sessionProblem on MySQL/MariaDB.
 func mysqlSessionProblem(ctx context.Context, db sqlx.QueryerContext, use sessionUse, field string) (known bool, err error) {
-	// The last column, of a table, tells the driver's columnsWithAlias
-	// by its name.
+	// The last column, of a table (a derived one: nothing is read),
+	// tells the driver's columnsWithAlias by its name.
 	rows, err := db.QueryContext(ctx, "SELECT @@autocommit, @@character_set_client, @@character_set_connection, @@completion_type,"+
-		" @@sql_safe_updates, DATABASE(), t.TABLE_NAME FROM (SELECT 1) AS one LEFT JOIN information_schema.TABLES t ON 1 = 0")
+		" @@sql_safe_updates, DATABASE(), one.c FROM (SELECT 1 AS c) AS one")
 	if err != nil {
 		return false, nil
 	}
@@ -484,7 +484,8 @@ func mysqlSessionProblem(ctx context.Context, db sqlx.QueryerContext, use sessio
 	}
 	var autocommit, safeUpdates int
 	var clientCharset, connectionCharset, completion string
-	var database, none sql.NullString
+	var database sql.NullString
+	var none int
 	if err := rows.Scan(&autocommit, &clientCharset, &connectionCharset, &completion, &safeUpdates, &database, &none); err != nil {
 		return false, nil
 	}
