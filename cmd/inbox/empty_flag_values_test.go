@@ -38,6 +38,7 @@ func TestEmptyFlagValuesAreUsageErrors(t *testing.T) {
 		append(purge, "-consumer", ""),
 		append(purge, "-brokers", "", "-topics", ""),
 		append(purge, "-nats-url", "", "-nats-stream", ""),
+		append(purge, "-nats-url", "nats://127.0.0.1:4222", "-nats-stream", ""),
 		{"stats", "-db", dsn, "-table", table, "-older-than", "1h", "-consumer", ""},
 		{"requeue", "-db", dsn, "-outbox-table", "cli_outbox", "-all", "-topic", ""},
 		{"schema", "-db", dsn, "-table", table, "-verify", "-dialect", ""},

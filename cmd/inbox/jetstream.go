@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"strings"
@@ -60,12 +61,16 @@ func splitList(v string) []string {
 }
 
 // listFlag is a flag that may be repeated, each value a comma-separated
-// list; empty items are dropped.
+// list; empty items are dropped, and a value with none is refused (a
+// script's unset variable, as for every flag: see parse).
 type listFlag []string
 
 func (l *listFlag) String() string { return strings.Join(*l, ",") }
 
 func (l *listFlag) Set(v string) error {
+	if strings.Trim(v, ", \t") == "" {
+		return errors.New("empty (an unset variable?): give it a value, or leave the flag out")
+	}
 	for _, item := range strings.Split(v, ",") {
 		if item = strings.TrimSpace(item); item != "" {
 			*l = append(*l, item)
