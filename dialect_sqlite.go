@@ -276,19 +276,28 @@ func (d sqliteDialect) checkTable(ctx context.Context, q sqlx.QueryerContext, t 
 		ps.add(recreate, "column %q has the declared type %q, not of INTEGER affinity (Unix microseconds)", c.Name, c.Type)
 	default:
 		// Declared right, but holding another unit (seconds from
-		// unixepoch(), milliseconds from Date.now()): the purge took
-		// every row for one processed in 1970 and deleted rows processed
-		// moments before. The oldest and newest value, by the index.
-		var lo, hi sql.NullInt64
-		if err := q.QueryRowxContext(ctx, "SELECT min(processed_at), max(processed_at) FROM "+d.quote(table.Schema)+"."+
-			d.quote(t.name)).Scan(&lo, &hi); err != nil {
+		// unixepoch(), milliseconds from Date.now()) or other values
+		// (text from CURRENT_TIMESTAMP, fractional seconds from
+		// unixepoch('subsec')): the purge took every row for one
+		// processed in 1970 and deleted rows processed moments before.
+		// The two ends of the purge index, two seeks (SQLite sorts
+		// numbers before text and blobs; min and max take its min/max
+		// optimisation one per query, not together).
+		tq := d.quote(table.Schema) + "." + d.quote(t.name)
+		var lo, hi any
+		if err := q.QueryRowxContext(ctx, "SELECT (SELECT min(processed_at) FROM "+tq+"), (SELECT max(processed_at) FROM "+tq+")").
+			Scan(&lo, &hi); err != nil {
 			return nil, err
 		}
-		if lo.Valid && (lo.Int64 < sqliteMinMicros || hi.Int64 >= sqliteMaxMicros) {
-			ps.add("UPDATE "+d.quote(table.Schema)+"."+d.quote(t.name)+" SET processed_at = "+sqliteProcessedAtMicros+
-				" WHERE processed_at < "+strconv.FormatInt(sqliteMinMicros, 10)+" OR processed_at >= "+strconv.FormatInt(sqliteMaxMicros, 10),
-				"column %q holds values that are not Unix microseconds (from %d to %d: seconds, milliseconds or nanoseconds?),"+
-					" by which the purge would delete rows inside their window", c.Name, lo.Int64, hi.Int64)
+		inRange := func(v any) bool {
+			n, ok := v.(int64)
+			return v == nil || ok && n >= sqliteMinMicros && n < sqliteMaxMicros
+		}
+		if !inRange(lo) || !inRange(hi) {
+			ps.add("UPDATE "+tq+" SET processed_at = "+sqliteProcessedAtMicros+" WHERE typeof(processed_at) <> 'integer' OR"+
+				" processed_at < "+strconv.FormatInt(sqliteMinMicros, 10)+" OR processed_at >= "+strconv.FormatInt(sqliteMaxMicros, 10),
+				"column %q holds values that are not Unix microseconds (from %v to %v: seconds, milliseconds, text?), by which"+
+					" the purge would delete rows inside their window", c.Name, lo, hi)
 		}
 	}
 	var pk []string

@@ -368,6 +368,7 @@ type Outbox struct {
 	// DB's driver name; server checks that it is the server's.
 	dialectInferred bool
 	server          serverCheck
+	readServer      serverCheck // checkServer for Stats: what reads need (sessionReads)
 	wake            chan struct{}
 	logger          *componentLogger
 	running         runs // RouterPlugin's goroutine, Run calls
@@ -1701,7 +1702,7 @@ func (o *Outbox) warnIfNoRelay() {
 // ErrDialectMismatch; other errors wrap the driver's. Safe for concurrent
 // use.
 func (o *Outbox) Stats(ctx context.Context) (OutboxStats, error) {
-	if err := o.checkServer(ctx); err != nil {
+	if err := o.checkReadServer(ctx); err != nil {
 		return OutboxStats{}, err
 	}
 	var (

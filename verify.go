@@ -376,6 +376,24 @@ func (o *Outbox) checkServer(ctx context.Context) error {
 	})
 }
 
+// checkReadServer is checkServer for what only reads (Stats, which a
+// monitoring pool that cannot write may run): the dialect, and the session
+// settings that break reads (sessionReads), not those only the relay's
+// writes need (sessionOutboxReads).
+func (o *Outbox) checkReadServer(ctx context.Context) error {
+	return o.readServer.once(func() (bool, error) {
+		how := "OutboxConfig.Dialect"
+		if o.dialectInferred {
+			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
+		}
+		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
+		if found == "" || err != nil {
+			return found != "", err
+		}
+		return sessionProblem(ctx, o.cfg.DB, found, sessionOutboxReads, "OutboxConfig.DB")
+	})
+}
+
 // check returns nil when ib's dialect is for the server behind ib's DB (or
 // the server cannot be identified), and otherwise an error wrapping
 // ErrDialectMismatch that names both, DB's driver type, and the
@@ -404,6 +422,10 @@ const (
 	sessionInbox  sessionUse = iota // the claims and the handlers' transactions
 	sessionOutbox                   // the relay, its reads, deletes and writers
 	sessionReads                    // Purge and Stats: reads, and deletes by key
+	// sessionOutboxReads is Outbox.Stats: reads outside a transaction of
+	// its own, which autocommit off leaves open on the pooled session (the
+	// next read there sees its old snapshot).
+	sessionOutboxReads
 )
 
 // sessionProblem reads a session of db, on a server of kind, and returns an
@@ -437,11 +459,14 @@ func sessionProblem(ctx context.Context, db sqlx.QueryerContext, kind serverKind
 	case serverMySQL:
 		return mysqlSessionProblem(ctx, db, use, field)
 	case serverPostgreSQL:
-		var encoding string
-		if err := db.QueryRowxContext(ctx, "SELECT current_setting('client_encoding')").Scan(&encoding); err != nil {
+		// A SQL_ASCII database converts nothing: its bytes are compared as
+		// they are whatever the client's encoding.
+		var encoding, serverEncoding string
+		if err := db.QueryRowxContext(ctx, "SELECT current_setting('client_encoding'), current_setting('server_encoding')").
+			Scan(&encoding, &serverEncoding); err != nil {
 			return false, nil
 		}
-		if encoding != "UTF8" {
+		if encoding != "UTF8" && serverEncoding != "SQL_ASCII" {
 			return true, fmt.Errorf("%w: the PostgreSQL sessions of %s have client_encoding %s (from the DSN, or an ALTER ROLE or"+
 				" ALTER DATABASE ... SET client_encoding): the server converts every string between it and the database's"+
 				" UTF8, so a message id or consumer is stored other than it is, and one stored by a UTF8 session is not"+
@@ -456,9 +481,12 @@ func sessionProblem(ctx context.Context, db sqlx.QueryerContext, kind serverKind
 		}
 		switch {
 		case readUncommitted != 0 && use != sessionReads:
+			// It does something only with a shared cache, which no
+			// statement tells: refused either way.
 			return true, fmt.Errorf("%w: the SQLite connections of %s have read_uncommitted on (PRAGMA read_uncommitted, from the"+
 				" DSN): with a shared cache they read other connections' writes before those commit, and the outbox relay"+
-				" sent a handler's outputs whose transaction then rolled back; leave read_uncommitted off", ErrInvalidConfig, field)
+				" sent a handler's outputs whose transaction then rolled back (without a shared cache it does nothing); leave"+
+				" read_uncommitted off", ErrInvalidConfig, field)
 		case queryOnly != 0 && use == sessionOutbox:
 			return true, fmt.Errorf("%w: the SQLite connections of %s have query_only on (PRAGMA query_only, from the DSN): the"+
 				" relay could read and publish its messages but not record them, and sent them again every round; use"+
