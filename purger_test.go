@@ -380,13 +380,15 @@ func TestPurgersOfConsumersThatShareATableFinishOnAPoolOfTwo(t *testing.T) {
 		if tdb.Dialect == inbox.SQLite {
 			t.Skip("SQLite takes no purge lock")
 		}
+		if tdb.Dialect == inbox.PostgreSQLPartitioned {
+			// Before the rows: one of 3 days ago has no partition on the
+			// days when yesterday's week began after it.
+			t.Skip("the rows of the last days need their partitions: TestPurgersOfConsumersThatShareATableDoNotSkipEachOther covers this dialect's waits")
+		}
 		f := newFixture(t, db)
 		f.newInbox(inbox.Config{Dialect: tdb.Dialect})
 		insertRows(t, db, tdb.Dialect, f.inbox, "orders", "expired", 10, 2*time.Hour)
 		insertRows(t, db, tdb.Dialect, f.inbox, "ledger", "expired", 10, 3*24*time.Hour)
-		if tdb.Dialect == inbox.PostgreSQLPartitioned {
-			t.Skip("the rows of the last days need their partitions: TestPurgersOfConsumersThatShareATableDoNotSkipEachOther covers this dialect's waits")
-		}
 		db.SetMaxOpenConns(2)
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
