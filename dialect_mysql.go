@@ -736,7 +736,7 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 	query, args := pq.sql, pq.args
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
-		return 0, 0, mysqlChainedSessionError(ctx, db, err)
+		return 0, 0, err
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	var keys []struct {
@@ -782,30 +782,6 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 		}
 	}
 	return deleted, int64(len(keys)), tx.Commit()
-}
-
-// erCantChangeTxCharacteristics is MySQL/MariaDB's 1568
-// (ER_CANT_CHANGE_TX_CHARACTERISTICS): SET TRANSACTION inside a
-// transaction.
-const erCantChangeTxCharacteristics = 1568
-
-// mysqlChainedSessionError returns err, the failure of a BEGIN with an
-// isolation level, wrapped with ErrInvalidConfig and the fix when the
-// session's completion_type is not NO_CHAIN (the DSN's completion_type):
-// the batch before it committed and opened the session's next transaction
-// at once, in which SET TRANSACTION fails with 1568, a message that names
-// nothing the operator can change. The setting is read only then.
-func mysqlChainedSessionError(ctx context.Context, db sqlx.QueryerContext, err error) error {
-	if !hasMySQLNumber(err, erCantChangeTxCharacteristics) {
-		return err
-	}
-	var completion string
-	if rerr := sqlx.GetContext(ctx, db, &completion, "SELECT @@completion_type"); rerr != nil || completion == "NO_CHAIN" || completion == "0" {
-		return err
-	}
-	return fmt.Errorf("%w: the MySQL sessions of PurgeConfig.DB have completion_type %s (from the DSN's completion_type or"+
-		" the server's): each COMMIT opens the session's next transaction at once, and the next batch's BEGIN fails; use"+
-		" sessions with completion_type NO_CHAIN (MySQL's default): %w", ErrInvalidConfig, completion, err)
 }
 
 // GET_LOCK, a session lock, on one connection taken from the pool for the

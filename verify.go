@@ -346,15 +346,8 @@ func (c *serverCheck) once(f func() (known bool, err error)) error {
 // (sessionProblem), as the Inbox's check gives.
 func (o *Outbox) checkServer(ctx context.Context) error {
 	return o.server.once(func() (bool, error) {
-		how := "OutboxConfig.Dialect"
-		if o.dialectInferred {
-			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
-		}
-		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
-		if found == "" || err != nil {
-			return found != "", err
-		}
-		if known, err := sessionProblem(ctx, o.cfg.DB, found, sessionOutbox, "OutboxConfig.DB"); !known || err != nil || found != serverSQLite {
+		known, err := o.checkSessions(ctx, sessionOutbox)
+		if !known || err != nil || o.dialect.server() != serverSQLite {
 			return known, err
 		}
 		// A SQLite file opened read-only (mode=ro, a read-only file or
@@ -376,22 +369,26 @@ func (o *Outbox) checkServer(ctx context.Context) error {
 	})
 }
 
+// checkSessions checks that o's dialect is for the server behind its DB
+// (serverMismatch) and that its sessions can serve use (sessionProblem).
+func (o *Outbox) checkSessions(ctx context.Context, use sessionUse) (known bool, err error) {
+	how := "OutboxConfig.Dialect"
+	if o.dialectInferred {
+		how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
+	}
+	found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
+	if found == "" || err != nil {
+		return found != "", err
+	}
+	return sessionProblem(ctx, o.cfg.DB, found, use, "OutboxConfig.DB")
+}
+
 // checkReadServer is checkServer for what only reads (Stats, which a
 // monitoring pool that cannot write may run): the dialect, and the session
 // settings that break reads (sessionReads), not those only the relay's
 // writes need (sessionOutboxReads).
 func (o *Outbox) checkReadServer(ctx context.Context) error {
-	return o.readServer.once(func() (bool, error) {
-		how := "OutboxConfig.Dialect"
-		if o.dialectInferred {
-			how = fmt.Sprintf("inferred from DB's driver name %q", o.cfg.DB.DriverName())
-		}
-		found, err := serverMismatch(ctx, o.cfg.DB, o.dialect, how, "OutboxConfig")
-		if found == "" || err != nil {
-			return found != "", err
-		}
-		return sessionProblem(ctx, o.cfg.DB, found, sessionOutboxReads, "OutboxConfig.DB")
-	})
+	return o.readServer.once(func() (bool, error) { return o.checkSessions(ctx, sessionOutboxReads) })
 }
 
 // check returns nil when ib's dialect is for the server behind ib's DB (or
