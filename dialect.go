@@ -368,11 +368,16 @@ type purgeQuery struct {
 	// postgresDialect.purgeBatch).
 	oldest string
 	// resume, where set, is the batch that starts its scan at a lower
-	// bound on processed_at (Unix milliseconds), and cursor the bound a
-	// round's batches carry from one to the next (see
-	// postgresDialect.purgeBatch).
+	// bound on processed_at (Unix milliseconds on PostgreSQL, a bind
+	// parameter in microseconds on MySQL), and cursor the bound a round's
+	// batches carry from one to the next (see postgresDialect.purgeBatch
+	// and mysqlDialect.purgeBatch).
 	resume func(fromMillis int64) string
 	cursor *purgeCursor
+	// below, where set, is MySQL's read of the expired keys under the
+	// cursor's bound, its bind parameter after the consumer's (see
+	// mysqlDialect.purgeBatch).
+	below string
 	// walk, where set, is a partitioned table's purge, partition by
 	// partition (see postgresPartitionedDialect.purgeBatch).
 	walk *partitionedPurge
@@ -383,7 +388,8 @@ type purgeQuery struct {
 // else from the oldest row (the first batch, and after a batch that deleted
 // nothing).
 type purgeCursor struct {
-	fromMillis int64
+	fromMillis int64 // PostgreSQL's bound
+	fromMicros int64 // MySQL's bound (mysqlDialect.purgeBatch)
 	set        bool
 	// fruitless: the last batch ran from the oldest expired row and
 	// deleted nothing; oldest is the ctid of the oldest expired row then,

@@ -148,16 +148,28 @@ func (mysqlDialect) expiredSQL(byConsumer bool) string {
 	return where
 }
 
-// Not a DELETE: the batch's keys, by a non-locking consistent read of the
-// processed_at index (see purgeBatch).
+// Not a DELETE: the batch's keys and processed_at (microseconds since the
+// Unix epoch), by a non-locking consistent read of the processed_at index
+// (see purgeBatch); resume is the same read from a lower bound on
+// processed_at, its bind parameter after the consumer's.
 func (d mysqlDialect) purgeStatement(t qualifiedName, cutoff int64, batch int, consumer string) purgeQuery {
 	where := mysqlBeforeCutoff
 	if consumer != "" {
 		where += " AND consumer = ?"
 	}
+	keys := func(where string) string {
+		return "SELECT consumer, message_id, TIMESTAMPDIFF(MICROSECOND, TIMESTAMP '1970-01-01 00:00:00', processed_at) AS processed_us FROM " +
+			t.quoted(d) + " WHERE " + where + " ORDER BY processed_at LIMIT ?"
+	}
 	return purgeQuery{
-		sql:  "SELECT consumer, message_id FROM " + t.quoted(d) + " WHERE " + where + " ORDER BY processed_at LIMIT ?",
+		sql:  keys(where),
 		args: purgeArgs(cutoff, batch, consumer),
+		size: int64(batch),
+		resume: func(int64) string {
+			return keys(where + " AND processed_at >= TIMESTAMPADD(MICROSECOND, ?, TIMESTAMP '1970-01-01 00:00:00')")
+		},
+		below:  keys(where + " AND processed_at < TIMESTAMPADD(MICROSECOND, ?, TIMESTAMP '1970-01-01 00:00:00')"),
+		cursor: &purgeCursor{},
 	}
 }
 
@@ -732,19 +744,55 @@ func (mysqlDialect) maintainSchema(context.Context, dbConn, qualifiedName) error
 // batch would wait for the whole handler. So the keys are read first with a
 // non-locking consistent read (purgeStatement), and then deleted by primary key,
 // at READ COMMITTED: only the expired rows themselves are locked.
+//
+// A batch after one that read rows reads from the newest processed_at that
+// one read (pq.cursor, inclusive: rows of the same instant are read again
+// if still there), not from the oldest entry: InnoDB keeps a deleted row's
+// index entries for as long as any snapshot older than the delete is open
+// (a mysqldump --single-transaction, a long report), and a read from the
+// oldest entry stepped over every row the round had deleted, each batch
+// slower than the one before (BenchmarkPurgeBehindOpenSnapshot). A batch
+// from a bound that finds fewer rows than the batch size (the purge's
+// last) also reads, up to the batch size, the expired rows below the bound
+// that the round has not seen (a claim whose transaction committed after
+// the batches passed its processed_at), from the oldest entry once; when
+// there are any, the next batch starts from the oldest entry.
 func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName, pq purgeQuery, h *hooks) (deleted, found int64, err error) {
-	query, args := pq.sql, pq.args
+	args := pq.args
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return 0, 0, err
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
-	var keys []struct {
-		Consumer  []byte `db:"consumer"`
-		MessageID []byte `db:"message_id"`
+	type key struct {
+		Consumer    []byte `db:"consumer"`
+		MessageID   []byte `db:"message_id"`
+		ProcessedUS int64  `db:"processed_us"`
 	}
-	if err := sqlx.SelectContext(ctx, tx, &keys, query, args...); err != nil {
-		return 0, 0, err
+	var keys []key
+	bounded := pq.cursor != nil && pq.cursor.set
+	// withBound is args with the bound before the batch size, the last
+	// bind parameter, as limit.
+	withBound := func(limit int64) []any {
+		return append(append(slices.Clone(args[:len(args)-1]), pq.cursor.fromMicros), limit)
+	}
+	belowBound := false
+	if !bounded {
+		if err := sqlx.SelectContext(ctx, tx, &keys, pq.sql, args...); err != nil {
+			return 0, 0, err
+		}
+	} else {
+		if err := sqlx.SelectContext(ctx, tx, &keys, pq.resume(pq.cursor.fromMicros), withBound(pq.size)...); err != nil {
+			return 0, 0, err
+		}
+		if int64(len(keys)) < pq.size {
+			var below []key
+			if err := sqlx.SelectContext(ctx, tx, &below, pq.below, withBound(pq.size-int64(len(keys)))...); err != nil {
+				return 0, 0, err
+			}
+			belowBound = len(below) > 0
+			keys = append(below, keys...)
+		}
 	}
 	h.purgeKeysRead()
 	// consumer = ? AND message_id IN (...) is a primary-key range MariaDB
@@ -781,7 +829,16 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 			deleted += n
 		}
 	}
-	return deleted, int64(len(keys)), tx.Commit()
+	if err := tx.Commit(); err != nil {
+		return 0, 0, err
+	}
+	if pq.cursor != nil {
+		*pq.cursor = purgeCursor{}
+		if len(keys) > 0 && !belowBound {
+			*pq.cursor = purgeCursor{set: true, fromMicros: keys[len(keys)-1].ProcessedUS}
+		}
+	}
+	return deleted, int64(len(keys)), nil
 }
 
 // GET_LOCK, a session lock, on one connection taken from the pool for the
