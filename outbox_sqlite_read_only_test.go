@@ -31,23 +31,7 @@ func TestOutboxRelayOnAReadOnlySQLiteDatabaseSendsNothing(t *testing.T) {
 		t.Run(params, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			path := filepath.Join(t.TempDir(), "sess_inbox.db")
-			plain := openSQLite(t, path)
-			table := "sess_outbox_" + randomSuffix()
-			made, err := inbox.NewOutbox(inbox.OutboxConfig{DB: plain, Table: table, Publisher: newBrokerStub()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := made.InitializeSchema(ctx); err != nil {
-				t.Fatal(err)
-			}
-			writeOutbox(t, plain, made, "invoices", 2)
-
-			db, err := sqlx.Open("sqlite", "file:"+path+"?"+params)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { db.Close() })
+			db, table := sqliteOutboxWithTwoPending(t, params)
 			broker := newBrokerStub()
 			ob, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: broker})
 			if err != nil {
@@ -67,4 +51,29 @@ func TestOutboxRelayOnAReadOnlySQLiteDatabaseSendsNothing(t *testing.T) {
 			}
 		})
 	}
+}
+
+// sqliteOutboxWithTwoPending makes a SQLite file whose outbox table (a new
+// name) holds 2 pending messages to "invoices", written through a pool that
+// can write, and returns a pool on that file opened with the DSN parameters
+// params, closed when the test ends, and the table.
+func sqliteOutboxWithTwoPending(t *testing.T, params string) (*sqlx.DB, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "sess_inbox.db")
+	plain := openSQLite(t, path)
+	table := "sess_outbox_" + randomSuffix()
+	made, err := inbox.NewOutbox(inbox.OutboxConfig{DB: plain, Table: table, Publisher: newBrokerStub()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := made.InitializeSchema(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	writeOutbox(t, plain, made, "invoices", 2)
+	db, err := sqlx.Open("sqlite", "file:"+path+"?"+params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db, table
 }

@@ -2,7 +2,6 @@ package inbox_test
 
 import (
 	"context"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -38,23 +37,7 @@ func statsOnReadOnlySQLite(t *testing.T) {
 		t.Run(params, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			path := filepath.Join(t.TempDir(), "chk_outbox.db")
-			plain := openSQLite(t, path)
-			table := "chk_outbox_" + randomSuffix()
-			made, err := inbox.NewOutbox(inbox.OutboxConfig{DB: plain, Table: table, Publisher: newBrokerStub()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := made.InitializeSchema(ctx); err != nil {
-				t.Fatal(err)
-			}
-			writeOutbox(t, plain, made, "invoices", 2)
-
-			db, err := sqlx.Open("sqlite", "file:"+path+"?"+params)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { db.Close() })
+			db, table := sqliteOutboxWithTwoPending(t, params)
 			monitor, err := inbox.NewOutbox(inbox.OutboxConfig{DB: db, Table: table, Publisher: newBrokerStub()})
 			if err != nil {
 				t.Fatal(err)
