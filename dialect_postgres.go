@@ -641,6 +641,11 @@ SELECT CASE WHEN oid = (SELECT oid FROM t) THEN 'the table is' ELSE 'partition '
        ' UNLOGGED: PostgreSQL empties it in crash recovery, and every message redelivered after a crash is processed again',
        'ALTER TABLE ' || CASE WHEN oid = (SELECT oid FROM t) THEN $1 ELSE oid::regclass::text END || ' SET LOGGED'
   FROM pg_class WHERE oid IN (SELECT oid FROM tree) AND relpersistence = 'u'
+UNION ALL
+SELECT 'row-level security is enabled for this session''s role: a policy can hide processed rows from the claim' ||
+       ' (the partitioned dialect''s then takes each redelivery for a new message) or reject its row, and keep a purge from deleting',
+       'ALTER TABLE ' || $1 || ' DISABLE ROW LEVEL SECURITY'
+  FROM pg_class WHERE oid = (SELECT oid FROM t) AND relrowsecurity AND row_security_active(oid)
 `
 
 // pgInheritedSQL lists the tables that inherit from a plain (not
