@@ -115,7 +115,10 @@ type PurgeConfig struct {
 	// Purger round on a partitioned table then drops only the partitions
 	// that hold no other consumer's row (consumers sharing a table may have
 	// longer windows) and deletes the consumer's expired rows from the
-	// others by primary key. Default: all consumers.
+	// others by primary key. Default: all consumers, every one by the one
+	// window: Window (or OlderThan) must then cover every topic of every
+	// consumer in the table, so give another service's consumers a table
+	// of their own, or each a purge with its Consumer and its window.
 	Consumer string
 
 	// Window, if set, tells the shortest safe window: how long the broker
