@@ -95,6 +95,9 @@ type pgxTx struct {
 	lock, claim pgx.QueuedQuery
 	lockArgs    [1]any
 	claimArgs   [3]any
+	// ended is set once the connection is released: the handler's
+	// pgx.Tx (handlerTx) refuses statements from then on.
+	ended atomic.Bool
 	// failedSeen: Ended found the transaction failed ('E'), so that the
 	// COMMIT's pgx.ErrTxCommitRollback can say why (Failed). Atomic: the
 	// handler's goroutines may publish to the outbox, which asks Ended, at
@@ -102,13 +105,21 @@ type pgxTx struct {
 	failedSeen atomic.Bool
 }
 
-func (t *pgxTx) Handle() any { return t.tx }
+// Handle is the handler's pgx.Tx (TxFromContext): the transaction,
+// refusing statements once the inbox has ended it (handlerTx). Every call
+// returns an equal value: the key the outbox factory's publishers are
+// bound to the delivery by (backend.MadeFor).
+func (t *pgxTx) Handle() any { return t.handlerTx() }
 
+func (t *pgxTx) handlerTx() handlerTx { return handlerTx{Tx: t.tx, ended: &t.ended} }
+
+// Publisher calls the outbox factory with the handler's pgx.Tx, so that its
+// writes are refused once the transaction has ended, as the handler's are.
 func (t *pgxTx) Publisher() (message.Publisher, error) {
 	if t.b.outbox == nil {
 		return nil, nil
 	}
-	return t.b.outbox(t.tx)
+	return t.b.outbox(t.handlerTx())
 }
 
 func (t *pgxTx) StillClaimed(ctx context.Context, consumer, id string) (bool, error) {
@@ -248,6 +259,7 @@ var errConnLost = errors.New("pgxinbox: the connection was closed before the tra
 // release gives the connection back to the pool, which destroys it if it
 // is closed, busy or still in a transaction (a handler's BEGIN statement).
 func (t *pgxTx) release() {
+	t.ended.Store(true)
 	if t.conn != nil {
 		t.conn.Release()
 		t.conn = nil

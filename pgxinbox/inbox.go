@@ -259,7 +259,11 @@ func DB(pool *pgxpool.Pool) *sqlx.DB {
 // committed stays committed), it may start nested transactions (tx.Begin:
 // savepoints), and it is valid only until the handler returns. Its
 // connection stays with the message until the middleware commits or rolls
-// back, even after the handler's own Commit or Rollback. Like every pgx.Tx it is not safe for concurrent use.
+// back, even after the handler's own Commit or Rollback; from then on its
+// statements, and those of its savepoints, fail with pgx.ErrTxClosed (an
+// AfterCommit function's, a goroutine's: the connection serves other
+// messages), except through Conn() and LargeObjects(), which reach pgx's
+// connection directly. Like every pgx.Tx it is not safe for concurrent use.
 // inbox.OutboxFromContext and inbox.AfterCommit work on the same context.
 // When it returns false, return MissingTxError(ctx) from the handler: it
 // says why (a message claimed by an inbox.Inbox, whose transaction
