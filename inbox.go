@@ -525,14 +525,14 @@ func (ib *Inbox) beforeBegin(d *delivery) (lock keyLocking, err error) {
 			return lock, &misconfiguredError{fmt.Errorf("inbox: %q/%q: %w (Inbox.Verify reports the fix; "+
 				"add Inbox.RouterPlugin to the router to fail at startup instead)", d.consumer, d.id, firstLine{err})}
 		}
-		return lock, &wrapped{msg: fmt.Sprintf("inbox: %q/%q", d.consumer, d.id), err: poolerHint(err)}
+		return lock, d.failedBegin(&wrapped{msg: fmt.Sprintf("inbox: %q/%q", d.consumer, d.id), err: poolerHint(err)})
 	}
 	if ib.tableFailures.Load() != 0 {
 		ib.tableFailures.Store(0)
 	}
 	if ib.locksKeys {
 		if lock, err = ib.resolveKeyLocking(d.sctx); err != nil {
-			return lock, fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err))
+			return lock, d.failedBegin(fmt.Errorf("inbox: %q/%q: %w", d.consumer, d.id, poolerHint(err)))
 		}
 	}
 	return lock, nil
@@ -561,7 +561,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		if isReadOnlyRefusal(err) { // SQLite's BEGIN IMMEDIATE takes the write lock
 			return nil, false, d.readOnlyClaim(err)
 		}
-		return nil, false, fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err))
+		return nil, false, d.failedBegin(fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, err)))
 	}
 	t := &d.sqlTx
 	*t = sqlTx{ib: ib, conn: conn, tx: tx, place: place, ctx: d.txCtx, heldStmt: heldStmt, fpStmt: fpStmt}
@@ -580,7 +580,7 @@ func (b sqlBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 	} else {
 		if ib.locksKeys {
 			if _, err := tx.ExecContext(d.sctx, ib.keyLockSQL, keyLockHash(lock.table, d.consumer, d.id)); err != nil {
-				return t, false, fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
+				return t, false, d.failedBegin(fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err))
 			}
 		}
 		n, t.sameFingerprint, err = ib.claim(d.sctx, tx, stmt, d.consumer, d.id, d.fingerprint)
@@ -640,6 +640,27 @@ func (d *delivery) readOnlyClaim(err error) error {
 	return &misconfiguredError{fmt.Errorf("inbox: claim %q/%q in table %s: %w (a read-only transaction or server:"+
 		" a replica, a failover in progress, default_transaction_read_only, a read-only SQLite file): %w",
 		d.consumer, d.id, d.ib.table, ErrDatabaseReadOnly, err)}
+}
+
+// failedBegin returns the error of a delivery whose connection, BEGIN, key
+// lock or table check failed, before its claim: nothing about the message was read or
+// written, so whatever the cause it is transient (misconfiguredError where
+// IsTransient would not say so by itself), and the delivery waits before it
+// returns it, as for a read-only claim (readOnlyClaim's backoff), so that a
+// poison filter keeps the topic and the broker's redeliveries do not spin.
+// Such causes were poisoned every message that came while they lasted: a
+// database restarting behind a proxy that accepts connections and closes
+// them (pgx's "unexpected EOF" while connecting; go-sql-driver's plain
+// "invalid connection", its retry's and its ping's), a host name that did
+// not resolve for a while (a failover's DNS change, a Kubernetes service
+// with no ready pod), a TLS or authentication setting changed under a
+// running service.
+func (d *delivery) failedBegin(err error) error {
+	d.waitAfterEnd = &d.ib.refusedClaims
+	if IsTransient(err) {
+		return err
+	}
+	return &misconfiguredError{err}
 }
 
 // missingPartitionClaim returns the error of a claim that no partition of

@@ -111,7 +111,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		errors.As(err, &step)
 		switch {
 		case step != nil && step.Step == backend.StepKeyLock:
-			err = fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err)
+			err = d.failedBegin(fmt.Errorf("inbox: lock key %q/%q: %w", d.consumer, d.id, err))
 		case step != nil && step.Step == backend.StepClaim && isReadOnlyRefusal(err):
 			err = d.readOnlyClaim(err)
 		case step != nil && step.Step == backend.StepClaim && isMissingPartition(err, d.ib.table.name):
@@ -126,7 +126,7 @@ func (n nativeBackend) beginClaim(d *delivery) (claimedTx, bool, error) {
 		case step != nil && step.Step == backend.StepClaim:
 			err = fmt.Errorf("inbox: claim %q/%q in table %s: %w", d.consumer, d.id, ib.table, poolerHint(err))
 		default:
-			err = fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, poolerHint(err)))
+			err = d.failedBegin(fmt.Errorf("inbox: begin transaction for %q/%q: %w", d.consumer, d.id, withCause(d.txCtx, poolerHint(err))))
 		}
 		if t == nil {
 			return nil, false, err // not a nil *nativeTx in a non-nil claimedTx

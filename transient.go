@@ -113,11 +113,15 @@ import (
 //     dialect). After a COMMIT the client does not know whether the server
 //     committed: the redelivery settles it, skipping the message as a
 //     duplicate if the COMMIT took effect and processing it if not. A BEGIN
-//     that failed so started nothing; the middleware retries it once, and
-//     if the retry fails the same way, a ping decides: a ping that succeeds
-//     or fails transiently makes it transient, one that fails the same way
-//     (a TLS or authentication-plugin misconfiguration, which also carries
-//     no code) leaves it not transient. PostgreSQL drivers report a lost
+//     that failed so started nothing; the middleware retries it once.
+//   - Any error of the middleware's own steps before the claim (the table
+//     check, a connection, BEGIN, the key lock): nothing about the message
+//     was read or written, so the delivery's error is transient whatever
+//     its cause (a database restarting behind a proxy that closes
+//     connections, a host name that does not resolve for a while, a TLS or
+//     authentication setting changed under a running service), and the
+//     delivery waits first (100 ms doubling to 5 s over consecutive ones).
+//     PostgreSQL drivers report a lost
 //     connection as a network or SafeToRetry error (above); pgx's
 //     ErrTxCommitRollback, a COMMIT that PostgreSQL turned into ROLLBACK
 //     after a failed statement the handler ignored, stays not transient:

@@ -563,12 +563,15 @@ func deadlock(t *testing.T, db *sqlx.DB, a1, b1, a2, b2 string) error {
 }
 
 // A BEGIN that fails without a MySQL error number because every connection
-// fails to set up (here TLS, which the test server does not offer) is a
-// misconfiguration: not transient, so a poison queue built on IsTransient
-// takes the message instead of nacking it forever. (A BEGIN whose
-// connection was lost is retried once by the middleware; the retry's error
-// classifies itself: TestLostConnection_ServerRestartLosesNoMessage.)
-func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
+// fails to set up (here TLS, which the test server does not offer) says
+// nothing about the message: transient, so that a poison queue built on
+// IsTransient keeps the topic (the message was poisoned, and so was every
+// message after it until the setting was fixed), and the delivery waits
+// before it returns, so that the broker's redeliveries do not spin. The
+// same before the table was checked (the check's connection fails) and
+// after (a certificate rotated, a new TLS setting: the BEGIN fails, is
+// retried once, and its ping fails the same way).
+func TestBeginMisconfigurationKeepsTheMessageOnItsTopic(t *testing.T) {
 	t.Parallel()
 	probe := testdb.OpenMySQL(t, "")
 	var ssl string
@@ -595,14 +598,14 @@ func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
 		t.Fatal(err)
 	}
 	calls, err := handle(ib)
-	if err == nil || inbox.IsTransient(err) || calls != 0 {
-		t.Errorf("misconfigured from the start: %d handler calls, error %v (transient %v); want 0 calls and an error that is not transient",
+	if err == nil || !inbox.IsTransient(err) || calls != 0 {
+		t.Errorf("misconfigured from the start: %d handler calls, error %v (transient %v); want 0 calls and a transient error",
 			calls, err, inbox.IsTransient(err))
 	}
 
 	// Misconfigured after the table was verified (a certificate rotated, a
-	// new TLS setting): the BEGIN fails, is retried once, and a ping that
-	// fails the same way makes it not transient.
+	// new TLS setting): the BEGIN fails, is retried once, and its ping fails
+	// the same way.
 	plainCfg, err := mysql.ParseDSN(testdb.MySQLDSN())
 	if err != nil {
 		t.Fatal(err)
@@ -631,8 +634,8 @@ func TestBeginMisconfigurationIsNotTransient(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "inbox: begin transaction") {
 		t.Fatalf("got %v, want the BEGIN's error", err)
 	}
-	if inbox.IsTransient(err) {
-		t.Errorf("IsTransient(%v) = true: a misconfiguration would be nacked forever", err)
+	if !inbox.IsTransient(err) {
+		t.Errorf("IsTransient(%v) = false: a poison queue would take every message until the setting is fixed", err)
 	}
 	if calls != 0 {
 		t.Errorf("handler calls = %d, want 0", calls)
