@@ -89,7 +89,9 @@ var (
 	// transaction: an inbox middleware runs inside another (for example
 	// added both to the router and to the handler). The inner claim would
 	// otherwise wait forever on the outer transaction's row. Add the
-	// middleware once.
+	// middleware once. The delivery's error is transient (a setup mistake,
+	// as a missing table: a poison filter drained the topic with it), after
+	// a wait of 100 ms doubling to 5 s.
 	ErrNestedInbox = errors.New("inbox: inbox middleware nested inside another inbox middleware")
 
 	// ErrTxRolledBack means that when the handler returned, the database had
@@ -218,7 +220,11 @@ var ErrTransactionEnded = errors.New("inbox: the handler ended the inbox transac
 // in the message context: the inbox middleware is not around the handler,
 // the handler did not use msg.Context(), or the message was claimed by the
 // other backend (package pgxinbox gives a pgx.Tx, this package a *sqlx.Tx).
-// IsTransient reports false: a redelivery meets the same setup.
+// IsTransient reports true: nothing about the message is wrong, and a poison
+// filter (!IsTransient) drained the whole topic with it; behind the inbox
+// middleware the delivery waits before its nack (100 ms doubling to 5 s), so
+// that a broker that redelivers at once does not spin, and Retry does not
+// retry it in place.
 var ErrNoTx = errors.New("inbox: no inbox transaction in the message context")
 
 // ErrNoOutbox means that ContextOutbox was asked to publish a message whose

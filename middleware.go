@@ -41,10 +41,11 @@ import (
 //     earlier failed statement, as with Retry inside the inbox; a deadline
 //     while every connection of the pool is in use, as with a handler
 //     writing through DB instead of the transaction);
-//   - ErrNestedInbox, ErrInvalidConsumer (with ErrEmptyConsumer) and
-//     ErrInvalidMessageID (with ErrEmptyMessageID or ErrMessageIDTooLong):
-//     refused before anything is written; an error from Config.MessageID
-//     comes back wrapped;
+//   - ErrNestedInbox (transient, after a wait: a setup mistake),
+//     ErrInvalidConsumer (with ErrEmptyConsumer) and ErrInvalidMessageID
+//     (with ErrEmptyMessageID or ErrMessageIDTooLong): refused before
+//     anything is written; an error from Config.MessageID comes back
+//     wrapped;
 //   - ErrTableNotFound, ErrIncompatibleTable: the table check before the
 //     first claim failed, for the inbox table or one of
 //     Config.OutboxTables, or the dialect is for another server
@@ -206,7 +207,11 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			d.rememberChangedFingerprint()
 		}
 		if d.waitAfterEnd != nil {
-			d.ib.waitBackoff(d.sctx, d.waitAfterEnd)
+			ctx := d.sctx
+			if ctx == nil { // refused before its span began (validate)
+				ctx = d.ctx
+			}
+			d.ib.waitBackoff(ctx, d.waitAfterEnd)
 		}
 		d.report(err, false)
 	}()
@@ -250,6 +255,12 @@ func (d *delivery) run() ([]*message.Message, error) {
 		// The handler's error, so that errors.Is/As match it, with a hint
 		// when it is the symptom of a known mistake.
 		err = d.handlerErrorHint(err)
+		if errors.Is(err, ErrNoTx) {
+			// The handler found no transaction of the kind it asks for
+			// (MissingTxError): a setup mistake, transient; wait, so
+			// that the broker's redeliveries do not spin.
+			d.waitAfterEnd = &d.ib.refusedClaims
+		}
 		if d.sctx.Err() != nil && errors.Is(err, sql.ErrTxDone) && !errors.Is(err, context.Cause(d.sctx)) {
 			// The message context ended before the handler returned (the
 			// router's Close, a deadline), database/sql rolled the
@@ -327,9 +338,12 @@ func (d *delivery) validate() error {
 	ib, msg := d.ib, d.msg
 	if stateFromContext(d.ctx) != nil {
 		// The inner claim would wait forever on the outer transaction's
-		// uncommitted row of the same key.
-		return fmt.Errorf("%w (message %q): add it once, to the router or to the handler; Inbox.Middlewares already"+
-			" holds ib.Middleware, so add either the one or the other", ErrNestedInbox, msg.UUID)
+		// uncommitted row of the same key. A setup mistake: transient,
+		// after a wait, as a table error (a poison filter drained the
+		// topic with it).
+		d.waitAfterEnd = &ib.refusedClaims
+		return &misconfiguredError{fmt.Errorf("%w (message %q): add it once, to the router or to the handler; Inbox.Middlewares already"+
+			" holds ib.Middleware, so add either the one or the other", ErrNestedInbox, msg.UUID)}
 	}
 	d.consumer = ib.consumer
 	if d.consumer == "" {

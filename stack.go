@@ -47,7 +47,7 @@ type MiddlewaresConfig struct {
 	// (negative: no Retry at all), InitialInterval 100 ms, MaxInterval 10 s,
 	// Multiplier 2, and ShouldRetry retries every error except those a
 	// retry in place cannot fix: ErrInvalidMessageID, ErrInvalidConsumer,
-	// ErrMessageIDReused, ErrNestedInbox, and a missing or incompatible
+	// ErrMessageIDReused, ErrNestedInbox, ErrNoTx, and a missing or incompatible
 	// table (the inbox has
 	// already waited before returning it; the broker redelivers).
 	// MaxElapsedTime, RandomizationFactor, OnRetryHook and Logger are used
@@ -199,7 +199,7 @@ const (
 func retryableInPlace(err error) bool {
 	var mcErr *misconfiguredError
 	return !errors.Is(err, ErrInvalidMessageID) && !errors.Is(err, ErrInvalidConsumer) && !errors.Is(err, ErrMessageIDReused) &&
-		!errors.Is(err, ErrNestedInbox) && !errors.As(err, &mcErr)
+		!errors.Is(err, ErrNestedInbox) && !errors.Is(err, ErrNoTx) && !errors.As(err, &mcErr)
 }
 
 // restoreContext gives the message the context it came in with once the

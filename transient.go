@@ -131,6 +131,10 @@ import (
 //     and transient by the rules above.
 //   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
 //     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
+//   - Setup mistakes that say nothing about the message: ErrNoTx (a
+//     handler's MissingTxError), a nested inbox (ErrNestedInbox, as the
+//     middleware returns it), a missing or incompatible table at message
+//     time; a poison filter drained the topic with them.
 //   - A shutdown, so that a deploy does not poison the messages in flight:
 //     a closed pgxpool.Pool (puddle's ErrClosedPool, which pgxpool returns
 //     as it is), a closed *sql.DB (database/sql's "sql: database is
@@ -209,7 +213,8 @@ func IsTransient(err error) bool {
 	}
 	var lcErr *lostConnError
 	var mcErr *misconfiguredError
-	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) || errors.Is(err, errKeyPurged) {
+	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) || errors.Is(err, errKeyPurged) ||
+		errors.Is(err, ErrNoTx) {
 		return true
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
