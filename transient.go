@@ -13,6 +13,7 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/puddle/v2"
 )
 
@@ -131,6 +132,11 @@ import (
 //     and transient by the rules above.
 //   - The inbox's ErrCommitTimeout: the outbox publish, the pre-commit check
 //     or COMMIT outlived Config.CommitTimeout, and the COMMIT is in doubt.
+//   - A panic that Watermill's Recoverer turned into a
+//     middleware.RecoveredPanicError, when its value is an error that is
+//     transient by these rules (sqlx's Must* methods panic with the
+//     statement's error: a context.Canceled at a shutdown, a deadlock);
+//     any other panic is not.
 //   - Setup mistakes that say nothing about the message: ErrNoTx (a
 //     handler's MissingTxError), a nested inbox (ErrNestedInbox, as the
 //     middleware returns it), a missing or incompatible table at message
@@ -216,6 +222,15 @@ func IsTransient(err error) bool {
 	if errors.As(err, &lcErr) || errors.Is(err, ErrCommitTimeout) || errors.As(err, &mcErr) || errors.Is(err, errKeyPurged) ||
 		errors.Is(err, ErrNoTx) {
 		return true
+	}
+	var panicked middleware.RecoveredPanicError
+	if errors.As(err, &panicked) {
+		// A panic with an error (sqlx's Must* methods panic with the
+		// statement's) is what returning that error would be: a Must*
+		// statement cut off by a shutdown poisoned its message.
+		if v, ok := panicked.V.(error); ok && v != nil {
+			return IsTransient(v)
+		}
 	}
 	return anyInChain(err, func(e error) bool { _, transient, _ := classifyDriverError(e); return transient })
 }
