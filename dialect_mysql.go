@@ -633,6 +633,20 @@ func (d mysqlDialect) keyColumnProblem(ctx context.Context, q sqlx.QueryerContex
 	if len(why) > 0 {
 		return fmt.Sprintf("column %q has the collation %q, which %s", c.Name, coll, strings.Join(why, ", and ")), nil
 	}
+	// A character column takes what the session sends in its character
+	// set: a utf8mb3 session (the DSN's charset=utf8) cannot send a
+	// 4-byte character, and an id with one (an emoji) failed its claim on
+	// every delivery (1366), or its pre-commit check without strict mode
+	// (1267). A varbinary column takes the bytes as they are.
+	var sessionCharset string
+	if err := sqlx.GetContext(ctx, q, &sessionCharset, "SELECT @@character_set_connection"); err != nil {
+		return "", err
+	}
+	if sessionCharset != "utf8mb4" && sessionCharset != "binary" {
+		return fmt.Sprintf("column %q is utf8mb4 but the checking session sends strings in %s (@@character_set_connection, the"+
+			" DSN's charset=…): an id with a character %s cannot hold (an emoji) fails its claim on every delivery; use"+
+			" charset=utf8mb4 in the DSN, or make the column varbinary", c.Name, sessionCharset, sessionCharset), nil
+	}
 	return "", nil
 }
 
