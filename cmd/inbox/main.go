@@ -537,11 +537,13 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer db.Close()
+	partitionedFound := false // the table told the dialect, not -dialect
 	if c.dialect == "" && db.DriverName() == "pgx" && isPartitionedTable(ctx, db, c.table) {
 		// As stats and purge find it: the plain dialect's check told a
 		// shell user to set Config.Dialect, beside a plain table's DDL
 		// (-verify, and -apply run again on the table, a deploy step).
 		d = inbox.PostgreSQLPartitioned
+		partitionedFound = true
 	}
 	notes := &claimFunctionNotes{}
 	ib, err := inbox.New(inbox.Config{DB: db, Dialect: d, Table: c.table, OutboxTables: outboxTables, Logger: notes})
@@ -554,6 +556,12 @@ func schemaCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			return err
 		}
 		fmt.Fprintf(stdout, "inbox table %s is verified\n", c.table)
+		if partitionedFound {
+			// inbox.New infers the plain dialect from the driver, and
+			// refuses this table at startup (ErrIncompatibleTable).
+			fmt.Fprintf(stdout, "it is partitioned: the service's inbox needs Config.Dialect: inbox.PostgreSQLPartitioned"+
+				" (pgxinbox.Config too), which the driver does not tell\n")
+		}
 		if !ib.ReusedIDsDetected() {
 			if d == nil {
 				d = driverDialect(db.DriverName())
