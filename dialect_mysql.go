@@ -779,9 +779,9 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 	}
 	defer tx.Rollback() //nolint:errcheck // no-op after Commit
 	type key struct {
-		Consumer    []byte `db:"consumer"`
-		MessageID   []byte `db:"message_id"`
-		ProcessedUS int64  `db:"processed_us"`
+		Consumer    []byte        `db:"consumer"`
+		MessageID   []byte        `db:"message_id"`
+		ProcessedUS sql.NullInt64 `db:"processed_us"` // NULL for a zero date, or a zero day or month
 	}
 	var keys []key
 	bounded := pq.cursor != nil && pq.cursor.set
@@ -848,8 +848,11 @@ func (d mysqlDialect) purgeBatch(ctx context.Context, db dbConn, t qualifiedName
 	}
 	if pq.cursor != nil {
 		*pq.cursor = purgeCursor{}
-		if len(keys) > 0 && !belowBound {
-			*pq.cursor = purgeCursor{set: true, fromMicros: keys[len(keys)-1].ProcessedUS}
+		// A zero date (or a zero day or month, which MariaDB's default
+		// sql_mode stores) has no microseconds since the epoch: the next
+		// batch reads from the oldest entry, where those rows sort.
+		if last := len(keys) - 1; last >= 0 && !belowBound && keys[last].ProcessedUS.Valid {
+			*pq.cursor = purgeCursor{set: true, fromMicros: keys[last].ProcessedUS.Int64}
 		}
 	}
 	return deleted, int64(len(keys)), nil
