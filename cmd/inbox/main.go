@@ -724,7 +724,7 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "dry run: would delete %s older than %s from %s\n", count(n, "row"), cfg.OlderThan, c.table)
+		fmt.Fprintf(stdout, "dry run: would delete %s older than %s from %s%s\n", count(n, "row"), cfg.OlderThan, c.table, ofConsumer(cfg.Consumer))
 		return nil
 	}
 	start := time.Now()
@@ -733,9 +733,20 @@ func purgeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		// Nothing on stdout: a script reading it must not see success.
 		return fmt.Errorf("%w (%s deleted before the error)", err, count(n, "row"))
 	}
-	fmt.Fprintf(stdout, "deleted %s older than %s from %s in %s (batches of %d, duty cycle %v, pauses up to %s)\n",
-		count(n, "row"), cfg.OlderThan, c.table, time.Since(start).Round(time.Millisecond), cfg.BatchSize, cfg.DutyCycle, cfg.MaxPause)
+	fmt.Fprintf(stdout, "deleted %s older than %s from %s%s in %s (batches of %d, duty cycle %v, pauses up to %s)\n",
+		count(n, "row"), cfg.OlderThan, c.table, ofConsumer(cfg.Consumer), time.Since(start).Round(time.Millisecond), cfg.BatchSize,
+		cfg.DutyCycle, cfg.MaxPause)
 	return nil
+}
+
+// ofConsumer is how purge's last line names the consumer of a purge
+// restricted to one (-consumer): a log then tells it from a purge of the
+// whole table.
+func ofConsumer(consumer string) string {
+	if consumer == "" {
+		return " (every consumer)"
+	}
+	return fmt.Sprintf(" (consumer %q)", consumer)
 }
 
 func statsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {

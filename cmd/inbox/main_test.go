@@ -324,6 +324,14 @@ func TestCountsInSingularAndPlural(t *testing.T) {
 	if code != 0 || !strings.Contains(out, "would delete 1 row older") {
 		t.Errorf("purge -dry-run: %d %q, want \"would delete 1 row older\"", code, out)
 	}
+	if !strings.Contains(out, "(every consumer)") {
+		t.Errorf("purge -dry-run without -consumer: %q does not say it purges every consumer's rows", out)
+	}
+	// A log line of a purge restricted to one consumer says which.
+	code, out, _ = cli(t, "purge", "-db", dsn, "-older-than", "1h", "-consumer", "shipping", "-dry-run")
+	if code != 0 || !strings.Contains(out, "would delete 0 rows older") || !strings.Contains(out, `(consumer "shipping")`) {
+		t.Errorf("purge -consumer shipping -dry-run: %d %q, want 0 rows of consumer \"shipping\"", code, out)
+	}
 	code, out, _ = cli(t, "purge", "-db", dsn, "-older-than", "1h")
 	if code != 0 || !strings.Contains(out, "deleted 1 row older") {
 		t.Errorf("purge: %d %q, want \"deleted 1 row older\"", code, out)
