@@ -190,6 +190,23 @@ func (d *delivery) handle() (produced []*message.Message, err error) {
 			// panicked: a panic in Config.Fingerprint was reported as the
 			// handler's, which was never called.
 			d.report(fmt.Errorf("inbox: %s panicked on %q/%q", d.panicked(), d.consumer, d.id), true)
+			if d.sctx != nil && d.sctx.Err() != nil {
+				// A panic with sql.ErrTxDone after the message context
+				// ended (sqlx's MustExec, which takes no context, on the
+				// transaction database/sql rolled back then) is what
+				// returning that error is (see run): the context's end is
+				// added to the panic's value, so that IsTransient sees
+				// it through Recoverer's RecoveredPanicError (the message
+				// in flight at a deploy was poisoned). Any other panic
+				// goes on as it is.
+				if r := recover(); r != nil {
+					if v, ok := r.(error); ok && errors.Is(v, sql.ErrTxDone) && !errors.Is(v, context.Cause(d.sctx)) {
+						panic(fmt.Errorf("%w (the message context ended before the handler returned, and database/sql rolled the transaction back: %w)",
+							v, d.contextEnd()))
+					}
+					panic(r)
+				}
+			}
 			return
 		}
 		if rbErr != nil {
