@@ -999,16 +999,25 @@ func (d postgresDialect) outboxDurability(ctx context.Context, q sqlx.QueryerCon
 	var kind struct {
 		Persistence string `db:"persistence"`
 		IDType      string `db:"id_type"`
+		RowSecurity bool   `db:"row_security"`
 	}
 	err = sqlx.GetContext(ctx, q, &kind, `SELECT c.relpersistence::text AS persistence,
 		COALESCE((SELECT format_type(a.atttypid, NULL) FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'id'
-			AND NOT a.attisdropped), '') AS id_type
+			AND NOT a.attisdropped), '') AS id_type,
+		c.relrowsecurity AND row_security_active(c.oid) AS row_security
 		FROM pg_class c WHERE c.oid = to_regclass($1)`, t.quoted(d))
 	switch {
 	case err != nil:
 		return "", "", err
 	case kind.Persistence == "u":
 		return "is UNLOGGED: crash recovery empties it, and committed messages are lost", "ALTER TABLE " + t.quoted(d) + " SET LOGGED", nil
+	case kind.RowSecurity:
+		// A SELECT policy that hid the service's rows let the handlers'
+		// INSERTs commit and kept the relay from ever seeing them: no
+		// message was sent, and Stats counted none pending.
+		return "has row-level security that applies to this session's role: a policy can hide committed messages from the" +
+				" relay (never sent, and not counted pending) or refuse the handlers' inserts",
+			"ALTER TABLE " + t.quoted(d) + " DISABLE ROW LEVEL SECURITY", nil
 	case outbox && kind.IDType != "" && kind.IDType != "bigint":
 		return "has an id of type " + kind.IDType + ", which runs out (after 2^31 messages for an integer), and every" +
 				" handler's transaction then fails on its insert", "ALTER TABLE " + t.quoted(d) + " ALTER COLUMN id TYPE bigint" +

@@ -357,8 +357,9 @@ func (o *Outbox) Verify(ctx context.Context) error {
 // that fixes it, an outbox table or dead-letter table (made by hand, or
 // altered) that does not keep what its transactions commit, as the inbox
 // table's check refuses them (Dialect.outboxDurability: a MySQL/MariaDB
-// engine other than InnoDB, an UNLOGGED PostgreSQL table, an outbox id
-// narrower than 64 bits). tables[0] is the outbox table, the rest
+// engine other than InnoDB, an UNLOGGED PostgreSQL table or one whose
+// row-level security applies to the session's role, an outbox id narrower
+// than 64 bits). tables[0] is the outbox table, the rest
 // dead-letter tables.
 func checkOutboxDurable(ctx context.Context, q sqlx.QueryerContext, d Dialect, tables ...qualifiedName) error {
 	for i, t := range tables {
